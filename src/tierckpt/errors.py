@@ -1,0 +1,52 @@
+"""The errors tierckpt raises.
+
+Every error derives from :class:`CheckpointError` (an ``Exception``), and where a built-in exception
+has the same meaning the subclass inherits it too, so ``except FileNotFoundError`` keeps working.
+Messages name the thing (key, URI, file) and, where there is one, the fix.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Root of every error tierckpt raises."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A checkpoint, or an object inside a store, does not exist."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint has data but no commit: a save was interrupted or is still running."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Stored bytes or metadata fail validation (checksum, size, decoding, out-of-bounds ranges)."""
+
+
+class StateMismatchError(CheckpointError, ValueError):
+    """The state passed to ``load`` does not match the checkpoint (keys, shapes, dtypes)."""
+
+
+class UnsupportedURIError(CheckpointError, ValueError):
+    """A storage URI has a scheme or form that no backend handles."""
+
+
+class StorageError(CheckpointError, OSError):
+    """A storage backend failed; the provider's exception is chained as ``__cause__``."""
+
+
+class TransientStorageError(StorageError):
+    """A storage failure that may succeed when retried (throttling, 5xx, resets, timeouts)."""
+
+
+class StoragePermissionError(StorageError, PermissionError):
+    """The store refused access (bad credentials, access denied)."""
+
+
+class CheckpointBusyError(CheckpointError):
+    """Another save to the same checkpoint root is still in flight."""
+
+
+class CollectiveError(CheckpointError):
+    """A torch.distributed collective failed or timed out; the message names the ranks involved."""
