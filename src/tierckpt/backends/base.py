@@ -1,0 +1,143 @@
+"""The storage interface every backend implements.
+
+A backend is bound to one root URI; keys are ``/``-separated paths relative to that root
+(``"g-1a2b/data/rank-00000.bin"``). The interface is small and async: a few abstract primitives
+plus defaults built on them (``get_ranges``, ``read_into``), in the style of zarr's ``Store``.
+
+Lifecycle of a data object written by a save (every rank, for its own files):
+
+1. ``open_writer(key)`` returns an :class:`ObjectWriter`.
+2. ``writer.write(chunk)`` is called with consecutive chunks, in order.
+3. ``writer.close()`` makes the whole object visible at once (rename on POSIX, multipart
+   completion on S3); ``writer.abort()`` instead leaves nothing behind.
+
+The commit of a checkpoint (one rank, last): ``commit(key, data)`` writes a small object atomically
+and durably, so a reader sees either the old object or the new one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import CorruptCheckpointError
+
+
+@dataclass(frozen=True, slots=True)
+class ByteRange:
+    """Bytes ``[start, end)`` of one object; ``end`` is exclusive."""
+
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend can do natively, so callers can pick the fast path."""
+
+    atomic_rename: bool = False
+    """Objects can be renamed atomically (POSIX file systems)."""
+    local_path: bool = False
+    """Keys map to files on this machine (positional reads without a network hop)."""
+    multipart_upload: bool = False
+    """Large objects are uploaded in parallel parts."""
+
+
+def validate_key(key: str) -> str:
+    """Reject keys that could escape the backend root (``..``, absolute paths, empty parts)."""
+    if not isinstance(key, str) or not key:
+        raise CorruptCheckpointError(f"invalid storage key {key!r}: keys are non-empty strings")
+    parts = key.split("/")
+    if key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in parts):
+        raise CorruptCheckpointError(
+            f"invalid storage key {key!r}: keys are relative '/'-separated paths without "
+            "'.', '..' or empty parts, so they cannot leave the checkpoint root"
+        )
+    return key
+
+
+class ObjectWriter(abc.ABC):
+    """A sequential writer for one object; nothing is visible until :meth:`close`."""
+
+    @abc.abstractmethod
+    async def write(self, data: bytes | memoryview) -> None:
+        """Append ``data`` to the object."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Finish the object, durably, and make it visible as a whole."""
+
+    @abc.abstractmethod
+    async def abort(self) -> None:
+        """Discard everything written; the key is left as it was before ``open_writer``."""
+
+
+class Backend(abc.ABC):
+    """Async storage bound to a root URI. See the module docstring for the lifecycle."""
+
+    capabilities: Capabilities = Capabilities()
+
+    def __init__(self, root_uri: str) -> None:
+        self.root_uri = root_uri
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.root_uri!r})"
+
+    # -- abstract primitives -------------------------------------------------------------------
+    @abc.abstractmethod
+    async def put(self, key: str, data: bytes | memoryview) -> None:
+        """Write a whole object; readers never see a partial one."""
+
+    @abc.abstractmethod
+    async def open_writer(self, key: str) -> ObjectWriter:
+        """Start a streamed write of ``key`` (see the lifecycle above)."""
+
+    @abc.abstractmethod
+    async def get(self, key: str) -> bytes:
+        """Read a whole object. Missing key: :class:`~tierckpt.errors.CheckpointNotFoundError`."""
+
+    @abc.abstractmethod
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Read bytes ``[start, end)``. ``end`` past the object's size is an error, never a short read."""
+
+    @abc.abstractmethod
+    async def exists(self, key: str) -> bool:
+        """Whether ``key`` names an object."""
+
+    @abc.abstractmethod
+    async def size(self, key: str) -> int:
+        """Size of an object in bytes."""
+
+    @abc.abstractmethod
+    async def list(self, prefix: str = "") -> list[str]:
+        """Every key under ``prefix`` (recursively), sorted, relative to the root."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Delete one object; deleting a missing key is not an error."""
+
+    @abc.abstractmethod
+    async def commit(self, key: str, data: bytes) -> None:
+        """Atomically and durably write a small object (the commit record of a checkpoint)."""
+
+    # -- defaults built on the primitives ------------------------------------------------------
+    async def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
+        """Read several ranges of one object concurrently."""
+        return list(await asyncio.gather(*(self.get_range(key, r.start, r.end) for r in ranges)))
+
+    async def read_into(self, key: str, start: int, out: memoryview) -> None:
+        """Read ``len(out)`` bytes at ``start`` straight into ``out`` (backends override to avoid a copy)."""
+        out[:] = await self.get_range(key, start, start + len(out))
+
+    async def delete_prefix(self, prefix: str) -> None:
+        """Delete every object under ``prefix``."""
+        await asyncio.gather(*(self.delete(k) for k in await self.list(prefix)))
+
+    async def close(self) -> None:
+        """Release connections and handles held by the backend."""

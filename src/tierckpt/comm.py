@@ -1,0 +1,92 @@
+"""Coordination over torch.distributed collectives — no extra servers.
+
+:class:`Comm` wraps a process group (the default one unless another is passed) and degrades to a
+single-process no-op when torch.distributed is not initialized. :meth:`Comm.agree` is how ranks
+share failures: a step that fails on one rank makes every rank raise, naming the failing ranks,
+instead of leaving the others blocked in the next collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .errors import CheckpointError, CollectiveError
+
+T = TypeVar("T")
+
+
+class Comm:
+    """The ranks taking part in one save or load."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if group is not None and not self.distributed:
+            raise CheckpointError("a process group was passed but torch.distributed is not initialized")
+        self.group = group
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.backend = dist.get_backend(group) if self.distributed else "none"
+
+    def all_gather_object(self, obj: T) -> list[T]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as exc:
+            raise CollectiveError(f"all_gather_object failed on rank {self.rank}: {exc}") from exc
+        return out
+
+    def broadcast_object(self, obj: T | None, src: int = 0) -> T:
+        if self.world_size == 1:
+            return obj  # type: ignore[return-value]
+        box = [obj]
+        src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
+        try:
+            dist.broadcast_object_list(box, src=src_global, group=self.group)
+        except RuntimeError as exc:
+            raise CollectiveError(f"broadcast from rank {src} failed on rank {self.rank}: {exc}") from exc
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Raise on every rank if ``error`` is set on any rank; else return on every rank."""
+        messages = self.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+        if not failed:
+            return
+        if error is not None and self.world_size == 1:
+            raise error
+        detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
+        exc_type = type(error) if isinstance(error, CheckpointError) else CheckpointError
+        try:
+            raised = exc_type(f"{what} failed on {len(failed)} of {self.world_size} ranks — {detail}")
+        except TypeError:
+            raised = CheckpointError(f"{what} failed on {len(failed)} of {self.world_size} ranks — {detail}")
+        raise raised from error
+
+    def all_to_all_bytes(self, send: Sequence[torch.Tensor], recv_sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Send ``send[r]`` (uint8, 1-D) to each rank ``r``; return what each rank sent here."""
+        device = self._device()
+        send_sizes = [int(t.numel()) for t in send]
+        payload = torch.cat([t.reshape(-1) for t in send]) if send else torch.empty(0, dtype=torch.uint8)
+        payload = payload.to(device)
+        out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+        try:
+            dist.all_to_all_single(out, payload, list(recv_sizes), send_sizes, group=self.group)
+        except RuntimeError as exc:
+            raise CollectiveError(f"all_to_all failed on rank {self.rank}: {exc}") from exc
+        out = out.cpu()
+        return list(torch.split(out, list(recv_sizes)))
+
+    def _device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")

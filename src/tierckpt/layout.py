@@ -1,0 +1,80 @@
+"""Where each document of a checkpoint lives under its root, and the commit record.
+
+::
+
+    <root>/COMMIT                                  JSON naming the committed generation (written last)
+    <root>/<generation>/meta/header.json           CheckpointMeta
+    <root>/<generation>/meta/tensors.parquet       one row per tensor
+    <root>/<generation>/meta/pieces.parquet        one row per saved piece
+    <root>/<generation>/data/rank-00000.bin        raw tensor bytes written by rank 0
+    <root>/<generation>/objects/rank-00000.bin     encoded non-tensor objects written by rank 0
+
+Every save writes a fresh generation; readers follow ``COMMIT``. A re-save therefore never touches
+the committed copy until its own commit has replaced the record in one atomic write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+from .errors import CorruptCheckpointError
+from .metadata import FORMAT_NAME, FORMAT_VERSION, validate_generation
+
+COMMIT = "COMMIT"
+
+
+def header_key(generation: str) -> str:
+    return f"{generation}/meta/header.json"
+
+
+def tensors_key(generation: str) -> str:
+    return f"{generation}/meta/tensors.parquet"
+
+
+def pieces_key(generation: str) -> str:
+    return f"{generation}/meta/pieces.parquet"
+
+
+def in_generation(generation: str, key: str) -> str:
+    return f"{generation}/{key}"
+
+
+def objects_file(rank: int) -> str:
+    return f"objects/rank-{rank:05d}.bin"
+
+
+def new_generation() -> str:
+    """A fresh, sortable generation name: ``g-<unix ms>-<random>``."""
+    return f"g-{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:12]}"
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRecord:
+    generation: str
+    committed_unix: float
+
+    def encode(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "generation": self.generation,
+            "committed_unix": self.committed_unix,
+            "host": os.uname().nodename if hasattr(os, "uname") else "",
+        }
+        return json.dumps(doc, sort_keys=True).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> CommitRecord:
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != FORMAT_NAME:
+                raise ValueError("not a tierckpt commit record")
+            return CommitRecord(validate_generation(doc["generation"]), float(doc["committed_unix"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            if isinstance(exc, CorruptCheckpointError):
+                raise
+            raise CorruptCheckpointError(f"the COMMIT record is unreadable: {exc}") from exc

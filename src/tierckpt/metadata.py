@@ -1,0 +1,379 @@
+"""Checkpoint metadata: what was saved and where its bytes are. Never pickled.
+
+Three documents per checkpoint generation (see docs/format.md):
+
+* ``meta/header.json`` — :class:`CheckpointMeta`: format version, the world that saved it, files,
+  non-tensor objects, totals, timings and user tags.
+* ``meta/tensors.parquet`` — one row per tensor (:class:`TensorMeta`): fqn, dtype, global shape.
+* ``meta/pieces.parquet`` — one row per saved piece (:class:`PieceMeta`): its region, file, byte
+  range and checksum, sorted by fqn in small row groups, so a rank reads only the row groups of the
+  tensors it loads (:func:`decode_pieces` skips the rest using the fqn column's statistics).
+
+Decoding validates everything it returns (names, shapes, regions, byte lengths, keys), so a crafted
+file yields :class:`~tierckpt.errors.CorruptCheckpointError` and never an out-of-bounds read.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import json
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from .backends.base import validate_key
+from .errors import CorruptCheckpointError
+from .regions import Box, FlatRange, Region
+
+FORMAT_NAME = "tierckpt"
+FORMAT_VERSION = 1
+
+#: Upper bounds that keep a crafted file from asking for absurd work or memory.
+MAX_NDIM = 64
+MAX_NUMEL = 1 << 50
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
+        "int64", "int32", "int16", "int8", "uint8", "bool",
+        "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The stored name of a dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise CorruptCheckpointError(f"dtype {dtype} is not supported; supported: {sorted(_DTYPES)}")
+    return name
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in checkpoint metadata") from None
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorMeta:
+    """A tensor of the saved state, independent of how it was sharded."""
+
+    fqn: str
+    """Fully qualified name, e.g. ``model.layers.0.attn.qkv.weight``."""
+    dtype: str
+    """Element type name, e.g. ``bfloat16``."""
+    shape: tuple[int, ...]
+    """Global shape."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.torch_dtype)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PieceMeta:
+    """One saved piece of a tensor: which elements, and where their raw bytes are."""
+
+    fqn: str
+    region: Region
+    """The elements held: a box, or a flat range of the row-major flattening."""
+    file: str
+    """Data file key, relative to the generation directory."""
+    byte_offset: int
+    byte_length: int
+    crc32c: int
+    """CRC-32C of the piece's bytes."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ObjectMeta:
+    """A non-tensor value (step counter, RNG state, dataloader state...)."""
+
+    key: str
+    rank: int | None
+    """``None`` when every rank saved the same value (stored once); else the rank that saved it."""
+    file: str
+    byte_offset: int
+    byte_length: int
+    crc32c: int
+    codec: str
+    """``torch`` (``torch.load(weights_only=True)`` reads it) or ``pickle`` (needs ``allow_pickle``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FileMeta:
+    key: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointMeta:
+    """The header of a checkpoint generation."""
+
+    format_version: int = FORMAT_VERSION
+    generation: str
+    world_size: int
+    created_unix: float
+    frameworks: tuple[str, ...] = ()
+    """What the saved state held, e.g. ``("fsdp2", "optimizer")``."""
+    files: tuple[FileMeta, ...] = ()
+    objects: tuple[ObjectMeta, ...] = ()
+    num_tensors: int = 0
+    num_pieces: int = 0
+    tensor_bytes: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+# -- header (JSON) ---------------------------------------------------------------------------------
+_GENERATION_RE = re.compile(r"^g-[0-9A-Za-z_-]{1,64}$")
+
+
+def validate_generation(name: str) -> str:
+    if not isinstance(name, str) or not _GENERATION_RE.match(name):
+        raise CorruptCheckpointError(f"invalid generation name {name!r} in checkpoint metadata")
+    return name
+
+
+def encode_header(meta: CheckpointMeta) -> bytes:
+    doc = asdict(meta)
+    doc["format"] = FORMAT_NAME
+    return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+
+def _int(value: Any, what: str, lo: int = 0, hi: int = MAX_NUMEL * 16) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise CorruptCheckpointError(f"invalid {what} {value!r} in checkpoint metadata")
+    return value
+
+
+def decode_header(data: bytes) -> CheckpointMeta:
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"checkpoint header is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError("checkpoint header does not name the tierckpt format")
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"checkpoint format version {version!r} is not supported (this tierckpt reads {FORMAT_VERSION}); "
+            "upgrade tierckpt to read it"
+        )
+    try:
+        world = _int(doc["world_size"], "world_size", 1, 1 << 24)
+        objects = tuple(
+            ObjectMeta(
+                key=str(o["key"]),
+                rank=None if o["rank"] is None else _int(o["rank"], "object rank", 0, world - 1),
+                file=validate_key(o["file"]),
+                byte_offset=_int(o["byte_offset"], "object offset"),
+                byte_length=_int(o["byte_length"], "object length"),
+                crc32c=_int(o["crc32c"], "object checksum", 0, 2**32 - 1),
+                codec=_codec(o["codec"]),
+            )
+            for o in doc["objects"]
+        )
+        files = tuple(FileMeta(key=validate_key(f["key"]), size=_int(f["size"], "file size")) for f in doc["files"])
+        return CheckpointMeta(
+            generation=validate_generation(doc["generation"]),
+            world_size=world,
+            created_unix=float(doc["created_unix"]),
+            frameworks=tuple(str(x) for x in doc.get("frameworks", ())),
+            files=files,
+            objects=objects,
+            num_tensors=_int(doc["num_tensors"], "num_tensors"),
+            num_pieces=_int(doc["num_pieces"], "num_pieces"),
+            tensor_bytes=_int(doc["tensor_bytes"], "tensor_bytes"),
+            timings={str(k): float(v) for k, v in doc.get("timings", {}).items()},
+            tags={str(k): str(v) for k, v in doc.get("tags", {}).items()},
+        )
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        if isinstance(exc, CorruptCheckpointError):
+            raise
+        raise CorruptCheckpointError(f"checkpoint header is malformed: {exc!r}") from exc
+
+
+def _codec(name: Any) -> str:
+    if name not in ("torch", "pickle"):
+        raise CorruptCheckpointError(f"unknown object codec {name!r} in checkpoint metadata")
+    return name
+
+
+# -- tensors and pieces (Parquet) ------------------------------------------------------------------
+_TENSOR_SCHEMA = pa.schema([("fqn", pa.string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64()))])
+_PIECE_SCHEMA = pa.schema(
+    [
+        ("fqn", pa.string()),
+        ("kind", pa.string()),
+        ("offsets", pa.list_(pa.int64())),
+        ("lengths", pa.list_(pa.int64())),
+        ("file", pa.string()),
+        ("byte_offset", pa.int64()),
+        ("byte_length", pa.int64()),
+        ("crc32c", pa.uint32()),
+    ]
+)
+PIECES_PER_ROW_GROUP = 2048
+
+
+def _to_parquet(table: pa.Table, row_group_size: int) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(table, sink, row_group_size=row_group_size, compression="zstd", write_statistics=True)
+    return sink.getvalue()
+
+
+def encode_tensors(tensors: Iterable[TensorMeta]) -> bytes:
+    rows = sorted(tensors, key=lambda t: t.fqn)
+    table = pa.table(
+        {"fqn": [t.fqn for t in rows], "dtype": [t.dtype for t in rows], "shape": [list(t.shape) for t in rows]},
+        schema=_TENSOR_SCHEMA,
+    )
+    return _to_parquet(table, 1 << 16)
+
+
+def decode_tensors(source: Any) -> dict[str, TensorMeta]:
+    """All tensors of a checkpoint by fqn; ``source`` is bytes, a path, or a file object."""
+    table = _read_table(source, "tensors")
+    out: dict[str, TensorMeta] = {}
+    for fqn, dtype, shape in zip(*(table.column(c).to_pylist() for c in ("fqn", "dtype", "shape"))):
+        dtype_from_name(dtype)
+        out[fqn] = TensorMeta(fqn=fqn, dtype=dtype, shape=_shape(shape, fqn))
+    return out
+
+
+def _shape(shape: Any, fqn: str) -> tuple[int, ...]:
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+        raise CorruptCheckpointError(f"invalid shape {shape!r} for tensor {fqn!r} in checkpoint metadata")
+    dims = tuple(_int(d, f"dimension of {fqn!r}", 0, MAX_NUMEL) for d in shape)
+    if math.prod(dims) > MAX_NUMEL:
+        raise CorruptCheckpointError(f"tensor {fqn!r} claims {math.prod(dims)} elements; refusing")
+    return dims
+
+
+def encode_pieces(pieces: Iterable[PieceMeta]) -> bytes:
+    rows = sorted(pieces, key=lambda p: (p.fqn, p.file, p.byte_offset))
+    kinds, offsets, lengths = [], [], []
+    for p in rows:
+        if isinstance(p.region, Box):
+            kinds.append("box")
+            offsets.append(list(p.region.offsets))
+            lengths.append(list(p.region.lengths))
+        else:
+            kinds.append("flat")
+            offsets.append([p.region.start])
+            lengths.append([p.region.numel])
+    table = pa.table(
+        {
+            "fqn": [p.fqn for p in rows],
+            "kind": kinds,
+            "offsets": offsets,
+            "lengths": lengths,
+            "file": [p.file for p in rows],
+            "byte_offset": [p.byte_offset for p in rows],
+            "byte_length": [p.byte_length for p in rows],
+            "crc32c": [p.crc32c for p in rows],
+        },
+        schema=_PIECE_SCHEMA,
+    )
+    return _to_parquet(table, PIECES_PER_ROW_GROUP)
+
+
+def decode_pieces(
+    source: Any, tensors: dict[str, TensorMeta], fqns: Iterable[str] | None = None
+) -> dict[str, list[PieceMeta]]:
+    """Pieces of the tensors in ``fqns`` (all when ``None``), validated against ``tensors``.
+
+    Only row groups whose fqn range can hold a wanted fqn are read.
+    """
+    try:
+        pf = pq.ParquetFile(source)
+        wanted = None if fqns is None else sorted(set(fqns))
+        groups = list(range(pf.num_row_groups))
+        if wanted is not None:
+            col = pf.schema_arrow.get_field_index("fqn")
+            groups = [g for g in groups if _group_may_hold(pf.metadata.row_group(g).column(col).statistics, wanted)]
+        table = pf.read_row_groups(groups) if groups else _PIECE_SCHEMA.empty_table()
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise CorruptCheckpointError(f"cannot read the pieces table: {exc}") from exc
+    if table.schema.remove_metadata() != _PIECE_SCHEMA:
+        raise CorruptCheckpointError("the pieces table has an unexpected schema")
+    wanted_set = None if wanted is None else set(wanted)
+    out: dict[str, list[PieceMeta]] = {}
+    columns = [table.column(name).to_pylist() for name in _PIECE_SCHEMA.names]
+    for fqn, kind, offsets, lengths, file, byte_offset, byte_length, crc in zip(*columns):
+        if wanted_set is not None and fqn not in wanted_set:
+            continue
+        tensor = tensors.get(fqn)
+        if tensor is None:
+            raise CorruptCheckpointError(f"piece of unknown tensor {fqn!r} in checkpoint metadata")
+        region = _region(kind, offsets, lengths, tensor)
+        expected = region.numel * itemsize(tensor.torch_dtype)
+        if byte_length != expected:
+            raise CorruptCheckpointError(
+                f"piece of {fqn!r} in {file!r} claims {byte_length} bytes, its region holds {expected}"
+            )
+        out.setdefault(fqn, []).append(
+            PieceMeta(
+                fqn=fqn,
+                region=region,
+                file=validate_key(file),
+                byte_offset=_int(byte_offset, "byte offset"),
+                byte_length=byte_length,
+                crc32c=crc,
+            )
+        )
+    return out
+
+
+def _group_may_hold(stats: Any, wanted: list[str]) -> bool:
+    if stats is None or not stats.has_min_max:
+        return True
+    i = bisect.bisect_left(wanted, stats.min)
+    return i < len(wanted) and wanted[i] <= stats.max
+
+
+def _region(kind: Any, offsets: Any, lengths: Any, tensor: TensorMeta) -> Region:
+    shape = tensor.shape
+    bad = CorruptCheckpointError(f"invalid {kind} region {offsets}/{lengths} for tensor {tensor.fqn!r} of shape {shape}")
+    if not isinstance(offsets, list) or not isinstance(lengths, list):
+        raise bad
+    if kind == "box":
+        if len(offsets) != len(shape) or len(lengths) != len(shape):
+            raise bad
+        if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, lengths, shape)):
+            raise bad
+        return Box(tuple(offsets), tuple(lengths))
+    if kind == "flat":
+        if len(offsets) != 1 or len(lengths) != 1 or offsets[0] < 0 or lengths[0] < 0:
+            raise bad
+        if offsets[0] + lengths[0] > math.prod(shape):
+            raise bad
+        return FlatRange(offsets[0], offsets[0] + lengths[0])
+    raise bad
+
+
+def _read_table(source: Any, what: str) -> pa.Table:
+    try:
+        return pq.read_table(pa.BufferReader(source) if isinstance(source, bytes) else source)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise CorruptCheckpointError(f"cannot read the {what} table: {exc}") from exc

@@ -1,0 +1,9 @@
+"""Pure planning: what each rank writes at save time and reads at load time. No I/O here."""
+
+from .load_planner import LoadPlan, ReadUnit, Delivery, TargetPiece, plan_load
+from .save_planner import LocalPiece, SavePlan, WriteAssignment, plan_save
+
+__all__ = [
+    "Delivery", "LoadPlan", "LocalPiece", "ReadUnit", "SavePlan", "TargetPiece", "WriteAssignment",
+    "plan_load", "plan_save",
+]
