@@ -1,0 +1,22 @@
+"""tierckpt: PyTorch checkpointing with load-time resharding on a parallelism-agnostic format.
+
+``save(uri, state)`` and ``load(uri, state)`` work the same for plain modules, DDP, FSDP2/DTensor,
+FSDP1 flat shards and hand-described TP/PP shards, in one process or a torch.distributed group.
+"""
+
+from .errors import (
+    CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
+    IncompleteCheckpointError, StateMismatchError, StorageError, StoragePermissionError, TransientStorageError,
+    UnsupportedURIError,
+)
+from .loader import load, read_checkpoint
+from .monitor import Monitor
+from .saver import save
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointBusyError", "CheckpointError", "CheckpointNotFoundError", "CollectiveError", "CorruptCheckpointError",
+    "IncompleteCheckpointError", "Monitor", "StateMismatchError", "StorageError", "StoragePermissionError",
+    "TransientStorageError", "UnsupportedURIError", "load", "read_checkpoint", "save",
+]

@@ -1,0 +1,370 @@
+"""Synchronous load with resharding.
+
+Lifecycle (every rank of the loading group unless noted):
+
+1. Rank 0 reads ``COMMIT``, the header and the tensor table, and broadcasts them (a missing commit
+   raises :class:`~tierckpt.errors.IncompleteCheckpointError` when data exists without one).
+2. Each rank flattens its target state and checks it against the checkpoint: missing and unexpected
+   keys, shape and dtype mismatches. Ranks all-gather their needs and findings; in strict mode any
+   finding on any rank raises on every rank, before anything is read.
+3. Each rank reads the rows of the pieces table for the tensors the group needs and computes the
+   same :class:`~tierckpt.planner.LoadPlan`. Each rank checks the sizes of the data files it will read,
+   so a truncated or missing file fails before any tensor is modified.
+4. Round by round: readers fetch their units (straight into the target's memory when a unit is
+   exactly one contiguous part of one local target), copy local deliveries, and exchange the rest with
+   one all-to-all per round.
+5. Objects are decoded (weights-only unless ``allow_pickle``) and put in place; optimizers and
+   stateful objects get their ``load_state_dict`` calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+import torch
+import torch.distributed as dist
+
+from . import layout
+from .backends import Backend, open_backend
+from .comm import Comm
+from .errors import (
+    CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError,
+)
+from .io.scheduler import ReadRequest, get_scheduler
+from .metadata import (
+    CheckpointMeta, ObjectMeta, PieceMeta, TensorMeta, decode_header, decode_pieces, decode_tensors, dtype_name,
+    itemsize,
+)
+from .monitor import Monitor
+from .objects import decode_object
+from .planner import LoadPlan, ReadUnit, TargetPiece, plan_load
+from .regions import FlatRange, StoredBox
+from .saver import run_agreed
+from .state import FlatState, TensorEntry, flatten_state
+
+logger = logging.getLogger("tierckpt")
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A committed checkpoint's header and tensor table, as read by rank 0."""
+
+    meta: CheckpointMeta
+    tensors: dict[str, TensorMeta]
+
+
+def read_checkpoint(backend: Backend) -> Checkpoint:
+    """Follow ``COMMIT`` to the committed generation and read its header and tensor table."""
+    sched = get_scheduler()
+    try:
+        record = layout.CommitRecord.decode(sched.run(backend.get(layout.COMMIT)))
+    except CheckpointNotFoundError:
+        if sched.run(backend.list("")):
+            raise IncompleteCheckpointError(
+                f"{backend.root_uri!r} holds checkpoint data but no COMMIT record: a save was interrupted or is "
+                "still running. Load an earlier checkpoint, or wait for the save to finish"
+            ) from None
+        raise CheckpointNotFoundError(f"no checkpoint at {backend.root_uri!r} (no COMMIT record)") from None
+    gen = record.generation
+    try:
+        meta = decode_header(sched.run(backend.get(layout.header_key(gen))))
+        tensors = decode_tensors(sched.run(backend.get(layout.tensors_key(gen))))
+    except CheckpointNotFoundError as exc:
+        raise CorruptCheckpointError(
+            f"checkpoint {backend.root_uri!r} is committed as {gen!r} but its metadata is missing: {exc}"
+        ) from exc
+    if meta.generation != gen:
+        raise CorruptCheckpointError(f"header of {gen!r} names generation {meta.generation!r}")
+    return Checkpoint(meta=meta, tensors=tensors)
+
+
+def load(
+    uri: str,
+    state: dict[str, Any],
+    *,
+    group: dist.ProcessGroup | None = None,
+    strict: bool = True,
+    allow_pickle: bool = False,
+    verify: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    chunk_bytes: int = 32 << 20,
+    round_bytes: int = 512 << 20,
+    monitor: Monitor | None = None,
+) -> dict[str, Any]:
+    """Load the checkpoint at ``uri`` into ``state`` in place (resharding as needed) and return it.
+
+    Tensors, modules and optimizers are filled in place; other values are replaced in their dicts.
+    ``strict=False`` loads what matches and warns about the rest. ``verify=True`` checks the CRC-32C of
+    every piece the load touches before modifying anything. ``allow_pickle=True`` permits objects that
+    need full unpickling (only for checkpoints you trust).
+    """
+    comm = Comm(group)
+    monitor = monitor or Monitor()
+    backend = open_backend(uri, **dict(storage_options or {}))
+    with monitor.phase("metadata"):
+        ckpt = _broadcast_checkpoint(comm, backend)
+        saved_keys = set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}
+        flat = run_agreed(
+            comm,
+            lambda: flatten_state(state, for_load=True, saved_keys=lambda p: any(k.startswith(p) for k in saved_keys)),
+            "preparing the state to load",
+        )
+        needs, findings = _match(flat, ckpt)
+        gathered = comm.all_gather_object((needs, findings, sorted(flat.tensors), sorted(flat.objects)))
+        _report(gathered, ckpt, strict, uri)
+        all_needs = [g[0] for g in gathered]
+        fqns = {n.fqn for rank_needs in all_needs for n in rank_needs}
+        pieces = run_agreed(comm, lambda: _read_pieces(backend, ckpt, fqns), "reading the pieces table")
+    with monitor.phase("plan"):
+        plan = plan_load(ckpt.tensors, pieces, all_needs, chunk_bytes=chunk_bytes, round_bytes=round_bytes)
+    gen = ckpt.meta.generation
+    run_agreed(comm, lambda: _check_files(backend, ckpt, plan, comm.rank), "checking the data files")
+    if verify:
+        with monitor.phase("verify"):
+            run_agreed(comm, lambda: _verify_pieces(backend, gen, pieces, comm), "verifying checksums")
+    targets = [flat.tensors[n.fqn] for n in needs]
+    with monitor.phase("read"):
+        run_agreed(comm, lambda: _execute(backend, gen, plan, targets, comm, monitor), f"loading {uri!r}")
+    with monitor.phase("objects"):
+        run_agreed(comm, lambda: _load_objects(backend, ckpt, flat, comm, allow_pickle), "loading objects")
+        run_agreed(comm, lambda: [fn() for fn in flat.after_load], "applying loaded state")
+    return state
+
+
+def _broadcast_checkpoint(comm: Comm, backend: Backend) -> Checkpoint:
+    result: Checkpoint | None = None
+    error: str | None = None
+    exc_type: type[CheckpointError] = CheckpointError
+    if comm.rank == 0:
+        try:
+            result = read_checkpoint(backend)
+        except CheckpointError as exc:
+            if comm.world_size == 1:
+                raise
+            error, exc_type = str(exc), type(exc)
+    result, error, exc_type = comm.broadcast_object((result, error, exc_type))
+    if error is not None:
+        raise exc_type(error)
+    assert result is not None
+    return result
+
+
+def _match(flat: FlatState, ckpt: Checkpoint) -> tuple[list[TargetPiece], list[tuple[str, str]]]:
+    """This rank's needs, and findings ``(kind, message)`` about keys, shapes and dtypes."""
+    needs: list[TargetPiece] = []
+    findings: list[tuple[str, str]] = []
+    for fqn, entry in flat.tensors.items():
+        saved = ckpt.tensors.get(fqn)
+        if saved is None:
+            kind = "object" if any(o.key == fqn for o in ckpt.meta.objects) else "missing"
+            findings.append((kind, fqn))
+            continue
+        dtype = dtype_name(entry.tensor.dtype)
+        if saved.shape != entry.shape:
+            findings.append(("shape", f"{fqn!r}: checkpoint has shape {list(saved.shape)}, the state has {list(entry.shape)}"))
+        elif saved.dtype != dtype:
+            findings.append(("dtype", f"{fqn!r}: checkpoint has dtype {saved.dtype}, the state has {dtype}"))
+        else:
+            needs.append(TargetPiece(fqn=fqn, region=entry.region))
+    saved_objects = {o.key for o in ckpt.meta.objects}
+    findings.extend(("missing", key) for key in flat.objects if key not in saved_objects)
+    return needs, findings
+
+
+def _report(gathered: list[Any], ckpt: Checkpoint, strict: bool, uri: str) -> None:
+    findings = sorted({f for g in gathered for f in g[1]})
+    wanted = {k for g in gathered for k in g[2]} | {k for g in gathered for k in g[3]}
+    saved = set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}
+    unexpected = sorted(saved - wanted)
+    lines = []
+    missing = [m for kind, m in findings if kind == "missing"]
+    if missing:
+        lines.append(f"missing from the checkpoint: {_few(missing)}")
+    if unexpected:
+        lines.append(f"in the checkpoint but not in the state (unexpected): {_few(unexpected)}")
+    lines.extend(f"shape mismatch {m}" for kind, m in findings if kind == "shape")
+    lines.extend(f"dtype mismatch {m}" for kind, m in findings if kind == "dtype")
+    lines.extend(f"{m!r} is a tensor in the state but an object in the checkpoint" for kind, m in findings if kind == "object")
+    if not lines:
+        return
+    message = f"state does not match checkpoint {uri!r}: " + "; ".join(lines)
+    if strict:
+        raise StateMismatchError(message + ". Fix the state, or pass strict=False to load what matches")
+    warnings.warn(message + " (strict=False: loading what matches)", stacklevel=3)
+
+
+def _few(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def _read_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str]) -> dict[str, list[PieceMeta]]:
+    data = get_scheduler().run(backend.get(layout.pieces_key(ckpt.meta.generation)))
+    import pyarrow as pa
+
+    return decode_pieces(pa.BufferReader(data), ckpt.tensors, fqns)
+
+
+def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int) -> None:
+    sizes = {f.key: f.size for f in ckpt.meta.files}
+    gen = ckpt.meta.generation
+    sched = get_scheduler()
+    for file in sorted({u.file for u in plan.units if u.reader == rank}):
+        key = layout.in_generation(gen, file)
+        try:
+            actual = sched.run(backend.size(key))
+        except CheckpointNotFoundError:
+            raise CorruptCheckpointError(f"data file {key!r} of checkpoint {backend.root_uri!r} is missing") from None
+        if file not in sizes or actual != sizes[file]:
+            raise CorruptCheckpointError(
+                f"data file {key!r} of checkpoint {backend.root_uri!r} has {actual} bytes, the metadata says "
+                f"{sizes.get(file, 'nothing')}: it is truncated or was replaced"
+            )
+
+
+def _verify_pieces(backend: Backend, gen: str, pieces: dict[str, list[PieceMeta]], comm: Comm) -> None:
+    sched = get_scheduler()
+    everything = [p for fqn in sorted(pieces) for p in pieces[fqn]]
+    for i, piece in enumerate(everything):
+        if i % comm.world_size != comm.rank:
+            continue
+        data = sched.run(backend.get_range(layout.in_generation(gen, piece.file), piece.byte_offset, piece.byte_offset + piece.byte_length))
+        if crc32c.crc32c(data) != piece.crc32c:
+            raise CorruptCheckpointError(
+                f"checksum mismatch in {piece.file!r} at bytes {piece.byte_offset}..{piece.byte_offset + piece.byte_length} "
+                f"(tensor {piece.fqn!r}, region {piece.region}): the data file is corrupt"
+            )
+
+
+def _target_view(entry: TensorEntry, stored: StoredBox) -> torch.Tensor:
+    """The target's storage for one stored box, shaped like the box (global-offset coordinates)."""
+    if isinstance(entry.region, FlatRange):
+        flat = entry.tensor.reshape(-1)
+        return flat[stored.element_offset : stored.element_offset + stored.box.numel].view(stored.box.lengths)
+    return entry.tensor
+
+
+def _direct_buffer(unit: ReadUnit, targets: list[TensorEntry], rank: int) -> torch.Tensor | None:
+    """The target memory to read ``unit`` into when it is exactly one contiguous CPU part of one target."""
+    if len(unit.deliveries) != 1:
+        return None
+    d = unit.deliveries[0]
+    if d.rank != rank or d.box != unit.box:
+        return None
+    view = _target_view(targets[d.target], d.target_box)[d.box.relative_to(d.target_box.box).slices()]
+    if view.device.type != "cpu" or not view.is_contiguous():
+        return None
+    return view.reshape(-1).view(torch.uint8)
+
+
+def _execute(backend: Backend, gen: str, plan: LoadPlan, targets: list[TensorEntry], comm: Comm, monitor: Monitor) -> None:
+    sched = get_scheduler()
+    me = comm.rank
+    for round_units, exchange in zip(plan.rounds, plan.exchanges):
+        units = [plan.units[i] for i in round_units]
+        buffers: dict[int, torch.Tensor] = {}
+        requests: list[ReadRequest] = []
+        direct: set[int] = set()
+        for i, unit in zip(round_units, units):
+            if unit.reader != me:
+                continue
+            buf = _direct_buffer(unit, targets, me)
+            if buf is None:
+                buf = torch.empty(unit.nbytes, dtype=torch.uint8)
+            else:
+                direct.add(i)
+            buffers[i] = buf
+            view = memoryview(buf.numpy())
+            key = layout.in_generation(gen, unit.file)
+            for j, offset in enumerate(unit.run_offsets.tolist()):
+                requests.append(ReadRequest(key=key, start=offset, out=view[j * unit.run_bytes : (j + 1) * unit.run_bytes]))
+        if requests:
+            sched.run(sched.read(backend, requests))
+            monitor.count("requests", len(requests))
+            monitor.count("bytes_read", sum(len(r.out) for r in requests))
+        sends: list[list[torch.Tensor]] = [[] for _ in range(comm.world_size)]
+        with torch.no_grad():
+            for i, unit in zip(round_units, units):
+                if unit.reader != me or i in direct:
+                    continue
+                source = _unit_tensor(unit, buffers[i])
+                for d in unit.deliveries:
+                    part = source[d.box.relative_to(unit.box).slices()]
+                    if d.rank == me:
+                        _deliver(targets[d.target], d, part)
+                    else:
+                        sends[d.rank].append(part.contiguous().reshape(-1).view(torch.uint8))
+            if exchange:
+                _exchange(units, targets, sends, comm, monitor)
+
+
+def _unit_tensor(unit: ReadUnit, buffer: torch.Tensor) -> torch.Tensor:
+    dtype = TensorMeta(fqn=unit.fqn, dtype=unit.dtype, shape=()).torch_dtype
+    return buffer.view(dtype).view(unit.box.lengths)
+
+
+def _deliver(entry: TensorEntry, delivery: Any, part: torch.Tensor) -> None:
+    target = _target_view(entry, delivery.target_box)[delivery.box.relative_to(delivery.target_box.box).slices()]
+    target.copy_(part.reshape(delivery.box.lengths))
+
+
+def _exchange(units: list[ReadUnit], targets: list[TensorEntry], sends: list[list[torch.Tensor]], comm: Comm, monitor: Monitor) -> None:
+    me = comm.rank
+    recv_sizes = [0] * comm.world_size
+    incoming = []
+    for unit in units:
+        if unit.reader == me:
+            continue
+        size = itemsize(TensorMeta(fqn=unit.fqn, dtype=unit.dtype, shape=()).torch_dtype)
+        for d in unit.deliveries:
+            if d.rank == me:
+                recv_sizes[unit.reader] += d.numel * size
+                incoming.append((unit, d, d.numel * size))
+    flat_sends = [torch.cat(s) if s else torch.empty(0, dtype=torch.uint8) for s in sends]
+    received = comm.all_to_all_bytes(flat_sends, recv_sizes)
+    monitor.count("bytes_exchanged", sum(recv_sizes))
+    cursors = [0] * comm.world_size
+    for unit, d, nbytes in incoming:
+        chunk = received[unit.reader][cursors[unit.reader] : cursors[unit.reader] + nbytes]
+        cursors[unit.reader] += nbytes
+        dtype = TensorMeta(fqn=unit.fqn, dtype=unit.dtype, shape=()).torch_dtype
+        _deliver(targets[d.target], d, chunk.view(dtype))
+
+
+def _load_objects(backend: Backend, ckpt: Checkpoint, flat: FlatState, comm: Comm, allow_pickle: bool) -> None:
+    sched = get_scheduler()
+    gen = ckpt.meta.generation
+    by_key: dict[str, list[ObjectMeta]] = {}
+    for o in ckpt.meta.objects:
+        by_key.setdefault(o.key, []).append(o)
+    saved_world = ckpt.meta.world_size
+    for key, entry in flat.objects.items():
+        options = by_key.get(key)
+        if not options:
+            continue
+        chosen = _object_for_rank(options, comm.rank, saved_world, key)
+        data = sched.run(
+            backend.get_range(layout.in_generation(gen, chosen.file), chosen.byte_offset, chosen.byte_offset + chosen.byte_length)
+        )
+        if crc32c.crc32c(data) != chosen.crc32c:
+            raise CorruptCheckpointError(f"checksum mismatch for object {key!r} in {chosen.file!r} at byte {chosen.byte_offset}")
+        entry.assign(decode_object(data, chosen.codec, key, allow_pickle=allow_pickle))
+
+
+def _object_for_rank(options: list[ObjectMeta], rank: int, saved_world: int, key: str) -> ObjectMeta:
+    shared = [o for o in options if o.rank is None]
+    if shared:
+        return shared[0]
+    per_rank = {o.rank: o for o in options}
+    if rank in per_rank:
+        return per_rank[rank]
+    source = rank % saved_world
+    logger.warning("object %r was saved per rank by %d ranks; rank %d loads rank %d's value", key, saved_world, rank, source)
+    if source not in per_rank:
+        raise CorruptCheckpointError(f"object {key!r} has no value for saved rank {source}")
+    return per_rank[source]
