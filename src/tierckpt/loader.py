@@ -298,7 +298,7 @@ def _execute(backend: Backend, gen: str, plan: LoadPlan, targets: list[TensorEnt
                     if d.rank == me:
                         _deliver(targets[d.target], d, part)
                     else:
-                        sends[d.rank].append(part.contiguous().reshape(-1).view(torch.uint8))
+                        _append_aligned(sends[d.rank], part)
             if exchange:
                 _exchange(units, targets, sends, comm, monitor)
 
@@ -313,6 +313,21 @@ def _deliver(entry: TensorEntry, delivery: Any, part: torch.Tensor) -> None:
     target.copy_(part.reshape(delivery.box.lengths))
 
 
+EXCHANGE_ALIGN = 16
+"""Each delivery starts at a multiple of this many bytes in the exchange stream, so any dtype can view it."""
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // EXCHANGE_ALIGN) * EXCHANGE_ALIGN
+
+
+def _append_aligned(stream: list[torch.Tensor], part: torch.Tensor) -> None:
+    data = part.contiguous().reshape(-1).view(torch.uint8)
+    stream.append(data)
+    if _padded(data.numel()) != data.numel():
+        stream.append(torch.zeros(_padded(data.numel()) - data.numel(), dtype=torch.uint8))
+
+
 def _exchange(units: list[ReadUnit], targets: list[TensorEntry], sends: list[list[torch.Tensor]], comm: Comm, monitor: Monitor) -> None:
     me = comm.rank
     recv_sizes = [0] * comm.world_size
@@ -323,7 +338,7 @@ def _exchange(units: list[ReadUnit], targets: list[TensorEntry], sends: list[lis
         size = itemsize(TensorMeta(fqn=unit.fqn, dtype=unit.dtype, shape=()).torch_dtype)
         for d in unit.deliveries:
             if d.rank == me:
-                recv_sizes[unit.reader] += d.numel * size
+                recv_sizes[unit.reader] += _padded(d.numel * size)
                 incoming.append((unit, d, d.numel * size))
     flat_sends = [torch.cat(s) if s else torch.empty(0, dtype=torch.uint8) for s in sends]
     received = comm.all_to_all_bytes(flat_sends, recv_sizes)
@@ -331,7 +346,7 @@ def _exchange(units: list[ReadUnit], targets: list[TensorEntry], sends: list[lis
     cursors = [0] * comm.world_size
     for unit, d, nbytes in incoming:
         chunk = received[unit.reader][cursors[unit.reader] : cursors[unit.reader] + nbytes]
-        cursors[unit.reader] += nbytes
+        cursors[unit.reader] += _padded(nbytes)
         dtype = TensorMeta(fqn=unit.fqn, dtype=unit.dtype, shape=()).torch_dtype
         _deliver(targets[d.target], d, chunk.view(dtype))
 

@@ -1,0 +1,322 @@
+"""Local file system backend, for plain paths and ``file://`` URIs.
+
+Keys map to files under the root directory, so this backend reports ``local_path`` and exposes
+:meth:`LocalBackend.path_of` for callers that want to mmap or ``pread`` a file themselves.
+
+Writes never expose a torn file: data goes to ``.<name>.<uuid>.partial`` next to the target, is
+fsynced, then renamed over the target with ``os.replace`` and the directory is fsynced, so a crash
+leaves either the old file or the new one (plus, at worst, a stray ``.partial`` that :meth:`list`
+ignores). Reads use positional I/O (``os.pread``/``os.preadv``); :meth:`LocalBackend.read_into`
+fills the caller's buffer directly, without an intermediate ``bytes`` object.
+
+Every blocking call runs in a worker thread (``asyncio.to_thread``). Cancelling the awaiting task
+does not stop a call already running in its thread: a ``put`` cancelled mid-flight may still
+publish its whole object (never a partial one).
+
+The helpers :func:`check_range`, :func:`range_past_end`, :func:`temp_name` and
+:func:`is_temp_name` are shared with the other backends so every backend reports the same errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import uuid
+from urllib.parse import unquote, urlparse
+
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StorageError,
+    StoragePermissionError,
+    UnsupportedURIError,
+)
+from .base import Backend, Capabilities, ObjectWriter, validate_key
+
+_TEMP_SUFFIX = ".partial"
+
+
+# -- helpers shared by every backend ---------------------------------------------------------------
+def check_range(uri: str, start: int, end: int) -> None:
+    """Reject negative or inverted byte ranges before any I/O."""
+    if start < 0 or end < start:
+        raise CorruptCheckpointError(
+            f"invalid byte range [{start}, {end}) for {uri}: ranges need 0 <= start <= end"
+        )
+
+
+def range_past_end(uri: str, start: int, end: int, size: int) -> CorruptCheckpointError:
+    """The error for a read that would run past the end of an object (never a short read)."""
+    return CorruptCheckpointError(
+        f"byte range [{start}, {end}) of {uri} runs past the end of the object ({size} bytes); "
+        "the checkpoint metadata and the stored data disagree"
+    )
+
+
+def temp_name(name: str) -> str:
+    """Name of the hidden temporary object a write of ``name`` goes through."""
+    return f".{name}.{uuid.uuid4().hex}{_TEMP_SUFFIX}"
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether the last path part ``name`` is an in-flight (or orphaned) temporary object."""
+    return name.startswith(".") and name.endswith(_TEMP_SUFFIX)
+
+
+def check_prefix(prefix: str) -> str:
+    """Validate a listing prefix: ``""`` or a key-like string, optionally ending in ``/``."""
+    if prefix:
+        validate_key(prefix.removesuffix("/"))
+    return prefix
+
+
+# -- local file helpers (run in worker threads) ----------------------------------------------------
+def _os_error(exc: OSError, what: str) -> CheckpointError:
+    """Translate an ``OSError`` raised while doing ``what`` into the tierckpt hierarchy."""
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        return CheckpointNotFoundError(f"{what}: no such object ({exc.strerror})")
+    if isinstance(exc, PermissionError):
+        return StoragePermissionError(f"{what}: permission denied ({exc.strerror})")
+    return StorageError(f"{what}: {type(exc).__name__}: {exc.strerror or exc}")
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _open_temp(path: str) -> tuple[int, str]:
+    directory, name = os.path.split(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, temp_name(name))
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
+
+
+def _publish(fd: int, tmp: str, path: str) -> None:
+    """fsync and close ``fd``, rename ``tmp`` over ``path``, fsync the directory."""
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _unlink(path: str) -> None:
+    """Remove a file; a missing one is fine."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _discard(fd: int, tmp: str) -> None:
+    try:
+        os.close(fd)
+    finally:
+        _unlink(tmp)
+
+
+def _write_atomic(path: str, data: bytes | memoryview) -> None:
+    fd, tmp = _open_temp(path)
+    try:
+        _write_all(fd, data)
+    except BaseException:
+        _discard(fd, tmp)
+        raise
+    try:
+        _publish(fd, tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def _read_into(path: str, start: int, out: memoryview) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        end = start + len(out)
+        size = os.fstat(fd).st_size
+        if end > size:
+            raise range_past_end(path, start, end, size)
+        done = 0
+        while done < len(out):
+            n = os.preadv(fd, [out[done:]], start + done)
+            if n == 0:  # the file shrank under us
+                raise range_past_end(path, start, end, start + done)
+            done += n
+    finally:
+        os.close(fd)
+
+
+def _read_whole(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _list_files(root: str, prefix: str) -> list[str]:
+    base = os.path.join(root, *prefix.split("/")[:-1])
+    keys = []
+    for directory, dirs, files in os.walk(base):
+        dirs.sort()
+        rel_dir = os.path.relpath(directory, root).replace(os.sep, "/")
+        for name in files:
+            if is_temp_name(name):
+                continue
+            key = name if rel_dir == "." else f"{rel_dir}/{name}"
+            if key.startswith(prefix):
+                keys.append(key)
+    return sorted(keys)
+
+
+def _size(path: str) -> int:
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise IsADirectoryError(21, "not a regular file", path)
+    return st.st_size
+
+
+def local_root(root_uri: str) -> str:
+    """The absolute directory a plain path or ``file://`` URI names."""
+    if root_uri.startswith("file:"):
+        parsed = urlparse(root_uri)
+        if parsed.netloc not in ("", "localhost"):
+            raise UnsupportedURIError(
+                f"file URI {root_uri!r} names host {parsed.netloc!r}; only local files are "
+                "supported: use file:///absolute/path"
+            )
+        return os.path.abspath(unquote(parsed.path))
+    return os.path.abspath(os.path.expanduser(root_uri))
+
+
+class _LocalWriter(ObjectWriter):
+    """Streams into a hidden temp file; ``close`` renames it into place."""
+
+    def __init__(self, backend: LocalBackend, key: str, fd: int, tmp: str) -> None:
+        self._backend = backend
+        self._key = key
+        self._path = backend.path_of(key)
+        self._fd = fd
+        self._tmp = tmp
+        self._done = False
+
+    def _check_open(self) -> None:
+        if self._done:
+            raise CheckpointError(
+                f"writer for {self._backend.uri_of(self._key)} is already closed or aborted"
+            )
+
+    async def write(self, data: bytes | memoryview) -> None:
+        self._check_open()
+        try:
+            await asyncio.to_thread(_write_all, self._fd, data)
+        except OSError as exc:
+            raise _os_error(exc, f"writing {self._tmp}") from exc
+
+    async def close(self) -> None:
+        self._check_open()
+        self._done = True
+        try:
+            await asyncio.to_thread(_publish, self._fd, self._tmp, self._path)
+        except OSError as exc:
+            await asyncio.to_thread(_unlink, self._tmp)
+            raise _os_error(exc, f"publishing {self._path}") from exc
+
+    async def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        await asyncio.to_thread(_discard, self._fd, self._tmp)
+
+
+class LocalBackend(Backend):
+    """Objects are files under a local directory (``/data/ckpt`` or ``file:///data/ckpt``)."""
+
+    capabilities = Capabilities(atomic_rename=True, local_path=True)
+
+    def __init__(self, root_uri: str) -> None:
+        super().__init__(root_uri)
+        self.root = local_root(root_uri)
+
+    def path_of(self, key: str) -> str:
+        """Absolute path of the file that holds ``key``."""
+        return os.path.join(self.root, *validate_key(key).split("/"))
+
+    def uri_of(self, key: str) -> str:
+        """The key as a path, for messages."""
+        return self.path_of(key)
+
+    async def put(self, key: str, data: bytes | memoryview) -> None:
+        path = self.path_of(key)
+        try:
+            await asyncio.to_thread(_write_atomic, path, data)
+        except OSError as exc:
+            raise _os_error(exc, f"writing {path}") from exc
+
+    async def open_writer(self, key: str) -> ObjectWriter:
+        path = self.path_of(key)
+        try:
+            fd, tmp = await asyncio.to_thread(_open_temp, path)
+        except OSError as exc:
+            raise _os_error(exc, f"opening {path} for writing") from exc
+        return _LocalWriter(self, key, fd, tmp)
+
+    async def get(self, key: str) -> bytes:
+        path = self.path_of(key)
+        try:
+            return await asyncio.to_thread(_read_whole, path)
+        except OSError as exc:
+            raise _os_error(exc, f"reading {path}") from exc
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        buf = bytearray(max(end - start, 0))
+        await self._read_range(key, start, end, memoryview(buf))
+        return bytes(buf)
+
+    async def read_into(self, key: str, start: int, out: memoryview) -> None:
+        view = memoryview(out).cast("B")
+        await self._read_range(key, start, start + len(view), view)
+
+    async def _read_range(self, key: str, start: int, end: int, out: memoryview) -> None:
+        path = self.path_of(key)
+        check_range(path, start, end)
+        try:
+            await asyncio.to_thread(_read_into, path, start, out)
+        except OSError as exc:
+            raise _os_error(exc, f"reading [{start}, {end}) of {path}") from exc
+
+    async def exists(self, key: str) -> bool:
+        return await asyncio.to_thread(os.path.isfile, self.path_of(key))
+
+    async def size(self, key: str) -> int:
+        path = self.path_of(key)
+        try:
+            return await asyncio.to_thread(_size, path)
+        except OSError as exc:
+            raise _os_error(exc, f"size of {path}") from exc
+
+    async def list(self, prefix: str = "") -> list[str]:
+        try:
+            return await asyncio.to_thread(_list_files, self.root, check_prefix(prefix))
+        except OSError as exc:
+            raise _os_error(exc, f"listing {self.root} with prefix {prefix!r}") from exc
+
+    async def delete(self, key: str) -> None:
+        path = self.path_of(key)
+        try:
+            await asyncio.to_thread(_unlink, path)
+        except OSError as exc:
+            raise _os_error(exc, f"deleting {path}") from exc
+
+    async def commit(self, key: str, data: bytes) -> None:
+        await self.put(key, data)

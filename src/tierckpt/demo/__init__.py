@@ -1,0 +1,1 @@
+"""The ``tierckpt demo`` job and the small model it trains."""

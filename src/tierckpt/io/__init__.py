@@ -1,0 +1,25 @@
+"""Asynchronous I/O: the per-process scheduler that runs every backend call."""
+
+from __future__ import annotations
+
+from .scheduler import (
+    IOMetrics,
+    IOScheduler,
+    OpRecord,
+    OpTotals,
+    Priority,
+    PrioritySemaphore,
+    ReadRequest,
+    get_scheduler,
+)
+
+__all__ = [
+    "IOMetrics",
+    "IOScheduler",
+    "OpRecord",
+    "OpTotals",
+    "Priority",
+    "PrioritySemaphore",
+    "ReadRequest",
+    "get_scheduler",
+]

@@ -1,0 +1,412 @@
+"""The asyncio I/O scheduler: one event loop per process on a daemon thread.
+
+Training code is synchronous; storage backends are async. :func:`get_scheduler` returns the
+process's :class:`IOScheduler`, whose loop runs on a background thread, and
+:meth:`IOScheduler.run` is the synchronous bridge (block until a coroutine finishes there) while
+:meth:`IOScheduler.submit` starts background work (uploads) and returns a
+``concurrent.futures.Future``.
+
+Inside the loop, every backend call goes through :meth:`IOScheduler.call`, which
+
+* holds one of the backend's slots (``max_concurrency`` per backend instance, default 16). When
+  both priorities wait for a slot, :attr:`Priority.FOREGROUND` (loads, synchronous saves) gets it
+  before :attr:`Priority.BACKGROUND` (uploads), so an upload queue never stalls a load;
+* retries :class:`~tierckpt.errors.TransientStorageError` with exponential backoff and full
+  jitter (the backoff sleeps outside the slot), and nothing else;
+* records a metric (:class:`IOMetrics`).
+
+:meth:`IOScheduler.read` fills caller-owned buffers from many ranges in parallel, splitting large
+ranges into parts so one big tensor uses several connections.
+
+Cancellation: cancelling a task cancels the backend calls it is waiting on (a call already running
+in a worker thread finishes in that thread, but its result is dropped). Writers are not tracked
+here: whoever opened an :class:`~tierckpt.backends.base.ObjectWriter` aborts it when cancelled
+(``try: ... except BaseException: await writer.abort(); raise``).
+
+Fork safety: a forked child does not inherit a running loop thread, so the inherited scheduler is
+dropped in the child and the next :func:`get_scheduler` call there starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import enum
+import os
+import random
+import threading
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ..backends.base import Backend
+from ..errors import CheckpointError, TransientStorageError
+
+_T = TypeVar("_T")
+
+DEFAULT_MAX_CONCURRENCY = 16
+DEFAULT_PART_BYTES = 32 * 2**20
+BACKOFF_BASE_S = 0.05
+BACKOFF_CAP_S = 2.0
+
+
+class Priority(enum.IntEnum):
+    """Who gets a backend slot first; lower values win."""
+
+    FOREGROUND = 0
+    """Loads and synchronous saves: someone is waiting."""
+    BACKGROUND = 1
+    """Asynchronous uploads: throughput matters, latency does not."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRequest:
+    """Fill ``out`` with the bytes ``[start, start + len(out))`` of ``key``."""
+
+    key: str
+    start: int
+    out: memoryview
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class OpRecord:
+    """One finished (or failed) backend call."""
+
+    op: str
+    backend: str
+    key: str
+    nbytes: int
+    seconds: float
+    attempts: int
+    priority: Priority
+    ok: bool
+
+
+@dataclass(frozen=True, slots=True)
+class OpTotals:
+    """Totals of one op name since the last reset."""
+
+    count: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    retries: int = 0
+    errors: int = 0
+
+
+class IOMetrics:
+    """Thread-safe accumulation of :class:`OpRecord`; keeps totals and the most recent records."""
+
+    def __init__(self, keep_records: int = 10_000) -> None:
+        self._lock = threading.Lock()
+        self._totals: dict[str, OpTotals] = {}
+        self._records: collections.deque[OpRecord] = collections.deque(maxlen=keep_records)
+
+    def record(self, rec: OpRecord) -> None:
+        with self._lock:
+            t = self._totals.get(rec.op, OpTotals())
+            self._totals[rec.op] = OpTotals(
+                count=t.count + 1,
+                bytes=t.bytes + (rec.nbytes if rec.ok else 0),
+                seconds=t.seconds + rec.seconds,
+                retries=t.retries + rec.attempts - 1,
+                errors=t.errors + (not rec.ok),
+            )
+            self._records.append(rec)
+
+    def snapshot(self) -> dict[str, OpTotals]:
+        """Totals per op name."""
+        with self._lock:
+            return dict(self._totals)
+
+    def records(self) -> list[OpRecord]:
+        """The most recent records, oldest first."""
+        with self._lock:
+            return list(self._records)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._totals.clear()
+            self._records.clear()
+
+
+# -- priority-aware slots --------------------------------------------------------------------------
+class PrioritySemaphore:
+    """An asyncio semaphore that hands a freed slot to the highest-priority waiter (FIFO within one).
+
+    A released slot goes straight to the chosen waiter, so a newcomer cannot barge past the queue.
+    Use it from one event loop only.
+    """
+
+    def __init__(self, value: int) -> None:
+        self._free = value
+        self._waiters: dict[Priority, collections.deque[asyncio.Future[None]]] = {
+            p: collections.deque() for p in sorted(Priority)
+        }
+
+    def _queued(self) -> bool:
+        return any(self._waiters.values())
+
+    async def acquire(self, priority: Priority) -> None:
+        if self._free > 0 and not self._queued():
+            self._free -= 1
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters[priority].append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # granted the slot just as we were cancelled: pass it on
+            else:
+                self._waiters[priority].remove(waiter)
+            raise
+
+    def release(self) -> None:
+        for queue in self._waiters.values():
+            while queue:
+                waiter = queue.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+                    return
+        self._free += 1
+
+
+# -- the scheduler ---------------------------------------------------------------------------------
+class IOScheduler:
+    """An event loop on a daemon thread, with per-backend slots, retries and metrics."""
+
+    def __init__(
+        self, *, max_concurrency: int = DEFAULT_MAX_CONCURRENCY, name: str = "tierckpt-io"
+    ) -> None:
+        if max_concurrency < 1:
+            raise CheckpointError(f"max_concurrency must be at least 1, got {max_concurrency}")
+        self.max_concurrency = max_concurrency
+        self.metrics = IOMetrics()
+        self._slots: weakref.WeakKeyDictionary[Backend, PrioritySemaphore] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._loop = asyncio.new_event_loop()
+        # Local-file backends block in worker threads; give them more than the default few.
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(32, 4 * max_concurrency), thread_name_prefix=f"{name}-worker"
+        )
+        self._loop.set_default_executor(self._executor)
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    # -- bridges from synchronous code -------------------------------------------------------------
+    def run(self, coro: Coroutine[Any, Any, _T], timeout_s: float | None = None) -> _T:
+        """Run ``coro`` on the I/O loop and block until it finishes; re-raise what it raises.
+
+        With ``timeout_s`` the coroutine is cancelled when the time is up (its cleanup runs before
+        this returns) and :class:`~tierckpt.errors.TransientStorageError` is raised.
+        """
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise CheckpointError(
+                "IOScheduler.run() was called from the I/O loop thread, which would deadlock; "
+                "await the coroutine instead"
+            )
+        future = asyncio.run_coroutine_threadsafe(self._with_timeout(coro, timeout_s), self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # e.g. KeyboardInterrupt in the caller: stop the work too
+            raise
+
+    @staticmethod
+    async def _with_timeout(coro: Coroutine[Any, Any, _T], timeout_s: float | None) -> _T:
+        deadline = asyncio.timeout(timeout_s)
+        try:
+            async with deadline:
+                return await coro
+        except TimeoutError as exc:
+            if not deadline.expired():
+                raise
+            name = getattr(coro, "__qualname__", repr(coro))
+            raise TransientStorageError(
+                f"I/O operation {name} did not finish within {timeout_s} s and was cancelled; "
+                "raise the timeout or check the storage endpoint"
+            ) from exc
+
+    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
+        """Start ``coro`` on the I/O loop; cancelling the returned future cancels the coroutine."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def close(self) -> None:
+        """Stop the loop and its thread (pending work is cancelled). For tests and shutdown."""
+        if self._loop.is_closed():
+            return
+
+        async def _cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(_cancel_all(), self._loop).result()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        self._loop.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- inside the loop ---------------------------------------------------------------------------
+    def _check_loop(self) -> None:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            raise CheckpointError(
+                "IOScheduler.call()/read() must run on the scheduler's own loop; "
+                "wrap the coroutine in scheduler.run() or scheduler.submit()"
+            )
+
+    def _slot(self, backend: Backend) -> PrioritySemaphore:
+        slots = self._slots.get(backend)
+        if slots is None:
+            slots = self._slots[backend] = PrioritySemaphore(self.max_concurrency)
+        return slots
+
+    async def call(
+        self,
+        backend: Backend,
+        op_name: str,
+        fn: Callable[..., Awaitable[_T]],
+        *args: Any,
+        priority: Priority = Priority.FOREGROUND,
+        nbytes: int = 0,
+        retries: int = 5,
+        **kwargs: Any,
+    ) -> _T:
+        """``await fn(*args, **kwargs)`` under one of ``backend``'s slots, retrying transient errors.
+
+        ``retries`` is the most attempts in all (1: no retry). The metric's key is ``args[0]`` when
+        it is a string (backend methods take the key first).
+        """
+        self._check_loop()
+        if retries < 1:
+            raise CheckpointError(
+                f"retries must be at least 1 for {op_name} on {backend}, got {retries}"
+            )
+        slots = self._slot(backend)
+        key = args[0] if args and isinstance(args[0], str) else ""
+        started = time.perf_counter()
+        attempt = 0
+        ok = False
+        try:
+            while True:
+                attempt += 1
+                await slots.acquire(priority)
+                try:
+                    result = await fn(*args, **kwargs)
+                except TransientStorageError:
+                    if attempt >= retries:
+                        raise
+                else:
+                    ok = True
+                    return result
+                finally:
+                    slots.release()
+                await asyncio.sleep(_backoff_s(attempt))
+        finally:
+            self.metrics.record(
+                OpRecord(
+                    op=op_name,
+                    backend=backend.root_uri,
+                    key=key,
+                    nbytes=nbytes,
+                    seconds=time.perf_counter() - started,
+                    attempts=attempt,
+                    priority=priority,
+                    ok=ok,
+                )
+            )
+
+    async def read(
+        self,
+        backend: Backend,
+        requests: Sequence[ReadRequest],
+        *,
+        priority: Priority = Priority.FOREGROUND,
+        part_bytes: int = DEFAULT_PART_BYTES,
+        retries: int = 5,
+    ) -> None:
+        """Fill every request's ``out`` in parallel, in parts of at most ``part_bytes``.
+
+        The first failure cancels the remaining parts and is raised as is. Zero-length requests do
+        no I/O.
+        """
+        self._check_loop()
+        if part_bytes < 1:
+            raise CheckpointError(f"part_bytes must be at least 1, got {part_bytes}")
+        parts = []
+        for req in requests:
+            out = memoryview(req.out).cast("B")
+            for offset in range(0, len(out), part_bytes):
+                view = out[offset : offset + part_bytes]
+                parts.append(
+                    self.call(
+                        backend,
+                        "read_into",
+                        backend.read_into,
+                        req.key,
+                        req.start + offset,
+                        view,
+                        priority=priority,
+                        nbytes=len(view),
+                        retries=retries,
+                    )
+                )
+        await _all_or_cancel(parts)
+
+
+def _backoff_s(attempt: int) -> float:
+    """Full-jitter exponential backoff before attempt ``attempt + 1``."""
+    return random.uniform(0.0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (attempt - 1)))
+
+
+async def _all_or_cancel(coros: Sequence[Coroutine[Any, Any, Any]]) -> None:
+    """Run ``coros`` concurrently; on the first error (or cancellation) cancel the rest and raise."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        for finished in asyncio.as_completed(tasks):
+            await finished
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+# -- the per-process instance ----------------------------------------------------------------------
+_instance: IOScheduler | None = None
+_instance_lock = threading.Lock()
+
+
+def get_scheduler() -> IOScheduler:
+    """The process's scheduler, started on first use (and again in a forked child)."""
+    global _instance
+    with _instance_lock:
+        if _instance is None:
+            _instance = IOScheduler()
+        return _instance
+
+
+def _forget_after_fork() -> None:
+    """In a forked child the loop thread is gone: drop the instance (and a possibly held lock)."""
+    global _instance, _instance_lock
+    _instance = None
+    _instance_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

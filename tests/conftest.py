@@ -1,0 +1,91 @@
+"""Shared pytest fixtures.
+
+Sections are kept separate so fixtures for other parts of the package can be added below.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+
+# -- storage backends ------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _reset_memory_backends() -> Iterator[None]:
+    """Empty every ``memory://`` store after each test so no state leaks between tests."""
+    yield
+    from tierckpt.backends.memory import reset_memory_stores
+
+    reset_memory_stores()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 for the whole session; yields its endpoint URL.
+
+    Sets fake AWS credentials and ``TIERCKPT_S3_ENDPOINT_URL`` in the environment (restored after
+    the session) so ``open_backend("s3://...")`` reaches it without options, and disables the EC2
+    metadata lookup so botocore never leaves 127.0.0.1.
+    """
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_SESSION_TOKEN": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_CONFIG_FILE": "/nonexistent/aws-config",
+            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/aws-credentials",
+            "NO_PROXY": "127.0.0.1,localhost",
+            "TIERCKPT_S3_ENDPOINT_URL": endpoint,
+        }.items():
+            mp.setenv(name, value)
+        try:
+            yield endpoint
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def s3_bucket_uri(s3_server: str) -> Iterator[str]:
+    """A fresh, empty bucket on the moto server; yields ``s3://<bucket>/prefix``."""
+    import boto3
+
+    bucket = f"tierckpt-{uuid.uuid4().hex[:16]}"
+    client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    client.create_bucket(Bucket=bucket)
+    yield f"s3://{bucket}/prefix"
+    client.close()
+
+
+# -- multi-rank worker pool --------------------------------------------------------------------------
+import sys as _sys
+from pathlib import Path as _Path
+
+_sys.path.insert(0, str(_Path(__file__).parent))
+
+from distributed import WorkerPool as _WorkerPool  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def dist_pool():
+    """Four gloo worker processes, started once per session (see tests/distributed.py)."""
+    pool = _WorkerPool(4)
+    yield pool
+    pool.close()

@@ -1,0 +1,87 @@
+"""LocalBackend: the shared contract plus local-only behaviour, and URI dispatch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from backend_contract import BackendContract
+
+from tierckpt.backends import (
+    FsspecBackend,
+    LocalBackend,
+    MemoryBackend,
+    S3Backend,
+    open_backend,
+    split_uri,
+)
+from tierckpt.errors import UnsupportedURIError
+
+
+class TestLocalBackend(BackendContract):
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> LocalBackend:
+        return LocalBackend(str(tmp_path / "root"))
+
+    async def test_capabilities_and_paths(self, backend: LocalBackend, tmp_path: Path) -> None:
+        assert backend.capabilities.atomic_rename and backend.capabilities.local_path
+        await backend.put("a/b.bin", b"data")
+        path = backend.path_of("a/b.bin")
+        assert path == str(tmp_path / "root" / "a" / "b.bin")
+        assert Path(path).read_bytes() == b"data"
+
+    async def test_temp_files_are_hidden_and_cleaned_up(self, backend: LocalBackend, tmp_path: Path) -> None:
+        writer = await backend.open_writer("w/obj")
+        await writer.write(b"partial")
+        on_disk = os.listdir(tmp_path / "root" / "w")
+        assert len(on_disk) == 1 and on_disk[0].startswith(".obj.") and on_disk[0].endswith(".partial")
+        assert await backend.list() == []
+        await writer.abort()
+        assert os.listdir(tmp_path / "root" / "w") == []
+        # A stray temp file left by a crash is never listed.
+        (tmp_path / "root" / "w" / ".crashed.1234.partial").write_bytes(b"junk")
+        await backend.put("w/real", b"ok")
+        assert await backend.list() == ["w/real"]
+        assert sorted(os.listdir(tmp_path / "root" / "w")) == [".crashed.1234.partial", "real"]
+
+    async def test_file_uri(self, tmp_path: Path) -> None:
+        backend = open_backend(f"file://{tmp_path}/via-uri")
+        assert isinstance(backend, LocalBackend)
+        await backend.put("k", b"v")
+        assert (tmp_path / "via-uri" / "k").read_bytes() == b"v"
+
+    async def test_missing_file_error_names_the_path(self, backend: LocalBackend) -> None:
+        with pytest.raises(FileNotFoundError, match=str(backend.path_of("nope.bin"))):
+            await backend.get("nope.bin")
+
+
+# -- open_backend ----------------------------------------------------------------------------------
+def test_split_uri() -> None:
+    assert split_uri("s3://bucket/prefix") == ("s3", "bucket/prefix")
+    assert split_uri("/plain/path") == ("", "/plain/path")
+    assert split_uri("relative/path") == ("", "relative/path")
+    assert split_uri("HDFS://nn:8020/x") == ("hdfs", "nn:8020/x")
+
+
+def test_open_backend_picks_by_scheme(tmp_path: Path) -> None:
+    assert isinstance(open_backend(str(tmp_path)), LocalBackend)
+    assert isinstance(open_backend(f"file://{tmp_path}"), LocalBackend)
+    assert isinstance(open_backend("memory://store/prefix"), MemoryBackend)
+    s3 = open_backend("s3://bucket/prefix", endpoint_url="http://127.0.0.1:1", key="k", secret="s")
+    assert isinstance(s3, S3Backend) and s3.capabilities.multipart_upload
+    assert isinstance(open_backend("s3a://bucket/prefix", endpoint_url="http://127.0.0.1:1"), S3Backend)
+
+
+def test_open_backend_uses_fsspec_for_other_protocols(tmp_path: Path) -> None:
+    backend = open_backend(f"local://{tmp_path}")  # fsspec's alias for its local file system
+    assert isinstance(backend, FsspecBackend) and not isinstance(backend, S3Backend)
+
+
+def test_unknown_scheme_is_rejected() -> None:
+    with pytest.raises(UnsupportedURIError) as info:
+        open_backend("nosuchscheme://bucket/prefix")
+    message = str(info.value)
+    assert "nosuchscheme://bucket/prefix" in message and "'nosuchscheme'" in message
+    assert "s3" in message and "memory" in message and "\n" not in message
+    assert isinstance(info.value, ValueError)

@@ -1,0 +1,107 @@
+"""S3Backend against a local moto server: the shared contract plus S3-only behaviour and errors."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from backend_contract import LARGE_CHUNK, BackendContract
+from conftest import free_port
+
+from tierckpt.backends import S3Backend, open_backend
+from tierckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    StoragePermissionError,
+    TransientStorageError,
+)
+from tierckpt.io import get_scheduler
+
+
+class TestS3Backend(BackendContract):
+    @pytest.fixture
+    def backend(self, s3_bucket_uri: str) -> S3Backend:
+        backend = open_backend(s3_bucket_uri)
+        assert isinstance(backend, S3Backend)
+        return backend
+
+    def _uploads(self, backend: S3Backend) -> list[dict]:
+        bucket = backend.root.split("/")[0]
+        return backend.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+
+    async def test_large_writer_uses_multipart_and_abort_removes_it(self, backend: S3Backend) -> None:
+        writer = await backend.open_writer("big/aborted")
+        for _ in range(5):  # > one 16 MiB part, so a multipart upload is under way
+            await writer.write(b"\0" * LARGE_CHUNK)
+        assert len(self._uploads(backend)) == 1
+        await writer.abort()
+        assert self._uploads(backend) == []
+        assert not await backend.exists("big/aborted")
+        assert await backend.list() == []
+
+    async def test_put_of_large_data_is_multipart(self, backend: S3Backend) -> None:
+        data = bytes(range(256)) * (backend.part_size // 256) + b"tail"
+        await backend.put("big/put", data)
+        assert await backend.get("big/put") == data
+        bucket, _, key = backend._path("big/put").partition("/")
+        etag = backend.fs.call_s3("head_object", Bucket=bucket, Key=key)["ETag"]
+        assert etag.strip('"').endswith("-2")  # a multipart ETag: two parts
+        assert self._uploads(backend) == []
+
+    def test_works_from_the_scheduler_thread(self, backend: S3Backend) -> None:
+        scheduler = get_scheduler()
+        scheduler.run(backend.put("k", b"from another loop"))
+        assert scheduler.run(backend.get("k")) == b"from another loop"
+
+    async def test_missing_bucket_names_the_bucket(self, s3_server: str) -> None:
+        backend = open_backend("s3://no-such-bucket-tierckpt/prefix")
+        for op in (backend.get("k"), backend.put("k", b"x"), backend.list()):
+            with pytest.raises(CheckpointNotFoundError, match="bucket 'no-such-bucket-tierckpt' does not exist"):
+                await op
+
+
+def test_unreachable_endpoint_fails_fast_with_one_line() -> None:
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    backend = open_backend(
+        "s3://bucket/prefix", endpoint_url=endpoint, key="k", secret="s", region="us-east-1", timeout_s=2
+    )
+    scheduler = get_scheduler()
+    before = scheduler.metrics.snapshot().get("get")
+    started = time.monotonic()
+    with pytest.raises(TransientStorageError) as info:
+        scheduler.run(scheduler.call(backend, "get", backend.get, "some/key", retries=2), timeout_s=10)
+    assert time.monotonic() - started < 5
+    message = str(info.value)
+    assert "\n" not in message and "s3://bucket/prefix/some/key" in message and "127.0.0.1" in message
+    assert isinstance(info.value, CheckpointError) and isinstance(info.value, OSError)
+    after = scheduler.metrics.snapshot()["get"]
+    assert after.retries - (before.retries if before else 0) == 1
+    assert after.errors - (before.errors if before else 0) == 1
+
+
+@pytest.fixture
+def moto_auth_enforced(s3_server: str) -> Iterator[str]:
+    """Make the moto server check credentials (it accepts any by default), then restore it."""
+
+    def set_no_auth_count(value: str) -> None:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        request = urllib.request.Request(
+            f"{s3_server}/moto-api/reset-auth", data=value.encode(), headers={"Content-Type": "text/plain"}
+        )
+        opener.open(request, timeout=10)
+
+    set_no_auth_count("0")
+    try:
+        yield s3_server
+    finally:
+        set_no_auth_count("inf")
+
+
+async def test_bad_credentials_are_a_permission_error(moto_auth_enforced: str) -> None:
+    backend = open_backend("s3://any-bucket/prefix", key="AKIAINVALIDINVALID00", secret="wrong")
+    with pytest.raises(StoragePermissionError) as info:
+        await backend.get("k")
+    assert isinstance(info.value, PermissionError)
+    assert "s3://any-bucket/prefix/k" in str(info.value) and "\n" not in str(info.value)
