@@ -11,12 +11,12 @@ from .errors import (
 )
 from .loader import load, read_checkpoint
 from .monitor import Monitor
-from .saver import save
+from .saver import SaveHandle, async_save, save
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointBusyError", "CheckpointError", "CheckpointNotFoundError", "CollectiveError", "CorruptCheckpointError",
-    "IncompleteCheckpointError", "Monitor", "StateMismatchError", "StorageError", "StoragePermissionError",
+    "IncompleteCheckpointError", "Monitor", "SaveHandle", "async_save", "StateMismatchError", "StorageError", "StoragePermissionError",
     "TransientStorageError", "UnsupportedURIError", "load", "read_checkpoint", "save",
 ]

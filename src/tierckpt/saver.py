@@ -1,23 +1,33 @@
-"""Synchronous save.
+"""Saving: synchronous :func:`save` and asynchronous :func:`async_save`.
 
 Lifecycle (every rank of the group unless noted):
 
-1. Flatten the state into tensor entries (with regions) and objects; encode the objects.
-2. Rank 0 names a fresh generation and broadcasts it; ranks all-gather their offers (or their
-   errors) and each computes the same :class:`~tierckpt.planner.SavePlan`.
-3. Each rank streams its assigned pieces into its data file and its objects into its objects file,
-   computing CRC-32C on the way. Nothing is visible until each file's writer closes.
-4. Ranks all-gather their piece and object records (or errors). Any failure: every rank raises, no
-   commit is written, and the previously committed checkpoint is untouched.
-5. Rank 0 writes the metadata documents, then the ``COMMIT`` record (atomic), then broadcasts the
-   outcome; by default it then deletes the generation the old ``COMMIT`` named.
+1. *Prepare* (caller's thread): flatten the state into tensor entries and objects; encode the
+   objects. Ranks exchange a digest of their offers: when it matches the cached plan's, the plan is
+   reused; otherwise offers are all-gathered and every rank computes the same
+   :class:`~tierckpt.planner.SavePlan`. Rank 0 names a fresh generation.
+2. *Snapshot and write*: each rank streams its assigned pieces into its data file
+   (:class:`~tierckpt.io.staging.FileStream`, CRC-32C computed on the I/O loop). A synchronous save
+   streams straight from tensor memory. An asynchronous save first copies the pieces into the reusable
+   staging buffer (pinned for CUDA) and returns to training once every byte is copied.
+3. *Finish* (caller's thread for ``save``, a background thread for ``async_save``): close the files,
+   write the objects, all-gather piece and object records (a background save uses its own gloo group,
+   so training's collectives are untouched). Any failure on any rank: every rank raises, no commit is
+   written, and the last committed checkpoint is untouched.
+4. *Commit* (rank 0): write the metadata documents, then ``COMMIT`` (atomic); broadcast the outcome;
+   delete the generation the old ``COMMIT`` named unless ``keep_previous``.
+
+A background failure is raised by the handle's ``wait()``, and — if nobody waited — by the next save.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
 
 import crc32c
 import torch
@@ -26,81 +36,20 @@ import torch.distributed as dist
 from . import layout
 from .backends import Backend, open_backend
 from .comm import Comm
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError
 from .io.scheduler import get_scheduler
+from .io.staging import Chunk, FileStream, StagingBuffer, stage_into
 from .metadata import (
     CheckpointMeta, FileMeta, ObjectMeta, PieceMeta, dtype_name, encode_header, encode_pieces, encode_tensors,
 )
 from .monitor import Monitor
 from .objects import encode_object
-from .planner import LocalPiece, SavePlan, WriteAssignment, plan_save
+from .planner import LocalPiece, SavePlan, plan_save
+from .planner.save_planner import offers_digest
 from .regions import Box, FlatRange, Region
 from .state import FlatState, TensorEntry, flatten_state
 
 T = TypeVar("T")
-
-
-def save(
-    uri: str,
-    state: Mapping[str, Any],
-    *,
-    group: dist.ProcessGroup | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    tags: Mapping[str, str] | None = None,
-    keep_previous: bool = False,
-    align_bytes: int = 64,
-    monitor: Monitor | None = None,
-) -> CheckpointMeta:
-    """Save ``state`` to ``uri``; returns once the checkpoint is committed (on every rank).
-
-    ``keep_previous=True`` keeps the generation that the previous commit named (it is otherwise
-    deleted after the new commit). ``tags`` are stored in the header.
-    """
-    comm = Comm(group)
-    monitor = monitor or Monitor()
-    backend = open_backend(uri, **dict(storage_options or {}))
-    started = time.time()
-    with monitor.phase("plan"):
-        (offers, digests), flat, encoded = run_agreed(comm, lambda: _prepare(state), "preparing the state to save")
-        generation = comm.broadcast_object(layout.new_generation() if comm.rank == 0 else None)
-        gathered = comm.all_gather_object((offers, digests))
-        plan = plan_save([o for o, _ in gathered], align_bytes=align_bytes)
-        owners = _place_objects([d for _, d in gathered], plan)
-    with monitor.phase("write"):
-        mine = run_agreed(
-            comm,
-            lambda: _write_rank(backend, generation, comm.rank, plan, flat, encoded, owners, monitor),
-            f"writing checkpoint {uri!r}",
-        )
-        records = comm.all_gather_object(mine)
-    meta = CheckpointMeta(
-        generation=generation,
-        world_size=comm.world_size,
-        created_unix=started,
-        frameworks=tuple(sorted(flat.frameworks)),
-        files=tuple(f for r in records for f in r[2]),
-        objects=tuple(o for r in records for o in r[1]),
-        num_tensors=len(plan.tensors),
-        num_pieces=sum(len(r[0]) for r in records),
-        tensor_bytes=sum(t.nbytes for t in plan.tensors),
-        timings={**{f"rank{r}.{k}": v for r, rec in enumerate(records) for k, v in rec[3].items()}},
-        tags=dict(tags or {}),
-    )
-    error: BaseException | None = None
-    if comm.rank == 0:
-        try:
-            previous = _committed_generation(backend)
-            _commit(backend, meta, plan, [p for r in records for p in r[0]])
-            if previous and previous != generation and not keep_previous:
-                get_scheduler().run(backend.delete_prefix(f"{previous}/"))
-        except Exception as exc:  # noqa: BLE001 - shared with every rank below
-            error = exc
-    outcome = comm.broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    if outcome is not None:
-        raise CheckpointError(f"committing checkpoint {uri!r} failed on rank 0: {outcome}")
-    return meta
 
 
 def run_agreed(comm: Comm, fn: Callable[[], T], what: str) -> T:
@@ -114,15 +63,117 @@ def run_agreed(comm: Comm, fn: Callable[[], T], what: str) -> T:
     return result  # type: ignore[return-value]
 
 
-def _prepare(state: Mapping[str, Any]) -> tuple[tuple[list[LocalPiece], dict[str, tuple[int, int]]], FlatState, dict]:
+# -- process-wide save state -----------------------------------------------------------------------
+@dataclass
+class _Process:
+    """What outlives one save in this process: plan cache, staging buffer, background saves."""
+
+    plans: dict[Any, tuple[list[str], SavePlan]] = field(default_factory=dict)
+    staging: StagingBuffer = field(default_factory=StagingBuffer)
+    staging_lock: threading.Lock = field(default_factory=threading.Lock)
+    background: concurrent.futures.ThreadPoolExecutor | None = None
+    groups: dict[Any, Any] = field(default_factory=dict)
+    in_flight: dict[str, SaveHandle] = field(default_factory=dict)
+    unreported: list[SaveHandle] = field(default_factory=list)
+
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self.background is None:
+            self.background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-save")
+        return self.background
+
+
+_PROCESS = _Process()
+
+
+def _group_key(group: dist.ProcessGroup | None) -> Any:
+    return "WORLD" if group is None else id(group)
+
+
+class SaveHandle:
+    """An asynchronous save in flight. ``wait()`` returns the committed checkpoint's metadata."""
+
+    def __init__(self, uri: str, future: concurrent.futures.Future[CheckpointMeta], monitor: Monitor) -> None:
+        self.uri = uri
+        self.monitor = monitor
+        self._future = future
+        self._reported = False
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout_s: float | None = None) -> CheckpointMeta:
+        """Block until committed; raise the save's error if it failed."""
+        try:
+            return self._future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise CheckpointBusyError(f"async save to {self.uri!r} is still running after {timeout_s}s") from None
+        except BaseException:
+            self._reported = True
+            raise
+
+    result = wait
+
+    def unreported_error(self) -> BaseException | None:
+        if self._reported or not self._future.done():
+            return None
+        return self._future.exception()
+
+
+# -- the steps -------------------------------------------------------------------------------------
+@dataclass
+class _Prepared:
+    uri: str
+    comm: Comm
+    backend: Backend
+    flat: FlatState
+    encoded: dict[str, tuple[bytes, str]]
+    plan: SavePlan
+    owners: dict[str, int | None]
+    generation: str
+    started: float
+    monitor: Monitor
+    tags: dict[str, str]
+    keep_previous: bool
+
+
+def _prepare(
+    uri: str, state: Mapping[str, Any], group: dist.ProcessGroup | None, storage_options: Mapping[str, Any] | None,
+    tags: Mapping[str, str] | None, keep_previous: bool, align_bytes: int, monitor: Monitor,
+) -> _Prepared:
+    _raise_unreported()
+    comm = Comm(group)
+    backend = open_backend(uri, **dict(storage_options or {}))
+    started = time.time()
+    with monitor.phase("plan"):
+        flat, offers, encoded = run_agreed(comm, lambda: _flatten(state), "preparing the state to save")
+        digests = {key: (crc32c.crc32c(data), len(data)) for key, (data, _) in encoded.items()}
+        plan_key = (_group_key(group), align_bytes)
+        mine = offers_digest([offers])
+        agreement = comm.all_gather_object((mine, digests))
+        cached = _PROCESS.plans.get(plan_key)
+        if cached is not None and cached[0] == [a[0] for a in agreement]:
+            plan = cached[1]
+            monitor.count("plan_cache_hits")
+        else:
+            gathered = comm.all_gather_object(offers)
+            plan = run_agreed(comm, lambda: plan_save(gathered, align_bytes=align_bytes), "planning the save")
+            _PROCESS.plans[plan_key] = ([a[0] for a in agreement], plan)
+        owners = _place_objects([a[1] for a in agreement], plan)
+        generation = comm.broadcast_object(layout.new_generation() if comm.rank == 0 else None)
+    return _Prepared(
+        uri=uri, comm=comm, backend=backend, flat=flat, encoded=encoded, plan=plan, owners=owners,
+        generation=generation, started=started, monitor=monitor, tags=dict(tags or {}), keep_previous=keep_previous,
+    )
+
+
+def _flatten(state: Mapping[str, Any]) -> tuple[FlatState, list[LocalPiece], dict[str, tuple[bytes, str]]]:
     flat = flatten_state(state, for_load=False)
     offers = [
         LocalPiece(fqn=e.fqn, dtype=dtype_name(e.tensor.dtype), shape=e.shape, region=e.region)
         for e in flat.tensors.values()
     ]
     encoded = {key: encode_object(entry.value) for key, entry in flat.objects.items()}
-    digests = {key: (crc32c.crc32c(data), len(data)) for key, (data, _) in encoded.items()}
-    return (offers, digests), flat, encoded
+    return flat, offers, encoded
 
 
 def _place_objects(digests: list[dict[str, tuple[int, int]]], plan: SavePlan) -> dict[str, int | None]:
@@ -141,34 +192,111 @@ def _place_objects(digests: list[dict[str, tuple[int, int]]], plan: SavePlan) ->
     return owners
 
 
-def _write_rank(
-    backend: Backend,
-    generation: str,
-    rank: int,
-    plan: SavePlan,
-    flat: FlatState,
-    encoded: dict[str, tuple[bytes, str]],
-    owners: dict[str, int | None],
-    monitor: Monitor,
-) -> tuple[list[PieceMeta], list[ObjectMeta], list[FileMeta], dict[str, float]]:
-    sched = get_scheduler()
+def _pieces(p: _Prepared) -> list[tuple[int, int, torch.Tensor]]:
+    """``(index, byte_offset, tensor)`` of every piece this rank writes, in file order."""
+    return [
+        (i, w.byte_offset, _piece_tensor(p.flat.tensors[w.fqn], w.region))
+        for i, w in enumerate(p.plan.writes[p.comm.rank])
+    ]
+
+
+def _open_stream(p: _Prepared) -> FileStream | None:
+    writes = p.plan.writes[p.comm.rank]
+    if not writes:
+        return None
+    return FileStream(p.backend, layout.in_generation(p.generation, writes[0].file), len(writes))
+
+
+def _stream_direct(p: _Prepared) -> FileStream | None:
+    """Synchronous path: stream pieces straight from tensor memory (no snapshot copy)."""
+    stream = _open_stream(p)
+    if stream is None:
+        return None
+    position = 0
+    for index, offset, tensor in _pieces(p):
+        if offset > position:
+            stream.put(Chunk(memoryview(bytes(offset - position))))
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        stream.put(Chunk(memoryview(data.numpy()), [(index, 0, data.numel())]))
+        position = offset + data.numel()
+    return stream
+
+
+def _stream_staged(p: _Prepared, staging_bytes: int | None) -> FileStream | None:
+    """Asynchronous path: copy pieces through the reusable staging buffer; return when all are copied."""
+    stream = _open_stream(p)
+    if stream is None:
+        return None
+    size = p.plan.file_sizes[p.comm.rank]
+    capacity = min(size, staging_bytes) if staging_bytes else size
+    pin = any(e.tensor.is_cuda for e in p.flat.tensors.values()) and torch.cuda.is_available()
+    stage_into(stream, _pieces(p), _PROCESS.staging.acquire(capacity, pin=pin)[:capacity])
+    return stream
+
+
+def _finish(p: _Prepared, stream: FileStream | None, comm: Comm) -> CheckpointMeta:
+    """Close the data file, write objects, gather records, commit (see the module docstring)."""
+    with p.monitor.phase("write"):
+        mine = run_agreed(comm, lambda: _finish_rank(p, stream), f"writing checkpoint {p.uri!r}")
+        records = comm.all_gather_object(mine)
+    meta = CheckpointMeta(
+        generation=p.generation,
+        world_size=comm.world_size,
+        created_unix=p.started,
+        frameworks=tuple(sorted(p.flat.frameworks)),
+        files=tuple(f for r in records for f in r[2]),
+        objects=tuple(o for r in records for o in r[1]),
+        num_tensors=len(p.plan.tensors),
+        num_pieces=sum(len(r[0]) for r in records),
+        tensor_bytes=sum(t.nbytes for t in p.plan.tensors),
+        timings={f"rank{r}.{k}": v for r, rec in enumerate(records) for k, v in rec[3].items()},
+        tags=p.tags,
+    )
+    with p.monitor.phase("commit"):
+        error: BaseException | None = None
+        if comm.rank == 0:
+            try:
+                _commit(p, meta, [piece for r in records for piece in r[0]])
+            except Exception as exc:  # noqa: BLE001 - shared with every rank below
+                error = exc
+        outcome = comm.broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if outcome is not None:
+        raise CheckpointError(f"committing checkpoint {p.uri!r} failed on rank 0: {outcome}")
+    return meta
+
+
+def _finish_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMeta], list[ObjectMeta], list[FileMeta], dict[str, float]]:
+    rank = p.comm.rank
     pieces: list[PieceMeta] = []
     files: list[FileMeta] = []
-    writes = plan.writes[rank]
-    if writes:
-        chunks = _piece_chunks(flat, writes, pieces)
-        key = layout.in_generation(generation, writes[0].file)
-        sched.run(_stream(backend, key, chunks))
-        files.append(FileMeta(key=writes[0].file, size=plan.file_sizes[rank]))
-        monitor.count("bytes_written", plan.file_sizes[rank])
+    if stream is not None:
+        crcs = stream.finish()
+        writes = p.plan.writes[rank]
+        pieces = [
+            PieceMeta(fqn=w.fqn, region=w.region, file=w.file, byte_offset=w.byte_offset, byte_length=w.byte_length, crc32c=c)
+            for w, c in zip(writes, crcs)
+        ]
+        files.append(FileMeta(key=writes[0].file, size=p.plan.file_sizes[rank]))
+        p.monitor.count("bytes_written", p.plan.file_sizes[rank])
+    objects, blob = _objects_of_rank(p)
+    if blob:
+        get_scheduler().run(p.backend.put(layout.in_generation(p.generation, layout.objects_file(rank)), blob))
+        files.append(FileMeta(key=layout.objects_file(rank), size=len(blob)))
+    return pieces, objects, files, dict(p.monitor.seconds)
+
+
+def _objects_of_rank(p: _Prepared) -> tuple[list[ObjectMeta], bytes]:
+    rank = p.comm.rank
     objects: list[ObjectMeta] = []
-    blobs = []
+    blobs: list[bytes] = []
     offset = 0
-    for key in sorted(encoded):
-        owner = owners.get(key)
+    for key in sorted(p.encoded):
+        owner = p.owners.get(key)
         if owner is not None and owner != rank:
             continue
-        data, codec = encoded[key]
+        data, codec = p.encoded[key]
         objects.append(
             ObjectMeta(
                 key=key, rank=None if owner is not None else rank, file=layout.objects_file(rank),
@@ -177,27 +305,7 @@ def _write_rank(
         )
         blobs.append(data)
         offset += len(data)
-    if blobs:
-        sched.run(backend.put(layout.in_generation(generation, layout.objects_file(rank)), b"".join(blobs)))
-        files.append(FileMeta(key=layout.objects_file(rank), size=offset))
-    return pieces, objects, files, dict(monitor.seconds)
-
-
-def _piece_chunks(flat: FlatState, writes: tuple[WriteAssignment, ...], out: list[PieceMeta]) -> Iterator[memoryview | bytes]:
-    """The bytes of a data file, piece by piece (with alignment padding); records each piece in ``out``."""
-    position = 0
-    for w in writes:
-        if w.byte_offset > position:
-            yield bytes(w.byte_offset - position)
-        data = tensor_bytes(_piece_tensor(flat.tensors[w.fqn], w.region))
-        if len(data) != w.byte_length:
-            raise CheckpointError(f"piece of {w.fqn!r} has {len(data)} bytes, the plan expected {w.byte_length}")
-        out.append(
-            PieceMeta(fqn=w.fqn, region=w.region, file=w.file, byte_offset=w.byte_offset,
-                      byte_length=w.byte_length, crc32c=crc32c.crc32c(data))
-        )
-        yield data
-        position = w.byte_offset + w.byte_length
+    return objects, b"".join(blobs)
 
 
 def _piece_tensor(entry: TensorEntry, region: Region) -> torch.Tensor:
@@ -209,38 +317,119 @@ def _piece_tensor(entry: TensorEntry, region: Region) -> torch.Tensor:
     raise CheckpointError(f"piece of {entry.fqn!r}: a {type(region).__name__} cannot be cut from a {type(entry.region).__name__}")
 
 
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """A tensor's elements as raw bytes, row-major (copying only if not contiguous or not on the CPU)."""
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous().reshape(-1)
-    return memoryview(t.view(torch.uint8).numpy())
-
-
-async def _stream(backend: Backend, key: str, chunks: Iterator[memoryview | bytes]) -> None:
-    writer = await backend.open_writer(key)
-    try:
-        for chunk in chunks:
-            await writer.write(chunk)
-    except BaseException:
-        await writer.abort()
-        raise
-    await writer.close()
-
-
-def _committed_generation(backend: Backend) -> str | None:
-    try:
-        data = get_scheduler().run(backend.get(layout.COMMIT))
-    except CheckpointNotFoundError:
-        return None
-    return layout.CommitRecord.decode(data).generation
-
-
-def _commit(backend: Backend, meta: CheckpointMeta, plan: SavePlan, pieces: list[PieceMeta]) -> None:
+def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None:
     sched = get_scheduler()
-    gen = meta.generation
-    sched.run(backend.put(layout.tensors_key(gen), encode_tensors(plan.tensors)))
+    backend, gen = p.backend, p.generation
+    try:
+        previous = layout.CommitRecord.decode(sched.run(backend.get(layout.COMMIT))).generation
+    except CheckpointNotFoundError:
+        previous = None
+    sched.run(backend.put(layout.tensors_key(gen), encode_tensors(p.plan.tensors)))
     sched.run(backend.put(layout.pieces_key(gen), encode_pieces(pieces)))
     sched.run(backend.put(layout.header_key(gen), encode_header(meta)))
     sched.run(backend.commit(layout.COMMIT, layout.CommitRecord(gen, time.time()).encode()))
+    if previous and previous != gen and not p.keep_previous:
+        sched.run(backend.delete_prefix(f"{previous}/"))
+
+
+def _raise_unreported() -> None:
+    """Raise the failure of an earlier background save that nobody waited for."""
+    for handle in list(_PROCESS.unreported):
+        error = handle.unreported_error()
+        if handle.done():
+            _PROCESS.unreported.remove(handle)
+        if error is not None:
+            raise CheckpointError(f"an earlier async save to {handle.uri!r} failed: {error}") from error
+
+
+def _background_comm(group: dist.ProcessGroup | None) -> Comm:
+    """A gloo group of the same ranks for background collectives (created once per group)."""
+    comm = Comm(group)
+    if comm.world_size == 1:
+        return comm
+    key = _group_key(group)
+    if key not in _PROCESS.groups:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        _PROCESS.groups[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return Comm(_PROCESS.groups[key])
+
+
+# -- public API ------------------------------------------------------------------------------------
+def save(
+    uri: str,
+    state: Mapping[str, Any],
+    *,
+    group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    tags: Mapping[str, str] | None = None,
+    keep_previous: bool = False,
+    align_bytes: int = 64,
+    monitor: Monitor | None = None,
+) -> CheckpointMeta:
+    """Save ``state`` to ``uri``; return once the checkpoint is committed (on every rank).
+
+    ``keep_previous=True`` keeps the generation that the previous commit named (it is otherwise
+    deleted after the new commit). ``tags`` are stored in the header. Pass a :class:`Monitor` to
+    read per-phase timings and byte counts afterwards.
+    """
+    monitor = monitor or Monitor()
+    previous = _PROCESS.in_flight.get(uri)
+    if previous is not None and not previous.done():
+        previous.wait()
+    p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor)
+    with monitor.phase("stage"):
+        stream = run_agreed(p.comm, lambda: _stream_direct(p), f"writing checkpoint {uri!r}")
+    return _finish(p, stream, p.comm)
+
+
+def async_save(
+    uri: str,
+    state: Mapping[str, Any],
+    *,
+    group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    tags: Mapping[str, str] | None = None,
+    keep_previous: bool = False,
+    align_bytes: int = 64,
+    staging_bytes: int | None = None,
+    if_busy: Literal["wait", "error"] = "wait",
+    monitor: Monitor | None = None,
+) -> SaveHandle:
+    """Snapshot ``state`` and save it in the background; training may mutate it once this returns.
+
+    The snapshot goes through a reusable staging buffer of at most ``staging_bytes`` per rank
+    (default: the rank's share of the checkpoint); a larger state streams through it, and the call
+    returns once the last bytes are copied. One save per ``uri`` is in flight: with
+    ``if_busy="wait"`` (default) a new one waits for the previous, with ``"error"`` it raises
+    :class:`CheckpointBusyError`.
+    """
+    monitor = monitor or Monitor()
+    previous = _PROCESS.in_flight.get(uri)
+    if previous is not None and not previous.done():
+        if if_busy == "error":
+            raise CheckpointBusyError(f"an async save to {uri!r} is still in flight; wait() for it or pass if_busy='wait'")
+        previous.wait()
+    p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor)
+    background = _background_comm(group)
+    _PROCESS.staging_lock.acquire()  # the staging buffer serves one save at a time
+    try:
+        with monitor.phase("stage"):
+            stream = run_agreed(p.comm, lambda: _stream_staged(p, staging_bytes), f"staging checkpoint {uri!r}")
+    except BaseException:
+        _PROCESS.staging_lock.release()
+        raise
+
+    def finish() -> CheckpointMeta:
+        try:
+            if stream is not None:
+                stream.finish()
+        except BaseException:
+            pass  # the error is raised again by _finish on this rank and shared with the others
+        finally:
+            _PROCESS.staging_lock.release()
+        return _finish(p, stream, background)
+
+    handle = SaveHandle(uri, _PROCESS.executor().submit(finish), monitor)
+    _PROCESS.in_flight[uri] = handle
+    _PROCESS.unreported.append(handle)
+    return handle

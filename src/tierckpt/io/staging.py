@@ -1,0 +1,169 @@
+"""Snapshot and stream of one rank's data file.
+
+:class:`FileStream` writes one data file in order on the I/O loop: the caller hands it
+:class:`Chunk` objects (byte views plus which pieces they carry) and the stream appends them to a
+backend writer, computing each piece's CRC-32C as the bytes pass — so checksumming overlaps the next
+copy instead of stalling the caller.
+
+:class:`StagingBuffer` is the reusable snapshot memory for asynchronous saves: allocated once per
+process (pinned when CUDA tensors are staged), grown only when a save needs more, and used as two
+halves in turn (ping-pong): while one half is being written, the next pieces are copied into the
+other. When the state is larger than the buffer, the copy waits for a half to drain, so memory stays
+bounded at ``capacity`` bytes and the pipeline streams through it.
+
+Lifecycle of one file (the saving rank):
+
+1. ``stream = FileStream(backend, key, num_pieces)`` opens the writer on the I/O loop.
+2. ``stream.put(chunk)`` for each chunk, in file order (from any one thread).
+3. ``stream.finish()`` closes the writer (the file becomes visible atomically) and returns the
+   per-piece CRCs; on any failure the writer is aborted and nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import crc32c
+import torch
+
+from ..backends import Backend
+from .scheduler import get_scheduler
+
+
+@dataclass(eq=False)
+class Chunk:
+    """Consecutive bytes of a file; ``segments`` maps ``(piece index, start, length)`` within ``data``."""
+
+    data: memoryview
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
+    written: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class FileStream:
+    """Writes chunks of one file in order on the I/O loop (see the module docstring)."""
+
+    def __init__(self, backend: Backend, key: str, num_pieces: int) -> None:
+        self.crcs = [0] * num_pieces
+        self.bytes_written = 0
+        self._sched = get_scheduler()
+        self._queue: asyncio.Queue[Chunk | None] = self._sched.run(self._make_queue())
+        self._done = self._sched.submit(self._drain(backend, key))
+
+    @staticmethod
+    async def _make_queue() -> asyncio.Queue[Chunk | None]:
+        return asyncio.Queue()
+
+    def put(self, chunk: Chunk) -> None:
+        self._sched.loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
+
+    def finish(self) -> list[int]:
+        """Close the file once every chunk is written; raise the first write error."""
+        self._sched.loop.call_soon_threadsafe(self._queue.put_nowait, None)
+        self._done.result()
+        return self.crcs
+
+    async def _drain(self, backend: Backend, key: str) -> None:
+        writer = await backend.open_writer(key)
+        try:
+            while (chunk := await self._queue.get()) is not None:
+                try:
+                    for piece, start, length in chunk.segments:
+                        self.crcs[piece] = crc32c.crc32c(chunk.data[start : start + length], self.crcs[piece])
+                    await writer.write(chunk.data)
+                    self.bytes_written += len(chunk.data)
+                except BaseException as exc:
+                    chunk.written.set_exception(exc)
+                    raise
+                chunk.written.set_result(None)
+        except BaseException:
+            await writer.abort()
+            self._fail_pending()
+            raise
+        await writer.close()
+
+    def _fail_pending(self) -> None:
+        while not self._queue.empty():
+            chunk = self._queue.get_nowait()
+            if chunk is not None and not chunk.written.done():
+                chunk.written.set_exception(RuntimeError("an earlier write of this file failed"))
+
+
+class StagingBuffer:
+    """Reusable snapshot memory, pinned when staging from CUDA (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def acquire(self, nbytes: int, *, pin: bool) -> torch.Tensor:
+        """At least ``nbytes`` of host memory (reused across saves when large enough)."""
+        buf = self._buffer
+        if buf is None or buf.numel() < nbytes or (pin and not buf.is_pinned()):
+            self._buffer = None
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+            self._buffer = buf
+        return buf
+
+
+class PingPong:
+    """Copies bytes into the two halves of a staging buffer in turn and streams each full half."""
+
+    def __init__(self, stream: FileStream, buffer: torch.Tensor) -> None:
+        half = max(buffer.numel() // 2, 1)
+        self._stream = stream
+        self._halves = [buffer[:half], buffer[half : 2 * half]]
+        self._half = half
+        self._in_flight: list[Chunk | None] = [None, None]
+        self._current = 0
+        self._used = 0
+        self._segments: list[tuple[int, int, int]] = []
+        self._from_cuda = False
+
+    def copy(self, data: torch.Tensor, piece: int | None) -> None:
+        """Append ``data`` (flat uint8, CPU or CUDA; ``None`` piece for padding) to the stream."""
+        start = 0
+        while start < data.numel():
+            if self._used == self._half:
+                self.flush()
+            if self._used == 0 and (waiting := self._in_flight[self._current]) is not None:
+                waiting.written.result()  # this half is still being written: wait for it to drain
+                self._in_flight[self._current] = None
+            take = min(data.numel() - start, self._half - self._used)
+            target = self._halves[self._current][self._used : self._used + take]
+            target.copy_(data[start : start + take], non_blocking=data.is_cuda)
+            self._from_cuda |= data.is_cuda
+            if piece is not None:
+                self._segments.append((piece, self._used, take))
+            self._used += take
+            start += take
+
+    def flush(self) -> None:
+        """Stream the current half and switch to the other one."""
+        if self._used == 0:
+            return
+        if self._from_cuda:
+            torch.cuda.current_stream().synchronize()
+        chunk = Chunk(memoryview(self._halves[self._current][: self._used].numpy()), self._segments)
+        self._stream.put(chunk)
+        self._in_flight[self._current] = chunk
+        self._current ^= 1
+        self._used, self._segments, self._from_cuda = 0, [], False
+
+
+def stage_into(stream: FileStream, pieces: Iterable[tuple[int, int, torch.Tensor]], buffer: torch.Tensor) -> None:
+    """Copy ``(index, byte_offset, tensor)`` pieces, in file order, through ``buffer`` into ``stream``.
+
+    Returns once every byte has been copied, so the caller may mutate its tensors; the last two
+    chunks may still be in flight (``stream.finish()`` waits for them).
+    """
+    pingpong = PingPong(stream, buffer)
+    position = 0
+    for index, offset, tensor in pieces:
+        if offset > position:
+            pingpong.copy(torch.zeros(offset - position, dtype=torch.uint8), None)
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        pingpong.copy(data, index)
+        position = offset + data.numel()
+    pingpong.flush()

@@ -1,0 +1,111 @@
+"""Asynchronous save: snapshot semantics, bounded staging, plan cache, failure reporting."""
+
+import threading
+
+import pytest
+import torch
+
+import scenarios
+import tierckpt
+from tierckpt import saver
+
+
+def _state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    return {
+        "big": torch.randn(300, 257),
+        "half": torch.randn(33, 7).to(torch.bfloat16),
+        "ints": torch.arange(1000, dtype=torch.int64),
+        "step": 3,
+    }
+
+
+def _zeros_like(state: dict) -> dict:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
+
+
+@pytest.mark.parametrize("staging_bytes", [None, 4096, 100_001])
+def test_training_may_mutate_after_return(tmp_path, staging_bytes):
+    """The checkpoint holds the values at the call, even when tensors change right after it returns
+    and even when the state is far larger than the staging buffer (it then streams through it)."""
+    state = _state()
+    expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    handle = tierckpt.async_save(str(tmp_path / "c"), state, staging_bytes=staging_bytes)
+    for value in state.values():
+        if isinstance(value, torch.Tensor):
+            value.add_(1) if value.dtype != torch.bool else None
+    meta = handle.wait()
+    assert handle.done() and meta.num_tensors == 3
+    loaded = tierckpt.load(str(tmp_path / "c"), _zeros_like(state))
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(loaded[key], value), key
+        else:
+            assert loaded[key] == value
+
+
+def test_unchanged_layout_reuses_the_plan(tmp_path):
+    state = _state()
+    first, second = tierckpt.Monitor(), tierckpt.Monitor()
+    tierckpt.async_save(str(tmp_path / "a"), state, monitor=first).wait()
+    state["big"].mul_(2)
+    tierckpt.async_save(str(tmp_path / "b"), state, monitor=second).wait()
+    assert second.counters["plan_cache_hits"] == 1
+    loaded = tierckpt.load(str(tmp_path / "b"), _zeros_like(state))
+    assert torch.equal(loaded["big"], state["big"])
+
+
+def test_background_failure_surfaces_on_wait_and_leaves_no_commit(tmp_path, monkeypatch):
+    good = tmp_path / "c"
+    tierckpt.save(str(good), _state(1))
+
+    def broken_commit(*args, **kwargs):
+        raise OSError("disk vanished")
+
+    monkeypatch.setattr(saver, "_commit", broken_commit)
+    handle = tierckpt.async_save(str(good), _state(2))
+    with pytest.raises(OSError, match="disk vanished"):
+        handle.wait()
+    monkeypatch.undo()
+    loaded = tierckpt.load(str(good), _zeros_like(_state()))
+    assert torch.equal(loaded["big"], _state(1)["big"]), "the last committed checkpoint must be intact"
+
+
+def test_unwaited_failure_is_raised_by_the_next_save(tmp_path, monkeypatch):
+    def broken_commit(*args, **kwargs):
+        raise OSError("disk vanished")
+
+    monkeypatch.setattr(saver, "_commit", broken_commit)
+    handle = tierckpt.async_save(str(tmp_path / "x"), _state())
+    while not handle.done():
+        threading.Event().wait(0.01)
+    monkeypatch.undo()
+    with pytest.raises(tierckpt.CheckpointError, match="earlier async save"):
+        tierckpt.save(str(tmp_path / "y"), _state())
+    tierckpt.save(str(tmp_path / "y"), _state())  # reported once, then saves work again
+
+
+def test_second_save_to_a_busy_root(tmp_path, monkeypatch):
+    release = threading.Event()
+    original = saver._commit
+
+    def slow_commit(*args, **kwargs):
+        release.wait(10)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(saver, "_commit", slow_commit)
+    root = str(tmp_path / "c")
+    first = tierckpt.async_save(root, _state(1))
+    with pytest.raises(tierckpt.CheckpointBusyError):
+        tierckpt.async_save(root, _state(2), if_busy="error")
+    release.set()
+    second = tierckpt.async_save(root, _state(2))  # waits for the first
+    assert first.done()
+    second.wait()
+    loaded = tierckpt.load(root, _zeros_like(_state()))
+    assert torch.equal(loaded["big"], _state(2)["big"])
+
+
+@pytest.mark.multiproc
+def test_async_save_fsdp2_then_reshard(dist_pool, tmp_path):
+    assert all(dist_pool.run(scenarios.async_then_reshard, str(tmp_path / "ckpt")))
