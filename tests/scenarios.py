@@ -76,7 +76,7 @@ def _layout_state(mesh_shape: tuple[int, ...] | None, spec: str | None, fill: bo
 
 def dtensor_reshard(
     path: str, save_mesh: tuple[int, ...] | None, save_spec: str | None,
-    load_mesh: tuple[int, ...] | None, load_spec: str | None,
+    load_mesh: tuple[int, ...] | None, load_spec: str | None, storage_options: dict | None = None,
 ) -> dict[str, float]:
     """Save DTensors laid out one way, load them laid out another; check every element."""
     save_world = _size(save_mesh)
@@ -85,7 +85,7 @@ def dtensor_reshard(
     mesh_state = _layout_state(save_mesh, save_spec, fill=True) if save_mesh else None
     if group is not None:
         state = mesh_state if mesh_state is not None else _layout_state(None, None, fill=True)
-        tierckpt.save(path, {"s": state}, group=group)
+        tierckpt.save(path, {"s": state}, group=group, storage_options=storage_options)
     dist.barrier()
     group = subgroup(load_world)
     targets = _layout_state(load_mesh, load_spec, fill=False) if load_mesh else None
@@ -93,7 +93,7 @@ def dtensor_reshard(
     if group is not None:
         targets = targets if targets is not None else _layout_state(None, None, fill=False)
         monitor = tierckpt.Monitor()
-        tierckpt.load(path, {"s": targets}, group=group, monitor=monitor)
+        tierckpt.load(path, {"s": targets}, group=group, monitor=monitor, storage_options=storage_options)
         for name, (shape, dtype) in SPECS.items():
             check_tensor(name, targets[name], reference(name, shape, dtype))
         stats = dict(monitor.counters)

@@ -1,0 +1,349 @@
+"""TieredBackend: the backend contract (over a local remote and over S3 on moto), write-back,
+commit ordering, read-through caching, corruption recovery, eviction and the public functions."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from backend_contract import BackendContract
+from conftest import free_port
+
+import tierckpt
+from tierckpt import layout
+from tierckpt.backends import Backend, LocalBackend, open_backend
+from tierckpt.backends.base import ObjectWriter
+from tierckpt.cache import CacheConfig, TieredBackend, gc, open_tiered, prefetch, status, wait
+from tierckpt.cache.catalog import Catalog
+from tierckpt.cache.config import parse_bytes
+from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+
+
+def make_config(tmp_path: Path, **overrides: Any) -> CacheConfig:
+    values: dict[str, Any] = dict(directory=str(tmp_path / "cache"), block_bytes=64 * 1024, exit_wait_s=0,
+                                  poll_s=0.01)
+    values.update(overrides)
+    return CacheConfig(**values)
+
+
+class CountingBackend(LocalBackend):
+    """A local 'remote' that counts calls and can hold uploads of some keys until released."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.calls: list[tuple[str, str]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.hold = lambda key: False
+
+    async def _maybe_wait(self, key: str) -> None:
+        while self.hold(key) and not self.gate.is_set():
+            await asyncio.sleep(0.01)
+
+    async def put(self, key: str, data: bytes | memoryview) -> None:
+        self.calls.append(("put", key))
+        await self._maybe_wait(key)
+        await super().put(key, data)
+
+    async def open_writer(self, key: str) -> ObjectWriter:
+        self.calls.append(("open_writer", key))
+        await self._maybe_wait(key)
+        return await super().open_writer(key)
+
+    async def commit(self, key: str, data: bytes) -> None:
+        self.calls.append(("commit", key))
+        await super().commit(key, data)
+
+    async def get(self, key: str) -> bytes:
+        self.calls.append(("get", key))
+        return await super().get(key)
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        self.calls.append(("get_range", key))
+        return await super().get_range(key, start, end)
+
+    async def read_into(self, key: str, start: int, out: memoryview) -> None:
+        self.calls.append(("read_into", key))
+        await super().read_into(key, start, out)
+
+    async def size(self, key: str) -> int:
+        self.calls.append(("size", key))
+        return await super().size(key)
+
+    def reads(self) -> list[tuple[str, str]]:
+        return [c for c in self.calls if c[0] in ("get", "get_range", "read_into", "size")]
+
+
+class TestTieredOverLocal(BackendContract):
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> TieredBackend:
+        return TieredBackend(LocalBackend(str(tmp_path / "remote")), make_config(tmp_path))
+
+    async def test_everything_reaches_the_remote(self, backend: TieredBackend) -> None:
+        await backend.put("a/1", b"one")
+        writer = await backend.open_writer("a/2")
+        await writer.write(b"two")
+        await writer.close()
+        await backend.wait_durable()
+        assert await backend.remote.get("a/1") == b"one" and await backend.remote.get("a/2") == b"two"
+
+
+class TestTieredOverS3(BackendContract):
+    @pytest.fixture
+    def backend(self, s3_bucket_uri: str, tmp_path: Path) -> TieredBackend:
+        tiered = open_tiered(s3_bucket_uri, make_config(tmp_path))
+        assert isinstance(tiered, TieredBackend)
+        return tiered
+
+    async def test_remote_matches_after_wait(self, backend: TieredBackend) -> None:
+        await backend.put("x/obj", b"payload" * 1000)
+        await backend.commit("COMMIT", b"c")
+        await backend.wait_durable()
+        assert await backend.remote.get("x/obj") == b"payload" * 1000
+        assert await backend.remote.get("COMMIT") == b"c"
+
+
+# -- write-back --------------------------------------------------------------------------------------
+@pytest.fixture
+def remote(tmp_path: Path) -> CountingBackend:
+    return CountingBackend(str(tmp_path / "remote"))
+
+
+@pytest.fixture
+def store(remote: CountingBackend, tmp_path: Path) -> TieredBackend:
+    return TieredBackend(remote, make_config(tmp_path))
+
+
+async def test_write_back_is_local_first_then_remote(remote: CountingBackend, store: TieredBackend) -> None:
+    remote.gate.clear()
+    remote.hold = lambda key: True
+    await store.put("g-1/data/rank-00000.bin", b"d" * 5000)
+    assert Path(store.written.path_of("g-1/data/rank-00000.bin")).read_bytes() == b"d" * 5000
+    assert not await remote.exists("g-1/data/rank-00000.bin")
+    assert store.catalog.pending(store.rh, "g-1/data/rank-00000.bin")["op"] == "put"
+    assert store.catalog.generation_state(store.rh, "g-1") == "staged"
+    assert await store.get("g-1/data/rank-00000.bin") == b"d" * 5000  # served locally meanwhile
+    remote.gate.set()
+    await store.wait_durable()
+    assert await remote.get("g-1/data/rank-00000.bin") == b"d" * 5000
+    assert store.catalog.pending_under(store.rh) == {}
+
+
+async def test_remote_commit_only_after_all_data(remote: CountingBackend, store: TieredBackend) -> None:
+    gen = layout.new_generation()
+    remote.gate.clear()
+    remote.hold = lambda key: key.endswith("rank-00001.bin")
+    await store.put(f"{gen}/data/rank-00000.bin", b"a" * 1000)
+    writer = await store.open_writer(f"{gen}/data/rank-00001.bin")
+    await writer.write(b"b" * 3000)
+    await writer.close()
+    await store.commit(layout.COMMIT, layout.CommitRecord(gen, 1.0).encode())
+    assert store.catalog.generation_state(store.rh, gen) == "local"
+    assert (await store.status()).state == "local"
+    await asyncio.sleep(0.3)
+    assert await remote.exists(f"{gen}/data/rank-00000.bin")
+    assert not await remote.exists(layout.COMMIT), "COMMIT reached the remote before its data"
+    remote.gate.set()
+    await store.wait_durable(gen)
+    assert await remote.exists(layout.COMMIT)
+    order = [k for op, k in remote.calls if op in ("put", "open_writer", "commit")]
+    assert order.index(layout.COMMIT) > order.index(f"{gen}/data/rank-00001.bin")
+    assert store.catalog.generation_state(store.rh, gen) == "remote"
+    st = await store.status()
+    assert st.generation == gen and st.state == "remote" and st.pending_bytes == 0
+
+
+async def test_delete_of_old_generation_waits_for_new_commit(remote: CountingBackend, store: TieredBackend) -> None:
+    old, new = "g-1-old", "g-2-new"
+    await store.put(f"{old}/data/x", b"old")
+    await store.commit(layout.COMMIT, layout.CommitRecord(old, 1.0).encode())
+    await store.wait_durable()
+    remote.gate.clear()
+    remote.hold = lambda key: key.startswith(new)
+    await store.put(f"{new}/data/x", b"new")
+    await store.commit(layout.COMMIT, layout.CommitRecord(new, 2.0).encode())
+    await store.delete_prefix(f"{old}/")
+    assert not await store.exists(f"{old}/data/x")
+    await asyncio.sleep(0.2)
+    assert await remote.exists(f"{old}/data/x"), "the remote COMMIT still names the old generation"
+    remote.gate.set()
+    await store.wait_durable()
+    assert not await remote.exists(f"{old}/data/x")
+    assert layout.CommitRecord.decode(await remote.get(layout.COMMIT)).generation == new
+
+
+# -- read-through --------------------------------------------------------------------------------------
+async def test_second_read_does_not_touch_the_remote(remote: CountingBackend, store: TieredBackend,
+                                                     tmp_path: Path) -> None:
+    small, big = b"s" * 1000, os.urandom(300 * 1024)  # big: 5 blocks of 64 KiB
+    await remote.put("small", small)
+    await remote.put("big", big)
+    assert await store.get("small") == small
+    assert await store.get_range("big", 70_000, 140_000) == big[70_000:140_000]
+    before = len(remote.reads())
+    assert await store.get("small") == small
+    assert await store.get_range("big", 70_000, 140_000) == big[70_000:140_000]
+    assert await store.size("big") == len(big)
+    buf = bytearray(1000)
+    await store.read_into("big", 100_000, memoryview(buf))
+    assert bytes(buf) == big[100_000:101_000]
+    assert len(remote.reads()) == before
+    # A new instance (another process would be the same) reads from the disk tier.
+    again = TieredBackend(remote, make_config(tmp_path))
+    assert await again.get("small") == small
+    assert await again.get_range("big", 65_536, 131_072) == big[65_536:131_072]
+    assert len(remote.reads()) == before
+    # Only the touched blocks were fetched.
+    blocks = [k for k in os.listdir(Path(store._blocks.root)) if not k.startswith(".")]
+    assert blocks and store.catalog.block(store.rh, "big", 4) is None
+
+
+async def test_corrupted_cache_entries_are_refetched(remote: CountingBackend, store: TieredBackend,
+                                                     tmp_path: Path) -> None:
+    small, big = os.urandom(1000), os.urandom(200 * 1024)
+    await remote.put("small", small)
+    await remote.put("big", big)
+    assert await store.get("small") == small
+    assert await store.get_range("big", 0, 10) == big[:10]
+    Path(store.fetched.path_of("small")).write_bytes(b"X" * 1000)  # same size, wrong bytes
+    block_path = Path(store._blocks.path_of(store._block_key("big", 0)))
+    block_path.write_bytes(b"Y" * 100)  # truncated
+    fresh = TieredBackend(remote, make_config(tmp_path))
+    before = len(remote.reads())
+    assert await fresh.get("small") == small
+    assert await fresh.get_range("big", 0, 10) == big[:10]
+    assert len(remote.reads()) == before + 2
+    assert Path(store.fetched.path_of("small")).read_bytes() == small
+
+
+async def test_corrupt_unuploaded_data_raises(remote: CountingBackend, store: TieredBackend, tmp_path: Path) -> None:
+    remote.gate.clear()
+    remote.hold = lambda key: True
+    await store.put("g-1/data/x", b"z" * 100)
+    Path(store.written.path_of("g-1/data/x")).write_bytes(b"q" * 100)
+    with pytest.raises(CorruptCheckpointError, match="has not reached the remote"):
+        await TieredBackend(remote, make_config(tmp_path)).get("g-1/data/x")
+    remote.gate.set()
+    with pytest.raises(Exception, match="CRC-32C"):
+        await store.wait_durable()
+    assert not await remote.exists("g-1/data/x")
+
+
+async def test_eviction_keeps_pending_data(remote: CountingBackend, tmp_path: Path) -> None:
+    config = make_config(tmp_path, disk_bytes=100_000)
+    store = TieredBackend(remote, config)
+    remote.gate.clear()
+    remote.hold = lambda key: key.startswith("pending/")
+    for i in range(4):
+        await store.put(f"pending/{i}", bytes([i]) * 40_000)  # 160 KB pending: over budget, kept
+    for i in range(4):
+        await remote.put(f"clean/{i}", bytes([i]) * 30_000)
+        await store.get(f"clean/{i}")
+    for i in range(4):
+        assert Path(store.written.path_of(f"pending/{i}")).exists()
+    fetched = [i for i in range(4) if Path(store.fetched.path_of(f"clean/{i}")).exists()]
+    assert len(fetched) <= 1  # LRU: only the newest fetch could stay
+    remote.gate.set()
+    await store.wait_durable()
+    await remote.put("clean/last", b"l" * 30_000)
+    await store.get("clean/last")  # now the uploaded data can be evicted too
+    assert store.catalog.usage() <= 100_000
+    for i in range(4):
+        assert await store.get(f"pending/{i}") == bytes([i]) * 40_000  # still readable (from the remote)
+
+
+async def test_memory_tier_serves_small_objects(remote: CountingBackend, store: TieredBackend) -> None:
+    await remote.put("meta/header.json", b"{}")
+    await store.get("meta/header.json")
+    os.unlink(store.fetched.path_of("meta/header.json"))
+    assert await store.get("meta/header.json") == b"{}"
+
+
+def test_parse_bytes_and_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert parse_bytes("10G") == 10 * 2**30 and parse_bytes("512M") == 512 * 2**20 and parse_bytes("123") == 123
+    assert parse_bytes("1.5KiB") == 1536
+    monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(tmp_path / "envcache"))
+    monkeypatch.setenv("TIERCKPT_CACHE_BYTES", "2G")
+    config = CacheConfig.from_env(memory_bytes="1M")
+    assert config.directory == str(tmp_path / "envcache") and config.disk_bytes == 2 * 2**30
+    assert config.memory_bytes == 2**20
+
+
+def test_open_tiered_by_scheme(tmp_path: Path) -> None:
+    config = make_config(tmp_path)
+    assert isinstance(open_tiered(str(tmp_path / "x"), config), LocalBackend)
+    assert not isinstance(open_tiered("memory://m/x", config), TieredBackend)
+    tiered = open_tiered("s3://bucket/p", config, endpoint_url="http://127.0.0.1:1", key="k", secret="s")
+    assert isinstance(tiered, TieredBackend) and tiered.root_uri == "s3://bucket/p"
+    off = CacheConfig(directory=str(tmp_path / "c2"), enabled=False)
+    assert not isinstance(open_tiered("s3://bucket/p", off, endpoint_url="http://127.0.0.1:1"), TieredBackend)
+
+
+# -- end to end ---------------------------------------------------------------------------------------
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+
+
+def test_save_to_s3_then_load_from_warm_cache_without_remote(
+    s3_bucket_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = make_config(tmp_path, block_bytes=8 * 2**20)
+    opener = lambda uri, **opts: open_tiered(uri, config, **opts)  # noqa: E731
+    monkeypatch.setattr(tierckpt.saver, "open_backend", opener)
+    monkeypatch.setattr(tierckpt.loader, "open_backend", opener)
+    uri = f"{s3_bucket_uri}/step-100"
+    model = _model()
+    state = {"model": model.state_dict(), "step": 100}
+    tierckpt.save(uri, state)
+    tierckpt.save(uri, state)  # a second save: deletes of the first generation wait for the new COMMIT
+    wait(uri, timeout_s=60, config=config)
+    st = status(uri, config=config)
+    assert st.state == "remote" and st.pending_bytes == 0 and st.durable
+    # The remote alone has the whole checkpoint.
+    plain = open_backend(uri)
+    target = {"model": _model().state_dict(), "step": 0}
+    for t in target["model"].values():
+        t.zero_()
+    tierckpt.loader.open_backend = open_backend  # plain load from S3
+    monkeypatch.setattr(tierckpt.loader, "open_backend", lambda u, **o: open_backend(u, **o))
+    tierckpt.load(uri, target)
+    assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
+    assert len([k for k in tierckpt.backends.base.Backend.__dict__ if k]) and plain
+    # Now with the endpoint unreachable: everything comes from the node cache.
+    monkeypatch.setattr(tierckpt.loader, "open_backend", opener)
+    dead = f"http://127.0.0.1:{free_port()}"
+    target = {"model": _model().state_dict(), "step": 0}
+    for t in target["model"].values():
+        t.zero_()
+    tierckpt.load(uri, target, storage_options={"endpoint_url": dead, "timeout_s": 2})
+    assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
+    assert target["step"] == 100
+
+
+def test_prefetch_only_some_tensors_and_gc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = make_config(tmp_path, block_bytes=4096)
+    root = tmp_path / "runs"
+    torch.manual_seed(1)
+    state = {"a.weight": torch.randn(64, 64), "b.weight": torch.randn(64, 64), "step": 1}
+    for step in (100, 200, 300, 400):
+        tierckpt.save(str(root / f"step-{step}"), state)
+    handle = prefetch(str(root / "step-400"), only=["a.*"], progress=False, config=config)
+    assert handle.result(timeout=60) == handle.bytes_total > 0
+    store = TieredBackend(LocalBackend(str(root / "step-400")), config)
+    gen = layout.CommitRecord.decode((root / "step-400" / "COMMIT").read_bytes()).generation
+    data_key = f"{gen}/data/rank-00000.bin"
+    size = (root / "step-400" / gen / "data" / "rank-00000.bin").stat().st_size
+    cached = [i for i in range(0, (size + 4095) // 4096) if store.catalog.block(store.rh, data_key, i)]
+    assert 0 < len(cached) < (size + 4095) // 4096  # only a.weight's blocks (about half)
+    full = prefetch(str(root / "step-300"), progress=False, config=config)
+    assert full.result(timeout=60) > size
+    result = gc(str(root), keep_last=2, keep_every=200, config=config)
+    assert result.kept == ("step-200", "step-300", "step-400") and result.deleted == ("step-100",)
+    assert not (root / "step-100").exists() or not any((root / "step-100").rglob("*.bin"))
+    assert (root / "step-400" / "COMMIT").exists()
