@@ -352,7 +352,6 @@ def _exchange(units: list[ReadUnit], targets: list[TensorEntry], sends: list[lis
 
 
 def _load_objects(backend: Backend, ckpt: Checkpoint, flat: FlatState, comm: Comm, allow_pickle: bool) -> None:
-    sched = get_scheduler()
     gen = ckpt.meta.generation
     by_key: dict[str, list[ObjectMeta]] = {}
     for o in ckpt.meta.objects:
@@ -362,13 +361,21 @@ def _load_objects(backend: Backend, ckpt: Checkpoint, flat: FlatState, comm: Com
         options = by_key.get(key)
         if not options:
             continue
-        chosen = _object_for_rank(options, comm.rank, saved_world, key)
-        data = sched.run(
-            backend.get_range(layout.in_generation(gen, chosen.file), chosen.byte_offset, chosen.byte_offset + chosen.byte_length)
-        )
-        if crc32c.crc32c(data) != chosen.crc32c:
-            raise CorruptCheckpointError(f"checksum mismatch for object {key!r} in {chosen.file!r} at byte {chosen.byte_offset}")
-        entry.assign(decode_object(data, chosen.codec, key, allow_pickle=allow_pickle))
+        if entry.all_ranks:
+            ordered = sorted(options, key=lambda o: -1 if o.rank is None else o.rank)
+            entry.assign([_read_object(backend, gen, o, allow_pickle) for o in ordered])
+        else:
+            chosen = _object_for_rank(options, comm.rank, saved_world, key)
+            entry.assign(_read_object(backend, gen, chosen, allow_pickle))
+
+
+def _read_object(backend: Backend, gen: str, meta: ObjectMeta, allow_pickle: bool) -> Any:
+    data = get_scheduler().run(
+        backend.get_range(layout.in_generation(gen, meta.file), meta.byte_offset, meta.byte_offset + meta.byte_length)
+    )
+    if crc32c.crc32c(data) != meta.crc32c:
+        raise CorruptCheckpointError(f"checksum mismatch for object {meta.key!r} in {meta.file!r} at byte {meta.byte_offset}")
+    return decode_object(data, meta.codec, meta.key, allow_pickle=allow_pickle)
 
 
 def _object_for_rank(options: list[ObjectMeta], rank: int, saved_world: int, key: str) -> ObjectMeta:

@@ -9,7 +9,13 @@
 * ``torch.optim.Optimizer``: per-parameter state keyed by the parameter's fqn (so it reshards like
   the parameter) and ``param_groups`` as an object.
 * Objects with ``state_dict``/``load_state_dict`` (LR schedulers, samplers...): their state dict.
-* Nested dicts: recursed. Tensors and DTensors: entries. Anything else: an object entry.
+* Nested dicts: recursed. Tensors and DTensors: entries.
+* Objects with ``__tierckpt_entry__(fqn) -> TensorEntry`` describe a sharded tensor themselves
+  (see :mod:`tierckpt.sharded` for framework-free TP/PP descriptions).
+* Objects with ``state_dict()`` and ``load_resharded(states)``: their state is saved per rank, and
+  on load they receive every saved rank's state to split or merge (data-parallel resharding of
+  dataloader state).
+* Anything else: an object entry.
 
 Keys are dotted paths: ``model.layers.0.weight``, ``optim.state.model.layers.0.weight.exp_avg``.
 Plain (non-DTensor) tensors are taken to be replicated across ranks, as in torch DCP; a value that
@@ -49,6 +55,8 @@ class ObjectEntry:
     value: Any
     container: MutableMapping[Any, Any]
     slot: Any
+    all_ranks: bool = False
+    """Load every saved rank's value (a list, in saved rank order) instead of this rank's one."""
 
     def assign(self, value: Any) -> None:
         self.container[self.slot] = value
@@ -320,6 +328,13 @@ def _key(key: Any) -> str:
 def _walk(path: str, value: Any, container: Any, slot: Any, flat: FlatState, for_load: bool) -> None:
     if isinstance(value, torch.Tensor):
         flat.add_tensor(tensor_entry(path, value))
+    elif callable(getattr(value, "__tierckpt_entry__", None)):
+        flat.add_tensor(value.__tierckpt_entry__(path))
+    elif callable(getattr(value, "load_resharded", None)) and callable(getattr(value, "state_dict", None)):
+        holder = {"states": value.state_dict()}
+        flat.add_object(ObjectEntry(key=path, value=holder["states"], container=holder, slot="states", all_ranks=True))
+        if for_load:
+            flat.after_load.append(lambda: value.load_resharded(holder["states"]))
     elif isinstance(value, dict):
         for k, v in value.items():
             _walk(f"{path}.{k}", v, value, k, flat, for_load)
