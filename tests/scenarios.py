@@ -231,3 +231,20 @@ def async_then_reshard(path: str) -> bool:
         assert_same(torch.load(path + ".expected", weights_only=True), full_state(model, optim))
     dist.barrier()
     return True
+
+
+def missing_rank(path: str) -> str:
+    """Ranks 0-1 save with a short timeout while rank 2 of their 3-rank group never calls save."""
+    group = subgroup(3)
+    if group is None:
+        return ""
+    if dist.get_rank() == 2:
+        import time
+
+        time.sleep(4)  # never arrives at the save; outlives the others' timeout
+        return ""
+    try:
+        tierckpt.save(path, {"x": torch.ones(3)}, group=group, collective_timeout_s=1.5)
+    except tierckpt.CollectiveError as exc:
+        return str(exc)
+    return "no error"

@@ -8,6 +8,8 @@ instead of leaving the others blocked in the next collective.
 
 from __future__ import annotations
 
+import datetime
+import re
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -51,6 +53,24 @@ class Comm:
         except RuntimeError as exc:
             raise CollectiveError(f"broadcast from rank {src} failed on rank {self.rank}: {exc}") from exc
         return box[0]
+
+    def check_in(self, what: str, timeout_s: float) -> None:
+        """Wait until every rank has arrived at ``what``; name the ranks that did not, after ``timeout_s``.
+
+        Uses gloo's monitored barrier, which reports the missing ranks instead of a bare timeout.
+        Other backends (NCCL) skip the check and rely on their own timeouts.
+        """
+        if self.world_size == 1 or self.backend != "gloo":
+            return
+        try:
+            dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+        except RuntimeError as exc:
+            missing = re.findall(r"\d+", str(exc).split("failed to pass monitoredBarrier")[0].rsplit("Ranks", 1)[-1])
+            who = f"ranks {', '.join(missing)} of the group" if missing and "monitoredBarrier" in str(exc) else "some rank"
+            raise CollectiveError(
+                f"{what}: {who} did not arrive within {timeout_s:g}s (rank {self.rank} waited); every rank of the "
+                f"group must call it. Cause: {exc}"
+            ) from exc
 
     def barrier(self) -> None:
         if self.world_size > 1:

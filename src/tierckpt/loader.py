@@ -95,15 +95,18 @@ def load(
     chunk_bytes: int = 32 << 20,
     round_bytes: int = 512 << 20,
     monitor: Monitor | None = None,
+    collective_timeout_s: float = 600.0,
 ) -> dict[str, Any]:
     """Load the checkpoint at ``uri`` into ``state`` in place (resharding as needed) and return it.
 
     Tensors, modules and optimizers are filled in place; other values are replaced in their dicts.
     ``strict=False`` loads what matches and warns about the rest. ``verify=True`` checks the CRC-32C of
     every piece the load touches before modifying anything. ``allow_pickle=True`` permits objects that
-    need full unpickling (only for checkpoints you trust).
+    need full unpickling (only for checkpoints you trust). Every rank of the group must call it; a rank
+    that does not arrive within ``collective_timeout_s`` is named in a :class:`CollectiveError`.
     """
     comm = Comm(group)
+    comm.check_in(f"load from {uri!r}", collective_timeout_s)
     monitor = monitor or Monitor()
     backend = open_backend(uri, **dict(storage_options or {}))
     with monitor.phase("metadata"):

@@ -139,9 +139,11 @@ class _Prepared:
 def _prepare(
     uri: str, state: Mapping[str, Any], group: dist.ProcessGroup | None, storage_options: Mapping[str, Any] | None,
     tags: Mapping[str, str] | None, keep_previous: bool, align_bytes: int, monitor: Monitor,
+    collective_timeout_s: float,
 ) -> _Prepared:
     _raise_unreported()
     comm = Comm(group)
+    comm.check_in(f"save to {uri!r}", collective_timeout_s)
     backend = open_backend(uri, **dict(storage_options or {}))
     started = time.time()
     with monitor.phase("plan"):
@@ -365,18 +367,20 @@ def save(
     keep_previous: bool = False,
     align_bytes: int = 64,
     monitor: Monitor | None = None,
+    collective_timeout_s: float = 600.0,
 ) -> CheckpointMeta:
     """Save ``state`` to ``uri``; return once the checkpoint is committed (on every rank).
 
     ``keep_previous=True`` keeps the generation that the previous commit named (it is otherwise
     deleted after the new commit). ``tags`` are stored in the header. Pass a :class:`Monitor` to
-    read per-phase timings and byte counts afterwards.
+    read per-phase timings and byte counts afterwards. Every rank of the group must call it; a rank
+    that does not arrive within ``collective_timeout_s`` is named in a :class:`CollectiveError`.
     """
     monitor = monitor or Monitor()
     previous = _PROCESS.in_flight.get(uri)
     if previous is not None and not previous.done():
         previous.wait()
-    p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor)
+    p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor, collective_timeout_s)
     with monitor.phase("stage"):
         stream = run_agreed(p.comm, lambda: _stream_direct(p), f"writing checkpoint {uri!r}")
     return _finish(p, stream, p.comm)
@@ -394,6 +398,7 @@ def async_save(
     staging_bytes: int | None = None,
     if_busy: Literal["wait", "error"] = "wait",
     monitor: Monitor | None = None,
+    collective_timeout_s: float = 600.0,
 ) -> SaveHandle:
     """Snapshot ``state`` and save it in the background; training may mutate it once this returns.
 
@@ -409,7 +414,7 @@ def async_save(
         if if_busy == "error":
             raise CheckpointBusyError(f"an async save to {uri!r} is still in flight; wait() for it or pass if_busy='wait'")
         previous.wait()
-    p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor)
+    p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor, collective_timeout_s)
     background = _background_comm(group)
     _PROCESS.staging_lock.acquire()  # the staging buffer serves one save at a time
     try:
