@@ -169,7 +169,7 @@ def _int(value: Any, what: str, lo: int = 0, hi: int = MAX_NUMEL * 16) -> int:
 def decode_header(data: bytes) -> CheckpointMeta:
     try:
         doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, over-long ints, deep nesting
         raise CorruptCheckpointError(f"checkpoint header is not valid JSON: {exc}") from exc
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError("checkpoint header does not name the tierckpt format")
@@ -207,7 +207,7 @@ def decode_header(data: bytes) -> CheckpointMeta:
             timings={str(k): float(v) for k, v in doc.get("timings", {}).items()},
             tags={str(k): str(v) for k, v in doc.get("tags", {}).items()},
         )
-    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+    except (KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
         if isinstance(exc, CorruptCheckpointError):
             raise
         raise CorruptCheckpointError(f"checkpoint header is malformed: {exc!r}") from exc
@@ -254,8 +254,12 @@ def encode_tensors(tensors: Iterable[TensorMeta]) -> bytes:
 def decode_tensors(source: Any) -> dict[str, TensorMeta]:
     """All tensors of a checkpoint by fqn; ``source`` is bytes, a path, or a file object."""
     table = _read_table(source, "tensors")
+    if table.schema.remove_metadata() != _TENSOR_SCHEMA:
+        raise CorruptCheckpointError("the tensors table has an unexpected schema")
     out: dict[str, TensorMeta] = {}
     for fqn, dtype, shape in zip(*(table.column(c).to_pylist() for c in ("fqn", "dtype", "shape"))):
+        if not isinstance(fqn, str) or not fqn:
+            raise CorruptCheckpointError(f"invalid tensor name {fqn!r} in checkpoint metadata")
         dtype_from_name(dtype)
         out[fqn] = TensorMeta(fqn=fqn, dtype=dtype, shape=_shape(shape, fqn))
     return out
@@ -306,9 +310,11 @@ def decode_pieces(
     Only row groups whose fqn range can hold a wanted fqn are read.
     """
     try:
-        pf = pq.ParquetFile(source)
+        pf = pq.ParquetFile(pa.BufferReader(source) if isinstance(source, bytes) else source)
         wanted = None if fqns is None else sorted(set(fqns))
         groups = list(range(pf.num_row_groups))
+        if pf.schema_arrow.remove_metadata() != _PIECE_SCHEMA:
+            raise CorruptCheckpointError("the pieces table has an unexpected schema")
         if wanted is not None:
             col = pf.schema_arrow.get_field_index("fqn")
             groups = [g for g in groups if _group_may_hold(pf.metadata.row_group(g).column(col).statistics, wanted)]
@@ -339,7 +345,7 @@ def decode_pieces(
                 file=validate_key(file),
                 byte_offset=_int(byte_offset, "byte offset"),
                 byte_length=byte_length,
-                crc32c=crc,
+                crc32c=_int(crc, "checksum", 0, 2**32 - 1),
             )
         )
     return out
@@ -356,6 +362,8 @@ def _region(kind: Any, offsets: Any, lengths: Any, tensor: TensorMeta) -> Region
     shape = tensor.shape
     bad = CorruptCheckpointError(f"invalid {kind} region {offsets}/{lengths} for tensor {tensor.fqn!r} of shape {shape}")
     if not isinstance(offsets, list) or not isinstance(lengths, list):
+        raise bad
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in offsets + lengths):  # nulls in the lists
         raise bad
     if kind == "box":
         if len(offsets) != len(shape) or len(lengths) != len(shape):

@@ -149,13 +149,16 @@ def _plan_tensor(
     ndim = len(meta.shape)
     saved.sort(key=lambda s: s[0].offsets[0] if ndim else 0)
     starts = [s[0].offsets[0] for s in saved] if ndim else []
+    # A saved box starting at or before (target start - longest saved extent) ends before the target.
+    longest = max((s[0].lengths[0] for s in saved), default=0) if ndim else 0
 
     needs_of: dict[int, list[tuple[int, int, StoredBox, Box]]] = defaultdict(list)
     for rank, index, target in wanted:
         covered = 0
         if ndim:
             hi = bisect.bisect_left(starts, target.box.offsets[0] + target.box.lengths[0])
-            candidates = range(hi)
+            lo = bisect.bisect_right(starts, target.box.offsets[0] - longest)
+            candidates = range(lo, hi)
         else:
             candidates = range(len(saved))
         for si in candidates:
@@ -174,6 +177,8 @@ def _plan_tensor(
         needs = needs_of[si]
         for slab in _slabs(box, _bounding([n[3] for n in needs]), item, chunk_bytes):
             parts = [(r, i, t, b) for r, i, t, inter in needs if (b := inter.intersect(slab)) is not None]
+            if not parts:  # a slab between disjoint needs (e.g. rows 0 and 2 of a piece): nothing to read
+                continue
             for unit_box in _unit_boxes([p[3] for p in parts]):
                 starts_el, run = box_runs(unit_box, box)
                 deliveries = tuple(
