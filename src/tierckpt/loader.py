@@ -130,11 +130,15 @@ def load(
     if verify:
         with monitor.phase("verify"):
             run_agreed(comm, lambda: _verify_pieces(backend, gen, pieces, comm), "verifying checksums")
+    with monitor.phase("objects"):
+        # Objects are small: fetch, check and decode them before any tensor is modified.
+        values = run_agreed(comm, lambda: _fetch_objects(backend, ckpt, flat, comm, allow_pickle), "loading objects")
     targets = [flat.tensors[n.fqn] for n in needs]
     with monitor.phase("read"):
         run_agreed(comm, lambda: _execute(backend, gen, plan, targets, comm, monitor), f"loading {uri!r}")
-    with monitor.phase("objects"):
-        run_agreed(comm, lambda: _load_objects(backend, ckpt, flat, comm, allow_pickle), "loading objects")
+    with monitor.phase("apply"):
+        for key, value in values.items():
+            flat.objects[key].assign(value)
         run_agreed(comm, lambda: [fn() for fn in flat.after_load], "applying loaded state")
     return state
 
@@ -354,8 +358,10 @@ def _exchange(units: list[ReadUnit], targets: list[TensorEntry], sends: list[lis
         _deliver(targets[d.target], d, chunk.view(dtype))
 
 
-def _load_objects(backend: Backend, ckpt: Checkpoint, flat: FlatState, comm: Comm, allow_pickle: bool) -> None:
+def _fetch_objects(backend: Backend, ckpt: Checkpoint, flat: FlatState, comm: Comm, allow_pickle: bool) -> dict[str, Any]:
+    """The decoded value of every object entry this rank loads (nothing is assigned yet)."""
     gen = ckpt.meta.generation
+    values: dict[str, Any] = {}
     by_key: dict[str, list[ObjectMeta]] = {}
     for o in ckpt.meta.objects:
         by_key.setdefault(o.key, []).append(o)
@@ -366,10 +372,10 @@ def _load_objects(backend: Backend, ckpt: Checkpoint, flat: FlatState, comm: Com
             continue
         if entry.all_ranks:
             ordered = sorted(options, key=lambda o: -1 if o.rank is None else o.rank)
-            entry.assign([_read_object(backend, gen, o, allow_pickle) for o in ordered])
+            values[key] = [_read_object(backend, gen, o, allow_pickle) for o in ordered]
         else:
-            chosen = _object_for_rank(options, comm.rank, saved_world, key)
-            entry.assign(_read_object(backend, gen, chosen, allow_pickle))
+            values[key] = _read_object(backend, gen, _object_for_rank(options, comm.rank, saved_world, key), allow_pickle)
+    return values
 
 
 def _read_object(backend: Backend, gen: str, meta: ObjectMeta, allow_pickle: bool) -> Any:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import stat
 import uuid
 from urllib.parse import unquote, urlparse
@@ -317,6 +318,13 @@ class LocalBackend(Backend):
             await asyncio.to_thread(_unlink, path)
         except OSError as exc:
             raise _os_error(exc, f"deleting {path}") from exc
+
+    async def delete_prefix(self, prefix: str) -> None:
+        """Delete everything under ``prefix``; a prefix naming a directory removes the directory too."""
+        await super().delete_prefix(prefix)
+        if prefix.endswith("/"):
+            directory = self.path_of(prefix.rstrip("/"))
+            await asyncio.to_thread(shutil.rmtree, directory, True)
 
     async def commit(self, key: str, data: bytes) -> None:
         await self.put(key, data)
