@@ -295,3 +295,93 @@ def test_successful_resave_deletes_previous_generation_in_memory():
     assert read_checkpoint(backend).meta.generation != g1
 
 
+def test_successful_resave_removes_previous_generation_directory(tmp_path):
+    """After a re-save commits, the old generation directory itself is gone (only the new one is left)."""
+    root = tmp_path / "ckpt"
+    tierckpt.save(str(root), {"w": torch.ones(2)})
+    tierckpt.save(str(root), {"w": torch.full((2,), 2.0)})
+    assert generations(root) == [committed(root)]
+
+
+# -- objects -------------------------------------------------------------------------------------------
+def test_objects_stored_once_with_rank_none(uri):
+    """A single process's objects are values every rank (of one) agrees on: stored once, rank None."""
+    tierckpt.save(uri, {"step": 5, "cfg": {"lr": 0.1, "name": "x"}, "t": torch.ones(1)})
+    meta = read_checkpoint(open_backend(uri)).meta
+    keys = sorted(o.key for o in meta.objects)
+    assert keys == ["cfg.lr", "cfg.name", "step"]
+    assert all(o.rank is None for o in meta.objects)
+    assert all(o.codec == "torch" for o in meta.objects)
+
+
+def test_allow_pickle_gates_custom_objects(uri):
+    """A custom class instance loads only with allow_pickle=True; without it, a CheckpointError
+    mentions allow_pickle."""
+    tierckpt.save(uri, {"obj": Custom(42), "t": torch.ones(2)})
+    target = {"obj": None, "t": torch.zeros(2)}
+    with pytest.raises(CheckpointError, match="allow_pickle"):
+        tierckpt.load(uri, target)
+    target = {"obj": None, "t": torch.zeros(2)}
+    tierckpt.load(uri, target, allow_pickle=True)
+    assert target["obj"] == Custom(42)
+
+
+def test_allow_pickle_refusal_leaves_tensors_untouched(tmp_path):
+    """A load refused for want of allow_pickle modifies nothing (like every other refusal)."""
+    uri = str(tmp_path / "ckpt")
+    tierckpt.save(uri, {"obj": Custom(1), "t": torch.ones(3)})
+    target = {"obj": None, "t": torch.zeros(3)}
+    with pytest.raises(CheckpointError, match="allow_pickle"):
+        tierckpt.load(uri, target)
+    assert torch.equal(target["t"], torch.zeros(3))
+
+
+# -- corruption ----------------------------------------------------------------------------------------
+def _data_file(root: Path) -> Path:
+    return root / committed(root) / "data" / "rank-00000.bin"
+
+
+def test_verify_detects_flipped_byte_before_modifying_targets(tmp_path):
+    """verify=True finds a flipped byte in a data file and raises CorruptCheckpointError naming the
+    file and the tensor, while every target is still untouched."""
+    root = tmp_path / "ckpt"
+    tierckpt.save(str(root), {"aa": torch.arange(16, dtype=torch.float32), "zz": torch.arange(64, dtype=torch.float32)})
+    pieces = tierckpt.metadata.decode_pieces((root / committed(root) / "meta" / "pieces.parquet").read_bytes(),
+                                             read_checkpoint(open_backend(str(root))).tensors)
+    zz = pieces["zz"][0]
+    path = _data_file(root)
+    data = bytearray(path.read_bytes())
+    data[zz.byte_offset + 5] ^= 0x40
+    path.write_bytes(bytes(data))
+    target = {"aa": torch.full((16,), -1.0), "zz": torch.full((64,), -1.0)}
+    with pytest.raises(CorruptCheckpointError) as info:
+        tierckpt.load(str(root), target, verify=True)
+    assert "rank-00000.bin" in str(info.value) and "'zz'" in str(info.value)
+    assert torch.equal(target["aa"], torch.full((16,), -1.0))
+    assert torch.equal(target["zz"], torch.full((64,), -1.0))
+
+
+def test_truncated_data_file_detected_before_modifying_targets(tmp_path):
+    """A truncated data file is refused (even without verify) before any target is modified."""
+    root = tmp_path / "ckpt"
+    tierckpt.save(str(root), {"a": torch.arange(10.0), "b": torch.arange(100.0)})
+    path = _data_file(root)
+    path.write_bytes(path.read_bytes()[:-16])
+    target = {"a": torch.full((10,), -1.0), "b": torch.full((100,), -1.0)}
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        tierckpt.load(str(root), target)
+    assert torch.equal(target["a"], torch.full((10,), -1.0))
+    assert torch.equal(target["b"], torch.full((100,), -1.0))
+
+
+def test_memory_store_names_are_isolated():
+    """Two memory:// stores with different names do not see each other's checkpoints."""
+    a, b = f"memory://iso-{uuid.uuid4().hex}/c", f"memory://iso-{uuid.uuid4().hex}/c"
+    tierckpt.save(a, {"t": torch.ones(1)})
+    with pytest.raises(CheckpointNotFoundError):
+        tierckpt.load(b, {"t": torch.zeros(1)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        target = {"t": torch.zeros(1)}
+        tierckpt.load(a, target)
+    assert torch.equal(target["t"], torch.ones(1))
