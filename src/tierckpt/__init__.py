@@ -10,13 +10,14 @@ from .errors import (
     UnsupportedURIError,
 )
 from .loader import load, read_checkpoint
+from .manager import CheckpointManager
 from .monitor import Monitor
 from .saver import SaveHandle, async_save, save
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointBusyError", "CheckpointError", "CheckpointNotFoundError", "CollectiveError", "CorruptCheckpointError",
+    "CheckpointBusyError", "CheckpointError", "CheckpointManager", "CheckpointNotFoundError", "CollectiveError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "Monitor", "SaveHandle", "async_save", "StateMismatchError", "StorageError", "StoragePermissionError",
     "TransientStorageError", "UnsupportedURIError", "load", "read_checkpoint", "save",
 ]

@@ -1,0 +1,139 @@
+"""Managing a series of checkpoints under one root: save every N steps, keep some, find the latest.
+
+::
+
+    <root>/step-00000100/...     one checkpoint per saved step (see docs/format.md)
+    <root>/step-00000200/...
+    <root>/LATEST                JSON {"step": 200}, replaced atomically after each commit
+
+Lifecycle of :meth:`CheckpointManager.save` (every rank of the group):
+
+1. If ``step`` is not a multiple of ``save_every`` (and not forced), nothing happens.
+2. The state is saved to ``<root>/step-<step>`` (synchronously, or with :func:`tierckpt.async_save`).
+3. Once that checkpoint is committed, rank 0 points ``LATEST`` at it and applies retention:
+   keep the newest ``keep_last`` steps and every step divisible by ``keep_every``; the newest
+   committed step is never deleted. For an async save this happens when its handle is waited on
+   (:meth:`wait`, the next :meth:`save`, or :meth:`load_latest`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from . import layout
+from .backends import Backend, open_backend
+from .comm import Comm
+from .errors import CheckpointError, CheckpointNotFoundError
+from .io.scheduler import get_scheduler
+from .loader import load
+from .saver import SaveHandle, async_save, save
+
+_STEP_DIR = re.compile(r"^step-(\d{8,})/COMMIT$")
+LATEST = "LATEST"
+
+
+class CheckpointManager:
+    """Saves, retains and finds the checkpoints of one training run (see the module docstring)."""
+
+    def __init__(
+        self,
+        root_uri: str,
+        *,
+        save_every: int = 1,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        use_async: bool = False,
+        group: dist.ProcessGroup | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if save_every < 1 or (keep_last is not None and keep_last < 1) or (keep_every is not None and keep_every < 1):
+            raise CheckpointError("save_every, keep_last and keep_every must be positive integers (or None to keep all)")
+        self.root_uri = root_uri.rstrip("/")
+        self.save_every = save_every
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.use_async = use_async
+        self.group = group
+        self.storage_options = dict(storage_options or {})
+        self._pending: tuple[int, SaveHandle] | None = None
+
+    def uri_of(self, step: int) -> str:
+        return f"{self.root_uri}/step-{step:08d}"
+
+    def _backend(self) -> Backend:
+        return open_backend(self.root_uri, **self.storage_options)
+
+    def save(self, step: int, state: Mapping[str, Any], *, force: bool = False, **options: Any) -> bool:
+        """Save ``state`` as ``step`` when it is due; returns whether a save was started."""
+        if step % self.save_every and not force:
+            return False
+        self.wait()
+        common = dict(group=self.group, storage_options=self.storage_options, **options)
+        if self.use_async:
+            self._pending = (step, async_save(self.uri_of(step), state, **common))
+        else:
+            save(self.uri_of(step), state, **common)
+            self._after_commit(step)
+        return True
+
+    def wait(self) -> None:
+        """Block until an async save in flight is committed, then update ``LATEST`` and retention."""
+        if self._pending is not None:
+            step, handle = self._pending
+            self._pending = None
+            handle.wait()
+            self._after_commit(step)
+
+    def steps(self) -> list[int]:
+        """Committed steps under the root, ascending."""
+        keys = get_scheduler().run(self._backend().list(""))
+        return sorted(int(m.group(1)) for k in keys if (m := _STEP_DIR.match(k)))
+
+    def latest(self) -> int | None:
+        """The newest committed step: ``LATEST`` if it names a committed step, else the newest found."""
+        backend = self._backend()
+        try:
+            step = int(json.loads(get_scheduler().run(backend.get(LATEST)))["step"])
+            if get_scheduler().run(backend.exists(f"step-{step:08d}/{layout.COMMIT}")):
+                return step
+        except (CheckpointNotFoundError, ValueError, KeyError, TypeError):
+            pass
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def load_latest(self, state: dict[str, Any], **options: Any) -> int | None:
+        """Load the newest committed step into ``state``; returns the step, or ``None`` if there is none."""
+        self.wait()
+        step = self.latest()
+        if step is None:
+            return None
+        load(self.uri_of(step), state, group=self.group, storage_options=self.storage_options, **options)
+        return step
+
+    def _after_commit(self, step: int) -> None:
+        if Comm(self.group).rank != 0:
+            return
+        backend = self._backend()
+        sched = get_scheduler()
+        sched.run(backend.commit(LATEST, json.dumps({"step": step}).encode()))
+        for old in retention_victims(self.steps(), keep_last=self.keep_last, keep_every=self.keep_every):
+            sched.run(backend.delete_prefix(f"step-{old:08d}/"))
+
+
+def retention_victims(steps: list[int], *, keep_last: int | None, keep_every: int | None) -> list[int]:
+    """Steps to delete: all but the newest ``keep_last`` and the multiples of ``keep_every``.
+
+    The newest step is always kept. ``keep_last=None`` keeps everything.
+    """
+    if keep_last is None or not steps:
+        return []
+    ordered = sorted(steps)
+    keep = set(ordered[-keep_last:]) | {ordered[-1]}
+    if keep_every:
+        keep |= {s for s in ordered if s % keep_every == 0}
+    return [s for s in ordered if s not in keep]
