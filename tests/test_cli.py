@@ -132,3 +132,23 @@ def test_subprocess_inspect_and_errors(saved, tmp_path: Path) -> None:
     assert done.returncode == 3 and done.stdout == "" and len(done.stderr.strip().splitlines()) == 1
     done = subprocess.run([sys.executable, "-m", "tierckpt", "--version"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == f"tierckpt {tierckpt.__version__}"
+
+
+@pytest.mark.parametrize(("resumed", "code"), [(1.0, cli.EXIT_OK), (1.1, cli.EXIT_DIVERGED)])
+def test_demo_exit_code_follows_loss_check(monkeypatch, capsys, tmp_path: Path, resumed: float, code: int) -> None:
+    """``demo`` prints the report and exits 6 when the resumed losses diverge (the job itself is faked)."""
+    from tierckpt.demo import run
+
+    def fake_run_demo(root: str | None, steps: int, quiet: bool) -> run.DemoReport:
+        stats = run.IOStats(seconds=0.1, phases={"read": 0.05}, bytes={"bytes_read": 10})
+        meta = {"num_tensors": 1, "num_pieces": 2, "tensor_bytes": 10, "file_bytes": 12, "files": 2, "world_size": 2, "frameworks": ["fsdp2"]}
+        return run.DemoReport(
+            checkpoint=f"{root}/step-{steps}", reference=[1.0], resumed_3=[resumed], resumed_1=[1.0], first_step=steps,
+            max_rel_diff=abs(resumed - 1.0), tolerance=run.TOLERANCE, save=stats, load_3=stats, load_1=stats,
+            checkpoint_meta=meta, wall_seconds=1.0,
+        )
+
+    monkeypatch.setattr(run, "run_demo", fake_run_demo)
+    assert cli.main(["demo", "--root", str(tmp_path), "--steps", "3", "--quiet"]) == code
+    out = capsys.readouterr().out
+    assert f"{tmp_path}/step-3" in out and ("DIVERGED" in out) == (code == cli.EXIT_DIVERGED)

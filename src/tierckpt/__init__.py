@@ -4,6 +4,8 @@
 FSDP1 flat shards and hand-described TP/PP shards, in one process or a torch.distributed group.
 """
 
+import logging as _logging
+
 from .errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
     IncompleteCheckpointError, StateMismatchError, StorageError, StoragePermissionError, TransientStorageError,
@@ -11,7 +13,7 @@ from .errors import (
 )
 from .loader import load, read_checkpoint
 from .manager import CheckpointManager
-from .monitor import Monitor
+from .monitor import Monitor, prometheus_text, straggler_report
 from .saver import SaveHandle, async_save, save
 
 __version__ = "0.1.0"
@@ -19,5 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointBusyError", "CheckpointError", "CheckpointManager", "CheckpointNotFoundError", "CollectiveError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "Monitor", "SaveHandle", "async_save", "StateMismatchError", "StorageError", "StoragePermissionError",
-    "TransientStorageError", "UnsupportedURIError", "load", "read_checkpoint", "save",
+    "TransientStorageError", "UnsupportedURIError", "load", "prometheus_text", "straggler_report", "read_checkpoint", "save",
 ]
+
+_logging.getLogger("tierckpt").addHandler(_logging.NullHandler())

@@ -140,6 +140,7 @@ def load(
         for key, value in values.items():
             flat.objects[key].assign(value)
         run_agreed(comm, lambda: [fn() for fn in flat.after_load], "applying loaded state")
+    monitor.finish("load", uri, comm.rank, comm.all_gather_object(monitor.summary()))
     return state
 
 

@@ -266,6 +266,7 @@ def _finish(p: _Prepared, stream: FileStream | None, comm: Comm) -> CheckpointMe
         raise error
     if outcome is not None:
         raise CheckpointError(f"committing checkpoint {p.uri!r} failed on rank 0: {outcome}")
+    p.monitor.finish("save", p.uri, comm.rank, [r[3] for r in records])
     return meta
 
 
@@ -286,7 +287,7 @@ def _finish_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMet
     if blob:
         get_scheduler().run(p.backend.put(layout.in_generation(p.generation, layout.objects_file(rank)), blob))
         files.append(FileMeta(key=layout.objects_file(rank), size=len(blob)))
-    return pieces, objects, files, dict(p.monitor.seconds)
+    return pieces, objects, files, p.monitor.summary()
 
 
 def _objects_of_rank(p: _Prepared) -> tuple[list[ObjectMeta], bytes]:

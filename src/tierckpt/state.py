@@ -132,6 +132,14 @@ def _unwrap(module: nn.Module) -> nn.Module:
             return module
 
 
+def _is_fsdp2(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
 def _fsdp1_modules(module: nn.Module) -> list[nn.Module]:
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -152,6 +160,8 @@ def module_entries(prefix: str, module: nn.Module, state: FlatState, params: dic
         state.frameworks.add("fsdp1")
         _fsdp1_entries(prefix, root, fsdp1, state, params)
         return
+    if _is_fsdp2(root):
+        state.frameworks.add("fsdp2")
     named_params = {id(p): p for p in root.parameters()}
     for name, tensor in root.state_dict(keep_vars=True).items():
         entry = tensor_entry(f"{prefix}.{clean_fqn(name)}", tensor)
