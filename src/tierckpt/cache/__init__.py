@@ -1,0 +1,16 @@
+"""The node-local tiered storage cache: write-back saves, read-through loads, durability tracking.
+
+See :mod:`tierckpt.cache.tiered` for the design and :mod:`tierckpt.cache.api` for the functions.
+"""
+
+from .api import (
+    CheckpointStatus, GcResult, PrefetchHandle, gc, open_tiered, prefetch, status, sync, wait,
+)
+from .catalog import Catalog
+from .config import CacheConfig, parse_bytes
+from .tiered import StoreStatus, TieredBackend
+
+__all__ = [
+    "CacheConfig", "Catalog", "CheckpointStatus", "GcResult", "PrefetchHandle", "StoreStatus", "TieredBackend",
+    "gc", "open_tiered", "parse_bytes", "prefetch", "status", "sync", "wait",
+]

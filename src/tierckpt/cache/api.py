@@ -1,0 +1,246 @@
+"""Public functions of the node cache (synchronous; the lead re-exports them from ``tierckpt``).
+
+* :func:`open_tiered` — the backend for a URI, cached when the scheme is remote.
+* :func:`status` / :func:`wait` / :func:`sync` — durability of write-back saves.
+* :func:`prefetch` — pull a committed checkpoint (or some tensors of it) into the node cache.
+* :func:`gc` — retention over a directory of checkpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import fnmatch
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from .. import layout
+from ..backends import Backend, split_uri
+from ..backends.fsspec_backend import S3Backend
+from ..backends.local import LocalBackend
+from ..backends.memory import MemoryBackend
+from ..errors import CheckpointError, CheckpointNotFoundError
+from ..io.scheduler import get_scheduler
+from ..metadata import decode_pieces
+from .catalog import Catalog
+from .config import CacheConfig
+from .tiered import StoreStatus, TieredBackend
+
+_LOCAL_SCHEMES = ("", "file", "memory")
+
+
+def _plain_backend(uri: str, **storage_options: Any) -> Backend:
+    """What ``open_backend`` returned before caching (kept here so this module does not recurse)."""
+    scheme, _ = split_uri(uri)
+    if scheme in ("", "file"):
+        return LocalBackend(uri, **storage_options)
+    if scheme == "memory":
+        return MemoryBackend(uri, **storage_options)
+    if scheme in ("s3", "s3a"):
+        return S3Backend(uri, **storage_options)
+    from ..backends import open_backend
+
+    return open_backend(uri, **storage_options)
+
+
+def open_tiered(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> Backend:
+    """The backend for ``uri``: a :class:`TieredBackend` over the remote for remote schemes (s3, hdfs,
+    any fsspec protocol) when caching is enabled, the plain backend for local paths and ``memory://``."""
+    config = config or CacheConfig.from_env()
+    remote = _plain_backend(uri, **storage_options)
+    scheme, _ = split_uri(uri)
+    if not config.enabled or scheme in _LOCAL_SCHEMES or isinstance(remote, TieredBackend):
+        return remote
+    return TieredBackend(remote, config)
+
+
+def _tiered(uri: str, config: CacheConfig | None, storage_options: dict[str, Any]) -> TieredBackend:
+    """A TieredBackend for ``uri`` even where :func:`open_tiered` would not cache (local remotes)."""
+    return TieredBackend(_plain_backend(uri, **storage_options), config or CacheConfig.from_env())
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointStatus:
+    """Where a checkpoint stands on this node."""
+
+    uri: str
+    generation: str | None
+    """The committed generation (``None``: nothing committed)."""
+    state: str | None
+    """``staged`` (data written, no commit), ``local`` (committed in the node cache, upload pending)
+    or ``remote`` (committed on the remote)."""
+    pending_bytes: int
+    pending_keys: tuple[str, ...]
+    errors: tuple[str, ...] = ()
+
+    @property
+    def durable(self) -> bool:
+        return self.state == "remote" and not self.pending_keys
+
+
+def status(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> CheckpointStatus:
+    """The committed generation of the checkpoint at ``uri``, its durability and pending bytes."""
+    st: StoreStatus = get_scheduler().run(_tiered(uri, config, storage_options).status())
+    return CheckpointStatus(uri=uri, generation=st.generation, state=st.state, pending_bytes=st.pending_bytes,
+                            pending_keys=st.pending_keys, errors=st.errors)
+
+
+def wait(uri: str, timeout_s: float | None = None, config: CacheConfig | None = None, **storage_options: Any) -> None:
+    """Block until everything written to ``uri`` through the node cache is on the remote (COMMIT last).
+
+    Raises :class:`~tierckpt.errors.TransientStorageError` on timeout and
+    :class:`~tierckpt.errors.StorageError` when an upload failed (fix the remote, then :func:`sync`).
+    """
+    get_scheduler().run(_tiered(uri, config, storage_options).wait_durable(None, timeout_s))
+
+
+def sync(uri: str | None = None, config: CacheConfig | None = None, timeout_s: float | None = None,
+         **storage_options: Any) -> list[str]:
+    """Resume the uploads the catalogue records as pending (for ``uri``, or every store of the node)
+    and wait for them; returns the URIs synced. A restarted process calls this after a crash.
+
+    ``storage_options`` open every remote (credentials are never stored in the catalogue).
+    """
+    config = config or CacheConfig.from_env()
+    if uri is not None:
+        uris = [uri]
+    else:
+        catalog = Catalog(config.directory)
+        roots = catalog.roots()
+        uris = sorted({roots[rh] for rh, _, _ in catalog.pending_all() if rh in roots})
+    sched = get_scheduler()
+    for u in uris:
+        sched.run(_tiered(u, config, storage_options).sync(timeout_s))
+    return uris
+
+
+class PrefetchHandle:
+    """A background prefetch: ``result(timeout)``, ``done()``, ``cancel()``, ``bytes_done``/``bytes_total``."""
+
+    def __init__(self, future: concurrent.futures.Future[int], total: int, progress: Any) -> None:
+        self._future = future
+        self.bytes_total = total
+        self.bytes_done = 0
+        self._progress = progress
+        self._lock = threading.Lock()
+
+    def _advance(self, n: int) -> None:
+        with self._lock:
+            self.bytes_done += n
+            if self._progress is not None:
+                self._progress.update(n)
+
+    def result(self, timeout: float | None = None) -> int:
+        """Bytes prefetched; re-raises what the prefetch raised."""
+        try:
+            return self._future.result(timeout)
+        finally:
+            if self._future.done() and self._progress is not None:
+                self._progress.close()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def cancel(self) -> bool:
+        return self._future.cancel()
+
+
+def prefetch(uri: str, only: Sequence[str] | None = None, progress: bool = True, config: CacheConfig | None = None,
+             **storage_options: Any) -> PrefetchHandle:
+    """Pull the committed checkpoint at ``uri`` into the node cache in the background.
+
+    With ``only`` (fqn glob patterns such as ``"model.layers.0.*"``) only the metadata, the object
+    files and the byte ranges of the matching tensors' pieces are fetched. The metadata is read
+    before this returns; the data is fetched at background priority.
+    """
+    from ..loader import read_checkpoint
+
+    backend = _tiered(uri, config, storage_options)
+    sched = get_scheduler()
+    ckpt = read_checkpoint(backend)
+    gen = ckpt.meta.generation
+    ranges: list[tuple[str, int, int]] = [
+        (layout.COMMIT, 0, 1 << 62),
+        (layout.header_key(gen), 0, 1 << 62),
+        (layout.tensors_key(gen), 0, 1 << 62),
+        (layout.pieces_key(gen), 0, 1 << 62),
+    ]
+    ranges += [(layout.in_generation(gen, o.file), o.byte_offset, o.byte_offset + o.byte_length)
+               for o in ckpt.meta.objects]
+    if only is None:
+        ranges += [(layout.in_generation(gen, f.key), 0, f.size) for f in ckpt.meta.files]
+    else:
+        fqns = [f for f in ckpt.tensors if any(fnmatch.fnmatchcase(f, p) for p in only)]
+        pieces = decode_pieces(pa.BufferReader(sched.run(backend.get(layout.pieces_key(gen)))), ckpt.tensors, fqns)
+        ranges += [(layout.in_generation(gen, p.file), p.byte_offset, p.byte_offset + p.byte_length)
+                   for plist in pieces.values() for p in plist]
+    data_total = sum(e - s for k, s, e in ranges if e < 1 << 62)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=data_total, unit="B", unit_scale=True, desc=f"prefetch {uri}")
+    handle: PrefetchHandle
+
+    async def run() -> int:
+        async def one(key: str, start: int, end: int) -> None:
+            await backend.prefetch_range(key, start, end)
+            if end < 1 << 62:
+                handle._advance(end - start)
+
+        await asyncio.gather(*(one(*r) for r in ranges))
+        return handle.bytes_done
+
+    handle = PrefetchHandle(concurrent.futures.Future(), data_total, bar)
+    handle._future = sched.submit(run())
+    return handle
+
+
+@dataclass(frozen=True, slots=True)
+class GcResult:
+    kept: tuple[str, ...]
+    deleted: tuple[str, ...]
+
+
+_STEP = re.compile(r"(\d+)$")
+
+
+def gc(root: str, keep_last: int = 1, keep_every: int | None = None, config: CacheConfig | None = None,
+       **storage_options: Any) -> GcResult:
+    """Retention over ``root``: a directory whose children are checkpoints (``<root>/step-100/COMMIT``).
+
+    Keeps the ``keep_last`` newest committed checkpoints (at least the newest one, always) and those
+    whose trailing step number is a multiple of ``keep_every``; deletes every other committed
+    checkpoint from the remote and from the node cache. Children without a COMMIT (saves in flight)
+    are left alone. Checkpoints are ordered by trailing step number, then by commit time.
+    """
+    if keep_last < 1:
+        raise CheckpointError(f"gc({root!r}): keep_last must be at least 1 (the newest checkpoint is never deleted)")
+    sched = get_scheduler()
+    base = root.rstrip("/")
+    parent = open_tiered(base, config, **storage_options)
+    names = sorted({k.split("/")[0] for k in sched.run(parent.list("")) if k.count("/") == 1 and k.endswith("/COMMIT")})
+    stores = {n: _tiered(f"{base}/{n}", config, storage_options) for n in names}
+    order: list[tuple[int, float, str]] = []
+    for n in names:
+        try:
+            committed = layout.CommitRecord.decode(sched.run(stores[n].get(layout.COMMIT))).committed_unix
+        except CheckpointNotFoundError:
+            continue
+        m = _STEP.search(n)
+        order.append((int(m.group(1)) if m else -1, committed, n))
+    order.sort()
+    keep = {n for _, _, n in order[-keep_last:]}
+    if keep_every:
+        keep |= {n for step, _, n in order if step >= 0 and step % keep_every == 0}
+    deleted = [n for _, _, n in order if n not in keep]
+    for n in deleted:
+        store = stores[n]
+        sched.run(store.delete_prefix(""))
+        store.catalog.forget_generations(store.rh, "")
+    return GcResult(kept=tuple(n for _, _, n in order if n in keep), deleted=tuple(deleted))

@@ -1,0 +1,393 @@
+"""The node-local catalogue of the cache: one LMDB environment in the cache directory.
+
+Every process on the node opens the same environment (``<cache dir>/catalog.lmdb``); LMDB's
+write transactions serialise writers across processes and readers never block. Files are written
+first (temp + rename) and recorded after, and records are removed before files are deleted, so a
+record always names a complete file or one that has just been evicted (readers treat a vanished
+file as a miss).
+
+Named databases (keys are ``<root hash> NUL <key>``; values are JSON):
+
+* ``roots``   root hash -> remote root URI (so ``sync()`` can reopen every store).
+* ``objs``    whole objects in the local tier: ``{size, crc, atime, tree}``, ``tree`` being ``"w"``
+  (written through this cache) or ``"f"`` (fetched from the remote).
+* ``blocks``  ``<rh> NUL <key> NUL <index>`` -> ``{len, crc, atime}``: aligned blocks of large
+  remote objects.
+* ``sizes``   sizes of remote objects learnt on reads.
+* ``pending`` the remote operation each key still needs: ``{op: put|commit|delete, ver, owner,
+  gen, size, error}``. A key has at most one; a newer write replaces it (``ver`` tells them apart).
+* ``gens``    durability of checkpoint generations: ``<rh> NUL <dir>/<generation>`` ->
+  ``{state: staged|local|remote|superseded, t}``.
+* ``meta``    ``bytes`` (bytes held by the local tier) and ``ver`` (a counter for ``pending``).
+
+Lifecycle of a written object (the process that writes it):
+
+1. The file lands in the local tier; :meth:`Catalog.record_write` adds ``objs`` and ``pending``
+   (op ``put``, or ``commit`` for a COMMIT record) and moves the generation to ``staged``
+   (``local`` for a commit), then fsyncs the environment.
+2. An uploader (this process, or a later one that adopts the record of a dead owner) calls
+   :meth:`Catalog.claim`, uploads, then :meth:`Catalog.finish`, which removes the record only when
+   its ``ver`` is unchanged (a newer write is uploaded in turn) and marks a committed generation
+   ``remote``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lmdb
+
+from ..errors import StorageError
+
+MAP_SIZE = 1 << 30
+_DBS = ("roots", "objs", "blocks", "sizes", "pending", "gens", "meta")
+_GEN_PART = re.compile(r"^g-[0-9A-Za-z_-]{1,64}$")
+STATES = ("staged", "local", "remote", "superseded")
+
+_envs: dict[str, lmdb.Environment] = {}
+_envs_lock = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    global _envs_lock
+    _envs.clear()  # an LMDB environment must not be used across fork: the child reopens it
+    _envs_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _open_env(path: str) -> lmdb.Environment:
+    """The process's one handle on the environment at ``path`` (LMDB forbids opening it twice)."""
+    with _envs_lock:
+        env = _envs.get(path)
+        if env is None:
+            os.makedirs(path, exist_ok=True)
+            try:
+                env = lmdb.open(path, map_size=MAP_SIZE, max_dbs=len(_DBS), sync=False, metasync=False,
+                                max_readers=512)
+            except lmdb.Error as exc:
+                raise StorageError(
+                    f"cannot open the cache catalogue {path}: {exc}; check the permissions of the cache "
+                    "directory or point TIERCKPT_CACHE_DIR elsewhere"
+                ) from exc
+            _envs[path] = env
+        return env
+
+
+def generation_path(key: str) -> str | None:
+    """``"step-1/g-12-ab/data/x"`` -> ``"step-1/g-12-ab"``; ``None`` for keys outside a generation."""
+    parts = key.split("/")
+    for i, part in enumerate(parts[:-1]):
+        if _GEN_PART.match(part):
+            return "/".join(parts[: i + 1])
+    return None
+
+
+def pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _k(*parts: str | int) -> bytes:
+    return "\0".join(f"{p:012d}" if isinstance(p, int) else p for p in parts).encode()
+
+
+def _j(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _u(raw: bytes | None) -> Any:
+    return None if raw is None else json.loads(raw)
+
+
+class Catalog:
+    """Typed access to the catalogue of one cache directory (see the module docstring)."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, "catalog.lmdb")
+        self.env = _open_env(self.path)
+        self._db = {name: self.env.open_db(name.encode()) for name in _DBS}
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _scan(self, txn: lmdb.Transaction, db: str, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        cur = txn.cursor(self._db[db])
+        if not cur.set_range(prefix):
+            return
+        for k, v in cur:
+            if not k.startswith(prefix):
+                return
+            yield k, v
+
+    def _add_bytes(self, txn: lmdb.Transaction, delta: int) -> None:
+        cur = int(txn.get(b"bytes", db=self._db["meta"]) or b"0")
+        txn.put(b"bytes", str(max(0, cur + delta)).encode(), db=self._db["meta"])
+
+    def _next_ver(self, txn: lmdb.Transaction) -> int:
+        ver = int(txn.get(b"ver", db=self._db["meta"]) or b"0") + 1
+        txn.put(b"ver", str(ver).encode(), db=self._db["meta"])
+        return ver
+
+    def _drop_local(self, txn: lmdb.Transaction, rh: str, key: str) -> list[tuple[str, int | None]]:
+        """Remove the local records of ``key``; returns what files to delete (tree or block index)."""
+        dropped: list[tuple[str, int | None]] = []
+        obj = _u(txn.get(_k(rh, key), db=self._db["objs"]))
+        if obj is not None:
+            txn.delete(_k(rh, key), db=self._db["objs"])
+            self._add_bytes(txn, -obj["size"])
+            dropped.append((obj["tree"], None))
+        for k, v in list(self._scan(txn, "blocks", _k(rh, key) + b"\0")):
+            txn.delete(k, db=self._db["blocks"])
+            self._add_bytes(txn, -_u(v)["len"])
+            dropped.append(("b", int(k.rsplit(b"\0", 1)[1])))
+        txn.delete(_k(rh, key), db=self._db["sizes"])
+        return dropped
+
+    def sync(self) -> None:
+        """Flush to disk (after recording data that exists nowhere else)."""
+        self.env.sync(True)
+
+    # -- roots -----------------------------------------------------------------------------------
+    def register_root(self, rh: str, uri: str) -> None:
+        with self.env.begin() as txn:
+            if txn.get(rh.encode(), db=self._db["roots"]) == uri.encode():
+                return
+        with self.env.begin(write=True) as txn:
+            txn.put(rh.encode(), uri.encode(), db=self._db["roots"])
+
+    def roots(self) -> dict[str, str]:
+        with self.env.begin() as txn:
+            return {k.decode(): v.decode() for k, v in txn.cursor(self._db["roots"])}
+
+    # -- writes through the cache ---------------------------------------------------------------
+    def record_write(
+        self, rh: str, key: str, size: int, crc: int, op: str, generation: str | None = None,
+        publish: Callable[[], None] | None = None,
+    ) -> tuple[int, list[tuple[str, int | None]]]:
+        """Record a durable local write of ``key`` that the remote still needs (``op`` put/commit).
+
+        ``publish`` (the rename of the file into place) runs inside the write transaction, so
+        concurrent writers of one key, in any process, leave the file and its record in agreement.
+        """
+        now = time.time()
+        with self.env.begin(write=True) as txn:
+            if publish is not None:
+                publish()
+            dropped = [d for d in self._drop_local(txn, rh, key) if d[0] != "w"]
+            txn.put(_k(rh, key), _j({"size": size, "crc": crc, "atime": now, "tree": "w"}), db=self._db["objs"])
+            self._add_bytes(txn, size)
+            ver = self._next_ver(txn)
+            old = _u(txn.get(_k(rh, key), db=self._db["pending"]))
+            txn.put(_k(rh, key), _j({"op": op, "ver": ver, "owner": os.getpid(), "gen": generation,
+                                     "size": size, "error": None, "t": now}), db=self._db["pending"])
+            gens = self._db["gens"]
+            if op == "put":
+                gp = generation_path(key)
+                if gp is not None and txn.get(_k(rh, gp), db=gens) is None:
+                    txn.put(_k(rh, gp), _j({"state": "staged", "t": now}), db=gens)
+            elif op == "commit" and generation:
+                base = key.rpartition("/")[0]
+                gp = f"{base}/{generation}" if base else generation
+                if old is not None and old.get("op") == "commit" and old.get("gen") not in (None, generation):
+                    ogp = f"{base}/{old['gen']}" if base else old["gen"]
+                    prev = _u(txn.get(_k(rh, ogp), db=gens))
+                    if prev is not None and prev["state"] != "remote":
+                        txn.put(_k(rh, ogp), _j({"state": "superseded", "t": now}), db=gens)
+                txn.put(_k(rh, gp), _j({"state": "local", "t": now}), db=gens)
+        self.sync()
+        return ver, dropped
+
+    def record_delete(self, rh: str, key: str, deferred: bool) -> list[tuple[str, int | None]]:
+        """Forget ``key`` locally; with ``deferred`` record a pending remote delete, else drop any pending op."""
+        with self.env.begin(write=True) as txn:
+            dropped = self._drop_local(txn, rh, key)
+            if deferred:
+                txn.put(_k(rh, key), _j({"op": "delete", "ver": self._next_ver(txn), "owner": os.getpid(),
+                                         "gen": None, "size": 0, "error": None, "t": time.time()}),
+                        db=self._db["pending"])
+            else:
+                txn.delete(_k(rh, key), db=self._db["pending"])
+        self.sync()
+        return dropped
+
+    # -- pending operations ------------------------------------------------------------------------
+    def pending(self, rh: str, key: str) -> dict | None:
+        with self.env.begin() as txn:
+            return _u(txn.get(_k(rh, key), db=self._db["pending"]))
+
+    def pending_under(self, rh: str, prefix: str = "") -> dict[str, dict]:
+        with self.env.begin() as txn:
+            return {k.split(b"\0", 1)[1].decode(): _u(v) for k, v in self._scan(txn, "pending", _k(rh, prefix))}
+
+    def pending_all(self) -> list[tuple[str, str, dict]]:
+        with self.env.begin() as txn:
+            out = []
+            for k, v in txn.cursor(self._db["pending"]):
+                rh, key = k.decode().split("\0", 1)
+                out.append((rh, key, _u(v)))
+            return out
+
+    def claim(self, rh: str, key: str, ver: int) -> bool:
+        """Make this process the owner of the pending op ``ver`` of ``key``; False if it changed."""
+        with self.env.begin(write=True) as txn:
+            rec = _u(txn.get(_k(rh, key), db=self._db["pending"]))
+            if rec is None or rec["ver"] != ver:
+                return False
+            rec.update(owner=os.getpid(), error=None)
+            txn.put(_k(rh, key), _j(rec), db=self._db["pending"])
+            return True
+
+    def finish(self, rh: str, key: str, ver: int) -> str:
+        """The remote has op ``ver`` of ``key``: ``"done"``, ``"changed"`` (newer op) or ``"gone"``."""
+        now = time.time()
+        with self.env.begin(write=True) as txn:
+            rec = _u(txn.get(_k(rh, key), db=self._db["pending"]))
+            if rec is None:
+                return "gone"
+            if rec["ver"] != ver:
+                return "changed"
+            txn.delete(_k(rh, key), db=self._db["pending"])
+            if rec["op"] == "commit" and rec.get("gen"):
+                base = key.rpartition("/")[0]
+                gp = f"{base}/{rec['gen']}" if base else rec["gen"]
+                txn.put(_k(rh, gp), _j({"state": "remote", "t": now}), db=self._db["gens"])
+        self.sync()
+        return "done"
+
+    def fail(self, rh: str, key: str, ver: int, message: str) -> None:
+        with self.env.begin(write=True) as txn:
+            rec = _u(txn.get(_k(rh, key), db=self._db["pending"]))
+            if rec is not None and rec["ver"] == ver:
+                rec["error"] = message
+                txn.put(_k(rh, key), _j(rec), db=self._db["pending"])
+
+    # -- generations -------------------------------------------------------------------------------
+    def generation_state(self, rh: str, gen_path: str) -> str | None:
+        with self.env.begin() as txn:
+            rec = _u(txn.get(_k(rh, gen_path), db=self._db["gens"]))
+            return None if rec is None else rec["state"]
+
+    def generations(self, rh: str) -> dict[str, str]:
+        with self.env.begin() as txn:
+            return {k.split(b"\0", 1)[1].decode(): _u(v)["state"] for k, v in self._scan(txn, "gens", _k(rh, ""))}
+
+    def forget_generations(self, rh: str, prefix: str) -> None:
+        with self.env.begin(write=True) as txn:
+            for k, _ in list(self._scan(txn, "gens", _k(rh, prefix))):
+                txn.delete(k, db=self._db["gens"])
+
+    # -- the local tier ----------------------------------------------------------------------------
+    def obj(self, rh: str, key: str) -> dict | None:
+        with self.env.begin() as txn:
+            return _u(txn.get(_k(rh, key), db=self._db["objs"]))
+
+    def record_fetch(self, rh: str, key: str, size: int, crc: int) -> bool:
+        """Record a whole object fetched from the remote (unless a local write of it is pending)."""
+        with self.env.begin(write=True) as txn:
+            if txn.get(_k(rh, key), db=self._db["pending"]) is not None:
+                return False
+            old = _u(txn.get(_k(rh, key), db=self._db["objs"]))
+            if old is not None:
+                self._add_bytes(txn, -old["size"])
+            txn.put(_k(rh, key), _j({"size": size, "crc": crc, "atime": time.time(), "tree": "f"}), db=self._db["objs"])
+            txn.put(_k(rh, key), str(size).encode(), db=self._db["sizes"])
+            self._add_bytes(txn, size)
+            return True
+
+    def drop(self, rh: str, key: str, idx: int | None = None, tree: str | None = None) -> bool:
+        """Forget one cached whole object (``idx`` None; only if it is in ``tree``) or block."""
+        with self.env.begin(write=True) as txn:
+            db = "objs" if idx is None else "blocks"
+            k = _k(rh, key) if idx is None else _k(rh, key, idx)
+            rec = _u(txn.get(k, db=self._db[db]))
+            if rec is None or (tree is not None and rec.get("tree") != tree):
+                return False
+            txn.delete(k, db=self._db[db])
+            self._add_bytes(txn, -rec.get("size", rec.get("len", 0)))
+            return True
+
+    def touch(self, rh: str, key: str, idx: int | None = None, rec: dict | None = None) -> None:
+        """Refresh the access time used by LRU eviction (at most once a second per entry)."""
+        now = time.time()
+        if rec is not None and now - rec.get("atime", 0) < 1.0:
+            return
+        db = "objs" if idx is None else "blocks"
+        k = _k(rh, key) if idx is None else _k(rh, key, idx)
+        with self.env.begin(write=True) as txn:
+            cur = _u(txn.get(k, db=self._db[db]))
+            if cur is not None:
+                cur["atime"] = now
+                txn.put(k, _j(cur), db=self._db[db])
+
+    def block(self, rh: str, key: str, idx: int) -> dict | None:
+        with self.env.begin() as txn:
+            return _u(txn.get(_k(rh, key, idx), db=self._db["blocks"]))
+
+    def record_block(self, rh: str, key: str, idx: int, length: int, crc: int) -> None:
+        with self.env.begin(write=True) as txn:
+            old = _u(txn.get(_k(rh, key, idx), db=self._db["blocks"]))
+            if old is not None:
+                self._add_bytes(txn, -old["len"])
+            txn.put(_k(rh, key, idx), _j({"len": length, "crc": crc, "atime": time.time()}), db=self._db["blocks"])
+            self._add_bytes(txn, length)
+
+    def known_size(self, rh: str, key: str) -> int | None:
+        with self.env.begin() as txn:
+            raw = txn.get(_k(rh, key), db=self._db["sizes"])
+            return None if raw is None else int(raw)
+
+    def record_size(self, rh: str, key: str, size: int) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.put(_k(rh, key), str(size).encode(), db=self._db["sizes"])
+
+    def cached_keys(self, rh: str, prefix: str = "") -> set[str]:
+        """Keys with a whole object or a known size in the local tier (the remote had them once)."""
+        with self.env.begin() as txn:
+            keys = {k.split(b"\0", 1)[1].decode() for k, _ in self._scan(txn, "objs", _k(rh, prefix))}
+            keys |= {k.split(b"\0", 1)[1].decode() for k, _ in self._scan(txn, "sizes", _k(rh, prefix))}
+            return keys
+
+    def usage(self) -> int:
+        with self.env.begin() as txn:
+            return int(txn.get(b"bytes", db=self._db["meta"]) or b"0")
+
+    def evict(self, budget: int) -> list[tuple[str, str, str, int | None]]:
+        """Forget least recently used entries until the tier fits ``budget``; returns
+        ``(rh, key, tree, block index)`` of the files to delete. Entries with a pending op stay."""
+        with self.env.begin(write=True) as txn:
+            total = int(txn.get(b"bytes", db=self._db["meta"]) or b"0")
+            if total <= budget:
+                return []
+            pending = {k for k, _ in txn.cursor(self._db["pending"])}
+            candidates = []
+            for k, v in txn.cursor(self._db["objs"]):
+                if k not in pending:
+                    rec = _u(v)
+                    candidates.append((rec["atime"], "objs", k, rec["size"], rec["tree"]))
+            for k, v in txn.cursor(self._db["blocks"]):
+                rec = _u(v)
+                candidates.append((rec["atime"], "blocks", k, rec["len"], "b"))
+            candidates.sort()
+            out = []
+            for _, db, k, size, tree in candidates:
+                if total <= budget:
+                    break
+                txn.delete(k, db=self._db[db])
+                total -= size
+                parts = k.decode().split("\0")
+                out.append((parts[0], parts[1], tree, int(parts[2]) if db == "blocks" else None))
+            txn.put(b"bytes", str(max(total, 0)).encode(), db=self._db["meta"])
+            return out

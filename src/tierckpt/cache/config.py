@@ -1,0 +1,109 @@
+"""Configuration of the node-local storage cache (:class:`CacheConfig`).
+
+Environment variables (read by :meth:`CacheConfig.from_env`):
+
+* ``TIERCKPT_CACHE_DIR``: the node cache directory (default ``$XDG_CACHE_HOME/tierckpt`` or
+  ``~/.cache/tierckpt``; ``/tmp/tierckpt-cache-<uid>`` when the home directory is not writable).
+* ``TIERCKPT_CACHE_BYTES``: the local (disk) tier budget, e.g. ``"200G"``, ``"512M"``, ``"1000000"``.
+* ``TIERCKPT_CACHE``: ``"0"``/``"off"`` disables caching, ``"1"``/``"on"`` enables it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointError
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(value: str | int, what: str = "size") -> int:
+    """``"10G"`` -> ``10 * 2**30``; plain integers are bytes. Units are binary (K = 1024)."""
+    if isinstance(value, int):
+        if value < 0:
+            raise CheckpointError(f"{what} must not be negative, got {value}")
+        return value
+    match = _SIZE.match(str(value))
+    if match is None:
+        raise CheckpointError(
+            f"cannot parse {what} {value!r}: use a byte count with an optional unit, e.g. '500M' or '10G'"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def default_directory() -> str:
+    """``$XDG_CACHE_HOME/tierckpt`` (or ``~/.cache/tierckpt``) if writable, else ``/tmp/tierckpt-cache-<uid>``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    candidate = os.path.join(base, "tierckpt")
+    try:
+        os.makedirs(candidate, exist_ok=True)
+        if os.access(candidate, os.W_OK):
+            return candidate
+    except OSError:
+        pass
+    return os.path.join("/tmp", f"tierckpt-cache-{os.getuid()}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CacheConfig:
+    """How the tiered store caches one node's checkpoints. Values, never mutated."""
+
+    directory: str = ""
+    """Node cache directory (shared by every process on the node); ``""`` means the default."""
+    memory_bytes: int = 64 * 2**20
+    """Budget of the in-process memory tier (whole small objects such as metadata)."""
+    memory_object_bytes: int = 4 * 2**20
+    """Largest object the memory tier holds."""
+    disk_bytes: int = 100 * 2**30
+    """Budget of the local disk tier. Data not yet on the remote is never evicted, even over budget."""
+    block_bytes: int = 8 * 2**20
+    """Remote objects larger than this are cached as aligned blocks of this size; smaller ones whole."""
+    upload_concurrency: int = 8
+    """Uploads of one store in flight at once (each also holds a scheduler slot of the remote)."""
+    enabled: bool = True
+    """Whether :func:`~tierckpt.cache.open_tiered` caches remote URIs at all."""
+    exit_wait_s: float = 600.0
+    """At interpreter exit, how long to let this process's pending uploads finish (the rest stay
+    pending in the catalogue for ``tierckpt.cache.sync``)."""
+    poll_s: float = 0.05
+    """How often waiters re-read the catalogue (uploads of other processes show up there)."""
+
+    def __post_init__(self) -> None:
+        if not self.directory:
+            object.__setattr__(self, "directory", default_directory())
+        object.__setattr__(self, "directory", os.path.abspath(os.path.expanduser(self.directory)))
+        for name in ("memory_bytes", "memory_object_bytes", "disk_bytes"):
+            if getattr(self, name) < 0:
+                raise CheckpointError(f"CacheConfig.{name} must not be negative, got {getattr(self, name)}")
+        if self.block_bytes < 1 or self.upload_concurrency < 1:
+            raise CheckpointError(
+                f"CacheConfig.block_bytes and upload_concurrency must be at least 1, got "
+                f"{self.block_bytes} and {self.upload_concurrency}"
+            )
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> CacheConfig:
+        """A config from the environment (see the module docstring); ``overrides`` win."""
+        values: dict[str, Any] = {}
+        if os.environ.get("TIERCKPT_CACHE_DIR"):
+            values["directory"] = os.environ["TIERCKPT_CACHE_DIR"]
+        if os.environ.get("TIERCKPT_CACHE_BYTES"):
+            values["disk_bytes"] = parse_bytes(os.environ["TIERCKPT_CACHE_BYTES"], "TIERCKPT_CACHE_BYTES")
+        flag = os.environ.get("TIERCKPT_CACHE", "").strip().lower()
+        if flag:
+            if flag not in ("0", "1", "on", "off", "true", "false", "yes", "no"):
+                raise CheckpointError(f"TIERCKPT_CACHE={flag!r}: use 1/on to enable the cache or 0/off to disable it")
+            values["enabled"] = flag in ("1", "on", "true", "yes")
+        for name in ("memory_bytes", "disk_bytes", "block_bytes"):
+            if isinstance(overrides.get(name), str):
+                overrides[name] = parse_bytes(overrides[name], name)
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise CheckpointError(f"unknown CacheConfig fields {sorted(unknown)}")
+        values.update(overrides)
+        return cls(**values)
