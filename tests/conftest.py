@@ -2,14 +2,18 @@
 
 Sections are kept separate so fixtures for other parts of the package can be added below.
 """
-
 from __future__ import annotations
 
+import os
+import tempfile
 import socket
 import uuid
 from collections.abc import Iterator
 
 import pytest
+
+# The node cache of remote stores goes to a fresh directory per test session (workers inherit it).
+os.environ.setdefault("TIERCKPT_CACHE_DIR", tempfile.mkdtemp(prefix="tierckpt-test-cache-"))
 
 
 # -- storage backends ------------------------------------------------------------------------------

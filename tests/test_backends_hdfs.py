@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from backend_contract import BackendContract
 
-from tierckpt.backends import FsspecBackend, open_backend
+from tierckpt.backends import FsspecBackend, open_plain_backend
 from tierckpt.errors import StorageError, UnsupportedURIError
 
 HDFS_URI = os.environ.get("TIERCKPT_TEST_HDFS_URI")
@@ -47,7 +47,7 @@ def test_fsspec_uri_without_its_implementation_is_unsupported() -> None:
 )
 def test_unreachable_hdfs_is_a_storage_error() -> None:
     with pytest.raises(StorageError, match="hdfs://127.0.0.1:1/x"):
-        open_backend("hdfs://127.0.0.1:1/x")
+        open_plain_backend("hdfs://127.0.0.1:1/x")
 
 
 @pytest.mark.skipif(HDFS_URI is None, reason="set TIERCKPT_TEST_HDFS_URI to an hdfs:// scratch directory")
@@ -55,7 +55,7 @@ class TestHDFSBackend(BackendContract):
     @pytest.fixture
     async def backend(self) -> AsyncIterator[FsspecBackend]:
         assert HDFS_URI is not None
-        backend = open_backend(f"{HDFS_URI.rstrip('/')}/{uuid.uuid4().hex}")
+        backend = open_plain_backend(f"{HDFS_URI.rstrip('/')}/{uuid.uuid4().hex}")
         assert isinstance(backend, FsspecBackend)
         yield backend
         await backend.delete_prefix("")

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from backend_contract import BackendContract
 
+from tierckpt.cache.tiered import TieredBackend
+from tierckpt.backends import open_plain_backend
 from tierckpt.backends import (
     FsspecBackend,
     LocalBackend,
@@ -68,13 +70,16 @@ def test_open_backend_picks_by_scheme(tmp_path: Path) -> None:
     assert isinstance(open_backend(str(tmp_path)), LocalBackend)
     assert isinstance(open_backend(f"file://{tmp_path}"), LocalBackend)
     assert isinstance(open_backend("memory://store/prefix"), MemoryBackend)
-    s3 = open_backend("s3://bucket/prefix", endpoint_url="http://127.0.0.1:1", key="k", secret="s")
+    s3 = open_plain_backend("s3://bucket/prefix", endpoint_url="http://127.0.0.1:1", key="k", secret="s")
     assert isinstance(s3, S3Backend) and s3.capabilities.multipart_upload
-    assert isinstance(open_backend("s3a://bucket/prefix", endpoint_url="http://127.0.0.1:1"), S3Backend)
+    cached = open_backend("s3://bucket/prefix", endpoint_url="http://127.0.0.1:1", key="k", secret="s")
+    assert isinstance(cached, TieredBackend) and isinstance(cached.remote, S3Backend)
+    assert isinstance(open_backend("s3://bucket/p", cache=False, endpoint_url="http://127.0.0.1:1"), S3Backend)
+    assert isinstance(open_plain_backend("s3a://bucket/prefix", endpoint_url="http://127.0.0.1:1"), S3Backend)
 
 
 def test_open_backend_uses_fsspec_for_other_protocols(tmp_path: Path) -> None:
-    backend = open_backend(f"local://{tmp_path}")  # fsspec's alias for its local file system
+    backend = open_plain_backend(f"local://{tmp_path}")  # fsspec's alias for its local file system
     assert isinstance(backend, FsspecBackend) and not isinstance(backend, S3Backend)
 
 

@@ -10,7 +10,7 @@ import pytest
 from backend_contract import LARGE_CHUNK, BackendContract
 from conftest import free_port
 
-from tierckpt.backends import S3Backend, open_backend
+from tierckpt.backends import S3Backend, open_plain_backend
 from tierckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -23,7 +23,7 @@ from tierckpt.io import get_scheduler
 class TestS3Backend(BackendContract):
     @pytest.fixture
     def backend(self, s3_bucket_uri: str) -> S3Backend:
-        backend = open_backend(s3_bucket_uri)
+        backend = open_plain_backend(s3_bucket_uri)
         assert isinstance(backend, S3Backend)
         return backend
 
@@ -56,7 +56,7 @@ class TestS3Backend(BackendContract):
         assert scheduler.run(backend.get("k")) == b"from another loop"
 
     async def test_missing_bucket_names_the_bucket(self, s3_server: str) -> None:
-        backend = open_backend("s3://no-such-bucket-tierckpt/prefix")
+        backend = open_plain_backend("s3://no-such-bucket-tierckpt/prefix")
         for op in (backend.get("k"), backend.put("k", b"x"), backend.list()):
             with pytest.raises(CheckpointNotFoundError, match="bucket 'no-such-bucket-tierckpt' does not exist"):
                 await op
@@ -64,7 +64,7 @@ class TestS3Backend(BackendContract):
 
 def test_unreachable_endpoint_fails_fast_with_one_line() -> None:
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    backend = open_backend(
+    backend = open_plain_backend(
         "s3://bucket/prefix", endpoint_url=endpoint, key="k", secret="s", region="us-east-1", timeout_s=2
     )
     scheduler = get_scheduler()
@@ -100,7 +100,7 @@ def moto_auth_enforced(s3_server: str) -> Iterator[str]:
 
 
 async def test_bad_credentials_are_a_permission_error(moto_auth_enforced: str) -> None:
-    backend = open_backend("s3://any-bucket/prefix", key="AKIAINVALIDINVALID00", secret="wrong")
+    backend = open_plain_backend("s3://any-bucket/prefix", key="AKIAINVALIDINVALID00", secret="wrong")
     with pytest.raises(StoragePermissionError) as info:
         await backend.get("k")
     assert isinstance(info.value, PermissionError)

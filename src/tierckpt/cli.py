@@ -4,6 +4,10 @@ Commands::
 
     tierckpt demo [--root DIR] [--steps N] [--quiet]   train, checkpoint, resume on 3 ranks and 1 (see tierckpt.demo.run)
     tierckpt inspect URI [--json] [--pieces]          what a checkpoint holds
+    tierckpt verify URI [--json] [--progress]         completeness and every checksum (exit 5 when corrupt)
+    tierckpt stats URI [--json]                       per-rank save timings, stragglers, throughput
+    tierckpt ls ROOT [--json]                         the checkpoints under a root (CheckpointManager steps...)
+    tierckpt convert SRC OUT --to FMT [--from FMT]    tierckpt <-> safetensors, tierckpt <-> DCP (see docs/cli.md)
     tierckpt --version
 
 Exit codes:
@@ -28,21 +32,25 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
 
-from . import __version__, layout
+from . import __version__, convert, layout
 from .backends import open_backend
 from .errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, UnsupportedURIError,
 )
 from .io.scheduler import get_scheduler
 from .loader import Checkpoint, read_checkpoint
+from .manager import CheckpointManager
 from .metadata import PieceMeta, decode_pieces
+from .monitor import ranks_from_timings, straggler_report
 from .regions import Box
+from .verify import verify
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -222,8 +230,310 @@ def _table(header: Sequence[str], rows: list[Sequence[str]], right: Sequence[int
     return [fmt(header)] + [fmt(r) for r in rows]
 
 
+# -- verify --------------------------------------------------------------------------------------------
+def _add_verify(subparsers: Any) -> None:
+    """Register ``verify``."""
+    p = subparsers.add_parser(
+        "verify", help="check a checkpoint's completeness and every checksum",
+        description="Check that a committed checkpoint is complete (metadata, every file with its listed size, "
+        "pieces covering every tensor exactly) and read every piece and object to check its CRC-32C, streaming. "
+        "Every problem is listed with its file, tensor or object, and byte offset. Exit 0 when sound, "
+        "5 when corrupt, 4 when incomplete, 3 when there is no checkpoint.",
+    )
+    p.add_argument("uri", help="checkpoint root: a path, file://, memory://, s3://, or any fsspec URI")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
+    p.set_defaults(handler=cmd_verify)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Verify a checkpoint; exit 5 with the problems listed when it is corrupt."""
+    report = verify(args.uri, progress=args.progress)
+    print(json.dumps(report.to_dict(), indent=1) if args.json else report.render())
+    return EXIT_OK if report.ok else EXIT_CORRUPT
+
+
+# -- stats ---------------------------------------------------------------------------------------------
+def _add_stats(subparsers: Any) -> None:
+    """Register ``stats``."""
+    p = subparsers.add_parser(
+        "stats", help="per-rank timings, counters, stragglers and throughput of the save",
+        description="Show how the save of a checkpoint went, from the timings stored in its header: every rank's "
+        "phases (seconds) and counters, the slowest rank and skew (max / mean) of each phase, totals, and write "
+        "throughput (bytes written / seconds in the stage and write phases; the group's rate divides by the "
+        "slowest rank's seconds).",
+    )
+    p.add_argument("uri", help="checkpoint root: a path, file://, memory://, s3://, or any fsspec URI")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(handler=cmd_stats)
+
+
+WRITE_PHASES = ("stage", "write")
+"""Phases in which a save moves bytes to storage (a synchronous save streams during ``stage``)."""
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    """Print the save statistics of a checkpoint."""
+    ckpt = read_checkpoint(open_backend(args.uri))
+    doc = save_stats(args.uri, ckpt)
+    print(json.dumps(doc, indent=1) if args.json else render_stats(doc))
+    return EXIT_OK
+
+
+def save_stats(uri: str, ckpt: Checkpoint) -> dict[str, Any]:
+    """The ``stats --json`` document: per-rank phases and counters, stragglers, totals, throughput."""
+    ranks = ranks_from_timings(ckpt.meta.timings)
+    rank_docs = []
+    for rank, summary in enumerate(ranks):
+        phases = {k.removesuffix("_s"): v for k, v in sorted(summary.items()) if k.endswith("_s")}
+        counters = {k: int(v) for k, v in sorted(summary.items()) if not k.endswith("_s")}
+        write_s = sum(phases.get(name, 0.0) for name in WRITE_PHASES)
+        rank_docs.append({
+            "rank": rank, "phases_s": phases, "counters": counters, "write_s": write_s,
+            "write_bytes_per_s": _rate(counters.get("bytes_written", 0), write_s),
+        })
+    counters: dict[str, int] = {}
+    for r in rank_docs:
+        for k, v in r["counters"].items():
+            counters[k] = counters.get(k, 0) + v
+    write_s = max((r["write_s"] for r in rank_docs), default=0.0)
+    return {
+        "uri": uri,
+        "generation": ckpt.meta.generation,
+        "world_size": ckpt.meta.world_size,
+        "created": _utc(ckpt.meta.created_unix),
+        "ranks": rank_docs,
+        "stragglers": straggler_report(ranks) if ranks else {},
+        "totals": {
+            "tensor_bytes": ckpt.meta.tensor_bytes,
+            "file_bytes": sum(f.size for f in ckpt.meta.files),
+            "counters": counters,
+            "write_s": write_s,
+            "write_bytes_per_s": _rate(counters.get("bytes_written", 0), write_s),
+        },
+    }
+
+
+def _rate(nbytes: int, seconds: float) -> float | None:
+    return nbytes / seconds if seconds > 0 else None
+
+
+def _utc(unix: float) -> str:
+    return datetime.datetime.fromtimestamp(unix, datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def render_stats(doc: dict[str, Any]) -> str:
+    """The ``stats`` document as text tables."""
+    lines = [f"checkpoint {doc['uri']}", f"  generation {doc['generation']}, saved by {doc['world_size']} rank(s) at {doc['created']}", ""]
+    if not doc["ranks"]:
+        return "\n".join(lines + ["no timings were recorded for this save"])
+    phases = sorted({p for r in doc["ranks"] for p in r["phases_s"]})
+    counters = sorted({c for r in doc["ranks"] for c in r["counters"]})
+    rows = [
+        (str(r["rank"]), *(f"{r['phases_s'].get(p, 0.0):.3f}" for p in phases), *(str(r["counters"].get(c, 0)) for c in counters), _rate_text(r["write_bytes_per_s"]))
+        for r in doc["ranks"]
+    ]
+    header = ("rank", *(f"{p} s" for p in phases), *counters, "write rate")
+    lines += _table(header, rows, right=tuple(range(len(header))))
+    lines += ["", "stragglers (slowest rank per phase; skew = max / mean):"]
+    rows = [
+        (phase, str(int(s["slowest_rank"])), f"{s['max_s']:.3f}", f"{s['mean_s']:.3f}", f"{s['min_s']:.3f}", f"{s['skew']:.2f}")
+        for phase, s in doc["stragglers"].items()
+    ]
+    lines += _table(("phase", "slowest", "max s", "mean s", "min s", "skew"), rows, right=(1, 2, 3, 4, 5))
+    totals = doc["totals"]
+    lines += [
+        "",
+        f"totals: {totals['tensor_bytes']} tensor bytes, {totals['file_bytes']} file bytes, "
+        + ", ".join(f"{k} {v}" for k, v in totals["counters"].items()),
+        f"write: {totals['write_s']:.3f} s (slowest rank), {_rate_text(totals['write_bytes_per_s'])}",
+    ]
+    return "\n".join(lines)
+
+
+def _rate_text(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate / 2**20:.1f} MiB/s"
+
+
+# -- ls ------------------------------------------------------------------------------------------------
+def _add_ls(subparsers: Any) -> None:
+    """Register ``ls``."""
+    p = subparsers.add_parser(
+        "ls", help="list the checkpoints under a root",
+        description="List the checkpoints under ROOT: ROOT itself, the step-NNNNNNNN checkpoints of a "
+        "CheckpointManager root (the latest marked), or any directory of checkpoints. For each: step, status "
+        "(committed, incomplete or corrupt), generation, creation time, tensor bytes and world size.",
+    )
+    p.add_argument("root", help="a checkpoint or a directory of checkpoints: a path or URI")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(handler=cmd_ls)
+
+
+_GENERATION_PART = re.compile(r"^g-[0-9A-Za-z_-]{1,64}$")
+_STEP_PART = re.compile(r"^step-(\d{8,})$")
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """List the checkpoints under a root; exit 3 when there are none."""
+    doc = list_checkpoints(args.root)
+    print(json.dumps(doc, indent=1) if args.json else render_ls(doc))
+    return EXIT_OK
+
+
+def list_checkpoints(root: str) -> dict[str, Any]:
+    """The ``ls --json`` document: every checkpoint under ``root``, sorted by step then path."""
+    keys = get_scheduler().run(open_backend(root).list(""))
+    found = _find_checkpoints(keys)
+    if not found:
+        raise CheckpointNotFoundError(f"no checkpoints under {root!r}")
+    latest = _latest_steps(root, found)
+    entries = [_describe_entry(root, prefix, committed, gens, latest) for prefix, (committed, gens) in found.items()]
+    entries.sort(key=lambda e: (e["step"] is None, e["step"] or 0, e["path"]))
+    return {"root": root, "checkpoints": entries}
+
+
+def _find_checkpoints(keys: Sequence[str]) -> dict[str, tuple[bool, set[str]]]:
+    """Checkpoint prefix -> (has a COMMIT record, generation directories found)."""
+    found: dict[str, tuple[bool, set[str]]] = {}
+    for key in keys:
+        parts = key.split("/")
+        if parts[-1] == layout.COMMIT:
+            prefix = "/".join(parts[:-1])
+            found[prefix] = (True, found.get(prefix, (False, set()))[1])
+            continue
+        for i, part in enumerate(parts[:-1]):
+            if _GENERATION_PART.match(part):
+                prefix = "/".join(parts[:i])
+                _, gens = found.setdefault(prefix, (False, set()))
+                gens.add(part)
+                break
+    return found
+
+
+def _latest_steps(root: str, found: Mapping[str, tuple[bool, set[str]]]) -> set[str]:
+    """Prefixes of the latest step of each directory holding ``step-*`` checkpoints (CheckpointManager's rule)."""
+    dirs = {prefix.rpartition("/")[0] for prefix in found if _STEP_PART.match(prefix.rpartition("/")[2])}
+    latest = set()
+    for d in dirs:
+        step = CheckpointManager(_join(root, d)).latest()
+        if step is not None:
+            latest.add(f"{d}/step-{step:08d}" if d else f"step-{step:08d}")
+    return latest
+
+
+def _join(root: str, prefix: str) -> str:
+    return f"{root.rstrip('/')}/{prefix}" if prefix else root
+
+
+def _describe_entry(root: str, prefix: str, committed: bool, gens: set[str], latest: set[str]) -> dict[str, Any]:
+    """One row of ``ls``: a committed checkpoint's header facts, or what an uncommitted one left."""
+    step = _STEP_PART.match(prefix.rpartition("/")[2])
+    entry: dict[str, Any] = {
+        "path": prefix or ".", "uri": _join(root, prefix), "step": int(step.group(1)) if step else None,
+        "latest": prefix in latest, "status": "incomplete", "generation": None, "created_unix": None, "created": None,
+        "tensor_bytes": None, "world_size": None, "num_tensors": None, "uncommitted_generations": len(gens),
+    }
+    if not committed:
+        newest = max(gens)
+        entry["generation"] = newest
+        millis = newest.split("-")[1]
+        if millis.isdigit():
+            entry["created_unix"] = int(millis) / 1000
+            entry["created"] = _utc(entry["created_unix"])
+        return entry
+    try:
+        meta = read_checkpoint(open_backend(entry["uri"])).meta
+    except CheckpointError as exc:
+        return {**entry, "status": "corrupt", "error": str(exc)}
+    gens.discard(meta.generation)
+    entry.update(
+        status="committed", generation=meta.generation, created_unix=meta.created_unix, created=_utc(meta.created_unix),
+        tensor_bytes=meta.tensor_bytes, world_size=meta.world_size, num_tensors=meta.num_tensors,
+        uncommitted_generations=len(gens),
+    )
+    return entry
+
+
+def render_ls(doc: dict[str, Any]) -> str:
+    """The ``ls`` document as a table; ``*`` marks the latest step."""
+    rows = [
+        (
+            "" if e["step"] is None else str(e["step"]), "*" if e["latest"] else "", e["status"], e["generation"] or "-",
+            e["created"] or "-", "-" if e["tensor_bytes"] is None else str(e["tensor_bytes"]),
+            "-" if e["world_size"] is None else str(e["world_size"]), e["path"],
+        )
+        for e in doc["checkpoints"]
+    ]
+    lines = [f"checkpoints under {doc['root']} (* = latest):"]
+    lines += _table(("step", "", "status", "generation", "created", "tensor bytes", "world", "path"), rows, right=(0, 5, 6))
+    return "\n".join(lines)
+
+
+# -- convert -------------------------------------------------------------------------------------------
+CONVERSIONS = {("tierckpt", "safetensors"), ("tierckpt", "dcp"), ("dcp", "tierckpt"), ("safetensors", "tierckpt")}
+
+
+def _add_convert(subparsers: Any) -> None:
+    """Register ``convert``."""
+    p = subparsers.add_parser(
+        "convert", help="convert between tierckpt, safetensors and torch.distributed.checkpoint (DCP)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Convert a checkpoint to another format, in this process.\n\n"
+        "  tierckpt -> safetensors  streams: one slab of one tensor at a time, so a model larger than RAM converts.\n"
+        "                           Writes model.safetensors, or model-0000K-of-0000N.safetensors shards plus\n"
+        "                           model.safetensors.index.json; objects are skipped.\n"
+        "  safetensors -> tierckpt  holds the whole model in memory.\n"
+        "  dcp -> tierckpt          holds the whole model in memory. DCP metadata is a pickle: importing a DCP\n"
+        "                           checkpoint unpickles it, so convert only DCP checkpoints you trust.\n"
+        "  tierckpt -> dcp          holds the whole model in memory (full CPU tensors); objects included.",
+    )
+    p.add_argument("src", help="source checkpoint (a tierckpt URI, a DCP directory, or a safetensors file or folder)")
+    p.add_argument("out", help="output (a directory for safetensors and DCP, a URI for tierckpt)")
+    p.add_argument("--to", required=True, choices=("safetensors", "dcp", "tierckpt"), help="output format")
+    p.add_argument("--from", dest="source_format", default="tierckpt", choices=("tierckpt", "dcp", "safetensors"), help="source format (default tierckpt)")
+    p.add_argument("--max-shard-bytes", type=_byte_size, default=convert.DEFAULT_MAX_SHARD_BYTES, help="safetensors shard size, e.g. 5GB, 500MiB, 1000000 (default 5GB)")
+    p.add_argument("--prefix", default="", help="safetensors: export only tensors whose fqn starts with P, with P stripped (e.g. 'model.'); import: prepend P")
+    p.add_argument("--allow-pickle", action="store_true", help="to dcp: include objects that need full unpickling (trusted checkpoints only)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(handler=cmd_convert)
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _byte_size(text: str) -> int:
+    """``"5GB"``, ``"500MiB"``, ``"1000"`` -> bytes (at least 1)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 5GB, 500MiB, 1000000)")
+    value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Run one conversion and print what it wrote (and skipped)."""
+    pair = (args.source_format, args.to)
+    if pair not in CONVERSIONS:
+        supported = ", ".join(f"{a} -> {b}" for a, b in sorted(CONVERSIONS))
+        print(f"tierckpt convert: error: cannot convert {pair[0]} to {pair[1]}; supported: {supported}", file=sys.stderr)
+        return EXIT_USAGE
+    if pair == ("tierckpt", "safetensors"):
+        report = convert.to_safetensors(args.src, args.out, max_shard_bytes=args.max_shard_bytes, prefix=args.prefix)
+    elif pair == ("tierckpt", "dcp"):
+        report = convert.to_dcp(args.src, args.out, allow_pickle=args.allow_pickle)
+    elif pair == ("dcp", "tierckpt"):
+        report = convert.from_dcp(args.src, args.out)
+    else:
+        report = convert.from_safetensors(args.src, args.out, prefix=args.prefix)
+    print(json.dumps(report.to_dict(), indent=1) if args.json else report.render())
+    return EXIT_OK
+
+
 # -- entry point ------------------------------------------------------------------------------------------
-COMMANDS: tuple[Callable[[Any], None], ...] = (_add_demo, _add_inspect)
+COMMANDS: tuple[Callable[[Any], None], ...] = (_add_demo, _add_inspect, _add_verify, _add_stats, _add_ls, _add_convert)
 """Each registers one subcommand whose parser sets ``handler(args) -> exit code``."""
 
 

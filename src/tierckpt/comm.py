@@ -54,14 +54,24 @@ class Comm:
             raise CollectiveError(f"broadcast from rank {src} failed on rank {self.rank}: {exc}") from exc
         return box[0]
 
-    def check_in(self, what: str, timeout_s: float) -> None:
+    def timeout_s(self) -> float:
+        """The group's own collective timeout (what torch.distributed was initialized with)."""
+        group = self.group if self.group is not None else dist.group.WORLD
+        try:
+            return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            return 1800.0
+
+    def check_in(self, what: str, timeout_s: float | None = None) -> None:
         """Wait until every rank has arrived at ``what``; name the ranks that did not, after ``timeout_s``.
 
-        Uses gloo's monitored barrier, which reports the missing ranks instead of a bare timeout.
+        Uses gloo's monitored barrier, which reports the missing ranks instead of a bare timeout;
+        ``timeout_s`` defaults to the group's own timeout.
         Other backends (NCCL) skip the check and rely on their own timeouts.
         """
         if self.world_size == 1 or self.backend != "gloo":
             return
+        timeout_s = self.timeout_s() if timeout_s is None else timeout_s
         try:
             dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
         except RuntimeError as exc:

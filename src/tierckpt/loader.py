@@ -62,9 +62,9 @@ def read_checkpoint(backend: Backend) -> Checkpoint:
     """Follow ``COMMIT`` to the committed generation and read its header and tensor table."""
     sched = get_scheduler()
     try:
-        record = layout.CommitRecord.decode(sched.run(backend.get(layout.COMMIT)))
+        record = layout.CommitRecord.decode(sched.do(backend, "get", layout.COMMIT))
     except CheckpointNotFoundError:
-        if sched.run(backend.list("")):
+        if sched.do(backend, "list", ""):
             raise IncompleteCheckpointError(
                 f"{backend.root_uri!r} holds checkpoint data but no COMMIT record: a save was interrupted or is "
                 "still running. Load an earlier checkpoint, or wait for the save to finish"
@@ -72,8 +72,8 @@ def read_checkpoint(backend: Backend) -> Checkpoint:
         raise CheckpointNotFoundError(f"no checkpoint at {backend.root_uri!r} (no COMMIT record)") from None
     gen = record.generation
     try:
-        meta = decode_header(sched.run(backend.get(layout.header_key(gen))))
-        tensors = decode_tensors(sched.run(backend.get(layout.tensors_key(gen))))
+        meta = decode_header(sched.do(backend, "get", layout.header_key(gen)))
+        tensors = decode_tensors(sched.do(backend, "get", layout.tensors_key(gen)))
     except CheckpointNotFoundError as exc:
         raise CorruptCheckpointError(
             f"checkpoint {backend.root_uri!r} is committed as {gen!r} but its metadata is missing: {exc}"
@@ -95,7 +95,7 @@ def load(
     chunk_bytes: int = 32 << 20,
     round_bytes: int = 512 << 20,
     monitor: Monitor | None = None,
-    collective_timeout_s: float = 600.0,
+    collective_timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Load the checkpoint at ``uri`` into ``state`` in place (resharding as needed) and return it.
 
@@ -103,7 +103,7 @@ def load(
     ``strict=False`` loads what matches and warns about the rest. ``verify=True`` checks the CRC-32C of
     every piece the load touches before modifying anything. ``allow_pickle=True`` permits objects that
     need full unpickling (only for checkpoints you trust). Every rank of the group must call it; a rank
-    that does not arrive within ``collective_timeout_s`` is named in a :class:`CollectiveError`.
+    that does not arrive within ``collective_timeout_s`` (default: the group's timeout) is named in a :class:`CollectiveError`.
     """
     comm = Comm(group)
     comm.check_in(f"load from {uri!r}", collective_timeout_s)
@@ -212,7 +212,7 @@ def _few(keys: list[str], limit: int = 8) -> str:
 
 
 def _read_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str]) -> dict[str, list[PieceMeta]]:
-    data = get_scheduler().run(backend.get(layout.pieces_key(ckpt.meta.generation)))
+    data = get_scheduler().do(backend, "get", layout.pieces_key(ckpt.meta.generation))
     import pyarrow as pa
 
     return decode_pieces(pa.BufferReader(data), ckpt.tensors, fqns)
@@ -225,7 +225,7 @@ def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int) 
     for file in sorted({u.file for u in plan.units if u.reader == rank}):
         key = layout.in_generation(gen, file)
         try:
-            actual = sched.run(backend.size(key))
+            actual = sched.do(backend, "size", key)
         except CheckpointNotFoundError:
             raise CorruptCheckpointError(f"data file {key!r} of checkpoint {backend.root_uri!r} is missing") from None
         if file not in sizes or actual != sizes[file]:
@@ -241,7 +241,7 @@ def _verify_pieces(backend: Backend, gen: str, pieces: dict[str, list[PieceMeta]
     for i, piece in enumerate(everything):
         if i % comm.world_size != comm.rank:
             continue
-        data = sched.run(backend.get_range(layout.in_generation(gen, piece.file), piece.byte_offset, piece.byte_offset + piece.byte_length))
+        data = sched.do(backend, "get_range", layout.in_generation(gen, piece.file), piece.byte_offset, piece.byte_offset + piece.byte_length)
         if crc32c.crc32c(data) != piece.crc32c:
             raise CorruptCheckpointError(
                 f"checksum mismatch in {piece.file!r} at bytes {piece.byte_offset}..{piece.byte_offset + piece.byte_length} "
@@ -380,9 +380,7 @@ def _fetch_objects(backend: Backend, ckpt: Checkpoint, flat: FlatState, comm: Co
 
 
 def _read_object(backend: Backend, gen: str, meta: ObjectMeta, allow_pickle: bool) -> Any:
-    data = get_scheduler().run(
-        backend.get_range(layout.in_generation(gen, meta.file), meta.byte_offset, meta.byte_offset + meta.byte_length)
-    )
+    data = get_scheduler().do(backend, "get_range", layout.in_generation(gen, meta.file), meta.byte_offset, meta.byte_offset + meta.byte_length)
     if crc32c.crc32c(data) != meta.crc32c:
         raise CorruptCheckpointError(f"checksum mismatch for object {meta.key!r} in {meta.file!r} at byte {meta.byte_offset}")
     return decode_object(data, meta.codec, meta.key, allow_pickle=allow_pickle)

@@ -91,15 +91,15 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps under the root, ascending."""
-        keys = get_scheduler().run(self._backend().list(""))
+        keys = get_scheduler().do(self._backend(), "list", "")
         return sorted(int(m.group(1)) for k in keys if (m := _STEP_DIR.match(k)))
 
     def latest(self) -> int | None:
         """The newest committed step: ``LATEST`` if it names a committed step, else the newest found."""
         backend = self._backend()
         try:
-            step = int(json.loads(get_scheduler().run(backend.get(LATEST)))["step"])
-            if get_scheduler().run(backend.exists(f"step-{step:08d}/{layout.COMMIT}")):
+            step = int(json.loads(get_scheduler().do(backend, "get", LATEST))["step"])
+            if get_scheduler().do(backend, "exists", f"step-{step:08d}/{layout.COMMIT}"):
                 return step
         except (CheckpointNotFoundError, ValueError, KeyError, TypeError):
             pass
@@ -120,9 +120,9 @@ class CheckpointManager:
             return
         backend = self._backend()
         sched = get_scheduler()
-        sched.run(backend.commit(LATEST, json.dumps({"step": step}).encode()))
+        sched.do(backend, "commit", LATEST, json.dumps({"step": step}).encode())
         for old in retention_victims(self.steps(), keep_last=self.keep_last, keep_every=self.keep_every):
-            sched.run(backend.delete_prefix(f"step-{old:08d}/"))
+            sched.do(backend, "delete_prefix", f"step-{old:08d}/")
 
 
 def retention_victims(steps: list[int], *, keep_last: int | None, keep_every: int | None) -> list[int]:

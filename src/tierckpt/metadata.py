@@ -257,7 +257,7 @@ def decode_tensors(source: Any) -> dict[str, TensorMeta]:
     if table.schema.remove_metadata() != _TENSOR_SCHEMA:
         raise CorruptCheckpointError("the tensors table has an unexpected schema")
     out: dict[str, TensorMeta] = {}
-    for fqn, dtype, shape in zip(*(table.column(c).to_pylist() for c in ("fqn", "dtype", "shape"))):
+    for fqn, dtype, shape in zip(*(_column(table, c, "tensors") for c in ("fqn", "dtype", "shape"))):
         if not isinstance(fqn, str) or not fqn:
             raise CorruptCheckpointError(f"invalid tensor name {fqn!r} in checkpoint metadata")
         dtype_from_name(dtype)
@@ -325,7 +325,7 @@ def decode_pieces(
         raise CorruptCheckpointError("the pieces table has an unexpected schema")
     wanted_set = None if wanted is None else set(wanted)
     out: dict[str, list[PieceMeta]] = {}
-    columns = [table.column(name).to_pylist() for name in _PIECE_SCHEMA.names]
+    columns = [_column(table, name, "pieces") for name in _PIECE_SCHEMA.names]
     for fqn, kind, offsets, lengths, file, byte_offset, byte_length, crc in zip(*columns):
         if wanted_set is not None and fqn not in wanted_set:
             continue
@@ -378,6 +378,14 @@ def _region(kind: Any, offsets: Any, lengths: Any, tensor: TensorMeta) -> Region
             raise bad
         return FlatRange(offsets[0], offsets[0] + lengths[0])
     raise bad
+
+
+def _column(table: pa.Table, name: str, what: str) -> list[Any]:
+    """A column as Python values; undecodable strings are corruption, not a crash."""
+    try:
+        return table.column(name).to_pylist()
+    except (UnicodeDecodeError, pa.ArrowException, KeyError) as exc:
+        raise CorruptCheckpointError(f"the {what} table's column {name!r} cannot be decoded: {exc}") from exc
 
 
 def _read_table(source: Any, what: str) -> pa.Table:

@@ -139,7 +139,7 @@ class _Prepared:
 def _prepare(
     uri: str, state: Mapping[str, Any], group: dist.ProcessGroup | None, storage_options: Mapping[str, Any] | None,
     tags: Mapping[str, str] | None, keep_previous: bool, align_bytes: int, monitor: Monitor,
-    collective_timeout_s: float,
+    collective_timeout_s: float | None,
 ) -> _Prepared:
     _raise_unreported()
     comm = Comm(group)
@@ -238,8 +238,8 @@ def _stream_staged(p: _Prepared, staging_bytes: int | None) -> FileStream | None
 
 def _finish(p: _Prepared, stream: FileStream | None, comm: Comm) -> CheckpointMeta:
     """Close the data file, write objects, gather records, commit (see the module docstring)."""
-    with p.monitor.phase("write"):
-        mine = run_agreed(comm, lambda: _finish_rank(p, stream), f"writing checkpoint {p.uri!r}")
+    mine = run_agreed(comm, lambda: _finish_rank(p, stream), f"writing checkpoint {p.uri!r}")
+    with p.monitor.phase("gather"):
         records = comm.all_gather_object(mine)
     meta = CheckpointMeta(
         generation=p.generation,
@@ -271,6 +271,13 @@ def _finish(p: _Prepared, stream: FileStream | None, comm: Comm) -> CheckpointMe
 
 
 def _finish_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMeta], list[ObjectMeta], list[FileMeta], dict[str, float]]:
+    with p.monitor.phase("write"):
+        pieces, objects, files = _drain_rank(p, stream)
+    return pieces, objects, files, p.monitor.summary()
+
+
+def _drain_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMeta], list[ObjectMeta], list[FileMeta]]:
+    """Wait for this rank's data file to be written and write its objects file."""
     rank = p.comm.rank
     pieces: list[PieceMeta] = []
     files: list[FileMeta] = []
@@ -285,9 +292,9 @@ def _finish_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMet
         p.monitor.count("bytes_written", p.plan.file_sizes[rank])
     objects, blob = _objects_of_rank(p)
     if blob:
-        get_scheduler().run(p.backend.put(layout.in_generation(p.generation, layout.objects_file(rank)), blob))
+        get_scheduler().do(p.backend, "put", layout.in_generation(p.generation, layout.objects_file(rank)), blob)
         files.append(FileMeta(key=layout.objects_file(rank), size=len(blob)))
-    return pieces, objects, files, p.monitor.summary()
+    return pieces, objects, files
 
 
 def _objects_of_rank(p: _Prepared) -> tuple[list[ObjectMeta], bytes]:
@@ -324,15 +331,15 @@ def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None
     sched = get_scheduler()
     backend, gen = p.backend, p.generation
     try:
-        previous = layout.CommitRecord.decode(sched.run(backend.get(layout.COMMIT))).generation
+        previous = layout.CommitRecord.decode(sched.do(backend, "get", layout.COMMIT)).generation
     except CheckpointNotFoundError:
         previous = None
-    sched.run(backend.put(layout.tensors_key(gen), encode_tensors(p.plan.tensors)))
-    sched.run(backend.put(layout.pieces_key(gen), encode_pieces(pieces)))
-    sched.run(backend.put(layout.header_key(gen), encode_header(meta)))
-    sched.run(backend.commit(layout.COMMIT, layout.CommitRecord(gen, time.time()).encode()))
+    sched.do(backend, "put", layout.tensors_key(gen), encode_tensors(p.plan.tensors))
+    sched.do(backend, "put", layout.pieces_key(gen), encode_pieces(pieces))
+    sched.do(backend, "put", layout.header_key(gen), encode_header(meta))
+    sched.do(backend, "commit", layout.COMMIT, layout.CommitRecord(gen, time.time()).encode())
     if previous and previous != gen and not p.keep_previous:
-        sched.run(backend.delete_prefix(f"{previous}/"))
+        sched.do(backend, "delete_prefix", f"{previous}/")
 
 
 def _raise_unreported() -> None:
@@ -368,14 +375,14 @@ def save(
     keep_previous: bool = False,
     align_bytes: int = 64,
     monitor: Monitor | None = None,
-    collective_timeout_s: float = 600.0,
+    collective_timeout_s: float | None = None,
 ) -> CheckpointMeta:
     """Save ``state`` to ``uri``; return once the checkpoint is committed (on every rank).
 
     ``keep_previous=True`` keeps the generation that the previous commit named (it is otherwise
     deleted after the new commit). ``tags`` are stored in the header. Pass a :class:`Monitor` to
     read per-phase timings and byte counts afterwards. Every rank of the group must call it; a rank
-    that does not arrive within ``collective_timeout_s`` is named in a :class:`CollectiveError`.
+    that does not arrive within ``collective_timeout_s`` (default: the group's timeout) is named in a :class:`CollectiveError`.
     """
     monitor = monitor or Monitor()
     previous = _PROCESS.in_flight.get(uri)
@@ -399,7 +406,7 @@ def async_save(
     staging_bytes: int | None = None,
     if_busy: Literal["wait", "error"] = "wait",
     monitor: Monitor | None = None,
-    collective_timeout_s: float = 600.0,
+    collective_timeout_s: float | None = None,
 ) -> SaveHandle:
     """Snapshot ``state`` and save it in the background; training may mutate it once this returns.
 

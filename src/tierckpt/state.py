@@ -8,7 +8,8 @@
   are — no all-gather.
 * ``torch.optim.Optimizer``: per-parameter state keyed by the parameter's fqn (so it reshards like
   the parameter) and ``param_groups`` as an object.
-* Objects with ``state_dict``/``load_state_dict`` (LR schedulers, samplers...): their state dict.
+* Objects with ``state_dict``/``load_state_dict`` (LR schedulers, GradScaler, samplers...): their
+  state dict as one object — stored once when equal on every rank, else per rank.
 * Nested dicts: recursed. Tensors and DTensors: entries.
 * Objects with ``__tierckpt_entry__(fqn) -> TensorEntry`` describe a sharded tensor themselves
   (see :mod:`tierckpt.sharded` for framework-free TP/PP descriptions).
@@ -349,9 +350,10 @@ def _walk(path: str, value: Any, container: Any, slot: Any, flat: FlatState, for
         for k, v in value.items():
             _walk(f"{path}.{k}", v, value, k, flat, for_load)
     elif _is_stateful(value):
-        sd = value.state_dict()
-        holder = {"sd": sd}
-        _walk(path, sd, holder, "sd", flat, for_load)
+        # The whole state dict is one object, tensors included: it is stored once when every rank
+        # has the same bytes and per rank otherwise (an RNG or a per-rank counter keeps its values).
+        holder = {"sd": value.state_dict()}
+        flat.add_object(ObjectEntry(key=path, value=holder["sd"], container=holder, slot="sd"))
         if for_load:
             flat.after_load.append(lambda: value.load_state_dict(holder["sd"]))
     else:

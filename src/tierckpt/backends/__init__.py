@@ -34,6 +34,7 @@ __all__ = [
     "ObjectWriter",
     "S3Backend",
     "open_backend",
+    "open_plain_backend",
     "split_uri",
     "validate_key",
 ]
@@ -50,8 +51,22 @@ def split_uri(uri: str) -> tuple[str, str]:
     return match.group(1).lower(), match.group(2)
 
 
-def open_backend(uri: str, **options: Any) -> Backend:
-    """The backend for ``uri``; ``options`` go to its constructor (e.g. S3 credentials)."""
+def open_backend(uri: str, *, cache: Any = None, **options: Any) -> Backend:
+    """The backend for ``uri``; ``options`` go to its constructor (e.g. S3 credentials).
+
+    Remote schemes (s3, hdfs, other fsspec protocols) go through the node cache
+    (:mod:`tierckpt.cache`: write-back, read-through) unless ``cache=False`` or ``TIERCKPT_CACHE=off``;
+    pass a :class:`~tierckpt.cache.CacheConfig` as ``cache`` to configure it per call.
+    """
+    if cache is False:
+        return open_plain_backend(uri, **options)
+    from ..cache import open_tiered
+
+    return open_tiered(uri, cache, **options)
+
+
+def open_plain_backend(uri: str, **options: Any) -> Backend:
+    """The backend for ``uri`` itself, without the node cache."""
     scheme, _ = split_uri(uri)
     if scheme in ("", "file"):
         return LocalBackend(uri, **options)

@@ -402,8 +402,12 @@ class _MultipartWriter(ObjectWriter):
         self._done = False
 
     async def _s3(self, what: str, method: str, **kwargs: Any) -> Any:
-        return await self._backend._call(
-            f"{what} {self._uri}", "call_s3", method, Bucket=self._bucket, Key=self._key, **kwargs
+        """One S3 request of the upload, retried on transient errors (parts and PUTs are idempotent)."""
+        from ..io.scheduler import get_scheduler  # here: the scheduler module imports the backends
+
+        return await get_scheduler().call(
+            self._backend, method, self._backend._call,
+            f"{what} {self._uri}", "call_s3", method, Bucket=self._bucket, Key=self._key, **kwargs,
         )
 
     def _part_size(self) -> int:

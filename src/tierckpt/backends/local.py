@@ -250,8 +250,16 @@ class LocalBackend(Backend):
         self.root = local_root(root_uri)
 
     def path_of(self, key: str) -> str:
-        """Absolute path of the file that holds ``key``."""
-        return os.path.join(self.root, *validate_key(key).split("/"))
+        """Absolute path of the file that holds ``key``; refuses paths that symlinks lead out of the root."""
+        path = os.path.join(self.root, *validate_key(key).split("/"))
+        real_root = os.path.realpath(self.root)
+        real = os.path.realpath(path)
+        if real != path and not real.startswith(real_root + os.sep):
+            raise CorruptCheckpointError(
+                f"{path} leads outside the checkpoint root {self.root} (to {real}) through a symbolic link; "
+                "checkpoints never contain such links, so this one was tampered with"
+            )
+        return path
 
     def uri_of(self, key: str) -> str:
         """The key as a path, for messages."""

@@ -20,10 +20,7 @@ from typing import Any
 import pyarrow as pa
 
 from .. import layout
-from ..backends import Backend, split_uri
-from ..backends.fsspec_backend import S3Backend
-from ..backends.local import LocalBackend
-from ..backends.memory import MemoryBackend
+from ..backends import Backend, open_plain_backend, split_uri
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..io.scheduler import get_scheduler
 from ..metadata import decode_pieces
@@ -31,28 +28,14 @@ from .catalog import Catalog
 from .config import CacheConfig
 from .tiered import StoreStatus, TieredBackend
 
-_LOCAL_SCHEMES = ("", "file", "memory")
-
-
-def _plain_backend(uri: str, **storage_options: Any) -> Backend:
-    """What ``open_backend`` returned before caching (kept here so this module does not recurse)."""
-    scheme, _ = split_uri(uri)
-    if scheme in ("", "file"):
-        return LocalBackend(uri, **storage_options)
-    if scheme == "memory":
-        return MemoryBackend(uri, **storage_options)
-    if scheme in ("s3", "s3a"):
-        return S3Backend(uri, **storage_options)
-    from ..backends import open_backend
-
-    return open_backend(uri, **storage_options)
+_LOCAL_SCHEMES = ("", "file", "local", "memory")
 
 
 def open_tiered(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> Backend:
     """The backend for ``uri``: a :class:`TieredBackend` over the remote for remote schemes (s3, hdfs,
     any fsspec protocol) when caching is enabled, the plain backend for local paths and ``memory://``."""
     config = config or CacheConfig.from_env()
-    remote = _plain_backend(uri, **storage_options)
+    remote = open_plain_backend(uri, **storage_options)
     scheme, _ = split_uri(uri)
     if not config.enabled or scheme in _LOCAL_SCHEMES or isinstance(remote, TieredBackend):
         return remote
@@ -61,7 +44,7 @@ def open_tiered(uri: str, config: CacheConfig | None = None, **storage_options: 
 
 def _tiered(uri: str, config: CacheConfig | None, storage_options: dict[str, Any]) -> TieredBackend:
     """A TieredBackend for ``uri`` even where :func:`open_tiered` would not cache (local remotes)."""
-    return TieredBackend(_plain_backend(uri, **storage_options), config or CacheConfig.from_env())
+    return TieredBackend(open_plain_backend(uri, **storage_options), config or CacheConfig.from_env())
 
 
 @dataclass(frozen=True, slots=True)

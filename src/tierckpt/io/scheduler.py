@@ -30,6 +30,7 @@ dropped in the child and the next :func:`get_scheduler` call there starts a fres
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import concurrent.futures
 import enum
@@ -237,6 +238,10 @@ class IOScheduler:
                 "raise the timeout or check the storage endpoint"
             ) from exc
 
+    def do(self, backend: Backend, op_name: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """Run one backend operation from synchronous code, with the slot, retries and metrics of :meth:`call`."""
+        return self.run(self.call(backend, op_name, getattr(backend, op_name), *args, **kwargs), timeout_s)
+
     def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
         """Start ``coro`` on the I/O loop; cancelling the returned future cancels the coroutine."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -257,7 +262,7 @@ class IOScheduler:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
         self._loop.close()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor.shutdown(wait=True, cancel_futures=True)
 
     # -- inside the loop ---------------------------------------------------------------------------
     def _check_loop(self) -> None:
@@ -399,7 +404,21 @@ def get_scheduler() -> IOScheduler:
     with _instance_lock:
         if _instance is None:
             _instance = IOScheduler()
+            atexit.register(_close_at_exit, _instance)
         return _instance
+
+
+def _close_at_exit(scheduler: IOScheduler) -> None:
+    """Stop the loop thread before the interpreter tears down the libraries it may be running in.
+
+    A daemon thread still inside native code (pyarrow, aiohttp, botocore) while the interpreter
+    finalizes can abort the whole process at exit; joining it first makes exit clean.
+    """
+    if scheduler is _instance and scheduler._thread.is_alive():
+        try:
+            scheduler.close()
+        except Exception:  # noqa: BLE001 - exit must not fail
+            pass
 
 
 def _forget_after_fork() -> None:

@@ -66,7 +66,7 @@ class FileStream:
         return self.crcs
 
     async def _drain(self, backend: Backend, key: str) -> None:
-        writer = await backend.open_writer(key)
+        writer = await get_scheduler().call(backend, "open_writer", backend.open_writer, key)
         try:
             while (chunk := await self._queue.get()) is not None:
                 try:

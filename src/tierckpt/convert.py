@@ -1,0 +1,346 @@
+"""Conversions between tierckpt checkpoints and other formats (``tierckpt convert``).
+
+=====================  ===========================================================================
+conversion             memory
+=====================  ===========================================================================
+tierckpt -> safetensors streams: one slab of at most ``slab_bytes`` (default 256 MiB) of one tensor
+                       at a time, assembled from the saved pieces; a model larger than RAM converts.
+safetensors -> tierckpt holds every tensor in memory (``tierckpt.save`` takes one state).
+dcp -> tierckpt        holds every tensor in memory (DCP loads into full CPU tensors, one process).
+tierckpt -> dcp        holds every tensor in memory (full CPU tensors, one process).
+=====================  ===========================================================================
+
+safetensors output is a Hugging Face-style folder: ``model.safetensors``, or shards
+``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.json`` when the tensors exceed
+``max_shard_bytes``. A ``prefix`` selects tensors by fqn and strips it (``model.embed.weight`` ->
+``embed.weight``); objects cannot be stored in safetensors and are skipped (and reported).
+
+**Trust.** A DCP checkpoint's ``.metadata`` is a pickle and its non-tensor entries are ``torch.save``
+bytes: importing one (``--from dcp``) unpickles them, which can run code. Import only DCP checkpoints
+you trust. tierckpt objects that need full unpickling are skipped on export unless ``allow_pickle``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import struct
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from . import layout
+from .backends import Backend, open_backend
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .io.scheduler import ReadRequest, get_scheduler
+from .loader import Checkpoint, load, read_checkpoint
+from .metadata import PieceMeta, TensorMeta, decode_pieces
+from .planner import TargetPiece, plan_load
+from .regions import Box
+from .saver import save
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+DEFAULT_SLAB_BYTES = 256 << 20
+SAFETENSORS_SINGLE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+#: tierckpt dtype name -> safetensors dtype name.
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "uint16": "U16", "uint32": "U32", "uint64": "U64", "complex64": "C64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}
+
+
+@dataclass(slots=True, kw_only=True)
+class ConvertReport:
+    """What a conversion wrote and what it left out."""
+
+    source: str
+    output: str
+    to: str
+    files: list[str] = field(default_factory=list)
+    tensors: int = 0
+    tensor_bytes: int = 0
+    objects: int = 0
+    skipped_objects: list[str] = field(default_factory=list)
+    skipped_tensors: int = 0
+    """Tensors outside the prefix."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    def render(self) -> str:
+        lines = [
+            f"converted {self.source} -> {self.output} ({self.to}): {self.tensors} tensors ({self.tensor_bytes} bytes), "
+            f"{self.objects} objects, {len(self.files)} file(s)"
+        ]
+        if self.skipped_tensors:
+            lines.append(f"  skipped {self.skipped_tensors} tensor(s) outside the prefix")
+        if self.skipped_objects:
+            lines.append(f"  skipped {len(self.skipped_objects)} object(s): {', '.join(self.skipped_objects)}")
+        return "\n".join(lines)
+
+
+# -- tierckpt -> safetensors (streaming) ----------------------------------------------------------------
+def to_safetensors(
+    uri: str,
+    out_dir: str | os.PathLike[str],
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    prefix: str = "",
+    storage_options: Mapping[str, Any] | None = None,
+    slab_bytes: int = DEFAULT_SLAB_BYTES,
+) -> ConvertReport:
+    """Write the tensors of the checkpoint at ``uri`` as a Hugging Face safetensors folder, streaming."""
+    backend = open_backend(uri, **dict(storage_options or {}))
+    ckpt = read_checkpoint(backend)
+    names = _select(ckpt.tensors, prefix)
+    if not names:
+        raise CheckpointError(f"no tensor of {uri!r} starts with the prefix {prefix!r}")
+    for fqn in names.values():
+        _safetensors_dtype(ckpt.tensors[fqn])
+    pieces = _read_pieces(backend, ckpt)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = _shards(names, ckpt.tensors, max_shard_bytes)
+    report = ConvertReport(source=uri, output=str(out), to="safetensors")
+    weight_map: dict[str, str] = {}
+    for number, shard in enumerate(shards, 1):
+        filename = SAFETENSORS_SINGLE if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        _write_safetensors(backend, ckpt, pieces, [(n, names[n]) for n in shard], out / filename, slab_bytes)
+        weight_map.update({n: filename for n in shard})
+        report.files.append(filename)
+    total = sum(ckpt.tensors[f].nbytes for f in names.values())
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        _write_atomic(out / SAFETENSORS_INDEX, json.dumps(index, indent=2).encode())
+        report.files.append(SAFETENSORS_INDEX)
+    report.tensors, report.tensor_bytes = len(names), total
+    report.skipped_tensors = len(ckpt.tensors) - len(names)
+    report.skipped_objects = sorted({o.key for o in ckpt.meta.objects})
+    return report
+
+
+def _select(tensors: Mapping[str, TensorMeta], prefix: str) -> dict[str, str]:
+    """Output name -> fqn of the tensors under ``prefix`` (stripped), sorted by output name."""
+    names = {fqn[len(prefix) :]: fqn for fqn in tensors if fqn.startswith(prefix) and len(fqn) > len(prefix)}
+    return dict(sorted(names.items()))
+
+
+def _safetensors_dtype(tensor: TensorMeta) -> str:
+    try:
+        return SAFETENSORS_DTYPES[tensor.dtype]
+    except KeyError:
+        raise CheckpointError(f"tensor {tensor.fqn!r} has dtype {tensor.dtype}, which safetensors cannot store") from None
+
+
+def _read_pieces(backend: Backend, ckpt: Checkpoint) -> dict[str, list[PieceMeta]]:
+    try:
+        data = get_scheduler().run(backend.get(layout.pieces_key(ckpt.meta.generation)))
+    except CheckpointNotFoundError as exc:
+        raise CorruptCheckpointError(f"checkpoint {backend.root_uri!r} has no pieces table: {exc}") from exc
+    return decode_pieces(pa.BufferReader(data), ckpt.tensors)
+
+
+def _shards(names: Mapping[str, str], tensors: Mapping[str, TensorMeta], max_shard_bytes: int) -> list[list[str]]:
+    """Output names grouped in order into shards of at most ``max_shard_bytes`` (a larger tensor is alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, fqn in names.items():
+        nbytes = tensors[fqn].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _write_safetensors(
+    backend: Backend, ckpt: Checkpoint, pieces: Mapping[str, list[PieceMeta]], entries: list[tuple[str, str]],
+    path: Path, slab_bytes: int,
+) -> None:
+    """One safetensors file: 8-byte header length, JSON header, then each tensor's bytes in order."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, fqn in entries:
+        t = ckpt.tensors[fqn]
+        header[name] = {"dtype": _safetensors_dtype(t), "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for _, fqn in entries:
+            for slab in _tensor_slabs(backend, ckpt, pieces, ckpt.tensors[fqn], slab_bytes):
+                f.write(slab.numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _tensor_slabs(
+    backend: Backend, ckpt: Checkpoint, pieces: Mapping[str, list[PieceMeta]], tensor: TensorMeta, slab_bytes: int
+) -> Iterator[torch.Tensor]:
+    """The tensor's bytes in row-major order, as uint8 slabs of whole rows of about ``slab_bytes``."""
+    for box in _row_slabs(tensor, slab_bytes):
+        yield _read_box(backend, ckpt, pieces, tensor, box)
+
+
+def _row_slabs(tensor: TensorMeta, slab_bytes: int) -> list[Box]:
+    """Boxes of consecutive rows of dim 0 (the whole tensor for 0-d), contiguous in row-major order."""
+    shape = tensor.shape
+    if not shape:
+        return [Box((), ())]
+    if math.prod(shape) == 0:
+        return []
+    row = tensor.nbytes // shape[0]
+    rows = max(1, slab_bytes // max(row, 1))
+    rest = (0,) * (len(shape) - 1)
+    return [Box((start,) + rest, (min(rows, shape[0] - start),) + tuple(shape[1:])) for start in range(0, shape[0], rows)]
+
+
+def _read_box(
+    backend: Backend, ckpt: Checkpoint, pieces: Mapping[str, list[PieceMeta]], tensor: TensorMeta, box: Box
+) -> torch.Tensor:
+    """One box of a tensor assembled from its saved pieces, as row-major bytes (a one-rank load plan)."""
+    plan = plan_load(ckpt.tensors, {tensor.fqn: list(pieces.get(tensor.fqn, []))}, [[TargetPiece(fqn=tensor.fqn, region=box)]])
+    dtype = tensor.torch_dtype
+    target = torch.empty(box.lengths, dtype=dtype)
+    gen = ckpt.meta.generation
+    requests: list[ReadRequest] = []
+    copies: list[tuple[torch.Tensor, Any]] = []
+    for unit in plan.units:
+        (delivery,) = unit.deliveries  # one rank, one target: each unit delivers once
+        view = target[delivery.box.relative_to(box).slices()]
+        direct = unit.box == delivery.box and view.is_contiguous()
+        buffer = view.reshape(-1).view(torch.uint8) if direct else torch.empty(unit.nbytes, dtype=torch.uint8)
+        memory = memoryview(buffer.numpy())
+        key = layout.in_generation(gen, unit.file)
+        for j, start in enumerate(unit.run_offsets.tolist()):
+            requests.append(ReadRequest(key=key, start=start, out=memory[j * unit.run_bytes : (j + 1) * unit.run_bytes]))
+        if not direct:
+            copies.append((buffer, (unit, delivery, view)))
+    if requests:
+        sched = get_scheduler()
+        sched.run(sched.read(backend, requests))
+    for buffer, (unit, delivery, view) in copies:
+        source = buffer.view(dtype).view(unit.box.lengths)
+        view.copy_(source[delivery.box.relative_to(unit.box).slices()])
+    return target.reshape(-1).view(torch.uint8)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# -- safetensors -> tierckpt ------------------------------------------------------------------------------
+def from_safetensors(
+    src: str | os.PathLike[str], uri: str, *, prefix: str = "", storage_options: Mapping[str, Any] | None = None
+) -> ConvertReport:
+    """Save a safetensors file or Hugging Face folder as a tierckpt checkpoint (``prefix`` is prepended)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, Any] = {}
+    report = ConvertReport(source=str(src), output=uri, to="tierckpt")
+    for path in _safetensors_files(Path(src)):
+        for name, tensor in load_file(str(path)).items():
+            state[prefix + name] = tensor
+    save(uri, state, storage_options=storage_options)
+    report.files = [uri]
+    report.tensors, report.tensor_bytes = len(state), sum(t.nbytes for t in state.values())
+    return report
+
+
+def _safetensors_files(src: Path) -> list[Path]:
+    """The files of a safetensors checkpoint: the file itself, the index's shards, or model.safetensors."""
+    if src.is_file():
+        return [src]
+    index = src / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [src / name for name in sorted(set(weight_map.values()))]
+    if (src / SAFETENSORS_SINGLE).is_file():
+        return [src / SAFETENSORS_SINGLE]
+    found = sorted(src.glob("*.safetensors"))
+    if not found:
+        raise CheckpointNotFoundError(f"no safetensors files in {str(src)!r}")
+    return found
+
+
+# -- DCP -------------------------------------------------------------------------------------------------
+def from_dcp(src: str | os.PathLike[str], uri: str, *, storage_options: Mapping[str, Any] | None = None) -> ConvertReport:
+    """Save a torch.distributed.checkpoint directory as a tierckpt checkpoint, in this process.
+
+    Unpickles the DCP metadata and byte entries: only for DCP checkpoints you trust.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = dcp.FileSystemReader(str(src)).read_metadata()
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"no DCP checkpoint at {str(src)!r}: {exc}") from exc
+    state: dict[str, Any] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            state[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        else:
+            state[key] = None  # a bytes entry: DCP replaces the placeholder with the loaded object
+    with _quiet_dcp():
+        dcp.load(state, checkpoint_id=str(src), no_dist=True)
+    save(uri, state, storage_options=storage_options)
+    tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+    report = ConvertReport(source=str(src), output=uri, to="tierckpt", files=[uri])
+    report.tensors, report.tensor_bytes = len(tensors), sum(t.nbytes for t in tensors)
+    report.objects = len(state) - len(tensors)
+    return report
+
+
+def to_dcp(
+    uri: str,
+    out_dir: str | os.PathLike[str],
+    *,
+    allow_pickle: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+) -> ConvertReport:
+    """Load the checkpoint at ``uri`` into full CPU tensors (one process) and save it with DCP.
+
+    Objects are included by key (a per-rank object takes rank 0's value, as a one-process load does);
+    objects that need full unpickling are skipped unless ``allow_pickle``.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = read_checkpoint(open_backend(uri, **dict(storage_options or {})))
+    state: dict[str, Any] = {fqn: torch.empty(t.shape, dtype=t.torch_dtype) for fqn, t in ckpt.tensors.items()}
+    skipped = sorted({o.key for o in ckpt.meta.objects if o.codec == "pickle" and not allow_pickle})
+    state.update({o.key: None for o in ckpt.meta.objects if o.key not in skipped})
+    load(uri, state, strict=not skipped, allow_pickle=allow_pickle, storage_options=storage_options)
+    with _quiet_dcp():
+        dcp.save(state, checkpoint_id=str(out_dir), no_dist=True)
+    report = ConvertReport(source=uri, output=str(out_dir), to="dcp", files=sorted(os.listdir(out_dir)))
+    report.tensors, report.tensor_bytes = len(ckpt.tensors), sum(t.nbytes for t in ckpt.tensors.values())
+    report.objects = len(state) - len(ckpt.tensors)
+    report.skipped_objects = skipped
+    return report
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """Silence DCP's warning that it runs without a process group (that is the intent here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
