@@ -90,21 +90,32 @@ class CheckpointManager:
             self._after_commit(step)
 
     def steps(self) -> list[int]:
-        """Committed steps under the root, ascending."""
+        """Committed steps under the root, ascending (including one whose upload is still pending)."""
         keys = get_scheduler().do(self._backend(), "list", "")
-        return sorted(int(m.group(1)) for k in keys if (m := _STEP_DIR.match(k)))
+        found = {int(m.group(1)) for k in keys if (m := _STEP_DIR.match(k))}
+        pointed = self._pointed_step()
+        if pointed is not None and pointed not in found and self._committed(pointed):
+            found.add(pointed)
+        return sorted(found)
 
     def latest(self) -> int | None:
         """The newest committed step: ``LATEST`` if it names a committed step, else the newest found."""
-        backend = self._backend()
-        try:
-            step = int(json.loads(get_scheduler().do(backend, "get", LATEST))["step"])
-            if get_scheduler().do(backend, "exists", f"step-{step:08d}/{layout.COMMIT}"):
-                return step
-        except (CheckpointNotFoundError, ValueError, KeyError, TypeError):
-            pass
+        pointed = self._pointed_step()
+        if pointed is not None and self._committed(pointed):
+            return pointed
         steps = self.steps()
         return steps[-1] if steps else None
+
+    def _pointed_step(self) -> int | None:
+        try:
+            return int(json.loads(get_scheduler().do(self._backend(), "get", LATEST))["step"])
+        except (CheckpointNotFoundError, ValueError, KeyError, TypeError):
+            return None
+
+    def _committed(self, step: int) -> bool:
+        """Whether ``step`` has a COMMIT, asked through the step's own URI (its node-cache scope)."""
+        backend = open_backend(self.uri_of(step), **self.storage_options)
+        return bool(get_scheduler().do(backend, "exists", layout.COMMIT))
 
     def load_latest(self, state: dict[str, Any], **options: Any) -> int | None:
         """Load the newest committed step into ``state``; returns the step, or ``None`` if there is none."""
@@ -121,7 +132,8 @@ class CheckpointManager:
         backend = self._backend()
         sched = get_scheduler()
         sched.do(backend, "commit", LATEST, json.dumps({"step": step}).encode())
-        for old in retention_victims(self.steps(), keep_last=self.keep_last, keep_every=self.keep_every):
+        steps = sorted(set(self.steps()) | {step})
+        for old in retention_victims(steps, keep_last=self.keep_last, keep_every=self.keep_every):
             sched.do(backend, "delete_prefix", f"step-{old:08d}/")
 
 

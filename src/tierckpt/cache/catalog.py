@@ -50,7 +50,7 @@ _DBS = ("roots", "objs", "blocks", "sizes", "pending", "gens", "meta")
 _GEN_PART = re.compile(r"^g-[0-9A-Za-z_-]{1,64}$")
 STATES = ("staged", "local", "remote", "superseded")
 
-_envs: dict[str, lmdb.Environment] = {}
+_envs: dict[str, tuple[lmdb.Environment, dict[str, Any]]] = {}
 _envs_lock = threading.Lock()
 
 
@@ -63,22 +63,29 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def _open_env(path: str) -> lmdb.Environment:
-    """The process's one handle on the environment at ``path`` (LMDB forbids opening it twice)."""
+def _open_env(path: str) -> tuple[lmdb.Environment, dict[str, Any]]:
+    """The process's one handle on the environment at ``path`` and its named databases.
+
+    LMDB forbids opening an environment twice in a process. The databases are opened once, inside an
+    explicit write transaction: ``open_db`` without one takes the writer lock while holding the GIL,
+    which deadlocks against a thread that holds the writer lock and needs the GIL to finish.
+    """
     with _envs_lock:
-        env = _envs.get(path)
-        if env is None:
+        cached = _envs.get(path)
+        if cached is None:
             os.makedirs(path, exist_ok=True)
             try:
                 env = lmdb.open(path, map_size=MAP_SIZE, max_dbs=len(_DBS), sync=False, metasync=False,
                                 max_readers=512)
+                with env.begin(write=True) as txn:
+                    dbs = {name: env.open_db(name.encode(), txn=txn) for name in _DBS}
             except lmdb.Error as exc:
                 raise StorageError(
                     f"cannot open the cache catalogue {path}: {exc}; check the permissions of the cache "
                     "directory or point TIERCKPT_CACHE_DIR elsewhere"
                 ) from exc
-            _envs[path] = env
-        return env
+            cached = _envs[path] = (env, dbs)
+        return cached
 
 
 def generation_path(key: str) -> str | None:
@@ -119,8 +126,7 @@ class Catalog:
 
     def __init__(self, directory: str) -> None:
         self.path = os.path.join(directory, "catalog.lmdb")
-        self.env = _open_env(self.path)
-        self._db = {name: self.env.open_db(name.encode()) for name in _DBS}
+        self.env, self._db = _open_env(self.path)
 
     # -- helpers -------------------------------------------------------------------------------
     def _scan(self, txn: lmdb.Transaction, db: str, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:

@@ -221,6 +221,7 @@ class TieredBackend(Backend):
 
     def __init__(self, remote: Backend, config: CacheConfig | None = None) -> None:
         super().__init__(remote.root_uri)
+        _register_drain()
         self.remote = remote
         self.config = config or CacheConfig.from_env()
         self.capabilities = remote.capabilities
@@ -862,4 +863,14 @@ def _drain_at_exit() -> None:
         logger.warning("%d upload(s) still pending at exit; run tierckpt.cache.sync() to finish them", left)
 
 
-atexit.register(_drain_at_exit)
+_drain_registered = False
+
+
+def _register_drain() -> None:
+    """Register :func:`_drain_at_exit` once, after the scheduler exists: exit handlers run last-in
+    first-out, so the uploads drain before the scheduler's loop is stopped."""
+    global _drain_registered
+    if not _drain_registered:
+        get_scheduler()
+        atexit.register(_drain_at_exit)
+        _drain_registered = True
