@@ -9,6 +9,7 @@ instead of leaving the others blocked in the next collective.
 from __future__ import annotations
 
 import datetime
+import pickle
 import re
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -82,6 +83,21 @@ class Comm:
                 f"group must call it. Cause: {exc}"
             ) from exc
 
+    def gather(self, obj: T) -> list[T] | None:
+        """Every rank's ``obj`` on rank 0 (``None`` elsewhere)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dst = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        try:
+            dist.gather_object(obj, out, dst=dst, group=self.group)
+        except RuntimeError as exc:
+            raise CollectiveError(f"gather failed on rank {self.rank}: {exc}") from exc
+        return out
+
+    def broadcast(self, obj: T | None) -> T:
+        return self.broadcast_object(obj, 0)
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
@@ -102,21 +118,67 @@ class Comm:
             raised = CheckpointError(f"{what} failed on {len(failed)} of {self.world_size} ranks — {detail}")
         raise raised from error
 
-    def all_to_all_bytes(self, send: Sequence[torch.Tensor], recv_sizes: Sequence[int]) -> list[torch.Tensor]:
-        """Send ``send[r]`` (uint8, 1-D) to each rank ``r``; return what each rank sent here."""
+    def all_to_all_bytes(self, send: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Send ``send``'s consecutive segments of ``send_sizes`` bytes to ranks 0, 1, ...; return what each sent here."""
         device = self._device()
-        send_sizes = [int(t.numel()) for t in send]
-        payload = torch.cat([t.reshape(-1) for t in send]) if send else torch.empty(0, dtype=torch.uint8)
-        payload = payload.to(device)
         out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
         try:
-            dist.all_to_all_single(out, payload, list(recv_sizes), send_sizes, group=self.group)
+            dist.all_to_all_single(out, send.to(device), list(recv_sizes), list(send_sizes), group=self.group)
         except RuntimeError as exc:
             raise CollectiveError(f"all_to_all failed on rank {self.rank}: {exc}") from exc
-        out = out.cpu()
-        return list(torch.split(out, list(recv_sizes)))
+        return list(torch.split(out.cpu(), list(recv_sizes)))
 
     def _device(self) -> torch.device:
         if self.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+class StoreCoordinator:
+    """Gather-to-rank-0 and broadcast for background work, through the group's key-value store.
+
+    A background save must not issue collectives: they would race the training loop's own
+    collectives on the same group, and a second process group created on the fly can collide with
+    groups the application creates. The store (the TCPStore every process group rendezvoused
+    through) is independent of both. Keys live under ``tierckpt/<namespace>/`` and are deleted once
+    read, so nothing accumulates over many saves.
+    """
+
+    def __init__(self, comm: Comm, namespace: str) -> None:
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.prefix = f"tierckpt/{namespace}"
+        self.timeout = datetime.timedelta(seconds=comm.timeout_s()) if comm.world_size > 1 else None
+        self.store = dist.distributed_c10d._get_default_store() if comm.world_size > 1 else None
+
+    def gather(self, obj: T) -> list[T] | None:
+        if self.store is None:
+            return [obj]
+        self.store.set(f"{self.prefix}/gather/{self.rank}", pickle.dumps(obj))
+        if self.rank != 0:
+            return None
+        keys = [f"{self.prefix}/gather/{r}" for r in range(self.world_size)]
+        self._wait(keys, "gathering the save's records")
+        out = [pickle.loads(self.store.get(k)) for k in keys]
+        for key in keys:
+            self.store.delete_key(key)
+        return out
+
+    def broadcast(self, obj: T | None) -> T:
+        if self.store is None:
+            return obj  # type: ignore[return-value]
+        key = f"{self.prefix}/outcome"
+        if self.rank == 0:
+            self.store.set(key, pickle.dumps(obj))
+            return obj  # type: ignore[return-value]
+        self._wait([key], "waiting for rank 0's commit")
+        value = pickle.loads(self.store.get(key))
+        if self.store.add(f"{key}/read", 1) == self.world_size - 1:  # the last reader cleans up
+            self.store.delete_key(key)
+            self.store.delete_key(f"{key}/read")
+        return value
+
+    def _wait(self, keys: list[str], what: str) -> None:
+        try:
+            self.store.wait(keys, self.timeout)
+        except RuntimeError as exc:  # the store raises DistStoreError (a RuntimeError) on timeout
+            raise CollectiveError(f"{what}: not every rank of the group reported in time ({exc})") from exc

@@ -19,6 +19,7 @@ Lifecycle (every rank of the loading group unless noted):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import warnings
 from collections.abc import Mapping
@@ -48,6 +49,11 @@ from .saver import run_agreed
 from .state import FlatState, TensorEntry, flatten_state
 
 logger = logging.getLogger("tierckpt")
+
+LOCAL_MIN_RUN_BYTES = 512
+"""On local files a rank reads its own parts when they come in runs of at least this many bytes."""
+REMOTE_MIN_RUN_BYTES = 1 << 20
+"""On object stores each run is a request: shorter runs are read in large ranges and exchanged."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +99,8 @@ def load(
     verify: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     chunk_bytes: int = 32 << 20,
-    round_bytes: int = 512 << 20,
+    round_bytes: int = 256 << 20,
+    direct_min_run_bytes: int | None = None,
     monitor: Monitor | None = None,
     collective_timeout_s: float | None = None,
 ) -> dict[str, Any]:
@@ -124,7 +131,12 @@ def load(
         fqns = {n.fqn for rank_needs in all_needs for n in rank_needs}
         pieces = run_agreed(comm, lambda: _read_pieces(backend, ckpt, fqns), "reading the pieces table")
     with monitor.phase("plan"):
-        plan = plan_load(ckpt.tensors, pieces, all_needs, chunk_bytes=chunk_bytes, round_bytes=round_bytes)
+        if direct_min_run_bytes is None:
+            direct_min_run_bytes = LOCAL_MIN_RUN_BYTES if backend.capabilities.local_path else REMOTE_MIN_RUN_BYTES
+        plan = plan_load(
+            ckpt.tensors, pieces, all_needs,
+            chunk_bytes=chunk_bytes, round_bytes=round_bytes, direct_min_run_bytes=direct_min_run_bytes,
+        )
     gen = ckpt.meta.generation
     run_agreed(comm, lambda: _check_files(backend, ckpt, plan, comm.rank), "checking the data files")
     if verify:
@@ -135,7 +147,7 @@ def load(
         values = run_agreed(comm, lambda: _fetch_objects(backend, ckpt, flat, comm, allow_pickle), "loading objects")
     targets = [flat.tensors[n.fqn] for n in needs]
     with monitor.phase("read"):
-        run_agreed(comm, lambda: _execute(backend, gen, plan, targets, comm, monitor), f"loading {uri!r}")
+        run_agreed(comm, lambda: _Executor(backend, gen, plan, targets, comm, monitor).run(), f"loading {uri!r}")
     with monitor.phase("apply"):
         for key, value in values.items():
             flat.objects[key].assign(value)
@@ -270,55 +282,8 @@ def _direct_buffer(unit: ReadUnit, targets: list[TensorEntry], rank: int) -> tor
     return view.reshape(-1).view(torch.uint8)
 
 
-def _execute(backend: Backend, gen: str, plan: LoadPlan, targets: list[TensorEntry], comm: Comm, monitor: Monitor) -> None:
-    sched = get_scheduler()
-    me = comm.rank
-    for round_units, exchange in zip(plan.rounds, plan.exchanges):
-        units = [plan.units[i] for i in round_units]
-        buffers: dict[int, torch.Tensor] = {}
-        requests: list[ReadRequest] = []
-        direct: set[int] = set()
-        for i, unit in zip(round_units, units):
-            if unit.reader != me:
-                continue
-            buf = _direct_buffer(unit, targets, me)
-            if buf is None:
-                buf = torch.empty(unit.nbytes, dtype=torch.uint8)
-            else:
-                direct.add(i)
-            buffers[i] = buf
-            view = memoryview(buf.numpy())
-            key = layout.in_generation(gen, unit.file)
-            for j, offset in enumerate(unit.run_offsets.tolist()):
-                requests.append(ReadRequest(key=key, start=offset, out=view[j * unit.run_bytes : (j + 1) * unit.run_bytes]))
-        if requests:
-            sched.run(sched.read(backend, requests))
-            monitor.count("requests", len(requests))
-            monitor.count("bytes_read", sum(len(r.out) for r in requests))
-        sends: list[list[torch.Tensor]] = [[] for _ in range(comm.world_size)]
-        with torch.no_grad():
-            for i, unit in zip(round_units, units):
-                if unit.reader != me or i in direct:
-                    continue
-                source = _unit_tensor(unit, buffers[i])
-                for d in unit.deliveries:
-                    part = source[d.box.relative_to(unit.box).slices()]
-                    if d.rank == me:
-                        _deliver(targets[d.target], d, part)
-                    else:
-                        _append_aligned(sends[d.rank], part)
-            if exchange:
-                _exchange(units, targets, sends, comm, monitor)
-
-
-def _unit_tensor(unit: ReadUnit, buffer: torch.Tensor) -> torch.Tensor:
-    dtype = TensorMeta(fqn=unit.fqn, dtype=unit.dtype, shape=()).torch_dtype
-    return buffer.view(dtype).view(unit.box.lengths)
-
-
-def _deliver(entry: TensorEntry, delivery: Any, part: torch.Tensor) -> None:
-    target = _target_view(entry, delivery.target_box)[delivery.box.relative_to(delivery.target_box.box).slices()]
-    target.copy_(part.reshape(delivery.box.lengths))
+def _dtype(unit: ReadUnit) -> torch.dtype:
+    return TensorMeta(fqn=unit.fqn, dtype=unit.dtype, shape=()).torch_dtype
 
 
 EXCHANGE_ALIGN = 16
@@ -329,34 +294,124 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // EXCHANGE_ALIGN) * EXCHANGE_ALIGN
 
 
-def _append_aligned(stream: list[torch.Tensor], part: torch.Tensor) -> None:
-    data = part.contiguous().reshape(-1).view(torch.uint8)
-    stream.append(data)
-    if _padded(data.numel()) != data.numel():
-        stream.append(torch.zeros(_padded(data.numel()) - data.numel(), dtype=torch.uint8))
+@dataclass
+class _Round:
+    """One round's units, the buffers they are read into, and the reads in flight."""
+
+    indices: tuple[int, ...]
+    buffers: dict[int, torch.Tensor]
+    direct: set[int]
+    reads: Any
 
 
-def _exchange(units: list[ReadUnit], targets: list[TensorEntry], sends: list[list[torch.Tensor]], comm: Comm, monitor: Monitor) -> None:
-    me = comm.rank
-    recv_sizes = [0] * comm.world_size
-    incoming = []
-    for unit in units:
-        if unit.reader == me:
-            continue
-        size = itemsize(TensorMeta(fqn=unit.fqn, dtype=unit.dtype, shape=()).torch_dtype)
-        for d in unit.deliveries:
-            if d.rank == me:
-                recv_sizes[unit.reader] += _padded(d.numel * size)
-                incoming.append((unit, d, d.numel * size))
-    flat_sends = [torch.cat(s) if s else torch.empty(0, dtype=torch.uint8) for s in sends]
-    received = comm.all_to_all_bytes(flat_sends, recv_sizes)
-    monitor.count("bytes_exchanged", sum(recv_sizes))
-    cursors = [0] * comm.world_size
-    for unit, d, nbytes in incoming:
-        chunk = received[unit.reader][cursors[unit.reader] : cursors[unit.reader] + nbytes]
-        cursors[unit.reader] += _padded(nbytes)
-        dtype = TensorMeta(fqn=unit.fqn, dtype=unit.dtype, shape=()).torch_dtype
-        _deliver(targets[d.target], d, chunk.view(dtype))
+class _Executor:
+    """Runs a :class:`LoadPlan` on one rank: reads, local copies and one all-to-all per round.
+
+    Round *k + 1*'s reads are in flight on the I/O loop while round *k* is delivered and exchanged,
+    so storage and the network overlap; at most two rounds' buffers are alive at once.
+    """
+
+    def __init__(self, backend: Backend, gen: str, plan: LoadPlan, targets: list[TensorEntry], comm: Comm, monitor: Monitor) -> None:
+        self.backend, self.gen, self.plan, self.targets, self.comm, self.monitor = backend, gen, plan, targets, comm, monitor
+        self.sched = get_scheduler()
+
+    def run(self) -> None:
+        rounds = list(zip(self.plan.rounds, self.plan.exchanges))
+        pending = self._start(rounds[0][0]) if rounds else None
+        for k, (_, exchange) in enumerate(rounds):
+            current = pending
+            current.reads.result()
+            pending = self._start(rounds[k + 1][0]) if k + 1 < len(rounds) else None
+            with torch.no_grad():
+                self._deliver_round(current, exchange)
+
+    def _start(self, indices: tuple[int, ...]) -> _Round:
+        """Allocate this rank's buffers for a round and start reading into them."""
+        buffers: dict[int, torch.Tensor] = {}
+        direct: set[int] = set()
+        singles: list[ReadRequest] = []
+        multi: list[tuple[ReadUnit, memoryview]] = []
+        for i in indices:
+            unit = self.plan.units[i]
+            if unit.reader != self.comm.rank:
+                continue
+            buf = _direct_buffer(unit, self.targets, self.comm.rank)
+            if buf is None:
+                buf = torch.empty(unit.nbytes, dtype=torch.uint8)
+            else:
+                direct.add(i)
+            buffers[i] = buf
+            view = memoryview(buf.numpy())
+            key = layout.in_generation(self.gen, unit.file)
+            if len(unit.run_offsets) == 1:
+                singles.append(ReadRequest(key=key, start=int(unit.run_offsets[0]), out=view))
+            else:
+                multi.append((unit, view))
+            self.monitor.count("requests", len(unit.run_offsets))
+            self.monitor.count("bytes_read", unit.nbytes)
+        return _Round(indices, buffers, direct, self.sched.submit(self._read(singles, multi)))
+
+    async def _read(self, singles: list[ReadRequest], multi: list[tuple[ReadUnit, memoryview]]) -> None:
+        backend, sched = self.backend, self.sched
+        jobs = [sched.read(backend, singles)] if singles else []
+        jobs += [
+            sched.call(backend, "read_runs", backend.read_runs, layout.in_generation(self.gen, unit.file),
+                       unit.run_offsets.tolist(), unit.run_bytes, view, nbytes=unit.nbytes)
+            for unit, view in multi
+        ]
+        await asyncio.gather(*jobs)
+
+    def _deliver_round(self, rnd: _Round, exchange: bool) -> None:
+        me = self.comm.rank
+        units = [(i, self.plan.units[i]) for i in rnd.indices]
+        send_sizes = [0] * self.comm.world_size
+        for i, unit in units:
+            if unit.reader == me:
+                for d in unit.deliveries:
+                    if d.rank != me:
+                        send_sizes[d.rank] += _padded(d.numel * itemsize(_dtype(unit)))
+        send = torch.empty(sum(send_sizes), dtype=torch.uint8)
+        cursors = [sum(send_sizes[:r]) for r in range(self.comm.world_size)]
+        for i, unit in units:
+            if unit.reader != me or i in rnd.direct:
+                continue
+            source = rnd.buffers.pop(i).view(_dtype(unit)).view(unit.box.lengths)
+            for d in unit.deliveries:
+                part = source[d.box.relative_to(unit.box).slices()]
+                if d.rank == me:
+                    _deliver(self.targets[d.target], d, part)
+                else:
+                    nbytes = d.numel * part.element_size()
+                    at = cursors[d.rank]
+                    send[at : at + nbytes].view(part.dtype).view(d.box.lengths).copy_(part)
+                    cursors[d.rank] += _padded(nbytes)
+        if exchange:
+            self._exchange(units, send, send_sizes)
+
+    def _exchange(self, units: list[tuple[int, ReadUnit]], send: torch.Tensor, send_sizes: list[int]) -> None:
+        me = self.comm.rank
+        recv_sizes = [0] * self.comm.world_size
+        incoming = []
+        for _, unit in units:
+            if unit.reader == me:
+                continue
+            for d in unit.deliveries:
+                if d.rank == me:
+                    nbytes = d.numel * itemsize(_dtype(unit))
+                    recv_sizes[unit.reader] += _padded(nbytes)
+                    incoming.append((unit, d, nbytes))
+        received = self.comm.all_to_all_bytes(send, send_sizes, recv_sizes)
+        self.monitor.count("bytes_exchanged", sum(recv_sizes))
+        cursors = [0] * self.comm.world_size
+        for unit, d, nbytes in incoming:
+            at = cursors[unit.reader]
+            cursors[unit.reader] += _padded(nbytes)
+            _deliver(self.targets[d.target], d, received[unit.reader][at : at + nbytes].view(_dtype(unit)))
+
+
+def _deliver(entry: TensorEntry, delivery: Any, part: torch.Tensor) -> None:
+    target = _target_view(entry, delivery.target_box)[delivery.box.relative_to(delivery.target_box.box).slices()]
+    target.copy_(part.reshape(delivery.box.lengths))
 
 
 def _fetch_objects(backend: Backend, ckpt: Checkpoint, flat: FlatState, comm: Comm, allow_pickle: bool) -> dict[str, Any]:

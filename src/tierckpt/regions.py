@@ -151,6 +151,23 @@ def stored_boxes(region: Region, shape: tuple[int, ...]) -> list[StoredBox]:
     return flat_range_boxes(shape, region.start, region.stop)
 
 
+def _run_dim(rel: Box, outer: Box) -> int:
+    """The dimension where runs of ``rel`` (relative to ``outer``) start: later ones are spanned fully."""
+    split = outer.ndim - 1
+    while split > 0 and rel.lengths[split] == outer.lengths[split] and rel.offsets[split] == 0:
+        split -= 1
+    return split
+
+
+def run_length(inner: Box, outer: Box) -> int:
+    """Elements in each contiguous run of ``inner`` inside ``outer``'s storage (see :func:`box_runs`)."""
+    if outer.ndim == 0:
+        return 1
+    rel = inner.relative_to(outer)
+    split = _run_dim(rel, outer)
+    return rel.lengths[split] * math.prod(outer.lengths[split + 1 :])
+
+
 def box_runs(inner: Box, outer: Box) -> tuple[np.ndarray, int]:
     """Contiguous runs of ``inner`` inside ``outer``'s row-major storage.
 
@@ -163,14 +180,11 @@ def box_runs(inner: Box, outer: Box) -> tuple[np.ndarray, int]:
     if ndim == 0:
         return np.zeros(1, dtype=np.int64), 1
     strides = [math.prod(outer.lengths[d + 1 :]) for d in range(ndim)]
-    # The run covers dims split..ndim-1: all later dims are spanned fully.
-    split = ndim - 1
-    while split > 0 and rel.lengths[split] == outer.lengths[split] and rel.offsets[split] == 0:
-        split -= 1
-    run_length = rel.lengths[split] * strides[split]
+    split = _run_dim(rel, outer)  # the run covers dims split..ndim-1
+    length = rel.lengths[split] * strides[split]
     base = sum(o * s for o, s in zip(rel.offsets, strides))
     starts = np.zeros(1, dtype=np.int64) + base
     for d in range(split):
         steps = np.arange(rel.lengths[d], dtype=np.int64) * strides[d]
         starts = (starts[:, None] + steps[None, :]).reshape(-1)
-    return starts, run_length
+    return starts, length

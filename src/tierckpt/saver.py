@@ -11,10 +11,11 @@ Lifecycle (every rank of the group unless noted):
    streams straight from tensor memory. An asynchronous save first copies the pieces into the reusable
    staging buffer (pinned for CUDA) and returns to training once every byte is copied.
 3. *Finish* (caller's thread for ``save``, a background thread for ``async_save``): close the files,
-   write the objects, all-gather piece and object records (a background save uses its own gloo group,
-   so training's collectives are untouched). Any failure on any rank: every rank raises, no commit is
-   written, and the last committed checkpoint is untouched.
-4. *Commit* (rank 0): write the metadata documents, then ``COMMIT`` (atomic); broadcast the outcome;
+   write the objects, gather piece and object records on rank 0. A background save coordinates
+   through the group's key-value store (:class:`~tierckpt.comm.StoreCoordinator`), never through
+   collectives, so training's collectives are untouched. Any failure on any rank: every rank raises,
+   no commit is written, and the last committed checkpoint is untouched.
+4. *Commit* (rank 0): write the metadata documents, then ``COMMIT`` (atomic); share the outcome;
    delete the generation the old ``COMMIT`` named unless ``keep_previous``.
 
 A background failure is raised by the handle's ``wait()``, and — if nobody waited — by the next save.
@@ -35,14 +36,14 @@ import torch.distributed as dist
 
 from . import layout
 from .backends import Backend, open_backend
-from .comm import Comm
+from .comm import Comm, StoreCoordinator
 from .errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError
 from .io.scheduler import get_scheduler
 from .io.staging import Chunk, FileStream, StagingBuffer, stage_into
 from .metadata import (
     CheckpointMeta, FileMeta, ObjectMeta, PieceMeta, dtype_name, encode_header, encode_pieces, encode_tensors,
 )
-from .monitor import Monitor
+from .monitor import Monitor, ranks_from_timings
 from .objects import encode_object
 from .planner import LocalPiece, SavePlan, plan_save
 from .planner.save_planner import offers_digest
@@ -72,7 +73,6 @@ class _Process:
     staging: StagingBuffer = field(default_factory=StagingBuffer)
     staging_lock: threading.Lock = field(default_factory=threading.Lock)
     background: concurrent.futures.ThreadPoolExecutor | None = None
-    groups: dict[Any, Any] = field(default_factory=dict)
     in_flight: dict[str, SaveHandle] = field(default_factory=dict)
     unreported: list[SaveHandle] = field(default_factory=list)
 
@@ -236,14 +236,41 @@ def _stream_staged(p: _Prepared, staging_bytes: int | None) -> FileStream | None
     return stream
 
 
-def _finish(p: _Prepared, stream: FileStream | None, comm: Comm) -> CheckpointMeta:
-    """Close the data file, write objects, gather records, commit (see the module docstring)."""
-    mine = run_agreed(comm, lambda: _finish_rank(p, stream), f"writing checkpoint {p.uri!r}")
+def _finish(p: _Prepared, stream: FileStream | None, coord: Comm | StoreCoordinator) -> CheckpointMeta:
+    """Close the data file, write objects, gather records on rank 0, commit, share the outcome."""
+    records, error = None, None
+    try:
+        records = _finish_rank(p, stream)
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0, raised below
+        error = exc
     with p.monitor.phase("gather"):
-        records = comm.all_gather_object(mine)
+        gathered = coord.gather((records, None if error is None else f"{type(error).__name__}: {error}"))
+    commit_error: BaseException | None = None
+    outcome: tuple[str, Any] | None = None
+    if coord.rank == 0:
+        with p.monitor.phase("commit"):
+            outcome, commit_error = _commit_gathered(p, gathered, coord.world_size)
+    outcome = coord.broadcast(outcome)
+    if error is not None:
+        raise error
+    if commit_error is not None:
+        raise commit_error
+    status, value = outcome
+    if status != "ok":
+        raise CheckpointError(f"saving checkpoint {p.uri!r} failed: {value}")
+    p.monitor.finish("save", p.uri, coord.rank, ranks_from_timings(value.timings))
+    return value
+
+
+def _commit_gathered(p: _Prepared, gathered: Any, world_size: int) -> tuple[tuple[str, Any], BaseException | None]:
+    """Rank 0: build the header from every rank's records and commit; ``("ok", meta)`` or ``("error", why)``."""
+    failures = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e is not None]
+    if failures:
+        return ("error", "; ".join(failures)), None
+    records = [r for r, _ in gathered]
     meta = CheckpointMeta(
         generation=p.generation,
-        world_size=comm.world_size,
+        world_size=world_size,
         created_unix=p.started,
         frameworks=tuple(sorted(p.flat.frameworks)),
         files=tuple(f for r in records for f in r[2]),
@@ -254,20 +281,11 @@ def _finish(p: _Prepared, stream: FileStream | None, comm: Comm) -> CheckpointMe
         timings={f"rank{r}.{k}": v for r, rec in enumerate(records) for k, v in rec[3].items()},
         tags=p.tags,
     )
-    with p.monitor.phase("commit"):
-        error: BaseException | None = None
-        if comm.rank == 0:
-            try:
-                _commit(p, meta, [piece for r in records for piece in r[0]])
-            except Exception as exc:  # noqa: BLE001 - shared with every rank below
-                error = exc
-        outcome = comm.broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    if outcome is not None:
-        raise CheckpointError(f"committing checkpoint {p.uri!r} failed on rank 0: {outcome}")
-    p.monitor.finish("save", p.uri, comm.rank, [r[3] for r in records])
-    return meta
+    try:
+        _commit(p, meta, [piece for r in records for piece in r[0]])
+    except Exception as exc:  # noqa: BLE001 - rank 0 raises it; the others get its description
+        return ("error", f"rank 0: {type(exc).__name__}: {exc}"), exc
+    return ("ok", meta), None
 
 
 def _finish_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMeta], list[ObjectMeta], list[FileMeta], dict[str, float]]:
@@ -352,18 +370,6 @@ def _raise_unreported() -> None:
             raise CheckpointError(f"an earlier async save to {handle.uri!r} failed: {error}") from error
 
 
-def _background_comm(group: dist.ProcessGroup | None) -> Comm:
-    """A gloo group of the same ranks for background collectives (created once per group)."""
-    comm = Comm(group)
-    if comm.world_size == 1:
-        return comm
-    key = _group_key(group)
-    if key not in _PROCESS.groups:
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        _PROCESS.groups[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-    return Comm(_PROCESS.groups[key])
-
-
 # -- public API ------------------------------------------------------------------------------------
 def save(
     uri: str,
@@ -423,7 +429,6 @@ def async_save(
             raise CheckpointBusyError(f"an async save to {uri!r} is still in flight; wait() for it or pass if_busy='wait'")
         previous.wait()
     p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor, collective_timeout_s)
-    background = _background_comm(group)
     _PROCESS.staging_lock.acquire()  # the staging buffer serves one save at a time
     try:
         with monitor.phase("stage"):
@@ -440,7 +445,7 @@ def async_save(
             pass  # the error is raised again by _finish on this rank and shared with the others
         finally:
             _PROCESS.staging_lock.release()
-        return _finish(p, stream, background)
+        return _finish(p, stream, StoreCoordinator(p.comm, p.generation))
 
     handle = SaveHandle(uri, _PROCESS.executor().submit(finish), monitor)
     _PROCESS.in_flight[uri] = handle

@@ -135,6 +135,20 @@ class Backend(abc.ABC):
         """Read ``len(out)`` bytes at ``start`` straight into ``out`` (backends override to avoid a copy)."""
         out[:] = await self.get_range(key, start, start + len(out))
 
+    async def read_runs(self, key: str, offsets: Sequence[int], run_bytes: int, out: memoryview) -> None:
+        """Read ``len(offsets)`` runs of ``run_bytes`` bytes each, packed one after another into ``out``.
+
+        The default issues one ranged read per run, at most 16 at a time; local files override it
+        with a loop of positional reads in one thread.
+        """
+        limit = asyncio.Semaphore(16)
+
+        async def one(i: int, offset: int) -> None:
+            async with limit:
+                await self.read_into(key, offset, out[i * run_bytes : (i + 1) * run_bytes])
+
+        await asyncio.gather(*(one(i, o) for i, o in enumerate(offsets)))
+
     async def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix``."""
         await asyncio.gather(*(self.delete(k) for k in await self.list(prefix)))

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError
 from ..metadata import PieceMeta, TensorMeta, itemsize
-from ..regions import Box, Region, StoredBox, box_runs, stored_boxes
+from ..regions import Box, Region, StoredBox, box_runs, run_length, stored_boxes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,8 +102,15 @@ def plan_load(
     *,
     chunk_bytes: int = 32 << 20,
     round_bytes: int = 512 << 20,
+    direct_min_run_bytes: int | None = 512,
 ) -> LoadPlan:
-    """Plan a load for a group whose rank ``r`` needs ``needs[r]``. Pure and deterministic."""
+    """Plan a load for a group whose rank ``r`` needs ``needs[r]``. Pure and deterministic.
+
+    ``direct_min_run_bytes``: when the needs within a slab are disjoint and each is made of contiguous
+    runs of at least this many bytes, every rank reads its own part directly (no exchange). Small for
+    local files, where a short positional read is cheap; about 1 MiB for object stores, where each run
+    is a request; ``None`` always reads through one reader per slab.
+    """
     world = len(needs)
     targets: dict[str, list[tuple[int, int, StoredBox]]] = defaultdict(list)
     for rank, rank_needs in enumerate(needs):
@@ -116,7 +123,7 @@ def plan_load(
     drafts: list[dict] = []
     for fqn in sorted(targets):
         meta = tensors[fqn]
-        _plan_tensor(meta, pieces.get(fqn, []), targets[fqn], chunk_bytes, load, drafts)
+        _plan_tensor(meta, pieces.get(fqn, []), targets[fqn], chunk_bytes, direct_min_run_bytes, load, drafts)
 
     units, rounds, exchanges = _assign_rounds(drafts, world, round_bytes)
     per_rank = [0] * world
@@ -138,6 +145,7 @@ def _plan_tensor(
     pieces: list[PieceMeta],
     wanted: list[tuple[int, int, StoredBox]],
     chunk_bytes: int,
+    direct_min_run_bytes: int | None,
     load: list[int],
     drafts: list[dict],
 ) -> None:
@@ -179,7 +187,7 @@ def _plan_tensor(
             parts = [(r, i, t, b) for r, i, t, inter in needs if (b := inter.intersect(slab)) is not None]
             if not parts:  # a slab between disjoint needs (e.g. rows 0 and 2 of a piece): nothing to read
                 continue
-            for unit_box in _unit_boxes([p[3] for p in parts]):
+            for unit_box in _unit_boxes([p[3] for p in parts], box, item, direct_min_run_bytes):
                 starts_el, run = box_runs(unit_box, box)
                 deliveries = tuple(
                     Delivery(rank=r, target=i, target_box=t, box=b)
@@ -222,26 +230,39 @@ def _slabs(box: Box, needed: Box, item: int, chunk_bytes: int) -> list[Box]:
     return slabs
 
 
-def _unit_boxes(needed: list[Box]) -> list[Box]:
-    """What to read of one slab: the needs' bounding box when they tile it, else each need alone."""
+def _unit_boxes(needed: list[Box], saved: Box, item: int, direct_min_run_bytes: int | None) -> list[Box]:
+    """What to read of one slab of ``saved``, as boxes each read by one rank.
+
+    Disjoint needs made of long enough runs are read by their own ranks (no exchange). Otherwise the
+    needs' bounding box is read once when they tile it (one reader, parts exchanged); needs that are
+    disjoint but do not tile it are read separately, so no byte outside them is read.
+    """
     distinct = list(dict.fromkeys(needed))
     if len(distinct) == 1:
         return distinct
-    bound = _bounding(distinct)
     disjoint = all(
         distinct[i].intersect(distinct[j]) is None for i in range(len(distinct)) for j in range(i + 1, len(distinct))
     )
+    if disjoint and direct_min_run_bytes is not None:
+        if min(run_length(b, saved) for b in distinct) * item >= direct_min_run_bytes:
+            return distinct
+    bound = _bounding(distinct)
     if disjoint and sum(b.numel for b in distinct) != bound.numel:
         return distinct
     return [bound]
 
 
+READER_SHARE = 0.75
+"""A rank that needs at least this share of what the top needer needs of a unit may read it."""
+
+
 def _choose_reader(deliveries: Sequence[Delivery], load: list[int]) -> int:
+    """The least-loaded rank among those that need (nearly) the most of a unit."""
     wanted: dict[int, int] = defaultdict(int)
     for d in deliveries:
         wanted[d.rank] += d.numel
     most = max(wanted.values())
-    return min((r for r, n in wanted.items() if n == most), key=lambda r: (load[r], r))
+    return min((r for r, n in wanted.items() if n >= READER_SHARE * most), key=lambda r: (load[r], r))
 
 
 def _assign_rounds(
