@@ -403,11 +403,12 @@ class _MultipartWriter(ObjectWriter):
 
     async def _s3(self, what: str, method: str, **kwargs: Any) -> Any:
         """One S3 request of the upload, retried on transient errors (parts and PUTs are idempotent)."""
-        from ..io.scheduler import get_scheduler  # here: the scheduler module imports the backends
+        from ..io.scheduler import retry_transient  # here: the scheduler module imports the backends
 
-        return await get_scheduler().call(
-            self._backend, method, self._backend._call,
-            f"{what} {self._uri}", "call_s3", method, Bucket=self._bucket, Key=self._key, **kwargs,
+        return await retry_transient(
+            lambda: self._backend._call(
+                f"{what} {self._uri}", "call_s3", method, Bucket=self._bucket, Key=self._key, **kwargs
+            )
         )
 
     def _part_size(self) -> int:

@@ -177,6 +177,21 @@ class PrioritySemaphore:
 
 
 # -- the scheduler ---------------------------------------------------------------------------------
+async def retry_transient(fn: Callable[[], Awaitable[_T]], *, attempts: int = 5) -> _T:
+    """``await fn()``, retrying :class:`TransientStorageError` with exponential backoff and full jitter.
+
+    Usable on any event loop; :meth:`IOScheduler.call` adds slots and metrics on top of it.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return await fn()
+        except TransientStorageError:
+            if attempt >= attempts:
+                raise
+        await asyncio.sleep(_backoff_s(attempt))
+    raise CheckpointError(f"attempts must be at least 1, got {attempts}")
+
+
 class IOScheduler:
     """An event loop on a daemon thread, with per-backend slots, retries and metrics."""
 
@@ -308,21 +323,20 @@ class IOScheduler:
         started = time.perf_counter()
         attempt = 0
         ok = False
+
+        async def once() -> _T:
+            nonlocal attempt
+            attempt += 1
+            await slots.acquire(priority)
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                slots.release()
+
         try:
-            while True:
-                attempt += 1
-                await slots.acquire(priority)
-                try:
-                    result = await fn(*args, **kwargs)
-                except TransientStorageError:
-                    if attempt >= retries:
-                        raise
-                else:
-                    ok = True
-                    return result
-                finally:
-                    slots.release()
-                await asyncio.sleep(_backoff_s(attempt))
+            result = await retry_transient(once, attempts=retries)
+            ok = True
+            return result
         finally:
             self.metrics.record(
                 OpRecord(

@@ -1,0 +1,115 @@
+"""CLI commands for the node cache: ``status``, ``wait``, ``sync``, ``prefetch``, ``gc``.
+
+They wrap :mod:`tierckpt.cache` (write-back uploads, read-through cache, retention); see the user
+guide's section on the node cache. Every command prints one line per item, or JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+from . import cache
+
+
+def _add_status(subparsers: Any) -> None:
+    """Register ``status``."""
+    p = subparsers.add_parser(
+        "status", help="where a checkpoint stands: staged, local (upload pending) or remote",
+        description="Show the committed generation of a checkpoint and whether it is durable on the remote store, "
+        "or still only in this node's cache with uploads pending.",
+    )
+    p.add_argument("uri", help="checkpoint root, e.g. s3://bucket/run1/step-00001000")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(handler=cmd_status)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    st = cache.status(args.uri)
+    doc = dataclasses.asdict(st) | {"durable": st.durable}
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print(f"{st.uri}: {st.state or 'nothing committed'} (generation {st.generation or '-'}), "
+              f"{len(st.pending_keys)} object(s) / {st.pending_bytes} bytes pending upload")
+        for error in st.errors:
+            print(f"  upload error: {error}")
+    return 0
+
+
+def _add_wait(subparsers: Any) -> None:
+    """Register ``wait``."""
+    p = subparsers.add_parser("wait", help="block until a checkpoint is durable on the remote store")
+    p.add_argument("uri", help="checkpoint root")
+    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    p.set_defaults(handler=cmd_wait)
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    cache.wait(args.uri, timeout_s=args.timeout)
+    print(f"{args.uri}: durable on the remote")
+    return 0
+
+
+def _add_sync(subparsers: Any) -> None:
+    """Register ``sync``."""
+    p = subparsers.add_parser(
+        "sync", help="finish uploads left pending in this node's cache (after a crash or restart)",
+    )
+    p.add_argument("uri", nargs="?", default=None, help="only this store (default: every store of the node)")
+    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    p.set_defaults(handler=cmd_sync)
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    synced = cache.sync(args.uri, timeout_s=args.timeout)
+    print(f"synced {len(synced)} store(s)" + "".join(f"\n  {u}" for u in synced))
+    return 0
+
+
+def _add_prefetch(subparsers: Any) -> None:
+    """Register ``prefetch``."""
+    p = subparsers.add_parser(
+        "prefetch", help="pull a checkpoint (or some of its tensors) into this node's cache",
+        description="Pull a committed checkpoint into the node cache so that later loads (eval jobs) read it "
+        "locally. --only limits it to the tensors whose names match the glob patterns.",
+    )
+    p.add_argument("uri", help="checkpoint root, e.g. s3://bucket/run1/step-00001000")
+    p.add_argument("--only", nargs="+", metavar="PATTERN", default=None, help="fqn glob patterns, e.g. 'model.*'")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=cmd_prefetch)
+
+
+def cmd_prefetch(args: argparse.Namespace) -> int:
+    nbytes = cache.prefetch(args.uri, only=args.only, progress=not args.quiet).result()
+    print(f"{args.uri}: {nbytes} bytes in the node cache")
+    return 0
+
+
+def _add_gc(subparsers: Any) -> None:
+    """Register ``gc``."""
+    p = subparsers.add_parser(
+        "gc", help="retention over a directory of checkpoints: keep the last N and every K-th",
+        description="Delete old checkpoints under ROOT (children such as ROOT/step-00000100), keeping the newest "
+        "--keep-last and every checkpoint whose step is a multiple of --keep-every; the newest committed one is "
+        "never deleted.",
+    )
+    p.add_argument("root", help="a directory of checkpoints")
+    p.add_argument("--keep-last", type=int, default=1)
+    p.add_argument("--keep-every", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(handler=cmd_gc)
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    result = cache.gc(args.root, keep_last=args.keep_last, keep_every=args.keep_every)
+    if args.json:
+        print(json.dumps({"kept": list(result.kept), "deleted": list(result.deleted)}, indent=1))
+    else:
+        print(f"kept {len(result.kept)}, deleted {len(result.deleted)}" + "".join(f"\n  deleted {d}" for d in result.deleted))
+    return 0
+
+
+COMMANDS = (_add_status, _add_wait, _add_sync, _add_prefetch, _add_gc)
