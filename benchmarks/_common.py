@@ -166,13 +166,18 @@ def _dcp_io(uri: str, opts: dict[str, Any] | None, write: bool) -> Any:
     return FsspecWriter(uri, sync_files=False, **opts) if write else FsspecReader(uri, **opts)
 
 
+def _direct(opts: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Remote stores straight, without tierckpt's node cache, so both libraries meet S3 itself."""
+    return None if opts is None else {**opts, "cache": False}
+
+
 def do_save(lib: str, uri: str, opts: dict[str, Any] | None, state: dict[str, Any], monitor: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
     import tierckpt
 
     if lib == "tierckpt":
-        tierckpt.save(uri, state, monitor=monitor, storage_options=opts)
+        tierckpt.save(uri, state, monitor=monitor, storage_options=_direct(opts))
     else:
         dcp.save(state, storage_writer=_dcp_io(uri, opts, write=True))
 
@@ -183,7 +188,7 @@ def do_load(lib: str, uri: str, opts: dict[str, Any] | None, state: dict[str, An
     import tierckpt
 
     if lib == "tierckpt":
-        tierckpt.load(uri, state, monitor=monitor, storage_options=opts)
+        tierckpt.load(uri, state, monitor=monitor, storage_options=_direct(opts))
     else:
         dcp.load(state, storage_reader=_dcp_io(uri, opts, write=False))
 

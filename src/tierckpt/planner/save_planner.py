@@ -52,8 +52,6 @@ class SavePlan:
     """``writes[rank]``: what that rank writes, in file order."""
     file_sizes: tuple[int, ...]
     """Bytes of each rank's data file."""
-    digest: str
-    """A hash of the offers the plan was made from: equal digests mean an identical plan."""
 
     @property
     def bytes_per_rank(self) -> tuple[int, ...]:
@@ -65,6 +63,7 @@ def data_file(rank: int) -> str:
 
 
 def offers_digest(offers: Sequence[Sequence[LocalPiece]]) -> str:
+    """A hash of offers: each rank hashes its own, and equal digests on every rank mean the cached plan holds."""
     h = hashlib.sha256()
     for rank, pieces in enumerate(offers):
         h.update(f"#{rank}".encode())
@@ -125,22 +124,20 @@ def plan_save(
         tensors=tuple(tensors[f] for f in sorted(tensors)),
         writes=tuple(writes),
         file_sizes=tuple(file_sizes),
-        digest=offers_digest(offers),
     )
 
 
 def _agree_on_tensors(offers: Sequence[Sequence[LocalPiece]]) -> dict[str, TensorMeta]:
-    seen: dict[str, tuple[TensorMeta, int]] = {}
+    seen: dict[str, tuple[str, tuple[int, ...], int]] = {}
     for rank, pieces in enumerate(offers):
         for p in pieces:
-            meta = TensorMeta(fqn=p.fqn, dtype=p.dtype, shape=tuple(p.shape))
-            prior = seen.setdefault(p.fqn, (meta, rank))
-            if prior[0] != meta:
+            dtype, shape, first = seen.setdefault(p.fqn, (p.dtype, tuple(p.shape), rank))
+            if dtype != p.dtype or shape != tuple(p.shape):
                 raise StateMismatchError(
-                    f"ranks disagree on tensor {p.fqn!r}: rank {prior[1]} has {prior[0].dtype}{list(prior[0].shape)}, "
-                    f"rank {rank} has {meta.dtype}{list(meta.shape)}; every rank must describe the same global tensor"
+                    f"ranks disagree on tensor {p.fqn!r}: rank {first} has {dtype}{list(shape)}, "
+                    f"rank {rank} has {p.dtype}{list(p.shape)}; every rank must describe the same global tensor"
                 )
-    return {fqn: meta for fqn, (meta, _) in seen.items()}
+    return {fqn: TensorMeta(fqn=fqn, dtype=dtype, shape=shape) for fqn, (dtype, shape, _) in seen.items()}
 
 
 def _region_key(region: Region) -> tuple:
