@@ -91,10 +91,11 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
 def _add_gc(subparsers: Any) -> None:
     """Register ``gc``."""
     p = subparsers.add_parser(
-        "gc", help="retention over a directory of checkpoints: keep the last N and every K-th",
+        "gc", help="retention over a directory of checkpoints, and removal of crashed saves' leftovers",
         description="Delete old checkpoints under ROOT (children such as ROOT/step-00000100), keeping the newest "
         "--keep-last and every checkpoint whose step is a multiple of --keep-every; the newest committed one is "
-        "never deleted.",
+        "never deleted. In what is kept (and in ROOT itself when it is a checkpoint), generations that the "
+        "COMMIT superseded — leftovers of crashed or failed saves — are removed.",
     )
     p.add_argument("root", help="a directory of checkpoints")
     p.add_argument("--keep-last", type=int, default=1)
@@ -106,9 +107,10 @@ def _add_gc(subparsers: Any) -> None:
 def cmd_gc(args: argparse.Namespace) -> int:
     result = cache.gc(args.root, keep_last=args.keep_last, keep_every=args.keep_every)
     if args.json:
-        print(json.dumps({"kept": list(result.kept), "deleted": list(result.deleted)}, indent=1))
+        print(json.dumps(dataclasses.asdict(result), indent=1))
     else:
-        print(f"kept {len(result.kept)}, deleted {len(result.deleted)}" + "".join(f"\n  deleted {d}" for d in result.deleted))
+        print(f"kept {len(result.kept)}, deleted {len(result.deleted)}, removed {len(result.leftovers)} leftover generation(s)"
+              + "".join(f"\n  deleted {d}" for d in (*result.deleted, *result.leftovers)))
     return 0
 
 

@@ -78,3 +78,13 @@ class CommitRecord:
             if isinstance(exc, CorruptCheckpointError):
                 raise
             raise CorruptCheckpointError(f"the COMMIT record is unreadable: {exc}") from exc
+
+
+def stale_generations(keys: list[str], committed: str) -> list[str]:
+    """Generations among ``keys`` that ``committed`` superseded: leftovers of crashed or failed saves.
+
+    Only generations older than the committed one count; a newer one may be a save still in flight.
+    Names sort by creation time (``g-<unix ms>-...``).
+    """
+    found = {k.split("/", 1)[0] for k in keys if k.startswith("g-") and "/" in k}
+    return sorted(g for g in found if g != committed and g < committed)

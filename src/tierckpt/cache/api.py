@@ -188,6 +188,8 @@ def prefetch(uri: str, only: Sequence[str] | None = None, progress: bool = True,
 class GcResult:
     kept: tuple[str, ...]
     deleted: tuple[str, ...]
+    leftovers: tuple[str, ...] = ()
+    """Superseded generations (of crashed or failed saves) removed from the kept checkpoints."""
 
 
 _STEP = re.compile(r"(\d+)$")
@@ -226,4 +228,20 @@ def gc(root: str, keep_last: int = 1, keep_every: int | None = None, config: Cac
         store = stores[n]
         sched.run(store.delete_prefix(""))
         store.catalog.forget_generations(store.rh, "")
-    return GcResult(kept=tuple(n for _, _, n in order if n in keep), deleted=tuple(deleted))
+    kept = [n for _, _, n in order if n in keep]
+    leftovers = [f"{n}/{g}" for n in kept for g in _remove_leftovers(stores[n])]
+    leftovers += _remove_leftovers(parent)
+    return GcResult(kept=tuple(kept), deleted=tuple(deleted), leftovers=tuple(leftovers))
+
+
+def _remove_leftovers(store: Backend) -> list[str]:
+    """Delete the generations of ``store`` that its COMMIT superseded; returns their names."""
+    sched = get_scheduler()
+    try:
+        committed = layout.CommitRecord.decode(sched.do(store, "get", layout.COMMIT)).generation
+    except CheckpointNotFoundError:
+        return []
+    stale = layout.stale_generations(sched.do(store, "list", ""), committed)
+    for generation in stale:
+        sched.do(store, "delete_prefix", f"{generation}/")
+    return stale
