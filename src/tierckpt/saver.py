@@ -151,7 +151,10 @@ def _prepare(
         digests = {key: (crc32c.crc32c(data), len(data)) for key, (data, _) in encoded.items()}
         plan_key = (_group_key(group), align_bytes)
         mine = offers_digest([offers])
-        agreement = comm.all_gather_object((mine, digests))
+        # One collective carries the plan-cache digests, the object digests and rank 0's new generation.
+        proposal = layout.new_generation() if comm.rank == 0 else None
+        agreement = comm.all_gather_object((mine, digests, proposal))
+        generation = agreement[0][2]
         cached = _PROCESS.plans.get(plan_key)
         if cached is not None and cached[0] == [a[0] for a in agreement]:
             plan = cached[1]
@@ -161,7 +164,6 @@ def _prepare(
             plan = run_agreed(comm, lambda: plan_save(gathered, align_bytes=align_bytes), "planning the save")
             _PROCESS.plans[plan_key] = ([a[0] for a in agreement], plan)
         owners = _place_objects([a[1] for a in agreement], plan)
-        generation = comm.broadcast_object(layout.new_generation() if comm.rank == 0 else None)
     return _Prepared(
         uri=uri, comm=comm, backend=backend, flat=flat, encoded=encoded, plan=plan, owners=owners,
         generation=generation, started=started, monitor=monitor, tags=dict(tags or {}), keep_previous=keep_previous,

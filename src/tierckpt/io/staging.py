@@ -6,10 +6,11 @@ backend writer, computing each piece's CRC-32C as the bytes pass — so checksum
 copy instead of stalling the caller.
 
 :class:`StagingBuffer` is the reusable snapshot memory for asynchronous saves: allocated once per
-process (pinned when CUDA tensors are staged), grown only when a save needs more, and used as two
-halves in turn (ping-pong): while one half is being written, the next pieces are copied into the
-other. When the state is larger than the buffer, the copy waits for a half to drain, so memory stays
-bounded at ``capacity`` bytes and the pipeline streams through it.
+process (pinned when CUDA tensors are staged) and grown only when a save needs more. When a rank's
+file fits in it, everything is copied first and written afterwards (the copy gets the memory
+bandwidth to itself, so training waits about one memcpy). When it does not, the buffer is used as two
+halves in turn (ping-pong): while one half is being written the next pieces are copied into the
+other, and the copy waits for a half to drain, so memory stays bounded and the pipeline streams.
 
 Lifecycle of one file (the saving rank):
 
@@ -152,12 +153,23 @@ class PingPong:
         self._used, self._segments, self._from_cuda = 0, [], False
 
 
+STREAM_CHUNK_BYTES = 64 << 20
+"""Size of the chunks a fully staged file is streamed in."""
+
+
 def stage_into(stream: FileStream, pieces: Iterable[tuple[int, int, torch.Tensor]], buffer: torch.Tensor) -> None:
     """Copy ``(index, byte_offset, tensor)`` pieces, in file order, through ``buffer`` into ``stream``.
 
-    Returns once every byte has been copied, so the caller may mutate its tensors; the last two
-    chunks may still be in flight (``stream.finish()`` waits for them).
+    Returns once every byte has been copied, so the caller may mutate its tensors. When the whole file
+    fits in ``buffer`` it is copied first and streamed afterwards, so no write competes with the
+    snapshot for memory bandwidth; otherwise the two halves of the buffer are used ping-pong and the
+    copy waits for a half to drain. The last chunks may still be in flight (``stream.finish()`` waits).
     """
+    pieces = list(pieces)
+    total = max((offset + t.numel() * t.element_size() for _, offset, t in pieces), default=0)
+    if total <= buffer.numel():
+        _stage_whole(stream, pieces, buffer[:total])
+        return
     pingpong = PingPong(stream, buffer)
     position = 0
     for index, offset, tensor in pieces:
@@ -167,3 +179,29 @@ def stage_into(stream: FileStream, pieces: Iterable[tuple[int, int, torch.Tensor
         pingpong.copy(data, index)
         position = offset + data.numel()
     pingpong.flush()
+
+
+def _stage_whole(stream: FileStream, pieces: list[tuple[int, int, torch.Tensor]], buffer: torch.Tensor) -> None:
+    """Copy every piece to its file offset in ``buffer`` (padding zeroed), then stream the buffer."""
+    position = 0
+    spans: list[tuple[int, int, int]] = []
+    from_cuda = False
+    for index, offset, tensor in pieces:
+        if offset > position:
+            buffer[position:offset].zero_()
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer[offset : offset + data.numel()].copy_(data, non_blocking=data.is_cuda)
+        from_cuda |= data.is_cuda
+        spans.append((index, offset, data.numel()))
+        position = offset + data.numel()
+    if from_cuda:
+        torch.cuda.current_stream().synchronize()
+    view = memoryview(buffer.numpy())
+    for start in range(0, len(view), STREAM_CHUNK_BYTES):
+        end = min(start + STREAM_CHUNK_BYTES, len(view))
+        segments = [
+            (index, max(offset, start) - start, min(offset + n, end) - max(offset, start))
+            for index, offset, n in spans
+            if offset < end and offset + n > start
+        ]
+        stream.put(Chunk(view[start:end], segments))

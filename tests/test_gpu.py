@@ -1,0 +1,27 @@
+"""CUDA paths: pinned staging for async saves and loads into CUDA tensors (skipped without a GPU)."""
+
+import pytest
+import torch
+
+import tierckpt
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_async_save_of_cuda_tensors_uses_pinned_staging_and_loads_back(tmp_path):
+    state = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.arange(7, device="cuda")}
+    expected = {k: v.clone() for k, v in state.items()}
+    handle = tierckpt.async_save(str(tmp_path / "c"), state)
+    for value in state.values():
+        value.add_(1)  # training continues on the GPU while the save is written
+    handle.wait()
+    from tierckpt.saver import _PROCESS
+
+    assert _PROCESS.staging._buffer is not None and _PROCESS.staging._buffer.is_pinned()
+    target = {k: torch.zeros_like(v) for k, v in expected.items()}
+    tierckpt.load(str(tmp_path / "c"), target)
+    for key, value in expected.items():
+        assert target[key].is_cuda and torch.equal(target[key], value), key
