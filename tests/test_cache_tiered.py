@@ -344,3 +344,17 @@ def test_prefetch_only_some_tensors_and_gc(tmp_path: Path, monkeypatch: pytest.M
     assert result.kept == ("step-200", "step-300", "step-400") and result.deleted == ("step-100",)
     assert not (root / "step-100").exists() or not any((root / "step-100").rglob("*.bin"))
     assert (root / "step-400" / "COMMIT").exists()
+
+
+def test_save_handle_waits_for_remote_durability(s3_server, s3_bucket_uri):
+    """``wait()`` returns at the commit in the node cache; ``wait_durable()`` once the remote has it all."""
+    import tierckpt
+    from tierckpt.cache import status
+
+    options = {"endpoint_url": s3_server, "key": "testing", "secret": "testing", "region": "us-east-1"}
+    handle = tierckpt.async_save(s3_bucket_uri, {"w": torch.arange(1000.0)}, storage_options=options)
+    handle.wait_durable(timeout_s=60)
+    assert status(s3_bucket_uri, **options).state == "remote"
+    target = {"w": torch.zeros(1000)}
+    tierckpt.load(s3_bucket_uri, target, storage_options={**options, "cache": False})  # S3 itself
+    assert torch.equal(target["w"], torch.arange(1000.0))

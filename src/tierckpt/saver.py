@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from . import layout
-from .backends import Backend, open_backend
+from .backends import Backend, open_backend, split_uri
 from .comm import Comm, StoreCoordinator
 from .errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError
 from .io.scheduler import get_scheduler
@@ -90,10 +90,17 @@ def _group_key(group: dist.ProcessGroup | None) -> Any:
 
 
 class SaveHandle:
-    """An asynchronous save in flight. ``wait()`` returns the committed checkpoint's metadata."""
+    """An asynchronous save in flight. ``wait()`` returns the committed checkpoint's metadata once it
+    is committed (on a remote store: in the node cache); ``wait_durable()`` also waits for the upload."""
 
-    def __init__(self, uri: str, future: concurrent.futures.Future[CheckpointMeta], monitor: Monitor) -> None:
+    def __init__(
+        self, uri: str, future: concurrent.futures.Future[CheckpointMeta], monitor: Monitor,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
         self.uri = uri
+        options = dict(storage_options or {})
+        self._through_cache = options.pop("cache", None) is not False and split_uri(uri)[0] not in ("", "file", "memory")
+        self.storage_options = options
         self.monitor = monitor
         self._future = future
         self._reported = False
@@ -112,6 +119,16 @@ class SaveHandle:
             raise
 
     result = wait
+
+    def wait_durable(self, timeout_s: float | None = None) -> CheckpointMeta:
+        """Block until committed and, for remote stores written through the node cache, until the
+        checkpoint is durable on the remote (every object uploaded, ``COMMIT`` last)."""
+        meta = self.wait(timeout_s)
+        if self._through_cache:
+            from .cache import wait as wait_remote  # the cache builds on the saver's modules
+
+            wait_remote(self.uri, timeout_s=timeout_s, **self.storage_options)
+        return meta
 
     def unreported_error(self) -> BaseException | None:
         if self._reported or not self._future.done():
@@ -449,7 +466,7 @@ def async_save(
             _PROCESS.staging_lock.release()
         return _finish(p, stream, StoreCoordinator(p.comm, p.generation))
 
-    handle = SaveHandle(uri, _PROCESS.executor().submit(finish), monitor)
+    handle = SaveHandle(uri, _PROCESS.executor().submit(finish), monitor, storage_options)
     _PROCESS.in_flight[uri] = handle
     _PROCESS.unreported.append(handle)
     return handle
