@@ -248,3 +248,36 @@ def missing_rank(path: str) -> str:
     except tierckpt.CollectiveError as exc:
         return str(exc)
     return "no error"
+
+
+def soak(uri: str, options: dict, rounds: int) -> dict[str, list[int]]:
+    """Every rank saves and loads ``rounds`` times through the node cache to S3; returns RSS and fd counts."""
+    import os
+
+    mesh = make_mesh((4,))
+    rss, fds = [], []
+    for i in range(rounds):
+        state = {n: as_dtensor(reference(f"{n}{i}", shape, dtype), mesh, parse_placements("S0", len(shape)))
+                 for n, (shape, dtype) in SPECS.items() if shape}
+        tierckpt.save(uri, {"s": state, "round": i}, storage_options=options)
+        targets = {n: as_dtensor(torch.zeros(shape, dtype=dtype), mesh, parse_placements("S1", len(shape)))
+                   for n, (shape, dtype) in SPECS.items() if shape}
+        loaded = tierckpt.load(uri, {"s": targets, "round": -1}, storage_options=options)
+        if loaded["round"] != i:
+            raise AssertionError(f"round {i} loaded round {loaded['round']}")
+        for n, (shape, dtype) in SPECS.items():
+            if shape:
+                check_tensor(n, targets[n], reference(f"{n}{i}", shape, dtype))
+        with open("/proc/self/status") as f:
+            rss.append(next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")))
+        fds.append(len(os.listdir("/proc/self/fd")))
+    solo = subgroup(1)  # every rank takes part in creating it; rank 0 checks S3 itself alone
+    if solo is not None:
+        tierckpt.wait(uri, timeout_s=120, **options)
+        direct = {n: torch.zeros(shape, dtype=dtype) for n, (shape, dtype) in SPECS.items() if shape}
+        tierckpt.load(uri, {"s": direct, "round": -1}, group=solo, storage_options={**options, "cache": False})
+        for n, (shape, dtype) in SPECS.items():
+            if shape:
+                check_tensor(n, direct[n], reference(f"{n}{rounds - 1}", shape, dtype))
+    dist.barrier()
+    return {"rss_kib": rss, "fds": fds}

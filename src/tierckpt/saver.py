@@ -148,6 +148,8 @@ class _Prepared:
     owners: dict[str, int | None]
     generation: str
     started: float
+    base_generation: str | None
+    """What ``COMMIT`` named when the save began (rank 0 only): the commit refuses if it changed."""
     monitor: Monitor
     tags: dict[str, str]
     keep_previous: bool
@@ -184,6 +186,7 @@ def _prepare(
     return _Prepared(
         uri=uri, comm=comm, backend=backend, flat=flat, encoded=encoded, plan=plan, owners=owners,
         generation=generation, started=started, monitor=monitor, tags=dict(tags or {}), keep_previous=keep_previous,
+        base_generation=_committed_generation(backend) if comm.rank == 0 else None,
     )
 
 
@@ -364,13 +367,25 @@ def _piece_tensor(entry: TensorEntry, region: Region) -> torch.Tensor:
     raise CheckpointError(f"piece of {entry.fqn!r}: a {type(region).__name__} cannot be cut from a {type(entry.region).__name__}")
 
 
+def _committed_generation(backend: Backend) -> str | None:
+    try:
+        return layout.CommitRecord.decode(get_scheduler().do(backend, "get", layout.COMMIT)).generation
+    except CheckpointNotFoundError:
+        return None
+
+
 def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None:
+    """Rank 0: metadata, then COMMIT — unless another job committed to this URI since the save began."""
     sched = get_scheduler()
     backend, gen = p.backend, p.generation
-    try:
-        previous = layout.CommitRecord.decode(sched.do(backend, "get", layout.COMMIT)).generation
-    except CheckpointNotFoundError:
-        previous = None
+    previous = _committed_generation(backend)
+    if previous != p.base_generation:
+        sched.do(backend, "delete_prefix", f"{gen}/")
+        raise CheckpointBusyError(
+            f"another job committed {previous!r} to {p.uri!r} while this save was running (it started from "
+            f"{p.base_generation!r}); this save was not committed, and the other job's checkpoint is intact. "
+            "Give concurrent jobs different URIs"
+        )
     sched.do(backend, "put", layout.tensors_key(gen), encode_tensors(p.plan.tensors))
     sched.do(backend, "put", layout.pieces_key(gen), encode_pieces(pieces))
     sched.do(backend, "put", layout.header_key(gen), encode_header(meta))
