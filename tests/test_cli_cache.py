@@ -34,3 +34,9 @@ def test_status_wait_prefetch_and_gc(s3_server, s3_bucket_uri, capsys, monkeypat
     result = json.loads(capsys.readouterr().out)
     assert sorted(result["deleted"]) == ["step-100", "step-200"]  # children of the root
     assert result["kept"] == ["step-300"]
+
+
+def test_bench_compares_with_dcp(capsys):
+    assert cli.main(["bench", "--gib", "0.01", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["bytes"] > 0 and all(doc[k] > 0 for k in ("tierckpt_save_s", "tierckpt_load_s", "dcp_save_s", "dcp_load_s"))

@@ -39,7 +39,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from . import cli_cache, __version__, convert, layout
+from . import cli_bench, cli_cache, __version__, convert, layout
 from .backends import open_backend
 from .errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, UnsupportedURIError,
@@ -535,6 +535,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 # -- entry point ------------------------------------------------------------------------------------------
 COMMANDS: tuple[Callable[[Any], None], ...] = (
     _add_demo, _add_inspect, _add_verify, _add_stats, _add_ls, _add_convert, *cli_cache.COMMANDS,
+    *cli_bench.COMMANDS,
 )
 """Each registers one subcommand whose parser sets ``handler(args) -> exit code``."""
 
