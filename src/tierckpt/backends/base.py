@@ -78,6 +78,23 @@ class ObjectWriter(abc.ABC):
         """Discard everything written; the key is left as it was before ``open_writer``."""
 
 
+class ReadsInto:
+    """For backends whose read primitive fills a caller's buffer: ``get_range`` and ``read_into`` from
+    ``_read_range(key, start, end, out)``, so reads into tensors never go through a bytes copy."""
+
+    async def _read_range(self, key: str, start: int, end: int, out: memoryview) -> None:
+        raise NotImplementedError
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        buf = bytearray(max(end - start, 0))
+        await self._read_range(key, start, end, memoryview(buf))
+        return bytes(buf)
+
+    async def read_into(self, key: str, start: int, out: memoryview) -> None:
+        view = memoryview(out).cast("B")
+        await self._read_range(key, start, start + len(view), view)
+
+
 class Backend(abc.ABC):
     """Async storage bound to a root URI. See the module docstring for the lifecycle."""
 

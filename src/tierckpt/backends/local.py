@@ -35,7 +35,7 @@ from ..errors import (
     StoragePermissionError,
     UnsupportedURIError,
 )
-from .base import Backend, Capabilities, ObjectWriter, validate_key
+from .base import Backend, Capabilities, ObjectWriter, ReadsInto, validate_key
 
 _TEMP_SUFFIX = ".partial"
 
@@ -255,7 +255,7 @@ class _LocalWriter(ObjectWriter):
         await asyncio.to_thread(_discard, self._fd, self._tmp)
 
 
-class LocalBackend(Backend):
+class LocalBackend(ReadsInto, Backend):
     """Objects are files under a local directory (``/data/ckpt`` or ``file:///data/ckpt``)."""
 
     capabilities = Capabilities(atomic_rename=True, local_path=True)
@@ -301,15 +301,6 @@ class LocalBackend(Backend):
             return await asyncio.to_thread(_read_whole, path)
         except OSError as exc:
             raise _os_error(exc, f"reading {path}") from exc
-
-    async def get_range(self, key: str, start: int, end: int) -> bytes:
-        buf = bytearray(max(end - start, 0))
-        await self._read_range(key, start, end, memoryview(buf))
-        return bytes(buf)
-
-    async def read_into(self, key: str, start: int, out: memoryview) -> None:
-        view = memoryview(out).cast("B")
-        await self._read_range(key, start, start + len(view), view)
 
     async def _read_range(self, key: str, start: int, end: int, out: memoryview) -> None:
         path = self.path_of(key)

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import crc32c
 
 from .. import layout
-from ..backends.base import Backend, ObjectWriter, validate_key
+from ..backends.base import Backend, ObjectWriter, ReadsInto, validate_key
 from ..backends.local import (
     LocalBackend, _discard, _fsync_dir, _open_temp, _unlink, _write_all, check_prefix, check_range, range_past_end,
 )
@@ -216,7 +216,7 @@ class _TieredWriter(ObjectWriter):
         await asyncio.to_thread(_discard, self._fd, self._tmp)
 
 
-class TieredBackend(Backend):
+class TieredBackend(ReadsInto, Backend):
     """A write-back, read-through cache in front of ``remote``; see the module docstring."""
 
     def __init__(self, remote: Backend, config: CacheConfig | None = None) -> None:
@@ -460,15 +460,6 @@ class TieredBackend(Backend):
             size = await self.remote.size(key)
             self.catalog.record_size(self.rh, key, size)
         return size
-
-    async def get_range(self, key: str, start: int, end: int) -> bytes:
-        buf = bytearray(max(end - start, 0))
-        await self._read_range(key, start, end, memoryview(buf))
-        return bytes(buf)
-
-    async def read_into(self, key: str, start: int, out: memoryview) -> None:
-        view = memoryview(out).cast("B")
-        await self._read_range(key, start, start + len(view), view)
 
     async def _read_range(self, key: str, start: int, end: int, out: memoryview) -> None:
         validate_key(key)
