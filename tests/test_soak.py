@@ -16,5 +16,7 @@ def test_soak_save_load_rounds(dist_pool, s3_server, s3_bucket_uri):
     for rank, record in enumerate(per_rank):
         rss, fds = record["rss_kib"], record["fds"]
         assert len(rss) == ROUNDS
-        assert fds[-1] <= fds[4] + 4, f"rank {rank}: open file descriptors grew {fds}"
-        assert rss[-1] <= rss[4] + 48 * 1024, f"rank {rank}: RSS grew from {rss[4]} KiB to {rss[-1]} KiB"
+        # In-flight uploads hold sockets and files for a moment, so single samples spike; a leak raises
+        # the floor, so compare the lowest values of an early and of the last window of rounds.
+        assert min(fds[-5:]) <= min(fds[2:7]) + 2, f"rank {rank}: open file descriptors grew {fds}"
+        assert min(rss[-5:]) <= min(rss[2:7]) + 48 * 1024, f"rank {rank}: RSS grew {rss} KiB"
