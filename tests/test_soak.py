@@ -19,4 +19,5 @@ def test_soak_save_load_rounds(dist_pool, s3_server, s3_bucket_uri):
         # In-flight uploads hold sockets and files for a moment, so single samples spike; a leak raises
         # the floor, so compare the lowest values of an early and of the last window of rounds.
         assert min(fds[-5:]) <= min(fds[2:7]) + 2, f"rank {rank}: open file descriptors grew {fds}"
-        assert min(rss[-5:]) <= min(rss[2:7]) + 48 * 1024, f"rank {rank}: RSS grew {rss} KiB"
+        # RSS warms up (allocator arenas, caches) over the first rounds, then must stay flat.
+        assert min(rss[-5:]) <= min(rss[8:13]) + 24 * 1024, f"rank {rank}: RSS grew {rss} KiB"
