@@ -400,6 +400,15 @@ def write_section(path: str, name: str, body: str) -> None:
         f.write(text)
 
 
+def publish(body: str, out: str | None, section: str) -> None:
+    """Print a benchmark's Markdown and write it between its markers in ``out`` (when given)."""
+    print()
+    print(body)
+    if out:
+        write_section(out, section, body)
+        print(f"\nwritten to {out}")
+
+
 def scratch_dir(prefix: str) -> str:
     """A fresh temp dir (on the disk holding ``$TMPDIR``); removed by the caller."""
     return tempfile.mkdtemp(prefix=prefix)

@@ -86,7 +86,7 @@ def main() -> None:
          f"{C.runs(load_s['tierckpt'])} — {C.runs(load_s['dcp'])}"],
     ]
     table = C.md_table(["operation", "tierckpt s (median)", "DCP s (median)", "speedup (DCP s / tierckpt s)",
-                        "GiB/s tierckpt / DCP", f"all runs, s (tierckpt — DCP)"], rows)
+                        "GiB/s tierckpt / DCP", "all runs, s (tierckpt — DCP)"], rows)
 
     amp_rows = []
     for lib in C.LIBS:
@@ -131,11 +131,7 @@ def main() -> None:
         f"tierckpt phases (median, max over ranks): save: {C.phases(saves)}; load: {C.phases(loads)}.",
         base,
     ])
-    print()
-    print(body)
-    if args.out:
-        C.write_section(args.out, "bench_core", body)
-        print(f"\nwritten to {args.out}")
+    C.publish(body, args.out, "bench_core")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tierckpt.metadata import PieceMeta, TensorMeta, encode_pieces, encode_tensors  # noqa: E402
+from tierckpt.metadata import PieceMeta, encode_pieces, encode_tensors  # noqa: E402
 from tierckpt.planner import LocalPiece, TargetPiece, plan_load, plan_save  # noqa: E402
 from tierckpt.planner.save_planner import offers_digest  # noqa: E402
 from tierckpt.regions import Box, FlatRange, flat_range_boxes  # noqa: E402
@@ -75,7 +75,7 @@ def local_flat_to_regions(box: Box, start: int, stop: int) -> list[Box | FlatRan
     return regions
 
 
-def offers_of(tp: int, stage: int, dp: int, dp_size: int, layers: int, flat_ok: set[str]) -> list[LocalPiece]:
+def offers_of(tp: int, stage: int, dp: int, dp_size: int, layers: int) -> list[LocalPiece]:
     """What one rank holds: its TP shard of every parameter of its stage, and its DP slice of Adam states."""
     tensors = stage_tensors(stage, layers)
     offers = [
@@ -107,7 +107,7 @@ def all_offers(layers: int, dp_size: int) -> list[list[LocalPiece]]:
     for stage in range(PP):
         for dp in range(dp_size):
             for tp in range(TP):
-                offers.append(offers_of(tp, stage, dp, dp_size, layers, set()))
+                offers.append(offers_of(tp, stage, dp, dp_size, layers))
     return offers
 
 
@@ -177,7 +177,7 @@ def main() -> None:
     rows.append(("tierckpt metadata (pieces + tensors Parquet)", f"{meta_bytes / 2**20:.1f} MiB for {sum(len(p) for p in pieces.values()):,} pieces"))
 
     # One rank of a new job (TP 8 x PP 16, DP 1) loads its shard: rank (tp=3, stage=7).
-    needs = [TargetPiece(fqn=p.fqn, region=p.region) for p in offers_of(3, 7, 0, 1, args.layers, set())]
+    needs = [TargetPiece(fqn=p.fqn, region=p.region) for p in offers_of(3, 7, 0, 1, args.layers)]
     wanted = {n.fqn for n in needs}
     t0 = time.perf_counter()
     load = plan_load(tensors, {f: pieces[f] for f in wanted}, [needs])

@@ -237,11 +237,7 @@ def main() -> None:
         f"bytes_exchanged {C.fmt_bytes(C.median(C.counter_sum(loads, 'bytes_exchanged')))}.",
         checks,
     ])
-    print()
-    print(body)
-    if args.out:
-        C.write_section(args.out, "bench_s3", body)
-        print(f"\nwritten to {args.out}")
+    C.publish(body, args.out, "bench_s3")
 
 
 if __name__ == "__main__":

@@ -405,3 +405,44 @@ def test_gc_removes_leftovers_of_crashed_saves_but_not_newer_ones(tmp_path):
     target = {"w": torch.zeros(4)}
     tierckpt.load(str(root), target)
     assert torch.equal(target["w"], torch.ones(4))
+
+
+def test_a_load_of_a_few_tensors_fetches_only_their_row_groups(tmp_path):
+    """The pieces table is read by ranges: footer plus the row groups that can hold the wanted tensors."""
+    import hashlib
+
+    from tierckpt.io.rangefile import RangeFile
+    from tierckpt.layout import pieces_key
+    from tierckpt.loader import Checkpoint, read_pieces
+    from tierckpt.metadata import CheckpointMeta, PieceMeta, TensorMeta, encode_pieces
+    from tierckpt.regions import Box
+
+    names = [f"layer{i:06d}.{hashlib.sha1(str(i).encode()).hexdigest()}" for i in range(40_000)]
+    tensors = {n: TensorMeta(fqn=n, dtype="float32", shape=(4,)) for n in names}
+    table = encode_pieces(
+        PieceMeta(fqn=n, region=Box((0,), (4,)), file="data/rank-00000.bin", byte_offset=64 * i, byte_length=16,
+                  crc32c=i) for i, n in enumerate(names)
+    )
+    generation = "g-0000000000001-abcdefabcdef"
+    path = tmp_path / "c" / pieces_key(generation)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(table)
+    ckpt = Checkpoint(meta=CheckpointMeta(generation=generation, world_size=1, created_unix=0.0), tensors=tensors)
+    backend = open_backend(str(tmp_path / "c"))
+
+    fetched = []
+    original = RangeFile.readinto
+
+    def counting(self, buffer):
+        n = original(self, buffer)
+        fetched.append(n)
+        return n
+
+    RangeFile.readinto = counting
+    try:
+        pieces = read_pieces(backend, ckpt, {names[7]})
+    finally:
+        RangeFile.readinto = original
+    assert list(pieces) == [names[7]] and pieces[names[7]][0].byte_offset == 64 * 7
+    assert 0 < sum(fetched) < len(table) / 4, (sum(fetched), len(table))
+    assert read_pieces(backend, ckpt).keys() == set(names)

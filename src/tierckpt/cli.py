@@ -37,7 +37,6 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import pyarrow as pa
 
 from . import cli_bench, cli_cache, __version__, convert, layout
 from .backends import open_backend
@@ -45,9 +44,9 @@ from .errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, UnsupportedURIError,
 )
 from .io.scheduler import get_scheduler
-from .loader import Checkpoint, read_checkpoint
+from .loader import Checkpoint, read_checkpoint, read_pieces
 from .manager import CheckpointManager
-from .metadata import PieceMeta, decode_pieces
+from .metadata import PieceMeta
 from .monitor import ranks_from_timings, straggler_report
 from .regions import Box
 from .verify import verify
@@ -117,19 +116,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a checkpoint's contents as a table or as JSON."""
     backend = open_backend(args.uri)
     ckpt = read_checkpoint(backend)
-    pieces = _read_all_pieces(backend, ckpt)
+    pieces = read_pieces(backend, ckpt)
     summary = describe(args.uri, ckpt, pieces, with_pieces=args.pieces)
     print(json.dumps(summary, indent=1) if args.json else render_inspect(summary))
     return EXIT_OK
-
-
-def _read_all_pieces(backend: Any, ckpt: Checkpoint) -> dict[str, list[PieceMeta]]:
-    """Every piece of every tensor, validated; a missing pieces table means a corrupt checkpoint."""
-    try:
-        data = get_scheduler().run(backend.get(layout.pieces_key(ckpt.meta.generation)))
-    except CheckpointNotFoundError as exc:
-        raise CorruptCheckpointError(f"checkpoint {backend.root_uri!r} has no pieces table: {exc}") from exc
-    return decode_pieces(pa.BufferReader(data), ckpt.tensors)
 
 
 def _region_doc(piece: PieceMeta) -> dict[str, Any]:

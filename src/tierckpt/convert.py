@@ -33,15 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import torch
 
 from . import layout
 from .backends import Backend, open_backend
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import ReadRequest, get_scheduler
-from .loader import Checkpoint, load, read_checkpoint
-from .metadata import PieceMeta, TensorMeta, decode_pieces
+from .loader import Checkpoint, load, read_checkpoint, read_pieces
+from .metadata import PieceMeta, TensorMeta
 from .planner import TargetPiece, plan_load
 from .regions import Box
 from .saver import save
@@ -108,7 +107,7 @@ def to_safetensors(
         raise CheckpointError(f"no tensor of {uri!r} starts with the prefix {prefix!r}")
     for fqn in names.values():
         _safetensors_dtype(ckpt.tensors[fqn])
-    pieces = _read_pieces(backend, ckpt)
+    pieces = read_pieces(backend, ckpt)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shards = _shards(names, ckpt.tensors, max_shard_bytes)
@@ -141,14 +140,6 @@ def _safetensors_dtype(tensor: TensorMeta) -> str:
         return SAFETENSORS_DTYPES[tensor.dtype]
     except KeyError:
         raise CheckpointError(f"tensor {tensor.fqn!r} has dtype {tensor.dtype}, which safetensors cannot store") from None
-
-
-def _read_pieces(backend: Backend, ckpt: Checkpoint) -> dict[str, list[PieceMeta]]:
-    try:
-        data = get_scheduler().run(backend.get(layout.pieces_key(ckpt.meta.generation)))
-    except CheckpointNotFoundError as exc:
-        raise CorruptCheckpointError(f"checkpoint {backend.root_uri!r} has no pieces table: {exc}") from exc
-    return decode_pieces(pa.BufferReader(data), ckpt.tensors)
 
 
 def _shards(names: Mapping[str, str], tensors: Mapping[str, TensorMeta], max_shard_bytes: int) -> list[list[str]]:

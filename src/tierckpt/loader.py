@@ -36,6 +36,7 @@ from .comm import Comm
 from .errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError,
 )
+from .io.rangefile import RangeFile
 from .io.scheduler import ReadRequest, get_scheduler
 from .metadata import (
     CheckpointMeta, ObjectMeta, PieceMeta, TensorMeta, decode_header, decode_pieces, decode_tensors, dtype_name,
@@ -129,7 +130,7 @@ def load(
         _report(gathered, ckpt, strict, uri)
         all_needs = [g[0] for g in gathered]
         fqns = {n.fqn for rank_needs in all_needs for n in rank_needs}
-        pieces = run_agreed(comm, lambda: _read_pieces(backend, ckpt, fqns), "reading the pieces table")
+        pieces = run_agreed(comm, lambda: read_pieces(backend, ckpt, fqns), "reading the pieces table")
     with monitor.phase("plan"):
         if direct_min_run_bytes is None:
             direct_min_run_bytes = LOCAL_MIN_RUN_BYTES if backend.capabilities.local_path else REMOTE_MIN_RUN_BYTES
@@ -223,11 +224,20 @@ def _few(keys: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def _read_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str]) -> dict[str, list[PieceMeta]]:
-    data = get_scheduler().do(backend, "get", layout.pieces_key(ckpt.meta.generation))
-    import pyarrow as pa
+def read_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str] | None = None) -> dict[str, list[PieceMeta]]:
+    """The validated pieces of the tensors in ``fqns`` (all when ``None``).
 
-    return decode_pieces(pa.BufferReader(data), ckpt.tensors, fqns)
+    With ``fqns``, only the table's footer and the row groups that can hold them are fetched.
+    """
+    key = layout.pieces_key(ckpt.meta.generation)
+    try:
+        if fqns is None:
+            import pyarrow as pa
+
+            return decode_pieces(pa.BufferReader(get_scheduler().do(backend, "get", key)), ckpt.tensors)
+        return decode_pieces(RangeFile(backend, key), ckpt.tensors, fqns)
+    except CheckpointNotFoundError as exc:
+        raise CorruptCheckpointError(f"checkpoint {backend.root_uri!r} has no pieces table: {exc}") from exc
 
 
 def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int) -> None:

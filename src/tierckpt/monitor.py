@@ -23,7 +23,6 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 logger = logging.getLogger("tierckpt")
 

@@ -27,14 +27,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import crc32c
-import pyarrow as pa
 
 from . import layout
 from .backends import Backend, open_backend
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .io.scheduler import ReadRequest, get_scheduler
-from .loader import Checkpoint, read_checkpoint
-from .metadata import PieceMeta, TensorMeta, decode_pieces
+from .loader import Checkpoint, read_checkpoint, read_pieces
+from .metadata import PieceMeta, TensorMeta
 from .regions import Box, Region, StoredBox, stored_boxes
 
 DEFAULT_CHUNK_BYTES = 16 << 20
@@ -106,7 +105,7 @@ def verify(
     try:
         ckpt = read_checkpoint(backend)
         report.generation = ckpt.meta.generation
-        pieces = _read_pieces(backend, ckpt)
+        pieces = read_pieces(backend, ckpt)
     except CorruptCheckpointError as exc:
         report.problems.append(Problem(kind="metadata", message=str(exc)))
         return report
@@ -118,15 +117,6 @@ def verify(
         report.problems += _coverage_problems(ckpt.tensors[fqn], pieces.get(fqn, []))
     report.bytes_checked = _check_checksums(backend, ckpt, pieces, sizes, report.problems, progress, chunk_bytes)
     return report
-
-
-def _read_pieces(backend: Backend, ckpt: Checkpoint) -> dict[str, list[PieceMeta]]:
-    """Every piece of every tensor, validated by the metadata codec."""
-    try:
-        data = get_scheduler().run(backend.get(layout.pieces_key(ckpt.meta.generation)))
-    except CheckpointNotFoundError as exc:
-        raise CorruptCheckpointError(f"the pieces table is missing: {exc}") from exc
-    return decode_pieces(pa.BufferReader(data), ckpt.tensors)
 
 
 # -- files -------------------------------------------------------------------------------------------

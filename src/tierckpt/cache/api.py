@@ -17,13 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import pyarrow as pa
 
 from .. import layout
 from ..backends import Backend, open_plain_backend, split_uri
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..io.scheduler import get_scheduler
-from ..metadata import decode_pieces
 from .catalog import Catalog
 from .config import CacheConfig
 from .tiered import StoreStatus, TieredBackend
@@ -141,7 +139,7 @@ def prefetch(uri: str, only: Sequence[str] | None = None, progress: bool = True,
     files and the byte ranges of the matching tensors' pieces are fetched. The metadata is read
     before this returns; the data is fetched at background priority.
     """
-    from ..loader import read_checkpoint
+    from ..loader import read_checkpoint, read_pieces
 
     backend = _tiered(uri, config, storage_options)
     sched = get_scheduler()
@@ -159,7 +157,7 @@ def prefetch(uri: str, only: Sequence[str] | None = None, progress: bool = True,
         ranges += [(layout.in_generation(gen, f.key), 0, f.size) for f in ckpt.meta.files]
     else:
         fqns = [f for f in ckpt.tensors if any(fnmatch.fnmatchcase(f, p) for p in only)]
-        pieces = decode_pieces(pa.BufferReader(sched.run(backend.get(layout.pieces_key(gen)))), ckpt.tensors, fqns)
+        pieces = read_pieces(backend, ckpt, set(fqns))
         ranges += [(layout.in_generation(gen, p.file), p.byte_offset, p.byte_offset + p.byte_length)
                    for plist in pieces.values() for p in plist]
     data_total = sum(e - s for k, s, e in ranges if e < 1 << 62)
