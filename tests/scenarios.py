@@ -281,3 +281,23 @@ def soak(uri: str, options: dict, rounds: int) -> dict[str, list[int]]:
                 check_tensor(n, direct[n], reference(f"{n}{rounds - 1}", shape, dtype))
     dist.barrier()
     return {"rss_kib": rss, "fds": fds}
+
+
+def column_reshard(path: str, storage_options: dict | None) -> dict[str, float]:
+    """One (64, 1536) fp32 tensor saved row-sharded on 2 ranks, loaded column-sharded on 3 (2 KiB runs)."""
+    full = reference("wide_rows", (64, 1536), torch.float32)
+    save_mesh, load_mesh = make_mesh((2,)), make_mesh((3,))
+    group = subgroup(2)
+    if group is not None:
+        tierckpt.save(path, {"w": as_dtensor(full, save_mesh, [Shard(0)])}, group=group, storage_options=storage_options)
+    dist.barrier()
+    group = subgroup(3)
+    stats: dict[str, float] = {}
+    if group is not None:
+        target = as_dtensor(torch.zeros(64, 1536), load_mesh, [Shard(1)])
+        monitor = tierckpt.Monitor()
+        tierckpt.load(path, {"w": target}, group=group, storage_options=storage_options, monitor=monitor)
+        check_tensor("w", target, full)
+        stats = dict(monitor.counters)
+    dist.barrier()
+    return stats
