@@ -6,6 +6,7 @@ subgroup, and compares every loaded element bit-exactly with a reference compute
 
 from __future__ import annotations
 
+import os
 import zlib
 from typing import Any
 
@@ -231,6 +232,46 @@ def async_then_reshard(path: str) -> bool:
         assert_same(torch.load(path + ".expected", weights_only=True), full_state(model, optim))
     dist.barrier()
     return True
+
+
+def staging_fails_on_one_rank(path: str) -> str:
+    """Rank 1 cannot stage its async save: it raises at once; rank 0, already back in training,
+    learns it from ``wait()``; nothing is committed and the previous checkpoint stays loadable."""
+    from tierckpt import saver
+
+    group = subgroup(2)
+    if group is None:
+        return ""
+    rank = dist.get_rank()
+    def state(value: float) -> dict[str, torch.Tensor]:  # two tensors: the balanced plan gives each rank one
+        return {"a": torch.full((64, 8), value), "b": torch.full((64, 8), value + 0.5)}
+
+    tierckpt.save(path, state(1.0), group=group)
+    acquire = saver._PROCESS.staging.acquire
+    if rank == 1:
+        def no_memory(*args, **kwargs):
+            raise RuntimeError("no pinned memory left")
+        saver._PROCESS.staging.acquire = no_memory
+    try:
+        handle = tierckpt.async_save(path, state(2.0), group=group)
+        if rank == 1:
+            return "rank 1 returned a handle"
+        try:
+            handle.wait(timeout_s=60)
+        except tierckpt.CheckpointError as exc:
+            outcome = f"wait: {exc}"
+        else:
+            return "rank 0's save committed"
+    except RuntimeError as exc:
+        outcome = f"raised: {exc}"
+    finally:
+        saver._PROCESS.staging.acquire = acquire
+    dist.barrier(group=group)
+    loaded = tierckpt.load(path, state(0.0), group=group)
+    assert all(torch.equal(loaded[k], v) for k, v in state(1.0).items()), "the previous checkpoint must be intact"
+    generations = [name for name in os.listdir(path) if name.startswith("g-")]
+    assert len(generations) == 1, f"the failed save left files behind: {generations}"
+    return outcome
 
 
 def missing_rank(path: str) -> str:

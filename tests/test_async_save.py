@@ -109,3 +109,12 @@ def test_second_save_to_a_busy_root(tmp_path, monkeypatch):
 @pytest.mark.multiproc
 def test_async_save_fsdp2_then_reshard(dist_pool, tmp_path):
     assert all(dist_pool.run(scenarios.async_then_reshard, str(tmp_path / "ckpt")))
+
+
+@pytest.mark.multiproc
+def test_staging_failure_on_one_rank_reaches_every_rank(dist_pool, tmp_path):
+    """No collective follows the copy (each rank returns as soon as its own copy is done), so a rank
+    that cannot stage reports through the background coordination: rank 0's wait() names it."""
+    outcomes = dist_pool.run(scenarios.staging_fails_on_one_rank, str(tmp_path / "ckpt"))
+    assert outcomes[1] == "raised: no pinned memory left"
+    assert outcomes[0].startswith("wait: ") and "rank 1: RuntimeError: no pinned memory left" in outcomes[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import pickle
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -20,6 +20,8 @@ import torch.distributed as dist
 from .errors import CheckpointError, CollectiveError
 
 T = TypeVar("T")
+K = TypeVar("K")
+S = TypeVar("S")
 
 
 class Comm:
@@ -104,7 +106,24 @@ class Comm:
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Raise on every rank if ``error`` is set on any rank; else return on every rank."""
-        messages = self.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        self._raise_failures(error, self.all_gather_object(_describe(error)), what)
+
+    def run_agreed(self, fn: Callable[[], T], what: str) -> T:
+        """Run ``fn`` on every rank; if it failed on any rank, raise on all of them (none is left waiting)."""
+        result, error = _attempt(fn)
+        self.agree(error, what)
+        return result  # type: ignore[return-value]
+
+    def exchange_agreed(self, fn: Callable[[], tuple[K, S]], what: str) -> tuple[K, list[S]]:
+        """Run ``fn`` -> ``(kept, shared)`` on every rank; return this rank's ``kept`` and every rank's
+        ``shared``, all-gathered in the same collective that agrees on failures (raised on every rank)."""
+        result, error = _attempt(fn)
+        kept, shared = result if result is not None else (None, None)
+        gathered = self.all_gather_object((shared, _describe(error)))
+        self._raise_failures(error, [message for _, message in gathered], what)
+        return kept, [s for s, _ in gathered]  # type: ignore[return-value]
+
+    def _raise_failures(self, error: BaseException | None, messages: list[str | None], what: str) -> None:
         failed = [(r, m) for r, m in enumerate(messages) if m is not None]
         if not failed:
             return
@@ -132,6 +151,17 @@ class Comm:
         if self.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def _attempt(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - shared with every rank, then raised
+        return None, exc
+
+
+def _describe(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
 
 
 class StoreCoordinator:

@@ -46,7 +46,6 @@ from .monitor import Monitor
 from .objects import decode_object
 from .planner import LoadPlan, ReadUnit, TargetPiece, plan_load
 from .regions import FlatRange, StoredBox
-from .saver import run_agreed
 from .state import FlatState, TensorEntry, flatten_state
 
 logger = logging.getLogger("tierckpt")
@@ -120,17 +119,12 @@ def load(
     with monitor.phase("metadata"):
         ckpt = _broadcast_checkpoint(comm, backend)
         saved_keys = set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}
-        flat = run_agreed(
-            comm,
-            lambda: flatten_state(state, for_load=True, saved_keys=lambda p: any(k.startswith(p) for k in saved_keys)),
-            "preparing the state to load",
-        )
-        needs, findings = _match(flat, ckpt)
-        gathered = comm.all_gather_object((needs, findings, sorted(flat.tensors), sorted(flat.objects)))
+        # One collective agrees that every rank could prepare its state and carries what each needs.
+        (flat, needs), gathered = comm.exchange_agreed(lambda: _prepare(state, ckpt, saved_keys), "preparing the state to load")
         _report(gathered, ckpt, strict, uri)
         all_needs = [g[0] for g in gathered]
         fqns = {n.fqn for rank_needs in all_needs for n in rank_needs}
-        pieces = run_agreed(comm, lambda: read_pieces(backend, ckpt, fqns), "reading the pieces table")
+        pieces = comm.run_agreed(lambda: read_pieces(backend, ckpt, fqns), "reading the pieces table")
     with monitor.phase("plan"):
         if direct_min_run_bytes is None:
             direct_min_run_bytes = LOCAL_MIN_RUN_BYTES if backend.capabilities.local_path else REMOTE_MIN_RUN_BYTES
@@ -139,20 +133,20 @@ def load(
             chunk_bytes=chunk_bytes, round_bytes=round_bytes, direct_min_run_bytes=direct_min_run_bytes,
         )
     gen = ckpt.meta.generation
-    run_agreed(comm, lambda: _check_files(backend, ckpt, plan, comm.rank), "checking the data files")
+    comm.run_agreed(lambda: _check_files(backend, ckpt, plan, comm.rank), "checking the data files")
     if verify:
         with monitor.phase("verify"):
-            run_agreed(comm, lambda: _verify_pieces(backend, gen, pieces, comm), "verifying checksums")
+            comm.run_agreed(lambda: _verify_pieces(backend, gen, pieces, comm), "verifying checksums")
     with monitor.phase("objects"):
         # Objects are small: fetch, check and decode them before any tensor is modified.
-        values = run_agreed(comm, lambda: _fetch_objects(backend, ckpt, flat, comm, allow_pickle), "loading objects")
+        values = comm.run_agreed(lambda: _fetch_objects(backend, ckpt, flat, comm, allow_pickle), "loading objects")
     targets = [flat.tensors[n.fqn] for n in needs]
     with monitor.phase("read"):
-        run_agreed(comm, lambda: _Executor(backend, gen, plan, targets, comm, monitor).run(), f"loading {uri!r}")
+        comm.run_agreed(lambda: _Executor(backend, gen, plan, targets, comm, monitor).run(), f"loading {uri!r}")
     with monitor.phase("apply"):
         for key, value in values.items():
             flat.objects[key].assign(value)
-        run_agreed(comm, lambda: [fn() for fn in flat.after_load], "applying loaded state")
+        comm.run_agreed(lambda: [fn() for fn in flat.after_load], "applying loaded state")
     monitor.finish("load", uri, comm.rank, comm.all_gather_object(monitor.summary()))
     return state
 
@@ -173,6 +167,15 @@ def _broadcast_checkpoint(comm: Comm, backend: Backend) -> Checkpoint:
         raise exc_type(error)
     assert result is not None
     return result
+
+
+def _prepare(
+    state: Mapping[str, Any], ckpt: Checkpoint, saved_keys: set[str],
+) -> tuple[tuple[FlatState, list[TargetPiece]], tuple[list[TargetPiece], list[tuple[str, str]], list[str], list[str]]]:
+    """Flatten this rank's state for loading: ``(kept, shared)``, shared being what :func:`_report` reads."""
+    flat = flatten_state(state, for_load=True, saved_keys=lambda p: any(k.startswith(p) for k in saved_keys))
+    needs, findings = _match(flat, ckpt)
+    return (flat, needs), (needs, findings, sorted(flat.tensors), sorted(flat.objects))
 
 
 def _match(flat: FlatState, ckpt: Checkpoint) -> tuple[list[TargetPiece], list[tuple[str, str]]]:

@@ -26,9 +26,9 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import crc32c
 import torch
@@ -49,20 +49,6 @@ from .planner import LocalPiece, SavePlan, plan_save
 from .planner.save_planner import offers_digest
 from .regions import Box, FlatRange, Region
 from .state import FlatState, TensorEntry, flatten_state
-
-T = TypeVar("T")
-
-
-def run_agreed(comm: Comm, fn: Callable[[], T], what: str) -> T:
-    """Run ``fn`` on every rank; if it failed on any rank, raise on all of them (none is left waiting)."""
-    result, error = None, None
-    try:
-        result = fn()
-    except Exception as exc:  # noqa: BLE001 - shared with every rank by agree()
-        error = exc
-    comm.agree(error, what)
-    return result  # type: ignore[return-value]
-
 
 # -- process-wide save state -----------------------------------------------------------------------
 @dataclass
@@ -166,22 +152,23 @@ def _prepare(
     backend = open_backend(uri, **dict(storage_options or {}))
     started = time.time()
     with monitor.phase("plan"):
-        flat, offers, encoded = run_agreed(comm, lambda: _flatten(state), "preparing the state to save")
-        digests = {key: (crc32c.crc32c(data), len(data)) for key, (data, _) in encoded.items()}
-        plan_key = (_group_key(group), align_bytes)
-        mine = offers_digest([offers])
-        # One collective carries the plan-cache digests, the object digests and rank 0's new generation.
+        # One collective agrees that every rank could prepare its state and carries each rank's
+        # plan-cache digest and object digests, and rank 0's name for the new generation.
         proposal = layout.new_generation() if comm.rank == 0 else None
-        agreement = comm.all_gather_object((mine, digests, proposal))
+        (flat, offers, encoded), agreement = comm.exchange_agreed(
+            lambda: _offer(state, proposal), "preparing the state to save"
+        )
         generation = agreement[0][2]
+        digests = [a[0] for a in agreement]
+        plan_key = (_group_key(group), align_bytes)
         cached = _PROCESS.plans.get(plan_key)
-        if cached is not None and cached[0] == [a[0] for a in agreement]:
+        if cached is not None and cached[0] == digests:
             plan = cached[1]
             monitor.count("plan_cache_hits")
         else:
             gathered = comm.all_gather_object(offers)
-            plan = run_agreed(comm, lambda: plan_save(gathered, align_bytes=align_bytes), "planning the save")
-            _PROCESS.plans[plan_key] = ([a[0] for a in agreement], plan)
+            plan = comm.run_agreed(lambda: plan_save(gathered, align_bytes=align_bytes), "planning the save")
+            _PROCESS.plans[plan_key] = (digests, plan)
         owners = _place_objects([a[1] for a in agreement], plan)
     return _Prepared(
         uri=uri, comm=comm, backend=backend, flat=flat, encoded=encoded, plan=plan, owners=owners,
@@ -190,14 +177,19 @@ def _prepare(
     )
 
 
-def _flatten(state: Mapping[str, Any]) -> tuple[FlatState, list[LocalPiece], dict[str, tuple[bytes, str]]]:
+def _offer(
+    state: Mapping[str, Any], proposal: str | None,
+) -> tuple[tuple[FlatState, list[LocalPiece], dict[str, tuple[bytes, str]]], tuple[str, dict[str, tuple[int, int]], str | None]]:
+    """Flatten and encode this rank's state: ``(kept, shared)``, shared being the plan-cache digest of
+    the offered pieces, ``(crc, size)`` of each encoded object, and rank 0's generation proposal."""
     flat = flatten_state(state, for_load=False)
     offers = [
         LocalPiece(fqn=e.fqn, dtype=dtype_name(e.tensor.dtype), shape=e.shape, region=e.region)
         for e in flat.tensors.values()
     ]
     encoded = {key: encode_object(entry.value) for key, entry in flat.objects.items()}
-    return flat, offers, encoded
+    digests = {key: (crc32c.crc32c(data), len(data)) for key, (data, _) in encoded.items()}
+    return (flat, offers, encoded), (offers_digest([offers]), digests, proposal)
 
 
 def _place_objects(digests: list[dict[str, tuple[int, int]]], plan: SavePlan) -> dict[str, int | None]:
@@ -236,13 +228,14 @@ def _stream_direct(p: _Prepared) -> FileStream | None:
     stream = _open_stream(p)
     if stream is None:
         return None
-    position = 0
-    for index, offset, tensor in _pieces(p):
-        if offset > position:
-            stream.put(Chunk(memoryview(bytes(offset - position))))
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        stream.put(Chunk(memoryview(data.numpy()), [(index, 0, data.numel())]))
-        position = offset + data.numel()
+    with stream.abort_on_error():
+        position = 0
+        for index, offset, tensor in _pieces(p):
+            if offset > position:
+                stream.put(Chunk(memoryview(bytes(offset - position))))
+            data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            stream.put(Chunk(memoryview(data.numpy()), [(index, 0, data.numel())]))
+            position = offset + data.numel()
     return stream
 
 
@@ -251,20 +244,27 @@ def _stream_staged(p: _Prepared, staging_bytes: int | None) -> FileStream | None
     stream = _open_stream(p)
     if stream is None:
         return None
-    size = p.plan.file_sizes[p.comm.rank]
-    capacity = min(size, staging_bytes) if staging_bytes else size
-    pin = any(e.tensor.is_cuda for e in p.flat.tensors.values()) and torch.cuda.is_available()
-    stage_into(stream, _pieces(p), _PROCESS.staging.acquire(capacity, pin=pin)[:capacity])
+    with stream.abort_on_error():
+        size = p.plan.file_sizes[p.comm.rank]
+        capacity = min(size, staging_bytes) if staging_bytes else size
+        pin = any(e.tensor.is_cuda for e in p.flat.tensors.values()) and torch.cuda.is_available()
+        stage_into(stream, _pieces(p), _PROCESS.staging.acquire(capacity, pin=pin)[:capacity])
     return stream
 
 
-def _finish(p: _Prepared, stream: FileStream | None, coord: Comm | StoreCoordinator) -> CheckpointMeta:
-    """Close the data file, write objects, gather records on rank 0, commit, share the outcome."""
-    records, error = None, None
-    try:
-        records = _finish_rank(p, stream)
-    except Exception as exc:  # noqa: BLE001 - reported to rank 0, raised below
-        error = exc
+def _finish(
+    p: _Prepared, stream: FileStream | None, coord: Comm | StoreCoordinator, failure: BaseException | None = None,
+) -> CheckpointMeta:
+    """Close the data file, write objects, gather records on rank 0, commit, share the outcome.
+
+    ``failure``: this rank could not stage its data; it only reports that, so no rank commits.
+    """
+    records, error = None, failure
+    if failure is None:
+        try:
+            records = _finish_rank(p, stream)
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, raised below
+            error = exc
     with p.monitor.phase("gather"):
         gathered = coord.gather((records, None if error is None else f"{type(error).__name__}: {error}"))
     commit_error: BaseException | None = None
@@ -288,6 +288,7 @@ def _commit_gathered(p: _Prepared, gathered: Any, world_size: int) -> tuple[tupl
     """Rank 0: build the header from every rank's records and commit; ``("ok", meta)`` or ``("error", why)``."""
     failures = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e is not None]
     if failures:
+        _discard_generation(p)
         return ("error", "; ".join(failures)), None
     records = [r for r, _ in gathered]
     meta = CheckpointMeta(
@@ -367,6 +368,14 @@ def _piece_tensor(entry: TensorEntry, region: Region) -> torch.Tensor:
     raise CheckpointError(f"piece of {entry.fqn!r}: a {type(region).__name__} cannot be cut from a {type(entry.region).__name__}")
 
 
+def _discard_generation(p: _Prepared) -> None:
+    """Rank 0, after a failed save: remove what the ranks wrote (every rank has reported, none still writes)."""
+    try:
+        get_scheduler().do(p.backend, "delete_prefix", f"{p.generation}/")
+    except CheckpointError:
+        pass  # an uncommitted generation is invisible to loads, and `tierckpt gc` removes leftovers
+
+
 def _committed_generation(backend: Backend) -> str | None:
     try:
         return layout.CommitRecord.decode(get_scheduler().do(backend, "get", layout.COMMIT)).generation
@@ -430,7 +439,7 @@ def save(
         previous.wait()
     p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor, collective_timeout_s)
     with monitor.phase("stage"):
-        stream = run_agreed(p.comm, lambda: _stream_direct(p), f"writing checkpoint {uri!r}")
+        stream = p.comm.run_agreed(lambda: _stream_direct(p), f"writing checkpoint {uri!r}")
     return _finish(p, stream, p.comm)
 
 
@@ -465,10 +474,14 @@ def async_save(
     p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor, collective_timeout_s)
     _PROCESS.staging_lock.acquire()  # the staging buffer serves one save at a time
     try:
+        # No collective after the copy: each rank returns to training as soon as its own copy is done.
         with monitor.phase("stage"):
-            stream = run_agreed(p.comm, lambda: _stream_staged(p, staging_bytes), f"staging checkpoint {uri!r}")
-    except BaseException:
+            stream = _stream_staged(p, staging_bytes)
+    except BaseException as exc:
         _PROCESS.staging_lock.release()
+        # The other ranks may be back in training already: the background coordination tells them
+        # (their handles' wait() raises and nothing is committed); this rank raises now.
+        _PROCESS.executor().submit(_finish, p, None, StoreCoordinator(p.comm, p.generation), exc)
         raise
 
     def finish() -> CheckpointMeta:

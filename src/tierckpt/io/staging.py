@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import crc32c
 import torch
 
 from ..backends import Backend
+from ..errors import CheckpointError
 from .scheduler import get_scheduler
 
 
@@ -41,6 +43,10 @@ class Chunk:
     data: memoryview
     segments: list[tuple[int, int, int]] = field(default_factory=list)
     written: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+_ABORT = Chunk(memoryview(b""))
+"""Queued by :meth:`FileStream.abort_on_error`: the writer aborts when it reaches it."""
 
 
 class FileStream:
@@ -66,10 +72,23 @@ class FileStream:
         self._done.result()
         return self.crcs
 
+    @contextlib.contextmanager
+    def abort_on_error(self) -> Iterator[None]:
+        """Discard the file (the writer is aborted, nothing is left behind) if the body raises."""
+        try:
+            yield
+        except BaseException:
+            self._sched.loop.call_soon_threadsafe(self._queue.put_nowait, _ABORT)
+            with contextlib.suppress(BaseException):
+                self._done.result()
+            raise
+
     async def _drain(self, backend: Backend, key: str) -> None:
         writer = await get_scheduler().call(backend, "open_writer", backend.open_writer, key)
         try:
             while (chunk := await self._queue.get()) is not None:
+                if chunk is _ABORT:
+                    raise CheckpointError(f"writing {key!r} was abandoned: the data for it could not be staged")
                 try:
                     for piece, start, length in chunk.segments:
                         self.crcs[piece] = crc32c.crc32c(chunk.data[start : start + length], self.crcs[piece])
