@@ -90,3 +90,17 @@ def test_unknown_scheme_is_rejected() -> None:
     assert "nosuchscheme://bucket/prefix" in message and "'nosuchscheme'" in message
     assert "s3" in message and "memory" in message and "\n" not in message
     assert isinstance(info.value, ValueError)
+
+
+def test_read_ahead_spans_cover_strided_runs_but_not_far_gaps():
+    """A column window of a row-major shard (runs 16 KiB apart) is announced as one span; runs more
+    than the read-through gap apart, lone runs and out-of-order runs are not merged."""
+    from tierckpt.backends.local import READ_THROUGH_GAP_BYTES, read_ahead_spans
+
+    rows = [r * 16384 + 4096 for r in range(1000)]
+    assert read_ahead_spans(rows, 5461) == [(4096, 999 * 16384 + 5461)]
+    far = READ_THROUGH_GAP_BYTES + 1
+    assert read_ahead_spans([0, 100 + far, 200 + 2 * far], 100) == []
+    assert read_ahead_spans([0, 100, 100 + 100 + far, 300 + far], 100) == [(0, 200), (200 + far, 200)]
+    assert read_ahead_spans([500, 0, 100], 100) == [(0, 200)]
+    assert read_ahead_spans([7], 100) == [] and read_ahead_spans([], 100) == []
