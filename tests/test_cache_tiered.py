@@ -355,6 +355,16 @@ def test_save_handle_waits_for_remote_durability(s3_server, s3_bucket_uri):
     handle = tierckpt.async_save(s3_bucket_uri, {"w": torch.arange(1000.0)}, storage_options=options)
     handle.wait_durable(timeout_s=60)
     assert status(s3_bucket_uri, **options).state == "remote"
+    # every stage recorded its time and bytes on this rank, the background upload included
+    import boto3
+
+    bucket, prefix = s3_bucket_uri.removeprefix("s3://").split("/", 1)
+    listed = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").list_objects_v2(
+        Bucket=bucket, Prefix=f"{prefix}/{handle.wait().generation}/"
+    )["Contents"]
+    assert handle.monitor.counters["bytes_staged"] == 4000
+    assert handle.monitor.counters["bytes_uploaded"] == sum(o["Size"] for o in listed) > 4000  # data + metadata
+    assert {"stage", "checksum", "file_write", "upload"} <= set(handle.monitor.seconds)
     target = {"w": torch.zeros(1000)}
     tierckpt.load(s3_bucket_uri, target, storage_options={**options, "cache": False})  # S3 itself
     assert torch.equal(target["w"], torch.arange(1000.0))

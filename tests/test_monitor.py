@@ -18,7 +18,7 @@ def test_save_and_load_record_phases_and_bytes(tmp_path, monkeypatch):
     tierckpt.save(str(tmp_path / "c"), state, monitor=saved)
     tierckpt.load(str(tmp_path / "c"), {"w": torch.zeros(64, 64), "step": 0}, monitor=loaded)
 
-    assert {"plan", "stage", "write", "commit"} <= set(saved.seconds)
+    assert {"plan", "stage", "write", "checksum", "file_write", "commit"} <= set(saved.seconds)
     assert saved.counters["bytes_written"] == 64 * 64 * 4
     assert loaded.counters["bytes_read"] == 64 * 64 * 4 and loaded.ranks == [loaded.summary()]
 

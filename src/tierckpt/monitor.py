@@ -61,6 +61,10 @@ class Monitor:
             self.seconds[name] += elapsed
             self.spans.append(Span(name, wall, elapsed))
 
+    def add_seconds(self, name: str, seconds: float) -> None:
+        """Busy time of a stage that overlaps others (checksum, file write, upload): no span of its own."""
+        self.seconds[name] += seconds
+
     def count(self, name: str, amount: int = 1) -> None:
         self.counters[name] += amount
 

@@ -114,7 +114,17 @@ class SaveHandle:
             from .cache import wait as wait_remote  # the cache builds on the saver's modules
 
             wait_remote(self.uri, timeout_s=timeout_s, **self.storage_options)
+            self._record_uploads(meta.generation)
         return meta
+
+    def _record_uploads(self, generation: str) -> None:
+        """Add this process's uploads of the generation's files to the monitor (``upload``, ``bytes_uploaded``)."""
+        uploads = [
+            r for r in get_scheduler().metrics.records()
+            if r.op == "upload" and r.ok and r.key.startswith(f"{generation}/")
+        ]
+        self.monitor.add_seconds("upload", sum(r.seconds for r in uploads))
+        self.monitor.count("bytes_uploaded", sum(r.nbytes for r in uploads))
 
     def unreported_error(self) -> BaseException | None:
         if self._reported or not self._future.done():
@@ -249,6 +259,7 @@ def _stream_staged(p: _Prepared, staging_bytes: int | None) -> FileStream | None
         capacity = min(size, staging_bytes) if staging_bytes else size
         pin = any(e.tensor.is_cuda for e in p.flat.tensors.values()) and torch.cuda.is_available()
         stage_into(stream, _pieces(p), _PROCESS.staging.acquire(capacity, pin=pin)[:capacity])
+    p.monitor.count("bytes_staged", size)
     return stream
 
 
@@ -331,6 +342,8 @@ def _drain_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMeta
         ]
         files.append(FileMeta(key=writes[0].file, size=p.plan.file_sizes[rank]))
         p.monitor.count("bytes_written", p.plan.file_sizes[rank])
+        p.monitor.add_seconds("checksum", stream.checksum_s)
+        p.monitor.add_seconds("file_write", stream.write_s)
     objects, blob = _objects_of_rank(p)
     if blob:
         get_scheduler().do(p.backend, "put", layout.in_generation(p.generation, layout.objects_file(rank)), blob)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -55,6 +56,10 @@ class FileStream:
     def __init__(self, backend: Backend, key: str, num_pieces: int) -> None:
         self.crcs = [0] * num_pieces
         self.bytes_written = 0
+        self.checksum_s = 0.0
+        """Seconds spent computing CRC-32C (overlaps the copy of the next chunk)."""
+        self.write_s = 0.0
+        """Seconds spent in the backend writer, the file's close (fsync, publish) included."""
         self._sched = get_scheduler()
         self._queue: asyncio.Queue[Chunk | None] = self._sched.run(self._make_queue())
         self._done = self._sched.submit(self._drain(backend, key))
@@ -90,9 +95,13 @@ class FileStream:
                 if chunk is _ABORT:
                     raise CheckpointError(f"writing {key!r} was abandoned: the data for it could not be staged")
                 try:
+                    started = time.perf_counter()
                     for piece, start, length in chunk.segments:
                         self.crcs[piece] = crc32c.crc32c(chunk.data[start : start + length], self.crcs[piece])
+                    checksummed = time.perf_counter()
                     await writer.write(chunk.data)
+                    self.checksum_s += checksummed - started
+                    self.write_s += time.perf_counter() - checksummed
                     self.bytes_written += len(chunk.data)
                 except BaseException as exc:
                     chunk.written.set_exception(exc)
@@ -102,7 +111,9 @@ class FileStream:
             await writer.abort()
             self._fail_pending()
             raise
+        started = time.perf_counter()
         await writer.close()
+        self.write_s += time.perf_counter() - started
 
     def _fail_pending(self) -> None:
         while not self._queue.empty():
@@ -127,6 +138,35 @@ class StagingBuffer:
         return buf
 
 
+class DeviceCopies:
+    """Host copies of tensors; from CUDA, non-blocking copies on a side stream per device.
+
+    Each copy is ordered after the work already queued on its device's current stream (so it sees
+    the values at the call), and the source is marked as used by the side stream so the caching
+    allocator does not hand its memory out before the copy has read it. :meth:`wait` blocks until
+    every copy is done.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        if not source.is_cuda:
+            target.copy_(source)
+            return
+        stream = self._streams.get(source.device)
+        if stream is None:
+            stream = self._streams[source.device] = torch.cuda.Stream(source.device)
+        stream.wait_stream(torch.cuda.current_stream(source.device))
+        with torch.cuda.stream(stream):
+            target.copy_(source, non_blocking=True)
+        source.record_stream(stream)
+
+    def wait(self) -> None:
+        for stream in self._streams.values():
+            stream.synchronize()
+
+
 class PingPong:
     """Copies bytes into the two halves of a staging buffer in turn and streams each full half."""
 
@@ -139,7 +179,7 @@ class PingPong:
         self._current = 0
         self._used = 0
         self._segments: list[tuple[int, int, int]] = []
-        self._from_cuda = False
+        self._copies = DeviceCopies()
 
     def copy(self, data: torch.Tensor, piece: int | None) -> None:
         """Append ``data`` (flat uint8, CPU or CUDA; ``None`` piece for padding) to the stream."""
@@ -152,8 +192,7 @@ class PingPong:
                 self._in_flight[self._current] = None
             take = min(data.numel() - start, self._half - self._used)
             target = self._halves[self._current][self._used : self._used + take]
-            target.copy_(data[start : start + take], non_blocking=data.is_cuda)
-            self._from_cuda |= data.is_cuda
+            self._copies.copy(target, data[start : start + take])
             if piece is not None:
                 self._segments.append((piece, self._used, take))
             self._used += take
@@ -163,13 +202,12 @@ class PingPong:
         """Stream the current half and switch to the other one."""
         if self._used == 0:
             return
-        if self._from_cuda:
-            torch.cuda.current_stream().synchronize()
+        self._copies.wait()
         chunk = Chunk(memoryview(self._halves[self._current][: self._used].numpy()), self._segments)
         self._stream.put(chunk)
         self._in_flight[self._current] = chunk
         self._current ^= 1
-        self._used, self._segments, self._from_cuda = 0, [], False
+        self._used, self._segments = 0, []
 
 
 STREAM_CHUNK_BYTES = 64 << 20
@@ -204,17 +242,15 @@ def _stage_whole(stream: FileStream, pieces: list[tuple[int, int, torch.Tensor]]
     """Copy every piece to its file offset in ``buffer`` (padding zeroed), then stream the buffer."""
     position = 0
     spans: list[tuple[int, int, int]] = []
-    from_cuda = False
+    copies = DeviceCopies()
     for index, offset, tensor in pieces:
         if offset > position:
             buffer[position:offset].zero_()
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        buffer[offset : offset + data.numel()].copy_(data, non_blocking=data.is_cuda)
-        from_cuda |= data.is_cuda
+        copies.copy(buffer[offset : offset + data.numel()], data)
         spans.append((index, offset, data.numel()))
         position = offset + data.numel()
-    if from_cuda:
-        torch.cuda.current_stream().synchronize()
+    copies.wait()
     view = memoryview(buffer.numpy())
     for start in range(0, len(view), STREAM_CHUNK_BYTES):
         end = min(start + STREAM_CHUNK_BYTES, len(view))
