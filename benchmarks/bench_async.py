@@ -126,25 +126,41 @@ def main() -> None:
         ["library", "stall s (median, rank 0)", "stall / memcpy", "until committed s", "save: peak RSS above state (max rank)",
          "resharded load (Shard(1)): peak RSS above targets (max rank)"], rows)
     ratio = med["tierckpt"]["stall"] / med["dcp"]["stall"]
+    phase_seconds = _phase_medians(results["tierckpt"][0]["phases"])
+    phase_table = C.md_table(
+        ["tierckpt phase (rank 0, median)", *PHASES],
+        [["seconds", *(f"{phase_seconds[name]:.3f}" for name in PHASES)]],
+    )
     text = (
         f"`python benchmarks/bench_async.py --gib {args.gib} --repeats {args.repeats}`; "
         f"{C.fmt_bytes(C.state_bytes(args.gib))} of fp32 DTensors on 2 ranks ({C.fmt_bytes(per_rank)} per rank); "
         f"warm memcpy of a rank's state in the same processes: {memcpy:.3f} s.\n\n{table}\n\n"
         f"tierckpt stall = {ratio:.2f}x DCP's (target <= 0.75x) and {med['tierckpt']['stall'] / memcpy:.2f}x a memcpy "
-        f"(target <= 1.25x).\n\n![phases](benchmarks-async.png)\n"
+        f"(target <= 1.25x).\n\n{phase_table}\n\n"
+        "`plan` and `stage` (the snapshot copy) block training; `checksum` and `file_write` are busy times on the "
+        "I/O thread that overlap the copy when the state streams through the ping-pong halves; `gather` and "
+        "`commit` run in the background.\n\n![phases](benchmarks-async.png)\n"
     )
     print(text)
-    _plot(results, memcpy, os.path.join(os.path.dirname(args.out) or ".", "benchmarks-async.png"))
+    _plot(results, memcpy, phase_seconds, os.path.join(os.path.dirname(args.out) or ".", "benchmarks-async.png"))
     C.write_section(args.out, "bench_async", "## Async save: stall, commit and memory (`benchmarks/bench_async.py`)\n\n" + text)
 
 
-def _plot(results: dict[str, list[dict[str, Any]]], memcpy: float, path: str) -> None:
+PHASES = ("plan", "stage", "checksum", "file_write", "gather", "commit")
+"""tierckpt's save phases, in pipeline order (see the Monitor's phases in docs/user-guide.md)."""
+
+
+def _phase_medians(phases: list[dict[str, float]]) -> dict[str, float]:
+    return {name: C.median([p.get(name, 0.0) for p in phases]) for name in PHASES}
+
+
+def _plot(results: dict[str, list[dict[str, Any]]], memcpy: float, phase_seconds: dict[str, float], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, (ax, phases_ax) = plt.subplots(1, 2, figsize=(11, 3.2), gridspec_kw={"width_ratios": [3, 2]})
     labels, stalls, rests = [], [], []
     for lib, rs in results.items():
         stall, total = C.median(rs[0]["stall"]), C.median(rs[0]["total"])
@@ -156,6 +172,12 @@ def _plot(results: dict[str, list[dict[str, Any]]], memcpy: float, path: str) ->
     ax.axvline(memcpy, color="k", ls="--", lw=1, label=f"memcpy of a rank's state ({memcpy:.2f} s)")
     ax.set_xlabel("seconds (rank 0, median)")
     ax.legend(loc="lower right", fontsize=8)
+    names = list(reversed(PHASES))
+    blocking = {"plan", "stage"}
+    phases_ax.barh(names, [phase_seconds[n] for n in names],
+                   color=["#c0392b" if n in blocking else "#95a5a6" for n in names])
+    phases_ax.set_xlabel("tierckpt seconds per phase (rank 0, median)")
+    phases_ax.set_title("red: blocks training", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
