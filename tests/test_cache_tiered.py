@@ -368,3 +368,98 @@ def test_save_handle_waits_for_remote_durability(s3_server, s3_bucket_uri):
     target = {"w": torch.zeros(1000)}
     tierckpt.load(s3_bucket_uri, target, storage_options={**options, "cache": False})  # S3 itself
     assert torch.equal(target["w"], torch.arange(1000.0))
+
+
+# -- uploads that follow the local write --------------------------------------------------------------
+def _remote_partials(remote: LocalBackend) -> int:
+    """Bytes in the remote's unpublished temp files (an upload in progress)."""
+    return sum(p.stat().st_size for p in Path(remote.root).rglob("*.partial"))
+
+
+def _write_parts(store: TieredBackend, key: str, parts: list[bytes], finish: str) -> int:
+    """On the I/O loop: write ``parts``, wait for the remote to hold all but the last, then ``finish``
+    (close or abort) the writer; return the bytes the remote held before that."""
+    from tierckpt.io.scheduler import get_scheduler
+
+    async def run() -> int:
+        writer = await store.open_writer(key)
+        for part in parts:
+            await writer.write(part)
+        expected = sum(map(len, parts[:-1]))
+        for _ in range(500):
+            if _remote_partials(store.remote) >= expected:
+                break
+            await asyncio.sleep(0.01)
+        held = _remote_partials(store.remote)
+        await getattr(writer, finish)()
+        return held
+
+    return get_scheduler().run(run())
+
+
+PART = 64 * 1024
+
+
+@pytest.fixture
+def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierckpt.cache import tiered
+
+    monkeypatch.setattr(tiered, "UPLOAD_PART_BYTES", PART)
+
+
+def test_a_streamed_file_is_uploaded_while_it_is_written(remote: CountingBackend, store: TieredBackend, small_parts) -> None:
+    from tierckpt.io.scheduler import get_scheduler
+
+    key = "g-1/data/rank-00000.bin"
+    parts = [os.urandom(PART) for _ in range(4)]
+    held = _write_parts(store, key, parts, "close")
+    assert held >= 3 * PART, "the upload should follow the local write, not wait for its close"
+    get_scheduler().run(store.wait_durable())
+    assert Path(remote.path_of(key)).read_bytes() == b"".join(parts)
+    assert remote.calls.count(("open_writer", key)) == 1, "the followed upload is published, not redone"
+    uploads = [r for r in get_scheduler().metrics.records() if r.op == "upload" and r.key == key]
+    assert uploads and uploads[-1].nbytes == 4 * PART
+    assert store.catalog.pending_under(store.rh) == {} and _remote_partials(remote) == 0
+
+
+def test_an_aborted_write_leaves_nothing_on_the_remote(remote: CountingBackend, store: TieredBackend, small_parts) -> None:
+    key = "g-1/data/rank-00000.bin"
+    held = _write_parts(store, key, [os.urandom(PART) for _ in range(3)], "abort")
+    assert held >= 2 * PART
+    assert _remote_partials(remote) == 0 and not Path(remote.path_of(key)).exists()
+    assert store.catalog.pending_under(store.rh) == {}
+
+
+def test_a_rewritten_key_publishes_only_its_last_version(remote: CountingBackend, store: TieredBackend, small_parts) -> None:
+    """A second writer of the key abandons the first one's upload; each close is uploaded in turn
+    (the first from the local copy) and the remote ends with the second version."""
+    from tierckpt.io.scheduler import get_scheduler
+
+    key = "g-1/data/rank-00000.bin"
+    first, second = [os.urandom(PART) for _ in range(3)], [os.urandom(PART) for _ in range(2)]
+
+    async def run() -> None:
+        a = await store.open_writer(key)
+        for part in first:
+            await a.write(part)
+        b = await store.open_writer(key)
+        for part in second:
+            await b.write(part)
+        await a.close()
+        await b.close()
+        await store.wait_durable()
+
+    get_scheduler().run(run())
+    assert Path(remote.path_of(key)).read_bytes() == b"".join(second)
+    assert _remote_partials(remote) == 0 and store.catalog.pending_under(store.rh) == {}
+
+
+def test_upload_while_writing_can_be_turned_off(remote: CountingBackend, tmp_path: Path, small_parts) -> None:
+    from tierckpt.io.scheduler import get_scheduler
+
+    store = TieredBackend(remote, make_config(tmp_path, upload_while_writing=False))
+    key = "g-1/data/rank-00000.bin"
+    parts = [os.urandom(PART) for _ in range(3)]
+    assert _write_parts(store, key, parts[:1] + parts[1:], "close") == 0  # waited the full 5 s: nothing moved
+    get_scheduler().run(store.wait_durable())
+    assert Path(remote.path_of(key)).read_bytes() == b"".join(parts)

@@ -65,6 +65,9 @@ class CacheConfig:
     """Remote objects larger than this are cached as aligned blocks of this size; smaller ones whole."""
     upload_concurrency: int = 8
     """Uploads of one store in flight at once (each also holds a scheduler slot of the remote)."""
+    upload_while_writing: bool = True
+    """Start uploading a streamed data file while it is still being written to the node cache (it is
+    published on the remote only after the local copy is committed and checked; see ``tail_upload``)."""
     enabled: bool = True
     """Whether :func:`~tierckpt.cache.open_tiered` caches remote URIs at all."""
     exit_wait_s: float = 600.0

@@ -66,6 +66,7 @@ from ..io.scheduler import Priority, get_scheduler
 from ..metadata import decode_header
 from .catalog import Catalog, generation_path, pid_alive
 from .config import CacheConfig
+from .tail_upload import TailUpload
 
 logger = logging.getLogger("tierckpt.cache")
 
@@ -73,6 +74,8 @@ UPLOAD_PART_BYTES = 16 * 2**20
 
 # Process-wide state, touched only on the scheduler's loop: one upload task per (catalogue, root, key).
 _TASKS: dict[tuple[str, str, str], asyncio.Task] = {}
+# Uploads that follow a local file while it is written (same keys), until the upload step takes them.
+_TAILS: dict[tuple[str, str, str], TailUpload] = {}
 _UPLOAD_SLOTS: dict[str, asyncio.Semaphore] = {}
 _verified: set[tuple[str, int, int, int, int]] = set()
 _verified_lock = threading.Lock()
@@ -184,8 +187,8 @@ def _read_file(path: str) -> bytes | None:
 class _TieredWriter(ObjectWriter):
     """Streams into a temp file of the local tier; ``close`` publishes it and records the upload."""
 
-    def __init__(self, store: TieredBackend, key: str, fd: int, tmp: str) -> None:
-        self._store, self._key, self._fd, self._tmp = store, key, fd, tmp
+    def __init__(self, store: TieredBackend, key: str, fd: int, tmp: str, tail: TailUpload | None) -> None:
+        self._store, self._key, self._fd, self._tmp, self._tail = store, key, fd, tmp, tail
         self._crc = 0
         self._size = 0
         self._done = False
@@ -203,16 +206,27 @@ class _TieredWriter(ObjectWriter):
             await asyncio.to_thread(_write_all, self._fd, view)
         except OSError as exc:
             raise StorageError(f"writing the cached copy of {self._store.uri_of(self._key)}: {exc}") from exc
+        if self._tail is not None:
+            self._tail.advance(len(view))
 
     async def close(self) -> None:
         self._check_open()
         self._done = True
-        await self._store._publish_written(self._key, self._fd, self._tmp, self._size, self._crc, "put", None)
+        if self._tail is not None:
+            self._tail.seal()
+        try:
+            await self._store._publish_written(
+                self._key, self._fd, self._tmp, self._size, self._crc, "put", None, self._tail
+            )
+        except BaseException:
+            await self._store._drop_tail(self._key, self._tail)
+            raise
 
     async def abort(self) -> None:
         if self._done:
             return
         self._done = True
+        await self._store._drop_tail(self._key, self._tail)
         await asyncio.to_thread(_discard, self._fd, self._tmp)
 
 
@@ -271,10 +285,10 @@ class TieredBackend(ReadsInto, Backend):
 
     # -- writes ------------------------------------------------------------------------------------
     async def _publish_written(self, key: str, fd: int, tmp: str, size: int, crc: int, op: str,
-                               generation: str | None) -> None:
+                               generation: str | None, tail: TailUpload | None = None) -> None:
         path = self.written.path_of(key)
 
-        def publish() -> None:
+        def publish() -> int:
             try:
                 os.fsync(fd)
             finally:
@@ -284,20 +298,24 @@ class TieredBackend(ReadsInto, Backend):
                 os.replace(tmp, path)
                 _fsync_dir(os.path.dirname(path))
 
-            _, dropped = self.catalog.record_write(self.rh, key, size, crc, op, generation, publish=rename)
+            version, dropped = self.catalog.record_write(self.rh, key, size, crc, op, generation, publish=rename)
             self._unlink_dropped(key, dropped)
+            return version
 
         try:
-            await asyncio.to_thread(publish)
+            version = await asyncio.to_thread(publish)
         except OSError as exc:
             await asyncio.to_thread(_unlink, tmp)
             raise StorageError(f"publishing the cached copy of {self.uri_of(key)} at {path}: {exc}") from exc
+        if tail is not None:
+            tail.mark_published(version)
         self._memory.drop(key)
         self._evict()
         self.schedule(key)
 
     async def _write_whole(self, key: str, data: bytes | memoryview, op: str, generation: str | None) -> None:
         path = self.written.path_of(key)
+        await self._drop_tail(key, _TAILS.get((self.catalog.path, self.rh, key)))  # superseded by this write
         view = memoryview(data).cast("B")
         try:
             fd, tmp = await asyncio.to_thread(_open_temp, path)
@@ -319,7 +337,24 @@ class TieredBackend(ReadsInto, Backend):
             fd, tmp = await asyncio.to_thread(_open_temp, path)
         except OSError as exc:
             raise StorageError(f"opening the cached copy of {self.uri_of(key)} at {path}: {exc}") from exc
-        return _TieredWriter(self, key, fd, tmp)
+        tail = None
+        if self.config.upload_while_writing and asyncio.get_running_loop() is get_scheduler().loop:  # where uploads run
+            tkey = (self.catalog.path, self.rh, key)
+            await self._drop_tail(key, _TAILS.get(tkey))  # an earlier write of the key is superseded
+            tail = _TAILS[tkey] = TailUpload(self.remote, key, tmp, UPLOAD_PART_BYTES, self._upload_slots())
+        return _TieredWriter(self, key, fd, tmp, tail)
+
+    def _upload_slots(self) -> asyncio.Semaphore:
+        return _UPLOAD_SLOTS.setdefault(self.catalog.path, asyncio.Semaphore(self.config.upload_concurrency))
+
+    async def _drop_tail(self, key: str, tail: TailUpload | None) -> None:
+        """Abandon ``tail`` (if it is still the key's) without publishing anything."""
+        if tail is None:
+            return
+        tkey = (self.catalog.path, self.rh, key)
+        if _TAILS.get(tkey) is tail:
+            del _TAILS[tkey]
+        await tail.cancel()
 
     async def commit(self, key: str, data: bytes | memoryview) -> None:
         validate_key(key)
@@ -333,6 +368,7 @@ class TieredBackend(ReadsInto, Backend):
     async def delete(self, key: str) -> None:
         validate_key(key)
         self._memory.drop(key)
+        await self._drop_tail(key, _TAILS.get((self.catalog.path, self.rh, key)))
         deferred = any(
             r["op"] == "commit" and k != key for k, r in self.catalog.pending_under(self.rh).items()
         )
@@ -632,8 +668,9 @@ class TieredBackend(ReadsInto, Backend):
         sched = get_scheduler()
         op = rec["op"]
         if op == "put":
-            slots = _UPLOAD_SLOTS.setdefault(self.catalog.path, asyncio.Semaphore(self.config.upload_concurrency))
-            async with slots:
+            if await self._complete_tail(key, rec):
+                return True
+            async with self._upload_slots():
                 await sched.call(self.remote, "upload", self._upload_file, key, rec, priority=Priority.BACKGROUND,
                                  nbytes=rec["size"])
             return True
@@ -658,6 +695,25 @@ class TieredBackend(ReadsInto, Backend):
             await asyncio.sleep(self.config.poll_s)
         await sched.call(self.remote, "delete", self.remote.delete, key, priority=Priority.BACKGROUND)
         return True
+
+    async def _complete_tail(self, key: str, rec: dict) -> bool:
+        """Publish the upload that followed this very write of ``key``, if there is one and it sent
+        exactly the recorded bytes; ``False``: upload the file from the local copy."""
+        tkey = (self.catalog.path, self.rh, key)
+        tail = _TAILS.get(tkey)
+        if tail is None or not tail.sealed:
+            return False  # none, or it follows a newer write still in progress
+        version = await tail.published_version()
+        if version != rec["ver"]:
+            if version is None or version < rec["ver"]:
+                await self._drop_tail(key, tail)  # its write failed or was superseded
+            return False
+        del _TAILS[tkey]
+        obj = self.catalog.obj(self.rh, key)
+        if obj is None or obj["size"] != rec["size"]:
+            await tail.cancel()
+            return False
+        return await tail.complete(rec["size"], obj["crc"])
 
     async def _upload_file(self, key: str, rec: dict) -> None:
         """Stream the local copy of ``key`` to the remote, checking its CRC before publishing it."""
@@ -815,6 +871,9 @@ class TieredBackend(ReadsInto, Backend):
         """Stop this process's upload tasks for this store; the ops stay pending for ``sync()``."""
 
         async def cancel() -> None:
+            for (path, rh, key), tail in list(_TAILS.items()):
+                if path == self.catalog.path and rh == self.rh:
+                    await self._drop_tail(key, tail)
             tasks = [t for (path, rh, _), t in list(_TASKS.items()) if path == self.catalog.path and rh == self.rh]
             for t in tasks:
                 t.cancel()
