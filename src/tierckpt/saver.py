@@ -144,8 +144,9 @@ class _Prepared:
     owners: dict[str, int | None]
     generation: str
     started: float
-    base_generation: str | None
-    """What ``COMMIT`` named when the save began (rank 0 only): the commit refuses if it changed."""
+    base_generation: concurrent.futures.Future[str | None] | None
+    """What ``COMMIT`` named when the save began (rank 0 only; read on the I/O loop while the ranks
+    stage, so a remote round trip does not add to the stall): the commit refuses if it changed."""
     monitor: Monitor
     tags: dict[str, str]
     keep_previous: bool
@@ -183,7 +184,7 @@ def _prepare(
     return _Prepared(
         uri=uri, comm=comm, backend=backend, flat=flat, encoded=encoded, plan=plan, owners=owners,
         generation=generation, started=started, monitor=monitor, tags=dict(tags or {}), keep_previous=keep_previous,
-        base_generation=_committed_generation(backend) if comm.rank == 0 else None,
+        base_generation=get_scheduler().submit(_committed_generation(backend)) if comm.rank == 0 else None,
     )
 
 
@@ -389,23 +390,25 @@ def _discard_generation(p: _Prepared) -> None:
         pass  # an uncommitted generation is invisible to loads, and `tierckpt gc` removes leftovers
 
 
-def _committed_generation(backend: Backend) -> str | None:
+async def _committed_generation(backend: Backend) -> str | None:
     try:
-        return layout.CommitRecord.decode(get_scheduler().do(backend, "get", layout.COMMIT)).generation
+        data = await get_scheduler().call(backend, "get", backend.get, layout.COMMIT)
     except CheckpointNotFoundError:
         return None
+    return layout.CommitRecord.decode(data).generation
 
 
 def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None:
     """Rank 0: metadata, then COMMIT — unless another job committed to this URI since the save began."""
     sched = get_scheduler()
     backend, gen = p.backend, p.generation
-    previous = _committed_generation(backend)
-    if previous != p.base_generation:
+    base = p.base_generation.result() if p.base_generation is not None else None
+    previous = sched.run(_committed_generation(backend))
+    if previous != base:
         sched.do(backend, "delete_prefix", f"{gen}/")
         raise CheckpointBusyError(
             f"another job committed {previous!r} to {p.uri!r} while this save was running (it started from "
-            f"{p.base_generation!r}); this save was not committed, and the other job's checkpoint is intact. "
+            f"{base!r}); this save was not committed, and the other job's checkpoint is intact. "
             "Give concurrent jobs different URIs"
         )
     sched.do(backend, "put", layout.tensors_key(gen), encode_tensors(p.plan.tensors))
