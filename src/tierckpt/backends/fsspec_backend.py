@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import os
 import posixpath
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -491,6 +492,29 @@ class _MultipartWriter(ObjectWriter):
             await self._s3("abort multipart upload of", "abort_multipart_upload", UploadId=upload_id)
 
 
+_S3_FILESYSTEMS: dict[tuple[int, str], Any] = {}
+_S3_FILESYSTEMS_LOCK = threading.Lock()
+
+
+def _s3_filesystem(**options: Any) -> Any:
+    """The process's :class:`s3fs.S3FileSystem` for these options, created on first use.
+
+    Its client costs 70-250 ms of CPU to set up (botocore models, endpoint resolution); every save to
+    a new URI would pay that on the critical path, and under the GIL it also slows the snapshot copy.
+    Keyed by process id too, since a forked child cannot use its parent's event loop.
+    """
+    import s3fs
+
+    cache_key = (os.getpid(), repr(sorted(options.items())))
+    with _S3_FILESYSTEMS_LOCK:
+        fs = _S3_FILESYSTEMS.get(cache_key)
+        if fs is None:
+            fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, asynchronous=False, **options)
+            fs.retries = 1  # s3fs's own retry loop; the I/O scheduler retries instead
+            _S3_FILESYSTEMS[cache_key] = fs
+    return fs
+
+
 class S3Backend(FsspecBackend):
     """``s3://bucket/prefix`` through s3fs; see the module docstring for options and semantics."""
 
@@ -511,8 +535,6 @@ class S3Backend(FsspecBackend):
         **storage_options: Any,
     ) -> None:
         Backend.__init__(self, root_uri)
-        import s3fs
-
         scheme, sep, rest = root_uri.partition("://")
         self._bucket = rest.split("/", 1)[0]
         if scheme not in ("s3", "s3a") or not sep or not self._bucket:
@@ -534,19 +556,15 @@ class S3Backend(FsspecBackend):
         client_kwargs = dict(storage_options.pop("client_kwargs", {}))
         if region:
             client_kwargs.setdefault("region_name", region)
-        fs = s3fs.S3FileSystem(
+        fs = _s3_filesystem(
             endpoint_url=endpoint_url or os.environ.get(ENDPOINT_ENV) or None,
             key=key,
             secret=secret,
             token=token,
             client_kwargs=client_kwargs,
             config_kwargs=config_kwargs,
-            skip_instance_cache=True,
-            use_listings_cache=False,
-            asynchronous=False,
             **storage_options,
         )
-        fs.retries = 1  # s3fs's own retry loop; the I/O scheduler retries instead
         self._bind(fs, rest.rstrip("/"))
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
