@@ -463,3 +463,26 @@ def test_upload_while_writing_can_be_turned_off(remote: CountingBackend, tmp_pat
     assert _write_parts(store, key, parts[:1] + parts[1:], "close") == 0  # waited the full 5 s: nothing moved
     get_scheduler().run(store.wait_durable())
     assert Path(remote.path_of(key)).read_bytes() == b"".join(parts)
+
+
+def test_a_root_lists_what_nested_roots_have_not_uploaded_yet(tmp_path: Path) -> None:
+    """A run's root lists each step written through the step's own URI as soon as the node cache
+    holds it (before its upload); deleting the step through its URI leaves nothing on the remote."""
+    from tierckpt.io.scheduler import get_scheduler
+
+    sched = get_scheduler()
+    config = make_config(tmp_path)
+    step_remote = CountingBackend(str(tmp_path / "remote" / "step-1"))
+    step_remote.gate.clear()
+    step_remote.hold = lambda key: True
+    step = TieredBackend(step_remote, config)
+    run = TieredBackend(LocalBackend(str(tmp_path / "remote")), config)
+    sched.do(step, "put", "g-1/data/rank-00000.bin", b"x" * 100)
+    sched.do(step, "commit", "COMMIT", layout.CommitRecord("g-1", 0.0).encode())
+    assert sched.do(run, "list", "") == ["step-1/COMMIT", "step-1/g-1/data/rank-00000.bin"]
+    assert sched.do(run, "list", "step-1/g-1/") == ["step-1/g-1/data/rank-00000.bin"]
+    deleting = sched.submit(step.delete_prefix(""))  # waits for the upload in flight, then removes it
+    step_remote.gate.set()
+    deleting.result(timeout=30)
+    sched.run(step.wait_durable())
+    assert sched.do(run, "list", "") == [] and not any((tmp_path / "remote").rglob("*.bin"))

@@ -134,6 +134,9 @@ class CheckpointManager:
         sched.do(backend, "commit", LATEST, json.dumps({"step": step}).encode())
         steps = sorted(set(self.steps()) | {step})
         for old in retention_victims(steps, keep_last=self.keep_last, keep_every=self.keep_every):
+            # Through the step's own URI first: on a remote store its uploads may still be pending in
+            # the node cache under that URI, and only that scope cancels them (none lands afterwards).
+            sched.do(open_backend(self.uri_of(old), **self.storage_options), "delete_prefix", "")
             sched.do(backend, "delete_prefix", f"step-{old:08d}/")
 
 

@@ -600,7 +600,7 @@ class TieredBackend(ReadsInto, Backend):
 
     async def list(self, prefix: str = "") -> list[str]:
         check_prefix(prefix)
-        pending = self.catalog.pending_under(self.rh, prefix)
+        pending = self._pending_with_nested(prefix)
         try:
             keys = set(await self.remote.list(prefix))
         except StorageError as exc:
@@ -611,6 +611,22 @@ class TieredBackend(ReadsInto, Backend):
         keys |= {k for k, r in pending.items() if r["op"] != "delete"}
         keys -= {k for k, r in pending.items() if r["op"] == "delete"}
         return sorted(keys)
+
+    def _pending_with_nested(self, prefix: str) -> dict[str, dict]:
+        """Pending ops under ``prefix``: this root's, and those of roots nested in it (e.g. each step's
+        own URI under a run's root), as keys of this root — so a listing shows what is committed in
+        the node cache but not uploaded yet, wherever it was written from."""
+        pending = self.catalog.pending_under(self.rh, prefix)
+        base = self.root_uri.rstrip("/") + "/"
+        for rh, uri in self.catalog.roots().items():
+            if rh == self.rh or not uri.startswith(base):
+                continue
+            nested = uri[len(base):].strip("/")
+            for key, rec in self.catalog.pending_under(rh).items():
+                full = f"{nested}/{key}"
+                if full.startswith(prefix):
+                    pending.setdefault(full, rec)
+        return pending
 
     # -- uploads (on the scheduler's loop) -----------------------------------------------------------
     def schedule(self, key: str) -> None:
@@ -789,8 +805,8 @@ class TieredBackend(ReadsInto, Backend):
         for k, size in wanted.items():
             try:
                 actual = await self.remote.size(k)
-            except CheckpointNotFoundError:
-                return False
+            except (CheckpointNotFoundError, TransientStorageError):
+                return False  # not there (yet), or asked again at the next poll
             if size is not None and actual != size:
                 return False
         self._files_checked.add(gen_path)
