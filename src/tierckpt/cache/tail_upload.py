@@ -81,6 +81,8 @@ class TailUpload:
     async def _send(self, part_bytes: int, slots: asyncio.Semaphore) -> tuple[ObjectWriter, int, int]:
         """Stream parts as they land; return the open remote writer, the bytes sent and their CRC."""
         async with slots:
+            if self._abandoned:  # while waiting for a slot
+                raise CheckpointError(f"the upload of {self._key!r} while it was written was abandoned")
             writer = await self._remote.open_writer(self._key)
             sent, crc = 0, 0
             try:
