@@ -2,8 +2,8 @@
 
 :class:`FileStream` writes one data file in order on the I/O loop: the caller hands it
 :class:`Chunk` objects (byte views plus which pieces they carry) and the stream appends them to a
-backend writer, computing each piece's CRC-32C as the bytes pass — so checksumming overlaps the next
-copy instead of stalling the caller.
+backend writer, computing each piece's CRC-32C as the bytes pass — a chunk is checksummed on the
+loop while the previous one is written in a worker thread, and neither stalls the caller.
 
 :class:`StagingBuffer` is the reusable snapshot memory for asynchronous saves: allocated once per
 process (pinned when CUDA tensors are staged) and grown only when a save needs more. When a rank's
@@ -33,6 +33,7 @@ import crc32c
 import torch
 
 from ..backends import Backend
+from ..backends.base import ObjectWriter
 from ..errors import CheckpointError
 from .scheduler import get_scheduler
 
@@ -89,7 +90,9 @@ class FileStream:
             raise
 
     async def _drain(self, backend: Backend, key: str) -> None:
+        """Checksum each chunk while the previous one is being written, then write it (in order)."""
         writer = await get_scheduler().call(backend, "open_writer", backend.open_writer, key)
+        in_flight: asyncio.Task[None] | None = None
         try:
             while (chunk := await self._queue.get()) is not None:
                 if chunk is _ABORT:
@@ -98,22 +101,35 @@ class FileStream:
                     started = time.perf_counter()
                     for piece, start, length in chunk.segments:
                         self.crcs[piece] = crc32c.crc32c(chunk.data[start : start + length], self.crcs[piece])
-                    checksummed = time.perf_counter()
-                    await writer.write(chunk.data)
-                    self.checksum_s += checksummed - started
-                    self.write_s += time.perf_counter() - checksummed
-                    self.bytes_written += len(chunk.data)
+                    self.checksum_s += time.perf_counter() - started
+                    if in_flight is not None:
+                        await in_flight
                 except BaseException as exc:
                     chunk.written.set_exception(exc)
                     raise
-                chunk.written.set_result(None)
+                in_flight = asyncio.ensure_future(self._write(writer, chunk))
+            if in_flight is not None:
+                await in_flight
         except BaseException:
+            if in_flight is not None:  # let the write in its thread end before the writer is aborted
+                await asyncio.gather(in_flight, return_exceptions=True)
             await writer.abort()
             self._fail_pending()
             raise
         started = time.perf_counter()
         await writer.close()
         self.write_s += time.perf_counter() - started
+
+    async def _write(self, writer: ObjectWriter, chunk: Chunk) -> None:
+        started = time.perf_counter()
+        try:
+            await writer.write(chunk.data)
+        except BaseException as exc:
+            chunk.written.set_exception(exc)
+            raise
+        self.write_s += time.perf_counter() - started
+        self.bytes_written += len(chunk.data)
+        chunk.written.set_result(None)
 
     def _fail_pending(self) -> None:
         while not self._queue.empty():
