@@ -33,7 +33,7 @@ import json
 import os
 import signal
 import sys
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
 import time
 from pathlib import Path
@@ -22,7 +21,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tierckpt
-from tierckpt import layout
 from tierckpt.errors import CheckpointError, CorruptCheckpointError
 from tierckpt.metadata import decode_header, decode_pieces, decode_tensors
 

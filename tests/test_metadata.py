@@ -316,7 +316,7 @@ def mutated_header(draw):
             doc[key] = draw(json_value)
     if draw(st.booleans()) and doc.get("objects") and isinstance(doc["objects"], list):
         target = doc["objects"][0]
-        if isinstance(target, dict):
+        if isinstance(target, dict) and target:  # a mutation may have left an empty one
             target[draw(st.sampled_from(sorted(target)))] = draw(json_value)
     return doc
 

@@ -106,7 +106,7 @@ class Comm:
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Raise on every rank if ``error`` is set on any rank; else return on every rank."""
-        self._raise_failures(error, self.all_gather_object(_describe(error)), what)
+        self._raise_failures(error, self.all_gather_object(describe_error(error)), what)
 
     def run_agreed(self, fn: Callable[[], T], what: str) -> T:
         """Run ``fn`` on every rank; if it failed on any rank, raise on all of them (none is left waiting)."""
@@ -119,7 +119,7 @@ class Comm:
         ``shared``, all-gathered in the same collective that agrees on failures (raised on every rank)."""
         result, error = _attempt(fn)
         kept, shared = result if result is not None else (None, None)
-        gathered = self.all_gather_object((shared, _describe(error)))
+        gathered = self.all_gather_object((shared, describe_error(error)))
         self._raise_failures(error, [message for _, message in gathered], what)
         return kept, [s for s, _ in gathered]  # type: ignore[return-value]
 
@@ -160,7 +160,8 @@ def _attempt(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:
         return None, exc
 
 
-def _describe(error: BaseException | None) -> str | None:
+def describe_error(error: BaseException | None) -> str | None:
+    """``"TypeName: message"`` — how one rank's failure is reported to the others."""
     return None if error is None else f"{type(error).__name__}: {error}"
 
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from . import layout
 from .backends import Backend, open_backend, split_uri
-from .comm import Comm, StoreCoordinator
+from .comm import Comm, StoreCoordinator, describe_error
 from .errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError
 from .io.scheduler import get_scheduler
 from .io.staging import Chunk, FileStream, StagingBuffer, stage_into
@@ -278,7 +278,7 @@ def _finish(
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, raised below
             error = exc
     with p.monitor.phase("gather"):
-        gathered = coord.gather((records, None if error is None else f"{type(error).__name__}: {error}"))
+        gathered = coord.gather((records, describe_error(error)))
     commit_error: BaseException | None = None
     outcome: tuple[str, Any] | None = None
     if coord.rank == 0:
@@ -319,7 +319,7 @@ def _commit_gathered(p: _Prepared, gathered: Any, world_size: int) -> tuple[tupl
     try:
         _commit(p, meta, [piece for r in records for piece in r[0]])
     except Exception as exc:  # noqa: BLE001 - rank 0 raises it; the others get its description
-        return ("error", f"rank 0: {type(exc).__name__}: {exc}"), exc
+        return ("error", f"rank 0: {describe_error(exc)}"), exc
     return ("ok", meta), None
 
 

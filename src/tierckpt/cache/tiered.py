@@ -59,6 +59,7 @@ from ..backends.base import Backend, ObjectWriter, ReadsInto, validate_key
 from ..backends.local import (
     LocalBackend, _discard, _fsync_dir, _open_temp, _unlink, _write_all, check_prefix, check_range, range_past_end,
 )
+from ..comm import describe_error
 from ..errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError,
 )
@@ -661,7 +662,7 @@ class TieredBackend(ReadsInto, Backend):
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - recorded; wait()/sync() report it
-                    message = f"{type(exc).__name__}: {exc}"
+                    message = describe_error(exc)
                     self.catalog.fail(self.rh, key, rec["ver"], message)
                     logger.warning("upload of %s failed: %s", self.uri_of(key), message)
                     return
