@@ -355,7 +355,11 @@ class TieredBackend(ReadsInto, Backend):
         tkey = (self.catalog.path, self.rh, key)
         if _TAILS.get(tkey) is tail:
             del _TAILS[tkey]
-        await tail.cancel()
+        sched = get_scheduler()
+        if asyncio.get_running_loop() is sched.loop:
+            await tail.cancel()
+        else:  # tails live on the I/O loop, where uploads run
+            await asyncio.wrap_future(sched.submit(tail.cancel()))
 
     async def commit(self, key: str, data: bytes | memoryview) -> None:
         validate_key(key)
