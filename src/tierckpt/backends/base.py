@@ -22,7 +22,7 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +63,18 @@ def validate_key(key: str) -> str:
 
 
 class ObjectWriter(abc.ABC):
-    """A sequential writer for one object; nothing is visible until :meth:`close`."""
+    """A sequential writer for one object; nothing is visible until :meth:`close`.
+
+    Implementations set ``_uri`` (for messages) and ``_done`` once closed or aborted, and call
+    :meth:`_check_open` first in ``write`` and ``close``.
+    """
+
+    _uri: str
+    _done: bool = False
+
+    def _check_open(self) -> None:
+        if self._done:
+            raise CheckpointError(f"writer for {self._uri} is already closed or aborted")
 
     @abc.abstractmethod
     async def write(self, data: bytes | memoryview) -> None:

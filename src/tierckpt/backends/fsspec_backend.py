@@ -185,25 +185,19 @@ class _RenameWriter(ObjectWriter):
     def __init__(self, backend: FsspecBackend, key: str, tmp: str, file: Any) -> None:
         self._backend = backend
         self._key = key
+        self._uri = backend.uri_of(key)
         self._tmp = tmp
         self._file = file
-        self._done = False
-
-    def _check_open(self) -> None:
-        if self._done:
-            raise CheckpointError(
-                f"writer for {self._backend.uri_of(self._key)} is already closed or aborted"
-            )
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
-        what = f"write {self._backend.uri_of(self._key)}"
+        what = f"write {self._uri}"
         await self._backend._in_thread(what, self._file.write, data)
 
     async def close(self) -> None:
         self._check_open()
         self._done = True
-        what = f"write {self._backend.uri_of(self._key)}"
+        what = f"write {self._uri}"
         try:
             await self._backend._in_thread(what, self._file.close)
             await self._backend._call(what, "mv", self._tmp, self._backend._path(self._key))
@@ -400,7 +394,6 @@ class _MultipartWriter(ObjectWriter):
         self._next_part = 1
         self._parts: list[dict[str, Any]] = []
         self._in_flight: set[asyncio.Task[None]] = set()
-        self._done = False
 
     async def _s3(self, what: str, method: str, **kwargs: Any) -> Any:
         """One S3 request of the upload, retried on transient errors (parts and PUTs are idempotent)."""
@@ -414,10 +407,6 @@ class _MultipartWriter(ObjectWriter):
 
     def _part_size(self) -> int:
         return self._backend.part_size * 2 ** ((self._next_part - 1) // 2000)
-
-    def _check_open(self) -> None:
-        if self._done:
-            raise CheckpointError(f"writer for {self._uri} is already closed or aborted")
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()

@@ -250,18 +250,10 @@ class _LocalWriter(ObjectWriter):
     """Streams into a hidden temp file; ``close`` renames it into place."""
 
     def __init__(self, backend: LocalBackend, key: str, fd: int, tmp: str) -> None:
-        self._backend = backend
-        self._key = key
+        self._uri = backend.uri_of(key)
         self._path = backend.path_of(key)
         self._fd = fd
         self._tmp = tmp
-        self._done = False
-
-    def _check_open(self) -> None:
-        if self._done:
-            raise CheckpointError(
-                f"writer for {self._backend.uri_of(self._key)} is already closed or aborted"
-            )
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()

@@ -190,13 +190,9 @@ class _TieredWriter(ObjectWriter):
 
     def __init__(self, store: TieredBackend, key: str, fd: int, tmp: str, tail: TailUpload | None) -> None:
         self._store, self._key, self._fd, self._tmp, self._tail = store, key, fd, tmp, tail
+        self._uri = store.uri_of(key)
         self._crc = 0
         self._size = 0
-        self._done = False
-
-    def _check_open(self) -> None:
-        if self._done:
-            raise CheckpointError(f"writer for {self._store.uri_of(self._key)} is already closed or aborted")
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
@@ -206,7 +202,7 @@ class _TieredWriter(ObjectWriter):
         try:
             await asyncio.to_thread(_write_all, self._fd, view)
         except OSError as exc:
-            raise StorageError(f"writing the cached copy of {self._store.uri_of(self._key)}: {exc}") from exc
+            raise StorageError(f"writing the cached copy of {self._uri}: {exc}") from exc
         if self._tail is not None:
             self._tail.advance(len(view))
 
