@@ -243,7 +243,12 @@ def from_safetensors(
     src: str | os.PathLike[str], uri: str, *, prefix: str = "", storage_options: Mapping[str, Any] | None = None
 ) -> ConvertReport:
     """Save a safetensors file or Hugging Face folder as a tierckpt checkpoint (``prefix`` is prepended)."""
-    from safetensors.torch import load_file
+    try:
+        from safetensors.torch import load_file
+    except ImportError as exc:
+        raise CheckpointError(
+            'reading safetensors needs the "safetensors" package: pip install "tierckpt[hf]"'
+        ) from exc
 
     state: dict[str, Any] = {}
     report = ConvertReport(source=str(src), output=uri, to="tierckpt")
