@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
-from . import cli_bench, cli_cache, __version__, convert, layout
+from . import cli_bench, cli_cache, __version__, convert, dcp_format, layout
 from .backends import open_backend
 from .errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, UnsupportedURIError,
@@ -104,9 +104,10 @@ def _add_inspect(subparsers: Any) -> None:
     """Register ``inspect``."""
     p = subparsers.add_parser(
         "inspect", help="list the tensors and objects of a checkpoint",
-        description="Show what a committed checkpoint holds: tensors, objects, who saved it, and totals.",
+        description="Show what a committed checkpoint holds: tensors, objects, who saved it, and totals. "
+        "A torch DCP checkpoint directory is shown too (read in place: where each chunk's raw bytes are).",
     )
-    p.add_argument("uri", help="checkpoint root: a path, file://, memory://, s3://, or any fsspec URI")
+    p.add_argument("uri", help="checkpoint root (or torch DCP directory): a path, file://, memory://, s3://, or any fsspec URI")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--pieces", action="store_true", help="also list every saved piece of every tensor")
     p.set_defaults(handler=cmd_inspect)
@@ -115,7 +116,7 @@ def _add_inspect(subparsers: Any) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a checkpoint's contents as a table or as JSON."""
     backend = open_backend(args.uri)
-    ckpt = read_checkpoint(backend)
+    ckpt = read_checkpoint(backend, accept_dcp=True)
     pieces = read_pieces(backend, ckpt)
     summary = describe(args.uri, ckpt, pieces, with_pieces=args.pieces)
     print(json.dumps(summary, indent=1) if args.json else render_inspect(summary))
@@ -147,6 +148,7 @@ def describe(uri: str, ckpt: Checkpoint, pieces: dict[str, list[PieceMeta]], wit
     ]
     return {
         "uri": uri,
+        "format": "torch DCP" if dcp_format.FORMAT_TAG in meta.tags else "tierckpt",
         "generation": meta.generation,
         "format_version": meta.format_version,
         "created_unix": meta.created_unix,
@@ -172,9 +174,14 @@ def describe(uri: str, ckpt: Checkpoint, pieces: dict[str, list[PieceMeta]], wit
 def render_inspect(summary: dict[str, Any]) -> str:
     """The ``inspect`` document as aligned text tables."""
     totals = summary["totals"]
+    if summary["format"] == "torch DCP":
+        about = (f"  torch DCP checkpoint (metadata version {summary['tags'][dcp_format.FORMAT_TAG]}), read in place: "
+                 "no generations, no checksums")
+    else:
+        about = f"  generation {summary['generation']} (format {summary['format_version']}), created {summary['created']}"
     lines = [
         f"checkpoint {summary['uri']}",
-        f"  generation {summary['generation']} (format {summary['format_version']}), created {summary['created']}",
+        about,
         f"  saved by {summary['world_size']} rank(s): {', '.join(summary['frameworks']) or 'plain state'}",
     ]
     if summary["tags"]:
