@@ -34,6 +34,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -467,7 +468,7 @@ def render_ls(doc: dict[str, Any]) -> str:
 
 
 # -- convert -------------------------------------------------------------------------------------------
-CONVERSIONS = {("tierckpt", "safetensors"), ("tierckpt", "dcp"), ("dcp", "tierckpt"), ("safetensors", "tierckpt")}
+CONVERSIONS = {("tierckpt", "safetensors"), ("tierckpt", "dcp"), ("dcp", "tierckpt"), ("dcp", "safetensors"), ("safetensors", "tierckpt")}
 
 
 def _add_convert(subparsers: Any) -> None:
@@ -478,8 +479,11 @@ def _add_convert(subparsers: Any) -> None:
         description="Convert a checkpoint to another format, in this process.\n\n"
         "  tierckpt -> safetensors  streams: one slab of one tensor at a time, so a model larger than RAM converts.\n"
         "                           Writes model.safetensors, or model-0000K-of-0000N.safetensors shards plus\n"
-        "                           model.safetensors.index.json; objects are skipped.\n"
-        "  safetensors -> tierckpt  holds the whole model in memory.\n"
+        "                           model.safetensors.index.json; objects are skipped. Writes config.json (and\n"
+        "                           generation_config.json) from --config DIR or the saved 'hf_config' object, so\n"
+        "                           transformers' from_pretrained loads the folder; drops lm_head.weight when tied.\n"
+        "  dcp -> safetensors       the same, reading the DCP directory in place.\n"
+        "  safetensors -> tierckpt  holds the whole model in memory; restores lm_head.weight when config.json ties it.\n"
         "  dcp -> tierckpt          holds the whole model in memory. DCP metadata is a pickle: importing a DCP\n"
         "                           checkpoint unpickles it, so convert only DCP checkpoints you trust.\n"
         "  tierckpt -> dcp          holds the whole model in memory (full CPU tensors); objects included.",
@@ -490,6 +494,7 @@ def _add_convert(subparsers: Any) -> None:
     p.add_argument("--from", dest="source_format", default="tierckpt", choices=("tierckpt", "dcp", "safetensors"), help="source format (default tierckpt)")
     p.add_argument("--max-shard-bytes", type=_byte_size, default=convert.DEFAULT_MAX_SHARD_BYTES, help="safetensors shard size, e.g. 5GB, 500MiB, 1000000 (default 5GB)")
     p.add_argument("--prefix", default="", help="safetensors: export only tensors whose fqn starts with P, with P stripped (e.g. 'model.'); import: prepend P")
+    p.add_argument("--config", metavar="DIR", help="to safetensors: copy config.json (and generation_config.json) from DIR, a folder with the model's Hugging Face config")
     p.add_argument("--allow-pickle", action="store_true", help="to dcp: include objects that need full unpickling (trusted checkpoints only)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(handler=cmd_convert)
@@ -517,8 +522,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         supported = ", ".join(f"{a} -> {b}" for a, b in sorted(CONVERSIONS))
         print(f"tierckpt convert: error: cannot convert {pair[0]} to {pair[1]}; supported: {supported}", file=sys.stderr)
         return EXIT_USAGE
-    if pair == ("tierckpt", "safetensors"):
-        report = convert.to_safetensors(args.src, args.out, max_shard_bytes=args.max_shard_bytes, prefix=args.prefix)
+    if args.config is not None and pair[1] != "safetensors":
+        print("tierckpt convert: error: --config is for --to safetensors (it writes config.json next to the weights)", file=sys.stderr)
+        return EXIT_USAGE
+    if pair[1] == "safetensors":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the report's warnings are printed below, one line each
+            report = convert.to_safetensors(args.src, args.out, max_shard_bytes=args.max_shard_bytes, prefix=args.prefix, config_dir=args.config)
     elif pair == ("tierckpt", "dcp"):
         report = convert.to_dcp(args.src, args.out, allow_pickle=args.allow_pickle)
     elif pair == ("dcp", "tierckpt"):
@@ -526,6 +536,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     else:
         report = convert.from_safetensors(args.src, args.out, prefix=args.prefix)
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.render())
+    for warning in report.warnings:
+        print(f"tierckpt convert: warning: {warning}", file=sys.stderr)
     return EXIT_OK
 
 
