@@ -243,6 +243,21 @@ def test_a_dcp_directory_is_never_an_interrupted_save(tmp_path: Path) -> None:
         assert f"tierckpt convert --from dcp --to tierckpt {path} OUT" in str(info.value)
 
 
+def test_other_dcp_layouts_are_named(tmp_path: Path) -> None:
+    """Per-rank metadata (use_collectives=False) is named as such; data without .metadata is a DCP save that did not finish."""
+    state = _model_state()
+    per_rank = tmp_path / "per-rank"
+    _dcp_save(state, str(per_rank), no_dist=True, use_collectives=False)
+    assert not (per_rank / ".metadata").exists()
+    with pytest.raises(CheckpointError, match="torch DCP checkpoint saved with use_collectives=False"):
+        tierckpt.load(str(per_rank), _zeros_like(state))
+    unfinished = tmp_path / "unfinished"
+    _dcp_save(state, str(unfinished), no_dist=True)
+    (unfinished / ".metadata").unlink()
+    with pytest.raises(IncompleteCheckpointError, match="torch DCP data files but no .metadata"):
+        tierckpt.load(str(unfinished), _zeros_like(state))
+
+
 def _rewrite_metadata(path: Path, change: Any) -> None:
     metadata = dcp.FileSystemReader(str(path)).read_metadata()  # trusted: the test wrote it
     change(metadata)

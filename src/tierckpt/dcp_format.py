@@ -53,7 +53,7 @@ import torch
 
 from .backends import Backend
 from .backends.base import validate_key
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from .io.scheduler import ReadRequest, get_scheduler
 from .metadata import (
     CheckpointMeta, FileMeta, ObjectMeta, PieceMeta, TensorMeta, _int, _shape, dtype_name, itemsize,
@@ -81,7 +81,7 @@ def convert_command(uri: str) -> str:
 def refusal(uri: str) -> str:
     """The message for an operation that needs a tierckpt checkpoint but found a DCP directory."""
     return (
-        f"{uri!r} is a torch DCP checkpoint ({METADATA_KEY}, no COMMIT record), not a tierckpt one. "
+        f"{uri!r} is a torch DCP checkpoint directory (no COMMIT record), not a tierckpt one. "
         "tierckpt.load (without verify=True: DCP writes no checksums), `tierckpt inspect` and "
         f"`tierckpt convert --to safetensors` read it in place; for anything else convert it: {convert_command(uri)}"
     )
@@ -94,9 +94,15 @@ def uncached(backend: Backend) -> Backend:
     return backend.remote if isinstance(backend, TieredBackend) else backend
 
 
+_DCP_FILE = re.compile(r"^__\d+(_\d+\.distcp|\.metadata)$")
+"""Data files and per-rank metadata files of a DCP directory (``__0_0.distcp``, ``__0.metadata``)."""
+
+
 def is_dcp(backend: Backend) -> bool:
-    """Whether the root of ``backend`` holds a DCP ``.metadata`` file."""
-    return bool(get_scheduler().do(uncached(backend), "exists", METADATA_KEY))
+    """Whether the root of ``backend`` is a DCP directory (``.metadata``, or DCP's data or per-rank metadata files)."""
+    sched = get_scheduler()
+    backend = uncached(backend)
+    return bool(sched.do(backend, "exists", METADATA_KEY)) or any(_DCP_FILE.match(k) for k in sched.do(backend, "list", ""))
 
 
 def read_dcp(backend: Backend) -> DcpCheckpoint:
@@ -107,7 +113,14 @@ def read_dcp(backend: Backend) -> DcpCheckpoint:
     try:
         raw = sched.do(backend, "get", METADATA_KEY)
     except CheckpointNotFoundError:
-        raise CheckpointNotFoundError(f"no DCP checkpoint at {uri!r} (no {METADATA_KEY})") from None
+        if any(k.endswith(".metadata") for k in sched.do(backend, "list", "")):
+            raise CheckpointError(
+                f"{uri!r} is a torch DCP checkpoint saved with use_collectives=False (one __<rank>.metadata per rank, "
+                f"no {METADATA_KEY}), which tierckpt does not read; load it with torch.distributed.checkpoint"
+            ) from None
+        raise IncompleteCheckpointError(
+            f"{uri!r} holds torch DCP data files but no {METADATA_KEY}: the DCP save was interrupted or is still running"
+        ) from None
     metadata = unpickle_metadata(raw, uri)
     try:
         tensors, chunks, object_segments = _entries(metadata, uri)
