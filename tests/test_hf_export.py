@@ -108,7 +108,7 @@ def test_bad_config_sources(tmp_path: Path, capsys) -> None:
     assert "holds 'hf_config' as a dict" in capsys.readouterr().err  # a dict is saved as one object per field
     tierckpt.save(ckpt, {"model": tiny_llama(tied=False), "hf_config": 64})
     assert cli.main(["convert", ckpt, str(tmp_path / "a"), "--to", "safetensors", "--prefix", "model."]) == cli.EXIT_ERROR
-    assert "is of type int; save it as a JSON string" in capsys.readouterr().err
+    assert "is of type int; save it as one JSON string" in capsys.readouterr().err
     tierckpt.save(ckpt, {"model": tiny_llama(tied=False), "hf_config": "{not json"})
     assert cli.main(["convert", ckpt, str(tmp_path / "a"), "--to", "safetensors", "--prefix", "model."]) == cli.EXIT_ERROR
     assert "object 'hf_config' is not valid JSON" in capsys.readouterr().err

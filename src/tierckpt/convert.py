@@ -188,19 +188,17 @@ def _hf_configs(backend: Backend, ckpt: Checkpoint, config_dir: str | os.PathLik
         meta = min((o for o in ckpt.meta.objects if o.key == key), key=lambda o: -1 if o.rank is None else o.rank, default=None)
         if meta is None:
             if any(o.key.startswith(key + ".") for o in ckpt.meta.objects):
-                raise CheckpointError(
-                    f"{backend.root_uri!r} holds {key!r} as a dict (one object per field); save it as one JSON string "
-                    f"({{{key!r}: model.config.to_json_string()}}), or pass --config DIR"
-                )
+                raise CheckpointError(f"{backend.root_uri!r} holds {key!r} as a dict (one object per field); {_as_json(key)}")
             continue
         value = _read_object(backend, ckpt.meta.generation, meta, False)
         if not isinstance(value, str):
-            raise CheckpointError(
-                f"object {key!r} of {backend.root_uri!r} is of type {type(value).__name__}; save it as a JSON string "
-                f"({{{key!r}: model.config.to_json_string()}}), or pass --config DIR"
-            )
+            raise CheckpointError(f"object {key!r} of {backend.root_uri!r} is of type {type(value).__name__}; {_as_json(key)}")
         configs[filename] = _json_object(value.encode(), f"object {key!r}")
     return configs
+
+
+def _as_json(key: str) -> str:
+    return f"save it as one JSON string ({{{key!r}: model.config.to_json_string()}}), or pass --config DIR"
 
 
 def _json_object(data: bytes, what: str) -> dict[str, Any]:
