@@ -133,6 +133,7 @@ def _region_doc(piece: PieceMeta) -> dict[str, Any]:
 def describe(uri: str, ckpt: Checkpoint, pieces: dict[str, list[PieceMeta]], with_pieces: bool = False) -> dict[str, Any]:
     """A JSON-ready summary of a checkpoint (the ``inspect --json`` document)."""
     meta = ckpt.meta
+    dcp = dcp_format.FORMAT_TAG in meta.tags  # a torch DCP directory: no generation, no creation time
     tensors = []
     for fqn in sorted(ckpt.tensors):
         t = ckpt.tensors[fqn]
@@ -149,11 +150,11 @@ def describe(uri: str, ckpt: Checkpoint, pieces: dict[str, list[PieceMeta]], wit
     ]
     return {
         "uri": uri,
-        "format": "torch DCP" if dcp_format.FORMAT_TAG in meta.tags else "tierckpt",
+        "format": "torch DCP" if dcp else "tierckpt",
         "generation": meta.generation,
         "format_version": meta.format_version,
         "created_unix": meta.created_unix,
-        "created": datetime.datetime.fromtimestamp(meta.created_unix, datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": None if dcp else datetime.datetime.fromtimestamp(meta.created_unix, datetime.timezone.utc).isoformat(timespec="seconds"),
         "world_size": meta.world_size,
         "frameworks": list(meta.frameworks),
         "tags": dict(meta.tags),
