@@ -3,7 +3,8 @@
 Lifecycle (every rank of the loading group unless noted):
 
 1. Rank 0 reads ``COMMIT``, the header and the tensor table, and broadcasts them (a missing commit
-   raises :class:`~tierckpt.errors.IncompleteCheckpointError` when data exists without one).
+   raises :class:`~tierckpt.errors.IncompleteCheckpointError` when data exists without one; a torch
+   DCP directory is read in place by :mod:`tierckpt.dcp_format`, its pieces included).
 2. Each rank flattens its target state and checks it against the checkpoint: missing and unexpected
    keys, shape and dtype mismatches. Ranks all-gather their needs and findings; in strict mode any
    finding on any rank raises on every rank, before anything is read.
