@@ -318,3 +318,26 @@ def test_hostile_metadata_pickle_is_refused_and_runs_nothing(tmp_path: Path, via
     # The payload is live: plain pickle would have run it.
     pickle.loads((path / ".metadata").read_bytes())
     assert marker.exists()
+
+
+def test_hostile_chunk_pickle_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    """A chunk's data.pkl is read by an unpickler that builds nothing: one naming os.system is refused."""
+    import io
+
+    path = tmp_path / "dcp"
+    _dcp_save({"w": torch.randn(4, 4)}, str(path), no_dist=True)
+    marker = tmp_path / "pwned"
+    payload = io.BytesIO()
+    torch.save(_RunsCode(os.system, f"touch {marker}"), payload)
+    data = (path / "__0_0.distcp").read_bytes()
+    (path / "__0_0.distcp").write_bytes(data + payload.getvalue())
+
+    def point_w_at_payload(metadata: Any) -> None:
+        for index, info in metadata.storage_data.items():
+            if index.fqn == "w":
+                info.offset, info.length = len(data), len(payload.getvalue())
+
+    _rewrite_metadata(path, point_w_at_payload)
+    with pytest.raises(CheckpointError, match=r"not a plain tensor \(its data.pkl refers to (posix|os)\.system\)"):
+        tierckpt.load(str(path), {"w": torch.zeros(4, 4)})
+    assert not marker.exists()
