@@ -34,11 +34,12 @@ import json
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
-from . import cli_bench, cli_cache, __version__, convert, layout
+from . import cli_bench, cli_cache, __version__, convert, dcp_format, layout
 from .backends import open_backend
 from .errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, UnsupportedURIError,
@@ -104,9 +105,10 @@ def _add_inspect(subparsers: Any) -> None:
     """Register ``inspect``."""
     p = subparsers.add_parser(
         "inspect", help="list the tensors and objects of a checkpoint",
-        description="Show what a committed checkpoint holds: tensors, objects, who saved it, and totals.",
+        description="Show what a committed checkpoint holds: tensors, objects, who saved it, and totals. "
+        "A torch DCP checkpoint directory is shown too (read in place: where each chunk's raw bytes are).",
     )
-    p.add_argument("uri", help="checkpoint root: a path, file://, memory://, s3://, or any fsspec URI")
+    p.add_argument("uri", help="checkpoint root (or torch DCP directory): a path, file://, memory://, s3://, or any fsspec URI")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--pieces", action="store_true", help="also list every saved piece of every tensor")
     p.set_defaults(handler=cmd_inspect)
@@ -115,7 +117,7 @@ def _add_inspect(subparsers: Any) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a checkpoint's contents as a table or as JSON."""
     backend = open_backend(args.uri)
-    ckpt = read_checkpoint(backend)
+    ckpt = read_checkpoint(backend, accept_dcp=True)
     pieces = read_pieces(backend, ckpt)
     summary = describe(args.uri, ckpt, pieces, with_pieces=args.pieces)
     print(json.dumps(summary, indent=1) if args.json else render_inspect(summary))
@@ -131,6 +133,7 @@ def _region_doc(piece: PieceMeta) -> dict[str, Any]:
 def describe(uri: str, ckpt: Checkpoint, pieces: dict[str, list[PieceMeta]], with_pieces: bool = False) -> dict[str, Any]:
     """A JSON-ready summary of a checkpoint (the ``inspect --json`` document)."""
     meta = ckpt.meta
+    dcp = dcp_format.FORMAT_TAG in meta.tags  # a torch DCP directory: no generation, no creation time
     tensors = []
     for fqn in sorted(ckpt.tensors):
         t = ckpt.tensors[fqn]
@@ -147,10 +150,11 @@ def describe(uri: str, ckpt: Checkpoint, pieces: dict[str, list[PieceMeta]], wit
     ]
     return {
         "uri": uri,
+        "format": "torch DCP" if dcp else "tierckpt",
         "generation": meta.generation,
         "format_version": meta.format_version,
         "created_unix": meta.created_unix,
-        "created": datetime.datetime.fromtimestamp(meta.created_unix, datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": None if dcp else datetime.datetime.fromtimestamp(meta.created_unix, datetime.timezone.utc).isoformat(timespec="seconds"),
         "world_size": meta.world_size,
         "frameworks": list(meta.frameworks),
         "tags": dict(meta.tags),
@@ -172,9 +176,14 @@ def describe(uri: str, ckpt: Checkpoint, pieces: dict[str, list[PieceMeta]], wit
 def render_inspect(summary: dict[str, Any]) -> str:
     """The ``inspect`` document as aligned text tables."""
     totals = summary["totals"]
+    if summary["format"] == "torch DCP":
+        about = (f"  torch DCP checkpoint (metadata version {summary['tags'][dcp_format.FORMAT_TAG]}), read in place: "
+                 "no generations, no checksums")
+    else:
+        about = f"  generation {summary['generation']} (format {summary['format_version']}), created {summary['created']}"
     lines = [
         f"checkpoint {summary['uri']}",
-        f"  generation {summary['generation']} (format {summary['format_version']}), created {summary['created']}",
+        about,
         f"  saved by {summary['world_size']} rank(s): {', '.join(summary['frameworks']) or 'plain state'}",
     ]
     if summary["tags"]:
@@ -460,7 +469,7 @@ def render_ls(doc: dict[str, Any]) -> str:
 
 
 # -- convert -------------------------------------------------------------------------------------------
-CONVERSIONS = {("tierckpt", "safetensors"), ("tierckpt", "dcp"), ("dcp", "tierckpt"), ("safetensors", "tierckpt")}
+CONVERSIONS = {("tierckpt", "safetensors"), ("tierckpt", "dcp"), ("dcp", "tierckpt"), ("dcp", "safetensors"), ("safetensors", "tierckpt")}
 
 
 def _add_convert(subparsers: Any) -> None:
@@ -471,8 +480,11 @@ def _add_convert(subparsers: Any) -> None:
         description="Convert a checkpoint to another format, in this process.\n\n"
         "  tierckpt -> safetensors  streams: one slab of one tensor at a time, so a model larger than RAM converts.\n"
         "                           Writes model.safetensors, or model-0000K-of-0000N.safetensors shards plus\n"
-        "                           model.safetensors.index.json; objects are skipped.\n"
-        "  safetensors -> tierckpt  holds the whole model in memory.\n"
+        "                           model.safetensors.index.json; objects are skipped. Writes config.json (and\n"
+        "                           generation_config.json) from --config DIR or the saved 'hf_config' object, so\n"
+        "                           transformers' from_pretrained loads the folder; drops lm_head.weight when tied.\n"
+        "  dcp -> safetensors       the same, reading the DCP directory in place.\n"
+        "  safetensors -> tierckpt  holds the whole model in memory; restores lm_head.weight when config.json ties it.\n"
         "  dcp -> tierckpt          holds the whole model in memory. DCP metadata is a pickle: importing a DCP\n"
         "                           checkpoint unpickles it, so convert only DCP checkpoints you trust.\n"
         "  tierckpt -> dcp          holds the whole model in memory (full CPU tensors); objects included.",
@@ -483,6 +495,7 @@ def _add_convert(subparsers: Any) -> None:
     p.add_argument("--from", dest="source_format", default="tierckpt", choices=("tierckpt", "dcp", "safetensors"), help="source format (default tierckpt)")
     p.add_argument("--max-shard-bytes", type=_byte_size, default=convert.DEFAULT_MAX_SHARD_BYTES, help="safetensors shard size, e.g. 5GB, 500MiB, 1000000 (default 5GB)")
     p.add_argument("--prefix", default="", help="safetensors: export only tensors whose fqn starts with P, with P stripped (e.g. 'model.'); import: prepend P")
+    p.add_argument("--config", metavar="DIR", help="to safetensors: copy config.json (and generation_config.json) from DIR, a folder with the model's Hugging Face config")
     p.add_argument("--allow-pickle", action="store_true", help="to dcp: include objects that need full unpickling (trusted checkpoints only)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(handler=cmd_convert)
@@ -510,8 +523,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         supported = ", ".join(f"{a} -> {b}" for a, b in sorted(CONVERSIONS))
         print(f"tierckpt convert: error: cannot convert {pair[0]} to {pair[1]}; supported: {supported}", file=sys.stderr)
         return EXIT_USAGE
-    if pair == ("tierckpt", "safetensors"):
-        report = convert.to_safetensors(args.src, args.out, max_shard_bytes=args.max_shard_bytes, prefix=args.prefix)
+    if args.config is not None and pair[1] != "safetensors":
+        print("tierckpt convert: error: --config is for --to safetensors (it writes config.json next to the weights)", file=sys.stderr)
+        return EXIT_USAGE
+    if pair[1] == "safetensors":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the report's warnings are printed below, one line each
+            report = convert.to_safetensors(args.src, args.out, max_shard_bytes=args.max_shard_bytes, prefix=args.prefix, config_dir=args.config)
     elif pair == ("tierckpt", "dcp"):
         report = convert.to_dcp(args.src, args.out, allow_pickle=args.allow_pickle)
     elif pair == ("dcp", "tierckpt"):
@@ -519,6 +537,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     else:
         report = convert.from_safetensors(args.src, args.out, prefix=args.prefix)
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.render())
+    for warning in report.warnings:
+        print(f"tierckpt convert: warning: {warning}", file=sys.stderr)
     return EXIT_OK
 
 

@@ -13,7 +13,20 @@ tierckpt -> dcp        holds every tensor in memory (full CPU tensors, one proce
 safetensors output is a Hugging Face-style folder: ``model.safetensors``, or shards
 ``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.json`` when the tensors exceed
 ``max_shard_bytes``. A ``prefix`` selects tensors by fqn and strips it (``model.embed.weight`` ->
-``embed.weight``); objects cannot be stored in safetensors and are skipped (and reported).
+``embed.weight``); objects cannot be stored in safetensors and are skipped (and reported). The source
+may be a tierckpt checkpoint or a torch DCP directory (read in place, :mod:`tierckpt.dcp_format`).
+
+**Hugging Face config.** ``transformers``' ``from_pretrained`` needs ``config.json`` next to the
+weights. The export writes it (and ``generation_config.json``) from ``config_dir`` (a folder holding the
+model's config), else from the checkpoint's objects ``hf_config`` / ``hf_generation_config``: JSON
+strings, saved as ``{"hf_config": model.config.to_json_string()}`` next to the model. Without either it
+warns (one line) and writes the weights only.
+
+**Tied embeddings.** When the config ties input and output embeddings (``tie_word_embeddings``, true
+when absent as in ``transformers``), the export drops ``lm_head.weight`` as ``save_pretrained`` does,
+and the import of a folder whose ``config.json`` says so restores it from the input embedding (the one
+tensor named ``*embed_tokens.weight``, ``*wte.weight``, ``*word_embeddings.weight`` or ``*shared.weight``),
+so a strict load into the tied model finds both keys.
 
 **Trust.** A DCP checkpoint's ``.metadata`` is a pickle and its non-tensor entries are ``torch.save``
 bytes: importing one (``--from dcp``) unpickles them, which can run code. Import only DCP checkpoints
@@ -28,18 +41,18 @@ import math
 import os
 import struct
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import layout
+from . import dcp_format, layout
 from .backends import Backend, open_backend
 from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import ReadRequest, get_scheduler
-from .loader import Checkpoint, load, read_checkpoint, read_pieces
+from .loader import Checkpoint, _read_object, load, read_checkpoint, read_pieces
 from .metadata import PieceMeta, TensorMeta
 from .planner import TargetPiece, plan_load
 from .regions import Box
@@ -49,6 +62,14 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 DEFAULT_SLAB_BYTES = 256 << 20
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+HF_CONFIG_OBJECTS = {"hf_config": "config.json", "hf_generation_config": "generation_config.json"}
+"""Checkpoint object (a JSON string) -> the Hugging Face file the export writes from it."""
+TIED_OUTPUT = "lm_head.weight"
+TIED_INPUT_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "shared.weight")
+NO_CONFIG_WARNING = (
+    "no config.json written, and transformers' from_pretrained needs one: pass --config DIR (a folder with the "
+    "model's config.json), or save the config with the model as {'hf_config': model.config.to_json_string()}"
+)
 
 #: tierckpt dtype name -> safetensors dtype name.
 SAFETENSORS_DTYPES: dict[str, str] = {
@@ -73,6 +94,9 @@ class ConvertReport:
     skipped_objects: list[str] = field(default_factory=list)
     skipped_tensors: int = 0
     """Tensors outside the prefix."""
+    tied: dict[str, str] = field(default_factory=dict)
+    """Tied copy -> its source: dropped by an export, restored by an import."""
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -86,6 +110,8 @@ class ConvertReport:
             lines.append(f"  skipped {self.skipped_tensors} tensor(s) outside the prefix")
         if self.skipped_objects:
             lines.append(f"  skipped {len(self.skipped_objects)} object(s): {', '.join(self.skipped_objects)}")
+        verb = "dropped" if self.to == "safetensors" else "restored"
+        lines += [f"  tied: {verb} {copy} (the same tensor as {source})" for copy, source in self.tied.items()]
         return "\n".join(lines)
 
 
@@ -98,13 +124,26 @@ def to_safetensors(
     prefix: str = "",
     storage_options: Mapping[str, Any] | None = None,
     slab_bytes: int = DEFAULT_SLAB_BYTES,
+    config_dir: str | os.PathLike[str] | None = None,
 ) -> ConvertReport:
-    """Write the tensors of the checkpoint at ``uri`` as a Hugging Face safetensors folder, streaming."""
+    """Write the tensors of the checkpoint at ``uri`` as a Hugging Face folder, streaming (see the module docstring).
+
+    ``config_dir``: a folder with the model's ``config.json`` (and ``generation_config.json``) to write
+    next to the weights; without it they come from the checkpoint's ``hf_config`` objects.
+    """
     backend = open_backend(uri, **dict(storage_options or {}))
-    ckpt = read_checkpoint(backend)
+    ckpt = read_checkpoint(backend, accept_dcp=True)
+    if ckpt.pieces is not None:
+        backend = dcp_format.uncached(backend)
+    configs = _hf_configs(backend, ckpt, config_dir)
     names = _select(ckpt.tensors, prefix)
     if not names:
         raise CheckpointError(f"no tensor of {uri!r} starts with the prefix {prefix!r}")
+    tie = _tie(names, configs.get("config.json"))
+    tied = {}
+    if tie is not None and tie[0] in names and ckpt.tensors[names[tie[0]]].shape == ckpt.tensors[names[tie[1]]].shape:
+        del names[tie[0]]
+        tied = {tie[0]: tie[1]}
     for fqn in names.values():
         _safetensors_dtype(ckpt.tensors[fqn])
     pieces = read_pieces(backend, ckpt)
@@ -123,10 +162,61 @@ def to_safetensors(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         _write_atomic(out / SAFETENSORS_INDEX, json.dumps(index, indent=2).encode())
         report.files.append(SAFETENSORS_INDEX)
+    for filename, data in configs.items():
+        _write_atomic(out / filename, json.dumps(data, indent=2).encode() + b"\n")
+        report.files.append(filename)
     report.tensors, report.tensor_bytes = len(names), total
-    report.skipped_tensors = len(ckpt.tensors) - len(names)
-    report.skipped_objects = sorted({o.key for o in ckpt.meta.objects})
+    report.skipped_tensors = len(ckpt.tensors) - len(names) - len(tied)
+    report.tied = tied
+    report.skipped_objects = sorted({o.key for o in ckpt.meta.objects} - (set(HF_CONFIG_OBJECTS) if config_dir is None else set()))
+    if "config.json" not in configs:
+        report.warnings.append(NO_CONFIG_WARNING)
+        warnings.warn(NO_CONFIG_WARNING, stacklevel=2)
     return report
+
+
+def _hf_configs(backend: Backend, ckpt: Checkpoint, config_dir: str | os.PathLike[str] | None) -> dict[str, dict[str, Any]]:
+    """File name -> Hugging Face config to write: from ``config_dir``, else from the checkpoint's ``hf_config`` objects."""
+    if config_dir is not None:
+        folder = Path(config_dir)
+        if not (folder / "config.json").is_file():
+            raise CheckpointNotFoundError(f"--config {str(folder)!r} holds no config.json: pass the folder of the model's Hugging Face config")
+        files = [f for f in HF_CONFIG_OBJECTS.values() if (folder / f).is_file()]
+        return {f: _json_object((folder / f).read_bytes(), str(folder / f)) for f in files}
+    configs = {}
+    for key, filename in HF_CONFIG_OBJECTS.items():
+        meta = min((o for o in ckpt.meta.objects if o.key == key), key=lambda o: -1 if o.rank is None else o.rank, default=None)
+        if meta is None:
+            if any(o.key.startswith(key + ".") for o in ckpt.meta.objects):
+                raise CheckpointError(f"{backend.root_uri!r} holds {key!r} as a dict (one object per field); {_as_json(key)}")
+            continue
+        value = _read_object(backend, ckpt.meta.generation, meta, False)
+        if not isinstance(value, str):
+            raise CheckpointError(f"object {key!r} of {backend.root_uri!r} is of type {type(value).__name__}; {_as_json(key)}")
+        configs[filename] = _json_object(value.encode(), f"object {key!r}")
+    return configs
+
+
+def _as_json(key: str) -> str:
+    return f"save it as one JSON string ({{{key!r}: model.config.to_json_string()}}), or pass --config DIR"
+
+
+def _json_object(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise CheckpointError(f"{what} is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{what} is not a JSON object")
+    return doc
+
+
+def _tie(names: Collection[str], config: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """``(lm_head.weight, input embedding)`` when ``config`` ties them and one input embedding is among ``names``."""
+    if config is None or not config.get("tie_word_embeddings", True):
+        return None
+    sources = [n for n in names if any(n == s or n.endswith("." + s) for s in TIED_INPUT_SUFFIXES)]
+    return (TIED_OUTPUT, sources[0]) if len(sources) == 1 else None
 
 
 def _select(tensors: Mapping[str, TensorMeta], prefix: str) -> dict[str, str]:
@@ -250,11 +340,17 @@ def from_safetensors(
             'reading safetensors needs the "safetensors" package: pip install "tierckpt[hf]"'
         ) from exc
 
-    state: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
     report = ConvertReport(source=str(src), output=uri, to="tierckpt")
-    for path in _safetensors_files(Path(src)):
-        for name, tensor in load_file(str(path)).items():
-            state[prefix + name] = tensor
+    files = _safetensors_files(Path(src))
+    for path in files:
+        tensors.update(load_file(str(path)))
+    config = files[0].parent / "config.json"
+    tie = _tie(tensors, _json_object(config.read_bytes(), str(config)) if config.is_file() else None)
+    if tie is not None and tie[0] not in tensors:
+        tensors[tie[0]] = tensors[tie[1]]
+        report.tied = {prefix + tie[0]: prefix + tie[1]}
+    state = {prefix + name: tensor for name, tensor in tensors.items()}
     save(uri, state, storage_options=storage_options)
     report.files = [uri]
     report.tensors, report.tensor_bytes = len(state), sum(t.nbytes for t in state.values())

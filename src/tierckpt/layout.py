@@ -40,7 +40,8 @@ def pieces_key(generation: str) -> str:
 
 
 def in_generation(generation: str, key: str) -> str:
-    return f"{generation}/{key}"
+    """``key`` of a generation; a checkpoint without generations (a torch DCP directory, ``""``) keeps it at the root."""
+    return f"{generation}/{key}" if generation else key
 
 
 def objects_file(rank: int) -> str:

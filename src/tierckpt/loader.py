@@ -3,7 +3,8 @@
 Lifecycle (every rank of the loading group unless noted):
 
 1. Rank 0 reads ``COMMIT``, the header and the tensor table, and broadcasts them (a missing commit
-   raises :class:`~tierckpt.errors.IncompleteCheckpointError` when data exists without one).
+   raises :class:`~tierckpt.errors.IncompleteCheckpointError` when data exists without one; a torch
+   DCP directory is read in place by :mod:`tierckpt.dcp_format`, its pieces included).
 2. Each rank flattens its target state and checks it against the checkpoint: missing and unexpected
    keys, shape and dtype mismatches. Ranks all-gather their needs and findings; in strict mode any
    finding on any rank raises on every rank, before anything is read.
@@ -30,7 +31,7 @@ import crc32c
 import torch
 import torch.distributed as dist
 
-from . import layout
+from . import dcp_format, layout
 from .backends import Backend, open_backend
 from .comm import Comm
 from .errors import (
@@ -62,14 +63,24 @@ class Checkpoint:
 
     meta: CheckpointMeta
     tensors: dict[str, TensorMeta]
+    pieces: dict[str, list[PieceMeta]] | None = None
+    """Every piece, when the format lists them with its metadata (a torch DCP directory); else ``None``."""
 
 
-def read_checkpoint(backend: Backend) -> Checkpoint:
-    """Follow ``COMMIT`` to the committed generation and read its header and tensor table."""
+def read_checkpoint(backend: Backend, *, accept_dcp: bool = False) -> Checkpoint:
+    """Follow ``COMMIT`` to the committed generation and read its header and tensor table.
+
+    A torch DCP directory is read in place with ``accept_dcp`` (see :mod:`tierckpt.dcp_format`) and
+    refused, naming the format and the conversion, without it.
+    """
     sched = get_scheduler()
     try:
         record = layout.CommitRecord.decode(sched.do(backend, "get", layout.COMMIT))
     except CheckpointNotFoundError:
+        if dcp_format.is_dcp(backend):
+            if not accept_dcp:
+                raise CheckpointError(dcp_format.refusal(backend.root_uri)) from None
+            return Checkpoint(*dcp_format.read_dcp(backend))
         if sched.do(backend, "list", ""):
             raise IncompleteCheckpointError(
                 f"{backend.root_uri!r} holds checkpoint data but no COMMIT record: a save was interrupted or is "
@@ -117,7 +128,9 @@ def load(
     monitor = monitor or Monitor()
     backend = open_backend(uri, **dict(storage_options or {}))
     with monitor.phase("metadata"):
-        ckpt = _broadcast_checkpoint(comm, backend)
+        ckpt = _broadcast_checkpoint(comm, backend, accept_dcp=not verify)
+        if ckpt.pieces is not None:
+            backend = dcp_format.uncached(backend)
         saved_keys = set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}
         # One collective agrees that every rank could prepare its state and carries what each needs.
         (flat, needs), gathered = comm.exchange_agreed(lambda: _prepare(state, ckpt, saved_keys), "preparing the state to load")
@@ -151,13 +164,13 @@ def load(
     return state
 
 
-def _broadcast_checkpoint(comm: Comm, backend: Backend) -> Checkpoint:
+def _broadcast_checkpoint(comm: Comm, backend: Backend, accept_dcp: bool = False) -> Checkpoint:
     result: Checkpoint | None = None
     error: str | None = None
     exc_type: type[CheckpointError] = CheckpointError
     if comm.rank == 0:
         try:
-            result = read_checkpoint(backend)
+            result = read_checkpoint(backend, accept_dcp=accept_dcp)
         except CheckpointError as exc:
             if comm.world_size == 1:
                 raise
@@ -232,6 +245,8 @@ def read_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str] | None = None
 
     With ``fqns``, only the table's footer and the row groups that can hold them are fetched.
     """
+    if ckpt.pieces is not None:
+        return {f: ckpt.pieces[f] for f in (ckpt.pieces if fqns is None else fqns) if f in ckpt.pieces}
     key = layout.pieces_key(ckpt.meta.generation)
     try:
         if fqns is None:

@@ -25,11 +25,16 @@ def encode_object(value: Any) -> tuple[bytes, str]:
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"cannot serialize object of type {type(value).__name__}: {exc}") from exc
     data = buf.getvalue()
+    return data, codec_of(data)
+
+
+def codec_of(data: bytes) -> str:
+    """``torch`` when ``torch.load(weights_only=True)`` reads ``torch.save`` bytes, else ``pickle``."""
     try:
         torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        return data, "torch"
+        return "torch"
     except Exception:  # noqa: BLE001 - any failure means a weights-only load cannot read it
-        return data, "pickle"
+        return "pickle"
 
 
 def decode_object(data: bytes, codec: str, key: str, *, allow_pickle: bool) -> Any:
