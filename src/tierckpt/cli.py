@@ -8,7 +8,9 @@ Commands::
     tierckpt stats URI [--json]                       per-rank save timings, stragglers, throughput
     tierckpt ls ROOT [--json]                         the checkpoints under a root (CheckpointManager steps...)
     tierckpt convert SRC OUT --to FMT [--from FMT]    tierckpt <-> safetensors, tierckpt <-> DCP (see docs/cli.md)
-    tierckpt --version
+    tierckpt status|wait|prefetch URI, sync [URI], gc ROOT   the node cache (see tierckpt.cli_cache)
+    tierckpt bench [--gib G]                          a quick save/load timing beside torch DCP
+    tierckpt --version                                answered without importing torch
 
 Exit codes:
 
