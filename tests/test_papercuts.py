@@ -18,7 +18,7 @@ import torch
 import tierckpt
 from tierckpt import cli, layout
 from tierckpt.backends import LocalBackend
-from tierckpt.backends.local import _write_error
+from tierckpt.backends.local import write_error
 from tierckpt.cache import CacheConfig, TieredBackend
 from tierckpt.cache.config import default_directory
 from tierckpt.errors import (
@@ -207,6 +207,12 @@ def test_a_write_under_proc_is_not_reported_as_not_found() -> None:
     assert "/proc/tierckpt-no-such-dir" in str(info.value) and "writable" in str(info.value)
 
 
+def test_demo_under_an_unwritable_root_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--root", "/proc/tierckpt-no-such-dir", "--steps", "1", "--quiet"]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "/proc/tierckpt-no-such-dir" in err and "Traceback" not in err
+
+
 def test_a_file_in_the_path_is_named(tmp_path: Path) -> None:
     (tmp_path / "plain-file").write_bytes(b"x")
     with pytest.raises(StorageError, match="not a directory") as info:
@@ -230,7 +236,7 @@ def test_write_errors_are_classified_by_errno() -> None:
         (errno.ENOSPC, StorageError, "device is full"),
         (errno.EISDIR, StorageError, "directory stands where the file goes"),
     ):
-        error = _write_error(OSError(code, os.strerror(code), "/data/ckpt/x"), "writing /data/ckpt/x")
+        error = write_error(OSError(code, os.strerror(code), "/data/ckpt/x"), "writing /data/ckpt/x")
         assert type(error) is cls and words in str(error) and "/data/ckpt/x" in str(error), error
 
 

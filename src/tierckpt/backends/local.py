@@ -15,6 +15,8 @@ publish its whole object (never a partial one).
 
 The helpers :func:`check_range`, :func:`range_past_end`, :func:`temp_name` and
 :func:`is_temp_name` are shared with the other backends so every backend reports the same errors.
+A failed write is reported by :func:`write_error`: what the file system refused and where (never
+"not found").
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ _WRITE_HINTS = {
 }
 
 
-def _write_error(exc: OSError, what: str) -> CheckpointError:
+def write_error(exc: OSError, what: str) -> CheckpointError:
     """Translate an ``OSError`` raised while writing: what the file system refused, where, and the fix.
 
     Never "not found": a write that fails with ``ENOENT`` or ``ENOTDIR`` names a directory that cannot
@@ -291,7 +293,7 @@ class _LocalWriter(ObjectWriter):
         try:
             await asyncio.to_thread(_write_all, self._fd, data)
         except OSError as exc:
-            raise _write_error(exc, f"writing {self._tmp}") from exc
+            raise write_error(exc, f"writing {self._tmp}") from exc
 
     async def close(self) -> None:
         self._check_open()
@@ -300,7 +302,7 @@ class _LocalWriter(ObjectWriter):
             await asyncio.to_thread(_publish, self._fd, self._tmp, self._path)
         except OSError as exc:
             await asyncio.to_thread(_unlink, self._tmp)
-            raise _write_error(exc, f"publishing {self._path}") from exc
+            raise write_error(exc, f"publishing {self._path}") from exc
 
     async def abort(self) -> None:
         if self._done:
@@ -339,14 +341,14 @@ class LocalBackend(ReadsInto, Backend):
         try:
             await asyncio.to_thread(_write_atomic, path, data)
         except OSError as exc:
-            raise _write_error(exc, f"writing {path}") from exc
+            raise write_error(exc, f"writing {path}") from exc
 
     async def open_writer(self, key: str) -> ObjectWriter:
         path = self.path_of(key)
         try:
             fd, tmp = await asyncio.to_thread(_open_temp, path)
         except OSError as exc:
-            raise _write_error(exc, f"opening {path} for writing") from exc
+            raise write_error(exc, f"opening {path} for writing") from exc
         return _LocalWriter(self, key, fd, tmp)
 
     async def get(self, key: str) -> bytes:

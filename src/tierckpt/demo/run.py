@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 import tierckpt
+from tierckpt.backends.local import write_error
 from tierckpt.demo.model import TinyTransformer, batch
 from tierckpt.monitor import format_bytes
 
@@ -288,7 +289,12 @@ def run_demo(root: str | None = None, steps: int = 4, quiet: bool = False) -> De
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     started = time.perf_counter()
-    path = str(Path(root or default_root()).resolve() / f"step-{steps}")
+    directory = Path(root or default_root()).resolve()
+    try:  # here, so an unwritable root is one clear error rather than a traceback from every rank
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise write_error(exc, f"creating the demo directory {directory}") from exc
+    path = str(directory / f"step-{steps}")
     with _Progress(total=3, quiet=quiet) as progress:
         progress.note(f"tierckpt demo: checkpoint goes to {path}")
         progress.phase("A: train on 2 ranks, save, continue")
