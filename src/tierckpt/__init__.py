@@ -2,29 +2,70 @@
 
 ``save(uri, state)`` and ``load(uri, state)`` work the same for plain modules, DDP, FSDP2/DTensor,
 FSDP1 flat shards and hand-described TP/PP shards, in one process or a torch.distributed group.
+
+``import tierckpt`` is cheap: the modules behind the public names (which import torch) load on first
+use (PEP 562), so ``tierckpt --version`` answers at once. Every name imports as it always did.
 """
 
+from __future__ import annotations
+
+import importlib
 import logging as _logging
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
     IncompleteCheckpointError, StateMismatchError, StorageError, StoragePermissionError, TransientStorageError,
     UnsupportedURIError,
 )
-from .cache import gc, open_tiered, prefetch, status, sync, wait
-from .loader import load, read_checkpoint
-from .manager import CheckpointManager
-from .monitor import Monitor, prometheus_text, straggler_report
-from .saver import SaveHandle, async_save, save
-from .sharded import FlatShardedTensor, ShardedTensor
-from .training_state import MultiSourceReader, ResumableSampler, RNGState
 
 __version__ = "0.1.0"
+
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(("gc", "open_tiered", "prefetch", "status", "sync", "wait"), ".cache"),
+    **dict.fromkeys(("load", "read_checkpoint"), ".loader"),
+    "CheckpointManager": ".manager",
+    **dict.fromkeys(("Monitor", "prometheus_text", "straggler_report"), ".monitor"),
+    **dict.fromkeys(("SaveHandle", "async_save", "save"), ".saver"),
+    **dict.fromkeys(("FlatShardedTensor", "ShardedTensor"), ".sharded"),
+    **dict.fromkeys(("MultiSourceReader", "ResumableSampler", "RNGState"), ".training_state"),
+}
+"""Public name -> the module that defines it, imported when the name is first used."""
 
 __all__ = [
     "CheckpointBusyError", "CheckpointError", "CheckpointManager", "CheckpointNotFoundError", "CollectiveError", "CorruptCheckpointError", "FlatShardedTensor",
     "IncompleteCheckpointError", "Monitor", "MultiSourceReader", "RNGState", "ResumableSampler", "ShardedTensor", "SaveHandle", "async_save", "StateMismatchError", "StorageError", "StoragePermissionError",
     "TransientStorageError", "UnsupportedURIError", "gc", "load", "open_tiered", "prefetch", "status", "sync", "wait", "prometheus_text", "straggler_report", "read_checkpoint", "save",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name's value, importing its module on first use; a submodule (``tierckpt.layout``) likewise."""
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_"):
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
+    from .cache import gc, open_tiered, prefetch, status, sync, wait
+    from .loader import load, read_checkpoint
+    from .manager import CheckpointManager
+    from .monitor import Monitor, prometheus_text, straggler_report
+    from .saver import SaveHandle, async_save, save
+    from .sharded import FlatShardedTensor, ShardedTensor
+    from .training_state import MultiSourceReader, ResumableSampler, RNGState
 
 _logging.getLogger("tierckpt").addHandler(_logging.NullHandler())

@@ -8,7 +8,9 @@ Commands::
     tierckpt stats URI [--json]                       per-rank save timings, stragglers, throughput
     tierckpt ls ROOT [--json]                         the checkpoints under a root (CheckpointManager steps...)
     tierckpt convert SRC OUT --to FMT [--from FMT]    tierckpt <-> safetensors, tierckpt <-> DCP (see docs/cli.md)
-    tierckpt --version
+    tierckpt status|wait|prefetch URI, sync [URI], gc ROOT   the node cache (see tierckpt.cli_cache)
+    tierckpt bench [--gib G]                          a quick save/load timing beside torch DCP
+    tierckpt --version                                answered without importing torch
 
 Exit codes:
 
@@ -36,21 +38,18 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-
-from . import cli_bench, cli_cache, __version__, convert, dcp_format, layout
-from .backends import open_backend
+# Only light modules here: ``tierckpt --version`` must not pay for torch. Each command imports what it uses.
+from . import __version__
 from .errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, UnsupportedURIError,
 )
-from .io.scheduler import get_scheduler
-from .loader import Checkpoint, read_checkpoint, read_pieces
-from .manager import CheckpointManager
-from .metadata import PieceMeta
 from .monitor import ranks_from_timings, straggler_report
-from .regions import Box
-from .verify import verify
+
+if TYPE_CHECKING:
+    from .loader import Checkpoint
+    from .metadata import PieceMeta
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -116,6 +115,9 @@ def _add_inspect(subparsers: Any) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a checkpoint's contents as a table or as JSON."""
+    from .backends import open_backend
+    from .loader import read_checkpoint, read_pieces
+
     backend = open_backend(args.uri)
     ckpt = read_checkpoint(backend, accept_dcp=True)
     pieces = read_pieces(backend, ckpt)
@@ -125,6 +127,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _region_doc(piece: PieceMeta) -> dict[str, Any]:
+    from .regions import Box
+
     if isinstance(piece.region, Box):
         return {"kind": "box", "offsets": list(piece.region.offsets), "lengths": list(piece.region.lengths)}
     return {"kind": "flat", "start": piece.region.start, "stop": piece.region.stop}
@@ -132,6 +136,8 @@ def _region_doc(piece: PieceMeta) -> dict[str, Any]:
 
 def describe(uri: str, ckpt: Checkpoint, pieces: dict[str, list[PieceMeta]], with_pieces: bool = False) -> dict[str, Any]:
     """A JSON-ready summary of a checkpoint (the ``inspect --json`` document)."""
+    from . import dcp_format
+
     meta = ckpt.meta
     dcp = dcp_format.FORMAT_TAG in meta.tags  # a torch DCP directory: no generation, no creation time
     tensors = []
@@ -175,6 +181,8 @@ def describe(uri: str, ckpt: Checkpoint, pieces: dict[str, list[PieceMeta]], wit
 
 def render_inspect(summary: dict[str, Any]) -> str:
     """The ``inspect`` document as aligned text tables."""
+    from . import dcp_format
+
     totals = summary["totals"]
     if summary["format"] == "torch DCP":
         about = (f"  torch DCP checkpoint (metadata version {summary['tags'][dcp_format.FORMAT_TAG]}), read in place: "
@@ -247,6 +255,8 @@ def _add_verify(subparsers: Any) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Verify a checkpoint; exit 5 with the problems listed when it is corrupt."""
+    from .verify import verify
+
     report = verify(args.uri, progress=args.progress)
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.render())
     return EXIT_OK if report.ok else EXIT_CORRUPT
@@ -273,6 +283,9 @@ WRITE_PHASES = ("stage", "write")
 
 def cmd_stats(args: argparse.Namespace) -> int:
     """Print the save statistics of a checkpoint."""
+    from .backends import open_backend
+    from .loader import read_checkpoint
+
     ckpt = read_checkpoint(open_backend(args.uri))
     doc = save_stats(args.uri, ckpt)
     print(json.dumps(doc, indent=1) if args.json else render_stats(doc))
@@ -359,7 +372,7 @@ def _add_ls(subparsers: Any) -> None:
     """Register ``ls``."""
     p = subparsers.add_parser(
         "ls", help="list the checkpoints under a root",
-        description="List the checkpoints under ROOT: ROOT itself, the step-NNNNNNNN checkpoints of a "
+        description="List the checkpoints under ROOT: ROOT itself, the step-N checkpoints of a "
         "CheckpointManager root (the latest marked), or any directory of checkpoints. For each: step, status "
         "(committed, incomplete or corrupt), generation, creation time, tensor bytes and world size.",
     )
@@ -369,7 +382,6 @@ def _add_ls(subparsers: Any) -> None:
 
 
 _GENERATION_PART = re.compile(r"^g-[0-9A-Za-z_-]{1,64}$")
-_STEP_PART = re.compile(r"^step-(\d{8,})$")
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -381,6 +393,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def list_checkpoints(root: str) -> dict[str, Any]:
     """The ``ls --json`` document: every checkpoint under ``root``, sorted by step then path."""
+    from .backends import open_backend
+    from .io.scheduler import get_scheduler
+
     keys = get_scheduler().run(open_backend(root).list(""))
     found = _find_checkpoints(keys)
     if not found:
@@ -393,6 +408,8 @@ def list_checkpoints(root: str) -> dict[str, Any]:
 
 def _find_checkpoints(keys: Sequence[str]) -> dict[str, tuple[bool, set[str]]]:
     """Checkpoint prefix -> (has a COMMIT record, generation directories found)."""
+    from . import layout
+
     found: dict[str, tuple[bool, set[str]]] = {}
     for key in keys:
         parts = key.split("/")
@@ -409,14 +426,27 @@ def _find_checkpoints(keys: Sequence[str]) -> dict[str, tuple[bool, set[str]]]:
     return found
 
 
+def _step_of(prefix: str) -> int | None:
+    """The step of a checkpoint prefix, from its last part (``run/step-100`` -> 100)."""
+    from . import layout
+
+    return layout.step_of(prefix.rpartition("/")[2])
+
+
 def _latest_steps(root: str, found: Mapping[str, tuple[bool, set[str]]]) -> set[str]:
     """Prefixes of the latest step of each directory holding ``step-*`` checkpoints (CheckpointManager's rule)."""
-    dirs = {prefix.rpartition("/")[0] for prefix in found if _STEP_PART.match(prefix.rpartition("/")[2])}
+    from .manager import CheckpointManager
+
+    by_dir: dict[str, dict[int, str]] = {}
+    for prefix, (committed, _) in sorted(found.items()):
+        step = _step_of(prefix)
+        if committed and step is not None:
+            by_dir.setdefault(prefix.rpartition("/")[0], {}).setdefault(step, prefix)
     latest = set()
-    for d in dirs:
+    for d, prefixes in by_dir.items():
         step = CheckpointManager(_join(root, d)).latest()
-        if step is not None:
-            latest.add(f"{d}/step-{step:08d}" if d else f"step-{step:08d}")
+        if step in prefixes:
+            latest.add(prefixes[step])
     return latest
 
 
@@ -426,9 +456,11 @@ def _join(root: str, prefix: str) -> str:
 
 def _describe_entry(root: str, prefix: str, committed: bool, gens: set[str], latest: set[str]) -> dict[str, Any]:
     """One row of ``ls``: a committed checkpoint's header facts, or what an uncommitted one left."""
-    step = _STEP_PART.match(prefix.rpartition("/")[2])
+    from .backends import open_backend
+    from .loader import read_checkpoint
+
     entry: dict[str, Any] = {
-        "path": prefix or ".", "uri": _join(root, prefix), "step": int(step.group(1)) if step else None,
+        "path": prefix or ".", "uri": _join(root, prefix), "step": _step_of(prefix),
         "latest": prefix in latest, "status": "incomplete", "generation": None, "created_unix": None, "created": None,
         "tensor_bytes": None, "world_size": None, "num_tensors": None, "uncommitted_generations": len(gens),
     }
@@ -474,6 +506,8 @@ CONVERSIONS = {("tierckpt", "safetensors"), ("tierckpt", "dcp"), ("dcp", "tierck
 
 def _add_convert(subparsers: Any) -> None:
     """Register ``convert``."""
+    from . import convert
+
     p = subparsers.add_parser(
         "convert", help="convert between tierckpt, safetensors and torch.distributed.checkpoint (DCP)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -518,6 +552,8 @@ def _byte_size(text: str) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Run one conversion and print what it wrote (and skipped)."""
+    from . import convert
+
     pair = (args.source_format, args.to)
     if pair not in CONVERSIONS:
         supported = ", ".join(f"{a} -> {b}" for a, b in sorted(CONVERSIONS))
@@ -543,23 +579,25 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 # -- entry point ------------------------------------------------------------------------------------------
-COMMANDS: tuple[Callable[[Any], None], ...] = (
-    _add_demo, _add_inspect, _add_verify, _add_stats, _add_ls, _add_convert, *cli_cache.COMMANDS,
-    *cli_bench.COMMANDS,
-)
-"""Each registers one subcommand whose parser sets ``handler(args) -> exit code``."""
+COMMANDS: tuple[Callable[[Any], None], ...] = (_add_demo, _add_inspect, _add_verify, _add_stats, _add_ls, _add_convert)
+"""Each registers one subcommand whose parser sets ``handler(args) -> exit code``; :func:`build_parser`
+adds those of :mod:`tierckpt.cli_cache` and :mod:`tierckpt.cli_bench`."""
+
+VERSION_TEXT = f"tierckpt {__version__}"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with every command of :data:`COMMANDS`."""
+    """The top-level parser with every command of :data:`COMMANDS`, ``cli_cache`` and ``cli_bench``."""
+    from . import cli_bench, cli_cache
+
     parser = argparse.ArgumentParser(
         prog="tierckpt", description="PyTorch checkpointing with load-time resharding.",
         epilog="exit codes: 0 ok, 1 other error, 2 usage or unsupported URI, 3 not found, 4 incomplete, "
         "5 corrupt, 6 demo losses diverged",
     )
-    parser.add_argument("--version", action="version", version=f"tierckpt {__version__}")
+    parser.add_argument("--version", action="version", version=VERSION_TEXT)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in COMMANDS:
+    for add in (*COMMANDS, *cli_cache.COMMANDS, *cli_bench.COMMANDS):
         add(subparsers)
     return parser
 
@@ -571,6 +609,10 @@ def exit_code(error: CheckpointError) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), run the command, and return its exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["--version"]:  # answered before registering the commands, which import torch
+        print(VERSION_TEXT)
+        return EXIT_OK
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

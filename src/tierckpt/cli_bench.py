@@ -21,7 +21,12 @@ from . import loader, saver
 
 def _add_bench(subparsers: Any) -> None:
     """Register ``bench``."""
-    p = subparsers.add_parser("bench", help="time a save and a load on this machine, beside torch DCP")
+    p = subparsers.add_parser(
+        "bench", help="time a save and a load on this machine, beside torch DCP",
+        description="Save --gib GiB of fp32 tensors with tierckpt and with torch DCP in this process, to the same "
+        "directory, load both back (checking every element), and print seconds, throughput and the ratio. "
+        "For multi-process, resharding, async and S3 comparisons run the scripts in benchmarks/.",
+    )
     p.add_argument("--gib", type=float, default=0.25, help="state size in GiB (default 0.25)")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from . import cache
+from .errors import CheckpointNotFoundError
 
 
 def _add_status(subparsers: Any) -> None:
@@ -28,6 +29,8 @@ def _add_status(subparsers: Any) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     st = cache.status(args.uri)
+    if st.state is None and not st.pending_keys:
+        raise CheckpointNotFoundError(f"no checkpoint at {args.uri!r}: nothing committed, and nothing pending upload from this node")
     doc = dataclasses.asdict(st) | {"durable": st.durable}
     if args.json:
         print(json.dumps(doc, indent=1))
@@ -41,7 +44,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _add_wait(subparsers: Any) -> None:
     """Register ``wait``."""
-    p = subparsers.add_parser("wait", help="block until a checkpoint is durable on the remote store")
+    p = subparsers.add_parser(
+        "wait", help="block until a checkpoint is durable on the remote store",
+        description="Block until everything written to URI through this node's cache is on the remote store, "
+        "COMMIT last. Exits 1 when an upload failed or --timeout passed.",
+    )
     p.add_argument("uri", help="checkpoint root")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     p.set_defaults(handler=cmd_wait)
@@ -57,6 +64,8 @@ def _add_sync(subparsers: Any) -> None:
     """Register ``sync``."""
     p = subparsers.add_parser(
         "sync", help="finish uploads left pending in this node's cache (after a crash or restart)",
+        description="Resume the uploads that this node's cache catalogue records as pending (left by a crashed, "
+        "killed or exited process) for URI, or for every store of the node, and wait until they are on the remote.",
     )
     p.add_argument("uri", nargs="?", default=None, help="only this store (default: every store of the node)")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")

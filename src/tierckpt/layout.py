@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -46,6 +47,24 @@ def in_generation(generation: str, key: str) -> str:
 
 def objects_file(rank: int) -> str:
     return f"objects/rank-{rank:05d}.bin"
+
+
+_STEP_NAME = re.compile(r"step-([0-9]+)")
+
+
+def step_of(name: str) -> int | None:
+    """The step a checkpoint directory name stands for: ``step-00000100``, ``step-100`` -> 100; else ``None``.
+
+    The one rule for step names, shared by :class:`~tierckpt.CheckpointManager`, ``tierckpt ls`` and
+    retention: ``step-`` followed by decimal digits, with or without zero padding.
+    """
+    match = _STEP_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def step_name(step: int) -> str:
+    """The directory name :class:`~tierckpt.CheckpointManager` gives a step: ``step-00000100``."""
+    return f"step-{step:08d}"
 
 
 def new_generation() -> str:

@@ -19,7 +19,6 @@ Lifecycle of :meth:`CheckpointManager.save` (every rank of the group):
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,7 +32,6 @@ from .io.scheduler import get_scheduler
 from .loader import load
 from .saver import SaveHandle, async_save, save
 
-_STEP_DIR = re.compile(r"^step-(\d{8,})/COMMIT$")
 LATEST = "LATEST"
 
 
@@ -63,7 +61,22 @@ class CheckpointManager:
         self._pending: tuple[int, SaveHandle] | None = None
 
     def uri_of(self, step: int) -> str:
-        return f"{self.root_uri}/step-{step:08d}"
+        """Where a save of ``step`` goes: ``<root>/step-00000100``."""
+        return f"{self.root_uri}/{layout.step_name(step)}"
+
+    def _committed_names(self) -> dict[int, str]:
+        """Committed step -> its directory (``step-00000100``, or ``step-100`` made by hand; padded wins)."""
+        names: dict[int, str] = {}
+        for key in sorted(get_scheduler().do(self._backend(), "list", "")):
+            name, _, rest = key.partition("/")
+            step = layout.step_of(name)
+            if step is not None and rest == layout.COMMIT and names.get(step) != layout.step_name(step):
+                names[step] = name
+        return names
+
+    def _found_uri(self, step: int) -> str:
+        """The URI of the existing checkpoint of ``step`` (whatever its padding)."""
+        return f"{self.root_uri}/{self._committed_names().get(step, layout.step_name(step))}"
 
     def _backend(self) -> Backend:
         return open_backend(self.root_uri, **self.storage_options)
@@ -91,8 +104,7 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps under the root, ascending (including one whose upload is still pending)."""
-        keys = get_scheduler().do(self._backend(), "list", "")
-        found = {int(m.group(1)) for k in keys if (m := _STEP_DIR.match(k))}
+        found = set(self._committed_names())
         pointed = self._pointed_step()
         if pointed is not None and pointed not in found and self._committed(pointed):
             found.add(pointed)
@@ -123,7 +135,7 @@ class CheckpointManager:
         step = self.latest()
         if step is None:
             return None
-        load(self.uri_of(step), state, group=self.group, storage_options=self.storage_options, **options)
+        load(self._found_uri(step), state, group=self.group, storage_options=self.storage_options, **options)
         return step
 
     def _after_commit(self, step: int) -> None:
@@ -133,11 +145,13 @@ class CheckpointManager:
         sched = get_scheduler()
         sched.do(backend, "commit", LATEST, json.dumps({"step": step}).encode())
         steps = sorted(set(self.steps()) | {step})
+        names = self._committed_names()
         for old in retention_victims(steps, keep_last=self.keep_last, keep_every=self.keep_every):
+            name = names.get(old, layout.step_name(old))
             # Through the step's own URI first: on a remote store its uploads may still be pending in
             # the node cache under that URI, and only that scope cancels them (none lands afterwards).
-            sched.do(open_backend(self.uri_of(old), **self.storage_options), "delete_prefix", "")
-            sched.do(backend, "delete_prefix", f"step-{old:08d}/")
+            sched.do(open_backend(f"{self.root_uri}/{name}", **self.storage_options), "delete_prefix", "")
+            sched.do(backend, "delete_prefix", f"{name}/")
 
 
 def retention_victims(steps: list[int], *, keep_last: int | None, keep_every: int | None) -> list[int]:

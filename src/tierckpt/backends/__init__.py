@@ -18,7 +18,7 @@ from typing import Any
 
 import fsspec
 
-from ..errors import UnsupportedURIError
+from ..errors import CheckpointError, UnsupportedURIError
 from .base import Backend, ByteRange, Capabilities, ObjectWriter, validate_key
 from .fsspec_backend import FsspecBackend, S3Backend
 from .local import LocalBackend
@@ -37,15 +37,37 @@ __all__ = [
     "open_plain_backend",
     "split_uri",
     "validate_key",
+    "validate_uri",
 ]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://(.*)$", re.DOTALL)
 _NATIVE_SCHEMES = ("file", "memory", "s3", "s3a", "hdfs")
+_SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):(?!//)(.*)$", re.DOTALL)
+
+
+def validate_uri(uri: str) -> str:
+    """``uri`` unchanged, unless it is a scheme without ``//`` (``s3:/bucket/x``, ``s3:bucket/x``).
+
+    Such a string is a mistyped URI far more often than a local directory whose name holds a colon,
+    and taking it for a path would silently write ``./s3:/bucket/x`` on local disk. ``file:/path``
+    (one slash, RFC 8089) stays a valid local path; a local name with a colon is written ``./name``.
+    """
+    match = _SCHEME_WITHOUT_SLASHES.match(uri)
+    if match is None or (match.group(1).lower() == "file" and match.group(2).startswith("/")):
+        return uri
+    scheme, rest = match.group(1), match.group(2).lstrip("/")
+    raise UnsupportedURIError(
+        f"{uri!r} is not a storage URI: a scheme is followed by '//' (write {scheme}://{rest}, e.g. "
+        f"s3://bucket/key); for a local path whose name holds a colon write ./{uri}"
+    )
 
 
 def split_uri(uri: str) -> tuple[str, str]:
-    """``"s3://b/p"`` -> ``("s3", "b/p")``; a plain path has the scheme ``""``."""
-    match = _SCHEME.match(uri)
+    """``"s3://b/p"`` -> ``("s3", "b/p")``; a plain path has the scheme ``""``.
+
+    Raises :class:`~tierckpt.errors.UnsupportedURIError` for a scheme without ``//`` (:func:`validate_uri`).
+    """
+    match = _SCHEME.match(validate_uri(uri))
     if match is None:
         return "", uri
     return match.group(1).lower(), match.group(2)
@@ -56,12 +78,20 @@ def open_backend(uri: str, *, cache: Any = None, **options: Any) -> Backend:
 
     Remote schemes (s3, hdfs, other fsspec protocols) go through the node cache
     (:mod:`tierckpt.cache`: write-back, read-through) unless ``cache=False`` or ``TIERCKPT_CACHE=off``;
-    pass a :class:`~tierckpt.cache.CacheConfig` as ``cache`` to configure it per call.
+    pass a :class:`~tierckpt.cache.CacheConfig` as ``cache`` to configure it per call (``None`` or
+    ``True``: the configuration from the environment).
     """
     if cache is False:
         return open_plain_backend(uri, **options)
-    from ..cache import open_tiered
+    from ..cache import CacheConfig, open_tiered
 
+    if cache is True:
+        cache = None
+    if cache is not None and not isinstance(cache, CacheConfig):
+        raise CheckpointError(
+            f"storage option cache={cache!r} for {uri!r}: pass True or False (node cache on or off), "
+            "or a tierckpt.cache.CacheConfig"
+        )
     return open_tiered(uri, cache, **options)
 
 

@@ -60,6 +60,23 @@ from .local import check_prefix, check_range, is_temp_name, range_past_end, temp
 ENDPOINT_ENV = "TIERCKPT_S3_ENDPOINT_URL"
 """Environment variable naming the default S3 endpoint URL."""
 
+
+def s3_endpoint(endpoint_url: str | None) -> str | None:
+    """The S3 endpoint to use: ``endpoint_url``, else ``$TIERCKPT_S3_ENDPOINT_URL``, else ``None`` (AWS).
+
+    Checked here, because botocore's own error (``ValueError: Invalid endpoint``) names neither the
+    setting it came from nor the fix.
+    """
+    source = "storage option endpoint_url"
+    if not endpoint_url:
+        endpoint_url, source = os.environ.get(ENDPOINT_ENV) or None, ENDPOINT_ENV
+    if endpoint_url is not None and not endpoint_url.lower().startswith(("http://", "https://")):
+        raise UnsupportedURIError(
+            f"{source}={endpoint_url!r} is not an endpoint URL: it must start with http:// or https:// "
+            f"(e.g. http://{endpoint_url.split('://')[-1]})"
+        )
+    return endpoint_url
+
 _T = TypeVar("_T")
 
 # -- error translation ----------------------------------------------------------------------------
@@ -546,7 +563,7 @@ class S3Backend(FsspecBackend):
         if region:
             client_kwargs.setdefault("region_name", region)
         fs = _s3_filesystem(
-            endpoint_url=endpoint_url or os.environ.get(ENDPOINT_ENV) or None,
+            endpoint_url=s3_endpoint(endpoint_url),
             key=key,
             secret=secret,
             token=token,

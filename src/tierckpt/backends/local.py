@@ -15,11 +15,14 @@ publish its whole object (never a partial one).
 
 The helpers :func:`check_range`, :func:`range_past_end`, :func:`temp_name` and
 :func:`is_temp_name` are shared with the other backends so every backend reports the same errors.
+A failed write is reported by :func:`write_error`: what the file system refused and where (never
+"not found").
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections.abc import Sequence
 import os
 import shutil
@@ -82,6 +85,36 @@ def _os_error(exc: OSError, what: str) -> CheckpointError:
     if isinstance(exc, PermissionError):
         return StoragePermissionError(f"{what}: permission denied ({exc.strerror})")
     return StorageError(f"{what}: {type(exc).__name__}: {exc.strerror or exc}")
+
+
+_REFUSED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+_WRITE_HINTS = {
+    errno.EACCES: "choose a directory you may write to, or fix its permissions",
+    errno.EPERM: "choose a directory you may write to, or fix its permissions",
+    errno.EROFS: "the file system is mounted read-only: choose a directory on a writable one",
+    errno.ENOENT: "a directory on the path cannot be created there (a virtual file system such as /proc, or a "
+    "directory removed meanwhile): choose a directory on a writable file system",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: choose another path",
+    errno.EISDIR: "a directory stands where the file goes: remove it or choose another path",
+    errno.ENOSPC: "the device is full: free space or choose another directory",
+    errno.EDQUOT: "the disk quota is exhausted: free space or choose another directory",
+    errno.ENAMETOOLONG: "the path is too long for the file system: choose a shorter one",
+}
+
+
+def write_error(exc: OSError, what: str) -> CheckpointError:
+    """Translate an ``OSError`` raised while writing: what the file system refused, where, and the fix.
+
+    Never "not found": a write that fails with ``ENOENT`` or ``ENOTDIR`` names a directory that cannot
+    be created, not a missing object. Refusals (permissions, read-only mounts) are
+    :class:`StoragePermissionError`, the rest :class:`StorageError`.
+    """
+    reason = exc.strerror or str(exc)
+    if exc.filename is not None:
+        reason += f": {exc.filename}"
+    hint = _WRITE_HINTS.get(exc.errno)
+    cls = StoragePermissionError if exc.errno in _REFUSED else StorageError
+    return cls(f"{what}: {reason}" + (f"; {hint}" if hint else ""))
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
@@ -260,7 +293,7 @@ class _LocalWriter(ObjectWriter):
         try:
             await asyncio.to_thread(_write_all, self._fd, data)
         except OSError as exc:
-            raise _os_error(exc, f"writing {self._tmp}") from exc
+            raise write_error(exc, f"writing {self._tmp}") from exc
 
     async def close(self) -> None:
         self._check_open()
@@ -269,7 +302,7 @@ class _LocalWriter(ObjectWriter):
             await asyncio.to_thread(_publish, self._fd, self._tmp, self._path)
         except OSError as exc:
             await asyncio.to_thread(_unlink, self._tmp)
-            raise _os_error(exc, f"publishing {self._path}") from exc
+            raise write_error(exc, f"publishing {self._path}") from exc
 
     async def abort(self) -> None:
         if self._done:
@@ -308,14 +341,14 @@ class LocalBackend(ReadsInto, Backend):
         try:
             await asyncio.to_thread(_write_atomic, path, data)
         except OSError as exc:
-            raise _os_error(exc, f"writing {path}") from exc
+            raise write_error(exc, f"writing {path}") from exc
 
     async def open_writer(self, key: str) -> ObjectWriter:
         path = self.path_of(key)
         try:
             fd, tmp = await asyncio.to_thread(_open_temp, path)
         except OSError as exc:
-            raise _os_error(exc, f"opening {path} for writing") from exc
+            raise write_error(exc, f"opening {path} for writing") from exc
         return _LocalWriter(self, key, fd, tmp)
 
     async def get(self, key: str) -> bytes:

@@ -137,7 +137,8 @@ def prefetch(uri: str, only: Sequence[str] | None = None, progress: bool = True,
 
     With ``only`` (fqn glob patterns such as ``"model.layers.0.*"``) only the metadata, the object
     files and the byte ranges of the matching tensors' pieces are fetched. The metadata is read
-    before this returns; the data is fetched at background priority.
+    before this returns; the data is fetched at background priority: call ``result()`` on the returned
+    handle to wait for it (a process that exits first has fetched only the metadata).
     """
     from ..loader import read_checkpoint, read_pieces
 

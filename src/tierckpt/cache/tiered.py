@@ -835,7 +835,8 @@ class TieredBackend(ReadsInto, Backend):
                 key, error = sorted(failed.items())[0]
                 raise StorageError(
                     f"upload of {self.uri_of(key)} to the remote failed ({error}); {len(failed)} object(s) are "
-                    f"still only in the node cache. Fix the remote, then run tierckpt.cache.sync({self.root_uri!r})"
+                    f"still only in the node cache. Fix the remote, then run: tierckpt sync {self.root_uri} "
+                    f"(from Python: tierckpt.sync({self.root_uri!r}))"
                 )
             if not adopted:
                 self._adopt(pending)
@@ -927,7 +928,7 @@ def _drain_at_exit() -> None:
     except Exception:  # noqa: BLE001 - best effort at interpreter exit
         return
     if left:
-        logger.warning("%d upload(s) still pending at exit; run tierckpt.cache.sync() to finish them", left)
+        logger.warning("%d upload(s) still pending at exit; run `tierckpt sync` (from Python: tierckpt.sync()) to finish them", left)
 
 
 _drain_registered = False

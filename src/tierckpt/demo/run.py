@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,9 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 import tierckpt
+from tierckpt.backends.local import write_error
 from tierckpt.demo.model import TinyTransformer, batch
+from tierckpt.monitor import format_bytes
 
 LOGICAL_SHARDS = 2
 """Data shards per step, independent of the world size (the saving run's world size)."""
@@ -86,27 +89,16 @@ class DemoReport:
         lines += ["", f"  {'operation':<22} {'seconds':>8}  {'phases (s, slowest rank)':<40} bytes"]
         for name, stats in (("save (2 ranks)", self.save), ("load 2->3 ranks", self.load_3), ("load 2->1 rank", self.load_1)):
             phases = " ".join(f"{k}={v:.3f}" for k, v in stats.phases.items())
-            counted = " ".join(f"{k}={_human(v)}" for k, v in stats.bytes.items())
+            counted = " ".join(f"{k}={format_bytes(v)}" for k, v in stats.bytes.items())
             lines.append(f"  {name:<22} {stats.seconds:>8.3f}  {phases:<40} {counted}")
         meta = self.checkpoint_meta
         lines.append(
             f"  checkpoint: {meta['num_tensors']} tensors in {meta['num_pieces']} pieces, "
-            f"{_human(meta['tensor_bytes'])} of tensors, {_human(meta['file_bytes'])} in {meta['files']} files, "
+            f"{format_bytes(meta['tensor_bytes'])} of tensors, {format_bytes(meta['file_bytes'])} in {meta['files']} files, "
             f"saved by {meta['world_size']} ranks ({', '.join(meta['frameworks'])})"
         )
         lines.append(f"  demo wall time: {self.wall_seconds:.1f} s")
         return "\n".join(lines)
-
-
-def _human(n: float) -> str:
-    """Bytes as a short human-readable string."""
-    if abs(n) < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB"):
-        n /= 1024
-        if abs(n) < 1024:
-            return f"{n:.1f} {unit}"
-    return f"{n / 1024:.1f} GiB"
 
 
 def default_root() -> str:
@@ -253,29 +245,64 @@ def _max_rel_diff(reference: list[float], *others: list[float]) -> float:
     return max(abs(o - r) / max(abs(r), 1e-12) for other in others for o, r in zip(other, reference, strict=True))
 
 
+class _Progress:
+    """The demo's phases on stderr: a tqdm bar on a terminal; elsewhere (output captured to a file or a
+    pipe, where a bar's carriage returns run into the text) one newline-terminated line per phase."""
+
+    def __init__(self, total: int, quiet: bool) -> None:
+        self._total = total
+        self._started = 0
+        self._quiet = quiet
+        self._bar = tqdm(total=total, desc="demo", unit="phase", leave=False) if not quiet and sys.stderr.isatty() else None
+
+    def note(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text, file=sys.stderr)
+        elif not self._quiet:
+            print(text, file=sys.stderr, flush=True)
+
+    def phase(self, text: str) -> None:
+        """Finish the previous phase (if any) and start the one described by ``text``."""
+        if self._bar is not None:
+            self._bar.update(self._started - self._bar.n)
+            self._bar.set_description(text)
+        else:
+            self.note(f"[{self._started + 1}/{self._total}] {text}")
+        self._started += 1
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.update(self._started - self._bar.n)
+            self._bar.close()
+
+
 def run_demo(root: str | None = None, steps: int = 4, quiet: bool = False) -> DemoReport:
     """Run phases A, B and C (see the module docstring) and return what they measured.
 
     ``root`` is the directory that receives ``step-<steps>`` (default: :func:`default_root`).
-    Progress goes to stderr unless ``quiet``; the report itself is not printed (see
+    Progress goes to stderr unless ``quiet`` (a bar on a terminal, else a line per phase); the report itself is not printed (see
     :meth:`DemoReport.render`).
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     started = time.perf_counter()
-    path = str(Path(root or default_root()).resolve() / f"step-{steps}")
-    with tqdm(total=3, desc="demo", unit="phase", disable=quiet, leave=False) as bar:
-        if not quiet:
-            tqdm.write(f"tierckpt demo: checkpoint goes to {path}")
-        bar.set_description("A: train on 2 ranks, save, continue")
+    directory = Path(root or default_root()).resolve()
+    try:  # here, so an unwritable root is one clear error rather than a traceback from every rank
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise write_error(exc, f"creating the demo directory {directory}") from exc
+    path = str(directory / f"step-{steps}")
+    with _Progress(total=3, quiet=quiet) as progress:
+        progress.note(f"tierckpt demo: checkpoint goes to {path}")
+        progress.phase("A: train on 2 ranks, save, continue")
         saved = _spawn(2, "save", path, steps)
-        bar.update()
-        bar.set_description("B: resume on 3 ranks")
+        progress.phase("B: resume on 3 ranks")
         resumed_3 = _spawn(3, "resume", path, steps)
-        bar.update()
-        bar.set_description("C: resume in 1 process")
+        progress.phase("C: resume in 1 process")
         resumed_1 = _resume(0, 1, path, steps)
-        bar.update()
     reference = saved[0]["losses"]
     return DemoReport(
         checkpoint=path,
