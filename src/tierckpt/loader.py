@@ -4,9 +4,9 @@ Lifecycle (every rank of the loading group unless noted):
 
 1. Rank 0 reads ``COMMIT``, the header and the tensor table, and broadcasts them (a missing commit
    raises :class:`~tierckpt.errors.IncompleteCheckpointError` when data exists without one).
-2. Each rank flattens its target state and checks it against the checkpoint: missing and unexpected
-   keys, shape and dtype mismatches. Ranks all-gather their needs and findings; in strict mode any
-   finding on any rank raises on every rank, before anything is read.
+2. Each rank flattens its target state and checks it against the checkpoint: missing keys, shape and
+   dtype mismatches (keys the state does not ask for are not loaded). Ranks all-gather their needs
+   and findings; in strict mode any finding on any rank raises on every rank, before anything is read.
 3. Each rank reads the rows of the pieces table for the tensors the group needs and computes the
    same :class:`~tierckpt.planner.LoadPlan`. Each rank checks the sizes of the data files it will read,
    so a truncated or missing file fails before any tensor is modified.
@@ -173,7 +173,10 @@ def _prepare(
     state: Mapping[str, Any], ckpt: Checkpoint, saved_keys: set[str],
 ) -> tuple[tuple[FlatState, list[TargetPiece]], tuple[list[TargetPiece], list[tuple[str, str]], list[str], list[str]]]:
     """Flatten this rank's state for loading: ``(kept, shared)``, shared being what :func:`_report` reads."""
-    flat = flatten_state(state, for_load=True, saved_keys=lambda p: any(k.startswith(p) for k in saved_keys))
+    flat = flatten_state(
+        state, for_load=True, saved_keys=lambda p: any(k.startswith(p) for k in saved_keys),
+        legacy_names=ckpt.meta.format_minor < 1,
+    )
     needs, findings = _match(flat, ckpt)
     return (flat, needs), (needs, findings, sorted(flat.tensors), sorted(flat.objects))
 
@@ -201,19 +204,20 @@ def _match(flat: FlatState, ckpt: Checkpoint) -> tuple[list[TargetPiece], list[t
 
 
 def _report(gathered: list[Any], ckpt: Checkpoint, strict: bool, uri: str) -> None:
+    """Strict: every requested key is in the checkpoint with its shape and dtype. Keys the checkpoint
+    has and the state did not ask for are not loaded, and only logged (at debug level)."""
     findings = sorted({f for g in gathered for f in g[1]})
-    wanted = {k for g in gathered for k in g[2]} | {k for g in gathered for k in g[3]}
-    saved = set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}
-    unexpected = sorted(saved - wanted)
-    lines = []
+    lines = [f"shape mismatch {m}" for kind, m in findings if kind == "shape"]
+    lines.extend(f"dtype mismatch {m}" for kind, m in findings if kind == "dtype")
+    lines.extend(f"{m!r} is a tensor in the state but an object in the checkpoint" for kind, m in findings if kind == "object")
     missing = [m for kind, m in findings if kind == "missing"]
     if missing:
         lines.append(f"missing from the checkpoint: {_few(missing)}")
-    if unexpected:
-        lines.append(f"in the checkpoint but not in the state (unexpected): {_few(unexpected)}")
-    lines.extend(f"shape mismatch {m}" for kind, m in findings if kind == "shape")
-    lines.extend(f"dtype mismatch {m}" for kind, m in findings if kind == "dtype")
-    lines.extend(f"{m!r} is a tensor in the state but an object in the checkpoint" for kind, m in findings if kind == "object")
+    if logger.isEnabledFor(logging.DEBUG):
+        wanted = {k for g in gathered for k in g[2]} | {k for g in gathered for k in g[3]}
+        unasked = sorted((set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}) - wanted)
+        if unasked:
+            logger.debug("checkpoint %r: %d key(s) not requested, not loaded: %s", uri, len(unasked), _few(unasked))
     if not lines:
         return
     message = f"state does not match checkpoint {uri!r}: " + "; ".join(lines)
