@@ -441,27 +441,26 @@ def _key(key: Any) -> str:
     return key
 
 
-def _named_param_groups(value: Any) -> list[dict[str, Any]] | None:
-    """The param groups of an optimizer state dict from torch's ``get_state_dict`` (``state`` and
-    ``param_groups``, parameters named by fqn), else ``None``."""
-    if not isinstance(value, dict) or set(value) != {"state", "param_groups"} or not isinstance(value["param_groups"], list):
-        return None
-    groups = value["param_groups"]
-    for group in groups:
-        if not isinstance(group, dict) or not isinstance(group.get("params"), list):
-            return None
-        if not all(isinstance(name, str) for name in group["params"]):
-            return None
-    return groups
+def named_groups(groups: Any) -> bool:
+    """Whether ``groups`` are torch param groups whose parameters are named (as ``get_state_dict``
+    names them), rather than numbered (as ``Optimizer.state_dict`` does)."""
+    return isinstance(groups, list) and all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) and all(isinstance(n, str) for n in g["params"])
+        for g in groups
+    )
+
+
+def _is_named_optimizer_state(value: Any) -> bool:
+    """An optimizer state dict from torch's ``get_state_dict`` (not flattened)."""
+    return isinstance(value, dict) and set(value) == {"state", "param_groups"} and named_groups(value["param_groups"])
 
 
 def _walk(path: str, value: Any, container: Any, slot: Any, flat: FlatState, for_load: bool, legacy_names: bool) -> None:
-    groups = None if legacy_names else _named_param_groups(value)
-    if groups is not None:
+    if not legacy_names and _is_named_optimizer_state(value):
         # Stored under torch's flattened names, as a native optimizer's are; on load each
         # parameter's copy of a setting goes back into its group.
         _walk(f"{path}.state", value["state"], value, "state", flat, for_load, legacy_names)
-        for key, group, setting in param_group_items(path, groups):
+        for key, group, setting in param_group_items(path, value["param_groups"]):
             flat.add_object(ObjectEntry(key=key, value=group[setting], container=group, slot=setting))
     elif isinstance(value, torch.Tensor):
         flat.add_tensor(tensor_entry(path, value))
