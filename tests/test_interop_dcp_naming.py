@@ -228,3 +228,30 @@ def test_fsdp2_native_to_dcp(dist_pool, tmp_path: Path) -> None:
 @pytest.mark.parametrize("flatten", [True, False], ids=["flattened", "nested"])
 def test_fsdp2_dcp_to_native(dist_pool, tmp_path: Path, flatten: bool) -> None:
     assert all(dist_pool.run(scenarios_interop.fsdp2_dcp_to_native, str(tmp_path), flatten))
+
+
+# -- many small objects ---------------------------------------------------------------------------
+def test_param_group_settings_are_read_in_one_request_per_file(tmp_path: Path) -> None:
+    """Every parameter holds its group's settings (hundreds of small objects): a load fetches them
+    with one ranged read per objects file, not one read each."""
+    from tierckpt.io.scheduler import get_scheduler
+
+    model, optim, expected = _trained()
+    tierckpt.save(str(tmp_path / "c"), {"model": model, "optim": optim})
+    ckpt = read_checkpoint(open_backend(str(tmp_path / "c")))
+    assert len(ckpt.meta.objects) > 100
+    model, optim = build(1, fresh=True)
+    get_scheduler().metrics.reset()
+    tierckpt.load(str(tmp_path / "c"), {"model": model, "optim": optim})
+    object_reads = [r for r in get_scheduler().metrics.records() if "/objects/" in r.key]
+    assert len(object_reads) == len({o.file for o in ckpt.meta.objects}) == 1
+    assert_same(expected, full(model, optim))
+
+
+def test_equal_mutable_objects_load_as_separate_values(tmp_path: Path) -> None:
+    """Equal small values decode once only when immutable: two equal lists stay two lists."""
+    tierckpt.save(str(tmp_path / "c"), {"a": [1, 2], "b": [1, 2], "c": (0.9, 0.95), "d": (0.9, 0.95)})
+    target: dict[str, Any] = {"a": None, "b": None, "c": None, "d": None}
+    tierckpt.load(str(tmp_path / "c"), target)
+    target["a"].append(3)
+    assert target == {"a": [1, 2, 3], "b": [1, 2], "c": (0.9, 0.95), "d": (0.9, 0.95)}

@@ -431,31 +431,63 @@ def _deliver(entry: TensorEntry, delivery: Any, part: torch.Tensor) -> None:
     target.copy_(part.reshape(delivery.box.lengths))
 
 
+OBJECT_GAP_BYTES = 1 << 20
+"""Objects of one file at most this far apart are fetched in one ranged read (they are many and small)."""
+
+
 def _fetch_objects(backend: Backend, ckpt: Checkpoint, flat: FlatState, comm: Comm, allow_pickle: bool) -> dict[str, Any]:
     """The decoded value of every object entry this rank loads (nothing is assigned yet)."""
-    gen = ckpt.meta.generation
-    values: dict[str, Any] = {}
     by_key: dict[str, list[ObjectMeta]] = {}
     for o in ckpt.meta.objects:
         by_key.setdefault(o.key, []).append(o)
     saved_world = ckpt.meta.world_size
+    wanted: dict[str, list[ObjectMeta]] = {}
     for key, entry in flat.objects.items():
         options = by_key.get(key)
         if not options:
             continue
         if entry.all_ranks:
-            ordered = sorted(options, key=lambda o: -1 if o.rank is None else o.rank)
-            values[key] = [_read_object(backend, gen, o, allow_pickle) for o in ordered]
+            wanted[key] = sorted(options, key=lambda o: -1 if o.rank is None else o.rank)
         else:
-            values[key] = _read_object(backend, gen, _object_for_rank(options, comm.rank, saved_world, key), allow_pickle)
+            wanted[key] = [_object_for_rank(options, comm.rank, saved_world, key)]
+    data = _read_objects(backend, ckpt.meta.generation, {o for metas in wanted.values() for o in metas})
+    values: dict[str, Any] = {}
+    for key, metas in wanted.items():
+        decoded = [decode_object(data[o], o.codec, o.key, allow_pickle=allow_pickle) for o in metas]
+        values[key] = decoded if flat.objects[key].all_ranks else decoded[0]
     return values
 
 
-def _read_object(backend: Backend, gen: str, meta: ObjectMeta, allow_pickle: bool) -> Any:
-    data = get_scheduler().do(backend, "get_range", layout.in_generation(gen, meta.file), meta.byte_offset, meta.byte_offset + meta.byte_length)
-    if crc32c.crc32c(data) != meta.crc32c:
-        raise CorruptCheckpointError(f"checksum mismatch for object {meta.key!r} in {meta.file!r} at byte {meta.byte_offset}")
-    return decode_object(data, meta.codec, meta.key, allow_pickle=allow_pickle)
+def _read_objects(backend: Backend, gen: str, metas: set[ObjectMeta]) -> dict[ObjectMeta, bytes]:
+    """The checksummed bytes of each object; nearby objects of one file come in one ranged read."""
+    spans: list[tuple[str, int, list[ObjectMeta]]] = []
+    ends: list[int] = []
+    for meta in sorted(metas, key=lambda o: (o.file, o.byte_offset)):
+        end = meta.byte_offset + meta.byte_length
+        if spans and spans[-1][0] == meta.file and meta.byte_offset - ends[-1] <= OBJECT_GAP_BYTES:
+            spans[-1][2].append(meta)
+            ends[-1] = max(ends[-1], end)
+        else:
+            spans.append((meta.file, meta.byte_offset, [meta]))
+            ends.append(end)
+    buffers = [bytearray(end - start) for (_, start, _), end in zip(spans, ends)]
+    requests = [
+        ReadRequest(key=layout.in_generation(gen, file), start=start, out=memoryview(buf))
+        for (file, start, _), buf in zip(spans, buffers)
+    ]
+    if requests:
+        sched = get_scheduler()
+        sched.run(sched.read(backend, requests))
+    out: dict[ObjectMeta, bytes] = {}
+    for (_, start, group), buf in zip(spans, buffers):
+        for meta in group:
+            data = bytes(buf[meta.byte_offset - start : meta.byte_offset - start + meta.byte_length])
+            if crc32c.crc32c(data) != meta.crc32c:
+                raise CorruptCheckpointError(
+                    f"checksum mismatch for object {meta.key!r} in {meta.file!r} at byte {meta.byte_offset}"
+                )
+            out[meta] = data
+    return out
 
 
 def _object_for_rank(options: list[ObjectMeta], rank: int, saved_world: int, key: str) -> ObjectMeta:
