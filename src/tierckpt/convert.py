@@ -283,7 +283,10 @@ def _safetensors_files(src: Path) -> list[Path]:
 def from_dcp(src: str | os.PathLike[str], uri: str, *, storage_options: Mapping[str, Any] | None = None) -> ConvertReport:
     """Save a torch.distributed.checkpoint directory as a tierckpt checkpoint, in this process.
 
-    Unpickles the DCP metadata and byte entries: only for DCP checkpoints you trust.
+    Keys are kept, except that an optimizer state dict saved unflattened (settings by group number,
+    ``optim.param_groups.0.lr``) is stored as tierckpt stores one: by parameter (see
+    :func:`_name_indexed_param_groups`). Unpickles the DCP metadata and byte entries: only for DCP
+    checkpoints you trust.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -319,7 +322,8 @@ def to_dcp(
     """Load the checkpoint at ``uri`` into full CPU tensors (one process) and save it with DCP.
 
     Objects are included by key (a per-rank object takes rank 0's value, as a one-process load does);
-    objects that need full unpickling are skipped unless ``allow_pickle``.
+    objects that need full unpickling are skipped unless ``allow_pickle``. Optimizer state comes out
+    under torch's flattened ``get_state_dict`` names, also from a format 1.0 checkpoint.
     """
     import torch.distributed.checkpoint as dcp
 

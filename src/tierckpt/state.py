@@ -242,14 +242,14 @@ def optimizer_entries(
     """Add an optimizer's per-parameter state (resharding like its parameter) and its param group settings.
 
     Keys are torch's flattened ``get_state_dict`` names: ``<key>.state.<param>.<name>`` and
-    ``<key>.param_groups.<param>.<setting>`` (see :func:`param_names`). ``legacy_names`` reads a
+    ``<key>.param_groups.<param>.<setting>`` (see :func:`_param_names`). ``legacy_names`` reads a
     checkpoint of format 1.0 instead: parameters named with their module's state key in front and the
     param groups as one ``<key>.param_groups`` object.
     """
     state.frameworks.add("optimizer")
     if for_load and saved_keys is not None and saved_keys(f"{key}.state."):
         init_optimizer_state(optim)
-    names = param_names(optim, params, qualified=legacy_names)
+    names = _param_names(optim, params, qualified=legacy_names)
     for group, group_names in zip(optim.param_groups, names):
         for param, pname in zip(group["params"], group_names):
             ref = params.get(id(param))
@@ -267,7 +267,7 @@ def optimizer_entries(
         _param_group_entries(key, optim, names, state, for_load)
 
 
-def param_names(optim: torch.optim.Optimizer, params: dict[int, ParamRef], *, qualified: bool = False) -> list[list[str]]:
+def _param_names(optim: torch.optim.Optimizer, params: dict[int, ParamRef], *, qualified: bool = False) -> list[list[str]]:
     """The name of each parameter of each group in the optimizer's keys.
 
     A parameter is named as in torch's ``get_state_dict``: its fqn within its module. When the
