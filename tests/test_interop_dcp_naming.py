@@ -188,10 +188,32 @@ def write_format_1_0(uri: str, model: torch.nn.Module, optim: torch.optim.Optimi
     state["optim.param_groups"] = groups
     state["step"] = 2
     tierckpt.save(uri, state)
+    _drop_format_minor(uri)
+
+
+def _drop_format_minor(uri: str) -> None:
+    """Make the header what format 1.0 wrote: no ``format_minor``."""
     header = Path(uri) / layout.header_key(read_checkpoint(open_backend(uri)).meta.generation)
     doc = json.loads(header.read_text())
     del doc["format_minor"]
     header.write_text(json.dumps(doc))
+
+
+def test_format_1_0_checkpoint_of_get_state_dict_dicts_loads_into_them(tmp_path: Path) -> None:
+    """Format 1.0 stored a nested get_state_dict optimizer dict as ``optim.state.<fqn>.<name>`` and one
+    ``optim.param_groups`` list; it still loads into such dicts."""
+    model, optim, expected = _trained()
+    msd, osd = get_state_dict(model, optim)
+    state: dict[str, Any] = {f"model.{k}": v for k, v in msd.items()}
+    state.update({f"optim.state.{fqn}.{k}": v for fqn, s in osd["state"].items() for k, v in s.items()})
+    state["optim.param_groups"] = osd["param_groups"]
+    tierckpt.save(str(tmp_path / "old"), state)
+    _drop_format_minor(str(tmp_path / "old"))
+    model, optim = build(1, fresh=True)
+    msd, osd = get_state_dict(model, optim)
+    tierckpt.load(str(tmp_path / "old"), {"model": msd, "optim": osd})
+    set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
+    assert_same(expected, full(model, optim))
 
 
 def test_format_1_0_checkpoint_loads_natively(tmp_path: Path) -> None:
