@@ -106,3 +106,16 @@ def fsdp2_dcp_to_native(root: str, flatten: bool) -> bool:
             assert_same(expected, full(model, optim))
     dist.barrier()
     return True
+
+
+def convert_inside_a_group(root: str) -> str:
+    """Calling a DCP conversion on one rank of a process group fails at once, naming the command."""
+    from tierckpt import convert
+
+    if dist.get_rank() == 0:
+        try:
+            convert.to_dcp(f"{root}/none", f"{root}/dcp")
+        except tierckpt.CheckpointError as exc:
+            return str(exc)
+        raise AssertionError("to_dcp ran inside a process group")
+    return ""

@@ -277,3 +277,9 @@ def test_equal_mutable_objects_load_as_separate_values(tmp_path: Path) -> None:
     tierckpt.load(str(tmp_path / "c"), target)
     target["a"].append(3)
     assert target == {"a": [1, 2, 3], "b": [1, 2], "c": (0.9, 0.95), "d": (0.9, 0.95)}
+
+
+@pytest.mark.multiproc
+def test_dcp_conversion_inside_a_process_group_says_to_run_the_command(dist_pool, tmp_path: Path) -> None:
+    message = dist_pool.run(scenarios_interop.convert_inside_a_group, str(tmp_path))[0]
+    assert "runs in one process" in message and "tierckpt convert --to dcp" in message

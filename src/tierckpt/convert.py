@@ -291,6 +291,7 @@ def from_dcp(src: str | os.PathLike[str], uri: str, *, storage_options: Mapping[
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    _check_one_process("convert --from dcp")
     try:
         metadata = dcp.FileSystemReader(str(src)).read_metadata()
     except FileNotFoundError as exc:
@@ -327,6 +328,7 @@ def to_dcp(
     """
     import torch.distributed.checkpoint as dcp
 
+    _check_one_process("convert --to dcp")
     ckpt = read_checkpoint(open_backend(uri, **dict(storage_options or {})))
     state: dict[str, Any] = {fqn: torch.empty(t.shape, dtype=t.torch_dtype) for fqn, t in ckpt.tensors.items()}
     skipped = sorted({o.key for o in ckpt.meta.objects if o.codec == "pickle" and not allow_pickle})
@@ -341,6 +343,18 @@ def to_dcp(
     report.objects = sum(not isinstance(v, torch.Tensor) for v in state.values())
     report.skipped_objects = skipped
     return report
+
+
+def _check_one_process(what: str) -> None:
+    """DCP conversions load or save with tierckpt in this process alone: inside a process group of
+    several ranks that would wait for the other ranks, so refuse at once."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise CheckpointError(
+            f"{what} runs in one process, but this one is rank {dist.get_rank()} of a process group of "
+            f"{dist.get_world_size()}; run the `tierckpt {what}` command in a process of its own"
+        )
 
 
 _INDEXED_SETTING = re.compile(r"^(?P<group>(?P<prefix>.+)\.param_groups\.(?P<index>\d+))\.(?P<setting>.+)$")
