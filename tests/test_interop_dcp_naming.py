@@ -271,12 +271,15 @@ def test_param_group_settings_are_read_in_one_request_per_file(tmp_path: Path) -
 
 
 def test_equal_mutable_objects_load_as_separate_values(tmp_path: Path) -> None:
-    """Equal small values decode once only when immutable: two equal lists stay two lists."""
-    tierckpt.save(str(tmp_path / "c"), {"a": [1, 2], "b": [1, 2], "c": (0.9, 0.95), "d": (0.9, 0.95)})
-    target: dict[str, Any] = {"a": None, "b": None, "c": None, "d": None}
+    """Equal small values decode once only when immutable: two equal lists stay two lists; values
+    that compare equal but differ in type or bits (1, 1.0, True; 0.0, -0.0) stay apart."""
+    saved = {"a": [1, 2], "b": [1, 2], "c": (0.9, 0.95), "d": (0.9, 0.95), "e": 0.0, "f": -0.0, "g": 1, "h": 1.0, "i": True}
+    tierckpt.save(str(tmp_path / "c"), saved)
+    target: dict[str, Any] = dict.fromkeys(saved)
     tierckpt.load(str(tmp_path / "c"), target)
+    assert [repr(target[k]) for k in saved] == [repr(v) for v in saved.values()]
     target["a"].append(3)
-    assert target == {"a": [1, 2, 3], "b": [1, 2], "c": (0.9, 0.95), "d": (0.9, 0.95)}
+    assert target["b"] == [1, 2]
 
 
 @pytest.mark.multiproc

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 import pickle
 from typing import Any
 
@@ -18,14 +19,16 @@ import torch
 from .errors import CheckpointError, CorruptCheckpointError
 
 
-_PLAIN_TYPES = (int, float, bool, type(None))
+_PLAIN_TYPES = (int, bool, type(None))
 _PLAIN_MAX_LEN = 64
 """Strings and tuples/lists longer than this are not cached (nor kept alive by the cache)."""
 
 
 def _plain_key(value: Any) -> Any:
     """A cache key for a number, short string, ``None`` or short tuple/list of them (typed: ``1``,
-    ``1.0`` and ``True`` differ), else ``None``."""
+    ``1.0`` and ``True`` differ; floats by their bits: ``-0.0`` is not ``0.0``), else ``None``."""
+    if type(value) is float:
+        return None if math.isnan(value) else (float, value.hex())
     if type(value) in _PLAIN_TYPES or (type(value) is str and len(value) <= _PLAIN_MAX_LEN):
         return (type(value), value)
     if type(value) in (tuple, list) and len(value) <= _PLAIN_MAX_LEN:
@@ -36,6 +39,8 @@ def _plain_key(value: Any) -> Any:
 
 def _from_key(key: Any) -> Any:
     kind, value = key
+    if kind is float:
+        return float.fromhex(value)
     return kind(_from_key(k) for k in value) if kind in (tuple, list) else value
 
 
