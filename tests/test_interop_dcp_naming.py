@@ -265,8 +265,9 @@ def test_param_group_settings_are_read_in_one_request_per_file(tmp_path: Path) -
     model, optim = build(1, fresh=True)
     get_scheduler().metrics.reset()
     tierckpt.load(str(tmp_path / "c"), {"model": model, "optim": optim})
-    object_reads = [r for r in get_scheduler().metrics.records() if "/objects/" in r.key]
-    assert len(object_reads) == len({o.file for o in ckpt.meta.objects}) == 1
+    object_ops = [r.op for r in get_scheduler().metrics.records() if "/objects/" in r.key]
+    assert len({o.file for o in ckpt.meta.objects}) == 1
+    assert sorted(object_ops) == sorted(["size", "read_into"])  # its size is checked, then one ranged read
     assert_same(expected, full(model, optim))
 
 
@@ -286,3 +287,16 @@ def test_equal_mutable_objects_load_as_separate_values(tmp_path: Path) -> None:
 def test_dcp_conversion_inside_a_process_group_says_to_run_the_command(dist_pool, tmp_path: Path) -> None:
     message = dist_pool.run(scenarios_interop.convert_inside_a_group, str(tmp_path))[0]
     assert "runs in one process" in message and "tierckpt convert --to dcp" in message
+
+
+def test_object_past_the_end_of_its_file_is_refused_before_allocating(tmp_path: Path) -> None:
+    """A header claiming a 32 TiB object fails as corrupt, naming it, without allocating a buffer for it."""
+    uri = str(tmp_path / "c")
+    tierckpt.save(uri, {"x": 5, "y": [1]})
+    header = Path(uri) / layout.header_key(read_checkpoint(open_backend(uri)).meta.generation)
+    doc = json.loads(header.read_text())
+    (y,) = [o for o in doc["objects"] if o["key"] == "y"]
+    y["byte_length"] = 2**45
+    header.write_text(json.dumps(doc))
+    with pytest.raises(tierckpt.CorruptCheckpointError, match="'y' runs past the end"):
+        tierckpt.load(uri, {"x": None, "y": None})

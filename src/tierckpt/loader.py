@@ -470,13 +470,21 @@ def _read_objects(backend: Backend, gen: str, metas: set[ObjectMeta]) -> dict[Ob
         else:
             spans.append((meta.file, meta.byte_offset, [meta]))
             ends.append(end)
+    sched = get_scheduler()
+    sizes = {file: sched.do(backend, "size", layout.in_generation(gen, file)) for file, _, _ in spans}
+    for (file, _, group), end in zip(spans, ends):
+        if end > sizes[file]:  # checked before allocating: the header is untrusted input
+            last = max(group, key=lambda o: o.byte_offset + o.byte_length)
+            raise CorruptCheckpointError(
+                f"object {last.key!r} runs past the end of {file!r} ({sizes[file]} bytes): the checkpoint "
+                "metadata and the stored data disagree"
+            )
     buffers = [bytearray(end - start) for (_, start, _), end in zip(spans, ends)]
     requests = [
         ReadRequest(key=layout.in_generation(gen, file), start=start, out=memoryview(buf))
         for (file, start, _), buf in zip(spans, buffers)
     ]
     if requests:
-        sched = get_scheduler()
         sched.run(sched.read(backend, requests))
     out: dict[ObjectMeta, bytes] = {}
     for (_, start, group), buf in zip(spans, buffers):
