@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 import warnings
 from pathlib import Path
@@ -156,11 +157,26 @@ def test_strict_missing_key(saved):
     assert "'c'" in str(info.value) and "missing" in str(info.value)
 
 
-def test_strict_unexpected_key(saved):
-    """A checkpoint key absent from the state is named as unexpected."""
-    with pytest.raises(StateMismatchError, match="strict=False") as info:
-        tierckpt.load(saved, {"a": torch.zeros(2, 3)})
-    assert "'b'" in str(info.value) and "unexpected" in str(info.value)
+def test_strict_loads_what_is_asked_for(saved, caplog):
+    """Strict checks the requested keys: a checkpoint key the state does not ask for is skipped,
+    logged at debug level only (no warning)."""
+    target = {"a": torch.zeros(2, 3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with caplog.at_level(logging.DEBUG, logger="tierckpt"):
+            tierckpt.load(saved, target)
+    assert torch.equal(target["a"], torch.ones(2, 3))
+    (record,) = [r for r in caplog.records if "not requested" in r.getMessage()]
+    assert record.levelno == logging.DEBUG and "'b'" in record.getMessage()
+
+
+def test_strict_mismatch_is_named_before_missing_keys(saved):
+    """A shape mismatch comes first in the message, ahead of the list of missing keys."""
+    target = {"a": torch.zeros(3, 2), **{f"x{i}": torch.zeros(1) for i in range(20)}}
+    with pytest.raises(StateMismatchError) as info:
+        tierckpt.load(saved, target)
+    msg = str(info.value)
+    assert msg.index("shape mismatch 'a'") < msg.index("missing from the checkpoint")
 
 
 def test_strict_shape_mismatch_names_key_and_both_shapes(saved):

@@ -30,9 +30,9 @@ def _expected_tensors(model: nn.Module) -> dict[str, tuple[list[int], str]]:
     """fqn -> (global shape, dtype name) of everything the save below stores as tensors."""
     out = {f"model.{k}": (list(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in model.state_dict().items()}
     for name, p in model.named_parameters():
-        out[f"optim.state.model.{name}.exp_avg"] = (list(p.shape), "float32")
-        out[f"optim.state.model.{name}.exp_avg_sq"] = (list(p.shape), "float32")
-        out[f"optim.state.model.{name}.step"] = ([], "float32")
+        out[f"optim.state.{name}.exp_avg"] = (list(p.shape), "float32")
+        out[f"optim.state.{name}.exp_avg_sq"] = (list(p.shape), "float32")
+        out[f"optim.state.{name}.step"] = ([], "float32")
     return out
 
 
@@ -54,7 +54,10 @@ def test_inspect_json_lists_every_tensor(saved, capsys) -> None:
     assert all(t["pieces"] == 1 for t in doc["tensors"])  # one process saves each tensor whole
     assert all("piece_list" not in t for t in doc["tensors"])
     objects = {o["key"]: o for o in doc["objects"]}
-    assert {"step", "data.epoch", "data.name", "optim.param_groups"} == set(objects)
+    model, optim = _model_and_optim()
+    settings = [k for k in optim.param_groups[0] if k != "params"]
+    groups = {f"optim.param_groups.{name}.{k}" for name, _ in model.named_parameters() for k in settings}
+    assert {"step", "data.epoch", "data.name"} | groups == set(objects)
     assert all(o["scope"] == "shared" and o["codec"] == "torch" and o["bytes"] > 0 for o in objects.values())
     assert doc["world_size"] == 1
     assert "module" in doc["frameworks"] and "optimizer" in doc["frameworks"]

@@ -195,3 +195,29 @@ def test_from_dcp_saved_by_dcp(tmp_path: Path) -> None:
 
 def test_from_missing_dcp(tmp_path: Path) -> None:
     assert cli.main(["convert", str(tmp_path / "none"), str(tmp_path / "x"), "--from", "dcp", "--to", "tierckpt"]) == cli.EXIT_NOT_FOUND
+
+
+def test_from_dcp_of_a_plain_optimizer_state_dict(tmp_path: Path) -> None:
+    """DCP's list-indexed param groups of numbered parameters (``Optimizer.state_dict()``) import as one
+    ``param_groups`` list, which is how tierckpt stores that dict: it loads back into one, strict."""
+    import torch.distributed.checkpoint as dcp
+
+    def stepped(lr: float, momentum: float) -> torch.optim.Optimizer:
+        param = torch.nn.Parameter(torch.arange(3.0))
+        optim = torch.optim.SGD([param], lr=lr, momentum=momentum)
+        param.grad = torch.full((3,), 0.5)
+        optim.step()
+        return optim
+
+    saved = stepped(0.1, 0.9)
+    with convert._quiet_dcp():
+        dcp.save({"optim": saved.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    convert.from_dcp(tmp_path / "dcp", str(tmp_path / "back"))
+    optim = stepped(0.7, 0.3)
+    optim.param_groups[0]["params"][0].grad = torch.full((3,), 2.0)
+    optim.step()
+    target = {"optim": optim.state_dict()}
+    tierckpt.load(str(tmp_path / "back"), target)
+    optim.load_state_dict(target["optim"])
+    assert optim.state_dict()["param_groups"] == saved.state_dict()["param_groups"]
+    assert_bit_equal({"m": optim.state_dict()["state"][0]["momentum_buffer"]}, {"m": saved.state_dict()["state"][0]["momentum_buffer"]})

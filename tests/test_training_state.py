@@ -199,10 +199,7 @@ def test_several_models_full_and_partial_load(tmp_path):
 
     actor_only, _ = _rl(2)
     untouched = {k: v.clone() for k, v in actor_only["critic"].state_dict().items()}
-    with pytest.raises(tierckpt.StateMismatchError, match="unexpected"):
-        tierckpt.load(str(tmp_path / "c"), {"actor": actor_only["actor"]})
-    with pytest.warns(UserWarning, match="strict=False"):
-        tierckpt.load(str(tmp_path / "c"), {"actor": actor_only["actor"]}, strict=False)
+    tierckpt.load(str(tmp_path / "c"), {"actor": actor_only["actor"]})  # strict: the other models are not asked for
     for a, b in zip(models["actor"].parameters(), actor_only["actor"].parameters()):
         assert torch.equal(a, b)
     assert all(torch.equal(v, actor_only["critic"].state_dict()[k]) for k, v in untouched.items())

@@ -5,9 +5,9 @@ Lifecycle (every rank of the loading group unless noted):
 1. Rank 0 reads ``COMMIT``, the header and the tensor table, and broadcasts them (a missing commit
    raises :class:`~tierckpt.errors.IncompleteCheckpointError` when data exists without one; a torch
    DCP directory is read in place by :mod:`tierckpt.dcp_format`, its pieces included).
-2. Each rank flattens its target state and checks it against the checkpoint: missing and unexpected
-   keys, shape and dtype mismatches. Ranks all-gather their needs and findings; in strict mode any
-   finding on any rank raises on every rank, before anything is read.
+2. Each rank flattens its target state and checks it against the checkpoint: missing keys, shape and
+   dtype mismatches (keys the state does not ask for are not loaded). Ranks all-gather their needs
+   and findings; in strict mode any finding on any rank raises on every rank, before anything is read.
 3. Each rank reads the rows of the pieces table for the tensors the group needs and computes the
    same :class:`~tierckpt.planner.LoadPlan`. Each rank checks the sizes of the data files it will read,
    so a truncated or missing file fails before any tensor is modified.
@@ -186,7 +186,10 @@ def _prepare(
     state: Mapping[str, Any], ckpt: Checkpoint, saved_keys: set[str],
 ) -> tuple[tuple[FlatState, list[TargetPiece]], tuple[list[TargetPiece], list[tuple[str, str]], list[str], list[str]]]:
     """Flatten this rank's state for loading: ``(kept, shared)``, shared being what :func:`_report` reads."""
-    flat = flatten_state(state, for_load=True, saved_keys=lambda p: any(k.startswith(p) for k in saved_keys))
+    flat = flatten_state(
+        state, for_load=True, saved_keys=lambda p: any(k.startswith(p) for k in saved_keys),
+        legacy_names=ckpt.meta.format_minor < 1,
+    )
     needs, findings = _match(flat, ckpt)
     return (flat, needs), (needs, findings, sorted(flat.tensors), sorted(flat.objects))
 
@@ -214,19 +217,20 @@ def _match(flat: FlatState, ckpt: Checkpoint) -> tuple[list[TargetPiece], list[t
 
 
 def _report(gathered: list[Any], ckpt: Checkpoint, strict: bool, uri: str) -> None:
+    """Strict: every requested key is in the checkpoint with its shape and dtype. Keys the checkpoint
+    has and the state did not ask for are not loaded, and only logged (at debug level)."""
     findings = sorted({f for g in gathered for f in g[1]})
-    wanted = {k for g in gathered for k in g[2]} | {k for g in gathered for k in g[3]}
-    saved = set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}
-    unexpected = sorted(saved - wanted)
-    lines = []
+    lines = [f"shape mismatch {m}" for kind, m in findings if kind == "shape"]
+    lines.extend(f"dtype mismatch {m}" for kind, m in findings if kind == "dtype")
+    lines.extend(f"{m!r} is a tensor in the state but an object in the checkpoint" for kind, m in findings if kind == "object")
     missing = [m for kind, m in findings if kind == "missing"]
     if missing:
         lines.append(f"missing from the checkpoint: {_few(missing)}")
-    if unexpected:
-        lines.append(f"in the checkpoint but not in the state (unexpected): {_few(unexpected)}")
-    lines.extend(f"shape mismatch {m}" for kind, m in findings if kind == "shape")
-    lines.extend(f"dtype mismatch {m}" for kind, m in findings if kind == "dtype")
-    lines.extend(f"{m!r} is a tensor in the state but an object in the checkpoint" for kind, m in findings if kind == "object")
+    if logger.isEnabledFor(logging.DEBUG):
+        wanted = {k for g in gathered for k in g[2]} | {k for g in gathered for k in g[3]}
+        unasked = sorted((set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}) - wanted)
+        if unasked:
+            logger.debug("checkpoint %r: %d key(s) not requested, not loaded: %s", uri, len(unasked), _few(unasked))
     if not lines:
         return
     message = f"state does not match checkpoint {uri!r}: " + "; ".join(lines)
@@ -442,31 +446,71 @@ def _deliver(entry: TensorEntry, delivery: Any, part: torch.Tensor) -> None:
     target.copy_(part.reshape(delivery.box.lengths))
 
 
+OBJECT_GAP_BYTES = 1 << 20
+"""Objects of one file at most this far apart are fetched in one ranged read (they are many and small)."""
+
+
 def _fetch_objects(backend: Backend, ckpt: Checkpoint, flat: FlatState, comm: Comm, allow_pickle: bool) -> dict[str, Any]:
     """The decoded value of every object entry this rank loads (nothing is assigned yet)."""
-    gen = ckpt.meta.generation
-    values: dict[str, Any] = {}
     by_key: dict[str, list[ObjectMeta]] = {}
     for o in ckpt.meta.objects:
         by_key.setdefault(o.key, []).append(o)
     saved_world = ckpt.meta.world_size
+    wanted: dict[str, list[ObjectMeta]] = {}
     for key, entry in flat.objects.items():
         options = by_key.get(key)
         if not options:
             continue
         if entry.all_ranks:
-            ordered = sorted(options, key=lambda o: -1 if o.rank is None else o.rank)
-            values[key] = [_read_object(backend, gen, o, allow_pickle) for o in ordered]
+            wanted[key] = sorted(options, key=lambda o: -1 if o.rank is None else o.rank)
         else:
-            values[key] = _read_object(backend, gen, _object_for_rank(options, comm.rank, saved_world, key), allow_pickle)
+            wanted[key] = [_object_for_rank(options, comm.rank, saved_world, key)]
+    data = _read_objects(backend, ckpt.meta.generation, {o for metas in wanted.values() for o in metas})
+    values: dict[str, Any] = {}
+    for key, metas in wanted.items():
+        decoded = [decode_object(data[o], o.codec, o.key, allow_pickle=allow_pickle) for o in metas]
+        values[key] = decoded if flat.objects[key].all_ranks else decoded[0]
     return values
 
 
-def _read_object(backend: Backend, gen: str, meta: ObjectMeta, allow_pickle: bool) -> Any:
-    data = get_scheduler().do(backend, "get_range", layout.in_generation(gen, meta.file), meta.byte_offset, meta.byte_offset + meta.byte_length)
-    if crc32c.crc32c(data) != meta.crc32c:
-        raise CorruptCheckpointError(f"checksum mismatch for object {meta.key!r} in {meta.file!r} at byte {meta.byte_offset}")
-    return decode_object(data, meta.codec, meta.key, allow_pickle=allow_pickle)
+def _read_objects(backend: Backend, gen: str, metas: set[ObjectMeta]) -> dict[ObjectMeta, bytes]:
+    """The checksummed bytes of each object; nearby objects of one file come in one ranged read."""
+    spans: list[tuple[str, int, list[ObjectMeta]]] = []
+    ends: list[int] = []
+    for meta in sorted(metas, key=lambda o: (o.file, o.byte_offset)):
+        end = meta.byte_offset + meta.byte_length
+        if spans and spans[-1][0] == meta.file and meta.byte_offset - ends[-1] <= OBJECT_GAP_BYTES:
+            spans[-1][2].append(meta)
+            ends[-1] = max(ends[-1], end)
+        else:
+            spans.append((meta.file, meta.byte_offset, [meta]))
+            ends.append(end)
+    sched = get_scheduler()
+    sizes = {file: sched.do(backend, "size", layout.in_generation(gen, file)) for file, _, _ in spans}
+    for (file, _, group), end in zip(spans, ends):
+        if end > sizes[file]:  # checked before allocating: the header is untrusted input
+            last = max(group, key=lambda o: o.byte_offset + o.byte_length)
+            raise CorruptCheckpointError(
+                f"object {last.key!r} runs past the end of {file!r} ({sizes[file]} bytes): the checkpoint "
+                "metadata and the stored data disagree"
+            )
+    buffers = [bytearray(end - start) for (_, start, _), end in zip(spans, ends)]
+    requests = [
+        ReadRequest(key=layout.in_generation(gen, file), start=start, out=memoryview(buf))
+        for (file, start, _), buf in zip(spans, buffers)
+    ]
+    if requests:
+        sched.run(sched.read(backend, requests))
+    out: dict[ObjectMeta, bytes] = {}
+    for (_, start, group), buf in zip(spans, buffers):
+        for meta in group:
+            data = bytes(buf[meta.byte_offset - start : meta.byte_offset - start + meta.byte_length])
+            if crc32c.crc32c(data) != meta.crc32c:
+                raise CorruptCheckpointError(
+                    f"checksum mismatch for object {meta.key!r} in {meta.file!r} at byte {meta.byte_offset}"
+                )
+            out[meta] = data
+    return out
 
 
 def _object_for_rank(options: list[ObjectMeta], rank: int, saved_world: int, key: str) -> ObjectMeta:

@@ -34,6 +34,10 @@ from .regions import Box, FlatRange, Region
 
 FORMAT_NAME = "tierckpt"
 FORMAT_VERSION = 1
+FORMAT_MINOR = 1
+"""Minor version: readers of the same ``FORMAT_VERSION`` read every minor version (see docs/format.md).
+0 (a header without ``format_minor``) named optimizer state after the state key of the parameter's
+module; 1 uses torch's ``get_state_dict`` names."""
 
 #: Upper bounds that keep a crafted file from asking for absurd work or memory.
 MAX_NDIM = 64
@@ -130,6 +134,7 @@ class CheckpointMeta:
     """The header of a checkpoint generation."""
 
     format_version: int = FORMAT_VERSION
+    format_minor: int = FORMAT_MINOR
     generation: str
     world_size: int
     created_unix: float
@@ -195,6 +200,7 @@ def decode_header(data: bytes) -> CheckpointMeta:
         )
         files = tuple(FileMeta(key=validate_key(f["key"]), size=_int(f["size"], "file size")) for f in doc["files"])
         return CheckpointMeta(
+            format_minor=_int(doc.get("format_minor", 0), "format_minor"),
             generation=validate_generation(doc["generation"]),
             world_size=world,
             created_unix=float(doc["created_unix"]),

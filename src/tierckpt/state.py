@@ -6,8 +6,12 @@
   parameters and persistent buffers. DTensors (FSDP2, TP) keep their shard as a :class:`Box`; FSDP1
   parameters are 1-D views into the flat shard and become :class:`FlatRange` pieces, written as they
   are — no all-gather.
-* ``torch.optim.Optimizer``: per-parameter state keyed by the parameter's fqn (so it reshards like
-  the parameter) and ``param_groups`` as an object.
+* ``torch.optim.Optimizer``: under torch's ``get_state_dict`` names (flattened, as with
+  ``StateDictOptions(flatten_optimizer_state_dict=True)``): per-parameter state
+  ``<key>.state.<param fqn>.<name>`` (so it reshards like the parameter) and each parameter's copy
+  of its group's settings, ``<key>.param_groups.<param fqn>.<setting>``.
+* Optimizer state dicts from ``get_state_dict`` (``{"state": ..., "param_groups": [...]}``, by fqn):
+  the same keys, so a checkpoint saved either way loads either way.
 * Objects with ``state_dict``/``load_state_dict`` (LR schedulers, GradScaler, samplers...): their
   state dict as one object — stored once when equal on every rank, else per rank.
 * Nested dicts: recursed. Tensors and DTensors: entries.
@@ -18,7 +22,8 @@
   dataloader state).
 * Anything else: an object entry.
 
-Keys are dotted paths: ``model.layers.0.weight``, ``optim.state.model.layers.0.weight.exp_avg``.
+Keys are dotted paths: ``model.layers.0.weight``, ``optim.state.layers.0.weight.exp_avg``,
+``optim.param_groups.layers.0.weight.lr``.
 Plain (non-DTensor) tensors are taken to be replicated across ranks, as in torch DCP; a value that
 differs per rank belongs in an object entry.
 """
@@ -82,6 +87,15 @@ class FlatState:
     def _check_new(self, key: str) -> None:
         if key in self.tensors or key in self.objects:
             raise CheckpointError(f"two entries of the state map to the key {key!r}; rename one of them")
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    """A module parameter: the state key of its module, its fqn within the module, and its entry."""
+
+    module_key: str
+    name: str
+    entry: TensorEntry
 
 
 def clean_fqn(name: str) -> str:
@@ -149,7 +163,7 @@ def _fsdp1_modules(module: nn.Module) -> list[nn.Module]:
     return list(FullyShardedDataParallel.fsdp_modules(module))
 
 
-def module_entries(prefix: str, module: nn.Module, state: FlatState, params: dict[int, TensorEntry]) -> None:
+def module_entries(prefix: str, module: nn.Module, state: FlatState, params: dict[int, ParamRef]) -> None:
     """Add a module's parameters and persistent buffers; record parameter entries by ``id``."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -170,12 +184,12 @@ def module_entries(prefix: str, module: nn.Module, state: FlatState, params: dic
             state.frameworks.add("dtensor")
         state.add_tensor(entry)
         if id(tensor) in named_params:
-            params.setdefault(id(tensor), entry)
+            params.setdefault(id(tensor), ParamRef(prefix, clean_fqn(name), entry))
     state.frameworks.add("module")
 
 
 def _fsdp1_entries(
-    prefix: str, root: nn.Module, fsdp_modules: list[nn.Module], state: FlatState, params: dict[int, TensorEntry]
+    prefix: str, root: nn.Module, fsdp_modules: list[nn.Module], state: FlatState, params: dict[int, ParamRef]
 ) -> None:
     flat_of: dict[int, tuple[tuple[int, ...], FlatRange]] = {}
     for fsdp in fsdp_modules:
@@ -208,7 +222,7 @@ def _fsdp1_entries(
         else:
             entry = tensor_entry(fqn, param)
         state.add_tensor(entry)
-        params.setdefault(id(param), entry)
+        params.setdefault(id(param), ParamRef(prefix, clean_fqn(name), entry))
     for name, buf in _persistent_buffers(root):
         state.add_tensor(tensor_entry(f"{prefix}.{clean_fqn(name)}", buf))
 
@@ -222,27 +236,115 @@ def _persistent_buffers(root: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 # -- optimizers ------------------------------------------------------------------------------------
 def optimizer_entries(
-    key: str, optim: torch.optim.Optimizer, state: FlatState, params: dict[int, TensorEntry], *, for_load: bool,
-    saved_keys: Callable[[str], bool] | None = None,
+    key: str, optim: torch.optim.Optimizer, state: FlatState, params: dict[int, ParamRef], *, for_load: bool,
+    saved_keys: Callable[[str], bool] | None = None, legacy_names: bool = False,
 ) -> None:
-    """Add an optimizer's per-parameter state (resharding like its parameter) and its param groups."""
+    """Add an optimizer's per-parameter state (resharding like its parameter) and its param group settings.
+
+    Keys are torch's flattened ``get_state_dict`` names: ``<key>.state.<param>.<name>`` and
+    ``<key>.param_groups.<param>.<setting>`` (see :func:`_param_names`). ``legacy_names`` reads a
+    checkpoint of format 1.0 instead: parameters named with their module's state key in front and the
+    param groups as one ``<key>.param_groups`` object.
+    """
     state.frameworks.add("optimizer")
     if for_load and saved_keys is not None and saved_keys(f"{key}.state."):
         init_optimizer_state(optim)
-    names: list[list[str]] = []
-    for gi, group in enumerate(optim.param_groups):
-        group_names = []
-        for pi, param in enumerate(group["params"]):
-            entry = params.get(id(param))
-            pname = entry.fqn if entry is not None else f"param_group{gi}.param{pi}"
-            group_names.append(pname)
+    names = _param_names(optim, params, qualified=legacy_names)
+    for group, group_names in zip(optim.param_groups, names):
+        for param, pname in zip(group["params"], group_names):
+            ref = params.get(id(param))
             for sname, value in optim.state.get(param, {}).items():
                 skey = f"{key}.state.{pname}.{sname}"
                 if isinstance(value, torch.Tensor):
-                    state.add_tensor(_state_tensor_entry(skey, value, entry))
-                else:
+                    state.add_tensor(_state_tensor_entry(skey, value, ref.entry if ref is not None else None))
+                elif legacy_names:
                     state.add_object(ObjectEntry(key=skey, value=value, container=optim.state[param], slot=sname))
-        names.append(group_names)
+                else:  # nested state (e.g. Shampoo's) is flattened further, as torch does
+                    _walk(skey, value, optim.state[param], sname, state, for_load, legacy_names)
+    if legacy_names:
+        _legacy_param_groups(key, optim, names, state, for_load)
+    else:
+        _param_group_entries(key, optim, names, state, for_load)
+
+
+def _param_names(optim: torch.optim.Optimizer, params: dict[int, ParamRef], *, qualified: bool = False) -> list[list[str]]:
+    """The name of each parameter of each group in the optimizer's keys.
+
+    A parameter is named as in torch's ``get_state_dict``: its fqn within its module. When the
+    optimizer's parameters come from several modules of the state (or ``qualified``), the module's
+    state key goes in front, so names stay unique. A parameter of no module is ``param_group<i>.param<j>``.
+    """
+    refs = [[params.get(id(p)) for p in group["params"]] for group in optim.param_groups]
+    qualified = qualified or len({r.module_key for group in refs for r in group if r is not None}) > 1
+    return [
+        [
+            f"param_group{gi}.param{pi}" if r is None else (r.entry.fqn if qualified else r.name)
+            for pi, r in enumerate(group)
+        ]
+        for gi, group in enumerate(refs)
+    ]
+
+
+def param_group_items(prefix: str, groups: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any], str]]:
+    """``(key, group, setting)`` for every parameter and setting of ``groups`` (dicts whose ``params``
+    are parameter names), keyed as torch's flattened optimizer state dict: ``<prefix>.param_groups.<param>.<setting>``."""
+    for group in groups:
+        for name in group["params"]:
+            for setting in group:
+                if setting != "params":
+                    yield f"{prefix}.param_groups.{name}.{setting}", group, setting
+
+
+def _param_group_entries(
+    key: str, optim: torch.optim.Optimizer, names: list[list[str]], state: FlatState, for_load: bool
+) -> None:
+    """Every parameter's copy of its group's settings; on load, each group takes its settings back."""
+    holders = [
+        [{**{k: v for k, v in group.items() if k != "params"}, "params": [name]} for name in group_names]
+        for group, group_names in zip(optim.param_groups, names)
+    ]
+    for group_key, holder, setting in param_group_items(key, [h for group in holders for h in group]):
+        state.add_object(ObjectEntry(key=group_key, value=holder[setting], container=holder, slot=setting))
+    if for_load:
+        state.after_load.append(lambda: _apply_group_settings(key, optim, holders))
+
+
+def _apply_group_settings(key: str, optim: torch.optim.Optimizer, holders: list[list[dict[str, Any]]]) -> None:
+    for group, params in zip(optim.param_groups, holders):
+        if not params:
+            continue
+        first = params[0]
+        for setting in group:
+            if setting == "params":
+                continue
+            for other in params[1:]:
+                if not _same(other[setting], first[setting]):
+                    raise StateMismatchError(
+                        f"optimizer {key!r}: parameters {first['params'][0]!r} and {other['params'][0]!r} share a "
+                        f"param group, but the checkpoint has {setting}={first[setting]!r} for one and "
+                        f"{other[setting]!r} for the other; build the optimizer with the param groups it was saved with"
+                    )
+            _set_group_value(group, setting, first[setting])
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return bool(a == b)
+
+
+def _set_group_value(group: dict[str, Any], setting: str, value: Any) -> None:
+    """Set a group setting, in place when the optimizer holds it as a tensor (a tensor ``lr``)."""
+    if isinstance(group.get(setting), torch.Tensor) and not isinstance(value, torch.Tensor):
+        group[setting].fill_(value)
+    else:
+        group[setting] = value
+
+
+def _legacy_param_groups(
+    key: str, optim: torch.optim.Optimizer, names: list[list[str]], state: FlatState, for_load: bool
+) -> None:
+    """Format 1.0: the param groups as one object, a list of the groups with their parameters' names."""
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": n} for g, n in zip(optim.param_groups, names)]
     holder: dict[str, Any] = {"groups": groups}
     state.add_object(ObjectEntry(key=f"{key}.param_groups", value=groups, container=holder, slot="groups"))
@@ -269,10 +371,7 @@ def _apply_param_groups(key: str, optim: torch.optim.Optimizer, groups: Any) -> 
     for saved, group in zip(groups, optim.param_groups):
         for k, v in saved.items():
             if k != "params":
-                if isinstance(group.get(k), torch.Tensor) and not isinstance(v, torch.Tensor):
-                    group[k].fill_(v)
-                else:
-                    group[k] = v
+                _set_group_value(group, k, v)
 
 
 def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
@@ -309,13 +408,17 @@ def _is_stateful(value: Any) -> bool:
 
 
 def flatten_state(
-    state: Mapping[str, Any], *, for_load: bool, saved_keys: Callable[[str], bool] | None = None
+    state: Mapping[str, Any], *, for_load: bool, saved_keys: Callable[[str], bool] | None = None,
+    legacy_names: bool = False,
 ) -> FlatState:
-    """Flatten a user state mapping into entries (see the module docstring)."""
+    """Flatten a user state mapping into entries (see the module docstring).
+
+    ``legacy_names`` flattens optimizers as format 1.0 named them, to load such a checkpoint.
+    """
     if not isinstance(state, Mapping):
         raise CheckpointError(f"state must be a mapping of names to values, got {type(state).__name__}")
     flat = FlatState()
-    params: dict[int, TensorEntry] = {}
+    params: dict[int, ParamRef] = {}
     # Modules first, so optimizers can name their parameters by fqn.
     for key, value in state.items():
         if isinstance(value, nn.Module):
@@ -324,9 +427,11 @@ def flatten_state(
         if isinstance(value, nn.Module):
             continue
         if isinstance(value, torch.optim.Optimizer):
-            optimizer_entries(_key(key), value, flat, params, for_load=for_load, saved_keys=saved_keys)
+            optimizer_entries(
+                _key(key), value, flat, params, for_load=for_load, saved_keys=saved_keys, legacy_names=legacy_names
+            )
         else:
-            _walk(_key(key), value, state, key, flat, for_load)
+            _walk(_key(key), value, state, key, flat, for_load, legacy_names)
     return flat
 
 
@@ -336,8 +441,28 @@ def _key(key: Any) -> str:
     return key
 
 
-def _walk(path: str, value: Any, container: Any, slot: Any, flat: FlatState, for_load: bool) -> None:
-    if isinstance(value, torch.Tensor):
+def named_groups(groups: Any) -> bool:
+    """Whether ``groups`` are torch param groups whose parameters are named (as ``get_state_dict``
+    names them), rather than numbered (as ``Optimizer.state_dict`` does)."""
+    return isinstance(groups, list) and all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) and all(isinstance(n, str) for n in g["params"])
+        for g in groups
+    )
+
+
+def _is_named_optimizer_state(value: Any) -> bool:
+    """An optimizer state dict from torch's ``get_state_dict`` (not flattened)."""
+    return isinstance(value, dict) and set(value) == {"state", "param_groups"} and named_groups(value["param_groups"])
+
+
+def _walk(path: str, value: Any, container: Any, slot: Any, flat: FlatState, for_load: bool, legacy_names: bool) -> None:
+    if not legacy_names and _is_named_optimizer_state(value):
+        # Stored under torch's flattened names, as a native optimizer's are; on load each
+        # parameter's copy of a setting goes back into its group.
+        _walk(f"{path}.state", value["state"], value, "state", flat, for_load, legacy_names)
+        for key, group, setting in param_group_items(path, value["param_groups"]):
+            flat.add_object(ObjectEntry(key=key, value=group[setting], container=group, slot=setting))
+    elif isinstance(value, torch.Tensor):
         flat.add_tensor(tensor_entry(path, value))
     elif callable(getattr(value, "__tierckpt_entry__", None)):
         flat.add_tensor(value.__tierckpt_entry__(path))
@@ -348,7 +473,7 @@ def _walk(path: str, value: Any, container: Any, slot: Any, flat: FlatState, for
             flat.after_load.append(lambda: value.load_resharded(holder["states"]))
     elif isinstance(value, dict):
         for k, v in value.items():
-            _walk(f"{path}.{k}", v, value, k, flat, for_load)
+            _walk(f"{path}.{k}", v, value, k, flat, for_load, legacy_names)
     elif _is_stateful(value):
         # The whole state dict is one object, tensors included: it is stored once when every rank
         # has the same bytes and per rank otherwise (an RNG or a per-rank counter keeps its values).
