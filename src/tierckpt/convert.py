@@ -53,7 +53,8 @@ from . import dcp_format, layout
 from .backends import Backend, open_backend
 from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import ReadRequest, get_scheduler
-from .loader import Checkpoint, _read_object, load, read_checkpoint, read_pieces
+from .loader import Checkpoint, _read_objects, load, read_checkpoint, read_pieces
+from .objects import decode_object
 from .metadata import PieceMeta, TensorMeta
 from .planner import TargetPiece, plan_load
 from .regions import Box
@@ -192,7 +193,8 @@ def _hf_configs(backend: Backend, ckpt: Checkpoint, config_dir: str | os.PathLik
             if any(o.key.startswith(key + ".") for o in ckpt.meta.objects):
                 raise CheckpointError(f"{backend.root_uri!r} holds {key!r} as a dict (one object per field); {_as_json(key)}")
             continue
-        value = _read_object(backend, ckpt.meta.generation, meta, False)
+        data = _read_objects(backend, ckpt.meta.generation, {meta})[meta]
+        value = decode_object(data, meta.codec, meta.key, allow_pickle=False)
         if not isinstance(value, str):
             raise CheckpointError(f"object {key!r} of {backend.root_uri!r} is of type {type(value).__name__}; {_as_json(key)}")
         configs[filename] = _json_object(value.encode(), f"object {key!r}")
