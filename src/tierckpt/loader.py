@@ -11,8 +11,9 @@ Lifecycle (every rank of the loading group unless noted):
    same :class:`~tierckpt.planner.LoadPlan`. Each rank checks the sizes of the data files it will read,
    so a truncated or missing file fails before any tensor is modified.
 4. Round by round: readers fetch their units (straight into the target's memory when a unit is
-   exactly one contiguous part of one local target), copy local deliveries, and exchange the rest with
-   one all-to-all per round.
+   exactly one contiguous part of one local target), check the CRC-32C of every block they read whole
+   (:mod:`tierckpt.io.readcheck`), copy local deliveries, and exchange the rest with one all-to-all
+   per round. After the last round the ranks combine the checksums of blocks read in parts.
 5. Objects are decoded (weights-only unless ``allow_pickle``) and put in place; optimizers and
    stateful objects get their ``load_state_dict`` calls.
 """
@@ -37,6 +38,7 @@ from .errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError,
 )
 from .io.rangefile import RangeFile
+from .io.readcheck import ReadChecker
 from .io.scheduler import ReadRequest, get_scheduler
 from .metadata import (
     CheckpointMeta, ObjectMeta, PieceMeta, TensorMeta, decode_header, decode_pieces, decode_tensors, dtype_name,
@@ -97,6 +99,7 @@ def load(
     strict: bool = True,
     allow_pickle: bool = False,
     verify: bool = False,
+    check_crc: bool = True,
     storage_options: Mapping[str, Any] | None = None,
     chunk_bytes: int = 32 << 20,
     round_bytes: int = 256 << 20,
@@ -107,8 +110,10 @@ def load(
     """Load the checkpoint at ``uri`` into ``state`` in place (resharding as needed) and return it.
 
     Tensors, modules and optimizers are filled in place; other values are replaced in their dicts.
-    ``strict=False`` loads what matches and warns about the rest. ``verify=True`` checks the CRC-32C of
-    every piece the load touches before modifying anything. ``allow_pickle=True`` permits objects that
+    ``strict=False`` loads what matches and warns about the rest. Every byte read is checked against
+    the CRC-32C of its block as it is read (a mismatch raises :class:`CorruptCheckpointError` naming the
+    file and tensor); ``check_crc=False`` skips that check, only to measure its cost. ``verify=True``
+    also checks the CRC-32C of every piece the load touches before modifying anything (a second pass). ``allow_pickle=True`` permits objects that
     need full unpickling (only for checkpoints you trust). Every rank of the group must call it; a rank
     that does not arrive within ``collective_timeout_s`` (default: the group's timeout) is named in a :class:`CollectiveError`.
     """
@@ -141,8 +146,11 @@ def load(
         # Objects are small: fetch, check and decode them before any tensor is modified.
         values = comm.run_agreed(lambda: _fetch_objects(backend, ckpt, flat, comm, allow_pickle), "loading objects")
     targets = [flat.tensors[n.fqn] for n in needs]
+    checker = ReadChecker(gen, pieces) if check_crc else None
     with monitor.phase("read"):
-        comm.run_agreed(lambda: _Executor(backend, gen, plan, targets, comm, monitor).run(), f"loading {uri!r}")
+        comm.run_agreed(lambda: _Executor(backend, gen, plan, targets, comm, monitor, checker).run(), f"loading {uri!r}")
+        if checker is not None:
+            _settle_checksums(checker, backend, comm)
     with monitor.phase("apply"):
         for key, value in values.items():
             flat.objects[key].assign(value)
@@ -274,6 +282,12 @@ def _verify_pieces(backend: Backend, gen: str, pieces: dict[str, list[PieceMeta]
             )
 
 
+def _settle_checksums(checker: ReadChecker, backend: Backend, comm: Comm) -> None:
+    """Check the blocks read in parts (by several ranks or units) from every rank's partial CRCs."""
+    _, gathered = comm.exchange_agreed(lambda: (None, checker.partials()), "gathering data checksums")
+    comm.run_agreed(lambda: checker.settle(gathered, backend, comm.rank, comm.world_size), "checking data checksums")
+
+
 def _target_view(entry: TensorEntry, stored: StoredBox) -> torch.Tensor:
     """The target's storage for one stored box, shaped like the box (global-offset coordinates)."""
     if isinstance(entry.region, FlatRange):
@@ -324,8 +338,12 @@ class _Executor:
     so storage and the network overlap; at most two rounds' buffers are alive at once.
     """
 
-    def __init__(self, backend: Backend, gen: str, plan: LoadPlan, targets: list[TensorEntry], comm: Comm, monitor: Monitor) -> None:
+    def __init__(
+        self, backend: Backend, gen: str, plan: LoadPlan, targets: list[TensorEntry], comm: Comm, monitor: Monitor,
+        checker: ReadChecker | None,
+    ) -> None:
         self.backend, self.gen, self.plan, self.targets, self.comm, self.monitor = backend, gen, plan, targets, comm, monitor
+        self.checker = checker
         self.sched = get_scheduler()
 
     def run(self) -> None:
@@ -344,6 +362,7 @@ class _Executor:
         direct: set[int] = set()
         singles: list[ReadRequest] = []
         multi: list[tuple[ReadUnit, memoryview]] = []
+        reads: list[tuple[ReadUnit, memoryview]] = []
         for i in indices:
             unit = self.plan.units[i]
             if unit.reader != self.comm.rank:
@@ -355,6 +374,7 @@ class _Executor:
                 direct.add(i)
             buffers[i] = buf
             view = memoryview(buf.numpy())
+            reads.append((unit, view))
             key = layout.in_generation(self.gen, unit.file)
             if len(unit.run_offsets) == 1:
                 singles.append(ReadRequest(key=key, start=int(unit.run_offsets[0]), out=view))
@@ -362,9 +382,12 @@ class _Executor:
                 multi.append((unit, view))
             self.monitor.count("requests", len(unit.run_offsets))
             self.monitor.count("bytes_read", unit.nbytes)
-        return _Round(indices, buffers, direct, self.sched.submit(self._read(singles, multi)))
+        return _Round(indices, buffers, direct, self.sched.submit(self._read(singles, multi, reads)))
 
-    async def _read(self, singles: list[ReadRequest], multi: list[tuple[ReadUnit, memoryview]]) -> None:
+    async def _read(
+        self, singles: list[ReadRequest], multi: list[tuple[ReadUnit, memoryview]], reads: list[tuple[ReadUnit, memoryview]],
+    ) -> None:
+        """Read a round's units, then check their checksums in worker threads (before anything is delivered)."""
         backend, sched = self.backend, self.sched
         jobs = [sched.read(backend, singles)] if singles else []
         jobs += [
@@ -373,6 +396,13 @@ class _Executor:
             for unit, view in multi
         ]
         await asyncio.gather(*jobs)
+        if self.checker is not None:
+            check = self.checker.check
+            partials = await asyncio.gather(
+                *(asyncio.to_thread(check, u.fqn, u.file, u.run_offsets, u.run_bytes, v) for u, v in reads)
+            )
+            for found in partials:
+                self.checker.add(found)
 
     def _deliver_round(self, rnd: _Round, exchange: bool) -> None:
         me = self.comm.rank

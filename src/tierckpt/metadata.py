@@ -102,6 +102,16 @@ class PieceMeta:
     byte_length: int
     crc32c: int
     """CRC-32C of the piece's bytes."""
+    block_bytes: int = 0
+    """Size of the checksummed blocks of the piece; 0 in checkpoints written before block checksums."""
+    block_crc32c: tuple[int, ...] = ()
+    """CRC-32C of each ``block_bytes`` block of the piece's bytes (the last block may be shorter)."""
+
+    def blocks(self) -> tuple[int, tuple[int, ...]]:
+        """``(block size, block CRCs)``; a piece without block checksums is one block: the whole piece."""
+        if self.block_bytes:
+            return self.block_bytes, self.block_crc32c
+        return max(self.byte_length, 1), (self.crc32c,)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -231,8 +241,13 @@ _PIECE_SCHEMA = pa.schema(
         ("byte_offset", pa.int64()),
         ("byte_length", pa.int64()),
         ("crc32c", pa.uint32()),
+        ("crc_block_bytes", pa.int64()),
+        ("block_crc32c", pa.list_(pa.uint32())),
     ]
 )
+_PIECE_SCHEMA_WITHOUT_BLOCKS = pa.schema(list(_PIECE_SCHEMA)[:8])
+"""Pieces tables written before block checksums (still read; their pieces are one block each)."""
+MAX_BLOCK_BYTES = 1 << 40
 PIECES_PER_ROW_GROUP = 2048
 
 
@@ -296,6 +311,8 @@ def encode_pieces(pieces: Iterable[PieceMeta]) -> bytes:
             "byte_offset": [p.byte_offset for p in rows],
             "byte_length": [p.byte_length for p in rows],
             "crc32c": [p.crc32c for p in rows],
+            "crc_block_bytes": [p.block_bytes for p in rows],
+            "block_crc32c": [list(p.block_crc32c) for p in rows],
         },
         schema=_PIECE_SCHEMA,
     )
@@ -313,20 +330,21 @@ def decode_pieces(
         pf = pq.ParquetFile(pa.BufferReader(source) if isinstance(source, bytes) else source)
         wanted = None if fqns is None else sorted(set(fqns))
         groups = list(range(pf.num_row_groups))
-        if pf.schema_arrow.remove_metadata() != _PIECE_SCHEMA:
-            raise CorruptCheckpointError("the pieces table has an unexpected schema")
+        schema = _pieces_schema(pf.schema_arrow)
         if wanted is not None:
             col = pf.schema_arrow.get_field_index("fqn")
             groups = [g for g in groups if _group_may_hold(pf.metadata.row_group(g).column(col).statistics, wanted)]
         table = pf.read_row_groups(groups) if groups else _PIECE_SCHEMA.empty_table()
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise CorruptCheckpointError(f"cannot read the pieces table: {exc}") from exc
-    if table.schema.remove_metadata() != _PIECE_SCHEMA:
+    if _pieces_schema(table.schema) != schema:
         raise CorruptCheckpointError("the pieces table has an unexpected schema")
     wanted_set = None if wanted is None else set(wanted)
     out: dict[str, list[PieceMeta]] = {}
-    columns = [_column(table, name, "pieces") for name in _PIECE_SCHEMA.names]
-    for fqn, kind, offsets, lengths, file, byte_offset, byte_length, crc in zip(*columns):
+    columns = [_column(table, name, "pieces") for name in schema.names]
+    if schema == _PIECE_SCHEMA_WITHOUT_BLOCKS:
+        columns += [[0] * table.num_rows, [[]] * table.num_rows]
+    for fqn, kind, offsets, lengths, file, byte_offset, byte_length, crc, block_bytes, blocks in zip(*columns):
         if wanted_set is not None and fqn not in wanted_set:
             continue
         tensor = tensors.get(fqn)
@@ -346,9 +364,29 @@ def decode_pieces(
                 byte_offset=_int(byte_offset, "byte offset"),
                 byte_length=byte_length,
                 crc32c=_int(crc, "checksum", 0, 2**32 - 1),
+                **_block_checksums(block_bytes, blocks, byte_length, fqn, file),
             )
         )
     return out
+
+
+def _pieces_schema(schema: pa.Schema) -> pa.Schema:
+    """The pieces table's schema, which must be the current one or the one before block checksums."""
+    schema = schema.remove_metadata()
+    if schema not in (_PIECE_SCHEMA, _PIECE_SCHEMA_WITHOUT_BLOCKS):
+        raise CorruptCheckpointError("the pieces table has an unexpected schema")
+    return schema
+
+
+def _block_checksums(block_bytes: Any, crcs: Any, byte_length: int, fqn: str, file: str) -> dict[str, Any]:
+    """A piece's validated ``block_bytes`` and ``block_crc32c`` (one CRC per block, none when 0)."""
+    what = f"block checksums of a piece of {fqn!r} in {file!r}"
+    block_bytes = _int(block_bytes, f"crc_block_bytes of a piece of {fqn!r} in {file!r}", 0, MAX_BLOCK_BYTES)
+    expected = -(-byte_length // block_bytes) if block_bytes else 0
+    if not isinstance(crcs, list) or len(crcs) != expected:
+        count = len(crcs) if isinstance(crcs, list) else crcs
+        raise CorruptCheckpointError(f"invalid {what}: {count} for {byte_length} bytes in blocks of {block_bytes}")
+    return {"block_bytes": block_bytes, "block_crc32c": tuple(_int(c, what, 0, 2**32 - 1) for c in crcs)}
 
 
 def _group_may_hold(stats: Any, wanted: list[str]) -> bool:

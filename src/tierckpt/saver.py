@@ -335,11 +335,14 @@ def _drain_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMeta
     pieces: list[PieceMeta] = []
     files: list[FileMeta] = []
     if stream is not None:
-        crcs = stream.finish()
+        checksums = stream.finish()
         writes = p.plan.writes[rank]
         pieces = [
-            PieceMeta(fqn=w.fqn, region=w.region, file=w.file, byte_offset=w.byte_offset, byte_length=w.byte_length, crc32c=c)
-            for w, c in zip(writes, crcs)
+            PieceMeta(
+                fqn=w.fqn, region=w.region, file=w.file, byte_offset=w.byte_offset, byte_length=w.byte_length,
+                crc32c=c.crc32c, block_bytes=c.block_bytes, block_crc32c=c.block_crc32c,
+            )
+            for w, c in zip(writes, checksums)
         ]
         files.append(FileMeta(key=writes[0].file, size=p.plan.file_sizes[rank]))
         p.monitor.count("bytes_written", p.plan.file_sizes[rank])
