@@ -41,8 +41,8 @@ from .io.rangefile import RangeFile
 from .io.readcheck import ReadChecker
 from .io.scheduler import ReadRequest, get_scheduler
 from .metadata import (
-    CheckpointMeta, ObjectMeta, PieceMeta, TensorMeta, decode_header, decode_pieces, decode_tensors, dtype_name,
-    itemsize,
+    MAX_HEADER_BYTES, MAX_TABLE_BYTES, CheckpointMeta, ObjectMeta, PieceMeta, TensorMeta, decode_header, decode_pieces,
+    decode_tensors, dtype_name, itemsize,
 )
 from .monitor import Monitor
 from .objects import decode_object
@@ -80,8 +80,9 @@ def read_checkpoint(backend: Backend) -> Checkpoint:
         raise CheckpointNotFoundError(f"no checkpoint at {backend.root_uri!r} (no COMMIT record)") from None
     gen = record.generation
     try:
-        meta = decode_header(sched.do(backend, "get", layout.header_key(gen)))
-        tensors = decode_tensors(sched.do(backend, "get", layout.tensors_key(gen)))
+        header_key = layout.header_key(gen)
+        meta = decode_header(read_document(backend, header_key, MAX_HEADER_BYTES), header_key)
+        tensors = decode_tensors(read_document(backend, layout.tensors_key(gen), MAX_TABLE_BYTES))
     except CheckpointNotFoundError as exc:
         raise CorruptCheckpointError(
             f"checkpoint {backend.root_uri!r} is committed as {gen!r} but its metadata is missing: {exc}"
@@ -89,6 +90,21 @@ def read_checkpoint(backend: Backend) -> Checkpoint:
     if meta.generation != gen:
         raise CorruptCheckpointError(f"header of {gen!r} names generation {meta.generation!r}")
     return Checkpoint(meta=meta, tensors=tensors)
+
+
+def read_document(backend: Backend, key: str, limit: int) -> bytes:
+    """A whole metadata document, refused unread when the store says it is larger than ``limit``."""
+    sched = get_scheduler()
+    size = sched.do(backend, "size", key)
+    if size > limit:
+        raise CorruptCheckpointError(
+            f"{key!r} of checkpoint {backend.root_uri!r} holds {size} bytes, more than such a document may "
+            f"({limit}); it is corrupt or crafted, so it is not read"
+        )
+    data = sched.do(backend, "get", key)
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{key!r} of checkpoint {backend.root_uri!r} grew past {limit} bytes while being read")
+    return data
 
 
 def load(
@@ -245,27 +261,41 @@ def read_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str] | None = None
         if fqns is None:
             import pyarrow as pa
 
-            return decode_pieces(pa.BufferReader(get_scheduler().do(backend, "get", key)), ckpt.tensors)
+            return decode_pieces(pa.BufferReader(read_document(backend, key, MAX_TABLE_BYTES)), ckpt.tensors)
         return decode_pieces(RangeFile(backend, key), ckpt.tensors, fqns)
     except CheckpointNotFoundError as exc:
         raise CorruptCheckpointError(f"checkpoint {backend.root_uri!r} has no pieces table: {exc}") from exc
 
 
 def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int) -> None:
-    sizes = {f.key: f.size for f in ckpt.meta.files}
-    gen = ckpt.meta.generation
-    sched = get_scheduler()
-    for file in sorted({u.file for u in plan.units if u.reader == rank}):
-        key = layout.in_generation(gen, file)
-        try:
-            actual = sched.do(backend, "size", key)
-        except CheckpointNotFoundError:
-            raise CorruptCheckpointError(f"data file {key!r} of checkpoint {backend.root_uri!r} is missing") from None
-        if file not in sizes or actual != sizes[file]:
+    """Each data file this rank reads has the size the header lists, and holds every run read from it."""
+    ends: dict[str, int] = {}
+    for u in plan.units:
+        if u.reader == rank and len(u.run_offsets):
+            ends[u.file] = max(ends.get(u.file, 0), int(u.run_offsets.max()) + u.run_bytes)
+    for file, end in sorted(ends.items()):
+        size = _checked_size(backend, ckpt, file)
+        if end > size:
             raise CorruptCheckpointError(
-                f"data file {key!r} of checkpoint {backend.root_uri!r} has {actual} bytes, the metadata says "
-                f"{sizes.get(file, 'nothing')}: it is truncated or was replaced"
+                f"pieces of checkpoint {backend.root_uri!r} lie past the end of {file!r} (byte {end} of {size}): "
+                "the pieces table is corrupt"
             )
+
+
+def _checked_size(backend: Backend, ckpt: Checkpoint, file: str) -> int:
+    """The size of ``file``, which must exist and match the header's, before any buffer is sized from metadata."""
+    sizes = {f.key: f.size for f in ckpt.meta.files}
+    key = layout.in_generation(ckpt.meta.generation, file)
+    try:
+        actual = get_scheduler().do(backend, "size", key)
+    except CheckpointNotFoundError:
+        raise CorruptCheckpointError(f"file {key!r} of checkpoint {backend.root_uri!r} is missing") from None
+    if file not in sizes or actual != sizes[file]:
+        raise CorruptCheckpointError(
+            f"file {key!r} of checkpoint {backend.root_uri!r} has {actual} bytes, the metadata says "
+            f"{sizes.get(file, 'nothing')}: it is truncated or was replaced"
+        )
+    return actual
 
 
 def _verify_pieces(backend: Backend, gen: str, pieces: dict[str, list[PieceMeta]], comm: Comm) -> None:
@@ -465,15 +495,25 @@ def _fetch_objects(backend: Backend, ckpt: Checkpoint, flat: FlatState, comm: Co
     for o in ckpt.meta.objects:
         by_key.setdefault(o.key, []).append(o)
     saved_world = ckpt.meta.world_size
+    chosen: dict[str, list[ObjectMeta] | ObjectMeta] = {}
     for key, entry in flat.objects.items():
         options = by_key.get(key)
         if not options:
             continue
         if entry.all_ranks:
-            ordered = sorted(options, key=lambda o: -1 if o.rank is None else o.rank)
-            values[key] = [_read_object(backend, gen, o, allow_pickle) for o in ordered]
+            chosen[key] = sorted(options, key=lambda o: -1 if o.rank is None else o.rank)
         else:
-            values[key] = _read_object(backend, gen, _object_for_rank(options, comm.rank, saved_world, key), allow_pickle)
+            chosen[key] = _object_for_rank(options, comm.rank, saved_world, key)
+    metas = [m for c in chosen.values() for m in (c if isinstance(c, list) else [c])]
+    sizes = {file: _checked_size(backend, ckpt, file) for file in sorted({m.file for m in metas})}
+    for m in metas:
+        if m.byte_offset + m.byte_length > sizes[m.file]:
+            raise CorruptCheckpointError(
+                f"object {m.key!r} of checkpoint {backend.root_uri!r} claims bytes {m.byte_offset}.."
+                f"{m.byte_offset + m.byte_length} of {m.file!r}, which has {sizes[m.file]}: the header is corrupt"
+            )
+    for key, c in chosen.items():
+        values[key] = [_read_object(backend, gen, o, allow_pickle) for o in c] if isinstance(c, list) else _read_object(backend, gen, c, allow_pickle)
     return values
 
 
