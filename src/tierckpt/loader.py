@@ -21,6 +21,7 @@ Lifecycle (every rank of the loading group unless noted):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import warnings
 from collections.abc import Mapping
@@ -358,7 +359,10 @@ class _Round:
     indices: tuple[int, ...]
     buffers: dict[int, torch.Tensor]
     direct: set[int]
+    landed: concurrent.futures.Future
+    """Done when the round's bytes are read (its checksums may still be being checked)."""
     reads: Any
+    """Done when the round's bytes are read and checked."""
 
 
 class _Executor:
@@ -381,8 +385,9 @@ class _Executor:
         pending = self._start(rounds[0][0]) if rounds else None
         for k, (_, exchange) in enumerate(rounds):
             current = pending
+            current.landed.result()
+            pending = self._start(rounds[k + 1][0]) if k + 1 < len(rounds) else None  # overlaps round k's checks
             current.reads.result()
-            pending = self._start(rounds[k + 1][0]) if k + 1 < len(rounds) else None
             with torch.no_grad():
                 self._deliver_round(current, exchange)
 
@@ -412,12 +417,14 @@ class _Executor:
                 multi.append((unit, view))
             self.monitor.count("requests", len(unit.run_offsets))
             self.monitor.count("bytes_read", unit.nbytes)
-        return _Round(indices, buffers, direct, self.sched.submit(self._read(singles, multi, reads)))
+        landed: concurrent.futures.Future = concurrent.futures.Future()
+        return _Round(indices, buffers, direct, landed, self.sched.submit(self._read(singles, multi, reads, landed)))
 
     async def _read(
         self, singles: list[ReadRequest], multi: list[tuple[ReadUnit, memoryview]], reads: list[tuple[ReadUnit, memoryview]],
+        landed: concurrent.futures.Future,
     ) -> None:
-        """Read a round's units, then check their checksums in worker threads (before anything is delivered)."""
+        """Read a round's units (then set ``landed``), then check their checksums in worker threads."""
         backend, sched = self.backend, self.sched
         jobs = [sched.read(backend, singles)] if singles else []
         jobs += [
@@ -425,7 +432,12 @@ class _Executor:
                        unit.run_offsets.tolist(), unit.run_bytes, view, nbytes=unit.nbytes)
             for unit, view in multi
         ]
-        await asyncio.gather(*jobs)
+        try:
+            await asyncio.gather(*jobs)
+        except BaseException as exc:
+            landed.set_exception(exc)
+            raise
+        landed.set_result(None)
         if self.checker is not None:
             check = self.checker.check
             partials = await asyncio.gather(

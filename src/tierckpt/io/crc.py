@@ -25,6 +25,8 @@ BLOCK_BYTES = 1 << 20
 _POLY = 0x82F63B78
 """The CRC-32C polynomial, bit-reflected."""
 _MASK = 0xFFFFFFFF
+RAW_INIT = _MASK
+"""``crc32c.crc32c(data, RAW_INIT) ^ RAW_INIT`` is the raw CRC (see :func:`raw_crc`)."""
 _ONE = 1 << 31
 """The polynomial ``1`` (``x^0``) in the reflected representation."""
 
@@ -65,6 +67,25 @@ def _x8n(nbytes: np.ndarray) -> np.ndarray:
     return out
 
 
+_BYTE_BASIS = np.arange(256, dtype=np.uint64)[None, :] << (np.uint64(8) * np.arange(4, dtype=np.uint64))[:, None]
+"""Every value of each of the 4 bytes of a 32-bit CRC, in place: shape (4, 256)."""
+_SHIFT_TABLES: dict[int, np.ndarray] = {}
+"""Shift by n bytes as 4 byte tables (multiplication by ``x^(8n)`` is linear: XOR of the bytes' images)."""
+_MAX_SHIFT_TABLES = 4096
+
+
+def _shift_tables(zero_bytes: np.ndarray) -> np.ndarray:
+    """Byte tables, shape (len, 4, 256), for each (distinct) shift; memoized, since a load's shifts repeat."""
+    missing = [int(n) for n in zero_bytes if int(n) not in _SHIFT_TABLES]
+    if missing:
+        if len(_SHIFT_TABLES) + len(missing) > _MAX_SHIFT_TABLES:
+            _SHIFT_TABLES.clear()
+        powers = _x8n(np.array(missing, dtype=np.uint64))
+        tables = _mulmod(powers[:, None, None], _BYTE_BASIS[None, :, :]).astype(np.uint32)
+        _SHIFT_TABLES.update(zip(missing, tables))
+    return np.stack([_SHIFT_TABLES[int(n)] for n in zero_bytes])
+
+
 def shift(raw_crcs: np.ndarray, zero_bytes: np.ndarray) -> np.ndarray:
     """Raw CRCs of ``data + zero_bytes * b"\\0"`` given the raw CRCs of ``data`` (elementwise, uint64)."""
     raw = np.asarray(raw_crcs, dtype=np.uint64)
@@ -72,12 +93,17 @@ def shift(raw_crcs: np.ndarray, zero_bytes: np.ndarray) -> np.ndarray:
     if raw.size == 0:
         return raw.copy()
     unique, inverse = np.unique(zero_bytes, return_inverse=True)  # few distinct shifts in a strided read
-    return _mulmod(_x8n(unique)[inverse.reshape(zero_bytes.shape)], raw)
+    tables = _shift_tables(unique)
+    which = inverse.reshape(raw.shape)
+    out = np.zeros(raw.shape, dtype=np.uint32)
+    for k in range(4):
+        out ^= tables[which, k, ((raw >> np.uint64(8 * k)) & np.uint64(255)).astype(np.intp)]
+    return out.astype(np.uint64)
 
 
 def raw_crc(data: memoryview | bytes) -> int:
     """CRC-32C of ``data`` with initial register 0 and no final inversion (linear in ``data``)."""
-    return crc32c.crc32c(data, _MASK) ^ _MASK
+    return crc32c.crc32c(data, RAW_INIT) ^ RAW_INIT
 
 
 def zeros_crc(nbytes: np.ndarray) -> np.ndarray:

@@ -28,7 +28,7 @@ from .. import layout
 from ..backends import Backend
 from ..errors import CorruptCheckpointError
 from ..metadata import PieceMeta
-from .crc import raw_crc, shift, zeros_crc
+from .crc import RAW_INIT, shift, zeros_crc
 from .scheduler import get_scheduler
 
 PieceKey = tuple[str, int]
@@ -74,14 +74,15 @@ class ReadChecker:
         full = (lo == block_start) & (hi == block_end)
         view = memoryview(data).cast("B")
         whole = np.flatnonzero(full)
-        got = np.fromiter((crc32c.crc32c(view[at[i] : at[i] + hi[i] - lo[i]]) for i in whole), dtype=np.uint64, count=len(whole))
+        starts, ends = at.tolist(), (at + hi - lo).tolist()
+        got = np.array([crc32c.crc32c(view[starts[i] : ends[i]]) for i in whole.tolist()], dtype=np.uint64)
         expected = np.asarray(crcs, dtype=np.uint64)[blocks[whole]]
         if (bad := np.flatnonzero(got != expected)).size:
             raise self._mismatch(piece, int(blocks[whole[bad[0]]]))
         part = np.flatnonzero(~full)
         if not part.size:
             return {}
-        raws = np.fromiter((raw_crc(view[at[i] : at[i] + hi[i] - lo[i]]) for i in part), dtype=np.uint64, count=len(part))
+        raws = np.array([crc32c.crc32c(view[starts[i] : ends[i]], RAW_INIT) for i in part.tolist()], dtype=np.uint64) ^ np.uint64(RAW_INIT)
         return {(piece.file, piece.byte_offset): (blocks[part], shift(raws, (block_end - hi)[part]), (hi - lo)[part])}
 
     def add(self, partials: Partials) -> None:
