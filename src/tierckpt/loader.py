@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import crc32c
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -345,9 +344,6 @@ def _dtype(unit: ReadUnit) -> torch.dtype:
     return TensorMeta(fqn=unit.fqn, dtype=unit.dtype, shape=()).torch_dtype
 
 
-CHECK_SPAN_BYTES = 4 << 20
-"""On local files a contiguous unit is read and checked in block-aligned spans of about this size."""
-
 EXCHANGE_ALIGN = 16
 """Each delivery starts at a multiple of this many bytes in the exchange stream, so any dtype can view it."""
 
@@ -399,7 +395,7 @@ class _Executor:
         """Allocate this rank's buffers for a round and start reading into them."""
         buffers: dict[int, torch.Tensor] = {}
         direct: set[int] = set()
-        reads: list[tuple[ReadUnit, int, int, memoryview]] = []
+        reads: list[tuple[ReadUnit, memoryview]] = []
         for i in indices:
             unit = self.plan.units[i]
             if unit.reader != self.comm.rank:
@@ -410,43 +406,28 @@ class _Executor:
             else:
                 direct.add(i)
             buffers[i] = buf
-            view = memoryview(buf.numpy())
-            if len(unit.run_offsets) == 1 and self.checker is not None and self.backend.capabilities.local_path:
-                # Block-aligned spans, each checked as soon as it is read: the check overlaps the other
-                # reads, and finds its bytes still in the CPU's cache.
-                at = 0
-                for start, n in self.checker.spans(unit.fqn, unit.file, int(unit.run_offsets[0]), unit.nbytes, CHECK_SPAN_BYTES):
-                    reads.append((unit, start, n, view[at : at + n]))
-                    at += n
-            else:
-                reads.append((unit, -1, unit.run_bytes, view))
+            reads.append((unit, memoryview(buf.numpy())))
             self.monitor.count("requests", len(unit.run_offsets))
             self.monitor.count("bytes_read", unit.nbytes)
         landed: concurrent.futures.Future = concurrent.futures.Future()
         return _Round(indices, buffers, direct, landed, self.sched.submit(self._read(reads, landed)))
 
-    async def _read(self, reads: list[tuple[ReadUnit, int, int, memoryview]], landed: concurrent.futures.Future) -> None:
-        """Read a round's units (then set ``landed``); each read's checksums are checked in a worker thread as it lands.
-
-        A read is ``(unit, start, run_bytes, view)``: the span of a contiguous unit starting at file
-        byte ``start``, or (``start`` -1) the whole unit.
-        """
+    async def _read(self, reads: list[tuple[ReadUnit, memoryview]], landed: concurrent.futures.Future) -> None:
+        """Read a round's units (then set ``landed``); each unit's checksums are checked in a worker
+        thread as soon as it lands, overlapping the other reads."""
         backend, sched, checker = self.backend, self.sched, self.checker
 
-        async def read(unit: ReadUnit, start: int, run_bytes: int, view: memoryview) -> None:
+        async def read(unit: ReadUnit, view: memoryview) -> None:
             key = layout.in_generation(self.gen, unit.file)
-            if start >= 0:
-                await sched.read(backend, [ReadRequest(key=key, start=start, out=view)])
-            elif len(unit.run_offsets) == 1:
+            if len(unit.run_offsets) == 1:
                 await sched.read(backend, [ReadRequest(key=key, start=int(unit.run_offsets[0]), out=view)])
             else:
                 await sched.call(backend, "read_runs", backend.read_runs, key, unit.run_offsets.tolist(), unit.run_bytes,
                                  view, nbytes=unit.nbytes)
 
-        async def check(task: asyncio.Future, unit: ReadUnit, start: int, run_bytes: int, view: memoryview) -> None:
+        async def check(task: asyncio.Future, unit: ReadUnit, view: memoryview) -> None:
             await task
-            offsets = unit.run_offsets if start < 0 else np.array([start], dtype=np.int64)
-            checker.add(await asyncio.to_thread(checker.check, unit.fqn, unit.file, offsets, run_bytes, view))
+            checker.add(await asyncio.to_thread(checker.check, unit.fqn, unit.file, unit.run_offsets, unit.run_bytes, view))
 
         tasks = [asyncio.ensure_future(read(*r)) for r in reads]
         checks = [asyncio.ensure_future(check(t, *r)) for t, r in zip(tasks, reads)] if checker is not None else []
@@ -459,7 +440,9 @@ class _Executor:
             await asyncio.gather(*tasks, *checks, return_exceptions=True)
             raise
         landed.set_result(None)
-        await asyncio.gather(*checks)
+        failed = [r for r in await asyncio.gather(*checks, return_exceptions=True) if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
 
     def _deliver_round(self, rnd: _Round, exchange: bool) -> None:
         me = self.comm.rank

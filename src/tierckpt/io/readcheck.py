@@ -84,16 +84,6 @@ class ReadChecker:
         raws = np.array([crc32c.crc32c(view[starts[i] : ends[i]], RAW_INIT) for i in part.tolist()], dtype=np.uint64) ^ np.uint64(RAW_INIT)
         return {(piece.file, piece.byte_offset): (blocks[part], shift(raws, (block_end - hi)[part]), (hi - lo)[part])}
 
-    def spans(self, fqn: str, file: str, start: int, nbytes: int, span_bytes: int) -> list[tuple[int, int]]:
-        """``(start, length)`` pieces of the contiguous range ``[start, start + nbytes)``, cut at block
-        boundaries about every ``span_bytes``: each can be read and checked on its own."""
-        piece = self._piece_at(fqn, file, start)
-        block, _ = piece.blocks()
-        step = max(block, span_bytes // block * block)
-        first = piece.byte_offset + ((start - piece.byte_offset) // step + 1) * step
-        bounds = [start, *range(first, start + nbytes, step), start + nbytes]
-        return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
-
     def _piece_at(self, fqn: str, file: str, offset: int) -> PieceMeta:
         offsets, pieces = self._index[(fqn, file)]
         return pieces[bisect.bisect_right(offsets, offset) - 1]
