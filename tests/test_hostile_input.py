@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tierckpt
+from tierckpt.cli import main as cli_main
 from tierckpt.errors import CheckpointError, CorruptCheckpointError
 from tierckpt.metadata import decode_header, decode_pieces, decode_tensors
 
@@ -274,3 +278,120 @@ def test_invalid_utf8_in_string_column(which: str) -> None:
     pq.write_table(table, sink, compression="none", use_dictionary=False)
     data = sink.getvalue().replace(fqn, b"\xb3" * len(fqn))  # statistics and data alike
     assert decode_all(which, data) == "corrupt"
+
+
+# -- sizes, file types and fields (every malformed input is CorruptCheckpointError naming the file/field) --
+def _header_doc(root: Path, gen: str) -> tuple[Path, dict]:
+    header = root / "ckpt" / gen / "meta" / "header.json"
+    return header, json.loads(header.read_text())
+
+
+@pytest.mark.parametrize("claimed", [1 << 32, 1 << 50], ids=["4GiB", "2^50"])
+def test_object_claiming_a_huge_size_is_refused_before_any_allocation(tmp_path: Path, claimed: int) -> None:
+    """The header says the object has ``claimed`` bytes; the file has a few hundred: nothing is allocated."""
+    import tracemalloc
+
+    uri, gen = _save(tmp_path)
+    header, doc = _header_doc(tmp_path, gen)
+    doc["objects"][0]["byte_length"] = claimed
+    header.write_text(json.dumps(doc))
+    target = _target()
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptCheckpointError) as info:
+            tierckpt.load(uri, target)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"{peak} bytes allocated"
+    assert "'step'" in str(info.value) and "objects/rank-00000.bin" in str(info.value)
+    assert torch.equal(target["w"], torch.zeros(64))
+
+
+def _run_bounded(code: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (a hang fails the test instead of blocking the session)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, env=env)
+
+
+@pytest.mark.parametrize("which", ["meta/header.json", "meta/tensors.parquet", "meta/pieces.parquet", "data/rank-00000.bin"])
+def test_fifo_in_place_of_a_file_is_refused_by_load_verify_and_inspect(tmp_path: Path, which: str) -> None:
+    uri, gen = _save(tmp_path)
+    path = tmp_path / "ckpt" / gen / which
+    path.unlink()
+    os.mkfifo(path)
+    code = f"""
+import sys, torch, tierckpt
+from tierckpt import cli
+from tierckpt.errors import CorruptCheckpointError
+try:
+    tierckpt.load({uri!r}, {{"w": torch.zeros(64), "step": -1}})
+except CorruptCheckpointError as exc:
+    print("load:", "not a regular file" in str(exc))
+else:
+    print("load: no error")
+print("verify:", cli.main(["verify", {uri!r}]))
+print("inspect:", cli.main(["inspect", {uri!r}]) if {which!r}.startswith("meta/") else 5)
+"""
+    result = _run_bounded(code)
+    assert result.returncode == 0, result.stderr
+    assert "load: True" in result.stdout, result.stdout + result.stderr
+    assert "verify: 5" in result.stdout and "inspect: 5" in result.stdout, result.stdout + result.stderr
+
+
+def test_huge_sparse_header_is_not_read(tmp_path: Path) -> None:
+    """An 8 GiB (sparse) header.json: refused from its size, quickly, without reading it."""
+    uri, gen = _save(tmp_path)
+    header = tmp_path / "ckpt" / gen / "meta" / "header.json"
+    os.truncate(header, 8 << 30)
+    started = time.monotonic()
+    with pytest.raises(CorruptCheckpointError, match="header.json"):
+        tierckpt.load(uri, _target())
+    assert time.monotonic() - started < 5
+    assert cli_main(["inspect", uri]) == 5
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("created_unix", 1e999), ("created_unix", "yesterday"), ("created_unix", -5), ("world_size", 0),
+        ("world_size", 2.5), ("generation", None), ("files", {"a": 1}), ("files", [{"key": "data/x\u0000.bin", "size": 1}]),
+        ("files", [{"key": "data/rank-00000.bin"}]), ("objects", [{"key": "step"}]), ("objects", "none"),
+        ("timings", {"a": 1e999}), ("timings", [1]), ("tags", {"a": [1]}), ("frameworks", "fsdp"), ("num_tensors", -1),
+        ("tensor_bytes", "many"),
+    ],
+)
+def test_every_malformed_header_field_is_named(tmp_path: Path, field: str, value: Any) -> None:
+    uri, gen = _save(tmp_path)
+    header, doc = _header_doc(tmp_path, gen)
+    doc[field] = value
+    header.write_text(json.dumps(doc))  # 1e999 is written as Infinity, which json reads back
+    with pytest.raises(CorruptCheckpointError) as info:
+        tierckpt.load(uri, _target())
+    assert "header.json" in str(info.value) and repr(field) in str(info.value), str(info.value)
+    assert cli_main(["inspect", uri]) == 5
+
+
+def test_nul_in_an_object_file_key_is_corruption(tmp_path: Path) -> None:
+    uri, gen = _save(tmp_path)
+    header, doc = _header_doc(tmp_path, gen)
+    doc["objects"][0]["file"] = "objects/rank-0\u0000.bin"
+    header.write_text(json.dumps(doc))
+    with pytest.raises(CorruptCheckpointError, match="'objects'"):
+        tierckpt.load(uri, _target())
+
+
+def test_nul_in_a_piece_file_key_is_corruption(tmp_path: Path) -> None:
+    uri, gen = _save(tmp_path)
+    _rewrite_pieces(tmp_path / "ckpt" / gen / "meta" / "pieces.parquet", file="data/rank-0\u0000.bin")
+    with pytest.raises(CorruptCheckpointError, match="control characters"):
+        tierckpt.load(uri, _target())
+
+
+def test_piece_past_the_end_of_its_file_is_refused_before_reading(tmp_path: Path) -> None:
+    uri, gen = _save(tmp_path)
+    _rewrite_pieces(tmp_path / "ckpt" / gen / "meta" / "pieces.parquet", byte_offset=1 << 20)
+    target = _target()
+    with pytest.raises(CorruptCheckpointError, match="past the end"):
+        tierckpt.load(uri, target)
+    assert torch.equal(target["w"], torch.zeros(64))

@@ -189,7 +189,7 @@ def crafted_pieces(**columns) -> bytes:
     from tierckpt.metadata import _PIECE_SCHEMA
 
     row = {"fqn": "w", "kind": "box", "offsets": [0, 0], "lengths": [2, 6], "file": "data/rank-00000.bin",
-           "byte_offset": 0, "byte_length": 24, "crc32c": 5}
+           "byte_offset": 0, "byte_length": 24, "crc32c": 5, "crc_block_bytes": 16, "block_crc32c": [1, 2]}
     row.update(columns)
     table = pa.Table.from_pylist([row], schema=_PIECE_SCHEMA)
     sink = pa.BufferOutputStream()
@@ -201,7 +201,8 @@ def crafted_pieces(**columns) -> bytes:
     "columns",
     [{"offsets": [None, 0]}, {"lengths": [2, None]}, {"offsets": None}, {"kind": None}, {"kind": "sphere"},
      {"fqn": None}, {"file": None}, {"byte_offset": None}, {"byte_length": None}, {"crc32c": None},
-     {"kind": "flat", "offsets": [0], "lengths": [None]}],
+     {"kind": "flat", "offsets": [0], "lengths": [None]}, {"crc_block_bytes": None}, {"crc_block_bytes": -1},
+     {"block_crc32c": [1]}, {"block_crc32c": [1, None]}, {"block_crc32c": None}, {"crc_block_bytes": 0}],
     ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
 )
 def test_null_and_unknown_values_in_pieces_rejected(columns):

@@ -248,3 +248,24 @@ def test_incomplete_and_missing(ckpt: Path, tmp_path: Path, capsys) -> None:
     assert cli.main(["verify", str(tmp_path / "nothing")]) == cli.EXIT_NOT_FOUND
     err = capsys.readouterr().err
     assert "no COMMIT" in err and "tierckpt verify: error:" in err
+
+
+def test_block_checksums_that_disagree_with_the_piece_crc(tmp_path: Path, capsys) -> None:
+    """A flipped bit in one block CRC (what every load checks) is reported, naming the piece."""
+    import dataclasses
+
+    root = tmp_path / "big"
+    tierckpt.save(str(root), {"w": torch.arange(3 * (1 << 18), dtype=torch.float32)})  # 3 MiB: 3 blocks
+    pieces = read_pieces(root)
+    (piece,) = pieces["w"]
+    assert len(piece.block_crc32c) == 3
+    blocks = list(piece.block_crc32c)
+    blocks[1] ^= 1 << 7
+    pieces["w"] = [dataclasses.replace(piece, block_crc32c=tuple(blocks))]
+    write_pieces(root, pieces)
+    report = verify(str(root))
+    assert [p.kind for p in report.problems] == ["block-checksums"]
+    assert report.problems[0].tensor == "w" and report.problems[0].file == piece.file
+    assert cli.main(["verify", str(root)]) == 5
+    with pytest.raises(tierckpt.CorruptCheckpointError, match="'w'"):
+        tierckpt.load(str(root), {"w": torch.zeros(3 * (1 << 18))})

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from . import errors
 from .errors import CheckpointError, CollectiveError
 
 T = TypeVar("T")
@@ -130,7 +131,7 @@ class Comm:
         if error is not None and self.world_size == 1:
             raise error
         detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
-        exc_type = type(error) if isinstance(error, CheckpointError) else CheckpointError
+        exc_type = type(error) if isinstance(error, CheckpointError) else _shared_type([m for _, m in failed])
         try:
             raised = exc_type(f"{what} failed on {len(failed)} of {self.world_size} ranks — {detail}")
         except TypeError:
@@ -158,6 +159,14 @@ def _attempt(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:
         return fn(), None
     except Exception as exc:  # noqa: BLE001 - shared with every rank, then raised
         return None, exc
+
+
+def _shared_type(messages: list[str]) -> type[CheckpointError]:
+    """The error type every failing rank reported (from :func:`describe_error`), so that the ranks
+    that did not fail raise the same kind (corrupt, transient, not found); else :class:`CheckpointError`."""
+    names = {m.split(":", 1)[0] for m in messages}
+    found = getattr(errors, names.pop(), None) if len(names) == 1 else None
+    return found if isinstance(found, type) and issubclass(found, CheckpointError) else CheckpointError
 
 
 def describe_error(error: BaseException | None) -> str | None:

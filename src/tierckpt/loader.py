@@ -12,8 +12,9 @@ Lifecycle (every rank of the loading group unless noted):
    same :class:`~tierckpt.planner.LoadPlan`. Each rank checks the sizes of the data files it will read,
    so a truncated or missing file fails before any tensor is modified.
 4. Round by round: readers fetch their units (straight into the target's memory when a unit is
-   exactly one contiguous part of one local target), copy local deliveries, and exchange the rest with
-   one all-to-all per round.
+   exactly one contiguous part of one local target), check the CRC-32C of every block they read whole
+   (:mod:`tierckpt.io.readcheck`), copy local deliveries, and exchange the rest with one all-to-all
+   per round. After the last round the ranks combine the checksums of blocks read in parts.
 5. Objects are decoded (weights-only unless ``allow_pickle``) and put in place; optimizers and
    stateful objects get their ``load_state_dict`` calls.
 """
@@ -21,6 +22,7 @@ Lifecycle (every rank of the loading group unless noted):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import warnings
 from collections.abc import Mapping
@@ -38,10 +40,11 @@ from .errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError,
 )
 from .io.rangefile import RangeFile
+from .io.readcheck import ReadChecker
 from .io.scheduler import ReadRequest, get_scheduler
 from .metadata import (
-    CheckpointMeta, ObjectMeta, PieceMeta, TensorMeta, decode_header, decode_pieces, decode_tensors, dtype_name,
-    itemsize,
+    MAX_HEADER_BYTES, MAX_TABLE_BYTES, CheckpointMeta, ObjectMeta, PieceMeta, TensorMeta, decode_header, decode_pieces,
+    decode_tensors, dtype_name, itemsize,
 )
 from .monitor import Monitor
 from .objects import decode_object
@@ -89,8 +92,9 @@ def read_checkpoint(backend: Backend, *, accept_dcp: bool = False) -> Checkpoint
         raise CheckpointNotFoundError(f"no checkpoint at {backend.root_uri!r} (no COMMIT record)") from None
     gen = record.generation
     try:
-        meta = decode_header(sched.do(backend, "get", layout.header_key(gen)))
-        tensors = decode_tensors(sched.do(backend, "get", layout.tensors_key(gen)))
+        header_key = layout.header_key(gen)
+        meta = decode_header(read_document(backend, header_key, MAX_HEADER_BYTES), header_key)
+        tensors = decode_tensors(read_document(backend, layout.tensors_key(gen), MAX_TABLE_BYTES))
     except CheckpointNotFoundError as exc:
         raise CorruptCheckpointError(
             f"checkpoint {backend.root_uri!r} is committed as {gen!r} but its metadata is missing: {exc}"
@@ -98,6 +102,21 @@ def read_checkpoint(backend: Backend, *, accept_dcp: bool = False) -> Checkpoint
     if meta.generation != gen:
         raise CorruptCheckpointError(f"header of {gen!r} names generation {meta.generation!r}")
     return Checkpoint(meta=meta, tensors=tensors)
+
+
+def read_document(backend: Backend, key: str, limit: int) -> bytes:
+    """A whole metadata document, refused unread when the store says it is larger than ``limit``."""
+    sched = get_scheduler()
+    size = sched.do(backend, "size", key)
+    if size > limit:
+        raise CorruptCheckpointError(
+            f"{key!r} of checkpoint {backend.root_uri!r} holds {size} bytes, more than such a document may "
+            f"({limit}); it is corrupt or crafted, so it is not read"
+        )
+    data = sched.do(backend, "get", key)
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{key!r} of checkpoint {backend.root_uri!r} grew past {limit} bytes while being read")
+    return data
 
 
 def load(
@@ -108,6 +127,7 @@ def load(
     strict: bool = True,
     allow_pickle: bool = False,
     verify: bool = False,
+    check_crc: bool = True,
     storage_options: Mapping[str, Any] | None = None,
     chunk_bytes: int = 32 << 20,
     round_bytes: int = 256 << 20,
@@ -118,8 +138,10 @@ def load(
     """Load the checkpoint at ``uri`` into ``state`` in place (resharding as needed) and return it.
 
     Tensors, modules and optimizers are filled in place; other values are replaced in their dicts.
-    ``strict=False`` loads what matches and warns about the rest. ``verify=True`` checks the CRC-32C of
-    every piece the load touches before modifying anything. ``allow_pickle=True`` permits objects that
+    ``strict=False`` loads what matches and warns about the rest. Every byte read is checked against
+    the CRC-32C of its block as it is read (a mismatch raises :class:`CorruptCheckpointError` naming the
+    file and tensor); ``check_crc=False`` skips that check, only to measure its cost. ``verify=True``
+    also checks the CRC-32C of every piece the load touches before modifying anything (a second pass). ``allow_pickle=True`` permits objects that
     need full unpickling (only for checkpoints you trust). Every rank of the group must call it; a rank
     that does not arrive within ``collective_timeout_s`` (default: the group's timeout) is named in a :class:`CollectiveError`.
     """
@@ -154,8 +176,11 @@ def load(
         # Objects are small: fetch, check and decode them before any tensor is modified.
         values = comm.run_agreed(lambda: _fetch_objects(backend, ckpt, flat, comm, allow_pickle), "loading objects")
     targets = [flat.tensors[n.fqn] for n in needs]
+    checker = ReadChecker(gen, pieces) if check_crc else None
     with monitor.phase("read"):
-        comm.run_agreed(lambda: _Executor(backend, gen, plan, targets, comm, monitor).run(), f"loading {uri!r}")
+        comm.run_agreed(lambda: _Executor(backend, gen, plan, targets, comm, monitor, checker).run(), f"loading {uri!r}")
+        if checker is not None:
+            _settle_checksums(checker, backend, comm)
     with monitor.phase("apply"):
         for key, value in values.items():
             flat.objects[key].assign(value)
@@ -256,27 +281,41 @@ def read_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str] | None = None
         if fqns is None:
             import pyarrow as pa
 
-            return decode_pieces(pa.BufferReader(get_scheduler().do(backend, "get", key)), ckpt.tensors)
+            return decode_pieces(pa.BufferReader(read_document(backend, key, MAX_TABLE_BYTES)), ckpt.tensors)
         return decode_pieces(RangeFile(backend, key), ckpt.tensors, fqns)
     except CheckpointNotFoundError as exc:
         raise CorruptCheckpointError(f"checkpoint {backend.root_uri!r} has no pieces table: {exc}") from exc
 
 
 def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int) -> None:
-    sizes = {f.key: f.size for f in ckpt.meta.files}
-    gen = ckpt.meta.generation
-    sched = get_scheduler()
-    for file in sorted({u.file for u in plan.units if u.reader == rank}):
-        key = layout.in_generation(gen, file)
-        try:
-            actual = sched.do(backend, "size", key)
-        except CheckpointNotFoundError:
-            raise CorruptCheckpointError(f"data file {key!r} of checkpoint {backend.root_uri!r} is missing") from None
-        if file not in sizes or actual != sizes[file]:
+    """Each data file this rank reads has the size the header lists, and holds every run read from it."""
+    ends: dict[str, int] = {}
+    for u in plan.units:
+        if u.reader == rank and len(u.run_offsets):
+            ends[u.file] = max(ends.get(u.file, 0), int(u.run_offsets.max()) + u.run_bytes)
+    for file, end in sorted(ends.items()):
+        size = _checked_size(backend, ckpt, file)
+        if end > size:
             raise CorruptCheckpointError(
-                f"data file {key!r} of checkpoint {backend.root_uri!r} has {actual} bytes, the metadata says "
-                f"{sizes.get(file, 'nothing')}: it is truncated or was replaced"
+                f"pieces of checkpoint {backend.root_uri!r} lie past the end of {file!r} (byte {end} of {size}): "
+                "the pieces table is corrupt"
             )
+
+
+def _checked_size(backend: Backend, ckpt: Checkpoint, file: str) -> int:
+    """The size of ``file``, which must exist and match the header's, before any buffer is sized from metadata."""
+    sizes = {f.key: f.size for f in ckpt.meta.files}
+    key = layout.in_generation(ckpt.meta.generation, file)
+    try:
+        actual = get_scheduler().do(backend, "size", key)
+    except CheckpointNotFoundError:
+        raise CorruptCheckpointError(f"file {key!r} of checkpoint {backend.root_uri!r} is missing") from None
+    if file not in sizes or actual != sizes[file]:
+        raise CorruptCheckpointError(
+            f"file {key!r} of checkpoint {backend.root_uri!r} has {actual} bytes, the metadata says "
+            f"{sizes.get(file, 'nothing')}: it is truncated or was replaced"
+        )
+    return actual
 
 
 def _verify_pieces(backend: Backend, gen: str, pieces: dict[str, list[PieceMeta]], comm: Comm) -> None:
@@ -291,6 +330,12 @@ def _verify_pieces(backend: Backend, gen: str, pieces: dict[str, list[PieceMeta]
                 f"checksum mismatch in {piece.file!r} at bytes {piece.byte_offset}..{piece.byte_offset + piece.byte_length} "
                 f"(tensor {piece.fqn!r}, region {piece.region}): the data file is corrupt"
             )
+
+
+def _settle_checksums(checker: ReadChecker, backend: Backend, comm: Comm) -> None:
+    """Check the blocks read in parts (by several ranks or units) from every rank's partial CRCs."""
+    _, gathered = comm.exchange_agreed(lambda: (None, checker.partials()), "gathering data checksums")
+    comm.run_agreed(lambda: checker.settle(gathered, backend, comm.rank, comm.world_size), "checking data checksums")
 
 
 def _target_view(entry: TensorEntry, stored: StoredBox) -> torch.Tensor:
@@ -333,7 +378,10 @@ class _Round:
     indices: tuple[int, ...]
     buffers: dict[int, torch.Tensor]
     direct: set[int]
+    landed: concurrent.futures.Future
+    """Done when the round's bytes are read (its checksums may still be being checked)."""
     reads: Any
+    """Done when the round's bytes are read and checked."""
 
 
 class _Executor:
@@ -343,8 +391,12 @@ class _Executor:
     so storage and the network overlap; at most two rounds' buffers are alive at once.
     """
 
-    def __init__(self, backend: Backend, gen: str, plan: LoadPlan, targets: list[TensorEntry], comm: Comm, monitor: Monitor) -> None:
+    def __init__(
+        self, backend: Backend, gen: str, plan: LoadPlan, targets: list[TensorEntry], comm: Comm, monitor: Monitor,
+        checker: ReadChecker | None,
+    ) -> None:
         self.backend, self.gen, self.plan, self.targets, self.comm, self.monitor = backend, gen, plan, targets, comm, monitor
+        self.checker = checker
         self.sched = get_scheduler()
 
     def run(self) -> None:
@@ -352,8 +404,9 @@ class _Executor:
         pending = self._start(rounds[0][0]) if rounds else None
         for k, (_, exchange) in enumerate(rounds):
             current = pending
+            current.landed.result()
+            pending = self._start(rounds[k + 1][0]) if k + 1 < len(rounds) else None  # overlaps round k's checks
             current.reads.result()
-            pending = self._start(rounds[k + 1][0]) if k + 1 < len(rounds) else None
             with torch.no_grad():
                 self._deliver_round(current, exchange)
 
@@ -361,8 +414,7 @@ class _Executor:
         """Allocate this rank's buffers for a round and start reading into them."""
         buffers: dict[int, torch.Tensor] = {}
         direct: set[int] = set()
-        singles: list[ReadRequest] = []
-        multi: list[tuple[ReadUnit, memoryview]] = []
+        reads: list[tuple[ReadUnit, memoryview]] = []
         for i in indices:
             unit = self.plan.units[i]
             if unit.reader != self.comm.rank:
@@ -373,25 +425,43 @@ class _Executor:
             else:
                 direct.add(i)
             buffers[i] = buf
-            view = memoryview(buf.numpy())
-            key = layout.in_generation(self.gen, unit.file)
-            if len(unit.run_offsets) == 1:
-                singles.append(ReadRequest(key=key, start=int(unit.run_offsets[0]), out=view))
-            else:
-                multi.append((unit, view))
+            reads.append((unit, memoryview(buf.numpy())))
             self.monitor.count("requests", len(unit.run_offsets))
             self.monitor.count("bytes_read", unit.nbytes)
-        return _Round(indices, buffers, direct, self.sched.submit(self._read(singles, multi)))
+        landed: concurrent.futures.Future = concurrent.futures.Future()
+        return _Round(indices, buffers, direct, landed, self.sched.submit(self._read(reads, landed)))
 
-    async def _read(self, singles: list[ReadRequest], multi: list[tuple[ReadUnit, memoryview]]) -> None:
-        backend, sched = self.backend, self.sched
-        jobs = [sched.read(backend, singles)] if singles else []
-        jobs += [
-            sched.call(backend, "read_runs", backend.read_runs, layout.in_generation(self.gen, unit.file),
-                       unit.run_offsets.tolist(), unit.run_bytes, view, nbytes=unit.nbytes)
-            for unit, view in multi
-        ]
-        await asyncio.gather(*jobs)
+    async def _read(self, reads: list[tuple[ReadUnit, memoryview]], landed: concurrent.futures.Future) -> None:
+        """Read a round's units (then set ``landed``); each unit's checksums are checked in a worker
+        thread as soon as it lands, overlapping the other reads."""
+        backend, sched, checker = self.backend, self.sched, self.checker
+
+        async def read(unit: ReadUnit, view: memoryview) -> None:
+            key = layout.in_generation(self.gen, unit.file)
+            if len(unit.run_offsets) == 1:
+                await sched.read(backend, [ReadRequest(key=key, start=int(unit.run_offsets[0]), out=view)])
+            else:
+                await sched.call(backend, "read_runs", backend.read_runs, key, unit.run_offsets.tolist(), unit.run_bytes,
+                                 view, nbytes=unit.nbytes)
+
+        async def check(task: asyncio.Future, unit: ReadUnit, view: memoryview) -> None:
+            await task
+            checker.add(await asyncio.to_thread(checker.check, unit.fqn, unit.file, unit.run_offsets, unit.run_bytes, view))
+
+        tasks = [asyncio.ensure_future(read(*r)) for r in reads]
+        checks = [asyncio.ensure_future(check(t, *r)) for t, r in zip(tasks, reads)] if checker is not None else []
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException as exc:
+            landed.set_exception(exc)
+            for c in checks:
+                c.cancel()
+            await asyncio.gather(*tasks, *checks, return_exceptions=True)
+            raise
+        landed.set_result(None)
+        failed = [r for r in await asyncio.gather(*checks, return_exceptions=True) if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
 
     def _deliver_round(self, rnd: _Round, exchange: bool) -> None:
         me = self.comm.rank

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import torch
 
 from .backends.base import validate_key
-from .errors import CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
 from .regions import Box, FlatRange, Region
 
 FORMAT_NAME = "tierckpt"
@@ -106,6 +106,16 @@ class PieceMeta:
     byte_length: int
     crc32c: int
     """CRC-32C of the piece's bytes."""
+    block_bytes: int = 0
+    """Size of the checksummed blocks of the piece; 0 in checkpoints written before block checksums."""
+    block_crc32c: tuple[int, ...] = ()
+    """CRC-32C of each ``block_bytes`` block of the piece's bytes (the last block may be shorter)."""
+
+    def blocks(self) -> tuple[int, tuple[int, ...]]:
+        """``(block size, block CRCs)``; a piece without block checksums is one block: the whole piece."""
+        if self.block_bytes:
+            return self.block_bytes, self.block_crc32c
+        return max(self.byte_length, 1), (self.crc32c,)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -171,52 +181,102 @@ def _int(value: Any, what: str, lo: int = 0, hi: int = MAX_NUMEL * 16) -> int:
     return value
 
 
-def decode_header(data: bytes) -> CheckpointMeta:
+MAX_HEADER_BYTES = 64 << 20
+"""Largest ``meta/header.json`` a reader accepts (read whole: a crafted size must not exhaust memory)."""
+MAX_TABLE_BYTES = 1 << 30
+"""Largest Parquet table a reader reads whole."""
+MAX_UNIX_TIME = 1e11
+"""Timestamps past this (year 5138) are corruption, not dates."""
+
+
+def decode_header(data: bytes, name: str = "meta/header.json") -> CheckpointMeta:
+    """The validated header; any malformed field raises :class:`CorruptCheckpointError` naming ``name`` and the field."""
     try:
         doc = json.loads(data)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, over-long ints, deep nesting
-        raise CorruptCheckpointError(f"checkpoint header is not valid JSON: {exc}") from exc
+        raise CorruptCheckpointError(f"checkpoint header {name} is not valid JSON: {exc}") from exc
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise CorruptCheckpointError("checkpoint header does not name the tierckpt format")
+        raise CorruptCheckpointError(f"checkpoint header {name} does not name the tierckpt format")
     version = doc.get("format_version")
     if version != FORMAT_VERSION:
         raise CorruptCheckpointError(
-            f"checkpoint format version {version!r} is not supported (this tierckpt reads {FORMAT_VERSION}); "
+            f"checkpoint format version {version!r} in {name} is not supported (this tierckpt reads {FORMAT_VERSION}); "
             "upgrade tierckpt to read it"
         )
-    try:
-        world = _int(doc["world_size"], "world_size", 1, 1 << 24)
-        objects = tuple(
-            ObjectMeta(
-                key=str(o["key"]),
-                rank=None if o["rank"] is None else _int(o["rank"], "object rank", 0, world - 1),
-                file=validate_key(o["file"]),
-                byte_offset=_int(o["byte_offset"], "object offset"),
-                byte_length=_int(o["byte_length"], "object length"),
-                crc32c=_int(o["crc32c"], "object checksum", 0, 2**32 - 1),
-                codec=_codec(o["codec"]),
-            )
-            for o in doc["objects"]
-        )
-        files = tuple(FileMeta(key=validate_key(f["key"]), size=_int(f["size"], "file size")) for f in doc["files"])
-        return CheckpointMeta(
-            format_minor=_int(doc.get("format_minor", 0), "format_minor"),
-            generation=validate_generation(doc["generation"]),
-            world_size=world,
-            created_unix=float(doc["created_unix"]),
-            frameworks=tuple(str(x) for x in doc.get("frameworks", ())),
-            files=files,
-            objects=objects,
-            num_tensors=_int(doc["num_tensors"], "num_tensors"),
-            num_pieces=_int(doc["num_pieces"], "num_pieces"),
-            tensor_bytes=_int(doc["tensor_bytes"], "tensor_bytes"),
-            timings={str(k): float(v) for k, v in doc.get("timings", {}).items()},
-            tags={str(k): str(v) for k, v in doc.get("tags", {}).items()},
-        )
-    except (KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
-        if isinstance(exc, CorruptCheckpointError):
-            raise
-        raise CorruptCheckpointError(f"checkpoint header is malformed: {exc!r}") from exc
+
+    def field(key: str, convert: Any, *default: Any) -> Any:
+        if key not in doc:
+            if default:
+                return default[0]
+            raise CorruptCheckpointError(f"checkpoint header {name} has no field {key!r}")
+        try:
+            return convert(doc[key])
+        except (CorruptCheckpointError, KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
+            detail = str(exc) if isinstance(exc, CorruptCheckpointError) else f"{type(exc).__name__}: {exc}"
+            raise CorruptCheckpointError(f"checkpoint header {name}: field {key!r} is malformed: {detail}") from exc
+
+    world = field("world_size", lambda v: _int(v, "world_size", 1, 1 << 24))
+    return CheckpointMeta(
+        format_minor=field("format_minor", lambda v: _int(v, "format_minor"), 0),
+        generation=field("generation", validate_generation),
+        world_size=world,
+        created_unix=field("created_unix", lambda v: _float(v, "created_unix", 0.0, MAX_UNIX_TIME)),
+        frameworks=field("frameworks", lambda v: tuple(_str(x, "framework") for x in _list(v)), ()),
+        files=field("files", lambda v: tuple(_file_meta(f) for f in _list(v))),
+        objects=field("objects", lambda v: tuple(_object_meta(o, world) for o in _list(v))),
+        num_tensors=field("num_tensors", lambda v: _int(v, "num_tensors")),
+        num_pieces=field("num_pieces", lambda v: _int(v, "num_pieces")),
+        tensor_bytes=field("tensor_bytes", lambda v: _int(v, "tensor_bytes")),
+        timings=field("timings", lambda v: {_str(k, "timing name"): _float(x, "timing") for k, x in _dict(v).items()}, {}),
+        tags=field("tags", lambda v: {_str(k, "tag"): _str(_scalar_text(x), "tag value") for k, x in _dict(v).items()}, {}),
+    )
+
+
+def _object_meta(o: Any, world: int) -> ObjectMeta:
+    o = _dict(o)
+    return ObjectMeta(
+        key=_str(o["key"], "object key"),
+        rank=None if o["rank"] is None else _int(o["rank"], "object rank", 0, world - 1),
+        file=validate_key(o["file"]),
+        byte_offset=_int(o["byte_offset"], "object offset"),
+        byte_length=_int(o["byte_length"], "object length"),
+        crc32c=_int(o["crc32c"], "object checksum", 0, 2**32 - 1),
+        codec=_codec(o["codec"]),
+    )
+
+
+def _file_meta(f: Any) -> FileMeta:
+    f = _dict(f)
+    return FileMeta(key=validate_key(f["key"]), size=_int(f["size"], "file size"))
+
+
+def _list(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise CorruptCheckpointError(f"expected a list, found {type(value).__name__}")
+    return value
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(f"expected an object, found {type(value).__name__}")
+    return value
+
+
+def _str(value: Any, what: str) -> str:
+    if not isinstance(value, str) or "\x00" in value:
+        raise CorruptCheckpointError(f"invalid {what} {value!r}: expected a string without NUL")
+    return value
+
+
+def _scalar_text(value: Any) -> Any:
+    """Tags saved as numbers or booleans read back as their text (nested values stay invalid)."""
+    return str(value) if isinstance(value, (int, float, bool)) or value is None else value
+
+
+def _float(value: Any, what: str, lo: float = -math.inf, hi: float = math.inf) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not lo <= value <= hi:
+        raise CorruptCheckpointError(f"invalid {what} {value!r}: expected a finite number in [{lo}, {hi}]")
+    return float(value)
 
 
 def _codec(name: Any) -> str:
@@ -237,8 +297,13 @@ _PIECE_SCHEMA = pa.schema(
         ("byte_offset", pa.int64()),
         ("byte_length", pa.int64()),
         ("crc32c", pa.uint32()),
+        ("crc_block_bytes", pa.int64()),
+        ("block_crc32c", pa.list_(pa.uint32())),
     ]
 )
+_PIECE_SCHEMA_WITHOUT_BLOCKS = pa.schema(list(_PIECE_SCHEMA)[:8])
+"""Pieces tables written before block checksums (still read; their pieces are one block each)."""
+MAX_BLOCK_BYTES = 1 << 40
 PIECES_PER_ROW_GROUP = 2048
 
 
@@ -302,6 +367,8 @@ def encode_pieces(pieces: Iterable[PieceMeta]) -> bytes:
             "byte_offset": [p.byte_offset for p in rows],
             "byte_length": [p.byte_length for p in rows],
             "crc32c": [p.crc32c for p in rows],
+            "crc_block_bytes": [p.block_bytes for p in rows],
+            "block_crc32c": [list(p.block_crc32c) for p in rows],
         },
         schema=_PIECE_SCHEMA,
     )
@@ -319,20 +386,23 @@ def decode_pieces(
         pf = pq.ParquetFile(pa.BufferReader(source) if isinstance(source, bytes) else source)
         wanted = None if fqns is None else sorted(set(fqns))
         groups = list(range(pf.num_row_groups))
-        if pf.schema_arrow.remove_metadata() != _PIECE_SCHEMA:
-            raise CorruptCheckpointError("the pieces table has an unexpected schema")
+        schema = _pieces_schema(pf.schema_arrow)
         if wanted is not None:
             col = pf.schema_arrow.get_field_index("fqn")
             groups = [g for g in groups if _group_may_hold(pf.metadata.row_group(g).column(col).statistics, wanted)]
         table = pf.read_row_groups(groups) if groups else _PIECE_SCHEMA.empty_table()
+    except CheckpointError:
+        raise  # an unexpected schema, or the store failed (transient, not found...): not a broken table
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise CorruptCheckpointError(f"cannot read the pieces table: {exc}") from exc
-    if table.schema.remove_metadata() != _PIECE_SCHEMA:
+    if _pieces_schema(table.schema) != schema:
         raise CorruptCheckpointError("the pieces table has an unexpected schema")
     wanted_set = None if wanted is None else set(wanted)
     out: dict[str, list[PieceMeta]] = {}
-    columns = [_column(table, name, "pieces") for name in _PIECE_SCHEMA.names]
-    for fqn, kind, offsets, lengths, file, byte_offset, byte_length, crc in zip(*columns):
+    columns = [_column(table, name, "pieces") for name in schema.names]
+    if schema == _PIECE_SCHEMA_WITHOUT_BLOCKS:
+        columns += [[0] * table.num_rows, [[]] * table.num_rows]
+    for fqn, kind, offsets, lengths, file, byte_offset, byte_length, crc, block_bytes, blocks in zip(*columns):
         if wanted_set is not None and fqn not in wanted_set:
             continue
         tensor = tensors.get(fqn)
@@ -352,9 +422,29 @@ def decode_pieces(
                 byte_offset=_int(byte_offset, "byte offset"),
                 byte_length=byte_length,
                 crc32c=_int(crc, "checksum", 0, 2**32 - 1),
+                **_block_checksums(block_bytes, blocks, byte_length, fqn, file),
             )
         )
     return out
+
+
+def _pieces_schema(schema: pa.Schema) -> pa.Schema:
+    """The pieces table's schema, which must be the current one or the one before block checksums."""
+    schema = schema.remove_metadata()
+    if schema not in (_PIECE_SCHEMA, _PIECE_SCHEMA_WITHOUT_BLOCKS):
+        raise CorruptCheckpointError("the pieces table has an unexpected schema")
+    return schema
+
+
+def _block_checksums(block_bytes: Any, crcs: Any, byte_length: int, fqn: str, file: str) -> dict[str, Any]:
+    """A piece's validated ``block_bytes`` and ``block_crc32c`` (one CRC per block, none when 0)."""
+    what = f"block checksums of a piece of {fqn!r} in {file!r}"
+    block_bytes = _int(block_bytes, f"crc_block_bytes of a piece of {fqn!r} in {file!r}", 0, MAX_BLOCK_BYTES)
+    expected = -(-byte_length // block_bytes) if block_bytes else 0
+    if not isinstance(crcs, list) or len(crcs) != expected:
+        count = len(crcs) if isinstance(crcs, list) else crcs
+        raise CorruptCheckpointError(f"invalid {what}: {count} for {byte_length} bytes in blocks of {block_bytes}")
+    return {"block_bytes": block_bytes, "block_crc32c": tuple(_int(c, what, 0, 2**32 - 1) for c in crcs)}
 
 
 def _group_may_hold(stats: Any, wanted: list[str]) -> bool:
@@ -397,5 +487,7 @@ def _column(table: pa.Table, name: str, what: str) -> list[Any]:
 def _read_table(source: Any, what: str) -> pa.Table:
     try:
         return pq.read_table(pa.BufferReader(source) if isinstance(source, bytes) else source)
+    except CheckpointError:
+        raise  # the store failed (transient, not found...), not the table
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise CorruptCheckpointError(f"cannot read the {what} table: {exc}") from exc

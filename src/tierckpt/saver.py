@@ -319,8 +319,19 @@ def _commit_gathered(p: _Prepared, gathered: Any, world_size: int) -> tuple[tupl
     try:
         _commit(p, meta, [piece for r in records for piece in r[0]])
     except Exception as exc:  # noqa: BLE001 - rank 0 raises it; the others get its description
+        _discard_uncommitted(p)
         return ("error", f"rank 0: {describe_error(exc)}"), exc
     return ("ok", meta), None
+
+
+def _discard_uncommitted(p: _Prepared) -> None:
+    """After a failed commit step (a full disk, an outage): remove the generation unless COMMIT names it."""
+    try:
+        committed = get_scheduler().run(_committed_generation(p.backend))
+    except CheckpointError:
+        return  # cannot tell: leave it to `tierckpt gc`, which never removes what COMMIT names
+    if committed != p.generation:
+        _discard_generation(p)
 
 
 def _finish_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMeta], list[ObjectMeta], list[FileMeta], dict[str, float]]:
@@ -335,11 +346,14 @@ def _drain_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMeta
     pieces: list[PieceMeta] = []
     files: list[FileMeta] = []
     if stream is not None:
-        crcs = stream.finish()
+        checksums = stream.finish()
         writes = p.plan.writes[rank]
         pieces = [
-            PieceMeta(fqn=w.fqn, region=w.region, file=w.file, byte_offset=w.byte_offset, byte_length=w.byte_length, crc32c=c)
-            for w, c in zip(writes, crcs)
+            PieceMeta(
+                fqn=w.fqn, region=w.region, file=w.file, byte_offset=w.byte_offset, byte_length=w.byte_length,
+                crc32c=c.crc32c, block_bytes=c.block_bytes, block_crc32c=c.block_crc32c,
+            )
+            for w, c in zip(writes, checksums)
         ]
         files.append(FileMeta(key=writes[0].file, size=p.plan.file_sizes[rank]))
         p.monitor.count("bytes_written", p.plan.file_sizes[rank])

@@ -12,7 +12,8 @@
    size and no two pieces share an element (flat pieces are compared as their boxes).
 4. The CRC-32C of every piece and every object, streamed in batches of at most ``chunk_bytes``:
    small pieces are read together, a large piece in chunks with the checksum continued, so memory
-   stays bounded whatever the checkpoint's size.
+   stays bounded whatever the checkpoint's size. Each piece's block checksums (what every load
+   checks) must combine to its CRC-32C, so the two can never disagree unnoticed.
 
 Every problem found is reported (:class:`Problem`: kind, file, tensor or object, byte offset); the
 check does not stop at the first one.
@@ -31,6 +32,7 @@ import crc32c
 from . import layout
 from .backends import Backend, open_backend
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .io.crc import combine_blocks
 from .io.scheduler import ReadRequest, get_scheduler
 from .loader import Checkpoint, read_checkpoint, read_pieces
 from .metadata import PieceMeta, TensorMeta
@@ -115,6 +117,7 @@ def verify(
     sizes = _check_files(backend, ckpt, pieces, report.problems)
     for fqn in sorted(ckpt.tensors):
         report.problems += _coverage_problems(ckpt.tensors[fqn], pieces.get(fqn, []))
+    report.problems += _block_checksum_problems(pieces)
     report.bytes_checked = _check_checksums(backend, ckpt, pieces, sizes, report.problems, progress, chunk_bytes)
     return report
 
@@ -199,6 +202,27 @@ def _where(p: PieceMeta) -> str:
 
 
 # -- checksums ---------------------------------------------------------------------------------------
+def _block_checksum_problems(pieces: dict[str, list[PieceMeta]]) -> list[Problem]:
+    """Pieces whose block CRCs do not combine to the piece's CRC-32C (the pieces table is inconsistent)."""
+    by_size: dict[int, list[PieceMeta]] = {}
+    for fqn in sorted(pieces):
+        for p in pieces[fqn]:
+            if p.block_bytes:
+                by_size.setdefault(p.block_bytes, []).append(p)
+    problems = []
+    for block, group in by_size.items():
+        combined = combine_blocks([list(p.block_crc32c) for p in group], [p.byte_length for p in group], block)
+        problems += [
+            Problem(
+                kind="block-checksums", file=p.file, tensor=p.fqn, byte_offset=p.byte_offset, byte_length=p.byte_length,
+                message=f"tensor {p.fqn!r} piece {_region_text(p.region)} at {_where(p)}: its block checksums combine to "
+                f"{c:#010x}, its CRC-32C is {p.crc32c:#010x} (the pieces table is corrupt)",
+            )
+            for p, c in zip(group, combined) if c != p.crc32c
+        ]
+    return problems
+
+
 @dataclass(slots=True)
 class _Item:
     """A byte range with a stored CRC-32C: one piece or one object."""

@@ -53,6 +53,8 @@ def validate_key(key: str) -> str:
     """Reject keys that could escape the backend root (``..``, absolute paths, empty parts)."""
     if not isinstance(key, str) or not key:
         raise CorruptCheckpointError(f"invalid storage key {key!r}: keys are non-empty strings")
+    if any(ord(c) < 32 for c in key):
+        raise CorruptCheckpointError(f"invalid storage key {key!r}: keys hold no control characters (NUL, newline...)")
     parts = key.split("/")
     if key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in parts):
         raise CorruptCheckpointError(

@@ -176,8 +176,29 @@ def read_ahead_spans(offsets: Sequence[int], run_bytes: int, max_gap: int = READ
     return spans
 
 
+def _not_regular(path: str, mode: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{path} is not a regular file (mode {stat.filemode(mode)}); a checkpoint holds only regular files, "
+        "so this one was tampered with"
+    )
+
+
+def _open_regular(path: str) -> int:
+    """Open ``path`` for reading, refusing anything but a regular file (a FIFO would block forever)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _not_regular(path, mode)
+    return fd
+
+
 def _pread_runs(path: str, offsets: list[int], run_bytes: int, out: memoryview) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = _open_regular(path)
     try:
         if hasattr(os, "posix_fadvise"):  # Linux and most Unixes; elsewhere each pread reads alone
             for start, length in read_ahead_spans(offsets, run_bytes):
@@ -223,7 +244,7 @@ def _write_atomic(path: str, data: bytes | memoryview) -> None:
 
 
 def _read_into(path: str, start: int, out: memoryview) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = _open_regular(path)
     try:
         end = start + len(out)
         size = os.fstat(fd).st_size
@@ -240,8 +261,22 @@ def _read_into(path: str, start: int, out: memoryview) -> None:
 
 
 def _read_whole(path: str) -> bytes:
-    with open(path, "rb") as f:
+    with open(_open_regular(path), "rb") as f:
         return f.read()
+
+
+def _read_range(path: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)``, allocated only once the file is known to hold them."""
+    fd = _open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if end > size:
+        raise range_past_end(path, start, end, size)
+    buf = bytearray(end - start)
+    _read_into(path, start, memoryview(buf))
+    return bytes(buf)
 
 
 def _list_files(root: str, prefix: str) -> list[str]:
@@ -261,8 +296,10 @@ def _list_files(root: str, prefix: str) -> list[str]:
 
 def _size(path: str) -> int:
     st = os.stat(path)
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(21, "a directory", path)
     if not stat.S_ISREG(st.st_mode):
-        raise IsADirectoryError(21, "not a regular file", path)
+        raise _not_regular(path, st.st_mode)
     return st.st_size
 
 
@@ -357,6 +394,14 @@ class LocalBackend(ReadsInto, Backend):
             return await asyncio.to_thread(_read_whole, path)
         except OSError as exc:
             raise _os_error(exc, f"reading {path}") from exc
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        path = self.path_of(key)
+        check_range(path, start, end)
+        try:
+            return await asyncio.to_thread(_read_range, path, start, end)
+        except OSError as exc:
+            raise _os_error(exc, f"reading [{start}, {end}) of {path}") from exc
 
     async def _read_range(self, key: str, start: int, end: int, out: memoryview) -> None:
         path = self.path_of(key)

@@ -2,7 +2,8 @@
 
 :class:`FileStream` writes one data file in order on the I/O loop: the caller hands it
 :class:`Chunk` objects (byte views plus which pieces they carry) and the stream appends them to a
-backend writer, computing each piece's CRC-32C as the bytes pass — a chunk is checksummed on the
+backend writer, computing the CRC-32C of each block of each piece as the bytes pass (see
+:mod:`tierckpt.io.crc`; the piece's own CRC is combined from its blocks) — a chunk is checksummed on the
 loop while the previous one is written in a worker thread, and neither stalls the caller.
 
 :class:`StagingBuffer` is the reusable snapshot memory for asynchronous saves: allocated once per
@@ -17,7 +18,7 @@ Lifecycle of one file (the saving rank):
 1. ``stream = FileStream(backend, key, num_pieces)`` opens the writer on the I/O loop.
 2. ``stream.put(chunk)`` for each chunk, in file order (from any one thread).
 3. ``stream.finish()`` closes the writer (the file becomes visible atomically) and returns the
-   per-piece CRCs; on any failure the writer is aborted and nothing is left behind.
+   per-piece checksums; on any failure the writer is aborted and nothing is left behind.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-import crc32c
 import torch
 
 from ..backends import Backend
 from ..backends.base import ObjectWriter
 from ..errors import CheckpointError
+from .crc import BlockAccumulator, PieceChecksums, finish_pieces
 from .scheduler import get_scheduler
 
 
@@ -55,7 +56,7 @@ class FileStream:
     """Writes chunks of one file in order on the I/O loop (see the module docstring)."""
 
     def __init__(self, backend: Backend, key: str, num_pieces: int) -> None:
-        self.crcs = [0] * num_pieces
+        self.checksums = [BlockAccumulator() for _ in range(num_pieces)]
         self.bytes_written = 0
         self.checksum_s = 0.0
         """Seconds spent computing CRC-32C (overlaps the copy of the next chunk)."""
@@ -72,11 +73,11 @@ class FileStream:
     def put(self, chunk: Chunk) -> None:
         self._sched.loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
 
-    def finish(self) -> list[int]:
-        """Close the file once every chunk is written; raise the first write error."""
+    def finish(self) -> list[PieceChecksums]:
+        """Close the file once every chunk is written and return each piece's checksums; raise the first write error."""
         self._sched.loop.call_soon_threadsafe(self._queue.put_nowait, None)
         self._done.result()
-        return self.crcs
+        return finish_pieces(self.checksums)
 
     @contextlib.contextmanager
     def abort_on_error(self) -> Iterator[None]:
@@ -100,7 +101,7 @@ class FileStream:
                 try:
                     started = time.perf_counter()
                     for piece, start, length in chunk.segments:
-                        self.crcs[piece] = crc32c.crc32c(chunk.data[start : start + length], self.crcs[piece])
+                        self.checksums[piece].update(chunk.data[start : start + length])
                     self.checksum_s += time.perf_counter() - started
                     if in_flight is not None:
                         await in_flight

@@ -1,0 +1,149 @@
+"""Checksums checked in the read path of every load: each byte a load reads is checked once.
+
+Each saved piece carries the CRC-32C of each of its blocks (:mod:`tierckpt.io.crc`). When a rank
+has read a unit (a contiguous range, or a box's strided runs), :meth:`ReadChecker.check` splits its
+runs at block boundaries:
+
+* a block the unit covers whole is checked at once, before any of its bytes is delivered;
+* a block covered in part yields a *partial*: the raw CRC of each covered part, shifted to the end of
+  its block, XORed per block, with the count of bytes covered.
+
+After the last round, :func:`settle` combines every rank's partials (gathered in one collective): a
+block whose parts add up to all its bytes is checked against its CRC — no byte is read twice, so read
+amplification stays 1.00. A block the group read only in part (a load that needs part of a tensor) is
+read whole once more by one rank and checked, so no byte a load delivers goes unchecked. Pieces of
+checkpoints written before block checksums are one block: the piece and its CRC.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+import crc32c
+import numpy as np
+
+from .. import layout
+from ..backends import Backend
+from ..errors import CorruptCheckpointError
+from ..metadata import PieceMeta
+from .crc import RAW_INIT, shift, zeros_crc
+from .scheduler import get_scheduler
+
+PieceKey = tuple[str, int]
+"""A piece, named the same on every rank: ``(file, byte_offset)``."""
+Partials = dict[PieceKey, tuple[np.ndarray, np.ndarray, np.ndarray]]
+"""Per piece: block indices, the XOR of their parts' shifted raw CRCs, and the bytes covered."""
+
+
+class ReadChecker:
+    """Checks the block checksums of what one rank reads in a load, and keeps the partial blocks."""
+
+    def __init__(self, generation: str, pieces: Mapping[str, Sequence[PieceMeta]]) -> None:
+        self.generation = generation
+        self._pieces: dict[PieceKey, PieceMeta] = {}
+        index: dict[tuple[str, str], list[PieceMeta]] = defaultdict(list)
+        for fqn, plist in pieces.items():
+            for p in plist:
+                self._pieces[(p.file, p.byte_offset)] = p
+                index[(fqn, p.file)].append(p)
+        self._index = {k: (sorted(p.byte_offset for p in v), sorted(v, key=lambda p: p.byte_offset)) for k, v in index.items()}
+        self._parts: dict[PieceKey, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
+
+    def check(self, fqn: str, file: str, run_offsets: np.ndarray, run_bytes: int, data: memoryview) -> Partials:
+        """Check the whole blocks among runs read into ``data`` (packed back to back); return the partial blocks.
+
+        Thread-safe (keeps no state): the caller hands the result to :meth:`add`.
+        """
+        if run_bytes == 0 or len(run_offsets) == 0:
+            return {}
+        piece = self._piece_at(fqn, file, int(run_offsets[0]))
+        block, crcs = piece.blocks()
+        rel = np.asarray(run_offsets, dtype=np.int64) - piece.byte_offset
+        first = rel // block
+        count = (rel + run_bytes - 1) // block - first + 1
+        run = np.repeat(np.arange(len(rel)), count)
+        blocks = np.repeat(first, count) + (np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count))
+        block_start = blocks * block
+        block_end = np.minimum(block_start + block, piece.byte_length)
+        lo = np.maximum(rel[run], block_start)
+        hi = np.minimum(rel[run] + run_bytes, block_end)
+        at = run * run_bytes + (lo - rel[run])
+        full = (lo == block_start) & (hi == block_end)
+        view = memoryview(data).cast("B")
+        whole = np.flatnonzero(full)
+        starts, ends = at.tolist(), (at + hi - lo).tolist()
+        got = np.array([crc32c.crc32c(view[starts[i] : ends[i]]) for i in whole.tolist()], dtype=np.uint64)
+        expected = np.asarray(crcs, dtype=np.uint64)[blocks[whole]]
+        if (bad := np.flatnonzero(got != expected)).size:
+            raise self._mismatch(piece, int(blocks[whole[bad[0]]]))
+        part = np.flatnonzero(~full)
+        if not part.size:
+            return {}
+        raws = np.array([crc32c.crc32c(view[starts[i] : ends[i]], RAW_INIT) for i in part.tolist()], dtype=np.uint64) ^ np.uint64(RAW_INIT)
+        return {(piece.file, piece.byte_offset): (blocks[part], shift(raws, (block_end - hi)[part]), (hi - lo)[part])}
+
+    def _piece_at(self, fqn: str, file: str, offset: int) -> PieceMeta:
+        offsets, pieces = self._index[(fqn, file)]
+        return pieces[bisect.bisect_right(offsets, offset) - 1]
+
+    def add(self, partials: Partials) -> None:
+        """Keep partial blocks returned by :meth:`check` until :meth:`partials`."""
+        for key, parts in partials.items():
+            self._parts[key].append(parts)
+
+    def partials(self) -> Partials:
+        """This rank's partial blocks, reduced per block (what :func:`settle` gathers from every rank)."""
+        return {key: _reduce(parts) for key, parts in self._parts.items()}
+
+    def settle(self, gathered: Sequence[Partials], backend: Backend, rank: int, world_size: int) -> None:
+        """Check every partial block from the parts the group read; read the rest of incomplete ones.
+
+        Every rank computes the same outcome from ``gathered``; each block the group read only in
+        part is read whole by one rank (spread round robin) and checked.
+        """
+        merged: dict[PieceKey, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
+        for rank_partials in gathered:
+            for key, parts in rank_partials.items():
+                merged[key].append(parts)
+        incomplete: list[tuple[PieceMeta, int]] = []
+        for key in sorted(merged):
+            piece = self._pieces[key]
+            block, crcs = piece.blocks()
+            blocks, raw, covered = _reduce(merged[key])
+            lengths = np.minimum(blocks * block + block, piece.byte_length) - blocks * block
+            complete = covered == lengths
+            crc = raw[complete] ^ zeros_crc(lengths[complete].astype(np.uint64))
+            if (bad := np.flatnonzero(crc != np.asarray(crcs, dtype=np.uint64)[blocks[complete]])).size:
+                raise self._mismatch(piece, int(blocks[complete][bad[0]]))
+            incomplete.extend((piece, int(b)) for b in blocks[~complete])
+        sched = get_scheduler()
+        for piece, b in incomplete[rank::world_size]:
+            block, crcs = piece.blocks()
+            start = piece.byte_offset + b * block
+            end = min(start + block, piece.byte_offset + piece.byte_length)
+            data = sched.do(backend, "get_range", layout.in_generation(self.generation, piece.file), start, end)
+            if crc32c.crc32c(data) != crcs[b]:
+                raise self._mismatch(piece, b)
+
+    def _mismatch(self, piece: PieceMeta, b: int) -> CorruptCheckpointError:
+        block, _ = piece.blocks()
+        start = piece.byte_offset + b * block
+        end = min(start + block, piece.byte_offset + piece.byte_length)
+        return CorruptCheckpointError(
+            f"checksum mismatch in data file {layout.in_generation(self.generation, piece.file)!r} at bytes "
+            f"{start}..{end} (tensor {piece.fqn!r}, region {piece.region}): the checkpoint is corrupt; "
+            "load an earlier checkpoint or restore this one from another copy"
+        )
+
+
+def _reduce(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Parts of blocks -> one entry per block: the XOR of the raw CRCs and the sum of the bytes covered."""
+    blocks = np.concatenate([p[0] for p in parts])
+    raw = np.concatenate([p[1] for p in parts]).astype(np.uint64)
+    covered = np.concatenate([p[2] for p in parts])
+    order = np.argsort(blocks, kind="stable")
+    blocks, raw, covered = blocks[order], raw[order], covered[order]
+    starts = np.flatnonzero(np.r_[True, blocks[1:] != blocks[:-1]])
+    return blocks[starts], np.bitwise_xor.reduceat(raw, starts), np.add.reduceat(covered, starts)
