@@ -176,7 +176,8 @@ def load(
         # Objects are small: fetch, check and decode them before any tensor is modified.
         values = comm.run_agreed(lambda: _fetch_objects(backend, ckpt, flat, comm, allow_pickle), "loading objects")
     targets = [flat.tensors[n.fqn] for n in needs]
-    checker = ReadChecker(gen, pieces) if check_crc else None
+    # A torch DCP directory records no checksums (its pieces carry none): there is nothing to check.
+    checker = ReadChecker(gen, pieces) if check_crc and ckpt.pieces is None else None
     with monitor.phase("read"):
         comm.run_agreed(lambda: _Executor(backend, gen, plan, targets, comm, monitor, checker).run(), f"loading {uri!r}")
         if checker is not None:
