@@ -118,6 +118,12 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advisory: an error only loses the overlap
 
 
+WRITEBACK_BATCH_BYTES = 8 << 20
+"""A streamed file's writeback is started each time this many more bytes have been written."""
+WRITEBACK_PAGE_BYTES = 4096
+"""Writeback starts at page boundaries, so a page still being filled is not written early."""
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -283,6 +289,7 @@ class _LocalWriter(ObjectWriter):
         self._fd = fd
         self._tmp = tmp
         self._offset = 0
+        self._flushed = 0
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
@@ -292,11 +299,15 @@ class _LocalWriter(ObjectWriter):
             raise _os_error(exc, f"writing {self._tmp}") from exc
 
     def _write_through(self, data: bytes | memoryview) -> None:
-        """Append ``data`` and start its writeback, so ``close`` (fsync) waits only for the tail."""
+        """Append ``data``; every ``WRITEBACK_BATCH_BYTES`` start writing the whole pages written so far
+        to the device, so ``close`` (fsync) waits only for the tail. Whole pages only, and in batches:
+        a page that the next write dirties again would be written twice."""
         _write_all(self._fd, data)
-        nbytes = memoryview(data).nbytes
-        start_writeback(self._fd, self._offset, nbytes)
-        self._offset += nbytes
+        self._offset += memoryview(data).nbytes
+        if self._offset - self._flushed >= WRITEBACK_BATCH_BYTES:
+            end = self._offset - self._offset % WRITEBACK_PAGE_BYTES
+            start_writeback(self._fd, self._flushed, end - self._flushed)
+            self._flushed = end
 
     async def close(self) -> None:
         self._check_open()
