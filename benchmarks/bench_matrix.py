@@ -32,6 +32,7 @@ import _common as C  # noqa: E402
 
 import torch  # noqa: E402
 
+os.environ.setdefault("BYTECHECKPOINT_LOGGING_LEVEL", "WARNING")  # inherited by the ranks: one line per step otherwise
 BUCKET = "matrix"
 
 
