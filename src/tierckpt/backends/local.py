@@ -20,10 +20,11 @@ The helpers :func:`check_range`, :func:`range_past_end`, :func:`temp_name` and
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
+import os
 import ctypes
 import ctypes.util
-from collections.abc import Callable, Sequence
-import os
+from collections.abc import Callable
 import shutil
 import stat
 import uuid
