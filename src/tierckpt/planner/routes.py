@@ -87,10 +87,12 @@ class ExchangeCost:
 
 EXCHANGES: dict[str, ExchangeCost] = {
     "gloo": ExchangeCost(kind="gloo", local_byte_s=0.5e-9, remote_byte_s=0.4e-9, message_s=20e-6),
-    "nccl": ExchangeCost(kind="nccl", local_byte_s=0.02e-9, remote_byte_s=0.1e-9, message_s=10e-6),
+    "nccl": ExchangeCost(kind="nccl", local_byte_s=0.1e-9, remote_byte_s=0.15e-9, message_s=10e-6),
 }
 """gloo: TCP over loopback (~2 GB/s, bound by socket copies) or a 25 GbE link; NCCL: NVLink within a
-node, InfiniBand across. Other backends are costed as gloo."""
+node, InfiniBand across, plus the host-to-device and device-to-host copies of the exchange buffers
+(~25 GB/s each way). Other backends (a mixed ``cpu:gloo,cuda:nccl`` group exchanges on the CPU) are
+costed as gloo."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
