@@ -81,7 +81,7 @@ def strided(run_bytes: int, world: int = 3, slab: int = 32 * MiB) -> list[RankRe
 
 @pytest.mark.parametrize("store,short,long", [("node_local", 128, 4096), ("object_store", 64 << 10, 4 * MiB)])
 def test_disjoint_needs_go_direct_once_runs_amortize_a_request(store, short, long):
-    """Local disk: runs of a few hundred bytes are worth a pread each; object store: about 1 MiB per GET."""
+    """Local disk: runs of about 1 KiB are worth a pread each; object store: about 1 MiB per GET."""
     topo = topology(store, "gloo", ["n"] * 3)
     assert choose_route(strided(short), 32 * MiB, 1, topo) == EXCHANGE
     assert choose_route(strided(long), 32 * MiB, 1, topo) == DIRECT

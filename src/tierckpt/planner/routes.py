@@ -23,7 +23,7 @@ takes the same decision without communication. The estimates are bottleneck sums
 With the default constants a replicated target (a DDP model and its optimizer) read from a file on
 the ranks' own node goes direct — every rank reads the file, nothing is exchanged — while across
 nodes or from an object store the group reads each byte once and exchanges. Disjoint needs go
-direct when their runs are long enough to amortize a request (about 512 B on a local disk, about
+direct when their runs are long enough to amortize a request (about 1 KiB on a local disk, about
 1 MiB on an object store).
 """
 
