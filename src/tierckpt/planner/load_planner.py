@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..metadata import PieceMeta, TensorMeta, itemsize
 from ..regions import Box, Region, StoredBox, box_runs, run_length, stored_boxes
 from .routes import DIRECT, EXCHANGE, RankRead, Route, Topology, choose_route, default_topology
@@ -128,7 +128,10 @@ def plan_load(
     world = len(needs)
     topo = topology if topology is not None else default_topology(world)
     if len(topo.nodes) != world:
-        raise ValueError(f"the topology names the nodes of {len(topo.nodes)} ranks, the plan has {world}")
+        raise CheckpointError(
+            f"the load topology names the nodes of {len(topo.nodes)} ranks but {world} ranks load: "
+            "give one node id per rank of the loading group"
+        )
     targets: dict[str, list[tuple[int, int, StoredBox]]] = defaultdict(list)
     for rank, rank_needs in enumerate(needs):
         for index, need in enumerate(rank_needs):
