@@ -59,14 +59,17 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: t
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 3600) -> list[Any]:
-    """Spawn ``world`` processes in one gloo group, run ``fn(rank, world, *args)``; per-rank results."""
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 3600, daemon: bool = True) -> list[Any]:
+    """Spawn ``world`` processes in one gloo group, run ``fn(rank, world, *args)``; per-rank results.
+
+    ``daemon=False`` lets the ranks start processes of their own (ByteCheckpoint starts a server); they
+    are killed here all the same if they do not finish."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results), daemon=daemon) for r in range(world)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.metadata import PieceMeta, TensorMeta, itemsize
-from tierckpt.planner import LoadPlan, TargetPiece, plan_load
+from tierckpt.planner import LoadPlan, TargetPiece, plan_load, topology
 from tierckpt.regions import Box, FlatRange, Region
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64, "uint8": torch.uint8}
@@ -206,6 +206,22 @@ def test_random_reshard_delivers_every_element_once_and_reads_exactly(case):
     assert plan.bytes_read == distinct == sum(plan.bytes_read_per_rank)
     delivered = sum(n.region.numel * refs[n.fqn].element_size() for rank_needs in needs for n in rank_needs)
     assert plan.bytes_delivered == delivered
+
+
+@settings(max_examples=100, deadline=None)
+@given(scenario(), st.sampled_from(["node_local", "shared_fs", "object_store"]), st.booleans())
+def test_random_reshard_under_any_topology_is_exact(case, store, two_nodes):
+    """Whatever route the cost model takes, targets get the reference bits exactly, each element once;
+    the group reads at least the distinct needed bytes and at most each rank's needed bytes once."""
+    refs, layout, needs, kinds, chunk, round_bytes = case
+    tensors, pieces, files = save_fake(refs, layout)
+    nodes = [f"n{r % 2 if two_nodes else 0}" for r in range(len(needs))]
+    plan = plan_load(tensors, pieces, needs, chunk_bytes=chunk, round_bytes=round_bytes, topology=topology(store, "gloo", nodes))
+    check_exact(refs, plan, tensors, files, needs)
+    check_rounds(plan, round_bytes)
+    per_rank_needed = sum(n.region.numel * refs[n.fqn].element_size() for rank_needs in needs for n in rank_needs)
+    assert plan.bytes_read <= per_rank_needed
+    assert sum(plan.bytes_by_route().values()) == plan.bytes_read == sum(plan.bytes_read_per_rank)
 
 
 def test_row_sharded_save_to_column_sharded_load_reads_once():

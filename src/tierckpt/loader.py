@@ -48,17 +48,13 @@ from .metadata import (
 )
 from .monitor import Monitor
 from .objects import decode_object
-from .planner import LoadPlan, ReadUnit, TargetPiece, plan_load
+from .node import node_id
+from .planner import LoadPlan, ReadUnit, TargetPiece, Topology, plan_load, topology as route_topology
+from .planner.routes import store_kind
 from .regions import FlatRange, StoredBox
 from .state import FlatState, TensorEntry, flatten_state
 
 logger = logging.getLogger("tierckpt")
-
-LOCAL_MIN_RUN_BYTES = 512
-"""On local files a rank reads its own parts when they come in runs of at least this many bytes."""
-REMOTE_MIN_RUN_BYTES = 1 << 20
-"""On object stores each run is a request: shorter runs are read in large ranges and exchanged."""
-
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
@@ -131,7 +127,7 @@ def load(
     storage_options: Mapping[str, Any] | None = None,
     chunk_bytes: int = 32 << 20,
     round_bytes: int = 256 << 20,
-    direct_min_run_bytes: int | None = None,
+    topology: Topology | None = None,
     monitor: Monitor | None = None,
     collective_timeout_s: float | None = None,
 ) -> dict[str, Any]:
@@ -141,8 +137,11 @@ def load(
     ``strict=False`` loads what matches and warns about the rest. Every byte read is checked against
     the CRC-32C of its block as it is read (a mismatch raises :class:`CorruptCheckpointError` naming the
     file and tensor); ``check_crc=False`` skips that check, only to measure its cost. ``verify=True``
-    also checks the CRC-32C of every piece the load touches before modifying anything (a second pass). ``allow_pickle=True`` permits objects that
-    need full unpickling (only for checkpoints you trust). Every rank of the group must call it; a rank
+    also checks the CRC-32C of every piece the load touches before modifying anything (a second pass).
+    ``allow_pickle=True`` permits objects that need full unpickling (only for checkpoints you trust).
+    ``topology`` overrides the costs the load routes are chosen by (default: the backend's kind of
+    store, the group's backend, and each rank's node from :func:`tierckpt.node.node_id`). Every rank
+    of the group must call it; a rank
     that does not arrive within ``collective_timeout_s`` (default: the group's timeout) is named in a :class:`CollectiveError`.
     """
     comm = Comm(group)
@@ -161,12 +160,9 @@ def load(
         fqns = {n.fqn for rank_needs in all_needs for n in rank_needs}
         pieces = comm.run_agreed(lambda: read_pieces(backend, ckpt, fqns), "reading the pieces table")
     with monitor.phase("plan"):
-        if direct_min_run_bytes is None:
-            direct_min_run_bytes = LOCAL_MIN_RUN_BYTES if backend.capabilities.local_path else REMOTE_MIN_RUN_BYTES
-        plan = plan_load(
-            ckpt.tensors, pieces, all_needs,
-            chunk_bytes=chunk_bytes, round_bytes=round_bytes, direct_min_run_bytes=direct_min_run_bytes,
-        )
+        topo = topology or _topology(backend, comm, [g[4] for g in gathered])
+        plan = plan_load(ckpt.tensors, pieces, all_needs, chunk_bytes=chunk_bytes, round_bytes=round_bytes, topology=topo)
+        _log_routes(plan, topo, comm.rank, monitor)
     gen = ckpt.meta.generation
     comm.run_agreed(lambda: _check_files(backend, ckpt, plan, comm.rank), "checking the data files")
     if verify:
@@ -210,14 +206,34 @@ def _broadcast_checkpoint(comm: Comm, backend: Backend, accept_dcp: bool = False
 
 def _prepare(
     state: Mapping[str, Any], ckpt: Checkpoint, saved_keys: set[str],
-) -> tuple[tuple[FlatState, list[TargetPiece]], tuple[list[TargetPiece], list[tuple[str, str]], list[str], list[str]]]:
+) -> tuple[tuple[FlatState, list[TargetPiece]], tuple[list[TargetPiece], list[tuple[str, str]], list[str], list[str], str]]:
     """Flatten this rank's state for loading: ``(kept, shared)``, shared being what :func:`_report` reads."""
     flat = flatten_state(
         state, for_load=True, saved_keys=lambda p: any(k.startswith(p) for k in saved_keys),
         legacy_names=ckpt.meta.format_minor < 1,
     )
     needs, findings = _match(flat, ckpt)
-    return (flat, needs), (needs, findings, sorted(flat.tensors), sorted(flat.objects))
+    return (flat, needs), (needs, findings, sorted(flat.tensors), sorted(flat.objects), node_id())
+
+
+def _topology(backend: Backend, comm: Comm, nodes: list[str]) -> Topology:
+    """The route costs of this load: the backend's kind of store, the group's backend, each rank's node."""
+    scheme = backend.root_uri.split("://", 1)[0] if "://" in backend.root_uri else ""
+    return route_topology(store_kind(local_path=backend.capabilities.local_path, scheme=scheme, nodes=nodes), comm.backend, nodes)
+
+
+def _log_routes(plan: LoadPlan, topo: Topology, rank: int, monitor: Monitor) -> None:
+    """Count this rank's units and bytes per route in the monitor; log the group's totals once."""
+    for unit in plan.units:
+        if unit.reader == rank:
+            monitor.count(f"units_{unit.route}")
+            monitor.count(f"bytes_read_{unit.route}", unit.nbytes)
+    if rank == 0:
+        by_route = plan.bytes_by_route()
+        logger.info(
+            "load plan: %d units; %d bytes read directly, %d read once and exchanged (store %s, %s exchange, %d node(s))",
+            len(plan.units), by_route["direct"], by_route["exchange"], topo.store.kind, topo.exchange.kind, topo.num_nodes,
+        )
 
 
 def _match(flat: FlatState, ckpt: Checkpoint) -> tuple[list[TargetPiece], list[tuple[str, str]]]:

@@ -1,9 +1,10 @@
 """Pure planning: what each rank writes at save time and reads at load time. No I/O here."""
 
 from .load_planner import LoadPlan, ReadUnit, Delivery, TargetPiece, plan_load
+from .routes import Topology, topology
 from .save_planner import LocalPiece, SavePlan, WriteAssignment, plan_save
 
 __all__ = [
-    "Delivery", "LoadPlan", "LocalPiece", "ReadUnit", "SavePlan", "TargetPiece", "WriteAssignment",
-    "plan_load", "plan_save",
+    "Delivery", "LoadPlan", "LocalPiece", "ReadUnit", "SavePlan", "TargetPiece", "Topology", "WriteAssignment",
+    "plan_load", "plan_save", "topology",
 ]

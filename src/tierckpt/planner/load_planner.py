@@ -1,20 +1,23 @@
 """Load planning: which bytes each rank reads, and who gets which elements.
 
-Inputs are the saved pieces of each tensor and what every rank of the loading group needs
-(:class:`TargetPiece`: the region its local tensor holds). :func:`plan_load` runs identically on every
-rank (the needs are all-gathered first) and returns a :class:`LoadPlan`:
+Inputs are the saved pieces of each tensor, what every rank of the loading group needs
+(:class:`TargetPiece`: the region its local tensor holds) and the :class:`~.routes.Topology` the
+routes are costed with (the store, the exchange, each rank's node). :func:`plan_load` runs
+identically on every rank (the needs and node ids are all-gathered first) and returns a :class:`LoadPlan`:
 
 1. Every saved piece and every target becomes *stored boxes* (a flat range is a few boxes), so all
    meetings are box ∩ box. For each tensor the saved boxes are sorted by their first offset and each
    target finds its candidates by bisection (a sweep, not all pairs).
 2. Each saved box is cut into row slabs of about ``chunk_bytes``; a slab is contiguous in its file.
-   Within a slab, the union of what the group needs becomes one *read unit* (a box read into one
-   packed buffer) — or one unit per need when the needs are disjoint and do not tile a box. Bytes are
-   read exactly: read amplification is 1.00 whenever the group's needs tile each slab, which every
-   complete load does (row -> column, flat -> box, replicated targets alike).
-3. Each unit has one reader: the rank that needs most of it, ties to the least-loaded rank. A unit
-   needed by several ranks (replicated targets, cross-cutting reshards) is therefore read once and its
-   :class:`Delivery` parts are sent to the others by an all-to-all — few large reads, zero redundancy.
+   Within a slab :func:`~.routes.choose_route` picks a route from what each costs:
+   ``direct`` — every rank reads its own parts (one unit per rank and part, no exchange), or
+   ``exchange`` — the union of the needs becomes *read units* (one box read into one packed buffer
+   when the needs tile it or overlap, else one per need), each read once.
+3. An exchanged unit has one reader: the rank that needs most of it, ties to the least-loaded rank.
+   Its :class:`Delivery` parts for the others are sent by an all-to-all. Exchanged bytes are read
+   exactly once (read amplification 1.00 whenever the needs tile each slab); direct units read a byte
+   once per rank that needs it, which the cost model allows only where the repeats are cheap (the
+   same node's page cache).
 4. Units are grouped into rounds so that no rank holds more than about ``round_bytes`` of read,
    sent and received buffers at once; memory stays bounded whatever the checkpoint's size.
 """
@@ -29,9 +32,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..metadata import PieceMeta, TensorMeta, itemsize
 from ..regions import Box, Region, StoredBox, box_runs, run_length, stored_boxes
+from .routes import DIRECT, EXCHANGE, RankRead, Route, Topology, choose_route, default_topology
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,6 +80,11 @@ class ReadUnit:
     def nbytes(self) -> int:
         return len(self.run_offsets) * self.run_bytes
 
+    @property
+    def route(self) -> Route:
+        """``exchange`` when some of its elements go to another rank, else ``direct``."""
+        return EXCHANGE if any(d.rank != self.reader for d in self.deliveries) else DIRECT
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoadPlan:
@@ -94,6 +103,13 @@ class LoadPlan:
     def requests(self) -> int:
         return sum(len(u.run_offsets) for u in self.units)
 
+    def bytes_by_route(self) -> dict[Route, int]:
+        """Bytes read by the units of each route."""
+        out: dict[Route, int] = {DIRECT: 0, EXCHANGE: 0}
+        for u in self.units:
+            out[u.route] += u.nbytes
+        return out
+
 
 def plan_load(
     tensors: dict[str, TensorMeta],
@@ -102,16 +118,20 @@ def plan_load(
     *,
     chunk_bytes: int = 32 << 20,
     round_bytes: int = 512 << 20,
-    direct_min_run_bytes: int | None = 512,
+    topology: Topology | None = None,
 ) -> LoadPlan:
     """Plan a load for a group whose rank ``r`` needs ``needs[r]``. Pure and deterministic.
 
-    ``direct_min_run_bytes``: when the needs within a slab are disjoint and each is made of contiguous
-    runs of at least this many bytes, every rank reads its own part directly (no exchange). Small for
-    local files, where a short positional read is cheap; about 1 MiB for object stores, where each run
-    is a request; ``None`` always reads through one reader per slab.
+    ``topology``: the costs the route of each slab is chosen by (see :mod:`.routes`); default
+    :func:`~.routes.default_topology`, which reads each byte once per group.
     """
     world = len(needs)
+    topo = topology if topology is not None else default_topology(world)
+    if len(topo.nodes) != world:
+        raise CheckpointError(
+            f"the load topology names the nodes of {len(topo.nodes)} ranks but {world} ranks load: "
+            "give one node id per rank of the loading group"
+        )
     targets: dict[str, list[tuple[int, int, StoredBox]]] = defaultdict(list)
     for rank, rank_needs in enumerate(needs):
         for index, need in enumerate(rank_needs):
@@ -123,7 +143,7 @@ def plan_load(
     drafts: list[dict] = []
     for fqn in sorted(targets):
         meta = tensors[fqn]
-        _plan_tensor(meta, pieces.get(fqn, []), targets[fqn], chunk_bytes, direct_min_run_bytes, load, drafts)
+        _plan_tensor(meta, pieces.get(fqn, []), targets[fqn], chunk_bytes, topo, load, drafts)
 
     units, rounds, exchanges = _assign_rounds(drafts, world, round_bytes)
     per_rank = [0] * world
@@ -145,7 +165,7 @@ def _plan_tensor(
     pieces: list[PieceMeta],
     wanted: list[tuple[int, int, StoredBox]],
     chunk_bytes: int,
-    direct_min_run_bytes: int | None,
+    topo: Topology,
     load: list[int],
     drafts: list[dict],
 ) -> None:
@@ -187,13 +207,8 @@ def _plan_tensor(
             parts = [(r, i, t, b) for r, i, t, inter in needs if (b := inter.intersect(slab)) is not None]
             if not parts:  # a slab between disjoint needs (e.g. rows 0 and 2 of a piece): nothing to read
                 continue
-            for unit_box in _unit_boxes([p[3] for p in parts], box, item, direct_min_run_bytes):
+            for unit_box, deliveries in _slab_units(parts, box, item, topo):
                 starts_el, run = box_runs(unit_box, box)
-                deliveries = tuple(
-                    Delivery(rank=r, target=i, target_box=t, box=b)
-                    for r, i, t, inter in parts
-                    if (b := inter.intersect(unit_box)) is not None
-                )
                 reader = _choose_reader(deliveries, load)
                 nbytes = unit_box.numel * item
                 load[reader] += nbytes
@@ -204,6 +219,41 @@ def _plan_tensor(
                         reader=reader, deliveries=deliveries, item=item,
                     )
                 )
+
+
+def _slab_units(
+    parts: list[tuple[int, int, StoredBox, Box]], saved: Box, item: int, topo: Topology,
+) -> list[tuple[Box, tuple[Delivery, ...]]]:
+    """The units of one slab of ``saved`` and their deliveries, by the route the cost model picks.
+
+    ``parts``: ``(rank, target, target box, needed box)``. Direct: one unit per rank and distinct
+    needed box, delivered to that rank only. Exchange: the boxes of :func:`_union_boxes`, each
+    delivering every part that meets it.
+    """
+    union = _union_boxes([p[3] for p in parts])
+    own: dict[tuple[int, Box], None] = dict.fromkeys((r, b) for r, _, _, b in parts)
+    reads: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for rank, b in own:
+        reads[rank][0] += b.numel * item
+        reads[rank][1] += _requests(b, saved)
+    route = choose_route(
+        [RankRead(rank, n, q) for rank, (n, q) in sorted(reads.items())],
+        sum(b.numel for b in union) * item, sum(_requests(b, saved) for b in union), topo,
+    )
+    if route == DIRECT:
+        return [
+            (b, tuple(Delivery(rank=r, target=i, target_box=t, box=b) for r, i, t, pb in parts if r == rank and pb == b))
+            for rank, b in own
+        ]
+    return [
+        (ub, tuple(Delivery(rank=r, target=i, target_box=t, box=b) for r, i, t, pb in parts if (b := pb.intersect(ub)) is not None))
+        for ub in union
+    ]
+
+
+def _requests(box: Box, saved: Box) -> int:
+    """Read requests (contiguous runs) of ``box`` inside ``saved``'s storage."""
+    return box.numel // max(run_length(box, saved), 1) if box.numel else 0
 
 
 def _bounding(boxes: Sequence[Box]) -> Box:
@@ -230,22 +280,16 @@ def _slabs(box: Box, needed: Box, item: int, chunk_bytes: int) -> list[Box]:
     return slabs
 
 
-def _unit_boxes(needed: list[Box], saved: Box, item: int, direct_min_run_bytes: int | None) -> list[Box]:
-    """What to read of one slab of ``saved``, as boxes each read by one rank.
-
-    Disjoint needs made of long enough runs are read by their own ranks (no exchange). Otherwise the
-    needs' bounding box is read once when they tile it (one reader, parts exchanged); needs that are
-    disjoint but do not tile it are read separately, so no byte outside them is read.
-    """
+def _union_boxes(needed: list[Box]) -> list[Box]:
+    """What the exchange route reads of one slab: the needs' bounding box when they tile it or
+    overlap (read once, parts exchanged); needs that are disjoint but do not tile it are read
+    separately, so no byte outside them is read."""
     distinct = list(dict.fromkeys(needed))
     if len(distinct) == 1:
         return distinct
     disjoint = all(
         distinct[i].intersect(distinct[j]) is None for i in range(len(distinct)) for j in range(i + 1, len(distinct))
     )
-    if disjoint and direct_min_run_bytes is not None:
-        if min(run_length(b, saved) for b in distinct) * item >= direct_min_run_bytes:
-            return distinct
     bound = _bounding(distinct)
     if disjoint and sum(b.numel for b in distinct) != bound.numel:
         return distinct

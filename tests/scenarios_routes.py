@@ -1,0 +1,44 @@
+"""Multi-rank scenarios for the load routes (run on every rank of the test pool)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import tierckpt
+from distributed import subgroup
+from scenarios import assert_same, build, full_state, make_mesh, train
+from tierckpt.node import NODE_ID_ENV
+
+
+def ddp_resume(uri: str, storage_options: dict | None, separate_nodes: bool) -> dict[str, float]:
+    """DDP model + AdamW trained and saved on 2 ranks, loaded by 2 fresh ranks; bit-exact full states.
+
+    ``separate_nodes``: each rank names its own node (``TIERCKPT_NODE_ID``), as two machines would.
+    Returns the load's monitor counters plus ``tensor_bytes`` and ``num_tensors`` of the checkpoint.
+    """
+    mesh = make_mesh((2,))
+    group = subgroup(2)
+    stats: dict[str, float] = {}
+    if group is not None:
+        model, optim = build("ddp", group, mesh)
+        train(model, optim, 1, dist.get_rank())
+        expected = full_state(model, optim)
+        meta = tierckpt.save(uri, {"model": model, "optim": optim}, group=group, storage_options=storage_options)
+        model, optim = build("ddp", group, mesh, seed=1)
+        previous = os.environ.get(NODE_ID_ENV)
+        if separate_nodes:
+            os.environ[NODE_ID_ENV] = f"node-{dist.get_rank()}"
+        try:
+            monitor = tierckpt.Monitor()
+            tierckpt.load(uri, {"model": model, "optim": optim}, group=group, storage_options=storage_options, monitor=monitor)
+        finally:
+            os.environ.pop(NODE_ID_ENV, None)
+            if previous is not None:
+                os.environ[NODE_ID_ENV] = previous
+        assert_same(expected, full_state(model, optim))
+        stats = {**monitor.counters, "tensor_bytes": meta.tensor_bytes, "num_tensors": meta.num_tensors}
+    dist.barrier()
+    return stats

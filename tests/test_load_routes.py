@@ -1,0 +1,172 @@
+"""Load routes: the cost model as a pure function, plans under each topology, and real loads that count
+the bytes each route reads and exchanges (DDP resume on one node, on two simulated nodes, from S3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import scenarios_routes
+from test_load_planner import check_exact, reference, save_fake
+from tierckpt.errors import CheckpointError
+from tierckpt.node import NODE_ID_ENV, node_id
+from tierckpt.planner import TargetPiece, plan_load
+from tierckpt.planner.routes import (
+    DIRECT, EXCHANGE, RankRead, choose_route, direct_seconds, exchange_seconds, store_kind, topology,
+)
+from tierckpt.regions import Box
+
+MiB = 1 << 20
+
+
+# -- node identity -----------------------------------------------------------------------------------
+def test_node_id_is_the_host_name_unless_overridden(monkeypatch):
+    import socket
+
+    monkeypatch.delenv(NODE_ID_ENV, raising=False)
+    assert node_id() == socket.gethostname()
+    monkeypatch.setenv(NODE_ID_ENV, "rack3-node7")
+    assert node_id() == "rack3-node7"
+    monkeypatch.setenv(NODE_ID_ENV, "")
+    assert node_id() == socket.gethostname()
+
+
+# -- the cost model ----------------------------------------------------------------------------------
+def test_store_kind_of_a_local_path_depends_on_the_nodes():
+    assert store_kind(local_path=True, scheme="", nodes=["a", "a"]) == "node_local"
+    assert store_kind(local_path=True, scheme="file", nodes=["a", "b"]) == "shared_fs"
+    assert store_kind(local_path=False, scheme="s3", nodes=["a", "a"]) == "object_store"
+    assert store_kind(local_path=False, scheme="memory", nodes=["a"]) == "memory"
+
+
+def replicated(world: int, nbytes: int = 64 * MiB) -> list[RankRead]:
+    return [RankRead(r, nbytes, 1) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 8])
+@pytest.mark.parametrize("exchange", ["gloo", "nccl"])
+def test_replicated_slab_on_one_node_reads_a_local_file_directly(world, exchange):
+    """DDP resume: every rank needs the whole slab; on one node the repeats come from the page cache."""
+    topo = topology("node_local", exchange, ["n"] * world)
+    assert choose_route(replicated(world), 64 * MiB, 1, topo) == DIRECT
+
+
+@pytest.mark.parametrize("nodes", [["a", "b"], ["a"] * 4 + ["b"] * 4])
+def test_replicated_slab_across_nodes_is_read_once_and_exchanged(nodes):
+    """A local path seen from two nodes is a shared file system: repeats would be storage traffic."""
+    topo = topology(store_kind(local_path=True, scheme="", nodes=nodes), "gloo", nodes)
+    reads = replicated(len(nodes))
+    assert topo.store.kind == "shared_fs"
+    assert exchange_seconds(reads, 64 * MiB, 1, topo) < direct_seconds(reads, 64 * MiB, topo)
+    assert choose_route(reads, 64 * MiB, 1, topo) == EXCHANGE
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicated_slab_from_an_object_store_is_read_once(world):
+    topo = topology("object_store", "gloo", ["n"] * world)
+    assert choose_route(replicated(world), 64 * MiB, 1, topo) == EXCHANGE
+
+
+def test_tiny_replicated_tensor_on_local_disk_is_not_worth_a_message():
+    """A bias or a step counter: one positional read per rank beats a delivery in an all-to-all."""
+    topo = topology("node_local", "gloo", ["n"] * 2)
+    assert choose_route(replicated(2, 8), 8, 1, topo) == DIRECT
+    assert choose_route(replicated(2, 8), 8, 1, topology("object_store", "gloo", ["n"] * 2)) == EXCHANGE
+
+
+def strided(run_bytes: int, world: int = 3, slab: int = 32 * MiB) -> list[RankRead]:
+    """Disjoint column blocks of a row slab: each rank's share comes in runs of ``run_bytes``."""
+    share = slab // world
+    return [RankRead(r, share, share // run_bytes) for r in range(world)]
+
+
+@pytest.mark.parametrize("store,short,long", [("node_local", 128, 4096), ("object_store", 64 << 10, 4 * MiB)])
+def test_disjoint_needs_go_direct_once_runs_amortize_a_request(store, short, long):
+    """Local disk: runs of about 1 KiB are worth a pread each; object store: about 1 MiB per GET."""
+    topo = topology(store, "gloo", ["n"] * 3)
+    assert choose_route(strided(short), 32 * MiB, 1, topo) == EXCHANGE
+    assert choose_route(strided(long), 32 * MiB, 1, topo) == DIRECT
+
+
+def test_one_rank_always_reads_directly():
+    topo = topology("object_store", "gloo", ["a", "b"])
+    assert choose_route([RankRead(1, 10, 10_000)], 10, 1, topo) == DIRECT
+
+
+# -- plans under a topology ------------------------------------------------------------------------
+def ddp_case(world: int):
+    ref = reference((64, 16), "float32")
+    tensors, pieces, files = save_fake({"w": ref}, {"w": [(0, Box((0, 0), (40, 16))), (1, Box((40, 0), (24, 16)))]})
+    needs = [[TargetPiece(fqn="w", region=Box.full((64, 16)))] for _ in range(world)]
+    return {"w": ref}, tensors, pieces, files, needs
+
+
+def test_plan_on_one_node_reads_each_replica_directly_and_exchanges_nothing():
+    refs, tensors, pieces, files, needs = ddp_case(3)
+    plan = plan_load(tensors, pieces, needs, chunk_bytes=1024, topology=topology("node_local", "gloo", ["n"] * 3))
+    check_exact(refs, plan, tensors, files, needs)
+    assert plan.bytes_read_per_rank == (64 * 16 * 4,) * 3
+    assert not any(plan.exchanges) and {u.route for u in plan.units} == {DIRECT}
+    assert plan.bytes_by_route() == {DIRECT: 3 * 64 * 16 * 4, EXCHANGE: 0}
+
+
+@pytest.mark.parametrize("store,nodes", [("shared_fs", ["a", "b", "c"]), ("object_store", ["n"] * 3)])
+def test_plan_across_nodes_or_from_s3_reads_each_byte_once(store, nodes):
+    refs, tensors, pieces, files, needs = ddp_case(3)
+    plan = plan_load(tensors, pieces, needs, chunk_bytes=1024, topology=topology(store, "gloo", nodes))
+    check_exact(refs, plan, tensors, files, needs)
+    assert plan.bytes_read == 64 * 16 * 4
+    assert all(plan.exchanges) and {u.route for u in plan.units} == {EXCHANGE}
+
+
+def test_plan_on_two_nodes_with_two_ranks_each():
+    """Two nodes of two ranks: still one read per byte for the group (the repeats would cross the store)."""
+    refs, tensors, pieces, files, needs = ddp_case(4)
+    nodes = ["a", "a", "b", "b"]
+    plan = plan_load(tensors, pieces, needs, chunk_bytes=1024, topology=topology("shared_fs", "gloo", nodes))
+    check_exact(refs, plan, tensors, files, needs)
+    assert plan.bytes_read == 64 * 16 * 4
+
+
+def test_topology_must_name_every_rank():
+    refs, tensors, pieces, files, needs = ddp_case(2)
+    with pytest.raises(CheckpointError, match="1 ranks but 2 ranks load"):
+        plan_load(tensors, pieces, needs, topology=topology("node_local", "gloo", ["n"]))
+
+
+# -- real loads: bytes read and exchanged per route ----------------------------------------------------
+def _totals(stats: list[dict]) -> tuple[int, int, int, int]:
+    ranks = [s for s in stats if s]
+    assert len(ranks) == 2
+    tensor_bytes, num_tensors = int(ranks[0]["tensor_bytes"]), int(ranks[0]["num_tensors"])
+    read = sum(int(s.get("bytes_read", 0)) for s in ranks)
+    exchanged = sum(int(s.get("bytes_exchanged", 0)) for s in ranks)
+    return tensor_bytes, num_tensors, read, exchanged
+
+
+@pytest.mark.multiproc
+def test_ddp_resume_on_one_node_reads_the_local_file_on_every_rank(dist_pool, tmp_path):
+    stats = dist_pool.run(scenarios_routes.ddp_resume, str(tmp_path / "ckpt"), None, False)
+    tensor_bytes, _, read, exchanged = _totals(stats)
+    assert read == 2 * tensor_bytes  # each rank reads the whole (replicated) state itself
+    assert exchanged == 0
+    assert all(s.get("units_exchange", 0) == 0 and s["bytes_read_direct"] == tensor_bytes for s in stats if s)
+
+
+def _read_once(stats: list[dict]) -> None:
+    tensor_bytes, num_tensors, read, exchanged = _totals(stats)
+    assert read == tensor_bytes  # each byte read once by the group
+    # every byte reaches the other rank once (each delivery padded to 16 bytes in the exchange stream)
+    assert tensor_bytes <= exchanged < tensor_bytes + 16 * 4 * num_tensors
+    assert all(s.get("units_direct", 0) == 0 for s in stats if s)
+
+
+@pytest.mark.multiproc
+def test_ddp_resume_on_two_simulated_nodes_reads_once_and_exchanges(dist_pool, tmp_path):
+    _read_once(dist_pool.run(scenarios_routes.ddp_resume, str(tmp_path / "ckpt"), None, True))
+
+
+@pytest.mark.multiproc
+def test_ddp_resume_from_s3_reads_once_and_exchanges(dist_pool, s3_bucket_uri, s3_server):
+    options = {"endpoint_url": s3_server, "key": "testing", "secret": "testing", "region": "us-east-1"}
+    _read_once(dist_pool.run(scenarios_routes.ddp_resume, s3_bucket_uri, options, False))
