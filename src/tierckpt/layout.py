@@ -231,3 +231,16 @@ def is_superseded(generation: str, record: CommitRecord) -> bool:
 def superseded_generations(keys: Iterable[str], record: CommitRecord) -> list[str]:
     """Generations among ``keys`` that are safe to delete: neither committed nor possibly in flight."""
     return sorted(g for g in generations_in(keys) if g != record.generation and is_superseded(g, record))
+
+
+def retention(checkpoints: Iterable[tuple[int, float, str]], keep_last: int | None, keep_every: int | None) -> set[str]:
+    """Names to keep among committed checkpoints ``(step, committed_unix, name)`` (step -1: none).
+
+    Keeps the ``keep_last`` newest (by step, then commit time), those whose step is a multiple of
+    ``keep_every``, and always the newest one.
+    """
+    order = sorted(checkpoints)
+    keep = {name for _, _, name in order[-(keep_last or 1):]}
+    if keep_every:
+        keep |= {name for step, _, name in order if step >= 0 and step % keep_every == 0}
+    return keep
