@@ -160,17 +160,18 @@ class CommitRecord:
             if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
                 raise ValueError("not a tierckpt commit record")
             sealed = any(k in doc for k in ("crc32c", "seq", "checksums"))
-            if sealed:
-                _check_seal(data, doc)
             committed = float(doc["committed_unix"])
             if not math.isfinite(committed):
                 raise ValueError(f"field 'committed_unix' is {doc['committed_unix']!r}, not a finite number")
-            return CommitRecord(
+            record = CommitRecord(
                 generation=validate_generation(doc["generation"]),
                 committed_unix=committed,
                 seq=_seq(doc["seq"]) if sealed else 0,
                 checksums=_checksums(doc["checksums"]) if sealed else (),
             )
+            if sealed:
+                _check_seal(data, doc)
+            return record
         except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
             what = f"field {exc}" if isinstance(exc, KeyError) else str(exc)
             raise CorruptCheckpointError(
