@@ -46,6 +46,7 @@ def assert_one_winner_per_round(lines: list[dict], rounds: int) -> None:
         assert check["step"] == winner["value"] and check["exact"], f"round {r}: {check}"
         assert check["verify_ok"] and check["committed"] == winner["generation"]
         assert check["generations"] == [winner["generation"]], f"round {r}: the loser's generation remains: {check}"
+    print(f"\nconcurrent writers: {rounds} of {rounds} rounds with exactly one winner, the loser busy and removed")
 
 
 def test_two_processes_racing_saves_to_one_local_uri(tmp_path: Path) -> None:

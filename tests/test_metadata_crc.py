@@ -69,6 +69,7 @@ def test_every_flipped_bit_in_the_metadata_is_caught(ckpt: Path) -> None:
             except CorruptCheckpointError:
                 caught_by_load += 1
         path.write_bytes(original)
+    print(f"\nmetadata flips: {tried} tried, {caught_by_verify} caught by verify, {caught_by_load} by the default load")
     assert tried >= 240
     assert missed == [], f"verify missed {len(missed)} of {tried} flips: {missed[:10]}"
     assert caught_by_load == tried, f"the default load caught {caught_by_load} of {tried} flips"
@@ -88,6 +89,7 @@ def test_every_single_bit_flip_of_commit_is_refused(ckpt: Path) -> None:
             except CorruptCheckpointError:
                 continue
             accepted.append((pos, bit))
+    print(f"\nCOMMIT flips: {8 * len(data)} tried, {8 * len(data) - len(accepted)} refused")
     assert accepted == [], f"{len(accepted)} of {8 * len(data)} flips decoded: {accepted[:10]}"
 
 
