@@ -13,6 +13,10 @@ Commands (each prints one JSON object per line on stdout)::
         file is written, waits for DIR/go before committing, and prints ``{"outcome", "generation"}``.
     python tests/racing_child.py save-loop URI SECONDS
         saves make_state(1), make_state(2), ... to URI for SECONDS; prints ``{"saved": n}``.
+    python tests/racing_child.py save-once URI VALUE
+        saves make_state(VALUE) plus a spent :class:`SaveHook` under ``"hook"``.
+
+:func:`load_replaced_midway` is a scenario for the multi-rank worker pool (tests/distributed.py).
 
 S3 URIs are written without the node cache (``cache=False``), so the compare-and-swap on S3 itself
 is what decides.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -134,6 +139,36 @@ def pause(uri: str, value: int, directory: Path, skew_s: float, keep_previous: b
         emit(outcome=f"error: {type(exc).__name__}: {exc}")
 
 
+class SaveHook:
+    """A stateful object whose first state_dict() on a load (``value`` set) saves make_state(value) to
+    ``uri`` from another process: the generation the load follows is replaced and deleted midway."""
+
+    def __init__(self, uri: str, value: int | None = None) -> None:
+        self.uri, self.value = uri, value
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.value is not None:
+            value, self.value = self.value, None
+            subprocess.run([sys.executable, __file__, "save-once", self.uri, str(value)], check=True, timeout=120)
+        return {}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+def load_replaced_midway(uri: str) -> tuple[int, bool] | None:
+    """On 2 ranks: load ``uri`` while rank 0's hook replaces the checkpoint; ``(step, exact)`` per rank."""
+    import torch.distributed as dist
+    from distributed import subgroup
+
+    group = subgroup(2)
+    if group is None:
+        return None
+    hook = SaveHook(uri, 2 if dist.get_rank() == 0 else None)
+    loaded = tierckpt.load(uri, empty_state() | {"hook": hook}, group=group)
+    return loaded["step"], matches(loaded)
+
+
 def save_loop(uri: str, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     n = 0
@@ -151,6 +186,8 @@ def main(argv: list[str]) -> None:
     elif command == "pause":
         skew = float(argv[argv.index("--skew-s") + 1]) if "--skew-s" in argv else 0.0
         pause(uri, int(argv[2]), Path(argv[3]), skew, "--keep-previous" in argv)
+    elif command == "save-once":
+        tierckpt.save(uri, make_state(int(argv[2])) | {"hook": SaveHook(uri)}, storage_options=options(uri))
     elif command == "save-loop":
         save_loop(uri, float(argv[2]))
     else:
