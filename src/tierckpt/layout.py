@@ -40,18 +40,23 @@ from .errors import CorruptCheckpointError
 from .metadata import FORMAT_NAME, FORMAT_VERSION, validate_generation
 
 COMMIT = "COMMIT"
+HEADER = "meta/header.json"
+TENSORS = "meta/tensors.parquet"
+PIECES = "meta/pieces.parquet"
+META_DOCUMENTS = (HEADER, TENSORS, PIECES)
+"""The metadata documents of a generation (keys relative to it) whose checksums ``COMMIT`` records."""
 
 
 def header_key(generation: str) -> str:
-    return f"{generation}/meta/header.json"
+    return in_generation(generation, HEADER)
 
 
 def tensors_key(generation: str) -> str:
-    return f"{generation}/meta/tensors.parquet"
+    return in_generation(generation, TENSORS)
 
 
 def pieces_key(generation: str) -> str:
-    return f"{generation}/meta/pieces.parquet"
+    return in_generation(generation, PIECES)
 
 
 def in_generation(generation: str, key: str) -> str:
@@ -63,9 +68,6 @@ def objects_file(rank: int) -> str:
 
 
 
-
-META_DOCUMENTS = ("meta/header.json", "meta/tensors.parquet", "meta/pieces.parquet")
-"""The metadata documents of a generation (keys relative to it) whose checksums ``COMMIT`` records."""
 
 _SEQUENCED_NAME = re.compile(r"^g-(\d{1,18})-\d{1,20}-[0-9a-f]{1,32}$")
 _MAX_SEQ = 10**18 - 1

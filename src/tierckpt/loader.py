@@ -117,8 +117,8 @@ def read_checkpoint(backend: Backend) -> Checkpoint:
     while True:
         gen = record.generation
         try:
-            meta = decode_header(_document(backend, record, layout.META_DOCUMENTS[0]))
-            tensors = decode_tensors(_document(backend, record, layout.META_DOCUMENTS[1]))
+            meta = decode_header(_document(backend, record, layout.HEADER))
+            tensors = decode_tensors(_document(backend, record, layout.TENSORS))
         except CheckpointNotFoundError as exc:
             newer = _newer_commit(backend, gen)
             if newer is not None and attempt < RACE_RETRIES:
@@ -320,12 +320,12 @@ def read_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str] | None = None
     can hold ``fqns`` are fetched.
     """
     key = layout.pieces_key(ckpt.meta.generation)
-    recorded = ckpt.record.checksum(layout.META_DOCUMENTS[2]) if ckpt.record is not None else None
+    recorded = ckpt.record.checksum(layout.PIECES) if ckpt.record is not None else None
     try:
         if fqns is None or (recorded is not None and recorded.size <= WHOLE_PIECES_BYTES):
             data = get_scheduler().do(backend, "get", key)
             if ckpt.record is not None:
-                ckpt.record.check_document(layout.META_DOCUMENTS[2], data, backend.root_uri)
+                ckpt.record.check_document(layout.PIECES, data, backend.root_uri)
             return decode_pieces(data, ckpt.tensors, fqns)
         return decode_pieces(RangeFile(backend, key), ckpt.tensors, fqns)
     except CheckpointNotFoundError as exc:

@@ -411,16 +411,16 @@ def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None
     sched = get_scheduler()
     backend, gen = p.backend, p.generation
     base = p.base.result() if p.base is not None else None
-    documents = {
-        layout.tensors_key(gen): encode_tensors(p.plan.tensors),
-        layout.pieces_key(gen): encode_pieces(pieces),
-        layout.header_key(gen): encode_header(meta),
+    documents = {  # the header last: it lists every file
+        layout.TENSORS: encode_tensors(p.plan.tensors),
+        layout.PIECES: encode_pieces(pieces),
+        layout.HEADER: encode_header(meta),
     }
     for key, data in documents.items():
-        sched.do(backend, "put", key, data)
+        sched.do(backend, "put", layout.in_generation(gen, key), data)
     record = layout.CommitRecord(
         gen, time.time(), seq=layout.next_seq(base),
-        checksums=tuple((key.split("/", 1)[1], layout.FileChecksum.of(data)) for key, data in sorted(documents.items())),
+        checksums=tuple(sorted((key, layout.FileChecksum.of(data)) for key, data in documents.items())),
     ).encode()
     try:
         sched.do(backend, "commit", layout.COMMIT, record, expected=base)
