@@ -190,8 +190,8 @@ def run_saves(uri: str, saves: int, start: int, storage_options: dict[str, Any] 
     current = [start]
     new_generation = layout.new_generation
 
-    def announced() -> str:
-        gen = new_generation()
+    def announced(*args: Any) -> str:
+        gen = new_generation(*args)
         out.write(f"gen {current[0]} {gen}\n")
         out.flush()
         return gen

@@ -405,18 +405,20 @@ def test_memory_store_names_are_isolated():
 
 def test_gc_removes_leftovers_of_crashed_saves_but_not_newer_ones(tmp_path):
     """A superseded generation (a crashed re-save's data) is garbage; a newer one may be in flight."""
+    from tierckpt import layout
     from tierckpt.cache import gc
 
     root = tmp_path / "ckpt"
     tierckpt.save(str(root), {"w": torch.ones(4)})
     committed = read_checkpoint(open_backend(str(root))).meta.generation
-    old = root / "g-0000000000001-deadbeefdead" / "data"
-    new = root / "g-9999999999999-feedfacefeed" / "data"
+    old_name, new_name = layout.new_generation(1), layout.new_generation(2)
+    old = root / old_name / "data"
+    new = root / new_name / "data"
     for leftover in (old, new):
         leftover.mkdir(parents=True)
         (leftover / "rank-00000.bin").write_bytes(b"partial")
-    result = gc(str(root))
-    assert result.leftovers == ("g-0000000000001-deadbeefdead",)
+    result = gc(str(root), keep_last=1)
+    assert result.leftovers == (old_name,)
     assert not old.exists() and new.exists() and (root / committed).exists()
     target = {"w": torch.zeros(4)}
     tierckpt.load(str(root), target)

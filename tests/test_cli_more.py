@@ -135,7 +135,7 @@ def test_ls_reports_a_corrupt_checkpoint_and_goes_on(manager_root: Path, capsys)
     code, doc = _json(["ls", str(manager_root), "--json"], capsys)
     assert code == cli.EXIT_OK
     bad = next(e for e in doc["checkpoints"] if e["step"] == 20)
-    assert bad["status"] == "corrupt" and "not valid JSON" in bad["error"]
+    assert bad["status"] == "corrupt" and "header.json" in bad["error"]
 
 
 def test_ls_nothing(tmp_path: Path, capsys) -> None:

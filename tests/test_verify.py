@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -49,6 +50,15 @@ def write_pieces(root: Path, pieces: dict[str, list[PieceMeta]]) -> None:
     header = decode_header((gen / "meta/header.json").read_bytes())
     count = sum(len(ps) for ps in pieces.values())
     (gen / "meta/header.json").write_bytes(encode_header(type(header)(**{**_fields(header), "num_pieces": count})))
+    reseal(root)
+
+
+def reseal(root: Path) -> None:
+    """Record the rewritten metadata's sizes and CRC-32Cs in COMMIT, as a save would have."""
+    record = layout.CommitRecord.decode((root / layout.COMMIT).read_bytes())
+    gen = root / record.generation
+    checksums = tuple((k, layout.FileChecksum.of((gen / k).read_bytes())) for k in layout.META_DOCUMENTS)
+    (root / layout.COMMIT).write_bytes(dataclasses.replace(record, checksums=checksums).encode())
 
 
 def _fields(obj: object) -> dict:

@@ -102,24 +102,29 @@ def _add_gc(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "gc", help="retention over a directory of checkpoints, and removal of crashed saves' leftovers",
         description="Delete old checkpoints under ROOT (children such as ROOT/step-00000100), keeping the newest "
-        "--keep-last and every checkpoint whose step is a multiple of --keep-every; the newest committed one is "
-        "never deleted. In what is kept (and in ROOT itself when it is a checkpoint), generations that the "
-        "COMMIT superseded — leftovers of crashed or failed saves — are removed.",
+        "--keep-last and every checkpoint whose step is a multiple of --keep-every; at least one of the two is "
+        "required, and the newest committed one is never deleted. In what is kept (and in ROOT itself when it is "
+        "a checkpoint), generations that can never be committed — leftovers of crashed, failed or losing saves, "
+        "decided by commit sequence, never by clocks — are removed; a save in flight keeps its generation.",
     )
     p.add_argument("root", help="a directory of checkpoints")
-    p.add_argument("--keep-last", type=int, default=1)
-    p.add_argument("--keep-every", type=int, default=None)
+    p.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep the N newest committed checkpoints")
+    p.add_argument("--keep-every", type=int, default=None, metavar="K",
+                   help="keep every checkpoint whose step is a multiple of K")
+    p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(handler=cmd_gc)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    result = cache.gc(args.root, keep_last=args.keep_last, keep_every=args.keep_every)
+    result = cache.gc(args.root, keep_last=args.keep_last, keep_every=args.keep_every, dry_run=args.dry_run)
     if args.json:
         print(json.dumps(dataclasses.asdict(result), indent=1))
     else:
-        print(f"kept {len(result.kept)}, deleted {len(result.deleted)}, removed {len(result.leftovers)} leftover generation(s)"
-              + "".join(f"\n  deleted {d}" for d in (*result.deleted, *result.leftovers)))
+        verb = "would delete" if result.dry_run else "deleted"
+        print(f"{'dry run: ' if result.dry_run else ''}kept {len(result.kept)}, {verb} {len(result.deleted)}, "
+              f"{verb} {len(result.leftovers)} leftover generation(s)"
+              + "".join(f"\n  {verb} {d}" for d in (*result.deleted, *result.leftovers)))
     return 0
 
 

@@ -10,34 +10,53 @@
     <root>/<generation>/objects/rank-00000.bin     encoded non-tensor objects written by rank 0
 
 Every save writes a fresh generation; readers follow ``COMMIT``. A re-save therefore never touches
-the committed copy until its own commit has replaced the record in one atomic write.
+the committed copy until its own commit has replaced the record in one atomic compare-and-swap
+(:meth:`~tierckpt.backends.Backend.commit` with the record the save started from as ``expected``).
+
+Commit sequence. Each record carries ``seq``, one more than the record it replaced, and each
+generation's name carries the ``seq`` its save will commit as. Because the commit is a compare-and-swap
+against the record the save started from, a generation whose ``seq`` is at most the committed record's
+can never be committed: :func:`superseded_generations` may delete it while its save still runs (that
+save then fails with ``CheckpointBusyError``). No decision depends on a clock.
+
+Checksums. A record lists the size and CRC-32C of each metadata document of its generation and ends
+with the CRC-32C of its own canonical encoding, so one flipped bit anywhere in the metadata is caught.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+import crc32c
 
 from .errors import CorruptCheckpointError
 from .metadata import FORMAT_NAME, FORMAT_VERSION, validate_generation
 
 COMMIT = "COMMIT"
+HEADER = "meta/header.json"
+TENSORS = "meta/tensors.parquet"
+PIECES = "meta/pieces.parquet"
+META_DOCUMENTS = (HEADER, TENSORS, PIECES)
+"""The metadata documents of a generation (keys relative to it) whose checksums ``COMMIT`` records."""
 
 
 def header_key(generation: str) -> str:
-    return f"{generation}/meta/header.json"
+    return in_generation(generation, HEADER)
 
 
 def tensors_key(generation: str) -> str:
-    return f"{generation}/meta/tensors.parquet"
+    return in_generation(generation, TENSORS)
 
 
 def pieces_key(generation: str) -> str:
-    return f"{generation}/meta/pieces.parquet"
+    return in_generation(generation, PIECES)
 
 
 def in_generation(generation: str, key: str) -> str:
@@ -67,44 +86,181 @@ def step_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def new_generation() -> str:
-    """A fresh, sortable generation name: ``g-<unix ms>-<random>``."""
-    return f"g-{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:12]}"
+_SEQUENCED_NAME = re.compile(r"^g-(\d{1,18})-\d{1,20}-[0-9a-f]{1,32}$")
+_MAX_SEQ = 10**18 - 1
+
+
+def new_generation(seq: int = 1) -> str:
+    """A fresh generation name ``g-<seq>-<unix ms>-<random>`` for a save that will commit as ``seq``.
+
+    The wall-clock part only helps people read listings; no decision depends on it.
+    """
+    return f"g-{seq:08d}-{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:12]}"
+
+
+def seq_of(generation: str) -> int | None:
+    """The commit sequence a generation's save commits as (``None``: a name from before sequences)."""
+    match = _SEQUENCED_NAME.match(generation)
+    return int(match.group(1)) if match else None
+
+
+def next_seq(base: bytes | None) -> int:
+    """The sequence of a save that starts from the ``COMMIT`` bytes ``base`` (``None``: no commit yet)."""
+    return 1 if base is None else CommitRecord.decode(base).seq + 1
+
+
+@dataclass(frozen=True, slots=True)
+class FileChecksum:
+    """Size and CRC-32C of one metadata document, as recorded in ``COMMIT``."""
+
+    size: int
+    crc32c: int
+
+    @staticmethod
+    def of(data: bytes) -> FileChecksum:
+        return FileChecksum(len(data), crc32c.crc32c(data))
+
+
+def _canonical(doc: dict) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _seq(value: object) -> int:
+    if type(value) is not int or not 0 <= value <= _MAX_SEQ:
+        raise ValueError(f"field 'seq' is {value!r}, not an integer in [0, {_MAX_SEQ}]")
+    return value
+
+
+def _checksums(value: object) -> tuple[tuple[str, FileChecksum], ...]:
+    if not isinstance(value, dict):
+        raise ValueError(f"field 'checksums' is a {type(value).__name__}, not an object")
+    out = []
+    for key, entry in sorted(value.items()):
+        size, crc = entry.get("size"), entry.get("crc32c")  # a non-dict entry raises AttributeError
+        if type(size) is not int or type(crc) is not int or size < 0 or not 0 <= crc < 2**32:
+            raise ValueError(f"field 'checksums' entry {key!r} is {entry!r}, not a size and a 32-bit CRC")
+        out.append((key, FileChecksum(size, crc)))
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
 class CommitRecord:
+    """The content of ``COMMIT``: which generation is committed, its commit sequence and checksums.
+
+    Records written before sequences and checksums (``seq`` 0, no ``checksums``) still decode.
+    """
+
     generation: str
     committed_unix: float
+    seq: int = 0
+    """One more than the sequence of the record this one replaced (0: a record from before sequences)."""
+    checksums: tuple[tuple[str, FileChecksum], ...] = ()
+    """``(key relative to the generation, checksum)`` of each metadata document."""
 
     def encode(self) -> bytes:
+        """Canonical JSON (sorted keys, no spaces) ending with ``crc32c``, the CRC-32C of the rest."""
         doc = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "generation": self.generation,
             "committed_unix": self.committed_unix,
             "host": os.uname().nodename if hasattr(os, "uname") else "",
+            "seq": self.seq,
+            "checksums": {k: {"size": c.size, "crc32c": c.crc32c} for k, c in self.checksums},
         }
-        return json.dumps(doc, sort_keys=True).encode()
+        doc["crc32c"] = crc32c.crc32c(_canonical(doc))
+        return _canonical(doc)
 
     @staticmethod
     def decode(data: bytes) -> CommitRecord:
+        """Parse and check a record; anything malformed raises :class:`CorruptCheckpointError` naming the field."""
         try:
             doc = json.loads(data)
-            if doc.get("format") != FORMAT_NAME:
+            if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
                 raise ValueError("not a tierckpt commit record")
-            return CommitRecord(validate_generation(doc["generation"]), float(doc["committed_unix"]))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            if isinstance(exc, CorruptCheckpointError):
-                raise
-            raise CorruptCheckpointError(f"the COMMIT record is unreadable: {exc}") from exc
+            sealed = any(k in doc for k in ("crc32c", "seq", "checksums"))
+            committed = float(doc["committed_unix"])
+            if not math.isfinite(committed):
+                raise ValueError(f"field 'committed_unix' is {doc['committed_unix']!r}, not a finite number")
+            record = CommitRecord(
+                generation=validate_generation(doc["generation"]),
+                committed_unix=committed,
+                seq=_seq(doc["seq"]) if sealed else 0,
+                checksums=_checksums(doc["checksums"]) if sealed else (),
+            )
+            if sealed:
+                _check_seal(data, doc)
+            return record
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
+            what = f"field {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise CorruptCheckpointError(
+                f"the COMMIT record is unreadable: {type(exc).__name__}: {what}; restore it from a copy, "
+                "or delete it and load an earlier checkpoint"
+            ) from exc
+
+    def checksum(self, key: str) -> FileChecksum | None:
+        """The recorded checksum of the document ``key`` (relative to the generation), if any."""
+        return next((c for k, c in self.checksums if k == key), None)
+
+    def check_document(self, key: str, data: bytes, uri: str) -> None:
+        """Raise :class:`CorruptCheckpointError` unless ``data`` has the size and CRC-32C recorded for ``key``."""
+        expected = self.checksum(key)
+        if expected is None:
+            return  # a record from before checksums
+        actual = FileChecksum.of(data)
+        if actual != expected:
+            raise CorruptCheckpointError(
+                f"{uri}: {key} of generation {self.generation!r} has {actual.size} bytes with CRC-32C "
+                f"{actual.crc32c:#010x}, COMMIT records {expected.size} bytes with {expected.crc32c:#010x}: "
+                "the metadata is corrupt; restore the checkpoint from a copy or load an earlier one"
+            )
 
 
-def stale_generations(keys: list[str], committed: str) -> list[str]:
-    """Generations among ``keys`` that ``committed`` superseded: leftovers of crashed or failed saves.
+def _check_seal(data: bytes, doc: dict) -> None:
+    """A record with a sequence must carry its CRC-32C and be byte-for-byte its canonical encoding."""
+    stored = doc.get("crc32c")
+    if type(stored) is not int:
+        raise ValueError(f"field 'crc32c' is {stored!r}, not an integer")
+    if _canonical(doc) != bytes(data):
+        raise ValueError("it is not in its canonical encoding (edited or corrupted)")
+    body = dict(doc)
+    del body["crc32c"]
+    actual = crc32c.crc32c(_canonical(body))
+    if actual != stored:
+        raise ValueError(f"its CRC-32C is {actual:#010x}, it records {stored:#010x} (corrupted)")
 
-    Only generations older than the committed one count; a newer one may be a save still in flight.
-    Names sort by creation time (``g-<unix ms>-...``).
+
+def generations_in(keys: Iterable[str]) -> set[str]:
+    """Generation names among the keys of a root (``g-.../...``)."""
+    return {k.split("/", 1)[0] for k in keys if k.startswith("g-") and "/" in k}
+
+
+def is_superseded(generation: str, record: CommitRecord) -> bool:
+    """Whether ``generation`` (not the committed one) can never be committed over ``record``.
+
+    Its save started from a record older than ``record`` (its sequence is at most ``record.seq``), so its
+    compare-and-swap of ``COMMIT`` must fail. A name from before sequences is superseded once the
+    root holds a sequenced record: no writer of this format version names a generation that way.
     """
-    found = {k.split("/", 1)[0] for k in keys if k.startswith("g-") and "/" in k}
-    return sorted(g for g in found if g != committed and g < committed)
+    seq = seq_of(generation)
+    if seq is None:
+        return record.seq > 0
+    return seq <= record.seq
+
+
+def superseded_generations(keys: Iterable[str], record: CommitRecord) -> list[str]:
+    """Generations among ``keys`` that are safe to delete: neither committed nor possibly in flight."""
+    return sorted(g for g in generations_in(keys) if g != record.generation and is_superseded(g, record))
+
+
+def retention(checkpoints: Iterable[tuple[int, float, str]], keep_last: int | None, keep_every: int | None) -> set[str]:
+    """Names to keep among committed checkpoints ``(step, committed_unix, name)`` (step -1: none).
+
+    Keeps the ``keep_last`` newest (by step, then commit time), those whose step is a multiple of
+    ``keep_every``, and always the newest one.
+    """
+    order = sorted(checkpoints)
+    keep = {name for _, _, name in order[-(keep_last or 1):]}
+    if keep_every:
+        keep |= {name for step, _, name in order if step >= 0 and step % keep_every == 0}
+    return keep

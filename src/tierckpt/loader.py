@@ -2,9 +2,10 @@
 
 Lifecycle (every rank of the loading group unless noted):
 
-1. Rank 0 reads ``COMMIT``, the header and the tensor table, and broadcasts them (a missing commit
-   raises :class:`~tierckpt.errors.IncompleteCheckpointError` when data exists without one; a torch
-   DCP directory is read in place by :mod:`tierckpt.dcp_format`, its pieces included).
+1. Rank 0 reads ``COMMIT``, the header and the tensor table, checks them against the sizes and
+   CRC-32Cs that ``COMMIT`` records, and broadcasts them (a missing commit raises
+   :class:`~tierckpt.errors.IncompleteCheckpointError` when data exists without one; a torch DCP
+   directory is read in place by :mod:`tierckpt.dcp_format`, its pieces included).
 2. Each rank flattens its target state and checks it against the checkpoint: missing keys, shape and
    dtype mismatches (keys the state does not ask for are not loaded). Ranks all-gather their needs
    and findings; in strict mode any finding on any rank raises on every rank, before anything is read.
@@ -17,6 +18,11 @@ Lifecycle (every rank of the loading group unless noted):
    per round. After the last round the ranks combine the checksums of blocks read in parts.
 5. Objects are decoded (weights-only unless ``allow_pickle``) and put in place; optimizers and
    stateful objects get their ``load_state_dict`` calls.
+
+Racing a save. A save that commits a newer generation deletes the one this load follows. When a
+step fails and ``COMMIT`` has moved since the load read it, the load starts again on the newer
+generation (at most :data:`RACE_RETRIES` times), filling every target again, so it returns one
+committed checkpoint exactly — never an error caused by the race, never a mix of two generations.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from . import dcp_format, layout
 from .backends import Backend, open_backend
 from .comm import Comm
 from .errors import (
-    CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError,
+    CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
+    IncompleteCheckpointError, StateMismatchError,
 )
 from .io.rangefile import RangeFile
 from .io.readcheck import ReadChecker
@@ -56,6 +63,14 @@ from .state import FlatState, TensorEntry, flatten_state
 
 logger = logging.getLogger("tierckpt")
 
+RACE_RETRIES = 8
+"""How many times a load that lost its generation to a newer commit starts again on the newer one (each
+attempt fails only if a whole save cycle completes during it)."""
+WHOLE_PIECES_BYTES = 8 << 20
+"""A pieces table up to this size is read whole and checked against its CRC-32C in ``COMMIT``; a larger
+one is read by row groups (only those a load needs), and ``verify`` checks its CRC."""
+
+
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
     """A committed checkpoint's header and tensor table, as read by rank 0."""
@@ -64,40 +79,74 @@ class Checkpoint:
     tensors: dict[str, TensorMeta]
     pieces: dict[str, list[PieceMeta]] | None = None
     """Every piece, when the format lists them with its metadata (a torch DCP directory); else ``None``."""
+    record: layout.CommitRecord | None = None
+    """The ``COMMIT`` record that named it (its checksums check the other metadata documents)."""
 
 
-def read_checkpoint(backend: Backend, *, accept_dcp: bool = False) -> Checkpoint:
-    """Follow ``COMMIT`` to the committed generation and read its header and tensor table.
-
-    A torch DCP directory is read in place with ``accept_dcp`` (see :mod:`tierckpt.dcp_format`) and
-    refused, naming the format and the conversion, without it.
-    """
+def read_commit(backend: Backend) -> layout.CommitRecord:
+    """The decoded ``COMMIT`` record; a root with data but no ``COMMIT`` is incomplete."""
     sched = get_scheduler()
     try:
-        record = layout.CommitRecord.decode(sched.do(backend, "get", layout.COMMIT))
+        return layout.CommitRecord.decode(sched.do(backend, "get", layout.COMMIT))
     except CheckpointNotFoundError:
-        if dcp_format.is_dcp(backend):
-            if not accept_dcp:
-                raise CheckpointError(dcp_format.refusal(backend.root_uri)) from None
-            return Checkpoint(*dcp_format.read_dcp(backend))
         if sched.do(backend, "list", ""):
             raise IncompleteCheckpointError(
                 f"{backend.root_uri!r} holds checkpoint data but no COMMIT record: a save was interrupted or is "
                 "still running. Load an earlier checkpoint, or wait for the save to finish"
             ) from None
         raise CheckpointNotFoundError(f"no checkpoint at {backend.root_uri!r} (no COMMIT record)") from None
-    gen = record.generation
+
+
+def _newer_commit(backend: Backend, generation: str) -> layout.CommitRecord | None:
+    """The ``COMMIT`` record if it now names another generation than ``generation`` (else ``None``)."""
     try:
-        header_key = layout.header_key(gen)
-        meta = decode_header(read_document(backend, header_key, MAX_HEADER_BYTES), header_key)
-        tensors = decode_tensors(read_document(backend, layout.tensors_key(gen), MAX_TABLE_BYTES))
-    except CheckpointNotFoundError as exc:
-        raise CorruptCheckpointError(
-            f"checkpoint {backend.root_uri!r} is committed as {gen!r} but its metadata is missing: {exc}"
-        ) from exc
-    if meta.generation != gen:
-        raise CorruptCheckpointError(f"header of {gen!r} names generation {meta.generation!r}")
-    return Checkpoint(meta=meta, tensors=tensors)
+        record = read_commit(backend)
+    except CheckpointError:
+        return None
+    return record if record.generation != generation else None
+
+
+def _document(backend: Backend, record: layout.CommitRecord, key: str, limit: int) -> bytes:
+    """One metadata document of the committed generation (at most ``limit`` bytes), checked against
+    ``COMMIT``'s checksum."""
+    data = read_document(backend, layout.in_generation(record.generation, key), limit)
+    record.check_document(key, data, backend.root_uri)
+    return data
+
+
+def read_checkpoint(backend: Backend, *, accept_dcp: bool = False) -> Checkpoint:
+    """Follow ``COMMIT`` to the committed generation and read its header and tensor table (following a
+    newer ``COMMIT`` when a save deleted the generation meanwhile).
+
+    A torch DCP directory is read in place with ``accept_dcp`` (see :mod:`tierckpt.dcp_format`) and
+    refused, naming the format and the conversion, without it.
+    """
+    try:
+        record = read_commit(backend)
+    except (IncompleteCheckpointError, CheckpointNotFoundError):
+        if not dcp_format.is_dcp(backend):
+            raise
+        if not accept_dcp:
+            raise CheckpointError(dcp_format.refusal(backend.root_uri)) from None
+        meta, tensors, pieces = dcp_format.read_dcp(backend)
+        return Checkpoint(meta=meta, tensors=tensors, pieces=pieces)
+    attempt = 0
+    while True:
+        gen = record.generation
+        try:
+            meta = decode_header(_document(backend, record, layout.HEADER, MAX_HEADER_BYTES), layout.HEADER)
+            tensors = decode_tensors(_document(backend, record, layout.TENSORS, MAX_TABLE_BYTES))
+        except CheckpointNotFoundError as exc:
+            newer = _newer_commit(backend, gen)
+            if newer is not None and attempt < RACE_RETRIES:
+                record, attempt = newer, attempt + 1
+                continue
+            raise CorruptCheckpointError(
+                f"checkpoint {backend.root_uri!r} is committed as {gen!r} but its metadata is missing: {exc}"
+            ) from exc
+        if meta.generation != gen:
+            raise CorruptCheckpointError(f"header of {gen!r} names generation {meta.generation!r}")
+        return Checkpoint(meta=meta, tensors=tensors, record=record)
 
 
 def read_document(backend: Backend, key: str, limit: int) -> bytes:
@@ -148,32 +197,80 @@ def load(
     comm.check_in(f"load from {uri!r}", collective_timeout_s)
     monitor = monitor or Monitor()
     backend = open_backend(uri, **dict(storage_options or {}))
+    options = _Options(strict, allow_pickle, verify, check_crc, chunk_bytes, round_bytes, topology)
+    attempt = 0
+    while True:
+        with monitor.phase("metadata"):
+            ckpt = _broadcast_checkpoint(comm, backend, accept_dcp=not verify)
+        # torch DCP rewrites its files in place, which a node cache would serve stale.
+        source = dcp_format.uncached(backend) if ckpt.pieces is not None else backend
+        try:
+            _load_generation(uri, state, comm, source, ckpt, options, monitor)
+        except (CollectiveError, StateMismatchError):
+            raise
+        except CheckpointError as exc:
+            if ckpt.pieces is not None:
+                raise  # a DCP directory has no commit to follow
+            # Every rank raised (failures are agreed); rank 0 tells whether a newer commit explains it.
+            moved = comm.broadcast_object(_newer_commit(backend, ckpt.meta.generation) is not None if comm.rank == 0 else None)
+            if not moved:
+                raise
+            if attempt == RACE_RETRIES:
+                raise CheckpointBusyError(
+                    f"loading {uri!r}: newer saves replaced the checkpoint {attempt + 1} times while it was being "
+                    f"loaded (last: {exc}); saves to this URI outpace the load. Load a checkpoint that is not being "
+                    "re-saved, or save with keep_previous=True"
+                ) from exc
+            attempt += 1
+            logger.info("load of %s: generation %s was replaced while loading; loading the newer commit",
+                        uri, ckpt.meta.generation)
+            continue
+        monitor.finish("load", uri, comm.rank, comm.all_gather_object(monitor.summary()))
+        return state
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """The tuning and checking arguments of :func:`load`."""
+
+    strict: bool
+    allow_pickle: bool
+    verify: bool
+    check_crc: bool
+    chunk_bytes: int
+    round_bytes: int
+    topology: Topology | None
+
+
+def _load_generation(
+    uri: str, state: dict[str, Any], comm: Comm, backend: Backend, ckpt: Checkpoint, opts: _Options, monitor: Monitor,
+) -> None:
+    """Steps 2-5 of the lifecycle for the generation ``ckpt`` names; fills every target."""
     with monitor.phase("metadata"):
-        ckpt = _broadcast_checkpoint(comm, backend, accept_dcp=not verify)
-        if ckpt.pieces is not None:
-            backend = dcp_format.uncached(backend)
         saved_keys = set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}
         # One collective agrees that every rank could prepare its state and carries what each needs.
         (flat, needs), gathered = comm.exchange_agreed(lambda: _prepare(state, ckpt, saved_keys), "preparing the state to load")
-        _report(gathered, ckpt, strict, uri)
+        _report(gathered, ckpt, opts.strict, uri)
         all_needs = [g[0] for g in gathered]
         fqns = {n.fqn for rank_needs in all_needs for n in rank_needs}
         pieces = comm.run_agreed(lambda: read_pieces(backend, ckpt, fqns), "reading the pieces table")
     with monitor.phase("plan"):
-        topo = topology or _topology(backend, comm, [g[4] for g in gathered])
-        plan = plan_load(ckpt.tensors, pieces, all_needs, chunk_bytes=chunk_bytes, round_bytes=round_bytes, topology=topo)
+        topo = opts.topology or _topology(backend, comm, [g[4] for g in gathered])
+        plan = plan_load(
+            ckpt.tensors, pieces, all_needs, chunk_bytes=opts.chunk_bytes, round_bytes=opts.round_bytes, topology=topo,
+        )
         _log_routes(plan, topo, comm.rank, monitor)
     gen = ckpt.meta.generation
     comm.run_agreed(lambda: _check_files(backend, ckpt, plan, comm.rank), "checking the data files")
-    if verify:
+    if opts.verify:
         with monitor.phase("verify"):
             comm.run_agreed(lambda: _verify_pieces(backend, gen, pieces, comm), "verifying checksums")
     with monitor.phase("objects"):
         # Objects are small: fetch, check and decode them before any tensor is modified.
-        values = comm.run_agreed(lambda: _fetch_objects(backend, ckpt, flat, comm, allow_pickle), "loading objects")
+        values = comm.run_agreed(lambda: _fetch_objects(backend, ckpt, flat, comm, opts.allow_pickle), "loading objects")
     targets = [flat.tensors[n.fqn] for n in needs]
     # A torch DCP directory records no checksums (its pieces carry none): there is nothing to check.
-    checker = ReadChecker(gen, pieces) if check_crc and ckpt.pieces is None else None
+    checker = ReadChecker(gen, pieces) if opts.check_crc and ckpt.pieces is None else None
     with monitor.phase("read"):
         comm.run_agreed(lambda: _Executor(backend, gen, plan, targets, comm, monitor, checker).run(), f"loading {uri!r}")
         if checker is not None:
@@ -182,8 +279,6 @@ def load(
         for key, value in values.items():
             flat.objects[key].assign(value)
         comm.run_agreed(lambda: [fn() for fn in flat.after_load], "applying loaded state")
-    monitor.finish("load", uri, comm.rank, comm.all_gather_object(monitor.summary()))
-    return state
 
 
 def _broadcast_checkpoint(comm: Comm, backend: Backend, accept_dcp: bool = False) -> Checkpoint:
@@ -289,16 +384,20 @@ def _few(keys: list[str], limit: int = 8) -> str:
 def read_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str] | None = None) -> dict[str, list[PieceMeta]]:
     """The validated pieces of the tensors in ``fqns`` (all when ``None``).
 
-    With ``fqns``, only the table's footer and the row groups that can hold them are fetched.
+    The table is read whole and checked against its CRC-32C in ``COMMIT`` when all of it is wanted or
+    it is at most :data:`WHOLE_PIECES_BYTES`; otherwise only the table's footer and the row groups that
+    can hold ``fqns`` are fetched.
     """
     if ckpt.pieces is not None:
         return {f: ckpt.pieces[f] for f in (ckpt.pieces if fqns is None else fqns) if f in ckpt.pieces}
     key = layout.pieces_key(ckpt.meta.generation)
+    recorded = ckpt.record.checksum(layout.PIECES) if ckpt.record is not None else None
     try:
-        if fqns is None:
-            import pyarrow as pa
-
-            return decode_pieces(pa.BufferReader(read_document(backend, key, MAX_TABLE_BYTES)), ckpt.tensors)
+        if fqns is None or (recorded is not None and recorded.size <= WHOLE_PIECES_BYTES):
+            data = read_document(backend, key, MAX_TABLE_BYTES)
+            if ckpt.record is not None:
+                ckpt.record.check_document(layout.PIECES, data, backend.root_uri)
+            return decode_pieces(data, ckpt.tensors, fqns)
         return decode_pieces(RangeFile(backend, key), ckpt.tensors, fqns)
     except CheckpointNotFoundError as exc:
         raise CorruptCheckpointError(f"checkpoint {backend.root_uri!r} has no pieces table: {exc}") from exc

@@ -5,7 +5,8 @@ Lifecycle (every rank of the group unless noted):
 1. *Prepare* (caller's thread): flatten the state into tensor entries and objects; encode the
    objects. Ranks exchange a digest of their offers: when it matches the cached plan's, the plan is
    reused; otherwise offers are all-gathered and every rank computes the same
-   :class:`~tierckpt.planner.SavePlan`. Rank 0 names a fresh generation.
+   :class:`~tierckpt.planner.SavePlan`. Rank 0 reads ``COMMIT`` (the *base*, read on the I/O loop
+   while the state is flattened) and names a fresh generation with the next commit sequence.
 2. *Snapshot and write*: each rank streams its assigned pieces into its data file
    (:class:`~tierckpt.io.staging.FileStream`, CRC-32C computed on the I/O loop). A synchronous save
    streams straight from tensor memory. An asynchronous save first copies the pieces into the reusable
@@ -15,8 +16,10 @@ Lifecycle (every rank of the group unless noted):
    through the group's key-value store (:class:`~tierckpt.comm.StoreCoordinator`), never through
    collectives, so training's collectives are untouched. Any failure on any rank: every rank raises,
    no commit is written, and the last committed checkpoint is untouched.
-4. *Commit* (rank 0): write the metadata documents, then ``COMMIT`` (atomic); share the outcome;
-   delete the generation the old ``COMMIT`` named unless ``keep_previous``.
+4. *Commit* (rank 0): write the metadata documents, then ``COMMIT`` as one compare-and-swap against
+   the base: if another job committed meanwhile, this save raises
+   :class:`~tierckpt.errors.CheckpointBusyError` and removes its generation. Share the outcome;
+   delete the generation the base named unless ``keep_previous``.
 
 A background failure is raised by the handle's ``wait()``, and — if nobody waited — by the next save.
 """
@@ -144,9 +147,9 @@ class _Prepared:
     owners: dict[str, int | None]
     generation: str
     started: float
-    base_generation: concurrent.futures.Future[str | None] | None
-    """What ``COMMIT`` named when the save began (rank 0 only; read on the I/O loop while the ranks
-    stage, so a remote round trip does not add to the stall): the commit refuses if it changed."""
+    base: concurrent.futures.Future[bytes | None] | None
+    """``COMMIT`` as it was when the save began (rank 0 only; ``None`` inside: no commit yet), the
+    expected value of the compare-and-swap commit."""
     monitor: Monitor
     tags: dict[str, str]
     keep_previous: bool
@@ -162,12 +165,14 @@ def _prepare(
     comm.check_in(f"save to {uri!r}", collective_timeout_s)
     backend = open_backend(uri, **dict(storage_options or {}))
     started = time.time()
+    # Rank 0 reads COMMIT on the I/O loop while the state is flattened (a remote round trip then adds
+    # nothing to the stall); its commit sequence names the new generation.
+    base = get_scheduler().submit(_read_commit(backend)) if comm.rank == 0 else None
     with monitor.phase("plan"):
         # One collective agrees that every rank could prepare its state and carries each rank's
         # plan-cache digest and object digests, and rank 0's name for the new generation.
-        proposal = layout.new_generation() if comm.rank == 0 else None
         (flat, offers, encoded), agreement = comm.exchange_agreed(
-            lambda: _offer(state, proposal), "preparing the state to save"
+            lambda: _offer(state, base), "preparing the state to save"
         )
         generation = agreement[0][2]
         digests = [a[0] for a in agreement]
@@ -184,15 +189,16 @@ def _prepare(
     return _Prepared(
         uri=uri, comm=comm, backend=backend, flat=flat, encoded=encoded, plan=plan, owners=owners,
         generation=generation, started=started, monitor=monitor, tags=dict(tags or {}), keep_previous=keep_previous,
-        base_generation=get_scheduler().submit(_committed_generation(backend)) if comm.rank == 0 else None,
+        base=base,
     )
 
 
 def _offer(
-    state: Mapping[str, Any], proposal: str | None,
+    state: Mapping[str, Any], base: concurrent.futures.Future[bytes | None] | None,
 ) -> tuple[tuple[FlatState, list[LocalPiece], dict[str, tuple[bytes, str]]], tuple[str, dict[str, tuple[int, int]], str | None]]:
     """Flatten and encode this rank's state: ``(kept, shared)``, shared being the plan-cache digest of
-    the offered pieces, ``(crc, size)`` of each encoded object, and rank 0's generation proposal."""
+    the offered pieces, ``(crc, size)`` of each encoded object, and rank 0's generation proposal (named
+    after the base ``COMMIT``'s sequence)."""
     flat = flatten_state(state, for_load=False)
     offers = [
         LocalPiece(fqn=e.fqn, dtype=dtype_name(e.tensor.dtype), shape=e.shape, region=e.region)
@@ -200,6 +206,7 @@ def _offer(
     ]
     encoded = {key: encode_object(entry.value) for key, entry in flat.objects.items()}
     digests = {key: (crc32c.crc32c(data), len(data)) for key, (data, _) in encoded.items()}
+    proposal = None if base is None else layout.new_generation(layout.next_seq(base.result()))
     return (flat, offers, encoded), (offers_digest([offers]), digests, proposal)
 
 
@@ -404,31 +411,45 @@ def _discard_generation(p: _Prepared) -> None:
         pass  # an uncommitted generation is invisible to loads, and `tierckpt gc` removes leftovers
 
 
-async def _committed_generation(backend: Backend) -> str | None:
+async def _read_commit(backend: Backend) -> bytes | None:
+    """The bytes of ``COMMIT`` (``None``: nothing committed yet)."""
     try:
-        data = await get_scheduler().call(backend, "get", backend.get, layout.COMMIT)
+        return await get_scheduler().call(backend, "get", backend.get, layout.COMMIT)
     except CheckpointNotFoundError:
         return None
-    return layout.CommitRecord.decode(data).generation
 
 
 def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None:
-    """Rank 0: metadata, then COMMIT — unless another job committed to this URI since the save began."""
+    """Rank 0: metadata, then COMMIT — one compare-and-swap against the base, so of two jobs saving to
+    one URI from the same base exactly one commits; the other removes its generation and raises."""
     sched = get_scheduler()
     backend, gen = p.backend, p.generation
-    base = p.base_generation.result() if p.base_generation is not None else None
-    previous = sched.run(_committed_generation(backend))
-    if previous != base:
-        sched.do(backend, "delete_prefix", f"{gen}/")
-        raise CheckpointBusyError(
-            f"another job committed {previous!r} to {p.uri!r} while this save was running (it started from "
-            f"{base!r}); this save was not committed, and the other job's checkpoint is intact. "
-            "Give concurrent jobs different URIs"
-        )
-    sched.do(backend, "put", layout.tensors_key(gen), encode_tensors(p.plan.tensors))
-    sched.do(backend, "put", layout.pieces_key(gen), encode_pieces(pieces))
-    sched.do(backend, "put", layout.header_key(gen), encode_header(meta))
-    sched.do(backend, "commit", layout.COMMIT, layout.CommitRecord(gen, time.time()).encode())
+    base = p.base.result() if p.base is not None else None
+    documents = {  # the header last: it lists every file
+        layout.TENSORS: encode_tensors(p.plan.tensors),
+        layout.PIECES: encode_pieces(pieces),
+        layout.HEADER: encode_header(meta),
+    }
+    for key, data in documents.items():
+        sched.do(backend, "put", layout.in_generation(gen, key), data)
+    record = layout.CommitRecord(
+        gen, time.time(), seq=layout.next_seq(base),
+        checksums=tuple(sorted((key, layout.FileChecksum.of(data)) for key, data in documents.items())),
+    ).encode()
+    try:
+        sched.do(backend, "commit", layout.COMMIT, record, expected=base)
+    except CheckpointBusyError as exc:
+        current = sched.run(_read_commit(backend))
+        if current != record:  # not a retried request whose first attempt landed: another job won
+            sched.do(backend, "delete_prefix", f"{gen}/")
+            winner = layout.CommitRecord.decode(current).generation if current else None
+            started = layout.CommitRecord.decode(base).generation if base else None
+            raise CheckpointBusyError(
+                f"another job committed {winner!r} to {p.uri!r} while this save was running (it started from "
+                f"{started!r}); this save was not committed and its generation {gen!r} was removed; the other "
+                "job's checkpoint is intact. Give concurrent jobs different URIs"
+            ) from exc
+    previous = layout.CommitRecord.decode(base).generation if base else None
     if previous and previous != gen and not p.keep_previous:
         sched.do(backend, "delete_prefix", f"{previous}/")
 

@@ -2,8 +2,9 @@
 
 :func:`verify` checks, in order:
 
-1. ``COMMIT``, the header and the tensor and pieces tables are readable and valid (a missing
-   ``COMMIT`` raises :class:`~tierckpt.errors.IncompleteCheckpointError`, no checkpoint
+1. ``COMMIT``, the header and the tensor and pieces tables are readable and valid, ``COMMIT``'s own
+   CRC-32C holds and each metadata document has the size and CRC-32C that ``COMMIT`` records (so one
+   flipped bit in any of them is a problem); a missing ``COMMIT`` raises :class:`~tierckpt.errors.IncompleteCheckpointError`, no checkpoint
    :class:`~tierckpt.errors.CheckpointNotFoundError`; unreadable metadata is one problem and stops
    the check there).
 2. Every data and object file the header lists exists with the listed size, and every file a piece

@@ -11,18 +11,46 @@ Lifecycle of a data object written by a save (every rank, for its own files):
 3. ``writer.close()`` makes the whole object visible at once (rename on POSIX, multipart
    completion on S3); ``writer.abort()`` instead leaves nothing behind.
 
-The commit of a checkpoint (one rank, last): ``commit(key, data)`` writes a small object atomically
-and durably, so a reader sees either the old object or the new one, never a torn one.
+The commit of a checkpoint (one rank, last): ``commit(key, data, expected=...)`` is a compare-and-swap:
+it writes a small object atomically and durably only if the object still holds ``expected`` (``None``:
+only if there is none yet), else it raises :class:`~tierckpt.errors.CheckpointBusyError` and leaves
+it untouched. A reader sees either the old object or the new one, never a torn one. How each backend
+makes the check and the write one step: local files, a ``flock`` held across read, compare and rename
+(released by process death); memory, a lock; S3, conditional writes (``If-None-Match: *``,
+``If-Match: <ETag>``). Other fsspec file systems can do neither: they check, then write (a documented
+limitation: two writers racing there may both succeed).
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointBusyError, CheckpointError, CorruptCheckpointError
+
+
+class Unconditional(enum.Enum):
+    """Type of :data:`UNCONDITIONAL`."""
+
+    UNCONDITIONAL = "unconditional"
+
+
+UNCONDITIONAL = Unconditional.UNCONDITIONAL
+"""``expected`` for :meth:`Backend.commit` that replaces whatever is there (pointers such as ``LATEST``)."""
+
+
+def commit_refused(uri: str, expected: bytes | None, current: bytes | None | str) -> CheckpointBusyError:
+    """The error of a compare-and-swap commit that found ``current`` (bytes, ``None`` for no object, or
+    a description) instead of ``expected`` at ``uri``."""
+    found = current if isinstance(current, str) else "no object" if current is None else f"{len(current)} other bytes"
+    wanted = "no object" if expected is None else f"the {len(expected)} bytes read before"
+    return CheckpointBusyError(
+        f"commit of {uri} refused: it expected {wanted} there and found {found}; another writer "
+        "committed meanwhile"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +181,11 @@ class Backend(abc.ABC):
         """Delete one object; deleting a missing key is not an error."""
 
     @abc.abstractmethod
-    async def commit(self, key: str, data: bytes) -> None:
-        """Atomically and durably write a small object (the commit record of a checkpoint)."""
+    async def commit(
+        self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL
+    ) -> None:
+        """Atomically and durably write a small object (the commit record of a checkpoint), if ``key``
+        holds ``expected`` (``None``: no object); otherwise raise :class:`CheckpointBusyError`."""
 
     # -- defaults built on the primitives ------------------------------------------------------
     async def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:

@@ -14,7 +14,14 @@ one running on a background thread. Whole-object writes go through a hidden
 * ``open_writer`` streams a multipart upload (parts of ``part_size`` bytes, a few in flight);
   nothing is visible until ``close`` completes the upload, and ``abort`` aborts it so no parts
   or partial object remain. Objects smaller than one part are sent as a single PUT.
-* ``commit`` is a single PUT, which S3 makes visible atomically.
+* ``commit`` is a single conditional PUT, which S3 makes visible atomically: ``If-None-Match: *``
+  when no object may exist yet, else ``If-Match`` with the ETag of the object it read and compared
+  with ``expected``. A refused precondition (412, or 409 for a concurrent conditional write) raises
+  :class:`~tierckpt.errors.CheckpointBusyError`. Stores without conditional writes answer 501 and
+  the commit fails with a :class:`~tierckpt.errors.StorageError` naming the response.
+
+The generic adapter has no conditional write: its ``commit`` checks, then writes, so two writers
+racing on such a file system may both succeed (a documented limitation).
 
 Configuration. Endpoint, region and credentials come from the usual AWS environment variables and
 config files (botocore's defaults) unless passed as options: ``endpoint_url``, ``key``, ``secret``,
@@ -54,7 +61,7 @@ from ..errors import (
     TransientStorageError,
     UnsupportedURIError,
 )
-from .base import Backend, Capabilities, ObjectWriter, validate_key
+from .base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Unconditional, commit_refused, validate_key
 from .local import check_prefix, check_range, is_temp_name, range_past_end, temp_name
 
 ENDPOINT_ENV = "TIERCKPT_S3_ENDPOINT_URL"
@@ -270,22 +277,24 @@ class FsspecBackend(Backend):
 
     async def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``fs.<method>`` (its coroutine ``_<method>`` when async) and translate errors."""
+        if self._async and hasattr(type(self.fs), f"_{method}"):
+            return await self._on_fs_loop(what, lambda: getattr(self.fs, f"_{method}")(*args, **kwargs))
+        return await self._in_thread(what, getattr(self.fs, method), *args, **kwargs)
+
+    async def _on_fs_loop(self, what: str, make: Callable[[], Any]) -> Any:
+        """Run the coroutine ``make()`` on the async file system's own loop, translating errors."""
         try:
-            if self._async and hasattr(type(self.fs), f"_{method}"):
-                coro = getattr(self.fs, f"_{method}")(*args, **kwargs)
-                future = asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
-                return await asyncio.wrap_future(future)
-            return await asyncio.to_thread(getattr(self.fs, method), *args, **kwargs)
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(make(), self.fs.loop))
         except Exception as exc:
             err = self._translated(exc, what)
             if err is None:
                 raise
             raise err from exc
 
-    async def _in_thread(self, what: str, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run a blocking call (a file object's method) in a worker thread, translating errors."""
+    async def _in_thread(self, what: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """Run a blocking call in a worker thread, translating errors."""
         try:
-            return await asyncio.to_thread(fn, *args)
+            return await asyncio.to_thread(fn, *args, **kwargs)
         except Exception as exc:
             err = self._translated(exc, what)
             if err is None:
@@ -389,7 +398,17 @@ class FsspecBackend(Backend):
             what = f"delete {self.root_uri} prefix {prefix!r}"
             await self._call(what, "rm", [self._path(k) for k in keys])
 
-    async def commit(self, key: str, data: bytes) -> None:
+    async def commit(
+        self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL
+    ) -> None:
+        """Check, then write: fsspec offers no conditional write (see the module docstring)."""
+        if expected is not UNCONDITIONAL:
+            try:
+                current: bytes | None = await self.get(key)
+            except CheckpointNotFoundError:
+                current = None
+            if current != expected:
+                raise commit_refused(self.uri_of(key), expected, current)
         await self.put(key, data)
 
 
@@ -595,9 +614,37 @@ class S3Backend(FsspecBackend):
         what = f"read {self.uri_of(key)}"
         return await self._call(what, "cat_file", self._path(key), max_concurrency=1)
 
-    async def commit(self, key: str, data: bytes | memoryview) -> None:
+    async def commit(
+        self, key: str, data: bytes | memoryview, *, expected: bytes | None | Unconditional = UNCONDITIONAL
+    ) -> None:
         bucket, _, obj = self._path(key).partition("/")
+        uri = self.uri_of(key)
         body = data if isinstance(data, bytes) else bytes(data)
-        await self._call(
-            f"write {self.uri_of(key)}", "call_s3", "put_object", Bucket=bucket, Key=obj, Body=body
-        )
+        conditions: dict[str, str] = {}
+        if expected is None:
+            conditions["IfNoneMatch"] = "*"
+        elif expected is not UNCONDITIONAL:
+            current, etag = await self._get_with_etag(bucket, obj, uri)
+            if current != expected:
+                raise commit_refused(uri, expected, current)
+            conditions["IfMatch"] = str(etag)
+        try:
+            await self._call(f"write {uri}", "call_s3", "put_object", Bucket=bucket, Key=obj, Body=body, **conditions)
+        except StorageError as exc:
+            code, status = _response_error(exc)
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                raise commit_refused(uri, expected, f"a different object ({code or status})") from exc  # type: ignore[arg-type]
+            raise
+
+    async def _get_with_etag(self, bucket: str, obj: str, uri: str) -> tuple[bytes | None, str | None]:
+        """The object's bytes and ETag from one GET (``(None, None)``: no object)."""
+
+        async def fetch() -> tuple[bytes, str]:
+            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=obj)
+            async with response["Body"] as stream:
+                return await stream.read(), response["ETag"]
+
+        try:
+            return await self._on_fs_loop(f"read {uri}", fetch)
+        except CheckpointNotFoundError:
+            return None, None

@@ -6,7 +6,10 @@ Keys map to files under the root directory, so this backend reports ``local_path
 Writes never expose a torn file: data goes to ``.<name>.<uuid>.partial`` next to the target, is
 fsynced, then renamed over the target with ``os.replace`` and the directory is fsynced, so a crash
 leaves either the old file or the new one (plus, at worst, a stray ``.partial`` that :meth:`list`
-ignores). Reads use positional I/O (``os.pread``/``os.preadv``); :meth:`LocalBackend.read_into`
+ignores). ``commit`` is a compare-and-swap: under an exclusive ``flock`` of the hidden lock file
+``.<name>.lock`` next to the target (released by the kernel when the holder dies, and never deleted,
+so every writer locks the same file), it reads the target, compares it with ``expected`` and
+publishes the new object the same way. Reads use positional I/O (``os.pread``/``os.preadv``); :meth:`LocalBackend.read_into`
 fills the caller's buffer directly, without an intermediate ``bytes`` object.
 
 Every blocking call runs in a worker thread (``asyncio.to_thread``). Cancelling the awaiting task
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import errno
 from collections.abc import Sequence
+import fcntl
 import os
 import ctypes
 import ctypes.util
@@ -41,9 +45,12 @@ from ..errors import (
     StoragePermissionError,
     UnsupportedURIError,
 )
-from .base import Backend, Capabilities, ObjectWriter, ReadsInto, validate_key
+from .base import (
+    UNCONDITIONAL, Backend, Capabilities, ObjectWriter, ReadsInto, Unconditional, commit_refused, validate_key,
+)
 
 _TEMP_SUFFIX = ".partial"
+_LOCK_SUFFIX = ".lock"
 
 
 # -- helpers shared by every backend ---------------------------------------------------------------
@@ -71,6 +78,17 @@ def temp_name(name: str) -> str:
 def is_temp_name(name: str) -> bool:
     """Whether the last path part ``name`` is an in-flight (or orphaned) temporary object."""
     return name.startswith(".") and name.endswith(_TEMP_SUFFIX)
+
+
+def lock_name(name: str) -> str:
+    """Name of the hidden lock file that serializes commits of ``name`` (kept for good: a lock held on
+    a deleted file would exclude nobody who opens the name afresh)."""
+    return f".{name}{_LOCK_SUFFIX}"
+
+
+def is_lock_name(name: str) -> bool:
+    """Whether the last path part ``name`` is a commit lock file."""
+    return name.startswith(".") and name.endswith(_LOCK_SUFFIX)
 
 
 def check_prefix(prefix: str) -> str:
@@ -314,6 +332,30 @@ def _read_range(path: str, start: int, end: int) -> bytes:
     return bytes(buf)
 
 
+def _read_if_exists(path: str) -> bytes | None:
+    try:
+        return _read_whole(path)
+    except FileNotFoundError:
+        return None
+
+
+def _commit_if(path: str, data: bytes, expected: bytes | None | Unconditional) -> tuple[bool, bytes | None]:
+    """Publish ``data`` at ``path`` if it holds ``expected``, under the commit lock; ``(done, found)``."""
+    directory, name = os.path.split(path)
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(os.path.join(directory, lock_name(name)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if expected is not UNCONDITIONAL:
+            current = _read_if_exists(path)
+            if current != expected:
+                return False, current
+        _write_atomic(path, data)
+        return True, None
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _list_files(root: str, prefix: str) -> list[str]:
     base = os.path.join(root, *prefix.split("/")[:-1])
     keys = []
@@ -321,7 +363,7 @@ def _list_files(root: str, prefix: str) -> list[str]:
         dirs.sort()
         rel_dir = os.path.relpath(directory, root).replace(os.sep, "/")
         for name in files:
-            if is_temp_name(name):
+            if is_temp_name(name) or is_lock_name(name):
                 continue
             key = name if rel_dir == "." else f"{rel_dir}/{name}"
             if key.startswith(prefix):
@@ -497,5 +539,13 @@ class LocalBackend(ReadsInto, Backend):
             directory = self.path_of(prefix.rstrip("/"))
             await asyncio.to_thread(shutil.rmtree, directory, True)
 
-    async def commit(self, key: str, data: bytes) -> None:
-        await self.put(key, data)
+    async def commit(
+        self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL
+    ) -> None:
+        path = self.path_of(key)
+        try:
+            done, found = await asyncio.to_thread(_commit_if, path, bytes(data), expected)
+        except OSError as exc:
+            raise _os_error(exc, f"committing {path}") from exc
+        if not done:
+            raise commit_refused(path, expected, found)  # type: ignore[arg-type]

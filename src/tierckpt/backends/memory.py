@@ -21,7 +21,7 @@ from ..errors import (
     CorruptCheckpointError,
     UnsupportedURIError,
 )
-from .base import Backend, ObjectWriter, validate_key
+from .base import UNCONDITIONAL, Backend, ObjectWriter, Unconditional, commit_refused, validate_key
 from .local import check_prefix, check_range, range_past_end
 
 _SCHEME = "memory://"
@@ -169,5 +169,14 @@ class MemoryBackend(Backend):
         with self._registry.store(self.name) as store:
             store.pop(full, None)
 
-    async def commit(self, key: str, data: bytes) -> None:
-        await self.put(key, data)
+    async def commit(
+        self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL
+    ) -> None:
+        """Compare and set under the registry lock."""
+        full = self._full(key)
+        blob = bytes(memoryview(data).cast("B"))
+        with self._registry.store(self.name) as store:
+            current = store.get(full)
+            if expected is not UNCONDITIONAL and current != expected:
+                raise commit_refused(self.uri_of(key), expected, current)
+            store[full] = blob

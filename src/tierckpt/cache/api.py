@@ -188,22 +188,31 @@ class GcResult:
     kept: tuple[str, ...]
     deleted: tuple[str, ...]
     leftovers: tuple[str, ...] = ()
-    """Superseded generations (of crashed or failed saves) removed from the kept checkpoints."""
+    """Superseded generations (of crashed, failed or losing saves) removed from the kept checkpoints."""
+    dry_run: bool = False
+    """Nothing was deleted: ``deleted`` and ``leftovers`` are what would have been."""
 
 
 _STEP = re.compile(r"(\d+)$")
 
 
-def gc(root: str, keep_last: int = 1, keep_every: int | None = None, config: CacheConfig | None = None,
-       **storage_options: Any) -> GcResult:
+def gc(root: str, keep_last: int | None = None, keep_every: int | None = None, *, dry_run: bool = False,
+       config: CacheConfig | None = None, **storage_options: Any) -> GcResult:
     """Retention over ``root``: a directory whose children are checkpoints (``<root>/step-100/COMMIT``).
 
-    Keeps the ``keep_last`` newest committed checkpoints (at least the newest one, always) and those
-    whose trailing step number is a multiple of ``keep_every``; deletes every other committed
-    checkpoint from the remote and from the node cache. Children without a COMMIT (saves in flight)
-    are left alone. Checkpoints are ordered by trailing step number, then by commit time.
+    Needs an explicit policy: keeps the ``keep_last`` newest committed checkpoints and those whose
+    trailing step number is a multiple of ``keep_every`` (the newest one always); deletes every other
+    committed checkpoint from the remote and from the node cache. Children without a COMMIT are left
+    alone. In what is kept, generations that can never be committed are removed
+    (:func:`tierckpt.layout.superseded_generations`: decided by commit sequence, never by a clock, so
+    a save in flight keeps its generation). ``dry_run`` reports without deleting.
     """
-    if keep_last < 1:
+    if keep_last is None and keep_every is None:
+        raise CheckpointError(
+            f"gc({root!r}) deletes nothing without a keep policy: pass keep_last=N (CLI: --keep-last N) to keep "
+            "the N newest checkpoints and/or keep_every=K (--keep-every K) to keep every step that is a multiple of K"
+        )
+    if keep_last is not None and keep_last < 1:
         raise CheckpointError(f"gc({root!r}): keep_last must be at least 1 (the newest checkpoint is never deleted)")
     sched = get_scheduler()
     base = root.rstrip("/")
@@ -218,29 +227,28 @@ def gc(root: str, keep_last: int = 1, keep_every: int | None = None, config: Cac
             continue
         m = _STEP.search(n)
         order.append((int(m.group(1)) if m else -1, committed, n))
-    order.sort()
-    keep = {n for _, _, n in order[-keep_last:]}
-    if keep_every:
-        keep |= {n for step, _, n in order if step >= 0 and step % keep_every == 0}
-    deleted = [n for _, _, n in order if n not in keep]
-    for n in deleted:
-        store = stores[n]
-        sched.run(store.delete_prefix(""))
-        store.catalog.forget_generations(store.rh, "")
-    kept = [n for _, _, n in order if n in keep]
-    leftovers = [f"{n}/{g}" for n in kept for g in _remove_leftovers(stores[n])]
-    leftovers += _remove_leftovers(parent)
-    return GcResult(kept=tuple(kept), deleted=tuple(deleted), leftovers=tuple(leftovers))
+    keep = layout.retention(order, keep_last, keep_every)
+    deleted = [n for _, _, n in sorted(order) if n not in keep]
+    kept = [n for _, _, n in sorted(order) if n in keep]
+    if not dry_run:
+        for n in deleted:
+            store = stores[n]
+            sched.run(store.delete_prefix(""))
+            store.catalog.forget_generations(store.rh, "")
+    leftovers = [f"{n}/{g}" for n in kept for g in _remove_leftovers(stores[n], dry_run)]
+    leftovers += _remove_leftovers(parent, dry_run)
+    return GcResult(kept=tuple(kept), deleted=tuple(deleted), leftovers=tuple(leftovers), dry_run=dry_run)
 
 
-def _remove_leftovers(store: Backend) -> list[str]:
-    """Delete the generations of ``store`` that its COMMIT superseded; returns their names."""
+def _remove_leftovers(store: Backend, dry_run: bool) -> list[str]:
+    """Delete (unless ``dry_run``) the generations of ``store`` that can never be committed; their names."""
     sched = get_scheduler()
     try:
-        committed = layout.CommitRecord.decode(sched.do(store, "get", layout.COMMIT)).generation
+        record = layout.CommitRecord.decode(sched.do(store, "get", layout.COMMIT))
     except CheckpointNotFoundError:
         return []
-    stale = layout.stale_generations(sched.do(store, "list", ""), committed)
-    for generation in stale:
-        sched.do(store, "delete_prefix", f"{generation}/")
-    return stale
+    superseded = layout.superseded_generations(sched.do(store, "list", ""), record)
+    if not dry_run:
+        for generation in superseded:
+            sched.do(store, "delete_prefix", f"{generation}/")
+    return superseded

@@ -55,7 +55,9 @@ from dataclasses import dataclass
 import crc32c
 
 from .. import layout
-from ..backends.base import Backend, ObjectWriter, ReadsInto, validate_key
+from ..backends.base import (
+    UNCONDITIONAL, Backend, ObjectWriter, ReadsInto, Unconditional, commit_refused, validate_key,
+)
 from ..backends.local import (
     LocalBackend, _discard, _fsync_dir, _open_temp, _unlink, _write_all, check_prefix, check_range, range_past_end,
 )
@@ -357,9 +359,21 @@ class TieredBackend(ReadsInto, Backend):
         else:  # tails live on the I/O loop, where uploads run
             await asyncio.wrap_future(sched.submit(tail.cancel()))
 
-    async def commit(self, key: str, data: bytes | memoryview) -> None:
+    async def commit(
+        self, key: str, data: bytes | memoryview, *, expected: bytes | None | Unconditional = UNCONDITIONAL
+    ) -> None:
+        """Commit in the node cache if this node's view of ``key`` (its pending commit, else the
+        remote's) holds ``expected``: a check, then a write. The upload is unconditional, so writers on
+        two nodes racing through their caches are not excluded (a limitation of write-back)."""
         validate_key(key)
         data = bytes(data)
+        if expected is not UNCONDITIONAL:
+            try:
+                current: bytes | None = await self.get(key)
+            except CheckpointNotFoundError:
+                current = None
+            if current != expected:
+                raise commit_refused(self.uri_of(key), expected, current)
         try:
             generation: str | None = layout.CommitRecord.decode(data).generation
         except CorruptCheckpointError:

@@ -1,0 +1,198 @@
+"""A child program for the tests of concurrent jobs on one checkpoint URI (one process per job).
+
+Commands (each prints one JSON object per line on stdout)::
+
+    python tests/racing_child.py race URI ROLE ROUNDS GATE_DIR
+        two of these (ROLE 0 and 1) save to URI at the same moment in every round: both save a state
+        holding a gate object, whose state_dict() waits until the other job has reached it too, so
+        both saves start from the same COMMIT. Prints ``{"round", "role", "outcome", "generation"}``;
+        ROLE 0 then checks the round (the winner's state loads bit-exactly and verifies, the
+        root holds only the winner's generation) and prints ``{"round", "check"}``.
+    python tests/racing_child.py pause URI VALUE DIR [--skew-s S] [--keep-previous]
+        saves make_state(VALUE) with this host's clock S seconds off, writes DIR/paused once every data
+        file is written, waits for DIR/go before committing, and prints ``{"outcome", "generation"}``.
+    python tests/racing_child.py save-loop URI SECONDS
+        saves make_state(1), make_state(2), ... to URI for SECONDS; prints ``{"saved": n}``.
+    python tests/racing_child.py save-once URI VALUE
+        saves make_state(VALUE) plus a spent :class:`SaveHook` under ``"hook"``.
+
+:func:`load_replaced_midway` is a scenario for the multi-rank worker pool (tests/distributed.py).
+
+S3 URIs are written without the node cache (``cache=False``), so the compare-and-swap on S3 itself
+is what decides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+import tierckpt  # noqa: E402
+from tierckpt import saver  # noqa: E402
+from tierckpt.backends import open_backend  # noqa: E402
+from tierckpt.errors import CheckpointBusyError  # noqa: E402
+from tierckpt.io.scheduler import get_scheduler  # noqa: E402
+from tierckpt.verify import verify  # noqa: E402
+
+
+def make_state(value: int) -> dict[str, Any]:
+    """Save ``value``'s state: tensors whose every element depends on ``value``, and the value itself."""
+    g = torch.Generator().manual_seed(value)
+    return {
+        "w": torch.randn(256, 64, generator=g),
+        "ints": torch.randint(-(2**40), 2**40, (1000,), generator=g, dtype=torch.int64),
+        "half": torch.randn(33, 7, generator=g).to(torch.bfloat16),
+        "step": value,
+    }
+
+
+def empty_state() -> dict[str, Any]:
+    return {"w": torch.zeros(256, 64), "ints": torch.zeros(1000, dtype=torch.int64),
+            "half": torch.zeros(33, 7, dtype=torch.bfloat16), "step": -1}
+
+
+def matches(loaded: dict[str, Any]) -> bool:
+    """Whether a loaded state is exactly make_state(loaded["step"])."""
+    want = make_state(loaded["step"])
+    return all(torch.equal(loaded[k], want[k]) for k in ("w", "ints", "half"))
+
+
+def options(uri: str) -> dict[str, Any]:
+    return {"cache": False} if uri.startswith("s3://") else {}
+
+
+def emit(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def wait_for(path: Path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s}s")
+        time.sleep(0.002)
+
+
+class Gate:
+    """A stateful object whose state_dict() meets the other job's (a two-process barrier on files)."""
+
+    def __init__(self, gates: Path, name: str, role: int) -> None:
+        self.gates, self.name, self.role = gates, name, role
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.role >= 0:
+            (self.gates / f"{self.name}-{self.role}").touch()
+            wait_for(self.gates / f"{self.name}-{1 - self.role}")
+        return {}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+def generations(uri: str) -> list[str]:
+    keys = get_scheduler().run(open_backend(uri, **options(uri)).list(""))
+    return sorted({k.split("/")[0] for k in keys if k.startswith("g-")})
+
+
+def race(uri: str, role: int, rounds: int, gates: Path) -> None:
+    for r in range(rounds):
+        value = 1000 * (r + 1) + role
+        state = make_state(value) | {"gate": Gate(gates, f"round{r}", role)}
+        try:
+            meta = tierckpt.save(uri, state, storage_options=options(uri))
+            emit(round=r, role=role, outcome="won", generation=meta.generation, value=value)
+        except CheckpointBusyError as exc:
+            emit(round=r, role=role, outcome="busy", message=str(exc))
+        (gates / f"done{r}-{role}").touch()
+        if role == 0:
+            wait_for(gates / f"done{r}-1")
+            loaded = tierckpt.load(uri, empty_state() | {"gate": Gate(gates, "", -1)}, storage_options=options(uri))
+            report = verify(uri, storage_options=options(uri))
+            emit(round=r, check={"step": loaded["step"], "exact": matches(loaded), "verify_ok": report.ok,
+                                 "committed": report.generation, "generations": generations(uri)})
+
+
+def pause(uri: str, value: int, directory: Path, skew_s: float, keep_previous: bool) -> None:
+    wall = time.time
+    time.time = lambda: wall() + skew_s  # this host's clock is off by skew_s
+    original = saver._commit
+
+    def paused_commit(p: Any, meta: Any, pieces: Any) -> None:
+        (directory / "paused").write_text(p.generation)
+        wait_for(directory / "go", timeout_s=120)
+        original(p, meta, pieces)
+
+    saver._commit = paused_commit  # type: ignore[assignment]
+    try:
+        meta = tierckpt.save(uri, make_state(value), keep_previous=keep_previous, storage_options=options(uri))
+        emit(outcome="committed", generation=meta.generation)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        emit(outcome=f"error: {type(exc).__name__}: {exc}")
+
+
+class SaveHook:
+    """A stateful object whose first state_dict() on a load (``value`` set) saves make_state(value) to
+    ``uri`` from another process: the generation the load follows is replaced and deleted midway."""
+
+    def __init__(self, uri: str, value: int | None = None) -> None:
+        self.uri, self.value = uri, value
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.value is not None:
+            value, self.value = self.value, None
+            subprocess.run([sys.executable, __file__, "save-once", self.uri, str(value)], check=True, timeout=120)
+        return {}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+def load_replaced_midway(uri: str) -> tuple[int, bool] | None:
+    """On 2 ranks: load ``uri`` while rank 0's hook replaces the checkpoint; ``(step, exact)`` per rank."""
+    import torch.distributed as dist
+    from distributed import subgroup
+
+    group = subgroup(2)
+    if group is None:
+        return None
+    hook = SaveHook(uri, 2 if dist.get_rank() == 0 else None)
+    loaded = tierckpt.load(uri, empty_state() | {"hook": hook}, group=group)
+    return loaded["step"], matches(loaded)
+
+
+def save_loop(uri: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < deadline:
+        n += 1
+        tierckpt.save(uri, make_state(n), storage_options=options(uri))
+    emit(saved=n)
+
+
+def main(argv: list[str]) -> None:
+    torch.set_num_threads(1)
+    command, uri = argv[0], argv[1]
+    if command == "race":
+        race(uri, int(argv[2]), int(argv[3]), Path(argv[4]))
+    elif command == "pause":
+        skew = float(argv[argv.index("--skew-s") + 1]) if "--skew-s" in argv else 0.0
+        pause(uri, int(argv[2]), Path(argv[3]), skew, "--keep-previous" in argv)
+    elif command == "save-once":
+        tierckpt.save(uri, make_state(int(argv[2])) | {"hook": SaveHook(uri)}, storage_options=options(uri))
+    elif command == "save-loop":
+        save_loop(uri, float(argv[2]))
+    else:
+        raise SystemExit(f"unknown command {command!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
