@@ -28,6 +28,8 @@ from tierckpt.cli import main as cli_main
 from tierckpt.errors import CheckpointError, CorruptCheckpointError
 from tierckpt.metadata import decode_header, decode_pieces, decode_tensors
 
+from tamper import reseal
+
 
 def _save(root: Path) -> tuple[str, str]:
     uri = str(root / "ckpt")
@@ -46,6 +48,7 @@ def _rewrite_pieces(path: Path, **changes: Any) -> None:
     for k, v in changes.items():
         cols[k] = [v] * table.num_rows
     pq.write_table(pa.table(cols, schema=table.schema), path)
+    reseal(path.parents[2])
 
 
 @pytest.mark.parametrize("bad", ["../../etc/passwd", "/etc/passwd", "data/../../../etc/passwd", "data//x", "./data/rank-00000.bin"])
@@ -286,6 +289,11 @@ def _header_doc(root: Path, gen: str) -> tuple[Path, dict]:
     return header, json.loads(header.read_text())
 
 
+def _write_header(header: Path, doc: dict) -> None:
+    header.write_text(json.dumps(doc))
+    reseal(header.parents[2])
+
+
 @pytest.mark.parametrize("claimed", [1 << 32, 1 << 50], ids=["4GiB", "2^50"])
 def test_object_claiming_a_huge_size_is_refused_before_any_allocation(tmp_path: Path, claimed: int) -> None:
     """The header says the object has ``claimed`` bytes; the file has a few hundred: nothing is allocated."""
@@ -294,7 +302,7 @@ def test_object_claiming_a_huge_size_is_refused_before_any_allocation(tmp_path: 
     uri, gen = _save(tmp_path)
     header, doc = _header_doc(tmp_path, gen)
     doc["objects"][0]["byte_length"] = claimed
-    header.write_text(json.dumps(doc))
+    _write_header(header, doc)
     target = _target()
     tracemalloc.start()
     try:
@@ -365,7 +373,7 @@ def test_every_malformed_header_field_is_named(tmp_path: Path, field: str, value
     uri, gen = _save(tmp_path)
     header, doc = _header_doc(tmp_path, gen)
     doc[field] = value
-    header.write_text(json.dumps(doc))  # 1e999 is written as Infinity, which json reads back
+    _write_header(header, doc)  # 1e999 is written as Infinity, which json reads back
     with pytest.raises(CorruptCheckpointError) as info:
         tierckpt.load(uri, _target())
     assert "header.json" in str(info.value) and repr(field) in str(info.value), str(info.value)
@@ -376,7 +384,7 @@ def test_nul_in_an_object_file_key_is_corruption(tmp_path: Path) -> None:
     uri, gen = _save(tmp_path)
     header, doc = _header_doc(tmp_path, gen)
     doc["objects"][0]["file"] = "objects/rank-0\u0000.bin"
-    header.write_text(json.dumps(doc))
+    _write_header(header, doc)
     with pytest.raises(CorruptCheckpointError, match="'objects'"):
         tierckpt.load(uri, _target())
 

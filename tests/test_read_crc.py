@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from tamper import reseal
 from scenarios_integrity import SHAPE, flip, flips_on_reshard, full_tensor, generation_dir, piece_bits, random_flips
 
 import tierckpt
@@ -102,6 +103,7 @@ def test_checkpoints_without_block_checksums_are_checked_per_piece(tmp_path) -> 
     table_path = generation_dir(root) / "meta/pieces.parquet"
     table = pq.read_table(table_path).drop_columns(["crc_block_bytes", "block_crc32c"])
     pq.write_table(table, table_path, row_group_size=2048, write_statistics=True)
+    reseal(root)
     target = _zeros()
     tierckpt.load(str(root), target)
     assert torch.equal(target["model"]["big"], full_tensor())

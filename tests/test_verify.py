@@ -16,6 +16,8 @@ from tierckpt.metadata import PieceMeta, decode_header, decode_pieces, decode_te
 from tierckpt.regions import Box, FlatRange
 from tierckpt.verify import verify
 
+from tamper import reseal
+
 
 # -- helpers shared with test_convert.py ---------------------------------------------------------------
 def sample_state() -> dict:
@@ -51,14 +53,6 @@ def write_pieces(root: Path, pieces: dict[str, list[PieceMeta]]) -> None:
     count = sum(len(ps) for ps in pieces.values())
     (gen / "meta/header.json").write_bytes(encode_header(type(header)(**{**_fields(header), "num_pieces": count})))
     reseal(root)
-
-
-def reseal(root: Path) -> None:
-    """Record the rewritten metadata's sizes and CRC-32Cs in COMMIT, as a save would have."""
-    record = layout.CommitRecord.decode((root / layout.COMMIT).read_bytes())
-    gen = root / record.generation
-    checksums = tuple((k, layout.FileChecksum.of((gen / k).read_bytes())) for k in layout.META_DOCUMENTS)
-    (root / layout.COMMIT).write_bytes(dataclasses.replace(record, checksums=checksums).encode())
 
 
 def _fields(obj: object) -> dict:

@@ -334,7 +334,8 @@ def _commit_gathered(p: _Prepared, gathered: Any, world_size: int) -> tuple[tupl
 def _discard_uncommitted(p: _Prepared) -> None:
     """After a failed commit step (a full disk, an outage): remove the generation unless COMMIT names it."""
     try:
-        committed = get_scheduler().run(_committed_generation(p.backend))
+        current = get_scheduler().run(_read_commit(p.backend))
+        committed = None if current is None else layout.CommitRecord.decode(current).generation
     except CheckpointError:
         return  # cannot tell: leave it to `tierckpt gc`, which never removes what COMMIT names
     if committed != p.generation:
