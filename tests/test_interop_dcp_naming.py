@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import scenarios_interop
 import tierckpt
+from tamper import reseal
 from scenarios import assert_same, train
 from scenarios_interop import build, flat_options, full
 from tierckpt import cli, convert, layout
@@ -197,6 +198,7 @@ def _drop_format_minor(uri: str) -> None:
     doc = json.loads(header.read_text())
     del doc["format_minor"]
     header.write_text(json.dumps(doc))
+    reseal(header.parents[2])
 
 
 def test_format_1_0_checkpoint_of_get_state_dict_dicts_loads_into_them(tmp_path: Path) -> None:
@@ -298,5 +300,6 @@ def test_object_past_the_end_of_its_file_is_refused_before_allocating(tmp_path: 
     (y,) = [o for o in doc["objects"] if o["key"] == "y"]
     y["byte_length"] = 2**45
     header.write_text(json.dumps(doc))
+    reseal(header.parents[2])
     with pytest.raises(tierckpt.CorruptCheckpointError, match="'y' runs past the end"):
         tierckpt.load(uri, {"x": None, "y": None})

@@ -70,9 +70,12 @@ def _fill_leaving(mount: Path, pages: int) -> None:
 
 
 def _leftovers(root: Path, keep: str) -> list[str]:
+    """What is under ``root`` besides COMMIT, its lock file (kept by design) and the generation ``keep``."""
+    from tierckpt.backends.local import lock_name
+
     return sorted(
         str(p.relative_to(root)) for p in root.rglob("*")
-        if p.name != "COMMIT" and not str(p.relative_to(root)).startswith(keep)
+        if p.name not in ("COMMIT", lock_name("COMMIT")) and not str(p.relative_to(root)).startswith(keep)
     )
 
 
