@@ -29,7 +29,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import CheckpointBusyError, CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
 
 class Unconditional(enum.Enum):
@@ -51,6 +51,19 @@ def commit_refused(uri: str, expected: bytes | None, current: bytes | None | str
         f"commit of {uri} refused: it expected {wanted} there and found {found}; another writer "
         "committed meanwhile"
     )
+
+
+async def check_expected(backend: Backend, key: str, expected: bytes | None | Unconditional, uri: str) -> None:
+    """The check half of a check-then-write commit (stores without conditional writes): raise
+    :func:`commit_refused` (naming ``uri``) unless ``key`` holds ``expected`` (``None``: no object)."""
+    if expected is UNCONDITIONAL:
+        return
+    try:
+        current: bytes | None = await backend.get(key)
+    except CheckpointNotFoundError:
+        current = None
+    if current != expected:
+        raise commit_refused(uri, expected, current)
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,7 +61,9 @@ from ..errors import (
     TransientStorageError,
     UnsupportedURIError,
 )
-from .base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Unconditional, commit_refused, validate_key
+from .base import (
+    UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Unconditional, check_expected, commit_refused, validate_key,
+)
 from .local import check_prefix, check_range, is_temp_name, range_past_end, temp_name
 
 ENDPOINT_ENV = "TIERCKPT_S3_ENDPOINT_URL"
@@ -402,13 +404,7 @@ class FsspecBackend(Backend):
         self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL
     ) -> None:
         """Check, then write: fsspec offers no conditional write (see the module docstring)."""
-        if expected is not UNCONDITIONAL:
-            try:
-                current: bytes | None = await self.get(key)
-            except CheckpointNotFoundError:
-                current = None
-            if current != expected:
-                raise commit_refused(self.uri_of(key), expected, current)
+        await check_expected(self, key, expected, self.uri_of(key))
         await self.put(key, data)
 
 

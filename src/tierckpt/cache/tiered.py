@@ -56,7 +56,7 @@ import crc32c
 
 from .. import layout
 from ..backends.base import (
-    UNCONDITIONAL, Backend, ObjectWriter, ReadsInto, Unconditional, commit_refused, validate_key,
+    UNCONDITIONAL, Backend, ObjectWriter, ReadsInto, Unconditional, check_expected, validate_key,
 )
 from ..backends.local import (
     LocalBackend, _discard, _fsync_dir, _open_temp, _unlink, _write_all, check_prefix, check_range, range_past_end,
@@ -367,13 +367,7 @@ class TieredBackend(ReadsInto, Backend):
         two nodes racing through their caches are not excluded (a limitation of write-back)."""
         validate_key(key)
         data = bytes(data)
-        if expected is not UNCONDITIONAL:
-            try:
-                current: bytes | None = await self.get(key)
-            except CheckpointNotFoundError:
-                current = None
-            if current != expected:
-                raise commit_refused(self.uri_of(key), expected, current)
+        await check_expected(self, key, expected, self.uri_of(key))
         try:
             generation: str | None = layout.CommitRecord.decode(data).generation
         except CorruptCheckpointError:
