@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from tierckpt.loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES  # noqa: E402
 from tierckpt.metadata import PieceMeta, encode_pieces, encode_tensors  # noqa: E402
 from tierckpt.planner import LocalPiece, TargetPiece, plan_load, plan_save  # noqa: E402
 from tierckpt.planner.save_planner import offers_digest  # noqa: E402
@@ -180,7 +181,9 @@ def main() -> None:
     needs = [TargetPiece(fqn=p.fqn, region=p.region) for p in offers_of(3, 7, 0, 1, args.layers)]
     wanted = {n.fqn for n in needs}
     t0 = time.perf_counter()
-    load = plan_load(tensors, {f: pieces[f] for f in wanted}, [needs])
+    load = plan_load(
+        tensors, {f: pieces[f] for f in wanted}, [needs], chunk_bytes=DEFAULT_CHUNK_BYTES, round_bytes=DEFAULT_ROUND_BYTES
+    )
     load_plan_s = time.perf_counter() - t0
     rows.append(("tierckpt one rank's load plan (reshard to DP 1)", f"{load_plan_s:.3f} s (target <= 0.2 s); {len(load.units):,} read units, {load.bytes_read / 2**30:.2f} GiB"))
 

@@ -77,7 +77,6 @@ class BackendContract:
         assert await backend.get_range("r.bin", 0, 100) == data
         assert await backend.get_range("r.bin", 37, 100) == data[37:]
         assert await backend.get_range("r.bin", 10, 11) == data[10:11]
-        assert await backend.get_ranges("r.bin", []) == []
 
     @pytest.mark.parametrize(("start", "end"), [(50, 101), (99, 200), (100, 101), (150, 160), (101, 101)])
     async def test_get_range_past_end_is_an_error(self, backend: Backend, start: int, end: int) -> None:

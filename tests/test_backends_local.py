@@ -27,7 +27,7 @@ class TestLocalBackend(BackendContract):
         return LocalBackend(str(tmp_path / "root"))
 
     async def test_capabilities_and_paths(self, backend: LocalBackend, tmp_path: Path) -> None:
-        assert backend.capabilities.atomic_rename and backend.capabilities.local_path
+        assert backend.capabilities.local_path
         await backend.put("a/b.bin", b"data")
         path = backend.path_of("a/b.bin")
         assert path == str(tmp_path / "root" / "a" / "b.bin")
@@ -71,7 +71,7 @@ def test_open_backend_picks_by_scheme(tmp_path: Path) -> None:
     assert isinstance(open_backend(f"file://{tmp_path}"), LocalBackend)
     assert isinstance(open_backend("memory://store/prefix"), MemoryBackend)
     s3 = open_plain_backend("s3://bucket/prefix", endpoint_url="http://127.0.0.1:1", key="k", secret="s")
-    assert isinstance(s3, S3Backend) and s3.capabilities.multipart_upload
+    assert isinstance(s3, S3Backend) and not s3.capabilities.local_path
     cached = open_backend("s3://bucket/prefix", endpoint_url="http://127.0.0.1:1", key="k", secret="s")
     assert isinstance(cached, TieredBackend) and isinstance(cached.remote, S3Backend)
     assert isinstance(open_backend("s3://bucket/p", cache=False, endpoint_url="http://127.0.0.1:1"), S3Backend)

@@ -17,10 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierckpt.errors import CorruptCheckpointError
+from tierckpt.loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES
 from tierckpt.metadata import PieceMeta, TensorMeta, itemsize
 from tierckpt.planner import LoadPlan, TargetPiece, plan_load, topology
 from tierckpt.regions import Box, FlatRange, Region
 
+SIZES = {"chunk_bytes": DEFAULT_CHUNK_BYTES, "round_bytes": DEFAULT_ROUND_BYTES}
+"""The planner has no defaults: these tests pass load()'s."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64, "uint8": torch.uint8}
 
 
@@ -232,7 +235,7 @@ def test_row_sharded_save_to_column_sharded_load_reads_once():
     layout = {"w": [(0, Box((0, 0), (3, 9))), (1, Box((3, 0), (3, 9)))]}
     needs = [[TargetPiece(fqn="w", region=Box((0, 3 * r), (6, 3)))] for r in range(3)]
     tensors, pieces, files = save_fake(refs, layout)
-    plan = plan_load(tensors, pieces, needs)
+    plan = plan_load(tensors, pieces, needs, **SIZES)
     check_exact(refs, plan, tensors, files, needs)
     assert plan.bytes_read == ref.numel() * 4
     assert plan.requests == 2
@@ -247,7 +250,7 @@ def test_flat_save_to_box_load_reads_once():
     boxes = tiles((5, 7), [[2], [4]])
     needs = [[TargetPiece(fqn="w", region=b)] for b in boxes]
     tensors, pieces, files = save_fake(refs, layout)
-    plan = plan_load(tensors, pieces, needs)
+    plan = plan_load(tensors, pieces, needs, **SIZES)
     check_exact(refs, plan, tensors, files, needs)
     assert plan.bytes_read == ref.numel() * 2
 
@@ -260,7 +263,7 @@ def test_replicated_targets_read_once_and_spread_over_ranks():
     layout = {"w": [(0, Box.full((64, 16)))]}
     needs = [[TargetPiece(fqn="w", region=Box.full((64, 16)))] for _ in range(4)]
     tensors, pieces, files = save_fake(refs, layout)
-    plan = plan_load(tensors, pieces, needs, chunk_bytes=16 * 4 * 8)
+    plan = plan_load(tensors, pieces, needs, chunk_bytes=16 * 4 * 8, round_bytes=DEFAULT_ROUND_BYTES)
     check_exact(refs, plan, tensors, files, needs)
     assert plan.bytes_read == ref.numel() * 4
     per_rank = plan.bytes_read_per_rank
@@ -275,7 +278,7 @@ def test_rounds_are_bounded_with_an_oversized_unit_alone():
     layout = {"w": [(0, Box.full((8, 8)))], "small": [(0, Box.full((2,)))]}
     needs = [[TargetPiece(fqn="small", region=Box.full((2,))), TargetPiece(fqn="w", region=Box.full((8, 8)))]]
     tensors, pieces, files = save_fake(refs, layout)
-    plan = plan_load(tensors, pieces, needs, round_bytes=100)
+    plan = plan_load(tensors, pieces, needs, chunk_bytes=DEFAULT_CHUNK_BYTES, round_bytes=100)
     check_exact(refs, plan, tensors, files, needs)
     check_rounds(plan, 100)
     big = [r for r in plan.rounds if any(plan.units[i].nbytes > 100 for i in r)]
@@ -289,9 +292,9 @@ def test_missing_piece_raises_corrupt():
     tensors, pieces, _ = save_fake({"w": ref}, layout)
     pieces["w"] = pieces["w"][:1]
     with pytest.raises(CorruptCheckpointError, match="'w'"):
-        plan_load(tensors, pieces, [[TargetPiece(fqn="w", region=Box.full((4, 4)))]])
+        plan_load(tensors, pieces, [[TargetPiece(fqn="w", region=Box.full((4, 4)))]], **SIZES)
     with pytest.raises(CorruptCheckpointError):
-        plan_load(tensors, {}, [[TargetPiece(fqn="w", region=FlatRange(3, 9))]])
+        plan_load(tensors, {}, [[TargetPiece(fqn="w", region=FlatRange(3, 9))]], **SIZES)
 
 
 def test_overlapping_saved_pieces_raise_corrupt():
@@ -300,7 +303,7 @@ def test_overlapping_saved_pieces_raise_corrupt():
     layout = {"w": [(0, Box((0, 0), (3, 4))), (1, Box((2, 0), (2, 4)))]}
     tensors, pieces, _ = save_fake({"w": ref}, layout)
     with pytest.raises(CorruptCheckpointError):
-        plan_load(tensors, pieces, [[TargetPiece(fqn="w", region=Box.full((4, 4)))]])
+        plan_load(tensors, pieces, [[TargetPiece(fqn="w", region=Box.full((4, 4)))]], **SIZES)
 
 
 def test_zero_dim_and_zero_size_tensors():
@@ -309,7 +312,7 @@ def test_zero_dim_and_zero_size_tensors():
     layout = {"s": [(0, Box((), ()))], "z": [(0, Box.full((0, 3)))]}
     needs = [[TargetPiece(fqn="s", region=Box((), ())), TargetPiece(fqn="z", region=Box.full((0, 3)))]] * 2
     tensors, pieces, files = save_fake(refs, layout)
-    plan = plan_load(tensors, pieces, needs)
+    plan = plan_load(tensors, pieces, needs, **SIZES)
     check_exact(refs, plan, tensors, files, needs)
     assert plan.bytes_read == 8 and all(u.fqn == "s" for u in plan.units)
 
@@ -325,7 +328,7 @@ def test_plan_is_deterministic():
         return [(u.fqn, u.box, u.file, u.run_offsets.tolist(), u.run_bytes, u.reader, u.deliveries, u.round)
                 for u in p.units]
 
-    assert summary(plan_load(tensors, pieces, needs)) == summary(plan_load(tensors, pieces, needs))
+    assert summary(plan_load(tensors, pieces, needs, **SIZES)) == summary(plan_load(tensors, pieces, needs, **SIZES))
 
 
 def test_scale_1000_tensors_64_ranks_is_fast():
@@ -356,7 +359,7 @@ def test_scale_1000_tensors_64_ranks_is_fast():
         for r, region in enumerate(wanted):
             needs[r].append(TargetPiece(fqn=fqn, region=region))
     start = time.perf_counter()
-    plan = plan_load(tensors, pieces, needs)
+    plan = plan_load(tensors, pieces, needs, **SIZES)
     elapsed = time.perf_counter() - start
     assert plan.bytes_read == sum(t.nbytes for t in tensors.values())
     assert elapsed < 10, f"planning took {elapsed:.1f}s"

@@ -9,6 +9,7 @@ import torch
 import scenarios_routes
 from test_load_planner import check_exact, reference, save_fake
 from tierckpt.errors import CheckpointError
+from tierckpt.loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES
 from tierckpt.node import NODE_ID_ENV, node_id
 from tierckpt.planner import TargetPiece, plan_load
 from tierckpt.planner.routes import (
@@ -103,7 +104,7 @@ def ddp_case(world: int):
 
 def test_plan_on_one_node_reads_each_replica_directly_and_exchanges_nothing():
     refs, tensors, pieces, files, needs = ddp_case(3)
-    plan = plan_load(tensors, pieces, needs, chunk_bytes=1024, topology=topology("node_local", "gloo", ["n"] * 3))
+    plan = plan_load(tensors, pieces, needs, chunk_bytes=1024, round_bytes=DEFAULT_ROUND_BYTES, topology=topology("node_local", "gloo", ["n"] * 3))
     check_exact(refs, plan, tensors, files, needs)
     assert plan.bytes_read_per_rank == (64 * 16 * 4,) * 3
     assert not any(plan.exchanges) and {u.route for u in plan.units} == {DIRECT}
@@ -113,7 +114,7 @@ def test_plan_on_one_node_reads_each_replica_directly_and_exchanges_nothing():
 @pytest.mark.parametrize("store,nodes", [("shared_fs", ["a", "b", "c"]), ("object_store", ["n"] * 3)])
 def test_plan_across_nodes_or_from_s3_reads_each_byte_once(store, nodes):
     refs, tensors, pieces, files, needs = ddp_case(3)
-    plan = plan_load(tensors, pieces, needs, chunk_bytes=1024, topology=topology(store, "gloo", nodes))
+    plan = plan_load(tensors, pieces, needs, chunk_bytes=1024, round_bytes=DEFAULT_ROUND_BYTES, topology=topology(store, "gloo", nodes))
     check_exact(refs, plan, tensors, files, needs)
     assert plan.bytes_read == 64 * 16 * 4
     assert all(plan.exchanges) and {u.route for u in plan.units} == {EXCHANGE}
@@ -123,7 +124,7 @@ def test_plan_on_two_nodes_with_two_ranks_each():
     """Two nodes of two ranks: still one read per byte for the group (the repeats would cross the store)."""
     refs, tensors, pieces, files, needs = ddp_case(4)
     nodes = ["a", "a", "b", "b"]
-    plan = plan_load(tensors, pieces, needs, chunk_bytes=1024, topology=topology("shared_fs", "gloo", nodes))
+    plan = plan_load(tensors, pieces, needs, chunk_bytes=1024, round_bytes=DEFAULT_ROUND_BYTES, topology=topology("shared_fs", "gloo", nodes))
     check_exact(refs, plan, tensors, files, needs)
     assert plan.bytes_read == 64 * 16 * 4
 
@@ -131,7 +132,10 @@ def test_plan_on_two_nodes_with_two_ranks_each():
 def test_topology_must_name_every_rank():
     refs, tensors, pieces, files, needs = ddp_case(2)
     with pytest.raises(CheckpointError, match="1 ranks but 2 ranks load"):
-        plan_load(tensors, pieces, needs, topology=topology("node_local", "gloo", ["n"]))
+        plan_load(
+            tensors, pieces, needs, chunk_bytes=DEFAULT_CHUNK_BYTES, round_bytes=DEFAULT_ROUND_BYTES,
+            topology=topology("node_local", "gloo", ["n"]),
+        )
 
 
 # -- real loads: bytes read and exchanged per route ----------------------------------------------------

@@ -4,14 +4,28 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt.manager import CheckpointManager, retention_victims
+from tierckpt import layout
+from tierckpt.manager import CheckpointManager
 
 
 def test_retention_rule():
-    assert retention_victims([1, 2, 3, 4, 5], keep_last=2, keep_every=None) == [1, 2, 3]
-    assert retention_victims([10, 20, 30, 40, 50], keep_last=1, keep_every=20) == [10, 30]
-    assert retention_victims([7], keep_last=1, keep_every=None) == []
-    assert retention_victims([1, 2, 3], keep_last=None, keep_every=2) == []
+    """The one rule (layout.retention) the manager and gc share: newest keep_last, multiples of keep_every, the newest."""
+
+    def kept(steps, keep_last, keep_every):
+        return sorted(int(n) for n in layout.retention([(s, 0.0, str(s)) for s in steps], keep_last, keep_every))
+
+    assert kept([1, 2, 3, 4, 5], 2, None) == [4, 5]
+    assert kept([10, 20, 30, 40, 50], 1, 20) == [20, 40, 50]
+    assert kept([7], 1, None) == [7]
+    assert kept([1, 2, 3], None, 2) == [2, 3]  # gc's keep_every-only policy keeps the newest too
+
+
+def test_manager_without_keep_last_keeps_every_step(tmp_path):
+    """keep_every alone does not delete: the manager applies retention only with keep_last."""
+    manager = CheckpointManager(str(tmp_path / "run"), keep_every=2)
+    for step in (1, 2, 3):
+        manager.save(step, {"w": torch.full((2,), float(step))})
+    assert manager.steps() == [1, 2, 3]
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -34,18 +34,19 @@ import argparse
 import datetime
 import json
 import os
-import re
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 # Only light modules here: ``tierckpt --version`` must not pay for torch. Each command imports what it uses.
-from . import __version__
+from . import __version__, layout
 from .errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, UnsupportedURIError,
 )
+from .layout import Found
 from .monitor import ranks_from_timings, straggler_report
+from .units import parse_bytes
 
 if TYPE_CHECKING:
     from .loader import Checkpoint
@@ -381,9 +382,6 @@ def _add_ls(subparsers: Any) -> None:
     p.set_defaults(handler=cmd_ls)
 
 
-_GENERATION_PART = re.compile(r"^g-[0-9A-Za-z_-]{1,64}$")
-
-
 def cmd_ls(args: argparse.Namespace) -> int:
     """List the checkpoints under a root; exit 3 when there are none."""
     doc = list_checkpoints(args.root)
@@ -397,7 +395,7 @@ def list_checkpoints(root: str) -> dict[str, Any]:
     from .io.scheduler import get_scheduler
 
     keys = get_scheduler().run(open_backend(root).list(""))
-    found = _find_checkpoints(keys)
+    found = layout.find_checkpoints(keys)
     if not found:
         raise CheckpointNotFoundError(f"no checkpoints under {root!r}")
     latest = _latest_steps(root, found)
@@ -406,47 +404,20 @@ def list_checkpoints(root: str) -> dict[str, Any]:
     return {"root": root, "checkpoints": entries}
 
 
-def _find_checkpoints(keys: Sequence[str]) -> dict[str, tuple[bool, set[str]]]:
-    """Checkpoint prefix -> (has a COMMIT record, generation directories found)."""
-    from . import layout
-
-    found: dict[str, tuple[bool, set[str]]] = {}
-    for key in keys:
-        parts = key.split("/")
-        if parts[-1] == layout.COMMIT:
-            prefix = "/".join(parts[:-1])
-            found[prefix] = (True, found.get(prefix, (False, set()))[1])
-            continue
-        for i, part in enumerate(parts[:-1]):
-            if _GENERATION_PART.match(part):
-                prefix = "/".join(parts[:i])
-                _, gens = found.setdefault(prefix, (False, set()))
-                gens.add(part)
-                break
-    return found
-
-
-def _step_of(prefix: str) -> int | None:
-    """The step of a checkpoint prefix, from its last part (``run/step-100`` -> 100)."""
-    from . import layout
-
-    return layout.step_of(prefix.rpartition("/")[2])
-
-
-def _latest_steps(root: str, found: Mapping[str, tuple[bool, set[str]]]) -> set[str]:
+def _latest_steps(root: str, found: Mapping[str, Found]) -> set[str]:
     """Prefixes of the latest step of each directory holding ``step-*`` checkpoints (CheckpointManager's rule)."""
     from .manager import CheckpointManager
 
-    by_dir: dict[str, dict[int, str]] = {}
-    for prefix, (committed, _) in sorted(found.items()):
-        step = _step_of(prefix)
-        if committed and step is not None:
-            by_dir.setdefault(prefix.rpartition("/")[0], {}).setdefault(step, prefix)
+    by_dir: dict[str, list[str]] = {}
+    for prefix, (committed, _) in found.items():
+        if committed:
+            by_dir.setdefault(prefix.rpartition("/")[0], []).append(prefix)
     latest = set()
     for d, prefixes in by_dir.items():
-        step = CheckpointManager(_join(root, d)).latest()
-        if step in prefixes:
-            latest.add(prefixes[step])
+        steps = layout.by_step(prefixes)
+        step = CheckpointManager(_join(root, d)).latest() if steps else None
+        if step in steps:
+            latest.add(steps[step])
     return latest
 
 
@@ -454,13 +425,13 @@ def _join(root: str, prefix: str) -> str:
     return f"{root.rstrip('/')}/{prefix}" if prefix else root
 
 
-def _describe_entry(root: str, prefix: str, committed: bool, gens: set[str], latest: set[str]) -> dict[str, Any]:
+def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str], latest: set[str]) -> dict[str, Any]:
     """One row of ``ls``: a committed checkpoint's header facts, or what an uncommitted one left."""
     from .backends import open_backend
     from .loader import read_checkpoint
 
     entry: dict[str, Any] = {
-        "path": prefix or ".", "uri": _join(root, prefix), "step": _step_of(prefix),
+        "path": prefix or ".", "uri": _join(root, prefix), "step": layout.step_of(prefix),
         "latest": prefix in latest, "status": "incomplete", "generation": None, "created_unix": None, "created": None,
         "tensor_bytes": None, "world_size": None, "num_tensors": None, "uncommitted_generations": len(gens),
     }
@@ -476,7 +447,7 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: set[str], lat
         meta = read_checkpoint(open_backend(entry["uri"])).meta
     except CheckpointError as exc:
         return {**entry, "status": "corrupt", "error": str(exc)}
-    gens.discard(meta.generation)
+    gens = gens - {meta.generation}
     entry.update(
         status="committed", generation=meta.generation, created_unix=meta.created_unix, created=_utc(meta.created_unix),
         tensor_bytes=meta.tensor_bytes, world_size=meta.world_size, num_tensors=meta.num_tensors,
@@ -535,19 +506,12 @@ def _add_convert(subparsers: Any) -> None:
     p.set_defaults(handler=cmd_convert)
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
 def _byte_size(text: str) -> int:
-    """``"5GB"``, ``"500MiB"``, ``"1000"`` -> bytes (at least 1)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).upper() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 5GB, 500MiB, 1000000)")
-    value = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
-    return value
+    """``"5GB"``, ``"500MiB"``, ``"1000"`` -> bytes (at least 1), by :func:`tierckpt.units.parse_bytes`."""
+    try:
+        return parse_bytes(text, "the byte size", minimum=1)
+    except CheckpointError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

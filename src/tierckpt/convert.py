@@ -53,7 +53,7 @@ from . import dcp_format, layout
 from .backends import Backend, open_backend
 from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import ReadRequest, get_scheduler
-from .loader import Checkpoint, _read_objects, load, read_checkpoint, read_pieces
+from .loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES, Checkpoint, _read_objects, load, read_checkpoint, read_pieces
 from .objects import decode_object
 from .metadata import PieceMeta, TensorMeta
 from .planner import TargetPiece, plan_load
@@ -300,7 +300,10 @@ def _read_box(
     backend: Backend, ckpt: Checkpoint, pieces: Mapping[str, list[PieceMeta]], tensor: TensorMeta, box: Box
 ) -> torch.Tensor:
     """One box of a tensor assembled from its saved pieces, as row-major bytes (a one-rank load plan)."""
-    plan = plan_load(ckpt.tensors, {tensor.fqn: list(pieces.get(tensor.fqn, []))}, [[TargetPiece(fqn=tensor.fqn, region=box)]])
+    plan = plan_load(
+        ckpt.tensors, {tensor.fqn: list(pieces.get(tensor.fqn, []))}, [[TargetPiece(fqn=tensor.fqn, region=box)]],
+        chunk_bytes=DEFAULT_CHUNK_BYTES, round_bytes=DEFAULT_ROUND_BYTES,
+    )
     dtype = tensor.torch_dtype
     target = torch.empty(box.lengths, dtype=dtype)
     gen = ckpt.meta.generation

@@ -1,4 +1,7 @@
-"""Where each document of a checkpoint lives under its root, and the commit record.
+"""The names under a checkpoint root, how checkpoints are found among keys, and the commit record.
+
+The one place that knows the layout: callers ask :func:`is_generation`, :func:`step_of`,
+:func:`find_checkpoints` and :func:`retention` instead of matching names themselves.
 
 ::
 
@@ -33,11 +36,16 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import crc32c
 
 from .errors import CorruptCheckpointError
-from .metadata import FORMAT_NAME, FORMAT_VERSION, validate_generation
+
+FORMAT_NAME = "tierckpt"
+"""Stamped in ``COMMIT`` and ``meta/header.json``; readers reject documents naming another format."""
+FORMAT_VERSION = 1
+"""Major format version: a reader reads exactly its own (minor versions: :data:`tierckpt.metadata.FORMAT_MINOR`)."""
 
 COMMIT = "COMMIT"
 HEADER = "meta/header.json"
@@ -72,12 +80,13 @@ _STEP_NAME = re.compile(r"step-([0-9]+)")
 
 
 def step_of(name: str) -> int | None:
-    """The step a checkpoint directory name stands for: ``step-00000100``, ``step-100`` -> 100; else ``None``.
+    """The step a checkpoint name stands for: ``step-00000100``, ``step-100`` -> 100; else ``None``.
 
     The one rule for step names, shared by :class:`~tierckpt.CheckpointManager`, ``tierckpt ls`` and
-    retention: ``step-`` followed by decimal digits, with or without zero padding.
+    ``tierckpt gc``: the last part of ``name`` is ``step-`` followed by decimal digits, with or
+    without zero padding (``run/step-100`` -> 100; ``ckpt100``, ``step-1a`` -> ``None``).
     """
-    match = _STEP_NAME.fullmatch(name)
+    match = _STEP_NAME.fullmatch(name.rpartition("/")[2])
     return int(match.group(1)) if match else None
 
 
@@ -86,8 +95,34 @@ def step_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+_GENERATION = re.compile(r"g-[0-9A-Za-z_-]{1,64}")
+"""Every generation name a reader accepts (older writers' names included)."""
 _SEQUENCED_NAME = re.compile(r"^g-(\d{1,18})-\d{1,20}-[0-9a-f]{1,32}$")
 _MAX_SEQ = 10**18 - 1
+
+
+def is_generation(name: str) -> bool:
+    """Whether ``name`` (one path part) is a generation directory: ``g-`` and 1 to 64 of ``[0-9A-Za-z_-]``."""
+    return isinstance(name, str) and _GENERATION.fullmatch(name) is not None
+
+
+def validate_generation(name: str) -> str:
+    """``name`` if it is a generation name, else :class:`CorruptCheckpointError` (it came from stored metadata)."""
+    if not is_generation(name):
+        raise CorruptCheckpointError(
+            f"invalid generation name {name!r} in checkpoint metadata: generation names match "
+            f"{_GENERATION.pattern!r}"
+        )
+    return name
+
+
+def generation_path(key: str) -> str | None:
+    """The generation directory a key lies in: ``"step-1/g-12-ab/data/x"`` -> ``"step-1/g-12-ab"``; else ``None``."""
+    parts = key.split("/")
+    for i, part in enumerate(parts[:-1]):
+        if is_generation(part):
+            return "/".join(parts[: i + 1])
+    return None
 
 
 def new_generation(seq: int = 1) -> str:
@@ -232,7 +267,7 @@ def _check_seal(data: bytes, doc: dict) -> None:
 
 def generations_in(keys: Iterable[str]) -> set[str]:
     """Generation names among the keys of a root (``g-.../...``)."""
-    return {k.split("/", 1)[0] for k in keys if k.startswith("g-") and "/" in k}
+    return {part for k in keys if "/" in k and is_generation(part := k.split("/", 1)[0])}
 
 
 def is_superseded(generation: str, record: CommitRecord) -> bool:
@@ -253,10 +288,57 @@ def superseded_generations(keys: Iterable[str], record: CommitRecord) -> list[st
     return sorted(g for g in generations_in(keys) if g != record.generation and is_superseded(g, record))
 
 
+class Found(NamedTuple):
+    """What the keys under a root show of one checkpoint (see :func:`find_checkpoints`)."""
+
+    committed: bool
+    """It has a ``COMMIT`` record."""
+    generations: frozenset[str]
+    """Its generation directories (the committed one included)."""
+
+
+def find_checkpoints(keys: Iterable[str]) -> dict[str, Found]:
+    """Every checkpoint among the keys of a root, at any depth: prefix (``""``: the root) -> :class:`Found`.
+
+    A checkpoint is a prefix holding a ``COMMIT`` record or generation directories (a save that never
+    committed). The one discovery rule, shared by ``tierckpt ls``, ``tierckpt gc`` and
+    :class:`~tierckpt.CheckpointManager`.
+    """
+    committed: set[str] = set()
+    generations: dict[str, set[str]] = {}
+    for key in keys:
+        prefix, _, last = key.rpartition("/")
+        if last == COMMIT:
+            committed.add(prefix)
+            continue
+        path = generation_path(key)
+        if path is not None:
+            prefix, _, generation = path.rpartition("/")
+            generations.setdefault(prefix, set()).add(generation)
+    return {p: Found(p in committed, frozenset(generations.get(p, ()))) for p in committed | set(generations)}
+
+
+def committed_children(keys: Iterable[str]) -> list[str]:
+    """Names of the root's direct children that are committed checkpoints (``step-100`` for ``step-100/COMMIT``), sorted."""
+    return sorted(p for p, found in find_checkpoints(keys).items() if found.committed and p and "/" not in p)
+
+
+def by_step(names: Iterable[str]) -> dict[int, str]:
+    """Step -> name among checkpoint names (:func:`step_of`); of two names of one step the padded
+    :func:`step_name` wins, then the first in sorted order. Names without a step are left out."""
+    found: dict[int, str] = {}
+    for name in sorted(names):
+        step = step_of(name)
+        if step is not None and (step not in found or name.rpartition("/")[2] == step_name(step)):
+            found[step] = name
+    return found
+
+
 def retention(checkpoints: Iterable[tuple[int, float, str]], keep_last: int | None, keep_every: int | None) -> set[str]:
     """Names to keep among committed checkpoints ``(step, committed_unix, name)`` (step -1: none).
 
-    Keeps the ``keep_last`` newest (by step, then commit time), those whose step is a multiple of
+    The one retention rule (``tierckpt gc`` and :class:`~tierckpt.CheckpointManager`): keeps the
+    ``keep_last`` newest (by step, then commit time, then name), those whose step is a multiple of
     ``keep_every``, and always the newest one.
     """
     order = sorted(checkpoints)

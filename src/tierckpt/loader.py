@@ -63,6 +63,11 @@ from .state import FlatState, TensorEntry, flatten_state
 
 logger = logging.getLogger("tierckpt")
 
+DEFAULT_CHUNK_BYTES = 32 << 20
+"""``load(chunk_bytes=)``: saved boxes are planned in row slabs of about this size (the planner has no default)."""
+DEFAULT_ROUND_BYTES = 256 << 20
+"""``load(round_bytes=)``: a rank holds about this much of read, sent and received buffers per round
+(two rounds overlap; the planner has no default)."""
 RACE_RETRIES = 8
 """How many times a load that lost its generation to a newer commit starts again on the newer one (each
 attempt fails only if a whole save cycle completes during it)."""
@@ -174,8 +179,8 @@ def load(
     verify: bool = False,
     check_crc: bool = True,
     storage_options: Mapping[str, Any] | None = None,
-    chunk_bytes: int = 32 << 20,
-    round_bytes: int = 256 << 20,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    round_bytes: int = DEFAULT_ROUND_BYTES,
     topology: Topology | None = None,
     monitor: Monitor | None = None,
     collective_timeout_s: float | None = None,

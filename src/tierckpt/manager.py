@@ -12,7 +12,7 @@ Lifecycle of :meth:`CheckpointManager.save` (every rank of the group):
 2. The state is saved to ``<root>/step-<step>`` (synchronously, or with :func:`tierckpt.async_save`).
 3. Once that checkpoint is committed, rank 0 points ``LATEST`` at it and applies retention:
    keep the newest ``keep_last`` steps and every step divisible by ``keep_every``; the newest
-   committed step is never deleted. For an async save this happens when its handle is waited on
+   committed step is never deleted, and without ``keep_last`` nothing is (:func:`tierckpt.layout.retention`). For an async save this happens when its handle is waited on
    (:meth:`wait`, the next :meth:`save`, or :meth:`load_latest`).
 """
 
@@ -66,13 +66,7 @@ class CheckpointManager:
 
     def _committed_names(self) -> dict[int, str]:
         """Committed step -> its directory (``step-00000100``, or ``step-100`` made by hand; padded wins)."""
-        names: dict[int, str] = {}
-        for key in sorted(get_scheduler().do(self._backend(), "list", "")):
-            name, _, rest = key.partition("/")
-            step = layout.step_of(name)
-            if step is not None and rest == layout.COMMIT and names.get(step) != layout.step_name(step):
-                names[step] = name
-        return names
+        return layout.by_step(layout.committed_children(get_scheduler().do(self._backend(), "list", "")))
 
     def _found_uri(self, step: int) -> str:
         """The URI of the existing checkpoint of ``step`` (whatever its padding)."""
@@ -144,25 +138,14 @@ class CheckpointManager:
         backend = self._backend()
         sched = get_scheduler()
         sched.do(backend, "commit", LATEST, json.dumps({"step": step}).encode())
-        steps = sorted(set(self.steps()) | {step})
+        if self.keep_last is None:
+            return  # no keep_last: every checkpoint is kept
         names = self._committed_names()
-        for old in retention_victims(steps, keep_last=self.keep_last, keep_every=self.keep_every):
-            name = names.get(old, layout.step_name(old))
+        found = {s: names.get(s, layout.step_name(s)) for s in set(self.steps()) | {step}}
+        keep = layout.retention([(s, 0.0, n) for s, n in found.items()], self.keep_last, self.keep_every)
+        for name in sorted(n for n in found.values() if n not in keep):
             # Through the step's own URI first: on a remote store its uploads may still be pending in
             # the node cache under that URI, and only that scope cancels them (none lands afterwards).
             sched.do(open_backend(f"{self.root_uri}/{name}", **self.storage_options), "delete_prefix", "")
             sched.do(backend, "delete_prefix", f"{name}/")
 
-
-def retention_victims(steps: list[int], *, keep_last: int | None, keep_every: int | None) -> list[int]:
-    """Steps to delete: all but the newest ``keep_last`` and the multiples of ``keep_every``.
-
-    The newest step is always kept. ``keep_last=None`` keeps everything.
-    """
-    if keep_last is None or not steps:
-        return []
-    ordered = sorted(steps)
-    keep = set(ordered[-keep_last:]) | {ordered[-1]}
-    if keep_every:
-        keep |= {s for s in ordered if s % keep_every == 0}
-    return [s for s in ordered if s not in keep]

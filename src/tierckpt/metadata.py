@@ -19,7 +19,6 @@ import bisect
 import io
 import json
 import math
-import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -28,12 +27,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from .backends.base import validate_key
 from .errors import CheckpointError, CorruptCheckpointError
+from .keys import validate_key
+from .layout import FORMAT_NAME, FORMAT_VERSION, validate_generation
 from .regions import Box, FlatRange, Region
 
-FORMAT_NAME = "tierckpt"
-FORMAT_VERSION = 1
 FORMAT_MINOR = 1
 """Minor version: readers of the same ``FORMAT_VERSION`` read every minor version (see docs/format.md).
 0 (a header without ``format_minor``) named optimizer state after the state key of the parameter's
@@ -160,15 +158,6 @@ class CheckpointMeta:
 
 
 # -- header (JSON) ---------------------------------------------------------------------------------
-_GENERATION_RE = re.compile(r"^g-[0-9A-Za-z_-]{1,64}$")
-
-
-def validate_generation(name: str) -> str:
-    if not isinstance(name, str) or not _GENERATION_RE.match(name):
-        raise CorruptCheckpointError(f"invalid generation name {name!r} in checkpoint metadata")
-    return name
-
-
 def encode_header(meta: CheckpointMeta) -> bytes:
     doc = asdict(meta)
     doc["format"] = FORMAT_NAME

@@ -19,14 +19,13 @@ from typing import Any
 import fsspec
 
 from ..errors import CheckpointError, UnsupportedURIError
-from .base import Backend, ByteRange, Capabilities, ObjectWriter, validate_key
+from .base import Backend, Capabilities, ObjectWriter, validate_key
 from .fsspec_backend import FsspecBackend, S3Backend
 from .local import LocalBackend
 from .memory import MemoryBackend
 
 __all__ = [
     "Backend",
-    "ByteRange",
     "Capabilities",
     "FsspecBackend",
     "LocalBackend",

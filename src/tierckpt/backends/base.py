@@ -2,7 +2,7 @@
 
 A backend is bound to one root URI; keys are ``/``-separated paths relative to that root
 (``"g-1a2b/data/rank-00000.bin"``). The interface is small and async: a few abstract primitives
-plus defaults built on them (``get_ranges``, ``read_into``), in the style of zarr's ``Store``.
+plus defaults built on them (``read_into``, ``read_runs``, ``delete_prefix``), in the style of zarr's ``Store``.
 
 Lifecycle of a data object written by a save (every rank, for its own files):
 
@@ -29,7 +29,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError
+from ..keys import validate_key as validate_key  # the key rule, where the backends import it from
 
 
 class Unconditional(enum.Enum):
@@ -67,42 +68,11 @@ async def check_expected(backend: Backend, key: str, expected: bytes | None | Un
 
 
 @dataclass(frozen=True, slots=True)
-class ByteRange:
-    """Bytes ``[start, end)`` of one object; ``end`` is exclusive."""
-
-    start: int
-    end: int
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(frozen=True, slots=True)
 class Capabilities:
     """What a backend can do natively, so callers can pick the fast path."""
 
-    atomic_rename: bool = False
-    """Objects can be renamed atomically (POSIX file systems)."""
     local_path: bool = False
     """Keys map to files on this machine (positional reads without a network hop)."""
-    multipart_upload: bool = False
-    """Large objects are uploaded in parallel parts."""
-
-
-def validate_key(key: str) -> str:
-    """Reject keys that could escape the backend root (``..``, absolute paths, empty parts)."""
-    if not isinstance(key, str) or not key:
-        raise CorruptCheckpointError(f"invalid storage key {key!r}: keys are non-empty strings")
-    if any(ord(c) < 32 for c in key):
-        raise CorruptCheckpointError(f"invalid storage key {key!r}: keys hold no control characters (NUL, newline...)")
-    parts = key.split("/")
-    if key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in parts):
-        raise CorruptCheckpointError(
-            f"invalid storage key {key!r}: keys are relative '/'-separated paths without "
-            "'.', '..' or empty parts, so they cannot leave the checkpoint root"
-        )
-    return key
 
 
 class ObjectWriter(abc.ABC):
@@ -201,10 +171,6 @@ class Backend(abc.ABC):
         holds ``expected`` (``None``: no object); otherwise raise :class:`CheckpointBusyError`."""
 
     # -- defaults built on the primitives ------------------------------------------------------
-    async def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
-        """Read several ranges of one object concurrently."""
-        return list(await asyncio.gather(*(self.get_range(key, r.start, r.end) for r in ranges)))
-
     async def read_into(self, key: str, start: int, out: memoryview) -> None:
         """Read ``len(out)`` bytes at ``start`` straight into ``out`` (backends override to avoid a copy)."""
         out[:] = await self.get_range(key, start, start + len(out))

@@ -539,8 +539,6 @@ def _s3_filesystem(**options: Any) -> Any:
 class S3Backend(FsspecBackend):
     """``s3://bucket/prefix`` through s3fs; see the module docstring for options and semantics."""
 
-    capabilities = Capabilities(multipart_upload=True)
-
     def __init__(
         self,
         root_uri: str,

@@ -441,7 +441,7 @@ class _LocalWriter(ObjectWriter):
 class LocalBackend(ReadsInto, Backend):
     """Objects are files under a local directory (``/data/ckpt`` or ``file:///data/ckpt``)."""
 
-    capabilities = Capabilities(atomic_rename=True, local_path=True)
+    capabilities = Capabilities(local_path=True)
 
     def __init__(self, root_uri: str) -> None:
         super().__init__(root_uri)

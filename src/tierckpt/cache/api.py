@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import fnmatch
-import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -193,15 +192,13 @@ class GcResult:
     """Nothing was deleted: ``deleted`` and ``leftovers`` are what would have been."""
 
 
-_STEP = re.compile(r"(\d+)$")
-
-
 def gc(root: str, keep_last: int | None = None, keep_every: int | None = None, *, dry_run: bool = False,
        config: CacheConfig | None = None, **storage_options: Any) -> GcResult:
     """Retention over ``root``: a directory whose children are checkpoints (``<root>/step-100/COMMIT``).
 
     Needs an explicit policy: keeps the ``keep_last`` newest committed checkpoints and those whose
-    trailing step number is a multiple of ``keep_every`` (the newest one always); deletes every other
+    step (:func:`tierckpt.layout.step_of`: ``step-<digits>``) is a multiple of ``keep_every`` (the newest
+    one always; children without a step name count as older than every step); deletes every other
     committed checkpoint from the remote and from the node cache. Children without a COMMIT are left
     alone. In what is kept, generations that can never be committed are removed
     (:func:`tierckpt.layout.superseded_generations`: decided by commit sequence, never by a clock, so
@@ -217,7 +214,7 @@ def gc(root: str, keep_last: int | None = None, keep_every: int | None = None, *
     sched = get_scheduler()
     base = root.rstrip("/")
     parent = open_tiered(base, config, **storage_options)
-    names = sorted({k.split("/")[0] for k in sched.run(parent.list("")) if k.count("/") == 1 and k.endswith("/COMMIT")})
+    names = layout.committed_children(sched.run(parent.list("")))
     stores = {n: _tiered(f"{base}/{n}", config, storage_options) for n in names}
     order: list[tuple[int, float, str]] = []
     for n in names:
@@ -225,8 +222,8 @@ def gc(root: str, keep_last: int | None = None, keep_every: int | None = None, *
             committed = layout.CommitRecord.decode(sched.run(stores[n].get(layout.COMMIT))).committed_unix
         except CheckpointNotFoundError:
             continue
-        m = _STEP.search(n)
-        order.append((int(m.group(1)) if m else -1, committed, n))
+        step = layout.step_of(n)
+        order.append((-1 if step is None else step, committed, n))
     keep = layout.retention(order, keep_last, keep_every)
     deleted = [n for _, _, n in sorted(order) if n not in keep]
     kept = [n for _, _, n in sorted(order) if n in keep]

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,10 +43,10 @@ from typing import Any
 import lmdb
 
 from ..errors import StorageError
+from ..layout import generation_path
 
 MAP_SIZE = 1 << 30
 _DBS = ("roots", "objs", "blocks", "sizes", "pending", "gens", "meta")
-_GEN_PART = re.compile(r"^g-[0-9A-Za-z_-]{1,64}$")
 STATES = ("staged", "local", "remote", "superseded")
 
 _envs: dict[str, tuple[lmdb.Environment, dict[str, Any]]] = {}
@@ -86,15 +85,6 @@ def _open_env(path: str) -> tuple[lmdb.Environment, dict[str, Any]]:
                 ) from exc
             cached = _envs[path] = (env, dbs)
         return cached
-
-
-def generation_path(key: str) -> str | None:
-    """``"step-1/g-12-ab/data/x"`` -> ``"step-1/g-12-ab"``; ``None`` for keys outside a generation."""
-    parts = key.split("/")
-    for i, part in enumerate(parts[:-1]):
-        if _GEN_PART.match(part):
-            return "/".join(parts[: i + 1])
-    return None
 
 
 def pid_alive(pid: int) -> bool:

@@ -4,7 +4,8 @@ Environment variables (read by :meth:`CacheConfig.from_env`):
 
 * ``TIERCKPT_CACHE_DIR``: the node cache directory (default ``$XDG_CACHE_HOME/tierckpt`` or
   ``~/.cache/tierckpt``; ``/tmp/tierckpt-cache-<uid>`` when the home directory is not writable).
-* ``TIERCKPT_CACHE_BYTES``: the local (disk) tier budget, e.g. ``"200G"``, ``"512M"``, ``"1000000"``.
+* ``TIERCKPT_CACHE_BYTES``: the local (disk) tier budget, e.g. ``"200G"``, ``"512M"``, ``"1000000"``
+  (:func:`tierckpt.units.parse_bytes`: ``G`` and ``GiB`` are binary, ``GB`` decimal).
 * ``TIERCKPT_CACHE``: ``"0"``/``"off"`` disables caching, ``"1"``/``"on"`` enables it.
 """
 
@@ -12,28 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError
-
-_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
-
-
-def parse_bytes(value: str | int, what: str = "size") -> int:
-    """``"10G"`` -> ``10 * 2**30``; plain integers are bytes. Units are binary (K = 1024)."""
-    if isinstance(value, int):
-        if value < 0:
-            raise CheckpointError(f"{what} must not be negative, got {value}")
-        return value
-    match = _SIZE.match(str(value))
-    if match is None:
-        raise CheckpointError(
-            f"cannot parse {what} {value!r}: use a byte count with an optional unit, e.g. '500M' or '10G'"
-        )
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+from ..units import parse_bytes
 
 
 def default_directory() -> str:

@@ -116,11 +116,14 @@ def plan_load(
     pieces: dict[str, list[PieceMeta]],
     needs: Sequence[Sequence[TargetPiece]],
     *,
-    chunk_bytes: int = 32 << 20,
-    round_bytes: int = 512 << 20,
+    chunk_bytes: int,
+    round_bytes: int,
     topology: Topology | None = None,
 ) -> LoadPlan:
     """Plan a load for a group whose rank ``r`` needs ``needs[r]``. Pure and deterministic.
+
+    ``chunk_bytes`` and ``round_bytes`` (steps 2 and 4 above) have no default here: the entry point
+    passes its own (:data:`tierckpt.loader.DEFAULT_CHUNK_BYTES`, :data:`tierckpt.loader.DEFAULT_ROUND_BYTES`).
 
     ``topology``: the costs the route of each slab is chosen by (see :mod:`.routes`); default
     :func:`~.routes.default_topology`, which reads each byte once per group.
