@@ -1,0 +1,251 @@
+"""The import graph of ``src/tierckpt``, read with ``ast``: no cycles, and a list of lazy imports.
+
+Every ``import``/``from ... import`` of a project module counts, at module level or inside a function
+(a lazy import still closes a cycle, it only defers it); imports under ``if TYPE_CHECKING:`` never
+run and do not count. Importing ``tierckpt.a.b`` from outside the package ``tierckpt.a`` also runs
+``tierckpt/a/__init__.py``, so that edge is added too. A cycle fails with its chain of modules and
+the file and line of each import.
+"""
+
+from __future__ import annotations
+
+import ast
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "tierckpt"
+"""This checkout's sources (not whichever copy of the package is installed)."""
+ROOT = "tierckpt"
+
+KNOWN = {
+    ("tierckpt.backends", "tierckpt.cache"): "backends/__init__ -> cache -> loader -> io/rangefile -> backends",
+    ("tierckpt.cache.api", "tierckpt.loader"): "cache/api (prefetch) -> loader -> dcp_format -> cache",
+    ("tierckpt.backends.fsspec_backend", "tierckpt.io.scheduler"): "backends -> fsspec_backend -> io/scheduler -> backends",
+}
+"""The lazy imports (importer, module it names) that close today's cycles, with the cycle each closes:
+the circle of issue 14 and the two the scheduling and store links rework (an entry whose import is
+gone sets nothing aside: empty it once :func:`test_no_import_cycle` passes). Set aside by
+:func:`test_no_import_cycle_besides_the_known_ones`; :func:`test_no_import_cycle` counts them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    """``importer`` imports ``imported`` at ``file:line``, by a statement naming ``named`` (``imported``
+    itself or a module below it); ``lazy``: inside a function body."""
+
+    importer: str
+    imported: str
+    file: str
+    line: int
+    lazy: bool
+    named: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.importer} -> {self.imported} ({self.file}:{self.line}{', lazy' if self.lazy else ''})"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(SRC.rglob("*.py"))}
+
+
+def _is_package(module: str) -> bool:
+    return MODULES[module].name == "__init__.py"
+
+
+def _resolve(importer: str, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` names (relative levels resolved against ``importer``)."""
+    if not node.level:
+        return node.module or ""
+    package = importer if _is_package(importer) else importer.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{node.module}" if node.module else package
+
+
+def _targets(importer: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """Project modules an import statement loads: the named module, or each imported submodule."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names if alias.name.split(".")[0] == ROOT]
+    base = _resolve(importer, node)
+    if base.split(".")[0] != ROOT:
+        return []
+    subs = [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in MODULES]
+    return subs or [base]
+
+
+def _with_packages(importer: str, target: str) -> list[str]:
+    """``target`` and the packages above it whose ``__init__`` the import runs (those not above ``importer``)."""
+    parts = target.split(".")
+    chain = [".".join(parts[:i]) for i in range(2, len(parts))] + [target]
+    return [m for m in chain if m in MODULES and not importer.startswith(m + ".") and m != importer]
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:`` (never executed)."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return skipped
+
+
+def _edges_of(module: str) -> list[Edge]:
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = _type_checking_nodes(tree)
+    lazy_nodes = {
+        id(n)
+        for fn in ast.walk(tree)
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        for n in ast.walk(fn)
+    }
+    edges = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped:
+            for target in _targets(module, node):
+                for imported in _with_packages(module, target):
+                    file = str(path.relative_to(SRC.parent))
+                    edges.append(Edge(module, imported, file, node.lineno, id(node) in lazy_nodes, target))
+    return edges
+
+
+EDGES = [e for m in MODULES for e in _edges_of(m)]
+
+
+def _cycles(edges: list[Edge]) -> list[list[Edge]]:
+    """Cycles (lists of edges, the last returning to the first module): in each strongly connected
+    component of more than one module (or with a self-import), the shortest cycle through each of its
+    modules, without repeats."""
+    graph: dict[str, list[Edge]] = {}
+    for e in edges:
+        graph.setdefault(e.importer, []).append(e)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm; the graph is small, recursion is fine
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for e in graph.get(v, []):
+            w = e.imported
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            components.append(component)
+
+    for v in sorted(MODULES):
+        if v not in index:
+            visit(v)
+    cycles: list[list[Edge]] = []
+    seen: set[frozenset[tuple[str, str]]] = set()
+    for component in components:
+        first = min(component)
+        if len(component) == 1 and not any(e.imported == first for e in graph.get(first, [])):
+            continue
+        for start in sorted(component):
+            cycle = _shortest_cycle(graph, start, component)
+            shape = frozenset((e.importer, e.imported) for e in cycle)
+            if shape not in seen:
+                seen.add(shape)
+                cycles.append(cycle)
+    return cycles
+
+
+def _shortest_cycle(graph: dict[str, list[Edge]], start: str, component: set[str]) -> list[Edge]:
+    """The shortest chain of edges from ``start`` back to itself inside ``component`` (breadth first)."""
+    paths: dict[str, list[Edge]] = {start: []}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for e in sorted(graph.get(v, []), key=lambda e: (e.imported, e.line)):
+                if e.imported == start:
+                    return paths[v] + [e]
+                if e.imported in component and e.imported not in paths:
+                    paths[e.imported] = paths[v] + [e]
+                    nxt.append(e.imported)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {start} in {sorted(component)}")
+
+
+def _report(cycles: list[list[Edge]]) -> str:
+    lines = [f"{len(cycles)} import cycle(s) in src/tierckpt:"]
+    for cycle in cycles:
+        lines.append("  " + " -> ".join([cycle[0].importer] + [e.imported for e in cycle]))
+        lines += [f"      {e}" for e in cycle]
+    return "\n".join(lines)
+
+
+def _is_known(edge: Edge) -> bool:
+    return any(edge.importer == a and (edge.named == b or edge.named.startswith(b + ".")) for a, b in KNOWN)
+
+
+def test_the_walk_sees_the_package() -> None:
+    """Guards the test itself: modules, relative imports, package __init__ edges and lazy imports are all found."""
+    assert {"tierckpt", "tierckpt.layout", "tierckpt.backends", "tierckpt.backends.base", "tierckpt.cache.api"} <= set(MODULES)
+    pairs = {(e.importer, e.imported) for e in EDGES}
+    assert ("tierckpt.metadata", "tierckpt.layout") in pairs  # from .layout import ...
+    assert ("tierckpt.backends.base", "tierckpt.keys") in pairs  # from ..keys import ...
+    assert ("tierckpt.cache.api", "tierckpt.backends") in pairs  # from ..backends import ...
+    assert ("tierckpt.manager", "tierckpt.io.scheduler") in pairs and ("tierckpt.manager", "tierckpt.io") in pairs
+    assert not any(e.importer == e.imported for e in EDGES)
+    assert any(e.lazy for e in EDGES) and any(not e.lazy for e in EDGES)
+    assert not any(e.importer == "tierckpt.cli" and e.imported == "tierckpt.loader" and not e.lazy for e in EDGES), \
+        "cli.py's TYPE_CHECKING import of loader must not count"
+
+
+def test_cycle_finder_reports_a_chain() -> None:
+    a, b, c = "tierckpt.layout", "tierckpt.keys", "tierckpt.errors"
+    edges = [Edge(a, b, "x.py", 1, False), Edge(b, c, "y.py", 2, True), Edge(c, a, "z.py", 3, False)]
+    (cycle,) = _cycles(edges)
+    assert [e.importer for e in cycle] == [c, a, b]  # from the smallest name, back to it
+    assert "tierckpt.errors -> tierckpt.layout (z.py:3)" in _report([cycle])
+    assert _cycles(edges[:2]) == []
+
+
+def test_no_import_cycle_besides_the_known_ones() -> None:
+    """Every cycle, once the lazy imports of :data:`KNOWN` are set aside: no new cycle may appear."""
+    cycles = _cycles([e for e in EDGES if not _is_known(e)])
+    assert not cycles, _report(cycles)
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="the known cycles (KNOWN: backends/__init__ -> cache -> loader -> io/rangefile -> backends, and "
+    "the two through cache/api -> loader and fsspec_backend -> io/scheduler) are removed on the `chain` "
+    "branch (open_store above backends and cache, the scheduling link); make this strict once it is merged",
+)
+def test_no_import_cycle() -> None:
+    cycles = _cycles(EDGES)
+    assert not cycles, _report(cycles)
+
+
+def test_lazy_imports_are_listed() -> None:
+    """Informational: imports of project modules inside functions. Legitimate ones keep a light entry
+    point light (``tierckpt --version`` without torch); none may exist to dodge a cycle."""
+    lazy = sorted({(e.file, e.line, e.imported) for e in EDGES if e.lazy})
+    if lazy:
+        warnings.warn(
+            f"{len(lazy)} lazy import(s) of project modules:\n" + "\n".join(f"  {f}:{n} imports {m}" for f, n, m in lazy),
+            stacklevel=1,
+        )
