@@ -12,8 +12,9 @@ Lifecycle of :meth:`CheckpointManager.save` (every rank of the group):
 2. The state is saved to ``<root>/step-<step>`` (synchronously, or with :func:`tierckpt.async_save`).
 3. Once that checkpoint is committed, rank 0 points ``LATEST`` at it and applies retention:
    keep the newest ``keep_last`` steps and every step divisible by ``keep_every``; the newest
-   committed step is never deleted, and without ``keep_last`` nothing is (:func:`tierckpt.layout.retention`). For an async save this happens when its handle is waited on
-   (:meth:`wait`, the next :meth:`save`, or :meth:`load_latest`).
+   committed step is never deleted, and without ``keep_last`` nothing is (:func:`tierckpt.layout.retention`).
+   For an async save this happens when its handle is waited on (:meth:`wait`, the next :meth:`save`,
+   or :meth:`load_latest`).
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ class CheckpointManager:
             return  # no keep_last: every checkpoint is kept
         names = self._committed_names()
         found = {s: names.get(s, layout.step_name(s)) for s in set(self.steps()) | {step}}
+        # Steps are unique here, so no commit time is needed to order them (0.0).
         keep = layout.retention([(s, 0.0, n) for s, n in found.items()], self.keep_last, self.keep_every)
         for name in sorted(n for n in found.values() if n not in keep):
             # Through the step's own URI first: on a remote store its uploads may still be pending in
