@@ -54,7 +54,8 @@ def _origin_file(origin: str) -> str:
     return f"{safe}-{hashlib.sha256(origin.encode()).hexdigest()[:8]}.json"
 
 
-def _write_atomic(path: str, data: bytes) -> None:
+def write_atomic(path: str, data: bytes) -> None:
+    """Write a small file whole: a temp file next to it, renamed over it."""
     directory, name = os.path.split(path)
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, temp_name(name))
@@ -167,7 +168,7 @@ class MemoryTier(LocalBackend):
             return
         path = os.path.join(self.home, "URI")
         if not os.path.exists(path):
-            _write_atomic(path, self.uri.encode())
+            write_atomic(path, self.uri.encode())
         with open(path, "rb") as f:
             found = f.read().decode(errors="replace")
         if found != self.uri:
@@ -283,7 +284,7 @@ class MemoryTier(LocalBackend):
             raise CheckpointError(f"a manifest of {manifest.uri!r} cannot be recorded in the tier of {self.uri!r}")
         self._claim()
         path = os.path.join(self._manifest_dir(manifest.generation), _origin_file(manifest.origin))
-        _write_atomic(path, manifest.encode())
+        write_atomic(path, manifest.encode())
 
     def verify(self, generation: str) -> list[str]:
         """Re-read every sealed file of ``generation``; one line per file that is missing or differs."""
@@ -364,7 +365,11 @@ class NodeMemory:
 
     def admit(self, uri: str, generation: str, nbytes: int, durable_below: Iterable[str]) -> Admission:
         """Make room for ``nbytes`` of ``generation`` of ``uri`` before writing it, evicting what
-        :func:`~.eviction.plan_admission` allows, under the node-wide lock (see :mod:`.eviction`)."""
+        :func:`~.eviction.plan_admission` allows, under the node-wide lock (see :mod:`.eviction`).
+        The generation being admitted is never evicted for itself (replicas of a generation arrive
+        beside the node's own files of it)."""
+        incoming = copy_id(uri, generation)
+        durable = set(durable_below) - {incoming}
         os.makedirs(self.config.directory, exist_ok=True)
         fd = os.open(os.path.join(self.config.directory, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         try:
@@ -372,8 +377,7 @@ class NodeMemory:
             tiers = {t.uri: t for t in self.tiers()}
             copies = [c for t in tiers.values() for c in t.copies()]
             admission = plan_admission(
-                copies, nbytes, self.config.budget_bytes, durable_below,
-                incoming=copy_id(uri, generation), on_full=self.config.on_full,
+                copies, nbytes, self.config.budget_bytes, durable, incoming=incoming, on_full=self.config.on_full,
             )
             for victim in admission.evict:
                 owner, _, gen = victim.rpartition("/")
