@@ -2,13 +2,14 @@
 
 Usage::
 
-    python tests/replica_child.py RANK WORLD RANKS_PER_NODE PORT WORKDIR [--kill-receiver-at-gen2]
+    python tests/replica_child.py RANK WORLD RANKS_PER_NODE PORT WORKDIR [--fail=kill|hang]
 
 Rank ``r`` runs as node ``node-<r // RANKS_PER_NODE>`` with its own memory tier
 ``WORKDIR/node-<n>/shm``. Every rank writes its data file of a generation into its node's tier,
 rank 0 also the header and ``COMMIT``; then every rank replicates. Two generations are saved; with
-``--kill-receiver-at-gen2`` the leader of node 1 dies (``os._exit``) on the first chunk of the second
-generation it receives — a node lost during replication. Each rank writes its results as JSON to
+``--fail=kill`` the leader of node 1 dies (``os._exit``) on the first chunk of the second
+generation it receives — a node lost during replication; with ``--fail=hang`` it stops receiving
+instead (a stuck peer, alive but silent). Each rank writes its results as JSON to
 ``WORKDIR/result-<rank>.json`` (the file of a rank that died is missing).
 """
 
@@ -47,9 +48,11 @@ async def write_generation(node: NodeMemory, rank: int, seq: int, generation: st
         await tier.put(f"{generation}/meta/header.json", b'{"seq": %d}' % seq)
 
 
-def die_on_first_chunk() -> None:
+def fail_on_first_chunk(how: str) -> None:
     def write(self: memory_module.IncomingFile, data: memoryview) -> None:
-        os._exit(9)
+        if how == "kill":
+            os._exit(9)
+        time.sleep(3600)
 
     memory_module.IncomingFile.write = write  # type: ignore[method-assign]
 
@@ -57,7 +60,7 @@ def die_on_first_chunk() -> None:
 def main() -> None:
     rank, world, per_node, port = (int(a) for a in sys.argv[1:5])
     workdir = sys.argv[5]
-    kill = "--kill-receiver-at-gen2" in sys.argv
+    fail = next((a.split("=", 1)[1] for a in sys.argv[6:] if a.startswith("--fail=")), None)
     node_name = f"node-{rank // per_node}"
     os.environ["TIERCKPT_NODE_ID"] = node_name
     dist.init_process_group(
@@ -77,8 +80,8 @@ def main() -> None:
         if rank == 0:
             asyncio.run(node.tier(URI).commit(COMMIT, CommitRecord(generation, time.time(), seq).encode()))
         dist.barrier()
-        if kill and seq == 2 and rank == per_node:
-            die_on_first_chunk()
+        if fail and seq == 2 and rank == per_node:
+            fail_on_first_chunk(fail)
         started = time.monotonic()
         handle = replicator.replicate(URI, generation)
         try:
@@ -91,6 +94,8 @@ def main() -> None:
             dist.barrier()
     with open(os.path.join(workdir, f"result-{rank}.json"), "w") as f:
         json.dump({"node": node_name, "results": results}, f)
+    if fail == "hang" and rank == per_node:
+        time.sleep(3600)  # stuck, connections open, until the parent kills it
     os._exit(0)  # peers may be dead: no collective teardown
 
 

@@ -154,19 +154,20 @@ def test_a_peer_without_room_refuses_and_the_level_stays_memory(dist_pool, tmp_p
 
 
 # -- a node lost during replication (separate processes, so one can die) ---------------------------------------
-def test_a_peer_killed_mid_replication_leaves_memory_with_the_reason(tmp_path: Path) -> None:
+def run_children(tmp_path: Path, fail: str) -> tuple[list[subprocess.Popen], str]:
+    """Four ranks on two simulated nodes; node-1's leader fails (``fail``) on its first chunk of generation 2."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]))
     procs = [
         subprocess.Popen(
             [sys.executable, str(HERE / "replica_child.py"), str(r), "4", "2", str(port), str(tmp_path),
-             "--kill-receiver-at-gen2"],
+             f"--fail={fail}"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )
         for r in range(4)
     ]
     try:
-        for p in procs[:3]:
+        for p in procs[:3] if fail == "kill" else procs[:2]:  # node-0, and node-1's leader when it dies
             p.wait(timeout=150)
     finally:
         for p in procs:
@@ -174,6 +175,11 @@ def test_a_peer_killed_mid_replication_leaves_memory_with_the_reason(tmp_path: P
                 p.kill()
             p.wait()
     logs = "\n".join(f"--- rank {r} ---\n{p.stdout.read().decode(errors='replace')}" for r, p in enumerate(procs))
+    return procs, logs
+
+
+def test_a_peer_killed_mid_replication_leaves_memory_with_the_reason(tmp_path: Path) -> None:
+    procs, logs = run_children(tmp_path, "kill")
     assert procs[2].returncode == 9, logs  # the leader of node-1 died on its first received chunk
     leader, other = (json.loads((tmp_path / f"result-{r}.json").read_text())["results"] for r in (0, 1))
     first, second = sorted(leader)
@@ -193,3 +199,14 @@ def test_a_peer_killed_mid_replication_leaves_memory_with_the_reason(tmp_path: P
     for r in range(4):
         assert (Path(survivor.path_of(f"{first}/data/rank-{r:05d}.bin"))).read_bytes() == replica_child.data_of(r, 1)
     assert [m.origin for m in survivor.manifests(second)] == ["node-1"]  # only its own files, never node-0's
+
+
+def test_a_stuck_peer_times_out_and_the_level_stays_memory(tmp_path: Path) -> None:
+    procs, logs = run_children(tmp_path, "hang")
+    leader, other = (json.loads((tmp_path / f"result-{r}.json").read_text())["results"] for r in (0, 1))
+    first, second = sorted(leader)
+    assert leader[first]["level"] == "replicated", logs
+    assert leader[second]["level"] == "memory" and "peer node-1 (rank 2) failed during replication" in leader[second]["reason"]
+    assert "Timed out" in leader[second]["reason"] or "timeout" in leader[second]["reason"].lower()
+    assert 9 < leader[second]["seconds"] < 30  # the replicator's 10 s step timeout, not a hang
+    assert other[second]["level"] == "memory"

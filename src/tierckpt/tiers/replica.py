@@ -114,12 +114,14 @@ class ReplicaHandle:
         self._result: ReplicaResult | None = None
 
     def _finish(self, result: ReplicaResult) -> None:
-        self._result = result
-        self._done.set()
+        """Record the level in the tier, then wake the waiters (so a process that exits as soon as its
+        wait returns has recorded it for the node's other ranks and for a restart)."""
         try:
             write_atomic(level_path(self._tier, self._generation), result.encode())
         except OSError as exc:  # the node's other ranks then see no level and report "in progress"
             log.warning("cannot record the level of %s %s: %s", self._tier.uri, self._generation, exc)
+        self._result = result
+        self._done.set()
 
     def _poll(self) -> ReplicaResult | None:
         if self._result is None:
