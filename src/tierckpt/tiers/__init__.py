@@ -4,7 +4,8 @@
 * :mod:`.memory`: :class:`MemoryTier` (one URI's files in the tier, a backend) and :class:`NodeMemory` (the directory).
 * :mod:`.manifest`: per-generation manifests (each file's size and CRC-32C).
 * :mod:`.eviction`: the pure admission and eviction policy.
-* :mod:`.replica`: peer choice and the :class:`Replicator` (copies to other nodes' tiers over gloo).
+* :mod:`.peers`: the pure peer choice (node i -> nodes i+1..i+R mod N, ``TIERCKPT_REPLICAS``).
+* :mod:`.replica`: the :class:`~.replica.Replicator` (copies to other nodes' tiers over gloo); :mod:`.levels`: the level it reports.
 """
 
 from .config import MemoryConfig, MemoryTierFullError, OnFull
