@@ -91,6 +91,7 @@ def _replicate_scenario(workdir: str, per_node: int, replicas: int | None, small
         asyncio.run(tier.put(f"{generation}/data/rank-{rank:05d}.bin", data_of(rank)))
         if rank == 0:
             asyncio.run(tier.put(f"{generation}/meta/header.json", b'{"header": true}'))
+            asyncio.run(tier.put(f"{generation}/objects/rank-00000.bin", b""))  # an empty file travels too
         dist.barrier()
         if rank == 0:
             asyncio.run(tier.commit(COMMIT, CommitRecord(generation, 1.0, 1).encode()))
@@ -118,7 +119,8 @@ def tier_file(workdir: Path, node: str, key: str) -> bytes:
 def test_two_nodes_of_two_ranks_replicate_bit_exact(dist_pool, tmp_path: Path) -> None:
     results = dist_pool.run(_replicate_scenario, str(tmp_path), 2, None, None)
     generation = results[0]["generation"]
-    files = [f"{generation}/data/rank-{r:05d}.bin" for r in range(4)] + [f"{generation}/meta/header.json"]
+    files = [f"{generation}/data/rank-{r:05d}.bin" for r in range(4)] + [
+        f"{generation}/meta/header.json", f"{generation}/objects/rank-00000.bin"]
     for r in results:
         assert r["level"] == "replicated" and r["reason"] is None, r
         assert r["held"] == sorted(files) and r["problems"] == []  # each node: its own files and its peer's
@@ -128,6 +130,7 @@ def test_two_nodes_of_two_ranks_replicate_bit_exact(dist_pool, tmp_path: Path) -
             assert tier_file(tmp_path, node, f"{generation}/data/rank-{r:05d}.bin") == data_of(r)
     assert tier_file(tmp_path, "node-1", "COMMIT") == tier_file(tmp_path, "node-0", "COMMIT")
     assert tier_file(tmp_path, "node-1", f"{generation}/meta/header.json") == b'{"header": true}'
+    assert tier_file(tmp_path, "node-1", f"{generation}/objects/rank-00000.bin") == b""
 
 
 def test_four_nodes_two_replicas_each(dist_pool, tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ later generations report ``memory`` naming the first failure.
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime
 import json
 import logging
@@ -77,7 +78,7 @@ class Replicator:
         group: dist.ProcessGroup | None = None,
         replicas: int | None = None,
         timeout_s: float = 60.0,
-        chunk_bytes: int = 64 << 20,
+        chunk_bytes: int = 32 << 20,
         durable_below: Callable[[], Iterable[str]] = frozenset,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -178,10 +179,10 @@ class Replicator:
 
     # -- the sending side --------------------------------------------------------------------------------
     def _send_loop(self, jobs: queue.Queue[_Job | None]) -> None:
-        buf = torch.empty(self._chunk, dtype=torch.uint8)
+        bufs = _buffers(self._chunk)
         while (job := jobs.get()) is not None:
             try:
-                result = self._replicate_job(job, buf)
+                result = self._replicate_job(job, bufs)
             except Exception as exc:  # noqa: BLE001 - never a lost handle: the level stays memory, with why
                 result = ReplicaResult(
                     uri=job.uri, generation=job.generation, level=Level.MEMORY, peers=(), acknowledged=(),
@@ -189,7 +190,7 @@ class Replicator:
                 )
             job.handle._finish(result)
 
-    def _replicate_job(self, job: _Job, buf: torch.Tensor) -> ReplicaResult:
+    def _replicate_job(self, job: _Job, bufs: tuple[torch.Tensor, ...]) -> ReplicaResult:
         """Send one generation to every target in turn; its level from their answers."""
         acknowledged: list[str] = []
         reasons: list[str] = []
@@ -199,7 +200,7 @@ class Replicator:
                     reasons.append(f"peer {name} (rank {dst}) is unreachable since: {self._broken[dst]}")
                     continue
                 try:
-                    refusal = self._send_job(job, dst, buf)
+                    refusal = self._send_job(job, dst, bufs)
                 except Exception as exc:  # noqa: BLE001 - a dead or hung peer: reported, never raised
                     self._broken[dst] = f"{type(exc).__name__}: {exc}"
                     reasons.append(f"peer {name} (rank {dst}) failed during replication: {self._broken[dst]}")
@@ -214,43 +215,50 @@ class Replicator:
             peers=peers, acknowledged=tuple(acknowledged), reason="; ".join(reasons) or None,
         )
 
-    def _send_job(self, job: _Job, dst: int, buf: torch.Tensor) -> str | None:
-        """Send one generation to one peer; the peer's refusal, or ``None`` once it acknowledged."""
+    def _send_job(self, job: _Job, dst: int, bufs: tuple[torch.Tensor, ...]) -> str | None:
+        """Send one generation to one peer; the peer's refusal, or ``None`` once it acknowledged.
+
+        Chunks alternate between the buffers: the next chunk is read from the tier while the previous
+        one is on the wire."""
         header = {"manifest": job.manifest.encode().decode(), "commit": None if job.commit is None else job.commit.decode()}
         self._send_bytes(json.dumps(header).encode(), dst, _TAG_HEADER)
         answer = self._answer(dst, _TAG_REPLY)
         if answer != "ok":
             return answer
         tier = self.memory.tier(job.uri)
+        in_flight: list[dist.Work | None] = [None] * len(bufs)
+        chunk = 0
         for key, entry in job.manifest.files:
-            fd = os.open(tier.path_of(key), os.O_RDONLY)
-            try:
-                for offset in range(0, entry.size, self._chunk):
-                    n = min(self._chunk, entry.size - offset)
-                    view = buf[:n]
-                    if os.preadv(fd, [view.numpy()], offset) != n:
-                        raise CheckpointError(f"{tier.path_of(key)} is shorter than its sealed {entry.size} bytes")
-                    self._send(view, dst, _TAG_DATA)
-            finally:
-                os.close(fd)
+            path = tier.path_of(key)
+            for offset in range(0, entry.size, self._chunk):
+                slot = chunk % len(bufs)
+                chunk += 1
+                if in_flight[slot] is not None:
+                    in_flight[slot].wait(self._timeout)
+                view = bufs[slot][: min(self._chunk, entry.size - offset)]
+                _read_chunk(path, offset, view, entry.size)
+                in_flight[slot] = dist.isend(view, dst, group=self._pg, tag=_TAG_DATA)
+        for work in in_flight:
+            if work is not None:
+                work.wait(self._timeout)
         answer = self._answer(dst, _TAG_ACK)
         return None if answer == "ok" else answer
 
     # -- the receiving side ------------------------------------------------------------------------------
     def _receive_loop(self, jobs: queue.Queue[_Job | None]) -> None:
-        buf = torch.empty(self._chunk, dtype=torch.uint8)
+        bufs = _buffers(self._chunk)
         while (job := jobs.get()) is not None:
             for source in self.plan.sources(self.node):
                 src = self._leader(source)
                 if src in self._broken:
                     continue
                 try:
-                    self._receive_job(src, buf)
+                    self._receive_job(src, bufs)
                 except Exception as exc:  # noqa: BLE001 - the sender reports the failure as its level
                     self._broken[src] = f"{type(exc).__name__}: {exc}"
                     log.warning("receiving replicas from rank %d failed: %s", src, self._broken[src])
 
-    def _receive_job(self, src: int, buf: torch.Tensor) -> None:
+    def _receive_job(self, src: int, bufs: tuple[torch.Tensor, ...]) -> None:
         header = json.loads(self._recv_bytes(src, _TAG_HEADER))
         try:
             manifest = Manifest.decode(header["manifest"].encode(), f"the header from rank {src}")
@@ -262,7 +270,9 @@ class Replicator:
         self._reply(refusal or "ok", src, _TAG_REPLY)
         if refusal:
             return
-        failures = [f for key, entry in manifest.files if (f := self._receive_file(tier, key, entry, src, buf))]
+        sizes = [min(self._chunk, e.size - o) for _, e in manifest.files for o in range(0, e.size, self._chunk)]
+        chunks = _Chunks(sizes, bufs, lambda view: dist.irecv(view, src, group=self._pg, tag=_TAG_DATA), self._timeout)
+        failures = [f for key, entry in manifest.files if (f := self._receive_file(tier, key, entry, chunks))]
         if not failures:
             try:
                 tier.record(manifest)
@@ -272,7 +282,7 @@ class Replicator:
                 failures.append(f"recording {manifest.generation} of {tier.uri} failed: {exc}")
         self._reply("; ".join(failures) or "ok", src, _TAG_ACK)
 
-    def _receive_file(self, tier: MemoryTier, key: str, entry: FileEntry, src: int, buf: torch.Tensor) -> str | None:
+    def _receive_file(self, tier: MemoryTier, key: str, entry: FileEntry, chunks: _Chunks) -> str | None:
         """Receive one file into the tier; why it was not published (a local failure: the rest of the
         file is still drained, so the transfer stays in step), or ``None``. Transport errors raise."""
         failure = None
@@ -282,12 +292,11 @@ class Replicator:
         except (CheckpointError, OSError) as exc:
             failure = f"cannot write {key}: {exc}"
         try:
-            for offset in range(0, entry.size, self._chunk):
-                view = buf[: min(self._chunk, entry.size - offset)]
-                self._recv(view, src, _TAG_DATA)
+            for _ in range(0, entry.size, self._chunk):
+                view = chunks.take()
                 if incoming is not None and failure is None:
                     try:
-                        incoming.write(memoryview(view.numpy()))
+                        incoming.write(view)
                     except OSError as exc:
                         failure = f"writing {key} failed: {exc}"
             if incoming is not None and failure is None:
@@ -299,6 +308,52 @@ class Replicator:
             if incoming is not None:
                 incoming.abort()
         return failure
+
+
+def _buffers(chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two chunk buffers: one is filled (or drained) while the other is on the wire."""
+    return torch.empty(chunk_bytes, dtype=torch.uint8), torch.empty(chunk_bytes, dtype=torch.uint8)
+
+
+def _read_chunk(path: str, offset: int, view: torch.Tensor, sealed_size: int) -> None:
+    """Fill ``view`` with the bytes of ``path`` at ``offset``."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if os.preadv(fd, [view.numpy()], offset) != view.numel():
+            raise CheckpointError(f"{path} is shorter than its sealed {sealed_size} bytes")
+    finally:
+        os.close(fd)
+
+
+class _Chunks:
+    """The data chunks of one transfer, received in turn into alternating buffers: the receive of
+    chunk ``i + len(bufs)`` is posted as soon as chunk ``i`` has been consumed."""
+
+    def __init__(
+        self, sizes: list[int], bufs: tuple[torch.Tensor, ...], post: Callable[[torch.Tensor], dist.Work],
+        timeout: datetime.timedelta,
+    ) -> None:
+        self._sizes, self._bufs, self._post, self._timeout = sizes, bufs, post, timeout
+        self._posted: collections.deque[tuple[torch.Tensor, dist.Work]] = collections.deque()
+        self._next = 0
+        self._taken = False
+        for _ in bufs:
+            self._post_next()
+
+    def _post_next(self) -> None:
+        if self._next < len(self._sizes):
+            view = self._bufs[self._next % len(self._bufs)][: self._sizes[self._next]]
+            self._posted.append((view, self._post(view)))
+            self._next += 1
+
+    def take(self) -> memoryview:
+        """The next chunk's bytes, valid until the next ``take``."""
+        if self._taken:
+            self._post_next()  # the previous chunk's buffer is free again
+        view, work = self._posted.popleft()
+        work.wait(self._timeout)
+        self._taken = True
+        return memoryview(view.numpy())
 
 
 def _adopt_commit(tier: MemoryTier, data: bytes) -> None:
