@@ -39,8 +39,9 @@ async def write_checkpoint(tier: MemoryTier, seq: int, sizes: dict[str, int]) ->
         key = f"{generation}/{name}"
         data = os.urandom(size)
         writer = await tier.open_writer(key)
-        for i in range(0, size, 1000):
-            await writer.write(memoryview(data)[i : i + 1000])
+        step = 1000 if size < 10_000 else 3 << 19  # small writes, or 1.5 MiB ones (CRC in a thread)
+        for i in range(0, size, step):
+            await writer.write(memoryview(data)[i : i + step])
         await writer.close()
         contents[key] = data
     await tier.commit(COMMIT, CommitRecord(generation, time.time(), seq).encode())
@@ -70,11 +71,13 @@ async def test_a_directory_of_another_uri_is_refused(tmp_path: Path) -> None:
 async def test_seal_records_each_files_crc(tmp_path: Path) -> None:
     cfg = config(tmp_path)
     tier = MemoryTier(URI, cfg)
-    generation, contents = await write_checkpoint(tier, 1, {"data/rank-00000.bin": 5000, "meta/header.json": 10})
+    generation, contents = await write_checkpoint(
+        tier, 1, {"data/rank-00000.bin": 5000, "data/rank-00002.bin": 5 << 20, "meta/header.json": 10})
     other = MemoryTier(URI, cfg)  # another process of the node: it computed no CRC, so it reads
     await other.put(f"{generation}/data/rank-00001.bin", b"second rank")
     contents[f"{generation}/data/rank-00001.bin"] = b"second rank"
     manifest = tier.seal(generation, origin="node-a")
+    assert set(tier._known) == set(contents) - {f"{generation}/data/rank-00001.bin"}  # CRCs from writing
     assert dict(manifest.files) == {k: FileEntry(len(v), crc32c.crc32c(v)) for k, v in contents.items()}
     assert tier.held(generation) == dict(manifest.files)
     assert MemoryTier(URI, cfg).manifests(generation) == [manifest]

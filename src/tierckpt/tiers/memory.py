@@ -22,6 +22,7 @@ blocking: they run in background threads (replication) or through ``asyncio.to_t
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import hashlib
 import os
@@ -42,6 +43,8 @@ from .eviction import Admission, TierCopy, copy_id, plan_admission
 from .manifest import FileEntry, Manifest
 
 _READ_CHUNK = 8 << 20
+_THREAD_CRC_BYTES = 1 << 20
+"""Writes at least this large compute their CRC-32C in a worker thread, not on the event loop."""
 
 
 def uri_digest(uri: str) -> str:
@@ -95,9 +98,13 @@ class _CrcWriter(ObjectWriter):
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
-        await self._inner.write(data)
-        self._crc = crc32c.crc32c(data, self._crc)
-        self._size += memoryview(data).nbytes
+        nbytes = memoryview(data).nbytes
+        if nbytes >= _THREAD_CRC_BYTES:  # off the event loop, beside the write's own thread
+            _, self._crc = await asyncio.gather(self._inner.write(data), asyncio.to_thread(crc32c.crc32c, data, self._crc))
+        else:
+            await self._inner.write(data)
+            self._crc = crc32c.crc32c(data, self._crc)
+        self._size += nbytes
 
     async def close(self) -> None:
         self._check_open()
