@@ -1,0 +1,118 @@
+"""Configuration of the node memory tier (:class:`MemoryConfig`).
+
+Environment variables (read by :meth:`MemoryConfig.from_env`):
+
+* ``TIERCKPT_MEMORY_DIR``: the tier's directory, shared by every process of the node; it should be on a
+  memory file system (tmpfs) so it outlives the training processes but costs no disk I/O
+  (default ``/dev/shm/tierckpt``).
+* ``TIERCKPT_MEMORY_BYTES``: the tier's budget, e.g. ``"48G"``, ``"512M"``, ``"1000000"`` (binary units:
+  K = 1024). Default: half the size of the file system that holds the directory.
+* ``TIERCKPT_MEMORY_FULL``: what a save does when its checkpoint cannot fit even after evicting
+  everything a lower tier already holds: ``error`` (default; raise :class:`MemoryTierFullError`) or
+  ``fallback`` (write to the next tier instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointError, StorageError
+
+DIR_ENV = "TIERCKPT_MEMORY_DIR"
+BYTES_ENV = "TIERCKPT_MEMORY_BYTES"
+FULL_ENV = "TIERCKPT_MEMORY_FULL"
+DEFAULT_DIRECTORY = "/dev/shm/tierckpt"
+
+
+class OnFull(enum.Enum):
+    """What happens to a checkpoint that cannot fit in the memory tier."""
+
+    ERROR = "error"
+    """Raise :class:`MemoryTierFullError` naming the budget, the sizes and the setting to change."""
+    FALLBACK = "fallback"
+    """Leave the memory tier out for this checkpoint: the caller writes it to the next tier."""
+
+
+class MemoryTierFullError(StorageError):
+    """A checkpoint does not fit in the node memory tier, even after evicting every evictable copy."""
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def _parse_bytes(value: str | int, what: str) -> int:
+    """``"10G"`` -> ``10 * 2**30``; plain integers are bytes (binary units, K = 1024)."""
+    if isinstance(value, int):
+        number = value
+    else:
+        match = _SIZE.match(value)
+        if match is None:
+            raise CheckpointError(
+                f"cannot parse {what}={value!r}: use a whole number of bytes with an optional unit K, M, G "
+                "or T (binary), e.g. '512M' or '48G'"
+            )
+        number = int(match.group(1)) * _UNITS[match.group(2).upper()]
+    if number < 1:
+        raise CheckpointError(f"{what} must be at least 1 byte, got {value!r}")
+    return number
+
+
+def default_budget(directory: str) -> int:
+    """Half the size of the file system that holds ``directory`` (or would, once created)."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    st = os.statvfs(path)
+    return max(st.f_blocks * st.f_frsize // 2, 1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryConfig:
+    """Where the node memory tier lives and how much it may hold. Values, never mutated."""
+
+    directory: str = DEFAULT_DIRECTORY
+    """The tier's directory (tmpfs), shared by the node's processes."""
+    budget_bytes: int = 0
+    """Bytes the tier may hold; ``0`` means the default, half the directory's file system."""
+    on_full: OnFull = OnFull.ERROR
+    """What a checkpoint that cannot fit does (see :class:`OnFull`)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "directory", os.path.abspath(os.path.expanduser(self.directory)))
+        if self.budget_bytes < 0:
+            raise CheckpointError(f"MemoryConfig.budget_bytes must not be negative, got {self.budget_bytes}")
+        if self.budget_bytes == 0:
+            object.__setattr__(self, "budget_bytes", default_budget(self.directory))
+        if not isinstance(self.on_full, OnFull):
+            raise CheckpointError(f"MemoryConfig.on_full must be an OnFull, got {self.on_full!r}")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> MemoryConfig:
+        """A config from the environment (see the module docstring); ``overrides`` win."""
+        values: dict[str, Any] = {}
+        if os.environ.get(DIR_ENV):
+            values["directory"] = os.environ[DIR_ENV]
+        if os.environ.get(BYTES_ENV):
+            values["budget_bytes"] = _parse_bytes(os.environ[BYTES_ENV], BYTES_ENV)
+        flag = os.environ.get(FULL_ENV, "").strip().lower()
+        if flag:
+            try:
+                values["on_full"] = OnFull(flag)
+            except ValueError:
+                raise CheckpointError(
+                    f"{FULL_ENV}={flag!r}: use 'error' (a checkpoint that does not fit fails) or 'fallback' "
+                    "(it is written to the next tier instead)"
+                ) from None
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise CheckpointError(f"unknown MemoryConfig fields {sorted(unknown)}")
+        if isinstance(overrides.get("budget_bytes"), str):
+            overrides["budget_bytes"] = _parse_bytes(overrides["budget_bytes"], "budget_bytes")
+        values.update(overrides)
+        return cls(**values)

@@ -1,0 +1,394 @@
+"""The node memory tier: the newest checkpoints in a tmpfs directory shared by the node's processes.
+
+It outlives the training processes (a restart on the same node reads from memory) and is what
+replication, disk write-back and upload read from. On disk::
+
+    <TIERCKPT_MEMORY_DIR>/
+      .lock                                   serializes admissions (eviction) across the node
+      <sha256 of the URI, 32 hex>/            one checkpoint URI
+        URI                                   the URI itself, so a scan can name it
+        objects/                              the checkpoint's keys: COMMIT, g-.../meta/..., g-.../data/...
+        manifests/<generation>/<origin>.json  size and CRC-32C of the files one origin (node) put there
+
+:class:`MemoryTier` is a :class:`~tierckpt.backends.local.LocalBackend` rooted in ``objects/``, so it
+passes the backend contract (atomic writes: temp file + rename); it also computes each file's
+CRC-32C while it is written, so sealing a generation (:meth:`MemoryTier.seal`) re-reads only files
+other processes wrote. :class:`NodeMemory` is the whole directory: the copies it holds and the
+admission of a new checkpoint under the budget (the policy is the pure :mod:`.eviction`).
+
+Management methods (``seal``, ``held``, ``verify``, ``evict``, receiving files) are synchronous and
+blocking: they run in background threads (replication) or through ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import crc32c
+
+from ..backends.base import UNCONDITIONAL, ObjectWriter, Unconditional
+from ..backends.local import LocalBackend, is_lock_name, is_temp_name, temp_name
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..layout import COMMIT, CommitRecord, is_superseded
+from ..metadata import validate_generation
+from .config import DIR_ENV, MemoryConfig
+from .eviction import Admission, TierCopy, copy_id, plan_admission
+from .manifest import FileEntry, Manifest
+
+_READ_CHUNK = 8 << 20
+_THREAD_CRC_BYTES = 1 << 20
+"""Writes at least this large compute their CRC-32C in a worker thread, not on the event loop."""
+
+
+def uri_digest(uri: str) -> str:
+    """The directory name of ``uri`` in the tier: 32 hex digits of its SHA-256."""
+    return hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:32]
+
+
+def _origin_file(origin: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in origin)[:64]
+    return f"{safe}-{hashlib.sha256(origin.encode()).hexdigest()[:8]}.json"
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write a small file whole: a temp file next to it, renamed over it."""
+    directory, name = os.path.split(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, temp_name(name))
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def file_crc(path: str) -> FileEntry:
+    """Size and CRC-32C of a file, read in chunks."""
+    crc = 0
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_READ_CHUNK):
+            crc = crc32c.crc32c(chunk, crc)
+            size += len(chunk)
+    return FileEntry(size, crc)
+
+
+@dataclass(frozen=True, slots=True)
+class _Stamp:
+    """A CRC computed while writing, valid while the file is the same inode with the same mtime."""
+
+    entry: FileEntry
+    inode: int
+    mtime_ns: int
+
+
+class _CrcWriter(ObjectWriter):
+    """Delegates to the local writer and computes the file's CRC-32C on the way."""
+
+    def __init__(self, tier: MemoryTier, key: str, inner: ObjectWriter) -> None:
+        self._uri = tier.uri_of(key)
+        self._tier, self._key, self._inner = tier, key, inner
+        self._crc = 0
+        self._size = 0
+
+    async def write(self, data: bytes | memoryview) -> None:
+        self._check_open()
+        nbytes = memoryview(data).nbytes
+        if nbytes >= _THREAD_CRC_BYTES:  # off the event loop, beside the write's own thread
+            _, self._crc = await asyncio.gather(self._inner.write(data), asyncio.to_thread(crc32c.crc32c, data, self._crc))
+        else:
+            await self._inner.write(data)
+            self._crc = crc32c.crc32c(data, self._crc)
+        self._size += nbytes
+
+    async def close(self) -> None:
+        self._check_open()
+        self._done = True
+        await self._inner.close()
+        self._tier._remember(self._key, FileEntry(self._size, self._crc))
+
+    async def abort(self) -> None:
+        self._done = True
+        await self._inner.abort()
+
+
+class IncomingFile:
+    """A file arriving in pieces (a replica): temp file, CRC on the way, checked and renamed by :meth:`finish`."""
+
+    def __init__(self, tier: MemoryTier, key: str) -> None:
+        self._tier, self._key = tier, key
+        self._path = tier.path_of(key)
+        os.makedirs(os.path.dirname(self._path), exist_ok=True)
+        self._tmp = os.path.join(os.path.dirname(self._path), temp_name(os.path.basename(self._path)))
+        self._file = open(self._tmp, "wb")
+        self._crc = 0
+        self._size = 0
+
+    def write(self, data: memoryview) -> None:
+        self._file.write(data)
+        self._crc = crc32c.crc32c(data, self._crc)
+        self._size += data.nbytes
+
+    def finish(self, expected: FileEntry) -> None:
+        """Publish the file if it has ``expected`` size and CRC-32C; else discard it and raise."""
+        self._file.close()
+        got = FileEntry(self._size, self._crc)
+        if got != expected:
+            os.unlink(self._tmp)
+            raise CorruptCheckpointError(
+                f"replica of {self._tier.uri}/{self._key} arrived with {got.size} bytes and CRC-32C {got.crc32c:#010x}, "
+                f"its sender recorded {expected.size} bytes and {expected.crc32c:#010x}; it was discarded"
+            )
+        os.replace(self._tmp, self._path)
+        self._tier._remember(self._key, got)
+
+    def abort(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if os.path.exists(self._tmp):
+            os.unlink(self._tmp)
+
+
+class MemoryTier(LocalBackend):
+    """One checkpoint URI's files in the node memory tier (a backend rooted in its ``objects/``)."""
+
+    def __init__(self, uri: str, config: MemoryConfig | None = None) -> None:
+        self.config = config if config is not None else MemoryConfig.from_env()
+        self.uri = uri.rstrip("/")
+        self.home = os.path.join(self.config.directory, uri_digest(uri))
+        super().__init__(os.path.join(self.home, "objects"))
+        self._known: dict[str, _Stamp] = {}
+        self._claimed = False
+
+    def __repr__(self) -> str:
+        return f"MemoryTier({self.uri!r} in {self.home!r})"
+
+    # -- writes: claim the directory, remember CRCs ---------------------------------------------------
+    def _claim(self) -> None:
+        """Create the URI's directory and its ``URI`` file; refuse a directory that names another URI."""
+        if self._claimed:
+            return
+        path = os.path.join(self.home, "URI")
+        if not os.path.exists(path):
+            write_atomic(path, self.uri.encode())
+        with open(path, "rb") as f:
+            found = f.read().decode(errors="replace")
+        if found != self.uri:
+            raise CheckpointError(
+                f"the memory tier directory {self.home} belongs to {found!r}, not {self.uri!r}; remove it "
+                f"(or point {DIR_ENV} elsewhere)"
+            )
+        self._claimed = True
+
+    def _remember(self, key: str, entry: FileEntry) -> None:
+        st = os.stat(self.path_of(key))
+        self._known[key] = _Stamp(entry, st.st_ino, st.st_mtime_ns)
+
+    async def put(self, key: str, data: bytes | memoryview) -> None:
+        self._claim()
+        await super().put(key, data)
+        self._remember(key, FileEntry(memoryview(data).nbytes, crc32c.crc32c(data)))
+
+    async def open_writer(self, key: str) -> ObjectWriter:
+        self._claim()
+        return _CrcWriter(self, key, await super().open_writer(key))
+
+    async def commit(self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL) -> None:
+        self._claim()
+        await super().commit(key, data, expected=expected)
+
+    def receive(self, key: str) -> IncomingFile:
+        """Start writing a replica of ``key`` (see :class:`IncomingFile`)."""
+        self._claim()
+        return IncomingFile(self, key)
+
+    # -- generations and manifests --------------------------------------------------------------------
+    def committed(self) -> CommitRecord | None:
+        """The record ``COMMIT`` holds in this tier (``None``: none)."""
+        try:
+            with open(self.path_of(COMMIT), "rb") as f:
+                return CommitRecord.decode(f.read())
+        except FileNotFoundError:
+            return None
+
+    def generations(self) -> list[str]:
+        """Generations with files or manifests in this tier."""
+        names: set[str] = set()
+        for sub in (self.root, os.path.join(self.home, "manifests")):
+            if os.path.isdir(sub):
+                names.update(n for n in os.listdir(sub) if n.startswith("g-"))
+        return sorted(names)
+
+    def keys_of(self, generation: str) -> list[str]:
+        """Every complete file of ``generation`` (temp files and locks left out), sorted."""
+        base = os.path.join(self.root, validate_generation(generation))
+        keys = []
+        for directory, _, files in os.walk(base):
+            rel = os.path.relpath(directory, self.root).replace(os.sep, "/")
+            keys.extend(f"{rel}/{n}" for n in files if not (is_temp_name(n) or is_lock_name(n)))
+        return sorted(keys)
+
+    def _manifest_dir(self, generation: str) -> str:
+        return os.path.join(self.home, "manifests", validate_generation(generation))
+
+    def manifests(self, generation: str) -> list[Manifest]:
+        """The manifests of ``generation`` (one per origin), sorted by origin."""
+        directory = self._manifest_dir(generation)
+        if not os.path.isdir(directory):
+            return []
+        out = []
+        for name in sorted(os.listdir(directory)):
+            if name.endswith(".json") and not is_temp_name(name):
+                path = os.path.join(directory, name)
+                with open(path, "rb") as f:
+                    out.append(Manifest.decode(f.read(), path))
+        return sorted(out, key=lambda m: m.origin)
+
+    def held(self, generation: str) -> dict[str, FileEntry]:
+        """Every sealed file of ``generation`` on this node and its size and CRC-32C (union of the manifests)."""
+        out: dict[str, FileEntry] = {}
+        for manifest in self.manifests(generation):
+            for key, entry in manifest.files:
+                if out.setdefault(key, entry) != entry:
+                    raise CorruptCheckpointError(
+                        f"the memory tier's manifests of {self.uri} generation {generation} disagree about {key} "
+                        f"({out[key]} and {entry}); delete {self._manifest_dir(generation)} to drop them"
+                    )
+        return out
+
+    def seal(self, generation: str, *, origin: str, keys: Iterable[str] | None = None) -> Manifest:
+        """Write the manifest of the files ``origin`` put in ``generation``: ``keys``, or by default every
+        file of the generation that no other origin's manifest lists. CRCs computed while this object
+        wrote a file are reused; other files are read once."""
+        listed = {k for m in self.manifests(generation) if m.origin != origin for k, _ in m.files}
+        chosen = sorted(keys) if keys is not None else [k for k in self.keys_of(generation) if k not in listed]
+        files = []
+        for key in chosen:
+            if not key.startswith(f"{generation}/"):
+                raise CheckpointError(f"cannot seal {key!r} into generation {generation!r}: it is not one of its files")
+            files.append((key, self._entry(key)))
+        manifest = Manifest(uri=self.uri, generation=generation, origin=origin, created_unix=time.time(), files=tuple(files))
+        self.record(manifest)
+        return manifest
+
+    def _entry(self, key: str) -> FileEntry:
+        path = self.path_of(key)
+        stamp = self._known.get(key)
+        if stamp is not None:
+            st = os.stat(path)
+            if (st.st_ino, st.st_mtime_ns, st.st_size) == (stamp.inode, stamp.mtime_ns, stamp.entry.size):
+                return stamp.entry
+        return file_crc(path)
+
+    def record(self, manifest: Manifest) -> None:
+        """Write ``manifest`` (atomically; it replaces an earlier one of the same origin)."""
+        if manifest.uri != self.uri:
+            raise CheckpointError(f"a manifest of {manifest.uri!r} cannot be recorded in the tier of {self.uri!r}")
+        self._claim()
+        path = os.path.join(self._manifest_dir(manifest.generation), _origin_file(manifest.origin))
+        write_atomic(path, manifest.encode())
+
+    def verify(self, generation: str) -> list[str]:
+        """Re-read every sealed file of ``generation``; one line per file that is missing or differs."""
+        problems = []
+        for key, entry in sorted(self.held(generation).items()):
+            try:
+                got = file_crc(self.path_of(key))
+            except FileNotFoundError:
+                problems.append(f"{key}: missing from {self.root}")
+                continue
+            if got != entry:
+                problems.append(f"{key}: {got.size} bytes with CRC-32C {got.crc32c:#010x}, sealed as {entry.size} with {entry.crc32c:#010x}")
+        return problems
+
+    def evict(self, generation: str) -> None:
+        """Drop ``generation`` from the tier: ``COMMIT`` first when it names it (no reader is led into
+        a half-deleted generation), then its files and manifests."""
+        record = self.committed()
+        if record is not None and record.generation == generation:
+            os.unlink(self.path_of(COMMIT))
+        shutil.rmtree(os.path.join(self.root, validate_generation(generation)), ignore_errors=True)
+        shutil.rmtree(self._manifest_dir(generation), ignore_errors=True)
+        self._known = {k: v for k, v in self._known.items() if not k.startswith(f"{generation}/")}
+
+    def copies(self) -> list[TierCopy]:
+        """Each generation in this tier as a :class:`~.eviction.TierCopy` (sizes as on disk)."""
+        record = self.committed()
+        out = []
+        for generation in self.generations():
+            manifests = self.manifests(generation)
+            sizes, mtimes = _usage(os.path.join(self.root, generation))
+            out.append(TierCopy(
+                copy_id=copy_id(self.uri, generation),
+                nbytes=sizes,
+                created_unix=max((m.created_unix for m in manifests), default=mtimes),
+                sealed=bool(manifests),
+                superseded=record is not None and generation != record.generation and is_superseded(generation, record),
+            ))
+        return out
+
+
+def _usage(directory: str) -> tuple[int, float]:
+    """Bytes of the files under ``directory`` (temp files included: they occupy memory) and the newest mtime."""
+    total, newest = 0, 0.0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            try:
+                st = os.stat(os.path.join(root, name))
+            except FileNotFoundError:
+                continue
+            total += st.st_size
+            newest = max(newest, st.st_mtime)
+    return total, newest
+
+
+class NodeMemory:
+    """The node memory tier directory as a whole: every URI's copies, and admission under the budget."""
+
+    def __init__(self, config: MemoryConfig | None = None) -> None:
+        self.config = config if config is not None else MemoryConfig.from_env()
+
+    def tier(self, uri: str) -> MemoryTier:
+        return MemoryTier(uri, self.config)
+
+    def tiers(self) -> list[MemoryTier]:
+        """Every URI with a directory in the tier."""
+        out = []
+        base = self.config.directory
+        for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+            path = os.path.join(base, name, "URI")
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    out.append(self.tier(f.read().decode(errors="replace")))
+        return out
+
+    def copies(self) -> list[TierCopy]:
+        return [c for t in self.tiers() for c in t.copies()]
+
+    def admit(self, uri: str, generation: str, nbytes: int, durable_below: Iterable[str]) -> Admission:
+        """Make room for ``nbytes`` of ``generation`` of ``uri`` before writing it, evicting what
+        :func:`~.eviction.plan_admission` allows, under the node-wide lock (see :mod:`.eviction`).
+        The generation being admitted is never evicted for itself (replicas of a generation arrive
+        beside the node's own files of it)."""
+        incoming = copy_id(uri, generation)
+        durable = set(durable_below) - {incoming}
+        os.makedirs(self.config.directory, exist_ok=True)
+        fd = os.open(os.path.join(self.config.directory, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            tiers = {t.uri: t for t in self.tiers()}
+            copies = [c for t in tiers.values() for c in t.copies()]
+            admission = plan_admission(
+                copies, nbytes, self.config.budget_bytes, durable, incoming=incoming, on_full=self.config.on_full,
+            )
+            for victim in admission.evict:
+                owner, _, gen = victim.rpartition("/")
+                tiers[owner].evict(gen)
+            return admission
+        finally:
+            os.close(fd)

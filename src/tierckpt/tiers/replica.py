@@ -1,0 +1,375 @@
+"""Peer replicas: a node's memory-tier files copied to other nodes' memory tiers, in the background.
+
+:class:`Replicator` is built by every rank of a group at the same point (foreground): it all-gathers
+the ranks' node ids, plans peers (:mod:`.peers`) and creates a dedicated gloo group, so replication
+never races the training's collectives on their groups. Each node's leader (its lowest rank) runs two
+background threads, one sending and one receiving. Lifecycle of :meth:`Replicator.replicate` for
+one checkpoint generation, called by every rank in the same order:
+
+1. The leader seals its node's files of the generation (:meth:`~.memory.MemoryTier.seal`, origin =
+   the node) in the foreground, so no replica arriving later is mistaken for its own; other ranks only
+   get a handle that follows the level the leader records.
+2. Sender, per target node in turn: a header (the manifest, and ``COMMIT`` when it names this
+   generation) -> the receiver admits the bytes under its budget and answers go or refused -> the
+   files in chunks -> the receiver's acknowledgement.
+3. Receiver, per source node in turn: each file to a temp file with its CRC-32C computed on the way;
+   published only if it matches the sender's manifest; then the manifest (origin = the sender) and,
+   if newer than its own, ``COMMIT``; then the acknowledgement.
+4. The level of the generation becomes ``replicated`` only when every target acknowledged. Any error
+   (a peer that dies closes its connections; one that hangs exceeds ``timeout_s`` per operation), a
+   refusal or a CRC mismatch leaves it at ``memory`` with the reason. The level is recorded in the
+   tier (``levels/<generation>.json``), where the node's other ranks, and a restart, read it.
+
+A peer connection that failed once is not used again by this replicator (gloo closes the pair):
+later generations report ``memory`` naming the first failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import datetime
+import json
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CheckpointBusyError, CheckpointError
+from ..layout import COMMIT, CommitRecord
+from ..node import node_id
+from .levels import Level, ReplicaHandle, ReplicaResult
+from .manifest import FileEntry, Manifest
+from .memory import IncomingFile, MemoryTier, NodeMemory
+from .peers import ReplicaPlan, plan_replicas
+
+log = logging.getLogger(__name__)
+
+_REPLY_BYTES = 4096
+_TAG_HEADER, _TAG_REPLY, _TAG_DATA, _TAG_ACK = 1, 2, 3, 4
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    uri: str
+    generation: str
+    manifest: Manifest
+    commit: bytes | None
+    handle: ReplicaHandle
+
+
+class Replicator:
+    """Copies this node's memory-tier files of each generation to its peer nodes (see the module docstring).
+
+    ``group``: the ranks that replicate (default: the whole default group); every one of them builds
+    the replicator at the same point. ``durable_below()``: copy ids a lower tier holds, which a
+    receiver may evict to make room. ``timeout_s``: the longest any one transfer step may wait.
+    """
+
+    def __init__(
+        self,
+        memory: NodeMemory | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        replicas: int | None = None,
+        timeout_s: float = 60.0,
+        chunk_bytes: int = 32 << 20,
+        durable_below: Callable[[], Iterable[str]] = frozenset,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise CheckpointError("peer replicas need torch.distributed: call init_process_group first")
+        self.memory = memory if memory is not None else NodeMemory()
+        self._ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        rank_nodes: list[str] = [""] * len(self._ranks)
+        dist.all_gather_object(rank_nodes, node_id(), group=group)
+        self.rank_nodes = tuple(rank_nodes)
+        self.plan: ReplicaPlan = plan_replicas(self.rank_nodes, replicas)
+        self.node = self.plan.node_of(self.rank_nodes, self._ranks.index(dist.get_rank()))
+        self.is_leader = self._ranks[self.plan.leaders[self.node]] == dist.get_rank()
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._chunk = chunk_bytes
+        self._durable_below = durable_below
+        self._pg = dist.new_group(self._ranks, backend="gloo", timeout=self._timeout, use_local_synchronization=True)
+        self._broken: dict[int, str] = {}
+        self._queues: list[queue.Queue[_Job | None]] = []
+        self._threads: list[threading.Thread] = []
+        if self.is_leader and self.plan.replicas:
+            for name, loop in (("send", self._send_loop), ("receive", self._receive_loop)):
+                q: queue.Queue[_Job | None] = queue.Queue()
+                thread = threading.Thread(target=loop, args=(q,), name=f"tierckpt-replica-{name}", daemon=True)
+                thread.start()
+                self._queues.append(q)
+                self._threads.append(thread)
+
+    def _node_name(self, node: int) -> str:
+        return self.plan.nodes[node]
+
+    def _leader(self, node: int) -> int:
+        return self._ranks[self.plan.leaders[node]]
+
+    def replicate(self, uri: str, generation: str, keys: Iterable[str] | None = None) -> ReplicaHandle:
+        """Start replicating ``generation`` of ``uri`` (every rank of the group, in the same order).
+
+        ``keys``: the node's own files of the generation (default: every file no other origin lists).
+        """
+        tier = self.memory.tier(uri)
+        peers = tuple(self._node_name(t) for t in self.plan.targets(self.node))
+        handle = ReplicaHandle(tier, generation, peers)
+        if not self.is_leader:
+            return handle
+        manifest = tier.seal(generation, origin=self._node_name(self.node), keys=keys)
+        if not self.plan.replicas:
+            handle._finish(ReplicaResult(
+                uri=tier.uri, generation=generation, level=Level.MEMORY, peers=(), acknowledged=(),
+                reason="no peer holds a replica: the job spans one node or TIERCKPT_REPLICAS is 0",
+            ))
+            return handle
+        record = tier.committed()
+        commit = None
+        if record is not None and record.generation == generation:
+            with open(tier.path_of(COMMIT), "rb") as f:
+                commit = f.read()
+        job = _Job(tier.uri, generation, manifest, commit, handle)
+        for q in self._queues:
+            q.put(job)
+        return handle
+
+    def close(self) -> None:
+        """Finish the queued jobs and stop the background threads."""
+        for q in self._queues:
+            q.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._queues, self._threads = [], []
+
+    # -- transport ---------------------------------------------------------------------------------------
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        dist.isend(tensor, dst, group=self._pg, tag=tag).wait(self._timeout)
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
+        dist.irecv(tensor, src, group=self._pg, tag=tag).wait(self._timeout)
+
+    def _send_bytes(self, data: bytes, dst: int, tag: int) -> None:
+        self._send(torch.tensor([len(data)], dtype=torch.int64), dst, tag)
+        self._send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, tag)
+
+    def _recv_bytes(self, src: int, tag: int) -> bytes:
+        size = torch.zeros(1, dtype=torch.int64)
+        self._recv(size, src, tag)
+        out = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._recv(out, src, tag)
+        return out.numpy().tobytes()
+
+    def _reply(self, text: str, dst: int, tag: int) -> None:
+        """A fixed-size answer: ``ok`` or the reason of a refusal, truncated to fit."""
+        buf = torch.zeros(_REPLY_BYTES, dtype=torch.uint8)
+        data = text.encode()[: _REPLY_BYTES - 1]
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._send(buf, dst, tag)
+
+    def _answer(self, src: int, tag: int) -> str:
+        buf = torch.zeros(_REPLY_BYTES, dtype=torch.uint8)
+        self._recv(buf, src, tag)
+        return buf.numpy().tobytes().rstrip(b"\0").decode(errors="replace")
+
+    # -- the sending side --------------------------------------------------------------------------------
+    def _send_loop(self, jobs: queue.Queue[_Job | None]) -> None:
+        bufs = _buffers(self._chunk)
+        while (job := jobs.get()) is not None:
+            try:
+                result = self._replicate_job(job, bufs)
+            except Exception as exc:  # noqa: BLE001 - never a lost handle: the level stays memory, with why
+                result = ReplicaResult(
+                    uri=job.uri, generation=job.generation, level=Level.MEMORY, peers=(), acknowledged=(),
+                    reason=f"replication failed: {type(exc).__name__}: {exc}",
+                )
+            job.handle._finish(result)
+
+    def _replicate_job(self, job: _Job, bufs: tuple[torch.Tensor, ...]) -> ReplicaResult:
+        """Send one generation to every target in turn; its level from their answers."""
+        acknowledged: list[str] = []
+        reasons: list[str] = []
+        for target in self.plan.targets(self.node):
+                name, dst = self._node_name(target), self._leader(target)
+                if dst in self._broken:
+                    reasons.append(f"peer {name} (rank {dst}) is unreachable since: {self._broken[dst]}")
+                    continue
+                try:
+                    refusal = self._send_job(job, dst, bufs)
+                except Exception as exc:  # noqa: BLE001 - a dead or hung peer: reported, never raised
+                    self._broken[dst] = f"{type(exc).__name__}: {exc}"
+                    reasons.append(f"peer {name} (rank {dst}) failed during replication: {self._broken[dst]}")
+                    continue
+                if refusal:
+                    reasons.append(f"peer {name} (rank {dst}) refused: {refusal}")
+                else:
+                    acknowledged.append(name)
+        peers = tuple(self._node_name(t) for t in self.plan.targets(self.node))
+        return ReplicaResult(
+            uri=job.uri, generation=job.generation, level=Level.MEMORY if reasons else Level.REPLICATED,
+            peers=peers, acknowledged=tuple(acknowledged), reason="; ".join(reasons) or None,
+        )
+
+    def _send_job(self, job: _Job, dst: int, bufs: tuple[torch.Tensor, ...]) -> str | None:
+        """Send one generation to one peer; the peer's refusal, or ``None`` once it acknowledged.
+
+        Chunks alternate between the buffers: the next chunk is read from the tier while the previous
+        one is on the wire."""
+        header = {"manifest": job.manifest.encode().decode(), "commit": None if job.commit is None else job.commit.decode()}
+        self._send_bytes(json.dumps(header).encode(), dst, _TAG_HEADER)
+        answer = self._answer(dst, _TAG_REPLY)
+        if answer != "ok":
+            return answer
+        tier = self.memory.tier(job.uri)
+        in_flight: list[dist.Work | None] = [None] * len(bufs)
+        chunk = 0
+        for key, entry in job.manifest.files:
+            path = tier.path_of(key)
+            for offset in range(0, entry.size, self._chunk):
+                slot = chunk % len(bufs)
+                chunk += 1
+                if in_flight[slot] is not None:
+                    in_flight[slot].wait(self._timeout)
+                view = bufs[slot][: min(self._chunk, entry.size - offset)]
+                _read_chunk(path, offset, view, entry.size)
+                in_flight[slot] = dist.isend(view, dst, group=self._pg, tag=_TAG_DATA)
+        for work in in_flight:
+            if work is not None:
+                work.wait(self._timeout)
+        answer = self._answer(dst, _TAG_ACK)
+        return None if answer == "ok" else answer
+
+    # -- the receiving side ------------------------------------------------------------------------------
+    def _receive_loop(self, jobs: queue.Queue[_Job | None]) -> None:
+        bufs = _buffers(self._chunk)
+        while (job := jobs.get()) is not None:
+            for source in self.plan.sources(self.node):
+                src = self._leader(source)
+                if src in self._broken:
+                    continue
+                try:
+                    self._receive_job(src, bufs)
+                except Exception as exc:  # noqa: BLE001 - the sender reports the failure as its level
+                    self._broken[src] = f"{type(exc).__name__}: {exc}"
+                    log.warning("receiving replicas from rank %d failed: %s", src, self._broken[src])
+
+    def _receive_job(self, src: int, bufs: tuple[torch.Tensor, ...]) -> None:
+        header = json.loads(self._recv_bytes(src, _TAG_HEADER))
+        try:
+            manifest = Manifest.decode(header["manifest"].encode(), f"the header from rank {src}")
+            tier = self.memory.tier(manifest.uri)
+            admission = self.memory.admit(manifest.uri, manifest.generation, manifest.nbytes, self._durable_below())
+            refusal = None if admission.fits else admission.reason
+        except CheckpointError as exc:
+            refusal = str(exc)
+        self._reply(refusal or "ok", src, _TAG_REPLY)
+        if refusal:
+            return
+        sizes = [min(self._chunk, e.size - o) for _, e in manifest.files for o in range(0, e.size, self._chunk)]
+        chunks = _Chunks(sizes, bufs, lambda view: dist.irecv(view, src, group=self._pg, tag=_TAG_DATA), self._timeout)
+        failures = [f for key, entry in manifest.files if (f := self._receive_file(tier, key, entry, chunks))]
+        if not failures:
+            try:
+                tier.record(manifest)
+                if header["commit"] is not None:
+                    _adopt_commit(tier, header["commit"].encode())
+            except (CheckpointError, OSError) as exc:
+                failures.append(f"recording {manifest.generation} of {tier.uri} failed: {exc}")
+        self._reply("; ".join(failures) or "ok", src, _TAG_ACK)
+
+    def _receive_file(self, tier: MemoryTier, key: str, entry: FileEntry, chunks: _Chunks) -> str | None:
+        """Receive one file into the tier; why it was not published (a local failure: the rest of the
+        file is still drained, so the transfer stays in step), or ``None``. Transport errors raise."""
+        failure = None
+        incoming: IncomingFile | None = None
+        try:
+            incoming = tier.receive(key)
+        except (CheckpointError, OSError) as exc:
+            failure = f"cannot write {key}: {exc}"
+        try:
+            for _ in range(0, entry.size, self._chunk):
+                view = chunks.take()
+                if incoming is not None and failure is None:
+                    try:
+                        incoming.write(view)
+                    except OSError as exc:
+                        failure = f"writing {key} failed: {exc}"
+            if incoming is not None and failure is None:
+                incoming.finish(entry)
+                incoming = None
+        except (CheckpointError, OSError) as exc:
+            failure = str(exc)
+        finally:
+            if incoming is not None:
+                incoming.abort()
+        return failure
+
+
+def _buffers(chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two chunk buffers: one is filled (or drained) while the other is on the wire."""
+    return torch.empty(chunk_bytes, dtype=torch.uint8), torch.empty(chunk_bytes, dtype=torch.uint8)
+
+
+def _read_chunk(path: str, offset: int, view: torch.Tensor, sealed_size: int) -> None:
+    """Fill ``view`` with the bytes of ``path`` at ``offset``."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if os.preadv(fd, [view.numpy()], offset) != view.numel():
+            raise CheckpointError(f"{path} is shorter than its sealed {sealed_size} bytes")
+    finally:
+        os.close(fd)
+
+
+class _Chunks:
+    """The data chunks of one transfer, received in turn into alternating buffers: the receive of
+    chunk ``i + len(bufs)`` is posted as soon as chunk ``i`` has been consumed."""
+
+    def __init__(
+        self, sizes: list[int], bufs: tuple[torch.Tensor, ...], post: Callable[[torch.Tensor], dist.Work],
+        timeout: datetime.timedelta,
+    ) -> None:
+        self._sizes, self._bufs, self._post, self._timeout = sizes, bufs, post, timeout
+        self._posted: collections.deque[tuple[torch.Tensor, dist.Work]] = collections.deque()
+        self._next = 0
+        self._taken = False
+        for _ in bufs:
+            self._post_next()
+
+    def _post_next(self) -> None:
+        if self._next < len(self._sizes):
+            view = self._bufs[self._next % len(self._bufs)][: self._sizes[self._next]]
+            self._posted.append((view, self._post(view)))
+            self._next += 1
+
+    def take(self) -> memoryview:
+        """The next chunk's bytes, valid until the next ``take``."""
+        if self._taken:
+            self._post_next()  # the previous chunk's buffer is free again
+        view, work = self._posted.popleft()
+        work.wait(self._timeout)
+        self._taken = True
+        return memoryview(view.numpy())
+
+
+def _adopt_commit(tier: MemoryTier, data: bytes) -> None:
+    """Write a peer's ``COMMIT`` unless this tier holds the same or a newer one (compare-and-swap, so a
+    commit of this node's own ranks racing it is never overwritten by an older record)."""
+    record = CommitRecord.decode(data)
+    while True:
+        try:
+            with open(tier.path_of(COMMIT), "rb") as f:
+                current: bytes | None = f.read()
+        except FileNotFoundError:
+            current = None
+        if current is not None and CommitRecord.decode(current).seq >= record.seq:
+            return
+        try:
+            asyncio.run(tier.commit(COMMIT, data, expected=current))
+            return
+        except CheckpointBusyError:
+            continue  # someone committed meanwhile: compare again

@@ -1,0 +1,214 @@
+"""Peer replicas: the pure peer choice, and real gloo groups simulating nodes on one machine.
+
+Each simulated node has its own ``TIERCKPT_NODE_ID`` and memory-tier directory; the replicator copies
+every node's files to its peers' tiers over a dedicated gloo group. Checked: bit-exact copies with
+CRC-checked manifests and ``COMMIT`` on the peers, the level ``replicated`` only when every peer
+acknowledged, a refusing peer (budget full) and a peer killed mid-replication leaving ``memory`` with
+the reason within a bounded time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import crc32c
+import pytest
+
+from distributed import free_port
+from tierckpt.errors import CheckpointError
+from tierckpt.tiers.peers import plan_replicas, replica_count
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import replica_child  # noqa: E402
+
+
+# -- peer choice (pure) ------------------------------------------------------------------------------------
+def test_default_replica_count() -> None:
+    assert replica_count(1, {}) == 0 and replica_count(2, {}) == 1 and replica_count(8, {}) == 1
+    assert replica_count(4, {"TIERCKPT_REPLICAS": "3"}) == 3
+    with pytest.raises(CheckpointError, match="TIERCKPT_REPLICAS=2 but the job spans 2 node.*at most 1"):
+        replica_count(2, {"TIERCKPT_REPLICAS": "2"})
+    with pytest.raises(CheckpointError, match="TIERCKPT_REPLICAS='-1'"):
+        replica_count(2, {"TIERCKPT_REPLICAS": "-1"})
+
+
+def test_nodes_leaders_and_peers() -> None:
+    plan = plan_replicas(["b", "b", "a", "a", "c", "c"], env={})
+    assert plan.nodes == ("b", "a", "c") and plan.leaders == (0, 2, 4) and plan.replicas == 1
+    assert [plan.targets(i) for i in range(3)] == [(1,), (2,), (0,)]
+    assert [plan.sources(i) for i in range(3)] == [(2,), (0,), (1,)]
+    assert plan_replicas(["x", "x"], env={}).replicas == 0
+    with pytest.raises(CheckpointError, match="3 replicas per node cannot be placed on the job's 3 node"):
+        plan_replicas(["a", "b", "c"], replicas=3)
+
+
+@pytest.mark.parametrize("nodes", range(1, 7))
+def test_losing_any_r_nodes_loses_nothing_and_stages_pair_up(nodes: int) -> None:
+    for replicas in range(nodes):
+        plan = plan_replicas([f"n{i}" for i in range(nodes)], replicas=replicas)
+        for i in range(nodes):
+            holders = {i, *plan.targets(i)}
+            assert len(holders) == replicas + 1  # R distinct other nodes
+            for k, target in enumerate(plan.targets(i)):
+                assert plan.sources(target)[k] == i  # a sender's k-th transfer meets its receiver's k-th
+
+
+# -- real gloo groups in the worker pool ---------------------------------------------------------------------
+URI = "s3://bucket/run/step-3"
+DATA = 2 * (1 << 20) + 12345  # several chunks of 1 MiB, the last one short
+
+
+def data_of(rank: int) -> bytes:
+    return bytes((rank * 13 + i) % 256 for i in range(256)) * (DATA // 256) + bytes([rank]) * (DATA % 256)
+
+
+def _replicate_scenario(workdir: str, per_node: int, replicas: int | None, small_budget_node: str | None) -> dict:
+    """Every rank writes its file into its node's tier, rank 0 also metadata and COMMIT; all replicate."""
+    import asyncio
+
+    import torch.distributed as dist
+
+    from tierckpt.layout import COMMIT, CommitRecord, new_generation
+    from tierckpt.tiers import MemoryConfig, NodeMemory
+    from tierckpt.tiers.replica import Replicator
+
+    rank = dist.get_rank()
+    node_name = f"node-{rank // per_node}"
+    saved = os.environ.get("TIERCKPT_NODE_ID")
+    os.environ["TIERCKPT_NODE_ID"] = node_name
+    try:
+        budget = 4 * DATA if node_name == small_budget_node else 1 << 30
+        node = NodeMemory(MemoryConfig(directory=os.path.join(workdir, node_name), budget_bytes=budget))
+        box = [new_generation(1) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        generation = box[0]
+        tier = node.tier(URI)
+        asyncio.run(tier.put(f"{generation}/data/rank-{rank:05d}.bin", data_of(rank)))
+        if rank == 0:
+            asyncio.run(tier.put(f"{generation}/meta/header.json", b'{"header": true}'))
+            asyncio.run(tier.put(f"{generation}/objects/rank-00000.bin", b""))  # an empty file travels too
+        dist.barrier()
+        if rank == 0:
+            asyncio.run(tier.commit(COMMIT, CommitRecord(generation, 1.0, 1).encode()))
+        dist.barrier()
+        replicator = Replicator(node, replicas=replicas, timeout_s=30, chunk_bytes=1 << 20)
+        result = replicator.replicate(URI, generation).wait(timeout_s=120)
+        replicator.close()
+        dist.barrier()
+        return {"generation": generation, "node": node_name, "level": result.level.value, "reason": result.reason,
+                "acknowledged": list(result.acknowledged), "held": sorted(tier.held(generation)),
+                "problems": tier.verify(generation)}
+    finally:
+        if saved is None:
+            os.environ.pop("TIERCKPT_NODE_ID", None)
+        else:
+            os.environ["TIERCKPT_NODE_ID"] = saved
+
+
+def tier_file(workdir: Path, node: str, key: str) -> bytes:
+    from tierckpt.tiers.memory import uri_digest
+
+    return (workdir / node / uri_digest(URI) / "objects" / key).read_bytes()
+
+
+def test_two_nodes_of_two_ranks_replicate_bit_exact(dist_pool, tmp_path: Path) -> None:
+    results = dist_pool.run(_replicate_scenario, str(tmp_path), 2, None, None)
+    generation = results[0]["generation"]
+    files = [f"{generation}/data/rank-{r:05d}.bin" for r in range(4)] + [
+        f"{generation}/meta/header.json", f"{generation}/objects/rank-00000.bin"]
+    for r in results:
+        assert r["level"] == "replicated" and r["reason"] is None, r
+        assert r["held"] == sorted(files) and r["problems"] == []  # each node: its own files and its peer's
+    assert results[0]["acknowledged"] == ["node-1"] and results[2]["acknowledged"] == ["node-0"]
+    for node in ("node-0", "node-1"):
+        for r in range(4):
+            assert tier_file(tmp_path, node, f"{generation}/data/rank-{r:05d}.bin") == data_of(r)
+    assert tier_file(tmp_path, "node-1", "COMMIT") == tier_file(tmp_path, "node-0", "COMMIT")
+    assert tier_file(tmp_path, "node-1", f"{generation}/meta/header.json") == b'{"header": true}'
+    assert tier_file(tmp_path, "node-1", f"{generation}/objects/rank-00000.bin") == b""
+
+
+def test_four_nodes_two_replicas_each(dist_pool, tmp_path: Path) -> None:
+    results = dist_pool.run(_replicate_scenario, str(tmp_path), 1, 2, None)
+    generation = results[0]["generation"]
+    for rank, r in enumerate(results):
+        assert r["level"] == "replicated", r
+        assert r["acknowledged"] == [f"node-{(rank + 1) % 4}", f"node-{(rank + 2) % 4}"]
+        own = {f"{generation}/data/rank-{s:05d}.bin" for s in (rank, (rank - 1) % 4, (rank - 2) % 4)}
+        assert own <= set(r["held"]) and f"{generation}/data/rank-{(rank + 1) % 4:05d}.bin" not in r["held"]
+        for s in (rank, (rank - 1) % 4, (rank - 2) % 4):
+            assert crc32c.crc32c(tier_file(tmp_path, f"node-{rank}", f"{generation}/data/rank-{s:05d}.bin")) == crc32c.crc32c(data_of(s))
+
+
+def test_a_peer_without_room_refuses_and_the_level_stays_memory(dist_pool, tmp_path: Path) -> None:
+    results = dist_pool.run(_replicate_scenario, str(tmp_path), 2, None, "node-1")  # node-1 holds 4 files at most
+    node0, node1 = results[0], results[2]
+    assert node1["level"] == "replicated"  # node-0 had room for node-1's files
+    assert node0["level"] == "memory" and node0["acknowledged"] == []
+    assert "peer node-1 (rank 2) refused" in node0["reason"] and "TIERCKPT_MEMORY_BYTES" in node0["reason"]
+    assert results[1]["level"] == "memory"  # the node's other rank reads the same level
+    assert not any(k.endswith("rank-00000.bin") for k in node1["held"])
+
+
+# -- a node lost during replication (separate processes, so one can die) ---------------------------------------
+def run_children(tmp_path: Path, fail: str) -> tuple[list[subprocess.Popen], str]:
+    """Four ranks on two simulated nodes; node-1's leader fails (``fail``) on its first chunk of generation 2."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "replica_child.py"), str(r), "4", "2", str(port), str(tmp_path),
+             f"--fail={fail}"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        for r in range(4)
+    ]
+    try:
+        for p in procs[:3] if fail == "kill" else procs[:2]:  # node-0, and node-1's leader when it dies
+            p.wait(timeout=150)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    logs = "\n".join(f"--- rank {r} ---\n{p.stdout.read().decode(errors='replace')}" for r, p in enumerate(procs))
+    return procs, logs
+
+
+def test_a_peer_killed_mid_replication_leaves_memory_with_the_reason(tmp_path: Path) -> None:
+    procs, logs = run_children(tmp_path, "kill")
+    assert procs[2].returncode == 9, logs  # the leader of node-1 died on its first received chunk
+    leader, other = (json.loads((tmp_path / f"result-{r}.json").read_text())["results"] for r in (0, 1))
+    first, second = sorted(leader)
+    assert leader[first]["level"] == "replicated" and leader[first]["acknowledged"] == ["node-1"], logs
+    assert leader[second]["level"] == "memory" and leader[second]["acknowledged"] == []
+    assert "peer node-1 (rank 2) failed during replication" in leader[second]["reason"]
+    assert leader[second]["seconds"] < 30  # bounded by the replicator's timeout, not a hang
+    assert other[second]["level"] == "memory" and other[second]["reason"] == leader[second]["reason"]
+    # The survivor of node-1's memory still holds the previous generation whole, and nothing of the new one.
+    from tierckpt.tiers import MemoryConfig, MemoryTier
+
+    survivor = MemoryTier(replica_child.URI, MemoryConfig(directory=str(tmp_path / "node-1" / "shm"), budget_bytes=1 << 30))
+    assert survivor.verify(first) == [] and sorted(survivor.held(first)) == sorted(
+        [f"{first}/data/rank-{r:05d}.bin" for r in range(4)] + [f"{first}/meta/header.json"]
+    )
+    assert survivor.committed().generation == first
+    for r in range(4):
+        assert (Path(survivor.path_of(f"{first}/data/rank-{r:05d}.bin"))).read_bytes() == replica_child.data_of(r, 1)
+    assert [m.origin for m in survivor.manifests(second)] == ["node-1"]  # only its own files, never node-0's
+
+
+def test_a_stuck_peer_times_out_and_the_level_stays_memory(tmp_path: Path) -> None:
+    procs, logs = run_children(tmp_path, "hang")
+    leader, other = (json.loads((tmp_path / f"result-{r}.json").read_text())["results"] for r in (0, 1))
+    first, second = sorted(leader)
+    assert leader[first]["level"] == "replicated", logs
+    assert leader[second]["level"] == "memory" and "peer node-1 (rank 2) failed during replication" in leader[second]["reason"]
+    assert "Timed out" in leader[second]["reason"] or "timeout" in leader[second]["reason"].lower()
+    assert 9 < leader[second]["seconds"] < 30  # the replicator's 10 s step timeout, not a hang
+    assert other[second]["level"] == "memory"
