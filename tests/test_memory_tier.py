@@ -156,7 +156,7 @@ def test_config_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @pytest.mark.parametrize(("env", "value", "message"), [
-    ("TIERCKPT_MEMORY_BYTES", "lots", "TIERCKPT_MEMORY_BYTES='lots'.*'48G'"),
+    ("TIERCKPT_MEMORY_BYTES", "lots", "TIERCKPT_MEMORY_BYTES 'lots' as a byte size.*'512M'"),
     ("TIERCKPT_MEMORY_BYTES", "0", "TIERCKPT_MEMORY_BYTES must be at least 1 byte"),
     ("TIERCKPT_MEMORY_FULL", "maybe", "TIERCKPT_MEMORY_FULL='maybe'.*'fallback'"),
 ])

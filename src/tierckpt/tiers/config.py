@@ -5,8 +5,8 @@ Environment variables (read by :meth:`MemoryConfig.from_env`):
 * ``TIERCKPT_MEMORY_DIR``: the tier's directory, shared by every process of the node; it should be on a
   memory file system (tmpfs) so it outlives the training processes but costs no disk I/O
   (default ``/dev/shm/tierckpt``).
-* ``TIERCKPT_MEMORY_BYTES``: the tier's budget, e.g. ``"48G"``, ``"512M"``, ``"1000000"`` (binary units:
-  K = 1024). Default: half the size of the file system that holds the directory.
+* ``TIERCKPT_MEMORY_BYTES``: the tier's budget, e.g. ``"48G"``, ``"512M"``, ``"1000000"`` (the byte sizes of
+  :func:`tierckpt.units.parse_bytes`: G = 2**30, GB = 10**9). Default: half the size of the file system that holds the directory.
 * ``TIERCKPT_MEMORY_FULL``: what a save does when its checkpoint cannot fit even after evicting
   everything a lower tier already holds: ``error`` (default; raise :class:`MemoryTierFullError`) or
   ``fallback`` (write to the next tier instead).
@@ -17,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError, StorageError
+from ..units import parse_bytes
 
 DIR_ENV = "TIERCKPT_MEMORY_DIR"
 BYTES_ENV = "TIERCKPT_MEMORY_BYTES"
@@ -40,27 +40,6 @@ class OnFull(enum.Enum):
 
 class MemoryTierFullError(StorageError):
     """A checkpoint does not fit in the node memory tier, even after evicting every evictable copy."""
-
-
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
-
-
-def _parse_bytes(value: str | int, what: str) -> int:
-    """``"10G"`` -> ``10 * 2**30``; plain integers are bytes (binary units, K = 1024)."""
-    if isinstance(value, int):
-        number = value
-    else:
-        match = _SIZE.match(value)
-        if match is None:
-            raise CheckpointError(
-                f"cannot parse {what}={value!r}: use a whole number of bytes with an optional unit K, M, G "
-                "or T (binary), e.g. '512M' or '48G'"
-            )
-        number = int(match.group(1)) * _UNITS[match.group(2).upper()]
-    if number < 1:
-        raise CheckpointError(f"{what} must be at least 1 byte, got {value!r}")
-    return number
 
 
 def default_budget(directory: str) -> int:
@@ -99,7 +78,7 @@ class MemoryConfig:
         if os.environ.get(DIR_ENV):
             values["directory"] = os.environ[DIR_ENV]
         if os.environ.get(BYTES_ENV):
-            values["budget_bytes"] = _parse_bytes(os.environ[BYTES_ENV], BYTES_ENV)
+            values["budget_bytes"] = parse_bytes(os.environ[BYTES_ENV], BYTES_ENV, minimum=1)
         flag = os.environ.get(FULL_ENV, "").strip().lower()
         if flag:
             try:
@@ -113,6 +92,6 @@ class MemoryConfig:
         if unknown:
             raise CheckpointError(f"unknown MemoryConfig fields {sorted(unknown)}")
         if isinstance(overrides.get("budget_bytes"), str):
-            overrides["budget_bytes"] = _parse_bytes(overrides["budget_bytes"], "budget_bytes")
+            overrides["budget_bytes"] = parse_bytes(overrides["budget_bytes"], "budget_bytes", minimum=1)
         values.update(overrides)
         return cls(**values)
