@@ -10,7 +10,7 @@ from __future__ import annotations
 import crc32c
 import pytest
 
-from test_load_planner import check_exact, check_rounds, reference, save_fake
+from test_load_planner import SIZES, check_exact, check_rounds, reference, save_fake
 from tierckpt.errors import CheckpointError
 from tierckpt.planner import LoadPlan, TargetPiece, plan_load, topology
 from tierckpt.planner.locality import HeldFile, RankHoldings, UnitSpan, assign_local_readers, relocate, spans_of
@@ -102,7 +102,7 @@ def test_a_replacement_node_reads_its_peers_replicas_through_the_exchange() -> N
     refs, tensors, pieces, files = saved_by_four_ranks()
     nodes = ["a", "a", "b", "b"]
     needs = needs_of(4)
-    plan = plan_load(tensors, pieces, needs, topology=topology("object_store", "gloo", nodes))
+    plan = plan_load(tensors, pieces, needs, **SIZES, topology=topology("object_store", "gloo", nodes))
     assert {u.file for u in plan.units if u.reader >= 2} == {"data/rank-00002.bin", "data/rank-00003.bin"}
     node_files = {"a": dict(files), "b": {}}  # node b was replaced: its memory is empty; a holds b's replicas
     everything = held(files, sorted(files))
@@ -120,7 +120,7 @@ def test_a_replacement_node_reads_its_peers_replicas_through_the_exchange() -> N
 def test_each_node_holding_its_own_files_changes_nothing() -> None:
     refs, tensors, pieces, files = saved_by_four_ranks()
     nodes = ["a", "a", "b", "b"]
-    plan = plan_load(tensors, pieces, needs_of(4), topology=topology("object_store", "gloo", nodes))
+    plan = plan_load(tensors, pieces, needs_of(4), **SIZES, topology=topology("object_store", "gloo", nodes))
     own = {"a": sorted(files)[:2], "b": sorted(files)[2:]}
     holdings = [RankHoldings(n, held(files, own[n])) for n in nodes]
     locality = assign_local_readers(spans_of(plan), holdings)
@@ -132,7 +132,7 @@ def test_four_ranks_on_two_nodes_to_two_ranks_on_the_surviving_node(split_cols: 
     refs, tensors, pieces, files = saved_by_four_ranks()
     nodes = ["b", "b"]  # node a is lost; b holds its own files and a's replicas
     needs = needs_of(2, split_cols)
-    plan = plan_load(tensors, pieces, needs, topology=topology("object_store", "gloo", nodes))
+    plan = plan_load(tensors, pieces, needs, **SIZES, topology=topology("object_store", "gloo", nodes))
     holdings = [RankHoldings("b", held(files, sorted(files)))] * 2
     locality = assign_local_readers(spans_of(plan), holdings)
     assert all(locality.local) and locality.conflicts == ()
@@ -146,7 +146,7 @@ def test_partly_held_checkpoint_mixes_local_and_remote_reads() -> None:
     refs, tensors, pieces, files = saved_by_four_ranks()
     nodes = ["a", "a", "b", "b"]
     needs = needs_of(4, split_cols=True)
-    plan = plan_load(tensors, pieces, needs, topology=topology("object_store", "gloo", nodes))
+    plan = plan_load(tensors, pieces, needs, **SIZES, topology=topology("object_store", "gloo", nodes))
     node_files = {"a": {"data/rank-00003.bin": files["data/rank-00003.bin"]}, "b": {}}
     holdings = [RankHoldings(n, held(node_files[n], sorted(node_files[n]))) for n in nodes]
     locality = assign_local_readers(spans_of(plan), holdings)
