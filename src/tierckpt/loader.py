@@ -46,9 +46,10 @@ from .errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
     IncompleteCheckpointError, StateMismatchError,
 )
+from .io.coalesce import Taken, coalesce, read_group
 from .io.rangefile import RangeFile
 from .io.readcheck import ReadChecker
-from .io.scheduler import ReadRequest, get_scheduler
+from .io.scheduler import DEFAULT_PART_BYTES, ReadRequest, get_scheduler
 from .metadata import (
     MAX_HEADER_BYTES, MAX_TABLE_BYTES, CheckpointMeta, ObjectMeta, PieceMeta, TensorMeta, decode_header, decode_pieces,
     decode_tensors, dtype_name, itemsize,
@@ -57,6 +58,7 @@ from .monitor import Monitor
 from .objects import decode_object
 from .node import node_id
 from .planner import LoadPlan, ReadUnit, TargetPiece, Topology, plan_load, topology as route_topology
+from .planner.load_planner import COALESCE_GAP_BYTES
 from .planner.routes import store_kind
 from .regions import FlatRange, StoredBox
 from .state import FlatState, TensorEntry, flatten_state
@@ -514,6 +516,9 @@ class _Executor:
         self.backend, self.gen, self.plan, self.targets, self.comm, self.monitor = backend, gen, plan, targets, comm, monitor
         self.checker = checker
         self.sched = get_scheduler()
+        # Neighbouring units of a file become one request where requests are dear (io.coalesce).
+        self.coalesce = not backend.capabilities.local_path
+        self.taken = Taken((u.file, u.run_offsets, u.run_bytes) for u in plan.units) if self.coalesce else None
 
     def run(self) -> None:
         rounds = list(zip(self.plan.rounds, self.plan.exchanges))
@@ -542,30 +547,40 @@ class _Executor:
                 direct.add(i)
             buffers[i] = buf
             reads.append((unit, memoryview(buf.numpy())))
-            self.monitor.count("requests", len(unit.run_offsets))
             self.monitor.count("bytes_read", unit.nbytes)
+        groups = coalesce(
+            [(u.file, int(u.run_offsets[0]), u.nbytes) if self.coalesce and len(u.run_offsets) == 1 else None for u, _ in reads],
+            DEFAULT_PART_BYTES, COALESCE_GAP_BYTES, self.taken,
+        )
+        self.monitor.count("requests", sum(1 if len(g) > 1 else len(reads[g[0]][0].run_offsets) for g in groups))
         landed: concurrent.futures.Future = concurrent.futures.Future()
-        return _Round(indices, buffers, direct, landed, self.sched.submit(self._read(reads, landed)))
+        return _Round(indices, buffers, direct, landed, self.sched.submit(self._read(reads, groups, landed)))
 
-    async def _read(self, reads: list[tuple[ReadUnit, memoryview]], landed: concurrent.futures.Future) -> None:
-        """Read a round's units (then set ``landed``); each unit's checksums are checked in a worker
-        thread as soon as it lands, overlapping the other reads."""
+    async def _read(
+        self, reads: list[tuple[ReadUnit, memoryview]], groups: list[list[int]], landed: concurrent.futures.Future,
+    ) -> None:
+        """Read a round's units, each group of ``reads`` in one request (then set ``landed``); each unit's
+        checksums are checked in a worker thread as soon as it lands, overlapping the other reads."""
         backend, sched, checker = self.backend, self.sched, self.checker
 
-        async def read(unit: ReadUnit, view: memoryview) -> None:
+        async def read(group: list[int]) -> None:
+            unit = reads[group[0]][0]
             key = layout.in_generation(self.gen, unit.file)
             if len(unit.run_offsets) == 1:
-                await sched.read(backend, [ReadRequest(key=key, start=int(unit.run_offsets[0]), out=view)])
+                await read_group(sched, backend, [
+                    ReadRequest(key=key, start=int(reads[i][0].run_offsets[0]), out=reads[i][1]) for i in group
+                ])
             else:
                 await sched.call(backend, "read_runs", backend.read_runs, key, unit.run_offsets.tolist(), unit.run_bytes,
-                                 view, nbytes=unit.nbytes)
+                                 reads[group[0]][1], nbytes=unit.nbytes)
 
         async def check(task: asyncio.Future, unit: ReadUnit, view: memoryview) -> None:
             await task
             checker.add(await asyncio.to_thread(checker.check, unit.fqn, unit.file, unit.run_offsets, unit.run_bytes, view))
 
-        tasks = [asyncio.ensure_future(read(*r)) for r in reads]
-        checks = [asyncio.ensure_future(check(t, *r)) for t, r in zip(tasks, reads)] if checker is not None else []
+        tasks = [asyncio.ensure_future(read(g)) for g in groups]
+        task_of = {i: t for g, t in zip(groups, tasks) for i in g}
+        checks = [asyncio.ensure_future(check(task_of[i], *r)) for i, r in enumerate(reads)] if checker is not None else []
         try:
             await asyncio.gather(*tasks)
         except BaseException as exc:
