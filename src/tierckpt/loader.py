@@ -14,8 +14,9 @@ Lifecycle (every rank of the loading group unless noted):
    so a truncated or missing file fails before any tensor is modified.
 4. Round by round: readers fetch their units (straight into the target's memory when a unit is
    exactly one contiguous part of one local target), check the CRC-32C of every block they read whole
-   (:mod:`tierckpt.io.readcheck`), copy local deliveries, and exchange the rest with one all-to-all
-   per round. After the last round the ranks combine the checksums of blocks read in parts.
+   (:mod:`tierckpt.io.readcheck`; ranks of one node reading the same bytes share that work), copy
+   local deliveries, and exchange the rest with one all-to-all per round. After the last round the
+   ranks combine the checksums of blocks read in parts.
 5. Objects are decoded (weights-only unless ``allow_pickle``) and put in place; optimizers and
    stateful objects get their ``load_state_dict`` calls.
 
@@ -48,7 +49,7 @@ from .errors import (
 )
 from .io.coalesce import Taken, coalesce, read_group
 from .io.rangefile import RangeFile
-from .io.readcheck import ReadChecker
+from .io.readcheck import ReadChecker, checking_ranks
 from .io.scheduler import DEFAULT_PART_BYTES, ReadRequest, get_scheduler
 from .metadata import (
     MAX_HEADER_BYTES, MAX_TABLE_BYTES, CheckpointMeta, ObjectMeta, PieceMeta, TensorMeta, decode_header, decode_pieces,
@@ -258,6 +259,7 @@ def _load_generation(
         pieces = comm.run_agreed(lambda: read_pieces(backend, ckpt, fqns), "reading the pieces table")
     with monitor.phase("plan"):
         topo = opts.topology or _topology(backend, comm, [g[4] for g in gathered])
+        nodes = list(topo.nodes)
         plan = plan_load(
             ckpt.tensors, pieces, all_needs, chunk_bytes=opts.chunk_bytes, round_bytes=opts.round_bytes, topology=topo,
         )
@@ -274,7 +276,7 @@ def _load_generation(
     # A torch DCP directory records no checksums (its pieces carry none): there is nothing to check.
     checker = ReadChecker(gen, pieces) if opts.check_crc and ckpt.pieces is None else None
     with monitor.phase("read"):
-        comm.run_agreed(lambda: _Executor(backend, gen, plan, targets, comm, monitor, checker).run(), f"loading {uri!r}")
+        comm.run_agreed(lambda: _Executor(backend, gen, plan, targets, comm, monitor, checker, nodes).run(), f"loading {uri!r}")
         if checker is not None:
             _settle_checksums(checker, backend, comm)
     with monitor.phase("apply"):
@@ -511,10 +513,12 @@ class _Executor:
 
     def __init__(
         self, backend: Backend, gen: str, plan: LoadPlan, targets: list[TensorEntry], comm: Comm, monitor: Monitor,
-        checker: ReadChecker | None,
+        checker: ReadChecker | None, nodes: list[str],
     ) -> None:
         self.backend, self.gen, self.plan, self.targets, self.comm, self.monitor = backend, gen, plan, targets, comm, monitor
         self.checker = checker
+        # Units that ranks of one node read alike are checked by one of them (io.readcheck).
+        self.checks = checking_ranks(plan.units, nodes) if checker is not None else []
         self.sched = get_scheduler()
         # Neighbouring units of a file become one request where requests are dear (io.coalesce).
         self.coalesce = not backend.capabilities.local_path
@@ -536,6 +540,7 @@ class _Executor:
         buffers: dict[int, torch.Tensor] = {}
         direct: set[int] = set()
         reads: list[tuple[ReadUnit, memoryview]] = []
+        checked: list[bool] = []
         for i in indices:
             unit = self.plan.units[i]
             if unit.reader != self.comm.rank:
@@ -547,20 +552,24 @@ class _Executor:
                 direct.add(i)
             buffers[i] = buf
             reads.append((unit, memoryview(buf.numpy())))
+            checked.append(self.checker is not None and self.checks[i] == self.comm.rank)
             self.monitor.count("bytes_read", unit.nbytes)
+            self.monitor.count("bytes_checked", unit.nbytes if checked[-1] else 0)
         groups = coalesce(
             [(u.file, int(u.run_offsets[0]), u.nbytes) if self.coalesce and len(u.run_offsets) == 1 else None for u, _ in reads],
             DEFAULT_PART_BYTES, COALESCE_GAP_BYTES, self.taken,
         )
         self.monitor.count("requests", sum(1 if len(g) > 1 else len(reads[g[0]][0].run_offsets) for g in groups))
         landed: concurrent.futures.Future = concurrent.futures.Future()
-        return _Round(indices, buffers, direct, landed, self.sched.submit(self._read(reads, groups, landed)))
+        return _Round(indices, buffers, direct, landed, self.sched.submit(self._read(reads, groups, checked, landed)))
 
     async def _read(
-        self, reads: list[tuple[ReadUnit, memoryview]], groups: list[list[int]], landed: concurrent.futures.Future,
+        self, reads: list[tuple[ReadUnit, memoryview]], groups: list[list[int]], checked: list[bool],
+        landed: concurrent.futures.Future,
     ) -> None:
-        """Read a round's units, each group of ``reads`` in one request (then set ``landed``); each unit's
-        checksums are checked in a worker thread as soon as it lands, overlapping the other reads."""
+        """Read a round's units, each group of ``reads`` in one request (then set ``landed``); the
+        checksums of each unit this rank checks (``checked``) are checked in a worker thread as soon as
+        it lands, overlapping the other reads."""
         backend, sched, checker = self.backend, self.sched, self.checker
 
         async def read(group: list[int]) -> None:
@@ -580,7 +589,7 @@ class _Executor:
 
         tasks = [asyncio.ensure_future(read(g)) for g in groups]
         task_of = {i: t for g, t in zip(groups, tasks) for i in g}
-        checks = [asyncio.ensure_future(check(task_of[i], *r)) for i, r in enumerate(reads)] if checker is not None else []
+        checks = [asyncio.ensure_future(check(task_of[i], *r)) for i, r in enumerate(reads) if checked[i]]
         try:
             await asyncio.gather(*tasks)
         except BaseException as exc:

@@ -13,6 +13,11 @@ block whose parts add up to all its bytes is checked against its CRC — no byte
 amplification stays 1.00. A block the group read only in part (a load that needs part of a tensor) is
 read whole once more by one rank and checked, so no byte a load delivers goes unchecked. Pieces of
 checkpoints written before block checksums are one block: the piece and its CRC.
+
+Ranks of one node that read the same bytes directly (a replicated tensor read from a local file by
+every rank) read them from the same page cache: :func:`checking_ranks` has one of them check each such
+unit, in turn, so the node computes each CRC once instead of once per rank (a failed check fails the
+load on every rank). Ranks of different nodes each check what they read.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import crc32c
 import numpy as np
@@ -35,6 +41,27 @@ PieceKey = tuple[str, int]
 """A piece, named the same on every rank: ``(file, byte_offset)``."""
 Partials = dict[PieceKey, tuple[np.ndarray, np.ndarray, np.ndarray]]
 """Per piece: block indices, the XOR of their parts' shifted raw CRCs, and the bytes covered."""
+
+
+def checking_ranks(units: Sequence[Any], nodes: Sequence[str]) -> list[int]:
+    """The rank that checks the checksums of each unit (``units``: a load plan's read units).
+
+    A unit's reader checks it, unless ranks of the same node read exactly the same runs of the same
+    file: those units are checked by one of their readers, the duty passing round them from one such
+    set of units to the next, so the work is shared. Pure: every rank computes the same list.
+    """
+    readers: dict[tuple, list[int]] = defaultdict(list)
+    keys = []
+    for u in units:
+        key = (u.file, u.run_bytes, np.asarray(u.run_offsets).tobytes(), nodes[u.reader])
+        keys.append(key)
+        readers[key].append(u.reader)
+    turn = {key: i for i, key in enumerate(k for k, r in readers.items() if len(r) > 1)}
+    out = []
+    for u, key in zip(units, keys):
+        shared = readers[key]
+        out.append(sorted(set(shared))[turn[key] % len(set(shared))] if key in turn else u.reader)
+    return out
 
 
 class ReadChecker:
