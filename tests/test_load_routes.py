@@ -111,7 +111,7 @@ def test_plan_on_one_node_reads_each_replica_directly_and_exchanges_nothing():
     assert plan.bytes_by_route() == {DIRECT: 3 * 64 * 16 * 4, EXCHANGE: 0}
 
 
-def test_units_read_alike_on_one_node_are_checked_once_in_turn():
+def test_units_read_alike_on_one_node_are_checked_once_sharing_the_work():
     refs, tensors, pieces, files, needs = ddp_case(3)
     plan = plan_load(tensors, pieces, needs, chunk_bytes=1024, topology=topology("node_local", "gloo", ["n"] * 3))
     checkers = checking_ranks(plan.units, ["n"] * 3)
@@ -120,7 +120,7 @@ def test_units_read_alike_on_one_node_are_checked_once_in_turn():
         by_bytes.setdefault((u.file, u.run_offsets.tobytes(), u.run_bytes), set()).add(checker)
     assert all(len(c) == 1 for c in by_bytes.values())  # the same bytes: one checker for all three readers
     assert len(by_bytes) == len(plan.units) // 3
-    assert set().union(*by_bytes.values()) == {0, 1, 2}  # the duty passes round
+    assert set().union(*by_bytes.values()) == {0, 1, 2}  # the work is shared
     # ranks of different nodes read through different page caches: each checks what it reads
     assert checking_ranks(plan.units, ["a", "b", "c"]) == [u.reader for u in plan.units]
 

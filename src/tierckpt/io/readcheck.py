@@ -16,7 +16,7 @@ checkpoints written before block checksums are one block: the piece and its CRC.
 
 Ranks of one node that read the same bytes directly (a replicated tensor read from a local file by
 every rank) read them from the same page cache: :func:`checking_ranks` has one of them check each such
-unit, in turn, so the node computes each CRC once instead of once per rank (a failed check fails the
+unit, sharing the bytes evenly, so the node computes each CRC once instead of once per rank (a failed check fails the
 load on every rank). Ranks of different nodes each check what they read.
 """
 
@@ -47,20 +47,26 @@ def checking_ranks(units: Sequence[Any], nodes: Sequence[str]) -> list[int]:
     """The rank that checks the checksums of each unit (``units``: a load plan's read units).
 
     A unit's reader checks it, unless ranks of the same node read exactly the same runs of the same
-    file: those units are checked by one of their readers, the duty passing round them from one such
-    set of units to the next, so the work is shared. Pure: every rank computes the same list.
+    file: those units are checked by one of their readers, the one with the fewest bytes to check so
+    far (ties to the lower rank), so the work is shared. Pure: every rank computes the same list.
     """
-    readers: dict[tuple, list[int]] = defaultdict(list)
+    readers: dict[tuple, set[int]] = defaultdict(set)
     keys = []
     for u in units:
         key = (u.file, u.run_bytes, np.asarray(u.run_offsets).tobytes(), nodes[u.reader])
         keys.append(key)
-        readers[key].append(u.reader)
-    turn = {key: i for i, key in enumerate(k for k, r in readers.items() if len(r) > 1)}
+        readers[key].add(u.reader)
+    load: dict[int, int] = defaultdict(int)
+    chosen: dict[tuple, int] = {}
     out = []
     for u, key in zip(units, keys):
-        shared = readers[key]
-        out.append(sorted(set(shared))[turn[key] % len(set(shared))] if key in turn else u.reader)
+        if len(readers[key]) == 1:
+            out.append(u.reader)
+            continue
+        if key not in chosen:
+            chosen[key] = min(sorted(readers[key]), key=lambda r: load[r])
+            load[chosen[key]] += u.nbytes
+        out.append(chosen[key])
     return out
 
 
