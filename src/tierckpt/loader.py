@@ -69,6 +69,8 @@ logger = logging.getLogger("tierckpt")
 RACE_RETRIES = 8
 """How many times a load that lost its generation to a newer commit starts again on the newer one (each
 attempt fails only if a whole save cycle completes during it)."""
+PARALLEL_METADATA = 16
+"""At most this many size checks of data files are in flight at once (one thread each)."""
 WHOLE_PIECES_BYTES = 8 << 20
 """A pieces table up to this size is read whole and checked against its CRC-32C in ``COMMIT``; a larger
 one is read by row groups (only those a load needs), and ``verify`` checks its CRC."""
@@ -137,8 +139,12 @@ def read_checkpoint(backend: Backend, *, accept_dcp: bool = False) -> Checkpoint
     while True:
         gen = record.generation
         try:
-            meta = decode_header(_document(backend, record, layout.HEADER, MAX_HEADER_BYTES), layout.HEADER)
-            tensors = decode_tensors(_document(backend, record, layout.TENSORS, MAX_TABLE_BYTES))
+            # Both documents at once: on an object store each is two round trips (size, then read).
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                header = pool.submit(_document, backend, record, layout.HEADER, MAX_HEADER_BYTES)
+                table = pool.submit(_document, backend, record, layout.TENSORS, MAX_TABLE_BYTES)
+                meta = decode_header(header.result(), layout.HEADER)
+                tensors = decode_tensors(table.result())
         except CheckpointNotFoundError as exc:
             newer = _newer_commit(backend, gen)
             if newer is not None and attempt < RACE_RETRIES:
@@ -413,8 +419,12 @@ def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int) 
     for u in plan.units:
         if u.reader == rank and len(u.run_offsets):
             ends[u.file] = max(ends.get(u.file, 0), int(u.run_offsets.max()) + u.run_bytes)
-    for file, end in sorted(ends.items()):
-        size = _checked_size(backend, ckpt, file)
+    files = sorted(ends)
+    # Every size at once: on an object store each check is a round trip.
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(files), PARALLEL_METADATA))) as pool:
+        sizes = list(pool.map(lambda file: _checked_size(backend, ckpt, file), files))
+    for file, size in zip(files, sizes):
+        end = ends[file]
         if end > size:
             raise CorruptCheckpointError(
                 f"pieces of checkpoint {backend.root_uri!r} lie past the end of {file!r} (byte {end} of {size}): "
