@@ -282,7 +282,7 @@ def _load_generation(
     # A torch DCP directory records no checksums (its pieces carry none): there is nothing to check.
     checker = ReadChecker(gen, pieces) if opts.check_crc and ckpt.pieces is None else None
     with monitor.phase("read"):
-        comm.run_agreed(lambda: _Executor(backend, gen, plan, targets, comm, monitor, checker, nodes).run(), f"loading {uri!r}")
+        comm.run_agreed(lambda: _Executor(backend, gen, plan, targets, comm, monitor, checker, nodes, opts.chunk_bytes).run(), f"loading {uri!r}")
         if checker is not None:
             _settle_checksums(checker, backend, comm)
     with monitor.phase("apply"):
@@ -523,15 +523,17 @@ class _Executor:
 
     def __init__(
         self, backend: Backend, gen: str, plan: LoadPlan, targets: list[TensorEntry], comm: Comm, monitor: Monitor,
-        checker: ReadChecker | None, nodes: list[str],
+        checker: ReadChecker | None, nodes: list[str], chunk_bytes: int,
     ) -> None:
         self.backend, self.gen, self.plan, self.targets, self.comm, self.monitor = backend, gen, plan, targets, comm, monitor
         self.checker = checker
         # Units that ranks of one node read alike are checked by one of them (io.readcheck).
         self.checks = checking_ranks(plan.units, nodes) if checker is not None else []
         self.sched = get_scheduler()
-        # Neighbouring units of a file become one request where requests are dear (io.coalesce).
+        # Neighbouring units of a file become one request where requests are dear (io.coalesce), of at
+        # most the size the load reads in one unit.
         self.coalesce = not backend.capabilities.local_path
+        self.coalesce_bytes = max(1, min(chunk_bytes, DEFAULT_PART_BYTES))
         self.taken = Taken((u.file, u.run_offsets, u.run_bytes) for u in plan.units) if self.coalesce else None
 
     def run(self) -> None:
@@ -567,7 +569,7 @@ class _Executor:
             self.monitor.count("bytes_checked", unit.nbytes if checked[-1] else 0)
         groups = coalesce(
             [(u.file, int(u.run_offsets[0]), u.nbytes) if self.coalesce and len(u.run_offsets) == 1 else None for u, _ in reads],
-            DEFAULT_PART_BYTES, COALESCE_GAP_BYTES, self.taken,
+            self.coalesce_bytes, COALESCE_GAP_BYTES, self.taken,
         )
         self.monitor.count("requests", sum(1 if len(g) > 1 else len(reads[g[0]][0].run_offsets) for g in groups))
         landed: concurrent.futures.Future = concurrent.futures.Future()
