@@ -376,7 +376,9 @@ def chart(rows: dict[tuple[str, str], dict[str, list[float]]], path: str) -> str
             if libs.get(peer):
                 xs.append(i + (k - 0.5) * width)
                 ys.append(C.median(libs[peer]) / C.median(libs["tierckpt"]))
-        ax.bar(xs, ys, width, label=f"{'DCP' if peer == 'dcp' else 'ByteCheckpoint'} s / tierckpt s")
+        if xs:  # a peer with no cell (ByteCheckpoint not installed) gets no legend entry
+            ax.bar(xs, ys, width, color=("tab:blue", "tab:orange")[k],
+                   label=f"{'DCP' if peer == 'dcp' else 'ByteCheckpoint'} s / tierckpt s")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set_ylabel("speedup of tierckpt (higher is better)")
@@ -427,7 +429,9 @@ def report(records: list[dict[str, Any]], args: argparse.Namespace, size: dict, 
                     "ByteCheckpoint / tierckpt", "all runs, s"], table),
     ])
     if args.out:
-        missing = chart(rows, os.path.join(os.path.dirname(os.path.abspath(args.out)), args.chart))
+        folder = os.path.dirname(os.path.abspath(args.out))
+        os.makedirs(folder, exist_ok=True)
+        missing = chart(rows, os.path.join(folder, args.chart))
         if missing:
             print(f"bench_matrix: {missing}", file=sys.stderr, flush=True)
         body += f"\n\n{missing}." if missing else f"\n\n![matrix]({args.chart})"
