@@ -281,10 +281,17 @@ def _load_generation(
     targets = [flat.tensors[n.fqn] for n in needs]
     # A torch DCP directory records no checksums (its pieces carry none): there is nothing to check.
     checker = ReadChecker(gen, pieces) if opts.check_crc and ckpt.pieces is None else None
+    executor = _Executor(backend, gen, plan, targets, comm, monitor, checker, nodes, opts.chunk_bytes)
+
+    def read() -> tuple[None, Any]:
+        executor.run()
+        return None, checker.partials() if checker is not None else None
+
     with monitor.phase("read"):
-        comm.run_agreed(lambda: _Executor(backend, gen, plan, targets, comm, monitor, checker, nodes, opts.chunk_bytes).run(), f"loading {uri!r}")
+        # The agreement that every rank read its units carries each rank's partial block checksums.
+        _, partials = comm.exchange_agreed(read, f"loading {uri!r}")
         if checker is not None:
-            _settle_checksums(checker, backend, comm)
+            _settle_checksums(checker, backend, comm, partials)
     with monitor.phase("apply"):
         for key, value in values.items():
             flat.objects[key].assign(value)
@@ -462,10 +469,12 @@ def _verify_pieces(backend: Backend, gen: str, pieces: dict[str, list[PieceMeta]
             )
 
 
-def _settle_checksums(checker: ReadChecker, backend: Backend, comm: Comm) -> None:
-    """Check the blocks read in parts (by several ranks or units) from every rank's partial CRCs."""
-    _, gathered = comm.exchange_agreed(lambda: (None, checker.partials()), "gathering data checksums")
-    comm.run_agreed(lambda: checker.settle(gathered, backend, comm.rank, comm.world_size), "checking data checksums")
+def _settle_checksums(checker: ReadChecker, backend: Backend, comm: Comm, gathered: list[Any]) -> None:
+    """Check the blocks read in parts (by several ranks or units) from every rank's partial CRCs
+    (``gathered``); blocks the group read only in part are read whole, agreed in one collective."""
+    incomplete = checker.settle(gathered)  # the same on every rank: a mismatch raises on all of them
+    if incomplete:
+        comm.run_agreed(lambda: checker.check_whole(incomplete, backend, comm.rank, comm.world_size), "checking data checksums")
 
 
 def _target_view(entry: TensorEntry, stored: StoredBox) -> torch.Tensor:

@@ -8,7 +8,8 @@ runs at block boundaries:
 * a block covered in part yields a *partial*: the raw CRC of each covered part, shifted to the end of
   its block, XORed per block, with the count of bytes covered.
 
-After the last round, :func:`settle` combines every rank's partials (gathered in one collective): a
+After the last round, :meth:`ReadChecker.settle` combines every rank's partials (gathered with the
+read step's agreement, no collective of its own): a
 block whose parts add up to all its bytes is checked against its CRC — no byte is read twice, so read
 amplification stays 1.00. A block the group read only in part (a load that needs part of a tensor) is
 read whole once more by one rank and checked, so no byte a load delivers goes unchecked. Pieces of
@@ -130,11 +131,11 @@ class ReadChecker:
         """This rank's partial blocks, reduced per block (what :func:`settle` gathers from every rank)."""
         return {key: _reduce(parts) for key, parts in self._parts.items()}
 
-    def settle(self, gathered: Sequence[Partials], backend: Backend, rank: int, world_size: int) -> None:
-        """Check every partial block from the parts the group read; read the rest of incomplete ones.
+    def settle(self, gathered: Sequence[Partials]) -> list[tuple[PieceMeta, int]]:
+        """Check every block the group's parts complete; return the blocks the group read only in part.
 
-        Every rank computes the same outcome from ``gathered``; each block the group read only in
-        part is read whole by one rank (spread round robin) and checked.
+        Pure given ``gathered`` (every rank's :meth:`partials`): every rank computes the same outcome,
+        raising the same error on a mismatch, so no collective is needed to agree on it.
         """
         merged: dict[PieceKey, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
         for rank_partials in gathered:
@@ -151,6 +152,10 @@ class ReadChecker:
             if (bad := np.flatnonzero(crc != np.asarray(crcs, dtype=np.uint64)[blocks[complete]])).size:
                 raise self._mismatch(piece, int(blocks[complete][bad[0]]))
             incomplete.extend((piece, int(b)) for b in blocks[~complete])
+        return incomplete
+
+    def check_whole(self, incomplete: Sequence[tuple[PieceMeta, int]], backend: Backend, rank: int, world_size: int) -> None:
+        """Read this rank's share (round robin) of the blocks read only in part, whole, and check them."""
         sched = get_scheduler()
         for piece, b in incomplete[rank::world_size]:
             block, crcs = piece.blocks()
