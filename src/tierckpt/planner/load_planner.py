@@ -297,10 +297,11 @@ def _union_boxes(needed: list[Box]) -> list[Box]:
     return [bound]
 
 
-COALESCE_GAP_BYTES = 4096
-"""The gap bound: a reader's units of one file at most this many bytes apart (the padding that aligns
-saved pieces) may be fetched in one request, where no other read covers the gap — a few KiB cost an
-object store's link microseconds, a request milliseconds."""
+COALESCE_GAP_BYTES = 64
+"""The gap bound: a reader's units of one file at most this many bytes apart — the padding that aligns
+saved pieces (64 bytes by default) — may be fetched in one request, where no other read covers the
+gap: a few bytes cost an object store's link nanoseconds, a request milliseconds. Wider gaps (a torch
+DCP file's record headers, pieces nobody loads) are not read through."""
 READER_SHARE = 0.75
 """A rank that needs at least this share of what the top needer needs of a unit may read it."""
 
