@@ -15,7 +15,17 @@ Cases (each library on the same state, the order of the libraries alternating pe
 ByteCheckpoint runs where its API covers the case (DDP and FSDP2 models on a local disk) and when it
 imports; otherwise its cells say why. Writes a table of ratios (peer seconds / tierckpt seconds: above
 1.0 tierckpt is faster) between ``<!-- bench_matrix -->`` markers in ``--out`` and a chart beside it.
-``--quick`` shrinks every state to a smoke test of a few MiB.
+``--quick`` shrinks every state to a smoke test of a few MiB. The chart needs matplotlib (the ``bench``
+extra); without it the table is written and the report says that the chart was not.
+
+ByteCheckpoint 0.0.2 runs on torch 2.13 CPU installed without its pinned dependencies, in an
+environment of its own so that its pins never reach the project's::
+
+    python -m venv /work/venv-bench && /work/venv-bench/bin/pip install torch==2.13.0
+    /work/venv-bench/bin/pip install -e '.[test,bench]'
+    /work/venv-bench/bin/pip install --no-deps bytecheckpoint==0.0.2 mmh3 universal-pathlib cachetools \
+        grpcio==1.69.0 protobuf==3.20.3
+    /work/venv-bench/bin/python benchmarks/bench_matrix.py
 """
 
 from __future__ import annotations
@@ -343,8 +353,16 @@ def ratio(peer: list[float] | None, mine: list[float]) -> str:
     return f"**{value:.2f}x**" if value >= 1.0 else f"**{value:.2f}x** (slower)"
 
 
-def chart(rows: dict[tuple[str, str], dict[str, list[float]]], path: str) -> None:
-    import matplotlib
+MATPLOTLIB_MISSING = ("matplotlib is not installed, so no chart was written; install it (`pip install matplotlib`, "
+                      "or the package's `bench` extra) and run again for the PNG")
+
+
+def chart(rows: dict[tuple[str, str], dict[str, list[float]]], path: str) -> str | None:
+    """Write a bar chart of the ratios to ``path``; return why not (matplotlib missing), else ``None``."""
+    try:
+        import matplotlib
+    except ImportError:
+        return MATPLOTLIB_MISSING
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -358,7 +376,9 @@ def chart(rows: dict[tuple[str, str], dict[str, list[float]]], path: str) -> Non
             if libs.get(peer):
                 xs.append(i + (k - 0.5) * width)
                 ys.append(C.median(libs[peer]) / C.median(libs["tierckpt"]))
-        ax.bar(xs, ys, width, label=f"{'DCP' if peer == 'dcp' else 'ByteCheckpoint'} s / tierckpt s")
+        if xs:  # a peer with no cell (ByteCheckpoint not installed) gets no legend entry
+            ax.bar(xs, ys, width, color=("tab:blue", "tab:orange")[k],
+                   label=f"{'DCP' if peer == 'dcp' else 'ByteCheckpoint'} s / tierckpt s")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set_ylabel("speedup of tierckpt (higher is better)")
@@ -366,6 +386,7 @@ def chart(rows: dict[tuple[str, str], dict[str, list[float]]], path: str) -> Non
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return None
 
 
 def report(records: list[dict[str, Any]], args: argparse.Namespace, size: dict, libs: list[str], bcp_why: str | None,
@@ -406,10 +427,14 @@ def report(records: list[dict[str, Any]], args: argparse.Namespace, size: dict, 
         f"is faster). {bcp_note}",
         C.md_table(["case", "operation", "tierckpt s", "DCP s", "ByteCheckpoint s", "DCP / tierckpt",
                     "ByteCheckpoint / tierckpt", "all runs, s"], table),
-        f"![matrix]({args.chart})",
     ])
     if args.out:
-        chart(rows, os.path.join(os.path.dirname(os.path.abspath(args.out)), args.chart))
+        folder = os.path.dirname(os.path.abspath(args.out))
+        os.makedirs(folder, exist_ok=True)
+        missing = chart(rows, os.path.join(folder, args.chart))
+        if missing:
+            print(f"bench_matrix: {missing}", file=sys.stderr, flush=True)
+        body += f"\n\n{missing}." if missing else f"\n\n![matrix]({args.chart})"
     return body
 
 
@@ -463,6 +488,7 @@ def main() -> None:
                 step("s3", C.run_ranks(model_ranks, 2, "s3", "ddp", s3_hidden, s3_layers, f"s3://{BUCKET}",
                                        args.repeats, plain, opts, endpoint, ("save", "load")))
         body = report(records, args, size, libs, bcp_why, dropped, root)
+        print(f"all cases done in {time.perf_counter() - started:.0f}s", flush=True)
     finally:
         if args.tmp is None:
             C.rmtree(root)

@@ -33,6 +33,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+S3_REQUESTS: list[tuple[str, str, str | None]] = []
+"""``(method, path, Range header)`` of every request the moto server answered (see ``s3_requests``)."""
+
+
+def _logged(app):
+    """A WSGI middleware that appends each request to :data:`S3_REQUESTS`."""
+
+    def wrapped(environ, start_response):
+        S3_REQUESTS.append((environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), environ.get("HTTP_RANGE")))
+        return app(environ, start_response)
+
+    return wrapped
+
+
+@pytest.fixture
+def s3_requests(s3_server: str) -> Iterator[list[tuple[str, str, str | None]]]:
+    """The moto server's request log, emptied for this test (requests of every process, in order)."""
+    S3_REQUESTS.clear()
+    yield S3_REQUESTS
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
     """A moto S3 server on 127.0.0.1 for the whole session; yields its endpoint URL.
@@ -47,6 +68,7 @@ def s3_server() -> Iterator[str]:
     endpoint = f"http://127.0.0.1:{port}"
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
+    server._server.app = _logged(server._server.app)  # the request log of the s3_requests fixture
     with pytest.MonkeyPatch.context() as mp:
         for name, value in {
             "AWS_ACCESS_KEY_ID": "testing",

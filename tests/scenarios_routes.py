@@ -42,3 +42,39 @@ def ddp_resume(uri: str, storage_options: dict | None, separate_nodes: bool) -> 
         stats = {**monitor.counters, "tensor_bytes": meta.tensor_bytes, "num_tensors": meta.num_tensors}
     dist.barrier()
     return stats
+
+
+def replicated_flips(path: str, count: int, seed: int) -> dict[str, float]:
+    """A plain (replicated) tensor saved by 2 ranks, loaded whole by 2 ranks of one node (direct reads
+    from the page cache, checksums shared between the ranks). ``count`` random bit flips, one at a time:
+    how many every rank caught with an error naming the file and the tensor; then a clean load's counters."""
+    from pathlib import Path
+
+    from scenarios_integrity import SHAPE, flip, full_tensor, random_flips
+    from tierckpt.errors import CorruptCheckpointError
+
+    group = subgroup(2)
+    result: dict[str, float] = {}
+    if group is not None:
+        tierckpt.save(path, {"w": full_tensor()}, group=group)
+        flips = random_flips(Path(path), count, seed)
+        caught = 0
+        for file, byte, bit, fqn in flips:
+            if dist.get_rank(group) == 0:
+                flip(file, byte, bit)
+            dist.barrier(group)
+            try:
+                tierckpt.load(path, {"w": torch.zeros(SHAPE)}, group=group)
+            except CorruptCheckpointError as exc:
+                caught += str(file.name) in str(exc) and repr(fqn) in str(exc)
+            dist.barrier(group)
+            if dist.get_rank(group) == 0:
+                flip(file, byte, bit)
+            dist.barrier(group)
+        target = torch.zeros(SHAPE)
+        monitor = tierckpt.Monitor()
+        tierckpt.load(path, {"w": target}, group=group, monitor=monitor)
+        assert torch.equal(target, full_tensor())
+        result = {**monitor.counters, "tried": len(flips), "caught": caught, "tensor_bytes": target.numel() * 4}
+    dist.barrier()
+    return result

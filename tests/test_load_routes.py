@@ -9,6 +9,7 @@ import torch
 import scenarios_routes
 from test_load_planner import check_exact, reference, save_fake
 from tierckpt.errors import CheckpointError
+from tierckpt.io.readcheck import checking_ranks
 from tierckpt.loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES
 from tierckpt.node import NODE_ID_ENV, node_id
 from tierckpt.planner import TargetPiece, plan_load
@@ -111,6 +112,20 @@ def test_plan_on_one_node_reads_each_replica_directly_and_exchanges_nothing():
     assert plan.bytes_by_route() == {DIRECT: 3 * 64 * 16 * 4, EXCHANGE: 0}
 
 
+def test_units_read_alike_on_one_node_are_checked_once_sharing_the_work():
+    refs, tensors, pieces, files, needs = ddp_case(3)
+    plan = plan_load(tensors, pieces, needs, chunk_bytes=1024, round_bytes=DEFAULT_ROUND_BYTES, topology=topology("node_local", "gloo", ["n"] * 3))
+    checkers = checking_ranks(plan.units, ["n"] * 3)
+    by_bytes: dict[tuple, set[int]] = {}
+    for u, checker in zip(plan.units, checkers):
+        by_bytes.setdefault((u.file, u.run_offsets.tobytes(), u.run_bytes), set()).add(checker)
+    assert all(len(c) == 1 for c in by_bytes.values())  # the same bytes: one checker for all three readers
+    assert len(by_bytes) == len(plan.units) // 3
+    assert set().union(*by_bytes.values()) == {0, 1, 2}  # the work is shared
+    # ranks of different nodes read through different page caches: each checks what it reads
+    assert checking_ranks(plan.units, ["a", "b", "c"]) == [u.reader for u in plan.units]
+
+
 @pytest.mark.parametrize("store,nodes", [("shared_fs", ["a", "b", "c"]), ("object_store", ["n"] * 3)])
 def test_plan_across_nodes_or_from_s3_reads_each_byte_once(store, nodes):
     refs, tensors, pieces, files, needs = ddp_case(3)
@@ -155,11 +170,25 @@ def test_ddp_resume_on_one_node_reads_the_local_file_on_every_rank(dist_pool, tm
     assert read == 2 * tensor_bytes  # each rank reads the whole (replicated) state itself
     assert exchanged == 0
     assert all(s.get("units_exchange", 0) == 0 and s["bytes_read_direct"] == tensor_bytes for s in stats if s)
+    # the two ranks read the same page cache: each byte's checksum is computed once on the node, the work shared
+    checked = [int(s.get("bytes_checked", 0)) for s in stats if s]
+    assert sum(checked) == tensor_bytes and min(checked) > 0
+
+
+@pytest.mark.multiproc
+def test_flips_in_a_replicated_direct_load_are_caught_on_every_rank(dist_pool, tmp_path):
+    """Checks shared between the ranks of a node still catch every flip, and every rank raises."""
+    stats = [s for s in dist_pool.run(scenarios_routes.replicated_flips, str(tmp_path / "ckpt"), 8, 21) if s]
+    assert len(stats) == 2
+    assert all(s["tried"] == 8 and s["caught"] == 8 for s in stats)
+    assert sum(s["bytes_read"] for s in stats) == 2 * stats[0]["tensor_bytes"]
+    assert sum(s["bytes_checked"] for s in stats) == stats[0]["tensor_bytes"]
 
 
 def _read_once(stats: list[dict]) -> None:
     tensor_bytes, num_tensors, read, exchanged = _totals(stats)
     assert read == tensor_bytes  # each byte read once by the group
+    assert sum(int(s.get("bytes_checked", 0)) for s in stats if s) == tensor_bytes  # and checked once
     # every byte reaches the other rank once (each delivery padded to 16 bytes in the exchange stream)
     assert tensor_bytes <= exchanged < tensor_bytes + 16 * 4 * num_tensors
     assert all(s.get("units_direct", 0) == 0 for s in stats if s)

@@ -14,8 +14,9 @@ Lifecycle (every rank of the loading group unless noted):
    so a truncated or missing file fails before any tensor is modified.
 4. Round by round: readers fetch their units (straight into the target's memory when a unit is
    exactly one contiguous part of one local target), check the CRC-32C of every block they read whole
-   (:mod:`tierckpt.io.readcheck`), copy local deliveries, and exchange the rest with one all-to-all
-   per round. After the last round the ranks combine the checksums of blocks read in parts.
+   (:mod:`tierckpt.io.readcheck`; ranks of one node reading the same bytes share that work), copy
+   local deliveries, and exchange the rest with one all-to-all per round. After the last round the
+   ranks combine the checksums of blocks read in parts.
 5. Objects are decoded (weights-only unless ``allow_pickle``) and put in place; optimizers and
    stateful objects get their ``load_state_dict`` calls.
 
@@ -46,9 +47,10 @@ from .errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
     IncompleteCheckpointError, StateMismatchError,
 )
+from .io.coalesce import Taken, coalesce, read_group
 from .io.rangefile import RangeFile
-from .io.readcheck import ReadChecker
-from .io.scheduler import ReadRequest, get_scheduler
+from .io.readcheck import ReadChecker, checking_ranks
+from .io.scheduler import DEFAULT_PART_BYTES, ReadRequest, get_scheduler
 from .metadata import (
     MAX_HEADER_BYTES, MAX_TABLE_BYTES, CheckpointMeta, ObjectMeta, PieceMeta, TensorMeta, decode_header, decode_pieces,
     decode_tensors, dtype_name, itemsize,
@@ -57,6 +59,7 @@ from .monitor import Monitor
 from .objects import decode_object
 from .node import node_id
 from .planner import LoadPlan, ReadUnit, TargetPiece, Topology, plan_load, topology as route_topology
+from .planner.load_planner import COALESCE_GAP_BYTES
 from .planner.routes import store_kind
 from .regions import FlatRange, StoredBox
 from .state import FlatState, TensorEntry, flatten_state
@@ -71,6 +74,8 @@ DEFAULT_ROUND_BYTES = 256 << 20
 RACE_RETRIES = 8
 """How many times a load that lost its generation to a newer commit starts again on the newer one (each
 attempt fails only if a whole save cycle completes during it)."""
+PARALLEL_METADATA = 16
+"""At most this many size checks of data files are in flight at once (one thread each)."""
 WHOLE_PIECES_BYTES = 8 << 20
 """A pieces table up to this size is read whole and checked against its CRC-32C in ``COMMIT``; a larger
 one is read by row groups (only those a load needs), and ``verify`` checks its CRC."""
@@ -139,8 +144,12 @@ def read_checkpoint(backend: Backend, *, accept_dcp: bool = False) -> Checkpoint
     while True:
         gen = record.generation
         try:
-            meta = decode_header(_document(backend, record, layout.HEADER, MAX_HEADER_BYTES), layout.HEADER)
-            tensors = decode_tensors(_document(backend, record, layout.TENSORS, MAX_TABLE_BYTES))
+            # Both documents at once: on an object store each is two round trips (size, then read).
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                header = pool.submit(_document, backend, record, layout.HEADER, MAX_HEADER_BYTES)
+                table = pool.submit(_document, backend, record, layout.TENSORS, MAX_TABLE_BYTES)
+                meta = decode_header(header.result(), layout.HEADER)
+                tensors = decode_tensors(table.result())
         except CheckpointNotFoundError as exc:
             newer = _newer_commit(backend, gen)
             if newer is not None and attempt < RACE_RETRIES:
@@ -261,6 +270,7 @@ def _load_generation(
         pieces = comm.run_agreed(lambda: read_pieces(backend, ckpt, fqns), "reading the pieces table")
     with monitor.phase("plan"):
         topo = opts.topology or _topology(backend, comm, [g[4] for g in gathered])
+        nodes = list(topo.nodes)
         plan = plan_load(
             ckpt.tensors, pieces, all_needs, chunk_bytes=opts.chunk_bytes, round_bytes=opts.round_bytes, topology=topo,
         )
@@ -276,10 +286,17 @@ def _load_generation(
     targets = [flat.tensors[n.fqn] for n in needs]
     # A torch DCP directory records no checksums (its pieces carry none): there is nothing to check.
     checker = ReadChecker(gen, pieces) if opts.check_crc and ckpt.pieces is None else None
+    executor = _Executor(backend, gen, plan, targets, comm, monitor, checker, nodes, opts.chunk_bytes)
+
+    def read() -> tuple[None, Any]:
+        executor.run()
+        return None, checker.partials() if checker is not None else None
+
     with monitor.phase("read"):
-        comm.run_agreed(lambda: _Executor(backend, gen, plan, targets, comm, monitor, checker).run(), f"loading {uri!r}")
+        # The agreement that every rank read its units carries each rank's partial block checksums.
+        _, partials = comm.exchange_agreed(read, f"loading {uri!r}")
         if checker is not None:
-            _settle_checksums(checker, backend, comm)
+            _settle_checksums(checker, backend, comm, partials)
     with monitor.phase("apply"):
         for key, value in values.items():
             flat.objects[key].assign(value)
@@ -414,8 +431,12 @@ def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int) 
     for u in plan.units:
         if u.reader == rank and len(u.run_offsets):
             ends[u.file] = max(ends.get(u.file, 0), int(u.run_offsets.max()) + u.run_bytes)
-    for file, end in sorted(ends.items()):
-        size = _checked_size(backend, ckpt, file)
+    files = sorted(ends)
+    # Every size at once: on an object store each check is a round trip.
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(files), PARALLEL_METADATA))) as pool:
+        sizes = list(pool.map(lambda file: _checked_size(backend, ckpt, file), files))
+    for file, size in zip(files, sizes):
+        end = ends[file]
         if end > size:
             raise CorruptCheckpointError(
                 f"pieces of checkpoint {backend.root_uri!r} lie past the end of {file!r} (byte {end} of {size}): "
@@ -453,10 +474,12 @@ def _verify_pieces(backend: Backend, gen: str, pieces: dict[str, list[PieceMeta]
             )
 
 
-def _settle_checksums(checker: ReadChecker, backend: Backend, comm: Comm) -> None:
-    """Check the blocks read in parts (by several ranks or units) from every rank's partial CRCs."""
-    _, gathered = comm.exchange_agreed(lambda: (None, checker.partials()), "gathering data checksums")
-    comm.run_agreed(lambda: checker.settle(gathered, backend, comm.rank, comm.world_size), "checking data checksums")
+def _settle_checksums(checker: ReadChecker, backend: Backend, comm: Comm, gathered: list[Any]) -> None:
+    """Check the blocks read in parts (by several ranks or units) from every rank's partial CRCs
+    (``gathered``); blocks the group read only in part are read whole, agreed in one collective."""
+    incomplete = checker.settle(gathered)  # the same on every rank: a mismatch raises on all of them
+    if incomplete:
+        comm.run_agreed(lambda: checker.check_whole(incomplete, backend, comm.rank, comm.world_size), "checking data checksums")
 
 
 def _target_view(entry: TensorEntry, stored: StoredBox) -> torch.Tensor:
@@ -514,11 +537,18 @@ class _Executor:
 
     def __init__(
         self, backend: Backend, gen: str, plan: LoadPlan, targets: list[TensorEntry], comm: Comm, monitor: Monitor,
-        checker: ReadChecker | None,
+        checker: ReadChecker | None, nodes: list[str], chunk_bytes: int,
     ) -> None:
         self.backend, self.gen, self.plan, self.targets, self.comm, self.monitor = backend, gen, plan, targets, comm, monitor
         self.checker = checker
+        # Units that ranks of one node read alike are checked by one of them (io.readcheck).
+        self.checks = checking_ranks(plan.units, nodes) if checker is not None else []
         self.sched = get_scheduler()
+        # Neighbouring units of a file become one request where requests are dear (io.coalesce), of at
+        # most the size the load reads in one unit.
+        self.coalesce = not backend.capabilities.local_path
+        self.coalesce_bytes = max(1, min(chunk_bytes, DEFAULT_PART_BYTES))
+        self.taken = Taken((u.file, u.run_offsets, u.run_bytes) for u in plan.units) if self.coalesce else None
 
     def run(self) -> None:
         rounds = list(zip(self.plan.rounds, self.plan.exchanges))
@@ -536,6 +566,7 @@ class _Executor:
         buffers: dict[int, torch.Tensor] = {}
         direct: set[int] = set()
         reads: list[tuple[ReadUnit, memoryview]] = []
+        checked: list[bool] = []
         for i in indices:
             unit = self.plan.units[i]
             if unit.reader != self.comm.rank:
@@ -547,30 +578,44 @@ class _Executor:
                 direct.add(i)
             buffers[i] = buf
             reads.append((unit, memoryview(buf.numpy())))
-            self.monitor.count("requests", len(unit.run_offsets))
+            checked.append(self.checker is not None and self.checks[i] == self.comm.rank)
             self.monitor.count("bytes_read", unit.nbytes)
+            self.monitor.count("bytes_checked", unit.nbytes if checked[-1] else 0)
+        groups = coalesce(
+            [(u.file, int(u.run_offsets[0]), u.nbytes) if self.coalesce and len(u.run_offsets) == 1 else None for u, _ in reads],
+            self.coalesce_bytes, COALESCE_GAP_BYTES, self.taken,
+        )
+        self.monitor.count("requests", sum(1 if len(g) > 1 else len(reads[g[0]][0].run_offsets) for g in groups))
         landed: concurrent.futures.Future = concurrent.futures.Future()
-        return _Round(indices, buffers, direct, landed, self.sched.submit(self._read(reads, landed)))
+        return _Round(indices, buffers, direct, landed, self.sched.submit(self._read(reads, groups, checked, landed)))
 
-    async def _read(self, reads: list[tuple[ReadUnit, memoryview]], landed: concurrent.futures.Future) -> None:
-        """Read a round's units (then set ``landed``); each unit's checksums are checked in a worker
-        thread as soon as it lands, overlapping the other reads."""
+    async def _read(
+        self, reads: list[tuple[ReadUnit, memoryview]], groups: list[list[int]], checked: list[bool],
+        landed: concurrent.futures.Future,
+    ) -> None:
+        """Read a round's units, each group of ``reads`` in one request (then set ``landed``); the
+        checksums of each unit this rank checks (``checked``) are checked in a worker thread as soon as
+        it lands, overlapping the other reads."""
         backend, sched, checker = self.backend, self.sched, self.checker
 
-        async def read(unit: ReadUnit, view: memoryview) -> None:
+        async def read(group: list[int]) -> None:
+            unit = reads[group[0]][0]
             key = layout.in_generation(self.gen, unit.file)
             if len(unit.run_offsets) == 1:
-                await sched.read(backend, [ReadRequest(key=key, start=int(unit.run_offsets[0]), out=view)])
+                await read_group(sched, backend, [
+                    ReadRequest(key=key, start=int(reads[i][0].run_offsets[0]), out=reads[i][1]) for i in group
+                ])
             else:
                 await sched.call(backend, "read_runs", backend.read_runs, key, unit.run_offsets.tolist(), unit.run_bytes,
-                                 view, nbytes=unit.nbytes)
+                                 reads[group[0]][1], nbytes=unit.nbytes)
 
         async def check(task: asyncio.Future, unit: ReadUnit, view: memoryview) -> None:
             await task
             checker.add(await asyncio.to_thread(checker.check, unit.fqn, unit.file, unit.run_offsets, unit.run_bytes, view))
 
-        tasks = [asyncio.ensure_future(read(*r)) for r in reads]
-        checks = [asyncio.ensure_future(check(t, *r)) for t, r in zip(tasks, reads)] if checker is not None else []
+        tasks = [asyncio.ensure_future(read(g)) for g in groups]
+        task_of = {i: t for g, t in zip(groups, tasks) for i in g}
+        checks = [asyncio.ensure_future(check(task_of[i], *r)) for i, r in enumerate(reads) if checked[i]]
         try:
             await asyncio.gather(*tasks)
         except BaseException as exc:

@@ -26,6 +26,7 @@ A background failure is raised by the handle's ``wait()``, and — if nobody wai
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
 import time
@@ -353,8 +354,16 @@ def _drain_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMeta
     rank = p.comm.rank
     pieces: list[PieceMeta] = []
     files: list[FileMeta] = []
+    objects, blob = _objects_of_rank(p)
+    # The objects file is written while the data file is finished: on an object store, a round trip less.
+    put = _put_all(p.backend, {layout.in_generation(p.generation, layout.objects_file(rank)): blob}) if blob else None
     if stream is not None:
-        checksums = stream.finish()
+        try:
+            checksums = stream.finish()
+        except BaseException:
+            if put is not None:  # nothing of this save may land after the failure is reported
+                concurrent.futures.wait([put])
+            raise
         writes = p.plan.writes[rank]
         pieces = [
             PieceMeta(
@@ -367,11 +376,26 @@ def _drain_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMeta
         p.monitor.count("bytes_written", p.plan.file_sizes[rank])
         p.monitor.add_seconds("checksum", stream.checksum_s)
         p.monitor.add_seconds("file_write", stream.write_s)
-    objects, blob = _objects_of_rank(p)
-    if blob:
-        get_scheduler().do(p.backend, "put", layout.in_generation(p.generation, layout.objects_file(rank)), blob)
+    if put is not None:
+        put.result()
         files.append(FileMeta(key=layout.objects_file(rank), size=len(blob)))
     return pieces, objects, files
+
+
+def _put_all(backend: Backend, documents: Mapping[str, bytes]) -> concurrent.futures.Future[None]:
+    """Start writing every document at once; the future is done when all are written (or failed:
+    it raises the first error, after every write has ended)."""
+    sched = get_scheduler()
+
+    async def put_all() -> None:
+        results = await asyncio.gather(
+            *(sched.call(backend, "put", backend.put, key, data) for key, data in documents.items()), return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    return sched.submit(put_all())
 
 
 def _objects_of_rank(p: _Prepared) -> tuple[list[ObjectMeta], bytes]:
@@ -431,8 +455,9 @@ def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None
         layout.PIECES: encode_pieces(pieces),
         layout.HEADER: encode_header(meta),
     }
-    for key, data in documents.items():
-        sched.do(backend, "put", layout.in_generation(gen, key), data)
+    # The two tables at once (a round trip less on an object store), then the header.
+    _put_all(backend, {layout.in_generation(gen, k): documents[k] for k in (layout.TENSORS, layout.PIECES)}).result()
+    sched.do(backend, "put", layout.in_generation(gen, layout.HEADER), documents[layout.HEADER])
     record = layout.CommitRecord(
         gen, time.time(), seq=layout.next_seq(base),
         checksums=tuple(sorted((key, layout.FileChecksum.of(data)) for key, data in documents.items())),

@@ -8,11 +8,17 @@ runs at block boundaries:
 * a block covered in part yields a *partial*: the raw CRC of each covered part, shifted to the end of
   its block, XORed per block, with the count of bytes covered.
 
-After the last round, :func:`settle` combines every rank's partials (gathered in one collective): a
+After the last round, :meth:`ReadChecker.settle` combines every rank's partials (gathered with the
+read step's agreement, no collective of its own): a
 block whose parts add up to all its bytes is checked against its CRC — no byte is read twice, so read
 amplification stays 1.00. A block the group read only in part (a load that needs part of a tensor) is
 read whole once more by one rank and checked, so no byte a load delivers goes unchecked. Pieces of
 checkpoints written before block checksums are one block: the piece and its CRC.
+
+Ranks of one node that read the same bytes directly (a replicated tensor read from a local file by
+every rank) read them from the same page cache: :func:`checking_ranks` has one of them check each such
+unit, sharing the bytes evenly, so the node computes each CRC once instead of once per rank (a failed check fails the
+load on every rank). Ranks of different nodes each check what they read.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import crc32c
 import numpy as np
@@ -35,6 +42,33 @@ PieceKey = tuple[str, int]
 """A piece, named the same on every rank: ``(file, byte_offset)``."""
 Partials = dict[PieceKey, tuple[np.ndarray, np.ndarray, np.ndarray]]
 """Per piece: block indices, the XOR of their parts' shifted raw CRCs, and the bytes covered."""
+
+
+def checking_ranks(units: Sequence[Any], nodes: Sequence[str]) -> list[int]:
+    """The rank that checks the checksums of each unit (``units``: a load plan's read units).
+
+    A unit's reader checks it, unless ranks of the same node read exactly the same runs of the same
+    file: those units are checked by one of their readers, the one with the fewest bytes to check so
+    far (ties to the lower rank), so the work is shared. Pure: every rank computes the same list.
+    """
+    readers: dict[tuple, set[int]] = defaultdict(set)
+    keys = []
+    for u in units:
+        key = (u.file, u.run_bytes, np.asarray(u.run_offsets).tobytes(), nodes[u.reader])
+        keys.append(key)
+        readers[key].add(u.reader)
+    load: dict[int, int] = defaultdict(int)
+    chosen: dict[tuple, int] = {}
+    out = []
+    for u, key in zip(units, keys):
+        if len(readers[key]) == 1:
+            out.append(u.reader)
+            continue
+        if key not in chosen:
+            chosen[key] = min(sorted(readers[key]), key=lambda r: load[r])
+            load[chosen[key]] += u.nbytes
+        out.append(chosen[key])
+    return out
 
 
 class ReadChecker:
@@ -97,11 +131,11 @@ class ReadChecker:
         """This rank's partial blocks, reduced per block (what :func:`settle` gathers from every rank)."""
         return {key: _reduce(parts) for key, parts in self._parts.items()}
 
-    def settle(self, gathered: Sequence[Partials], backend: Backend, rank: int, world_size: int) -> None:
-        """Check every partial block from the parts the group read; read the rest of incomplete ones.
+    def settle(self, gathered: Sequence[Partials]) -> list[tuple[PieceMeta, int]]:
+        """Check every block the group's parts complete; return the blocks the group read only in part.
 
-        Every rank computes the same outcome from ``gathered``; each block the group read only in
-        part is read whole by one rank (spread round robin) and checked.
+        Pure given ``gathered`` (every rank's :meth:`partials`): every rank computes the same outcome,
+        raising the same error on a mismatch, so no collective is needed to agree on it.
         """
         merged: dict[PieceKey, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
         for rank_partials in gathered:
@@ -118,6 +152,10 @@ class ReadChecker:
             if (bad := np.flatnonzero(crc != np.asarray(crcs, dtype=np.uint64)[blocks[complete]])).size:
                 raise self._mismatch(piece, int(blocks[complete][bad[0]]))
             incomplete.extend((piece, int(b)) for b in blocks[~complete])
+        return incomplete
+
+    def check_whole(self, incomplete: Sequence[tuple[PieceMeta, int]], backend: Backend, rank: int, world_size: int) -> None:
+        """Read this rank's share (round robin) of the blocks read only in part, whole, and check them."""
         sched = get_scheduler()
         for piece, b in incomplete[rank::world_size]:
             block, crcs = piece.blocks()

@@ -13,9 +13,12 @@ identically on every rank (the needs and node ids are all-gathered first) and re
    ``direct`` — every rank reads its own parts (one unit per rank and part, no exchange), or
    ``exchange`` — the union of the needs becomes *read units* (one box read into one packed buffer
    when the needs tile it or overlap, else one per need), each read once.
-3. An exchanged unit has one reader: the rank that needs most of it, ties to the least-loaded rank.
-   Its :class:`Delivery` parts for the others are sent by an all-to-all. Exchanged bytes are read
-   exactly once (read amplification 1.00 whenever the needs tile each slab); direct units read a byte
+3. Units are ordered by file and offset. An exchanged unit has one reader: the rank that needs most
+   of it, ties to the least-loaded rank — or to the reader of the unit it continues in its file (up to
+   :data:`COALESCE_GAP_BYTES` of padding between them) while
+   that rank is at most ``chunk_bytes`` ahead, so a reader's units lie back to back and the loader can
+   fetch them in one request (:mod:`tierckpt.io.coalesce`). Its :class:`Delivery` parts for the
+   others are sent by an all-to-all. Exchanged bytes are read exactly once (read amplification 1.00 whenever the needs tile each slab); direct units read a byte
    once per rank that needs it, which the cost model allows only where the repeats are cheap (the
    same node's page cache).
 4. Units are grouped into rounds so that no rank holds more than about ``round_bytes`` of read,
@@ -142,11 +145,13 @@ def plan_load(
             for sb in stored_boxes(need.region, shape):
                 targets[need.fqn].append((rank, index, sb))
 
-    load = [0] * world
     drafts: list[dict] = []
     for fqn in sorted(targets):
         meta = tensors[fqn]
-        _plan_tensor(meta, pieces.get(fqn, []), targets[fqn], chunk_bytes, topo, load, drafts)
+        _plan_tensor(meta, pieces.get(fqn, []), targets[fqn], chunk_bytes, topo, drafts)
+    # In file order, so that one reader's units lie back to back and a round reads files sequentially.
+    drafts.sort(key=lambda d: (d["file"], int(d["run_offsets"][0]) if len(d["run_offsets"]) else 0))
+    _choose_readers(drafts, world, chunk_bytes)
 
     units, rounds, exchanges = _assign_rounds(drafts, world, round_bytes)
     per_rank = [0] * world
@@ -169,7 +174,6 @@ def _plan_tensor(
     wanted: list[tuple[int, int, StoredBox]],
     chunk_bytes: int,
     topo: Topology,
-    load: list[int],
     drafts: list[dict],
 ) -> None:
     item = itemsize(meta.torch_dtype)
@@ -212,14 +216,11 @@ def _plan_tensor(
                 continue
             for unit_box, deliveries in _slab_units(parts, box, item, topo):
                 starts_el, run = box_runs(unit_box, box)
-                reader = _choose_reader(deliveries, load)
-                nbytes = unit_box.numel * item
-                load[reader] += nbytes
                 drafts.append(
                     dict(
                         fqn=meta.fqn, dtype=meta.dtype, box=unit_box, file=file,
                         run_offsets=base + starts_el * item, run_bytes=run * item,
-                        reader=reader, deliveries=deliveries, item=item,
+                        reader=-1, deliveries=deliveries, item=item,
                     )
                 )
 
@@ -299,17 +300,38 @@ def _union_boxes(needed: list[Box]) -> list[Box]:
     return [bound]
 
 
+COALESCE_GAP_BYTES = 64
+"""The gap bound: a reader's units of one file at most this many bytes apart — the padding that aligns
+saved pieces (64 bytes by default) — may be fetched in one request, where no other read covers the
+gap: a few bytes cost an object store's link nanoseconds, a request milliseconds. Wider gaps (a torch
+DCP file's record headers, pieces nobody loads) are not read through."""
 READER_SHARE = 0.75
 """A rank that needs at least this share of what the top needer needs of a unit may read it."""
 
 
-def _choose_reader(deliveries: Sequence[Delivery], load: list[int]) -> int:
-    """The least-loaded rank among those that need (nearly) the most of a unit."""
-    wanted: dict[int, int] = defaultdict(int)
-    for d in deliveries:
-        wanted[d.rank] += d.numel
-    most = max(wanted.values())
-    return min((r for r, n in wanted.items() if n >= READER_SHARE * most), key=lambda r: (load[r], r))
+def _choose_readers(drafts: list[dict], world: int, chunk_bytes: int) -> None:
+    """Set each draft's reader, in file order: the least-loaded rank among those that need (nearly)
+    the most of it — unless the unit continues in its file, within :data:`COALESCE_GAP_BYTES`, one
+    that an eligible rank reads and that rank is at most ``chunk_bytes`` ahead of the least loaded. One reader's adjacent
+    units then become one request on stores that charge per request, at a bounded imbalance."""
+    load = [0] * world
+    previous: tuple[str, int, int] | None = None
+    """File, end offset and reader of the last single-run unit."""
+    for draft in drafts:
+        wanted: dict[int, int] = defaultdict(int)
+        for d in draft["deliveries"]:
+            wanted[d.rank] += d.numel
+        most = max(wanted.values())
+        eligible = [r for r, n in wanted.items() if n >= READER_SHARE * most]
+        reader = min(eligible, key=lambda r: (load[r], r))
+        offsets = draft["run_offsets"]
+        if (previous is not None and len(offsets) == 1 and draft["file"] == previous[0]
+                and 0 <= int(offsets[0]) - previous[1] <= COALESCE_GAP_BYTES):
+            if previous[2] in eligible and load[previous[2]] - load[reader] <= chunk_bytes:
+                reader = previous[2]
+        draft["reader"] = reader
+        load[reader] += draft["box"].numel * draft["item"]
+        previous = (draft["file"], int(offsets[0]) + draft["run_bytes"], reader) if len(offsets) == 1 else None
 
 
 def _assign_rounds(

@@ -1,0 +1,165 @@
+"""Where the time of a local save goes: tierckpt vs ``dcp.save``, phase by phase, on a shared machine.
+
+    python benchmarks/profile_save.py [--n 16] [--side 4096] [--repeats 5] [--profile]
+
+The state of the comparison: ``--n`` square fp32 DTensors of ``--side`` (default 16 x 4096^2, 64 MiB
+each, 1 GiB in all), ``Shard(0)`` on 2 gloo ranks; both saves are durable (tierckpt: commit, data,
+metadata and directories fsynced; DCP: ``FileSystemWriter(sync_files=True)``, its default). Each save
+goes to a fresh directory, removed and ``os.sync``-ed before (untimed) — or with ``--between nosync``
+removed without the sync (the previous save's writeback may still run), or with ``--between reuse``
+saved over the previous checkpoint in place (tierckpt then deletes its previous generation inside the
+save; DCP truncates and rewrites its files). The order of the libraries alternates per repeat.
+
+Wall-clock ratios on a machine shared with other work swing from run to run, so beside the seconds it
+reports what depends less on the neighbours: each rank's CPU seconds (all threads, ``os.times``),
+tierckpt's ``Monitor`` phases (wall seconds of each step, max over ranks), and with ``--profile`` the
+top functions of a ``cProfile`` of rank 0's calling thread (DCP writes in the calling thread; tierckpt
+writes on its I/O loop, which the phases cover). Prints a Markdown report; writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+LIBS = ("tierckpt", "dcp")
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _state(rank: int, world: int, n: int, side: int) -> dict[str, Any]:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh("cpu", list(range(world)))
+    state = {}
+    for i in range(n):
+        local = torch.randn(side // world, side, generator=torch.Generator().manual_seed(i * world + rank))
+        state[f"t{i}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((side, side)),
+                                            stride=(side, 1))
+    return state
+
+
+def _top(profile: cProfile.Profile, limit: int = 12) -> list[tuple[str, float, float]]:
+    """``(function, own seconds, cumulative seconds)`` of the functions with the most own time."""
+    stats = pstats.Stats(profile, stream=io.StringIO())
+    rows = []
+    for (file, line, name), (_, _, own, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append((f"{os.path.basename(file)}:{line} {name}", own, cum))
+    return sorted(rows, key=lambda r: -r[1])[:limit]
+
+
+def ranks(
+    rank: int, world: int, n: int, side: int, root: str, repeats: int, profile: bool, between: str, warmup: bool,
+) -> list[dict[str, Any]]:
+    """Run on every rank: warm-up, then ``repeats`` timed saves per library (order alternating)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import tierckpt
+
+    state = _state(rank, world, n, side)
+    small = {k: v for k, v in list(state.items())[:1]}
+    for lib in LIBS if warmup else ():  # untimed: imports and first-call setup of each library
+        uri = os.path.join(root, f"warmup-{lib}")
+        if rank == 0:
+            C.remove_uri(uri, None)
+        dist.barrier()
+        C.do_save(lib, uri, None, small, None)
+        dist.barrier()
+    out = []
+    for r in range(repeats):
+        for lib in LIBS if r % 2 == 0 else LIBS[::-1]:
+            uri = os.path.join(root, lib)
+            if rank == 0 and between == "fresh":
+                C.remove_uri(uri, None)
+            elif rank == 0 and between == "nosync":
+                C.rmtree(uri)
+            dist.barrier()
+            monitor = tierckpt.Monitor()
+            prof = cProfile.Profile() if profile and rank == 0 and r == repeats - 1 else None
+            cpu0, t0 = _cpu(), time.perf_counter()
+            if prof is not None:
+                prof.enable()
+            if lib == "tierckpt":
+                tierckpt.save(uri, state, monitor=monitor)
+            else:
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(uri, sync_files=True))
+            if prof is not None:
+                prof.disable()
+            own = time.perf_counter() - t0
+            dist.barrier()
+            out.append({"repeat": r, "lib": lib, "seconds": time.perf_counter() - t0, "own_seconds": own,
+                        "cpu": _cpu() - cpu0, "phases": dict(monitor.seconds),
+                        "top": _top(prof) if prof is not None else None})
+    return out
+
+
+def report(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) -> str:
+    lines = [f"State: {args.n} x ({args.side}, {args.side}) fp32 `Shard(0)` on 2 ranks "
+             f"({C.fmt_bytes(args.n * args.side * args.side * 4)}); {args.repeats} repeats; between saves: "
+             f"{args.between}; {'no ' if args.no_warmup else ''}warm-up; load average before: "
+             f"{args.load_before}, after: {os.getloadavg()[0]:.2f} (1 min)."]
+    rows = []
+    for lib in LIBS:
+        recs = [(i, rec) for i, rec in enumerate(per_rank[0]) if rec["lib"] == lib]
+        wall = [rec["seconds"] for _, rec in recs]
+        cpu = [sum(rr[i]["cpu"] for rr in per_rank) for i, _ in recs]
+        rows.append([lib, f"{C.median(wall):.3f}", C.runs(wall), f"{C.median(cpu):.3f}", C.runs(cpu)])
+    lines.append(C.md_table(["library", "wall s (median)", "wall s, all runs", "CPU s, both ranks (median)", "CPU s, all runs"], rows))
+    ratios = [d["seconds"] / t["seconds"] for d, t in zip(
+        [rec for rec in per_rank[0] if rec["lib"] == "dcp"], [rec for rec in per_rank[0] if rec["lib"] == "tierckpt"])]
+    lines.append(f"DCP s / tierckpt s per repeat: {' / '.join(f'{x:.2f}' for x in ratios)} "
+                 f"(median {C.median(ratios):.2f}, min {min(ratios):.2f}, max {max(ratios):.2f})")
+    phases: dict[str, list[float]] = {}
+    for i, rec in enumerate(per_rank[0]):
+        if rec["lib"] == "tierckpt":
+            for name in set().union(*(rr[i]["phases"] for rr in per_rank)):
+                phases.setdefault(name, []).append(max(rr[i]["phases"].get(name, 0.0) for rr in per_rank))
+    lines.append("tierckpt phases (max over ranks; median over repeats): " + ", ".join(
+        f"{k} {C.median(v):.3f}s" for k, v in sorted(phases.items(), key=lambda kv: -C.median(kv[1]))))
+    for rec in per_rank[0]:
+        if rec["top"]:
+            lines.append(f"cProfile, rank 0's calling thread, {rec['lib']} (own s / cumulative s):")
+            lines.append(C.md_table(["function", "own s", "cum s"], [[f, f"{o:.3f}", f"{c:.3f}"] for f, o, c in rec["top"]]))
+    return "\n\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=16, help="number of square tensors (default 16)")
+    ap.add_argument("--side", type=int, default=4096, help="side of each square fp32 tensor (default 4096)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="cProfile rank 0's calling thread in the last repeat")
+    ap.add_argument("--between", choices=("fresh", "nosync", "reuse"), default="fresh",
+                    help="before each save: remove and sync (fresh), remove only (nosync), or nothing (reuse)")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="time the first save of each library in the processes too (lazy imports, first plan)")
+    ap.add_argument("--tmp", default=None, help="scratch directory (default: a new dir under $TMPDIR)")
+    args = ap.parse_args()
+    args.load_before = f"{os.getloadavg()[0]:.2f}"
+    root = C.scratch_dir("tierckpt-profile-") if args.tmp is None else args.tmp
+    os.makedirs(root, exist_ok=True)
+    try:
+        per_rank = C.run_ranks(ranks, 2, args.n, args.side, root, args.repeats, args.profile, args.between, not args.no_warmup)
+    finally:
+        if args.tmp is None:
+            C.rmtree(root)
+    print(report(per_rank, args))
+
+
+if __name__ == "__main__":
+    main()
