@@ -54,9 +54,9 @@ class CountingBackend(LocalBackend):
         await self._maybe_wait(key)
         return await super().open_writer(key)
 
-    async def commit(self, key: str, data: bytes) -> None:
+    async def commit(self, key: str, data: bytes, **kwargs: Any) -> None:
         self.calls.append(("commit", key))
-        await super().commit(key, data)
+        await super().commit(key, data, **kwargs)
 
     async def get(self, key: str) -> bytes:
         self.calls.append(("get", key))
@@ -294,14 +294,12 @@ def test_save_to_s3_then_load_from_warm_cache_without_remote(
     s3_bucket_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = make_config(tmp_path, block_bytes=8 * 2**20)
-    opener = lambda uri, **opts: open_tiered(uri, config, **opts)  # noqa: E731
-    monkeypatch.setattr(tierckpt.saver, "open_backend", opener)
-    monkeypatch.setattr(tierckpt.loader, "open_backend", opener)
+    cached = {"cache": config}
     uri = f"{s3_bucket_uri}/step-100"
     model = _model()
     state = {"model": model.state_dict(), "step": 100}
-    tierckpt.save(uri, state)
-    tierckpt.save(uri, state)  # a second save: deletes of the first generation wait for the new COMMIT
+    tierckpt.async_save(uri, state, storage_options=cached).wait()
+    tierckpt.async_save(uri, state, storage_options=cached).wait()  # deletes of the first generation wait for the new COMMIT
     wait(uri, timeout_s=60, config=config)
     st = status(uri, config=config)
     assert st.state == "remote" and st.pending_bytes == 0 and st.durable
@@ -309,16 +307,14 @@ def test_save_to_s3_then_load_from_warm_cache_without_remote(
     target = {"model": _model().state_dict(), "step": 0}
     for t in target["model"].values():
         t.zero_()
-    monkeypatch.setattr(tierckpt.loader, "open_backend", open_backend)  # plain load from S3
-    tierckpt.load(uri, target)
+    tierckpt.load(uri, target, storage_options={"cache": False})  # plain load from S3
     assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
     # Now with the endpoint unreachable: everything comes from the node cache.
-    monkeypatch.setattr(tierckpt.loader, "open_backend", opener)
     dead = f"http://127.0.0.1:{free_port()}"
     target = {"model": _model().state_dict(), "step": 0}
     for t in target["model"].values():
         t.zero_()
-    tierckpt.load(uri, target, storage_options={"endpoint_url": dead, "timeout_s": 2})
+    tierckpt.load(uri, target, storage_options={"endpoint_url": dead, "timeout_s": 2, **cached})
     assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
     assert target["step"] == 100
 

@@ -115,10 +115,10 @@ def _add_inspect(subparsers: Any) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a checkpoint's contents as a table or as JSON."""
-    from .backends import open_backend
+    from .store import open_store
     from .loader import read_checkpoint, read_pieces
 
-    backend = open_backend(args.uri)
+    backend = open_store(args.uri)
     ckpt = read_checkpoint(backend, accept_dcp=True)
     pieces = read_pieces(backend, ckpt)
     summary = describe(args.uri, ckpt, pieces, with_pieces=args.pieces)
@@ -283,10 +283,10 @@ WRITE_PHASES = ("stage", "write")
 
 def cmd_stats(args: argparse.Namespace) -> int:
     """Print the save statistics of a checkpoint."""
-    from .backends import open_backend
+    from .store import open_store
     from .loader import read_checkpoint
 
-    ckpt = read_checkpoint(open_backend(args.uri))
+    ckpt = read_checkpoint(open_store(args.uri))
     doc = save_stats(args.uri, ckpt)
     print(json.dumps(doc, indent=1) if args.json else render_stats(doc))
     return EXIT_OK
@@ -393,10 +393,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def list_checkpoints(root: str) -> dict[str, Any]:
     """The ``ls --json`` document: every checkpoint under ``root``, sorted by step then path."""
-    from .backends import open_backend
+    from .store import open_store
     from .io.scheduler import get_scheduler
 
-    keys = get_scheduler().run(open_backend(root).list(""))
+    keys = get_scheduler().run(open_store(root).list(""))
     found = _find_checkpoints(keys)
     if not found:
         raise CheckpointNotFoundError(f"no checkpoints under {root!r}")
@@ -456,7 +456,7 @@ def _join(root: str, prefix: str) -> str:
 
 def _describe_entry(root: str, prefix: str, committed: bool, gens: set[str], latest: set[str]) -> dict[str, Any]:
     """One row of ``ls``: a committed checkpoint's header facts, or what an uncommitted one left."""
-    from .backends import open_backend
+    from .store import open_store
     from .loader import read_checkpoint
 
     entry: dict[str, Any] = {
@@ -473,7 +473,7 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: set[str], lat
             entry["created"] = _utc(entry["created_unix"])
         return entry
     try:
-        meta = read_checkpoint(open_backend(entry["uri"])).meta
+        meta = read_checkpoint(open_store(entry["uri"])).meta
     except CheckpointError as exc:
         return {**entry, "status": "corrupt", "error": str(exc)}
     gens.discard(meta.generation)

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import dcp_format, layout
-from .backends import Backend, open_backend
+from .backends import Backend
 from .comm import Comm
 from .errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
@@ -60,6 +60,7 @@ from .planner import LoadPlan, ReadUnit, TargetPiece, Topology, plan_load, topol
 from .planner.routes import store_kind
 from .regions import FlatRange, StoredBox
 from .state import FlatState, TensorEntry, flatten_state
+from .store import open_store
 
 logger = logging.getLogger("tierckpt")
 
@@ -196,7 +197,7 @@ def load(
     comm = Comm(group)
     comm.check_in(f"load from {uri!r}", collective_timeout_s)
     monitor = monitor or Monitor()
-    backend = open_backend(uri, **dict(storage_options or {}))
+    backend = open_store(uri, dict(storage_options or {}))
     options = _Options(strict, allow_pickle, verify, check_crc, chunk_bytes, round_bytes, topology)
     attempt = 0
     while True:

@@ -25,12 +25,13 @@ from typing import Any
 import torch.distributed as dist
 
 from . import layout
-from .backends import Backend, open_backend
+from .backends import Backend
 from .comm import Comm
 from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import get_scheduler
 from .loader import load
 from .saver import SaveHandle, async_save, save
+from .store import open_store
 
 LATEST = "LATEST"
 
@@ -79,7 +80,7 @@ class CheckpointManager:
         return f"{self.root_uri}/{self._committed_names().get(step, layout.step_name(step))}"
 
     def _backend(self) -> Backend:
-        return open_backend(self.root_uri, **self.storage_options)
+        return open_store(self.root_uri, self.storage_options)
 
     def save(self, step: int, state: Mapping[str, Any], *, force: bool = False, **options: Any) -> bool:
         """Save ``state`` as ``step`` when it is due; returns whether a save was started."""
@@ -126,7 +127,7 @@ class CheckpointManager:
 
     def _committed(self, step: int) -> bool:
         """Whether ``step`` has a COMMIT, asked through the step's own URI (its node-cache scope)."""
-        backend = open_backend(self.uri_of(step), **self.storage_options)
+        backend = open_store(self.uri_of(step), self.storage_options)
         return bool(get_scheduler().do(backend, "exists", layout.COMMIT))
 
     def load_latest(self, state: dict[str, Any], **options: Any) -> int | None:
@@ -150,7 +151,7 @@ class CheckpointManager:
             name = names.get(old, layout.step_name(old))
             # Through the step's own URI first: on a remote store its uploads may still be pending in
             # the node cache under that URI, and only that scope cancels them (none lands afterwards).
-            sched.do(open_backend(f"{self.root_uri}/{name}", **self.storage_options), "delete_prefix", "")
+            sched.do(open_store(f"{self.root_uri}/{name}", self.storage_options), "delete_prefix", "")
             sched.do(backend, "delete_prefix", f"{name}/")
 
 

@@ -31,13 +31,14 @@ from typing import Any
 import crc32c
 
 from . import layout
-from .backends import Backend, open_backend
+from .backends import Backend
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .io.crc import combine_blocks
 from .io.scheduler import ReadRequest, get_scheduler
 from .loader import Checkpoint, read_checkpoint, read_pieces
 from .metadata import PieceMeta, TensorMeta
 from .regions import Box, Region, StoredBox, stored_boxes
+from .store import open_store
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 
@@ -103,7 +104,7 @@ def verify(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> VerifyReport:
     """Check the committed checkpoint at ``uri`` completely (see the module docstring)."""
-    backend = open_backend(uri, **dict(storage_options or {}))
+    backend = open_store(uri, dict(storage_options or {}))
     report = VerifyReport(uri=uri)
     try:
         ckpt = read_checkpoint(backend)

@@ -41,8 +41,13 @@ def open_tiered(uri: str, config: CacheConfig | None = None, **storage_options: 
 
 
 def _tiered(uri: str, config: CacheConfig | None, storage_options: dict[str, Any]) -> TieredBackend:
-    """A TieredBackend for ``uri`` even where :func:`open_tiered` would not cache (local remotes)."""
-    return TieredBackend(open_plain_backend(uri, **storage_options), config or CacheConfig.from_env())
+    """A TieredBackend for ``uri`` even where :func:`open_tiered` would not cache (local remotes); a
+    :class:`CacheConfig` passed as the storage option ``cache`` is the configuration."""
+    options = dict(storage_options)
+    cache = options.pop("cache", None)
+    if config is None and isinstance(cache, CacheConfig):
+        config = cache
+    return TieredBackend(open_plain_backend(uri, **options), config or CacheConfig.from_env())
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,17 +63,25 @@ class CheckpointStatus:
     pending_bytes: int
     pending_keys: tuple[str, ...]
     errors: tuple[str, ...] = ()
+    remote_generation: str | None = None
+    """The generation the remote's own COMMIT names (``None``: none, or unreadable: see ``remote_error``)."""
+    remote_error: str | None = None
 
     @property
     def durable(self) -> bool:
         return self.state == "remote" and not self.pending_keys
+
+    @property
+    def committed_on_remote(self) -> bool:
+        return self.generation is not None and self.generation == self.remote_generation
 
 
 def status(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> CheckpointStatus:
     """The committed generation of the checkpoint at ``uri``, its durability and pending bytes."""
     st: StoreStatus = get_scheduler().run(_tiered(uri, config, storage_options).status())
     return CheckpointStatus(uri=uri, generation=st.generation, state=st.state, pending_bytes=st.pending_bytes,
-                            pending_keys=st.pending_keys, errors=st.errors)
+                            pending_keys=st.pending_keys, errors=st.errors, remote_generation=st.remote_generation,
+                            remote_error=st.remote_error)
 
 
 def wait(uri: str, timeout_s: float | None = None, config: CacheConfig | None = None, **storage_options: Any) -> None:

@@ -43,37 +43,42 @@ immutable once cached, except for overwrites made through this cache.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import collections
 import hashlib
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 
 import crc32c
 
 from .. import layout
 from ..backends.base import (
-    UNCONDITIONAL, Backend, ObjectWriter, ReadsInto, Unconditional, check_expected, validate_key,
+    UNCONDITIONAL, Backend, ObjectWriter, ReadsInto, Unconditional, commit_refused, validate_key,
 )
 from ..backends.local import (
     LocalBackend, _discard, _fsync_dir, _open_temp, _unlink, _write_all, check_prefix, check_range, range_past_end,
 )
 from ..comm import describe_error
 from ..errors import (
-    CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError,
+    CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError,
+    TransientStorageError,
 )
 from ..io.scheduler import Priority, get_scheduler
 from ..metadata import decode_header
 from .catalog import Catalog, generation_path, pid_alive
 from .config import CacheConfig
+from .status import Durability, StoreStatus
 from .tail_upload import TailUpload
 
 logger = logging.getLogger("tierckpt.cache")
 
 UPLOAD_PART_BYTES = 16 * 2**20
+RETRY_PAUSE_S = 1.0
+"""First pause before an upload that failed transiently (after the scheduler's own retries) is tried again."""
+MAX_RETRY_PAUSE_S = 30.0
+EXIT_STALL_S = 5.0
+"""The exit drain stops waiting once uploads fail and none has finished for this long (it then reports)."""
 
 # Process-wide state, touched only on the scheduler's loop: one upload task per (catalogue, root, key).
 _TASKS: dict[tuple[str, str, str], asyncio.Task] = {}
@@ -82,6 +87,8 @@ _TAILS: dict[tuple[str, str, str], TailUpload] = {}
 _UPLOAD_SLOTS: dict[str, asyncio.Semaphore] = {}
 _verified: set[tuple[str, int, int, int, int]] = set()
 _verified_lock = threading.Lock()
+# Cache directories this process opened, with the longest exit wait configured for them (the exit drain).
+_CATALOGS: dict[str, float] = {}
 
 
 def root_hash(root_uri: str) -> str:
@@ -97,20 +104,6 @@ def is_mutable(key: str) -> bool:
 def _offline(exc: BaseException) -> bool:
     """An error that means 'the remote cannot be reached now', where a cached copy may serve."""
     return isinstance(exc, TransientStorageError)
-
-
-@dataclass(frozen=True, slots=True)
-class StoreStatus:
-    """Durability of one store, as the catalogue of this node sees it."""
-
-    uri: str
-    generation: str | None
-    """The committed generation (the node's newest COMMIT, pending or uploaded)."""
-    state: str | None
-    """``staged``, ``local``, ``remote`` (or ``None``: no commit known)."""
-    pending_keys: tuple[str, ...]
-    pending_bytes: int
-    errors: tuple[str, ...] = ()
 
 
 class _MemoryTier:
@@ -234,7 +227,6 @@ class TieredBackend(ReadsInto, Backend):
 
     def __init__(self, remote: Backend, config: CacheConfig | None = None) -> None:
         super().__init__(remote.root_uri)
-        _register_drain()
         self.remote = remote
         self.config = config or CacheConfig.from_env()
         self.capabilities = remote.capabilities
@@ -247,7 +239,7 @@ class TieredBackend(ReadsInto, Backend):
         self._blocks = LocalBackend(os.path.join(d, "blocks", self.rh))
         self._memory = _MemoryTier(self.config.memory_bytes, self.config.memory_object_bytes)
         self._files_checked: set[str] = set()
-        _note_exit_wait(self.config.exit_wait_s)
+        _CATALOGS[self.config.directory] = max(_CATALOGS.get(self.config.directory, 0.0), self.config.exit_wait_s)
 
     def __repr__(self) -> str:
         return f"TieredBackend({self.remote!r}, cache={self.config.directory!r})"
@@ -284,7 +276,8 @@ class TieredBackend(ReadsInto, Backend):
 
     # -- writes ------------------------------------------------------------------------------------
     async def _publish_written(self, key: str, fd: int, tmp: str, size: int, crc: int, op: str,
-                               generation: str | None, tail: TailUpload | None = None) -> None:
+                               generation: str | None, tail: TailUpload | None = None,
+                               extra: dict | None = None) -> None:
         path = self.written.path_of(key)
 
         def publish() -> int:
@@ -297,7 +290,8 @@ class TieredBackend(ReadsInto, Backend):
                 os.replace(tmp, path)
                 _fsync_dir(os.path.dirname(path))
 
-            version, dropped = self.catalog.record_write(self.rh, key, size, crc, op, generation, publish=rename)
+            version, dropped = self.catalog.record_write(self.rh, key, size, crc, op, generation, publish=rename,
+                                                         extra=extra)
             self._unlink_dropped(key, dropped)
             return version
 
@@ -312,7 +306,8 @@ class TieredBackend(ReadsInto, Backend):
         self._evict()
         self.schedule(key)
 
-    async def _write_whole(self, key: str, data: bytes | memoryview, op: str, generation: str | None) -> None:
+    async def _write_whole(self, key: str, data: bytes | memoryview, op: str, generation: str | None,
+                           extra: dict | None = None) -> None:
         path = self.written.path_of(key)
         await self._drop_tail(key, _TAILS.get((self.catalog.path, self.rh, key)))  # superseded by this write
         view = memoryview(data).cast("B")
@@ -325,7 +320,7 @@ class TieredBackend(ReadsInto, Backend):
         except BaseException:
             await asyncio.to_thread(_discard, fd, tmp)
             raise
-        await self._publish_written(key, fd, tmp, len(view), crc32c.crc32c(view), op, generation)
+        await self._publish_written(key, fd, tmp, len(view), crc32c.crc32c(view), op, generation, extra=extra)
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
         await self._write_whole(validate_key(key), data, "put", None)
@@ -362,17 +357,45 @@ class TieredBackend(ReadsInto, Backend):
     async def commit(
         self, key: str, data: bytes | memoryview, *, expected: bytes | None | Unconditional = UNCONDITIONAL
     ) -> None:
-        """Commit in the node cache if this node's view of ``key`` (its pending commit, else the
-        remote's) holds ``expected``: a check, then a write. The upload is unconditional, so writers on
-        two nodes racing through their caches are not excluded (a limitation of write-back)."""
+        """Commit in the node cache if this node's view of ``key`` holds ``expected``; upload behind.
+
+        The node's view is its pending commit of ``key`` if there is one (the compare-and-swap base of
+        a write-back save is what this node committed last, uploaded or not), else the remote's (or
+        its cached copy while the remote is unreachable). A key this node never saw, while the remote
+        is unreachable, is accepted when ``expected`` is ``None``: the upload itself is a
+        compare-and-swap against the remote state this commit builds on (``base`` in the catalogue),
+        so a remote that holds another writer's commit refuses it then, and the upload fails loudly.
+        """
         validate_key(key)
         data = bytes(data)
-        await check_expected(self, key, expected, self.uri_of(key))
+        old = self.catalog.pending(self.rh, key)
+        await self._check_node_view(key, expected, old)
         try:
             generation: str | None = layout.CommitRecord.decode(data).generation
         except CorruptCheckpointError:
             generation = None  # not a tierckpt commit record: it waits for everything under its directory
-        await self._write_whole(key, data, "commit", generation)
+        if old is not None and old["op"] == "commit":
+            cas, base = old.get("cas", False), old.get("base")  # still the remote's state: inherit it
+        else:
+            cas, base = expected is not UNCONDITIONAL, expected.hex() if isinstance(expected, bytes) else None
+        await self._write_whole(key, data, "commit", generation, {"cas": cas, "base": base})
+
+    async def _check_node_view(self, key: str, expected: bytes | None | Unconditional, pending: dict | None) -> None:
+        if expected is UNCONDITIONAL:
+            return
+        if pending is not None and pending["op"] == "commit":
+            current: bytes | None = await self.written.get(key)
+        else:
+            try:
+                current = await self.get(key)
+            except CheckpointNotFoundError:
+                current = None
+            except TransientStorageError:
+                if expected is None:
+                    return  # a URI this node never saw, remote unreachable: the upload's CAS decides
+                raise
+        if current != expected:
+            raise commit_refused(self.uri_of(key), expected, current)
 
     async def delete(self, key: str) -> None:
         validate_key(key)
@@ -656,6 +679,10 @@ class TieredBackend(ReadsInto, Backend):
                 self.schedule(key)
 
     async def _drain(self, key: str, tkey: tuple[str, str, str]) -> None:
+        """Upload the pending op of ``key`` (and any that replaces it meanwhile). A transient failure
+        (an outage) is recorded and retried with a growing pause, so write-back covers an outage; any
+        other failure is recorded and ends the task (``sync`` retries it, ``sync --drop`` discards it)."""
+        pause = RETRY_PAUSE_S
         try:
             while True:
                 rec = self.catalog.pending(self.rh, key)
@@ -670,10 +697,19 @@ class TieredBackend(ReadsInto, Backend):
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - recorded; wait()/sync() report it
+                    current = self.catalog.pending(self.rh, key)
+                    if current is None or current["ver"] != rec["ver"]:
+                        continue  # superseded while it was uploading (rewritten or deleted)
                     message = describe_error(exc)
-                    self.catalog.fail(self.rh, key, rec["ver"], message)
-                    logger.warning("upload of %s failed: %s", self.uri_of(key), message)
-                    return
+                    retrying = isinstance(exc, TransientStorageError)
+                    self.catalog.fail(self.rh, key, rec["ver"], message, retrying=retrying)
+                    logger.warning("upload of %s failed%s: %s", self.uri_of(key),
+                                   f" (retrying in {pause:.0f} s)" if retrying else "", message)
+                    if not retrying:
+                        return
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, MAX_RETRY_PAUSE_S)
+                    continue
                 if not performed:
                     continue
                 outcome = self.catalog.finish(self.rh, key, rec["ver"])
@@ -705,7 +741,7 @@ class TieredBackend(ReadsInto, Backend):
             data = await self.written.get(key)
             if crc32c.crc32c(data) != (self.catalog.obj(self.rh, key) or {}).get("crc"):
                 return False  # rewritten meanwhile
-            await sched.call(self.remote, "commit", self.remote.commit, key, data, priority=Priority.BACKGROUND,
+            await sched.call(self.remote, "commit", self._upload_commit, key, data, rec, priority=Priority.BACKGROUND,
                              nbytes=len(data))
             return True
         while True:  # delete: after every commit recorded before it
@@ -720,6 +756,38 @@ class TieredBackend(ReadsInto, Backend):
             await asyncio.sleep(self.config.poll_s)
         await sched.call(self.remote, "delete", self.remote.delete, key, priority=Priority.BACKGROUND)
         return True
+
+    async def _upload_commit(self, key: str, data: bytes, rec: dict) -> None:
+        """Upload a commit as a compare-and-swap against the remote state it was built on (``base``).
+
+        A refusal is accepted only when the remote holds this very record (a retried request whose
+        first attempt landed) or a commit this node uploaded after ``base`` was recorded (its earlier
+        commit overtook this one's record); then it is retried against that. Anything else is another
+        writer's commit: the upload fails and the checkpoint stays committed on this node only."""
+        expected: bytes | None | Unconditional = UNCONDITIONAL
+        if rec.get("cas"):
+            expected = None if rec.get("base") is None else bytes.fromhex(rec["base"])
+        try:
+            await self.remote.commit(key, data, expected=expected)
+            return
+        except CheckpointBusyError:
+            try:
+                current: bytes | None = await self.remote.get(key)
+            except CheckpointNotFoundError:
+                current = None
+            if current == data:
+                return
+            if current is None or not self._uploaded_by_this_node(key, current):
+                raise
+        await self.remote.commit(key, data, expected=current)
+
+    def _uploaded_by_this_node(self, key: str, record: bytes) -> bool:
+        try:
+            generation = layout.CommitRecord.decode(record).generation
+        except CorruptCheckpointError:
+            return False
+        base = key.rpartition("/")[0]
+        return self.catalog.generation_state(self.rh, f"{base}/{generation}" if base else generation) == "remote"
 
     async def _complete_tail(self, key: str, rec: dict) -> bool:
         """Publish the upload that followed this very write of ``key``, if there is one and it sent
@@ -793,6 +861,9 @@ class TieredBackend(ReadsInto, Backend):
                 return False
             deps = {k: r for k, r in self.catalog.pending_under(self.rh, prefix).items()
                     if k != key and r["op"] != "delete" and not is_mutable(k)}
+            failed = sorted((k, r["error"]) for k, r in deps.items() if r.get("error") and not r.get("retrying"))
+            if failed:
+                raise StorageError(f"not uploaded: {self.uri_of(failed[0][0])} failed ({failed[0][1]})")
             if not deps and (gen_path is None or await self._remote_has_generation(gen_path)):
                 return True
             self._adopt(deps)
@@ -813,9 +884,10 @@ class TieredBackend(ReadsInto, Backend):
         wanted.update({f"{gen_path}/{f.key}": f.size for f in header.files})
         for k, size in wanted.items():
             try:
-                actual = await self.remote.size(k)
-            except (CheckpointNotFoundError, TransientStorageError):
-                return False  # not there (yet), or asked again at the next poll
+                actual = await get_scheduler().call(self.remote, "size", self.remote.size, k,
+                                                    priority=Priority.BACKGROUND)
+            except CheckpointNotFoundError:
+                return False  # not there yet (a rank on another node still uploads it)
             if size is not None and actual != size:
                 return False
         self._files_checked.add(gen_path)
@@ -830,21 +902,27 @@ class TieredBackend(ReadsInto, Backend):
         return {k: r for k, r in pending.items()
                 if (generation_path(k) or "").rpartition("/")[2] == name or r.get("gen") == name}
 
-    async def wait_durable(self, generation: str | None = None, timeout_s: float | None = None) -> None:
-        """Wait until every pending op (of ``generation``, a name or ``dir/name``) reached the remote."""
+    async def wait_durable(self, generation: str | None = None, timeout_s: float | None = None, *,
+                           through_outage: bool = True) -> None:
+        """Wait until every pending op (of ``generation``, a name or ``dir/name``) reached the remote.
+
+        Raises :class:`StorageError` when an upload failed for good (a missing bucket, denied access), and
+        :class:`TransientStorageError` at ``timeout_s``; with ``through_outage=False`` (a synchronous save)
+        also as soon as an upload failed transiently (it goes on retrying in the background)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         adopted = False
         while True:
             pending = self._relevant(generation)
             if not pending:
                 return
-            failed = {k: r["error"] for k, r in pending.items() if r.get("error")}
+            failed = {k: r["error"] for k, r in pending.items()
+                      if r.get("error") and not (through_outage and r.get("retrying"))}
             if failed:
                 key, error = sorted(failed.items())[0]
                 raise StorageError(
-                    f"upload of {self.uri_of(key)} to the remote failed ({error}); {len(failed)} object(s) are "
-                    f"still only in the node cache. Fix the remote, then run: tierckpt sync {self.root_uri} "
-                    f"(from Python: tierckpt.sync({self.root_uri!r}))"
+                    f"upload of {self.uri_of(key)} failed ({error}); {len(pending)} object(s) of the checkpoint are "
+                    f"committed in this node's cache only. Fix the remote, then run: tierckpt sync {self.root_uri} "
+                    f"(or drop them: tierckpt sync --drop {self.root_uri})"
                 )
             if not adopted:
                 self._adopt(pending)
@@ -866,24 +944,24 @@ class TieredBackend(ReadsInto, Backend):
         await self.wait_durable(None, timeout_s)
 
     async def status(self) -> StoreStatus:
-        """The committed generation, its durability and what is still pending (see :class:`StoreStatus`)."""
+        """What is committed on this node and on the remote, and what is still pending (see :class:`StoreStatus`)."""
         pending = self.catalog.pending_under(self.rh)
         generation: str | None = None
-        state: str | None = None
+        state: Durability | None = None
+        remote_generation, remote_error = await self._remote_generation()
         commit = pending.get(layout.COMMIT)
         if commit is not None and commit["op"] == "commit":
             generation = commit.get("gen")
         else:
             try:
                 generation = layout.CommitRecord.decode(await self.get(layout.COMMIT)).generation
-            except CheckpointNotFoundError:
+            except (CheckpointNotFoundError, TransientStorageError):
                 generation = None
         if generation is not None:
-            state = self.catalog.generation_state(self.rh, generation) or "remote"
-            if state == "remote" and commit is not None:
-                state = "local"
+            # no pending commit: this COMMIT came from the remote (uploaded, or fetched from it)
+            state = Durability.LOCAL if commit is not None else Durability.REMOTE
         elif any(r["op"] == "put" for r in pending.values()):
-            state = "staged"
+            state = Durability.STAGED
         return StoreStatus(
             uri=self.root_uri,
             generation=generation,
@@ -891,7 +969,31 @@ class TieredBackend(ReadsInto, Backend):
             pending_keys=tuple(sorted(pending)),
             pending_bytes=sum(r.get("size", 0) for r in pending.values()),
             errors=tuple(f"{k}: {r['error']}" for k, r in sorted(pending.items()) if r.get("error")),
+            remote_generation=remote_generation,
+            remote_error=remote_error,
         )
+
+    async def _remote_generation(self) -> tuple[str | None, str | None]:
+        """The generation the remote's own COMMIT names, and why it could not be read (else ``None``)."""
+        try:
+            data = await get_scheduler().call(self.remote, "get", self.remote.get, layout.COMMIT, retries=2)
+        except CheckpointNotFoundError as exc:
+            return None, (str(exc) if "bucket" in str(exc) else None)
+        except CheckpointError as exc:
+            return None, describe_error(exc)
+        try:
+            return layout.CommitRecord.decode(data).generation, None
+        except CorruptCheckpointError as exc:
+            return None, describe_error(exc)
+
+    async def drop_pending(self) -> list[str]:
+        """Discard every upload still pending to this store (e.g. to a mistyped bucket): the objects stay
+        readable in the node cache until evicted, but never reach the remote. Returns the keys dropped."""
+        await self.cancel_uploads()
+        pending = self.catalog.pending_under(self.rh)
+        for key in pending:
+            self.catalog.drop_pending(self.rh, key)
+        return sorted(pending)
 
     async def cancel_uploads(self) -> None:
         """Stop this process's upload tasks for this store; the ops stay pending for ``sync()``."""
@@ -912,41 +1014,53 @@ class TieredBackend(ReadsInto, Backend):
 
 
 # -- draining at exit -----------------------------------------------------------------------------
-_exit_wait_s = 0.0
+def exit_wait_s() -> float:
+    """How long the exit drain may wait: the longest ``exit_wait_s`` of the caches this process opened."""
+    return max(_CATALOGS.values(), default=0.0)
 
 
-def _note_exit_wait(seconds: float) -> None:
-    global _exit_wait_s
-    _exit_wait_s = max(_exit_wait_s, seconds)
+def _live_catalogs() -> list[str]:
+    """The cache directories this process opened that still exist (tests remove theirs)."""
+    return sorted(d for d in _CATALOGS if os.path.exists(os.path.join(d, "catalog.lmdb")))
 
 
-def _drain_at_exit() -> None:
-    """Give this process's uploads up to ``exit_wait_s`` to finish; what is left stays pending for sync()."""
-    if _exit_wait_s <= 0:
-        return
+def drain_uploads(timeout_s: float) -> list[str]:
+    """Wait up to ``timeout_s`` for this process's uploads to finish (on the scheduler's loop, which
+    must still run); return one line per store left with pending ops owned by this process, naming the
+    command that finishes them. Called by the exit drain (see :mod:`tierckpt.saver`)."""
 
-    async def wait() -> int:
-        tasks = list(_TASKS.values())
-        if tasks:
-            await asyncio.wait(tasks, timeout=_exit_wait_s)
-        return sum(not t.done() for t in tasks)
+    me = os.getpid()
 
-    try:
-        left = get_scheduler().run(wait())
-    except Exception:  # noqa: BLE001 - best effort at interpreter exit
-        return
-    if left:
-        logger.warning("%d upload(s) still pending at exit; run `tierckpt sync` (from Python: tierckpt.sync()) to finish them", left)
+    def mine() -> list[dict]:
+        return [rec for d in _live_catalogs() for _, _, rec in Catalog(d).pending_all() if rec["owner"] == me]
 
+    async def wait() -> None:
+        deadline = time.monotonic() + timeout_s
+        last, since = -1, time.monotonic()
+        while _TASKS and (left := deadline - time.monotonic()) > 0:
+            await asyncio.wait(list(_TASKS.values()), timeout=min(left, 0.5))
+            recs = mine()
+            if len(recs) != last:
+                last, since = len(recs), time.monotonic()
+            elif any(r.get("error") for r in recs) and time.monotonic() - since > EXIT_STALL_S:
+                return  # failing, and nothing reached the remote for a while: report instead of waiting
 
-_drain_registered = False
-
-
-def _register_drain() -> None:
-    """Register :func:`_drain_at_exit` once, after the scheduler exists: exit handlers run last-in
-    first-out, so the uploads drain before the scheduler's loop is stopped."""
-    global _drain_registered
-    if not _drain_registered:
-        get_scheduler()
-        atexit.register(_drain_at_exit)
-        _drain_registered = True
+    if _TASKS:
+        get_scheduler().run(wait())
+    lines = []
+    for directory in _live_catalogs():
+        catalog = Catalog(directory)
+        roots = catalog.roots()
+        mine: dict[str, list[dict]] = {}
+        for rh, _, rec in catalog.pending_all():
+            if rec["owner"] == me and rh in roots:
+                mine.setdefault(roots[rh], []).append(rec)
+        for uri, recs in sorted(mine.items()):
+            errors = [r["error"] for r in recs if r.get("error")]
+            why = f"failed: {errors[0]}" if errors else "not finished"
+            lines.append(
+                f"tierckpt: {len(recs)} upload(s) to {uri} did not finish before exit ({why}); what they hold is "
+                f"committed in this node's cache only. Finish them: TIERCKPT_CACHE_DIR={directory} tierckpt sync "
+                f"{uri} (or discard them: tierckpt sync --drop {uri})"
+            )
+    return lines

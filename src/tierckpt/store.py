@@ -1,0 +1,93 @@
+"""The one place that assembles the storage chain of a URI: :func:`open_store`.
+
+A *store* is a :class:`~tierckpt.backends.base.Backend`: either the backend of the URI itself
+(:mod:`tierckpt.backends`) or that backend wrapped in *links*, each a small ``Backend`` with one job
+(:mod:`tierckpt.cache`: the node cache's write-back journal and read-through tiers). Saver, loader,
+manager, CLI, verify and convert get every store from :func:`open_store`, so "is this URI cached?" is
+decided here, once, by one rule (:func:`cache_config_for`).
+
+Durability is an optional protocol (:class:`Durable`): a write-back store acknowledges a write once it
+is durable on this node and uploads it behind; callers that hold such a store ask it with
+:func:`durability_of` and call ``wait_durable`` / ``status`` / ``sync`` on it. A store without the
+protocol is durable where its URI points when a write returns.
+
+Adding a link: write it as a ``Backend`` wrapper (one file, under ``cache/`` or beside it) and add one
+line to :func:`open_store` that wraps the chain built so far.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from .backends import Backend, open_plain_backend, split_uri
+from .cache.config import CacheConfig
+from .cache.status import StoreStatus
+from .cache.tiered import TieredBackend, drain_uploads, exit_wait_s
+from .errors import CheckpointError
+
+__all__ = [
+    "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s", "open_store",
+]
+
+LOCAL_SCHEMES = ("", "file", "memory")
+"""Schemes that are never cached: the URI's own store is already on this node (or in this process)."""
+
+
+@runtime_checkable
+class Durable(Protocol):
+    """What a write-back store offers about the durability of what was written through it."""
+
+    async def wait_durable(self, generation: str | None = None, timeout_s: float | None = None, *,
+                           through_outage: bool = True) -> None:
+        """Wait until every write (of ``generation``) reached the remote; raise when one failed for good,
+        at ``timeout_s``, or (``through_outage=False``) as soon as one failed at all."""
+
+    async def status(self) -> StoreStatus:
+        """The committed generation on this node and on the remote, and what is still pending."""
+
+    async def sync(self, timeout_s: float | None = None) -> None:
+        """Resume writes left pending by this or a dead process, then :meth:`wait_durable`."""
+
+
+def cache_config_for(uri: str, cache: Any = None) -> CacheConfig | None:
+    """The node-cache configuration of ``uri``'s chain, or ``None`` for no cache. The one rule:
+
+    * local paths, ``file://`` and ``memory://`` are never cached;
+    * ``cache=False`` disables the cache, ``cache=True`` enables it (whatever ``TIERCKPT_CACHE`` says);
+    * a :class:`CacheConfig` is used as given (``enabled=False`` disables the cache);
+    * ``cache=None`` (the default): :meth:`CacheConfig.from_env` (``TIERCKPT_CACHE=off`` disables it).
+    """
+    if cache is not None and not isinstance(cache, (bool, CacheConfig)):
+        raise CheckpointError(
+            f"storage option cache={cache!r} for {uri!r}: pass True or False (node cache on or off), "
+            "or a tierckpt.cache.CacheConfig"
+        )
+    if cache is False or split_uri(uri)[0] in LOCAL_SCHEMES:
+        return None
+    if cache is True:
+        config = CacheConfig.from_env()
+        return config if config.enabled else CacheConfig.from_env(enabled=True)
+    config = cache if isinstance(cache, CacheConfig) else CacheConfig.from_env()
+    return config if config.enabled else None
+
+
+def open_store(uri: str, options: dict[str, Any] | None = None) -> Backend:
+    """The store for ``uri``: its backend (``options`` go to it, e.g. S3 credentials), behind the node
+    cache when :func:`cache_config_for` says so (option ``cache``)."""
+    options = dict(options or {})
+    config = cache_config_for(uri, options.pop("cache", None))
+    store = open_plain_backend(uri, **options)
+    if config is not None:
+        store = TieredBackend(store, config)
+    return store
+
+
+def durability_of(store: Backend) -> Durable | None:
+    """``store`` itself when it is write-back (offers :class:`Durable`), else ``None``."""
+    return store if isinstance(store, Durable) else None
+
+
+def drain_write_back(timeout_s: float) -> list[str]:
+    """Wait up to ``timeout_s`` for this process's write-back uploads; one line per store left pending,
+    naming the command that finishes it (the saver's exit drain prints them)."""
+    return drain_uploads(timeout_s)
