@@ -245,7 +245,8 @@ def _add_verify(subparsers: Any) -> None:
         description="Check that a committed checkpoint is complete (metadata, every file with its listed size, "
         "pieces covering every tensor exactly) and read every piece and object to check its CRC-32C, streaming. "
         "Every problem is listed with its file, tensor or object, and byte offset. Exit 0 when sound, "
-        "5 when corrupt, 4 when incomplete, 3 when there is no checkpoint.",
+        "5 when corrupt, 4 when incomplete (also: committed in this node's cache but not on the remote), "
+        "3 when there is no checkpoint.",
     )
     p.add_argument("uri", help="checkpoint root: a path, file://, memory://, s3://, or any fsspec URI")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -259,7 +260,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     report = verify(args.uri, progress=args.progress)
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.render())
-    return EXIT_OK if report.ok else EXIT_CORRUPT
+    if report.problems:
+        return EXIT_CORRUPT
+    return EXIT_INCOMPLETE if report.node_only else EXIT_OK  # node only: the remote lacks its COMMIT
 
 
 # -- stats ---------------------------------------------------------------------------------------------
@@ -374,7 +377,7 @@ def _add_ls(subparsers: Any) -> None:
         "ls", help="list the checkpoints under a root",
         description="List the checkpoints under ROOT: ROOT itself, the step-N checkpoints of a "
         "CheckpointManager root (the latest marked), or any directory of checkpoints. For each: step, status "
-        "(committed, incomplete or corrupt), generation, creation time, tensor bytes and world size.",
+        "(committed, node-only: committed in this node's cache but not on the remote, incomplete or corrupt), generation, creation time, tensor bytes and world size.",
     )
     p.add_argument("root", help="a checkpoint or a directory of checkpoints: a path or URI")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -455,8 +458,11 @@ def _join(root: str, prefix: str) -> str:
 
 
 def _describe_entry(root: str, prefix: str, committed: bool, gens: set[str], latest: set[str]) -> dict[str, Any]:
-    """One row of ``ls``: a committed checkpoint's header facts, or what an uncommitted one left."""
-    from .store import open_store
+    """One row of ``ls``: a committed checkpoint's header facts, or what an uncommitted one left.
+
+    ``status``: ``committed`` (where the URI points), ``node-only`` (committed in this node's cache, not on
+    the remote: ``node_only`` says why), ``incomplete`` or ``corrupt``."""
+    from .store import node_only_reason, open_store
     from .loader import read_checkpoint
 
     entry: dict[str, Any] = {
@@ -472,13 +478,17 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: set[str], lat
             entry["created_unix"] = int(millis) / 1000
             entry["created"] = _utc(entry["created_unix"])
         return entry
+    store = open_store(entry["uri"])
     try:
-        meta = read_checkpoint(open_store(entry["uri"])).meta
+        meta = read_checkpoint(store).meta
     except CheckpointError as exc:
         return {**entry, "status": "corrupt", "error": str(exc)}
     gens.discard(meta.generation)
+    node_only = node_only_reason(store)
+    if node_only is not None:
+        entry["node_only"] = node_only
     entry.update(
-        status="committed", generation=meta.generation, created_unix=meta.created_unix, created=_utc(meta.created_unix),
+        status="committed" if node_only is None else "node-only", generation=meta.generation, created_unix=meta.created_unix, created=_utc(meta.created_unix),
         tensor_bytes=meta.tensor_bytes, world_size=meta.world_size, num_tensors=meta.num_tensors,
         uncommitted_generations=len(gens),
     )

@@ -31,7 +31,7 @@ from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import get_scheduler
 from .loader import load
 from .saver import SaveHandle, async_save, save
-from .store import open_store
+from .store import durability_of, node_only_reason, open_store
 
 LATEST = "LATEST"
 
@@ -103,8 +103,26 @@ class CheckpointManager:
             handle.wait()
             self._after_commit(step)
 
+    def wait_durable(self, timeout_s: float | None = None) -> None:
+        """Block until the save in flight is committed and every checkpoint and ``LATEST`` written through
+        this node are durable where the root points (on a remote behind the node cache: uploaded)."""
+        pending = self._pending
+        self.wait()
+        if pending is not None:
+            pending[1].wait_durable(timeout_s)
+        durable = durability_of(self._backend())
+        if durable is not None:
+            get_scheduler().run(durable.wait_durable(None, timeout_s))
+
+    def durable_where_uri_points(self, step: int) -> bool:
+        """Whether ``step`` is committed on the remote itself, not only in this node's cache (a write-back
+        save whose upload is pending or failed); ``steps()`` and ``latest()`` count both."""
+        uri = self._found_uri(step)
+        return self._committed(step) and node_only_reason(open_store(uri, self.storage_options)) is None
+
     def steps(self) -> list[int]:
-        """Committed steps under the root, ascending (including one whose upload is still pending)."""
+        """Committed steps under the root, ascending, as this node sees them: including one committed in
+        its cache whose upload is still pending (:meth:`durable_where_uri_points` tells them apart)."""
         found = set(self._committed_names())
         pointed = self._pointed_step()
         if pointed is not None and pointed not in found and self._committed(pointed):

@@ -24,9 +24,11 @@ from .cache.config import CacheConfig
 from .cache.status import StoreStatus
 from .cache.tiered import TieredBackend, drain_uploads, exit_wait_s
 from .errors import CheckpointError
+from .io.scheduler import get_scheduler
 
 __all__ = [
-    "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s", "open_store",
+    "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s", "node_only_reason",
+    "open_store",
 ]
 
 LOCAL_SCHEMES = ("", "file", "memory")
@@ -91,3 +93,24 @@ def drain_write_back(timeout_s: float) -> list[str]:
     """Wait up to ``timeout_s`` for this process's write-back uploads; one line per store left pending,
     naming the command that finishes it (the saver's exit drain prints them)."""
     return drain_uploads(timeout_s)
+
+
+def node_only_reason(store: Backend) -> str | None:
+    """``None`` when what ``store`` shows as committed is committed where its URI points (or nothing
+    is committed); otherwise one line saying that it is committed in this node's cache only, why, and
+    the command that finishes it. ``ls`` and ``verify`` report it on the saving node."""
+    durable = durability_of(store)
+    if durable is None:
+        return None
+    st = get_scheduler().run(durable.status())
+    if st.generation is None or st.committed_on_remote:
+        return None
+    if st.remote_generation is not None:
+        remote = f"the remote's COMMIT names {st.remote_generation}"
+    elif st.remote_error is not None:
+        remote = f"the remote's COMMIT cannot be read: {st.remote_error}"
+    else:
+        remote = "the remote has no COMMIT"
+    uploads = f"{len(st.pending_keys)} upload(s) pending" + (f", failing: {st.errors[0]}" if st.errors else "")
+    return (f"generation {st.generation} is committed in this node's cache only ({remote}; {uploads}); "
+            f"finish it with: tierckpt sync {st.uri}")

@@ -4,13 +4,14 @@ See :mod:`tierckpt.cache.tiered` for the design and :mod:`tierckpt.cache.api` fo
 """
 
 from .api import (
-    CheckpointStatus, GcResult, PrefetchHandle, gc, open_tiered, prefetch, status, sync, wait,
+    CheckpointStatus, GcResult, PrefetchHandle, drop, gc, open_tiered, prefetch, status, sync, wait,
 )
 from .catalog import Catalog
 from .config import CacheConfig, parse_bytes
-from .tiered import StoreStatus, TieredBackend
+from .status import Durability, StoreStatus
+from .tiered import TieredBackend
 
 __all__ = [
-    "CacheConfig", "Catalog", "CheckpointStatus", "GcResult", "PrefetchHandle", "StoreStatus", "TieredBackend",
-    "gc", "open_tiered", "parse_bytes", "prefetch", "status", "sync", "wait",
+    "CacheConfig", "Catalog", "Durability", "CheckpointStatus", "GcResult", "PrefetchHandle", "StoreStatus", "TieredBackend",
+    "drop", "gc", "open_tiered", "parse_bytes", "prefetch", "status", "sync", "wait",
 ]

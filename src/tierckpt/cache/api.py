@@ -13,6 +13,7 @@ import concurrent.futures
 import fnmatch
 import re
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -108,9 +109,17 @@ def sync(uri: str | None = None, config: CacheConfig | None = None, timeout_s: f
         roots = catalog.roots()
         uris = sorted({roots[rh] for rh, _, _ in catalog.pending_all() if rh in roots})
     sched = get_scheduler()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     for u in uris:
-        sched.run(_tiered(u, config, storage_options).sync(timeout_s))
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        sched.run(_tiered(u, config, storage_options).sync(left), left)
     return uris
+
+
+def drop(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> list[str]:
+    """Discard the uploads pending from this node to ``uri`` (a mistyped bucket, a store given up on);
+    returns the keys dropped. What they held stays readable in the node cache until evicted."""
+    return get_scheduler().run(_tiered(uri, config, storage_options).drop_pending())
 
 
 class PrefetchHandle:
