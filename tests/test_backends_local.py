@@ -9,6 +9,7 @@ import pytest
 from backend_contract import BackendContract
 
 from tierckpt.cache.tiered import TieredBackend
+from tierckpt.io.scheduled import ScheduledBackend
 from tierckpt.store import open_store
 from tierckpt.backends import open_plain_backend
 from tierckpt.backends import (
@@ -76,7 +77,8 @@ def test_open_backend_picks_by_scheme(tmp_path: Path) -> None:
     options = {"endpoint_url": "http://127.0.0.1:1", "key": "k", "secret": "s"}
     cached = open_store("s3://bucket/prefix", options)
     assert isinstance(cached, TieredBackend) and isinstance(cached.remote, S3Backend)
-    assert isinstance(open_store("s3://bucket/p", {**options, "cache": False}), S3Backend)
+    plain = open_store("s3://bucket/p", {**options, "cache": False})
+    assert isinstance(plain, ScheduledBackend) and isinstance(plain.inner, S3Backend)
     assert isinstance(open_backend("s3://bucket/p", **options), S3Backend)  # the URI's own backend, never cached
     with pytest.raises(CheckpointError, match="open_store"):
         open_backend("s3://bucket/p", cache=True)

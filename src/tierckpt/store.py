@@ -24,6 +24,7 @@ from .cache.config import CacheConfig
 from .cache.status import StoreStatus
 from .cache.tiered import TieredBackend, drain_uploads, exit_wait_s
 from .errors import CheckpointError
+from .io.scheduled import ScheduledBackend
 from .io.scheduler import get_scheduler
 
 __all__ = [
@@ -78,9 +79,9 @@ def open_store(uri: str, options: dict[str, Any] | None = None) -> Backend:
     cache when :func:`cache_config_for` says so (option ``cache``)."""
     options = dict(options or {})
     config = cache_config_for(uri, options.pop("cache", None))
-    store = open_plain_backend(uri, **options)
+    store: Backend = ScheduledBackend(open_plain_backend(uri, **options))  # slots, retries, metrics
     if config is not None:
-        store = TieredBackend(store, config)
+        store = TieredBackend(store, config)  # write-back journal + read-through tiers of this node
     return store
 
 

@@ -289,6 +289,11 @@ class Catalog:
         self.sync()
 
     # -- generations -------------------------------------------------------------------------------
+    def mark_remote(self, rh: str, gen_path: str) -> None:
+        """This node uploaded the COMMIT naming ``gen_path`` (even if a newer commit replaced its record)."""
+        with self.env.begin(write=True) as txn:
+            txn.put(_k(rh, gen_path), _j({"state": "remote", "t": time.time()}), db=self._db["gens"])
+
     def generation_state(self, rh: str, gen_path: str) -> str | None:
         with self.env.begin() as txn:
             rec = _u(txn.get(_k(rh, gen_path), db=self._db["gens"]))

@@ -64,7 +64,8 @@ from ..errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError,
     TransientStorageError,
 )
-from ..io.scheduler import Priority, get_scheduler
+from ..io.scheduled import ScheduledBackend, set_background
+from ..io.scheduler import get_scheduler
 from ..metadata import decode_header
 from .catalog import Catalog, generation_path, pid_alive
 from .config import CacheConfig
@@ -225,9 +226,14 @@ class _TieredWriter(ObjectWriter):
 class TieredBackend(ReadsInto, Backend):
     """A write-back, read-through cache in front of ``remote``; see the module docstring."""
 
+    schedules_itself = True
+    """Its remote calls go through its scheduling link; callers add no slots or retries of their own."""
+
     def __init__(self, remote: Backend, config: CacheConfig | None = None) -> None:
         super().__init__(remote.root_uri)
-        self.remote = remote
+        self.link = remote if isinstance(remote, ScheduledBackend) else ScheduledBackend(remote)
+        """The remote behind its scheduling link (every network call of this tier goes through it)."""
+        self.remote = self.link.inner
         self.config = config or CacheConfig.from_env()
         self.capabilities = remote.capabilities
         self.rh = root_hash(remote.root_uri)
@@ -410,7 +416,7 @@ class TieredBackend(ReadsInto, Backend):
             self.schedule(key)
             return
         await self._upload_settled(key)  # an upload in flight must not land after the remote delete
-        await self.remote.delete(key)
+        await self.link.delete(key)
 
     async def _upload_settled(self, key: str) -> None:
         """Wait for this process's upload task of ``key``, if any, to finish."""
@@ -478,7 +484,7 @@ class TieredBackend(ReadsInto, Backend):
     async def _remote_commit_record(self, key: str) -> bytes:
         """A COMMIT with nothing pending: the remote's, or the cached one when the remote is offline."""
         try:
-            data = await self.remote.get(key)
+            data = await self.link.get(key)
         except CheckpointNotFoundError:
             dropped = self.catalog.record_delete(self.rh, key, deferred=False)
             self._unlink_dropped(key, dropped)
@@ -517,7 +523,7 @@ class TieredBackend(ReadsInto, Backend):
         size = self.catalog.known_size(self.rh, key)
         if size is not None and size > self.config.block_bytes:
             return await self._range_from_blocks(key, 0, size, size)
-        data = await self.remote.get(key)
+        data = await self.link.get(key)
         await self._store_fetched(key, data)
         self._memory.put(key, data)
         return data
@@ -525,7 +531,7 @@ class TieredBackend(ReadsInto, Backend):
     async def _remote_size(self, key: str) -> int:
         size = self.catalog.known_size(self.rh, key)
         if size is None:
-            size = await self.remote.size(key)
+            size = await self.link.size(key)
             self.catalog.record_size(self.rh, key, size)
         return size
 
@@ -583,7 +589,7 @@ class TieredBackend(ReadsInto, Backend):
             logger.warning("dropping bad cached block %d of %s; fetching it again", idx, self.uri_of(key))
             self.catalog.drop(self.rh, key, idx)
             await asyncio.to_thread(_unlink, self._blocks.path_of(bkey))
-        data = await self.remote.get_range(key, idx * b, idx * b + length)
+        data = await self.link.get_range(key, idx * b, idx * b + length)
         await self._store_block(key, idx, data)
         self._evict()
         return data
@@ -612,7 +618,7 @@ class TieredBackend(ReadsInto, Backend):
         ):
             return True
         try:
-            return await self.remote.exists(key)
+            return await self.link.exists(key)
         except StorageError as exc:
             if _offline(exc) and self.catalog.obj(self.rh, key) is not None:
                 return True
@@ -634,7 +640,7 @@ class TieredBackend(ReadsInto, Backend):
         check_prefix(prefix)
         pending = self._pending_with_nested(prefix)
         try:
-            keys = set(await self.remote.list(prefix))
+            keys = set(await self.link.list(prefix))
         except StorageError as exc:
             if not _offline(exc):
                 raise
@@ -683,6 +689,7 @@ class TieredBackend(ReadsInto, Backend):
         (an outage) is recorded and retried with a growing pause, so write-back covers an outage; any
         other failure is recorded and ends the task (``sync`` retries it, ``sync --drop`` discards it)."""
         pause = RETRY_PAUSE_S
+        set_background()  # this task's remote calls queue behind loads
         try:
             while True:
                 rec = self.catalog.pending(self.rh, key)
@@ -715,7 +722,7 @@ class TieredBackend(ReadsInto, Backend):
                 outcome = self.catalog.finish(self.rh, key, rec["ver"])
                 if outcome == "gone" and rec["op"] != "delete":
                     try:  # deleted while it was uploading: do not leave it behind on the remote
-                        await self.remote.delete(key)
+                        await self.link.delete(key)
                     except CheckpointError as exc:
                         logger.warning("could not remove %s after a delete: %s", self.uri_of(key), exc)
                 if outcome != "changed":
@@ -726,14 +733,12 @@ class TieredBackend(ReadsInto, Backend):
 
     async def _perform(self, key: str, rec: dict) -> bool:
         """Apply one pending op to the remote; False if it was superseded while waiting."""
-        sched = get_scheduler()
         op = rec["op"]
         if op == "put":
             if await self._complete_tail(key, rec):
                 return True
             async with self._upload_slots():
-                await sched.call(self.remote, "upload", self._upload_file, key, rec, priority=Priority.BACKGROUND,
-                                 nbytes=rec["size"])
+                await self.link.call("upload", self._upload_file, key, rec, nbytes=rec["size"])
             return True
         if op == "commit":
             if not await self._wait_for_generation(key, rec):
@@ -741,8 +746,7 @@ class TieredBackend(ReadsInto, Backend):
             data = await self.written.get(key)
             if crc32c.crc32c(data) != (self.catalog.obj(self.rh, key) or {}).get("crc"):
                 return False  # rewritten meanwhile
-            await sched.call(self.remote, "commit", self._upload_commit, key, data, rec, priority=Priority.BACKGROUND,
-                             nbytes=len(data))
+            await self.link.call("commit", self._upload_commit, key, data, rec, nbytes=len(data))
             return True
         while True:  # delete: after every commit recorded before it
             current = self.catalog.pending(self.rh, key)
@@ -754,7 +758,7 @@ class TieredBackend(ReadsInto, Backend):
                 break
             self._adopt(commits)
             await asyncio.sleep(self.config.poll_s)
-        await sched.call(self.remote, "delete", self.remote.delete, key, priority=Priority.BACKGROUND)
+        await self.link.delete(key)
         return True
 
     async def _upload_commit(self, key: str, data: bytes, rec: dict) -> None:
@@ -769,25 +773,31 @@ class TieredBackend(ReadsInto, Backend):
             expected = None if rec.get("base") is None else bytes.fromhex(rec["base"])
         try:
             await self.remote.commit(key, data, expected=expected)
-            return
         except CheckpointBusyError:
             try:
                 current: bytes | None = await self.remote.get(key)
             except CheckpointNotFoundError:
                 current = None
-            if current == data:
-                return
-            if current is None or not self._uploaded_by_this_node(key, current):
-                raise
-        await self.remote.commit(key, data, expected=current)
+            if current != data:
+                if current is None or self._uploaded_by_this_node(key, current) is False:
+                    raise
+                await self.remote.commit(key, data, expected=current)
+        gen_path = self._generation_path(key, data)
+        if gen_path is not None:
+            self.catalog.mark_remote(self.rh, gen_path)
 
-    def _uploaded_by_this_node(self, key: str, record: bytes) -> bool:
+    def _generation_path(self, key: str, record: bytes) -> str | None:
+        """``dir/generation`` that the commit record ``record`` of ``key`` names (``None``: not a record)."""
         try:
             generation = layout.CommitRecord.decode(record).generation
         except CorruptCheckpointError:
-            return False
+            return None
         base = key.rpartition("/")[0]
-        return self.catalog.generation_state(self.rh, f"{base}/{generation}" if base else generation) == "remote"
+        return f"{base}/{generation}" if base else generation
+
+    def _uploaded_by_this_node(self, key: str, record: bytes) -> bool:
+        gen_path = self._generation_path(key, record)
+        return gen_path is not None and self.catalog.generation_state(self.rh, gen_path) == "remote"
 
     async def _complete_tail(self, key: str, rec: dict) -> bool:
         """Publish the upload that followed this very write of ``key``, if there is one and it sent
@@ -884,8 +894,7 @@ class TieredBackend(ReadsInto, Backend):
         wanted.update({f"{gen_path}/{f.key}": f.size for f in header.files})
         for k, size in wanted.items():
             try:
-                actual = await get_scheduler().call(self.remote, "size", self.remote.size, k,
-                                                    priority=Priority.BACKGROUND)
+                actual = await self.link.size(k)
             except CheckpointNotFoundError:
                 return False  # not there yet (a rank on another node still uploads it)
             if size is not None and actual != size:
@@ -976,7 +985,7 @@ class TieredBackend(ReadsInto, Backend):
     async def _remote_generation(self) -> tuple[str | None, str | None]:
         """The generation the remote's own COMMIT names, and why it could not be read (else ``None``)."""
         try:
-            data = await get_scheduler().call(self.remote, "get", self.remote.get, layout.COMMIT, retries=2)
+            data = await self.link.call("get", self.remote.get, layout.COMMIT, retries=2)
         except CheckpointNotFoundError as exc:
             return None, (str(exc) if "bucket" in str(exc) else None)
         except CheckpointError as exc:

@@ -202,9 +202,8 @@ class IOScheduler:
             raise CheckpointError(f"max_concurrency must be at least 1, got {max_concurrency}")
         self.max_concurrency = max_concurrency
         self.metrics = IOMetrics()
-        self._slots: weakref.WeakKeyDictionary[Backend, PrioritySemaphore] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._slots: weakref.WeakKeyDictionary[Any, PrioritySemaphore] = weakref.WeakKeyDictionary()
+        self._named_slots: dict[str, PrioritySemaphore] = {}
         self._loop = asyncio.new_event_loop()
         # Local-file backends block in worker threads; give them more than the default few.
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -291,10 +290,13 @@ class IOScheduler:
                 "wrap the coroutine in scheduler.run() or scheduler.submit()"
             )
 
-    def _slot(self, backend: Backend) -> PrioritySemaphore:
-        slots = self._slots.get(backend)
+    def _slot(self, owner: Any) -> PrioritySemaphore:
+        """The slots of ``owner``: a backend instance, or a name (e.g. a remote's root URI) that every
+        scheduling link of one remote shares, so its reads and uploads wait in one priority queue."""
+        table: Any = self._named_slots if isinstance(owner, str) else self._slots
+        slots = table.get(owner)
         if slots is None:
-            slots = self._slots[backend] = PrioritySemaphore(self.max_concurrency)
+            slots = table[owner] = PrioritySemaphore(self.max_concurrency)
         return slots
 
     async def call(
@@ -311,14 +313,34 @@ class IOScheduler:
         """``await fn(*args, **kwargs)`` under one of ``backend``'s slots, retrying transient errors.
 
         ``retries`` is the most attempts in all (1: no retry). The metric's key is ``args[0]`` when
-        it is a string (backend methods take the key first).
+        it is a string (backend methods take the key first). A store that schedules its own calls
+        (its chain ends in the scheduling link, :class:`~tierckpt.io.scheduled.ScheduledBackend`) is
+        called as it is, so no call is slotted or retried twice.
         """
         self._check_loop()
+        if getattr(backend, "schedules_itself", False):
+            return await fn(*args, **kwargs)
+        return await self.slotted(backend, backend.root_uri, op_name, fn, *args, priority=priority, nbytes=nbytes,
+                                  retries=retries, **kwargs)
+
+    async def slotted(
+        self,
+        slot_owner: object,
+        label: str,
+        op_name: str,
+        fn: Callable[..., Awaitable[_T]],
+        *args: Any,
+        priority: Priority = Priority.FOREGROUND,
+        nbytes: int = 0,
+        retries: int = 5,
+        **kwargs: Any,
+    ) -> _T:
+        """The body of :meth:`call`: slots of ``slot_owner`` (one priority queue per owner), retries and
+        a metric labelled ``label`` (the store's URI)."""
+        self._check_loop()
         if retries < 1:
-            raise CheckpointError(
-                f"retries must be at least 1 for {op_name} on {backend}, got {retries}"
-            )
-        slots = self._slot(backend)
+            raise CheckpointError(f"retries must be at least 1 for {op_name} on {label}, got {retries}")
+        slots = self._slot(slot_owner)
         key = args[0] if args and isinstance(args[0], str) else ""
         started = time.perf_counter()
         attempt = 0
@@ -341,7 +363,7 @@ class IOScheduler:
             self.metrics.record(
                 OpRecord(
                     op=op_name,
-                    backend=backend.root_uri,
+                    backend=label,
                     key=key,
                     nbytes=nbytes,
                     seconds=time.perf_counter() - started,
