@@ -473,12 +473,12 @@ def test_a_root_lists_what_nested_roots_have_not_uploaded_yet(tmp_path: Path) ->
     step_remote.hold = lambda key: True
     step = TieredBackend(step_remote, config)
     run = TieredBackend(LocalBackend(str(tmp_path / "remote")), config)
-    sched.do(step, "put", "g-1/data/rank-00000.bin", b"x" * 100)
-    sched.do(step, "commit", "COMMIT", layout.CommitRecord("g-1", 0.0).encode())
-    assert sched.do(run, "list", "") == ["step-1/COMMIT", "step-1/g-1/data/rank-00000.bin"]
-    assert sched.do(run, "list", "step-1/g-1/") == ["step-1/g-1/data/rank-00000.bin"]
+    sched.run(step.put("g-1/data/rank-00000.bin", b"x" * 100))
+    sched.run(step.commit("COMMIT", layout.CommitRecord("g-1", 0.0).encode()))
+    assert sched.run(run.list("")) == ["step-1/COMMIT", "step-1/g-1/data/rank-00000.bin"]
+    assert sched.run(run.list("step-1/g-1/")) == ["step-1/g-1/data/rank-00000.bin"]
     deleting = sched.submit(step.delete_prefix(""))  # waits for the upload in flight, then removes it
     step_remote.gate.set()
     deleting.result(timeout=30)
     sched.run(step.wait_durable())
-    assert sched.do(run, "list", "") == [] and not any((tmp_path / "remote").rglob("*.bin"))
+    assert sched.run(run.list("")) == [] and not any((tmp_path / "remote").rglob("*.bin"))

@@ -68,7 +68,7 @@ class CheckpointManager:
     def _committed_names(self) -> dict[int, str]:
         """Committed step -> its directory (``step-00000100``, or ``step-100`` made by hand; padded wins)."""
         names: dict[int, str] = {}
-        for key in sorted(get_scheduler().do(self._backend(), "list", "")):
+        for key in sorted(get_scheduler().run(self._backend().list(""))):
             name, _, rest = key.partition("/")
             step = layout.step_of(name)
             if step is not None and rest == layout.COMMIT and names.get(step) != layout.step_name(step):
@@ -139,14 +139,14 @@ class CheckpointManager:
 
     def _pointed_step(self) -> int | None:
         try:
-            return int(json.loads(get_scheduler().do(self._backend(), "get", LATEST))["step"])
+            return int(json.loads(get_scheduler().run(self._backend().get(LATEST)))["step"])
         except (CheckpointNotFoundError, ValueError, KeyError, TypeError):
             return None
 
     def _committed(self, step: int) -> bool:
         """Whether ``step`` has a COMMIT, asked through the step's own URI (its node-cache scope)."""
         backend = open_store(self.uri_of(step), self.storage_options)
-        return bool(get_scheduler().do(backend, "exists", layout.COMMIT))
+        return bool(get_scheduler().run(backend.exists(layout.COMMIT)))
 
     def load_latest(self, state: dict[str, Any], **options: Any) -> int | None:
         """Load the newest committed step into ``state``; returns the step, or ``None`` if there is none."""
@@ -162,15 +162,15 @@ class CheckpointManager:
             return
         backend = self._backend()
         sched = get_scheduler()
-        sched.do(backend, "commit", LATEST, json.dumps({"step": step}).encode())
+        sched.run(backend.commit(LATEST, json.dumps({"step": step}).encode()))
         steps = sorted(set(self.steps()) | {step})
         names = self._committed_names()
         for old in retention_victims(steps, keep_last=self.keep_last, keep_every=self.keep_every):
             name = names.get(old, layout.step_name(old))
             # Through the step's own URI first: on a remote store its uploads may still be pending in
             # the node cache under that URI, and only that scope cancels them (none lands afterwards).
-            sched.do(open_store(f"{self.root_uri}/{name}", self.storage_options), "delete_prefix", "")
-            sched.do(backend, "delete_prefix", f"{name}/")
+            sched.run(open_store(f"{self.root_uri}/{name}", self.storage_options).delete_prefix(""))
+            sched.run(backend.delete_prefix(f"{name}/"))
 
 
 def retention_victims(steps: list[int], *, keep_last: int | None, keep_every: int | None) -> list[int]:

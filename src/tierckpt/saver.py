@@ -397,7 +397,7 @@ def _drain_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMeta
         p.monitor.add_seconds("file_write", stream.write_s)
     objects, blob = _objects_of_rank(p)
     if blob:
-        get_scheduler().do(p.backend, "put", layout.in_generation(p.generation, layout.objects_file(rank)), blob)
+        get_scheduler().run(p.backend.put(layout.in_generation(p.generation, layout.objects_file(rank)), blob))
         files.append(FileMeta(key=layout.objects_file(rank), size=len(blob)))
     return pieces, objects, files
 
@@ -435,7 +435,7 @@ def _piece_tensor(entry: TensorEntry, region: Region) -> torch.Tensor:
 def _discard_generation(p: _Prepared) -> None:
     """Rank 0, after a failed save: remove what the ranks wrote (every rank has reported, none still writes)."""
     try:
-        get_scheduler().do(p.backend, "delete_prefix", f"{p.generation}/")
+        get_scheduler().run(p.backend.delete_prefix(f"{p.generation}/"))
     except CheckpointError:
         pass  # an uncommitted generation is invisible to loads, and `tierckpt gc` removes leftovers
 
@@ -445,7 +445,7 @@ async def _read_commit(backend: Backend, offline_ok: bool = False) -> bytes | No
     an unreachable remote that this node knows nothing of counts as none; the store's upload is a
     compare-and-swap against that, so a remote that does hold a commit refuses it later, loudly."""
     try:
-        return await get_scheduler().call(backend, "get", backend.get, layout.COMMIT)
+        return await backend.get(layout.COMMIT)
     except CheckpointNotFoundError:
         return None
     except TransientStorageError:
@@ -466,17 +466,17 @@ def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None
         layout.HEADER: encode_header(meta),
     }
     for key, data in documents.items():
-        sched.do(backend, "put", layout.in_generation(gen, key), data)
+        sched.run(backend.put(layout.in_generation(gen, key), data))
     record = layout.CommitRecord(
         gen, time.time(), seq=layout.next_seq(base),
         checksums=tuple(sorted((key, layout.FileChecksum.of(data)) for key, data in documents.items())),
     ).encode()
     try:
-        sched.do(backend, "commit", layout.COMMIT, record, expected=base)
+        sched.run(backend.commit(layout.COMMIT, record, expected=base))
     except CheckpointBusyError as exc:
         current = sched.run(_read_commit(backend))
         if current != record:  # not a retried request whose first attempt landed: another job won
-            sched.do(backend, "delete_prefix", f"{gen}/")
+            sched.run(backend.delete_prefix(f"{gen}/"))
             winner = layout.CommitRecord.decode(current).generation if current else None
             started = layout.CommitRecord.decode(base).generation if base else None
             raise CheckpointBusyError(
@@ -486,7 +486,7 @@ def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None
             ) from exc
     previous = layout.CommitRecord.decode(base).generation if base else None
     if previous and previous != gen and not p.keep_previous:
-        sched.do(backend, "delete_prefix", f"{previous}/")
+        sched.run(backend.delete_prefix(f"{previous}/"))
     durable = durability_of(backend)
     if durable is not None and not p.write_back:  # a synchronous save commits where the URI points
         sched.run(durable.wait_durable(gen, None, through_outage=False))

@@ -266,11 +266,11 @@ def _remove_leftovers(store: Backend, dry_run: bool) -> list[str]:
     """Delete (unless ``dry_run``) the generations of ``store`` that can never be committed; their names."""
     sched = get_scheduler()
     try:
-        record = layout.CommitRecord.decode(sched.do(store, "get", layout.COMMIT))
+        record = layout.CommitRecord.decode(sched.run(store.get(layout.COMMIT)))
     except CheckpointNotFoundError:
         return []
-    superseded = layout.superseded_generations(sched.do(store, "list", ""), record)
+    superseded = layout.superseded_generations(sched.run(store.list("")), record)
     if not dry_run:
         for generation in superseded:
-            sched.do(store, "delete_prefix", f"{generation}/")
+            sched.run(store.delete_prefix(f"{generation}/"))
     return superseded

@@ -6,7 +6,9 @@ process's :class:`IOScheduler`, whose loop runs on a background thread, and
 :meth:`IOScheduler.submit` starts background work (uploads) and returns a
 ``concurrent.futures.Future``.
 
-Inside the loop, every backend call goes through :meth:`IOScheduler.call`, which
+Inside the loop, every call to a store's backend goes through :meth:`IOScheduler.call` — for stores
+from :func:`tierckpt.store.open_store`, once, in their scheduling link
+(:class:`~tierckpt.io.scheduled.ScheduledBackend`), so callers just ``await store.get(key)``. It
 
 * holds one of the backend's slots (``max_concurrency`` per backend instance, default 16). When
   both priorities wait for a slot, :attr:`Priority.FOREGROUND` (loads, synchronous saves) gets it
@@ -251,10 +253,6 @@ class IOScheduler:
                 f"I/O operation {name} did not finish within {timeout_s} s and was cancelled; "
                 "raise the timeout or check the storage endpoint"
             ) from exc
-
-    def do(self, backend: Backend, op_name: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
-        """Run one backend operation from synchronous code, with the slot, retries and metrics of :meth:`call`."""
-        return self.run(self.call(backend, op_name, getattr(backend, op_name), *args, **kwargs), timeout_s)
 
     def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
         """Start ``coro`` on the I/O loop; cancelling the returned future cancels the coroutine."""
