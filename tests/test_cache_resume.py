@@ -17,7 +17,8 @@ import torch
 import tierckpt
 from tierckpt import layout
 from tierckpt.backends import LocalBackend
-from tierckpt.cache import CacheConfig, TieredBackend, status, sync
+from tierckpt.cache import CacheConfig, TieredBackend
+from tierckpt.cache_api import status, sync
 from tierckpt.io import get_scheduler
 
 SAVER = textwrap.dedent(

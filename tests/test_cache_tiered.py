@@ -18,7 +18,8 @@ import tierckpt
 from tierckpt import layout
 from tierckpt.backends import LocalBackend, open_backend
 from tierckpt.backends.base import ObjectWriter
-from tierckpt.cache import CacheConfig, TieredBackend, gc, open_tiered, prefetch, status, wait
+from tierckpt.cache import CacheConfig, TieredBackend
+from tierckpt.cache_api import gc, open_tiered, prefetch, status, wait
 from tierckpt.cache.config import parse_bytes
 from tierckpt.errors import CorruptCheckpointError, StorageError
 
@@ -276,7 +277,8 @@ def test_parse_bytes_and_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
 
 def test_open_tiered_by_scheme(tmp_path: Path) -> None:
     config = make_config(tmp_path)
-    assert isinstance(open_tiered(str(tmp_path / "x"), config), LocalBackend)
+    local = open_tiered(str(tmp_path / "x"), config)  # never cached: the URI's backend behind its scheduling link
+    assert not isinstance(local, TieredBackend) and isinstance(local.inner, LocalBackend)
     assert not isinstance(open_tiered("memory://m/x", config), TieredBackend)
     tiered = open_tiered("s3://bucket/p", config, endpoint_url="http://127.0.0.1:1", key="k", secret="s")
     assert isinstance(tiered, TieredBackend) and tiered.root_uri == "s3://bucket/p"
@@ -345,7 +347,7 @@ def test_prefetch_only_some_tensors_and_gc(tmp_path: Path, monkeypatch: pytest.M
 def test_save_handle_waits_for_remote_durability(s3_server, s3_bucket_uri):
     """``wait()`` returns at the commit in the node cache; ``wait_durable()`` once the remote has it all."""
     import tierckpt
-    from tierckpt.cache import status
+    from tierckpt.cache_api import status
 
     options = {"endpoint_url": s3_server, "key": "testing", "secret": "testing", "region": "us-east-1"}
     handle = tierckpt.async_save(s3_bucket_uri, {"w": torch.arange(1000.0)}, storage_options=options)
@@ -398,9 +400,10 @@ PART = 64 * 1024
 
 @pytest.fixture
 def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tierckpt.cache import tiered
+    from tierckpt.cache import tiered, uploads
 
     monkeypatch.setattr(tiered, "UPLOAD_PART_BYTES", PART)
+    monkeypatch.setattr(uploads, "UPLOAD_PART_BYTES", PART)
 
 
 def test_a_streamed_file_is_uploaded_while_it_is_written(remote: CountingBackend, store: TieredBackend, small_parts) -> None:

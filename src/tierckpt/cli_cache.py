@@ -11,7 +11,7 @@ import dataclasses
 import json
 from typing import Any
 
-from . import cache
+from . import cache_api as cache
 from .errors import CheckpointError, CheckpointNotFoundError
 
 

@@ -17,22 +17,29 @@ line to :func:`open_store` that wraps the chain built so far.
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any, Protocol, runtime_checkable
 
 from .backends import Backend, open_plain_backend, split_uri
 from .cache.config import CacheConfig
 from .cache.status import StoreStatus
-from .cache.tiered import TieredBackend, drain_uploads, exit_wait_s
+from .cache.tiered import TieredBackend
+from .cache.uploader import Uploader
 from .errors import CheckpointError
 from .io.scheduled import ScheduledBackend
 from .io.scheduler import get_scheduler
 
 __all__ = [
     "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s", "node_only_reason",
-    "open_store",
+    "open_cached_store", "open_store",
 ]
 
 LOCAL_SCHEMES = ("", "file", "memory")
+
+_UPLOADERS: dict[str, Uploader] = {}
+"""This process's uploader of each node-cache directory, shared by every store open_store builds over it
+(one task per pending key, one upload limit, one exit drain). Dropped in a forked child."""
 """Schemes that are never cached: the URI's own store is already on this node (or in this process)."""
 
 
@@ -79,10 +86,26 @@ def open_store(uri: str, options: dict[str, Any] | None = None) -> Backend:
     cache when :func:`cache_config_for` says so (option ``cache``)."""
     options = dict(options or {})
     config = cache_config_for(uri, options.pop("cache", None))
-    store: Backend = ScheduledBackend(open_plain_backend(uri, **options))  # slots, retries, metrics
     if config is not None:
-        store = TieredBackend(store, config)  # write-back journal + read-through tiers of this node
-    return store
+        return open_cached_store(uri, options, config)
+    return ScheduledBackend(open_plain_backend(uri, **options))  # slots, retries, metrics
+
+
+def open_cached_store(uri: str, options: dict[str, Any], config: CacheConfig) -> TieredBackend:
+    """The chain of ``uri`` behind the node cache ``config``, whatever :func:`cache_config_for` says (the
+    node cache's own commands: status, sync, prefetch, gc on any URI). ``options`` go to the backend."""
+    remote = ScheduledBackend(open_plain_backend(uri, **options))  # slots, retries, metrics
+    return TieredBackend(remote, config, _uploader(config))  # write-back journal + read-through tiers
+
+
+def _uploader(config: CacheConfig) -> Uploader:
+    uploader = _UPLOADERS.get(config.directory)
+    if uploader is None:
+        uploader = _UPLOADERS[config.directory] = Uploader(
+            config.directory, config.upload_concurrency, config.exit_wait_s
+        )
+    uploader.exit_wait_s = max(uploader.exit_wait_s, config.exit_wait_s)
+    return uploader
 
 
 def durability_of(store: Backend) -> Durable | None:
@@ -90,10 +113,19 @@ def durability_of(store: Backend) -> Durable | None:
     return store if isinstance(store, Durable) else None
 
 
+def exit_wait_s() -> float:
+    """How long the exit drain may wait: the longest ``exit_wait_s`` of the caches this process opened."""
+    return max((u.exit_wait_s for u in _UPLOADERS.values()), default=0.0)
+
+
 def drain_write_back(timeout_s: float) -> list[str]:
-    """Wait up to ``timeout_s`` for this process's write-back uploads; one line per store left pending,
-    naming the command that finishes it (the saver's exit drain prints them)."""
-    return drain_uploads(timeout_s)
+    """Wait up to ``timeout_s`` in all for this process's write-back uploads; one line per store left
+    pending, naming the command that finishes it (the saver's exit drain prints them)."""
+    deadline = time.monotonic() + timeout_s
+    lines: list[str] = []
+    for uploader in list(_UPLOADERS.values()):
+        lines += uploader.drain(max(0.0, deadline - time.monotonic()))
+    return lines
 
 
 def node_only_reason(store: Backend) -> str | None:
@@ -115,3 +147,11 @@ def node_only_reason(store: Backend) -> str | None:
     uploads = f"{len(st.pending_keys)} upload(s) pending" + (f", failing: {st.errors[0]}" if st.errors else "")
     return (f"generation {st.generation} is committed in this node's cache only ({remote}; {uploads}); "
             f"finish it with: tierckpt sync {st.uri}")
+
+
+def _forget_after_fork() -> None:
+    """A forked child has none of its parent's upload tasks."""
+    _UPLOADERS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

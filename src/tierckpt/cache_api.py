@@ -1,4 +1,6 @@
-"""Public functions of the node cache (synchronous; the lead re-exports them from ``tierckpt``).
+"""Public functions of the node cache (synchronous; re-exported from ``tierckpt``). They sit above
+:mod:`tierckpt.store` and open every store through :func:`~tierckpt.store.open_store`, so they share the
+process's uploads with the saves that started them.
 
 * :func:`open_tiered` — the backend for a URI, cached when the scheme is remote.
 * :func:`status` / :func:`wait` / :func:`sync` — durability of write-back saves.
@@ -19,36 +21,32 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from .. import layout
-from ..backends import Backend, open_plain_backend, split_uri
-from ..errors import CheckpointError, CheckpointNotFoundError
-from ..io.scheduler import get_scheduler
-from .catalog import Catalog
-from .config import CacheConfig
-from .tiered import StoreStatus, TieredBackend
-
-_LOCAL_SCHEMES = ("", "file", "local", "memory")
-
+from . import layout
+from .backends import Backend
+from .cache.catalog import Catalog
+from .cache.config import CacheConfig
+from .cache.status import StoreStatus
+from .cache.tiered import TieredBackend
+from .errors import CheckpointError, CheckpointNotFoundError
+from .io.scheduler import get_scheduler
+from .loader import read_checkpoint, read_pieces
+from .store import open_cached_store, open_store
 
 def open_tiered(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> Backend:
-    """The backend for ``uri``: a :class:`TieredBackend` over the remote for remote schemes (s3, hdfs,
-    any fsspec protocol) when caching is enabled, the plain backend for local paths and ``memory://``."""
-    config = config or CacheConfig.from_env()
-    remote = open_plain_backend(uri, **storage_options)
-    scheme, _ = split_uri(uri)
-    if not config.enabled or scheme in _LOCAL_SCHEMES or isinstance(remote, TieredBackend):
-        return remote
-    return TieredBackend(remote, config)
+    """The store for ``uri`` (:func:`~tierckpt.store.open_store`), with ``config`` as its node cache."""
+    options = dict(storage_options)
+    if config is not None:
+        options["cache"] = config
+    return open_store(uri, options)
 
 
 def _tiered(uri: str, config: CacheConfig | None, storage_options: dict[str, Any]) -> TieredBackend:
-    """A TieredBackend for ``uri`` even where :func:`open_tiered` would not cache (local remotes); a
-    :class:`CacheConfig` passed as the storage option ``cache`` is the configuration."""
+    """The store for ``uri`` behind the node cache, even where :func:`open_store` would not cache (local
+    paths); ``config``, else a :class:`CacheConfig` passed as the storage option ``cache``, configures it."""
     options = dict(storage_options)
     cache = options.pop("cache", None)
-    if config is None and isinstance(cache, CacheConfig):
-        config = cache
-    return TieredBackend(open_plain_backend(uri, **options), config or CacheConfig.from_env())
+    config = config or (cache if isinstance(cache, CacheConfig) else None) or CacheConfig.from_env()
+    return open_cached_store(uri, options, config)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +160,6 @@ def prefetch(uri: str, only: Sequence[str] | None = None, progress: bool = True,
     before this returns; the data is fetched at background priority: call ``result()`` on the returned
     handle to wait for it (a process that exits first has fetched only the metadata).
     """
-    from ..loader import read_checkpoint, read_pieces
-
     backend = _tiered(uri, config, storage_options)
     sched = get_scheduler()
     ckpt = read_checkpoint(backend)
