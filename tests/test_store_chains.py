@@ -95,8 +95,9 @@ class OnSchedulerLoop(Backend):
     async def delete_prefix(self, prefix: str) -> None:
         await _on_loop(lambda: self.store.delete_prefix(prefix))
 
-    async def commit(self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL) -> None:
-        await _on_loop(lambda: self.store.commit(key, data, expected=expected))
+    async def commit(self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
+                     after: Any = None) -> None:
+        await _on_loop(lambda: self.store.commit(key, data, expected=expected, after=after))
 
 
 def _config(tmp_path: Path) -> CacheConfig:

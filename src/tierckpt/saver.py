@@ -472,7 +472,10 @@ def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None
         checksums=tuple(sorted((key, layout.FileChecksum.of(data)) for key, data in documents.items())),
     ).encode()
     try:
-        sched.run(backend.commit(layout.COMMIT, record, expected=base))
+        # The commit depends on every file of the generation (a write-back store uploads it after them).
+        after = {layout.in_generation(gen, f.key): f.size for f in meta.files}
+        after.update({layout.in_generation(gen, key): len(data) for key, data in documents.items()})
+        sched.run(backend.commit(layout.COMMIT, record, expected=base, after=after))
     except CheckpointBusyError as exc:
         current = sched.run(_read_commit(backend))
         if current != record:  # not a retried request whose first attempt landed: another job won

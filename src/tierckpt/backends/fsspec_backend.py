@@ -47,7 +47,7 @@ import asyncio
 import os
 import posixpath
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import fsspec
@@ -401,7 +401,8 @@ class FsspecBackend(Backend):
             await self._call(what, "rm", [self._path(k) for k in keys])
 
     async def commit(
-        self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL
+        self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
+        after: Mapping[str, int | None] | None = None,
     ) -> None:
         """Check, then write: fsspec offers no conditional write (see the module docstring)."""
         await check_expected(self, key, expected, self.uri_of(key))
@@ -611,7 +612,8 @@ class S3Backend(FsspecBackend):
         return await self._call(what, "cat_file", self._path(key), max_concurrency=1)
 
     async def commit(
-        self, key: str, data: bytes | memoryview, *, expected: bytes | None | Unconditional = UNCONDITIONAL
+        self, key: str, data: bytes | memoryview, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
+        after: Mapping[str, int | None] | None = None,
     ) -> None:
         bucket, _, obj = self._path(key).partition("/")
         uri = self.uri_of(key)

@@ -42,6 +42,8 @@ immutable once cached, except for overwrites made through this cache.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import asyncio
 import hashlib
 import logging
@@ -262,9 +264,13 @@ class TieredBackend(UploadsMixin, DurableMixin, ReadsInto, Backend):
             await asyncio.wrap_future(sched.submit(tail.cancel()))
 
     async def commit(
-        self, key: str, data: bytes | memoryview, *, expected: bytes | None | Unconditional = UNCONDITIONAL
+        self, key: str, data: bytes | memoryview, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
+        after: Mapping[str, int | None] | None = None,
     ) -> None:
-        """Commit in the node cache if this node's view of ``key`` holds ``expected``; upload behind.
+        """Commit in the node cache if this node's view of ``key`` holds ``expected``; upload behind,
+        once every object in ``after`` (the writer's statement of what the commit depends on) is on the
+        remote — written through this node or any other. Without ``after``, everything pending under
+        ``key``'s directory goes first.
 
         The node's view is its pending commit of ``key`` if there is one (the compare-and-swap base of
         a write-back save is what this node committed last, uploaded or not), else the remote's (or
@@ -285,7 +291,8 @@ class TieredBackend(UploadsMixin, DurableMixin, ReadsInto, Backend):
             cas, base = old.get("cas", False), old.get("base")  # still the remote's state: inherit it
         else:
             cas, base = expected is not UNCONDITIONAL, expected.hex() if isinstance(expected, bytes) else None
-        await self._write_whole(key, data, "commit", generation, {"cas": cas, "base": base})
+        order = {"cas": cas, "base": base, "after": None if after is None else dict(after)}
+        await self._write_whole(key, data, "commit", generation, order)
 
     async def _check_node_view(self, key: str, expected: bytes | None | Unconditional, pending: dict | None) -> None:
         if expected is UNCONDITIONAL:

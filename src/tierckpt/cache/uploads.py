@@ -35,7 +35,6 @@ from ..errors import (
 )
 from ..io.scheduled import set_background
 from ..io.scheduler import get_scheduler
-from ..metadata import decode_header
 from .catalog import pid_alive
 
 logger = logging.getLogger("tierckpt.cache")
@@ -249,44 +248,40 @@ class UploadsMixin:
         )
 
     async def _wait_for_generation(self, key: str, rec: dict) -> bool:
-        """Wait until the generation a commit names is complete on the remote; False if superseded."""
+        """Wait until what a commit depends on is on the remote; ``False`` if it was superseded meanwhile.
+
+        The writer stated it (``after``: keys and sizes); a record without it (an older writer) waits for
+        everything pending under its directory. Objects pending in this node's catalogue go first; then
+        the remote must hold each listed object with its size (ranks on other nodes upload through their
+        own caches)."""
+        after: dict[str, int | None] | None = rec.get("after")
         base = key.rpartition("/")[0]
-        gen = rec.get("gen")
-        gen_path = (f"{base}/{gen}" if base else gen) if gen else None
-        prefix = f"{gen_path}/" if gen_path else (f"{base}/" if base else "")
+        prefix = f"{base}/" if base else ""
         while True:
             current = self.catalog.pending(self.rh, key)
             if current is None or current["ver"] != rec["ver"]:
                 return False
-            deps = {k: r for k, r in self.catalog.pending_under(self.rh, prefix).items()
-                    if k != key and r["op"] != "delete" and not is_mutable(k)}
+            pending = self.catalog.pending_under(self.rh, prefix)
+            deps = {k: r for k, r in pending.items()
+                    if k != key and r["op"] != "delete" and not is_mutable(k) and (after is None or k in after)}
             failed = sorted((k, r["error"]) for k, r in deps.items() if r.get("error") and not r.get("retrying"))
             if failed:
                 raise StorageError(f"not uploaded: {self.uri_of(failed[0][0])} failed ({failed[0][1]})")
-            if not deps and (gen_path is None or await self._remote_has_generation(gen_path)):
+            if not deps and (after is None or await self._remote_has_all(after)):
                 return True
             self._adopt(deps)
             await asyncio.sleep(self.config.poll_s if deps else max(self.config.poll_s, 0.5))
 
-    async def _remote_has_generation(self, gen_path: str) -> bool:
-        """Whether the remote holds the metadata and every file the generation's header lists."""
-        if gen_path in self._files_checked:
-            return True
-        try:
-            header = decode_header(await self.get(layout.header_key(gen_path)))
-        except CheckpointNotFoundError:
-            return True  # no header: nothing to check beyond the local pending ops
-        except CorruptCheckpointError:
-            return True
-        wanted = {layout.header_key(gen_path): None, layout.tensors_key(gen_path): None,
-                  layout.pieces_key(gen_path): None}
-        wanted.update({f"{gen_path}/{f.key}": f.size for f in header.files})
-        for k, size in wanted.items():
+    async def _remote_has_all(self, after: dict[str, int | None]) -> bool:
+        """Whether the remote holds every object of ``after`` (with its size where given)."""
+        for k, size in sorted(after.items()):
+            if k in self._files_checked:
+                continue
             try:
                 actual = await self.link.size(k)
             except CheckpointNotFoundError:
                 return False  # not there yet (a rank on another node still uploads it)
             if size is not None and actual != size:
                 return False
-        self._files_checked.add(gen_path)
+            self._files_checked.add(k)
         return True

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ..backends.base import UNCONDITIONAL, Backend, ObjectWriter, Unconditional
@@ -109,8 +109,9 @@ class ScheduledBackend(Backend):
     async def delete_prefix(self, prefix: str) -> None:
         await self.call("delete_prefix", self.inner.delete_prefix, prefix)
 
-    async def commit(self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL) -> None:
-        await self.call("commit", self.inner.commit, key, data, expected=expected, nbytes=len(data))
+    async def commit(self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
+                     after: Mapping[str, int | None] | None = None) -> None:
+        await self.call("commit", self.inner.commit, key, data, expected=expected, after=after, nbytes=len(data))
 
     async def close(self) -> None:
         await self.inner.close()
