@@ -25,15 +25,19 @@ Lifecycle of a write (the process that saves; uploads may be finished by another
    call returns once the local copy is durable.
 2. An upload task on the I/O scheduler's loop (BACKGROUND priority) sends the object to the remote
    and clears the pending op (unless a newer write replaced it: then it uploads again).
-3. A ``COMMIT`` (``commit``) is uploaded only after every pending object of its generation has
-   reached the remote (and, when the generation's header lists its files, after the remote holds
-   each of them with the right size: files written by ranks on other nodes go through their own
-   caches). The generation then moves ``staged`` -> ``local`` -> ``remote`` in the catalogue.
+3. A ``COMMIT`` (``commit``) is uploaded only after every object its writer listed in ``after`` is on
+   the remote (this node's pending uploads first; files written by ranks on other nodes go through
+   their own caches, so the remote is asked for each with its size), as a compare-and-swap against
+   the remote state it was built on. The generation then moves ``staged`` -> ``local`` -> ``remote``.
 4. ``delete`` while a commit is pending is deferred on the remote until that commit is uploaded,
    so a remote reader never follows a COMMIT to a deleted generation (the saver deletes the
    previous generation right after committing).
 5. A process that dies leaves its pending ops in the catalogue; :meth:`TieredBackend.sync` (or
-   ``tierckpt.cache.sync``) in any later process adopts and finishes them.
+   ``tierckpt.sync``) in any later process adopts and finishes them.
+
+This module holds the store and its writes; reads are in ``readthrough.py``, uploads in
+``uploads.py``, the durability API in ``durable.py``; this process's upload tasks belong to the
+``Uploader`` passed in (``uploader.py``; :func:`tierckpt.store.open_store` shares one per directory).
 
 ``COMMIT`` records are the only mutable objects of the layout: reads of them go to the remote
 (falling back to the cached copy when the remote is unreachable); every other object is treated as
@@ -46,7 +50,6 @@ from collections.abc import Mapping
 
 import asyncio
 import hashlib
-import logging
 import os
 
 import crc32c
@@ -56,7 +59,7 @@ from ..backends.base import (
     UNCONDITIONAL, Backend, ObjectWriter, ReadsInto, Unconditional, commit_refused, validate_key,
 )
 from ..backends.local import (
-    LocalBackend, _discard, _fsync_dir, _open_temp, _unlink, _write_all, check_prefix, check_range, range_past_end,
+    LocalBackend, _discard, _fsync_dir, _open_temp, _unlink, _write_all,
 )
 from ..errors import (
     CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError,
@@ -66,21 +69,15 @@ from ..io.scheduler import get_scheduler
 from .catalog import Catalog
 from .config import CacheConfig
 from .durable import DurableMixin
-from .local_files import MemoryTier, read_file
+from .local_files import MemoryTier
+from .readthrough import ReadThroughMixin
 from .tail_upload import TailUpload
 from .uploader import Uploader
-from .uploads import UPLOAD_PART_BYTES, UploadsMixin, is_mutable
-
-logger = logging.getLogger("tierckpt.cache")
+from .uploads import UPLOAD_PART_BYTES, UploadsMixin
 
 def root_hash(root_uri: str) -> str:
     """Name of a remote root's directory in the cache."""
     return hashlib.sha256(root_uri.rstrip("/").encode()).hexdigest()[:24]
-
-
-def _offline(exc: BaseException) -> bool:
-    """An error that means 'the remote cannot be reached now', where a cached copy may serve."""
-    return isinstance(exc, TransientStorageError)
 
 
 class _TieredWriter(ObjectWriter):
@@ -125,7 +122,7 @@ class _TieredWriter(ObjectWriter):
         await asyncio.to_thread(_discard, self._fd, self._tmp)
 
 
-class TieredBackend(UploadsMixin, DurableMixin, ReadsInto, Backend):
+class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Backend):
     """A write-back, read-through cache in front of ``remote``; see the module docstring."""
 
     schedules_itself = True
@@ -344,235 +341,6 @@ class TieredBackend(UploadsMixin, DurableMixin, ReadsInto, Backend):
             await settle()
         else:
             await asyncio.wrap_future(sched.submit(settle()))
-
-    # -- reads -------------------------------------------------------------------------------------
-    def _not_found(self, key: str) -> CheckpointNotFoundError:
-        return CheckpointNotFoundError(f"{self.uri_of(key)}: no such object (deleted through the node cache)")
-
-    async def _local_whole(self, key: str) -> tuple[LocalBackend, dict] | None:
-        """The verified whole local copy of ``key``, or ``None`` (a bad copy is dropped first)."""
-        for _ in range(3):
-            rec = self.catalog.obj(self.rh, key)
-            if rec is None:
-                return None
-            lb = self._tree(rec["tree"])
-            path = lb.path_of(key)
-            ok = await asyncio.to_thread(self.uploader.verified.check, path, rec["size"], rec.get("crc"))
-            if ok:
-                self.catalog.touch(self.rh, key, rec=rec)
-                return lb, rec
-            if self.catalog.obj(self.rh, key) != rec:
-                continue  # rewritten meanwhile: look again
-            if rec["tree"] == "w" and self.catalog.pending(self.rh, key) is not None:
-                raise CorruptCheckpointError(
-                    f"the node-cache copy of {self.uri_of(key)} at {path} fails its size/CRC-32C check and has "
-                    "not reached the remote yet: the local disk corrupted it; save the checkpoint again"
-                )
-            logger.warning("dropping corrupt cached copy of %s at %s; fetching it again", self.uri_of(key), path)
-            if self.catalog.drop(self.rh, key, tree=rec["tree"]):
-                await asyncio.to_thread(_unlink, path)
-        return None
-
-    async def _store_fetched(self, key: str, data: bytes) -> None:
-        if len(data) <= self.config.block_bytes:
-            await self.fetched.put(key, data)
-            if not self.catalog.record_fetch(self.rh, key, len(data), crc32c.crc32c(data)):
-                return
-        else:
-            self.catalog.record_size(self.rh, key, len(data))
-            b = self.config.block_bytes
-            for idx in range(0, (len(data) + b - 1) // b):
-                await self._store_block(key, idx, data[idx * b : (idx + 1) * b])
-        self._evict()
-
-    async def _store_block(self, key: str, idx: int, data: bytes) -> None:
-        await self._blocks.put(self._block_key(key, idx), data)
-        self.catalog.record_block(self.rh, key, idx, len(data), crc32c.crc32c(data))
-
-    async def _remote_commit_record(self, key: str) -> bytes:
-        """A COMMIT with nothing pending: the remote's, or the cached one when the remote is offline."""
-        try:
-            data = await self.link.get(key)
-        except CheckpointNotFoundError:
-            dropped = self.catalog.record_delete(self.rh, key, deferred=False)
-            self._unlink_dropped(key, dropped)
-            raise
-        except StorageError as exc:
-            if not _offline(exc):
-                raise
-            local = await self._local_whole(key)
-            if local is None:
-                raise
-            logger.warning("remote unreachable (%s); using the node-cache copy of %s", exc, self.uri_of(key))
-            return await local[0].get(key)
-        await self._store_fetched(key, data)
-        return data
-
-    async def get(self, key: str) -> bytes:
-        validate_key(key)
-        pending = self.catalog.pending(self.rh, key)
-        if pending is not None and pending["op"] == "delete":
-            raise self._not_found(key)
-        if is_mutable(key) and pending is None:
-            return await self._remote_commit_record(key)
-        data = self._memory.get(key)
-        if data is not None:
-            return data
-        local = await self._local_whole(key)
-        if local is not None:
-            try:
-                data = await local[0].get(key)
-            except CheckpointNotFoundError:
-                data = None  # evicted under us
-            if data is not None:
-                if not is_mutable(key):
-                    self._memory.put(key, data)
-                return data
-        size = self.catalog.known_size(self.rh, key)
-        if size is not None and size > self.config.block_bytes:
-            return await self._range_from_blocks(key, 0, size, size)
-        data = await self.link.get(key)
-        await self._store_fetched(key, data)
-        self._memory.put(key, data)
-        return data
-
-    async def _remote_size(self, key: str) -> int:
-        size = self.catalog.known_size(self.rh, key)
-        if size is None:
-            size = await self.link.size(key)
-            self.catalog.record_size(self.rh, key, size)
-        return size
-
-    async def _read_range(self, key: str, start: int, end: int, out: memoryview) -> None:
-        validate_key(key)
-        check_range(self.uri_of(key), start, end)
-        pending = self.catalog.pending(self.rh, key)
-        if pending is not None and pending["op"] == "delete":
-            raise self._not_found(key)
-        data = self._memory.get(key) if not is_mutable(key) else None
-        if data is None and is_mutable(key):
-            data = await self.get(key)
-        if data is not None:
-            if end > len(data):
-                raise range_past_end(self.uri_of(key), start, end, len(data))
-            out[:] = data[start:end]
-            return
-        local = await self._local_whole(key)
-        if local is not None:
-            lb, rec = local
-            if end > rec["size"]:
-                raise range_past_end(self.uri_of(key), start, end, rec["size"])
-            try:
-                await lb.read_into(key, start, out)
-                return
-            except CheckpointNotFoundError:
-                pass  # evicted under us: fetch it
-        size = await self._remote_size(key)
-        if end > size:
-            raise range_past_end(self.uri_of(key), start, end, size)
-        if size <= self.config.block_bytes:
-            out[:] = (await self.get(key))[start:end]
-        else:
-            out[:] = await self._range_from_blocks(key, start, end, size)
-
-    async def _range_from_blocks(self, key: str, start: int, end: int, size: int) -> bytes:
-        if start == end:
-            return b""
-        b = self.config.block_bytes
-        first, last = start // b, (end - 1) // b
-        parts = await asyncio.gather(*(self._block(key, i, size) for i in range(first, last + 1)))
-        joined = parts[0] if len(parts) == 1 else b"".join(parts)
-        return joined[start - first * b : end - first * b]
-
-    async def _block(self, key: str, idx: int, size: int) -> bytes:
-        b = self.config.block_bytes
-        length = min(b, size - idx * b)
-        bkey = self._block_key(key, idx)
-        rec = self.catalog.block(self.rh, key, idx)
-        if rec is not None:
-            data = await asyncio.to_thread(read_file, self._blocks.path_of(bkey))
-            if data is not None and len(data) == rec["len"] == length and crc32c.crc32c(data) == rec["crc"]:
-                self.catalog.touch(self.rh, key, idx, rec=rec)
-                return data
-            logger.warning("dropping bad cached block %d of %s; fetching it again", idx, self.uri_of(key))
-            self.catalog.drop(self.rh, key, idx)
-            await asyncio.to_thread(_unlink, self._blocks.path_of(bkey))
-        data = await self.link.get_range(key, idx * b, idx * b + length)
-        await self._store_block(key, idx, data)
-        self._evict()
-        return data
-
-    async def prefetch_range(self, key: str, start: int, end: int) -> None:
-        """Bring bytes ``[start, end)`` of ``key`` into the local tier (blocks or the whole object)."""
-        validate_key(key)
-        if self.catalog.obj(self.rh, key) is not None:
-            return
-        size = await self._remote_size(key)
-        end = min(end, size)
-        if size <= self.config.block_bytes:
-            await self.get(key)
-            return
-        b = self.config.block_bytes
-        if start < end:
-            await asyncio.gather(*(self._block(key, i, size) for i in range(start // b, (end - 1) // b + 1)))
-
-    async def exists(self, key: str) -> bool:
-        validate_key(key)
-        pending = self.catalog.pending(self.rh, key)
-        if pending is not None:
-            return pending["op"] != "delete"
-        if not is_mutable(key) and (
-            self.catalog.obj(self.rh, key) is not None or self.catalog.known_size(self.rh, key) is not None
-        ):
-            return True
-        try:
-            return await self.link.exists(key)
-        except StorageError as exc:
-            if _offline(exc) and self.catalog.obj(self.rh, key) is not None:
-                return True
-            raise
-
-    async def size(self, key: str) -> int:
-        validate_key(key)
-        pending = self.catalog.pending(self.rh, key)
-        if pending is not None and pending["op"] == "delete":
-            raise self._not_found(key)
-        if is_mutable(key) and pending is None:
-            return len(await self.get(key))
-        rec = self.catalog.obj(self.rh, key)
-        if rec is not None and os.path.isfile(self._tree(rec["tree"]).path_of(key)):
-            return rec["size"]
-        return await self._remote_size(key)
-
-    async def list(self, prefix: str = "") -> list[str]:
-        check_prefix(prefix)
-        pending = self._pending_with_nested(prefix)
-        try:
-            keys = set(await self.link.list(prefix))
-        except StorageError as exc:
-            if not _offline(exc):
-                raise
-            logger.warning("remote unreachable (%s); listing %s from the node cache", exc, self.root_uri)
-            keys = self.catalog.cached_keys(self.rh, prefix)
-        keys |= {k for k, r in pending.items() if r["op"] != "delete"}
-        keys -= {k for k, r in pending.items() if r["op"] == "delete"}
-        return sorted(keys)
-
-    def _pending_with_nested(self, prefix: str) -> dict[str, dict]:
-        """Pending ops under ``prefix``: this root's, and those of roots nested in it (e.g. each step's
-        own URI under a run's root), as keys of this root — so a listing shows what is committed in
-        the node cache but not uploaded yet, wherever it was written from."""
-        pending = self.catalog.pending_under(self.rh, prefix)
-        base = self.root_uri.rstrip("/") + "/"
-        for rh, uri in self.catalog.roots().items():
-            if rh == self.rh or not uri.startswith(base):
-                continue
-            nested = uri[len(base):].strip("/")
-            for key, rec in self.catalog.pending_under(rh).items():
-                full = f"{nested}/{key}"
-                if full.startswith(prefix):
-                    pending.setdefault(full, rec)
-        return pending
 
     async def close(self) -> None:
         """Nothing to release: uploads keep running in the background (see :meth:`wait_durable`)."""
