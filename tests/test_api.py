@@ -406,7 +406,7 @@ def test_memory_store_names_are_isolated():
 def test_gc_removes_leftovers_of_crashed_saves_but_not_newer_ones(tmp_path):
     """A superseded generation (a crashed re-save's data) is garbage; a newer one may be in flight."""
     from tierckpt import layout
-    from tierckpt.cache import gc
+    from tierckpt.cache_api import gc
 
     root = tmp_path / "ckpt"
     tierckpt.save(str(root), {"w": torch.ones(4)})

@@ -9,6 +9,8 @@ import pytest
 from backend_contract import BackendContract
 
 from tierckpt.cache.tiered import TieredBackend
+from tierckpt.io.scheduled import ScheduledBackend
+from tierckpt.store import open_store
 from tierckpt.backends import open_plain_backend
 from tierckpt.backends import (
     FsspecBackend,
@@ -18,7 +20,7 @@ from tierckpt.backends import (
     open_backend,
     split_uri,
 )
-from tierckpt.errors import UnsupportedURIError
+from tierckpt.errors import CheckpointError, UnsupportedURIError
 
 
 class TestLocalBackend(BackendContract):
@@ -72,9 +74,14 @@ def test_open_backend_picks_by_scheme(tmp_path: Path) -> None:
     assert isinstance(open_backend("memory://store/prefix"), MemoryBackend)
     s3 = open_plain_backend("s3://bucket/prefix", endpoint_url="http://127.0.0.1:1", key="k", secret="s")
     assert isinstance(s3, S3Backend) and not s3.capabilities.local_path
-    cached = open_backend("s3://bucket/prefix", endpoint_url="http://127.0.0.1:1", key="k", secret="s")
+    options = {"endpoint_url": "http://127.0.0.1:1", "key": "k", "secret": "s"}
+    cached = open_store("s3://bucket/prefix", options)
     assert isinstance(cached, TieredBackend) and isinstance(cached.remote, S3Backend)
-    assert isinstance(open_backend("s3://bucket/p", cache=False, endpoint_url="http://127.0.0.1:1"), S3Backend)
+    plain = open_store("s3://bucket/p", {**options, "cache": False})
+    assert isinstance(plain, ScheduledBackend) and isinstance(plain.inner, S3Backend)
+    assert isinstance(open_backend("s3://bucket/p", **options), S3Backend)  # the URI's own backend, never cached
+    with pytest.raises(CheckpointError, match="open_store"):
+        open_backend("s3://bucket/p", cache=True)
     assert isinstance(open_plain_backend("s3a://bucket/prefix", endpoint_url="http://127.0.0.1:1"), S3Backend)
 
 

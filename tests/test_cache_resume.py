@@ -17,7 +17,8 @@ import torch
 import tierckpt
 from tierckpt import layout
 from tierckpt.backends import LocalBackend
-from tierckpt.cache import CacheConfig, TieredBackend, status, sync
+from tierckpt.cache import CacheConfig, TieredBackend
+from tierckpt.cache_api import status, sync
 from tierckpt.io import get_scheduler
 
 SAVER = textwrap.dedent(
@@ -41,10 +42,10 @@ SAVER = textwrap.dedent(
 
     remote_dir, cache_dir = sys.argv[1], sys.argv[2]
     config = CacheConfig(directory=cache_dir, exit_wait_s=0, poll_s=0.01)
-    tierckpt.saver.open_backend = lambda uri, **o: TieredBackend(StuckRemote(uri), config)
+    tierckpt.saver.open_store = lambda uri, options=None: TieredBackend(StuckRemote(uri), config)
     torch.manual_seed(0)
     state = {"w": torch.randn(256, 256), "b": torch.arange(1000), "step": 7}
-    tierckpt.save(remote_dir, state)
+    tierckpt.async_save(remote_dir, state).wait()  # write-back: committed in the node cache
     print("SAVED", flush=True)
     time.sleep(3600)
     """

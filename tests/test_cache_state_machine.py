@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tierckpt.backends import LocalBackend
-from tierckpt.cache import CacheConfig, TieredBackend
+from tierckpt.cache import CacheConfig, TieredBackend, Uploader
 from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tierckpt.io import get_scheduler
 
@@ -31,13 +31,14 @@ class TieredMachine(RuleBasedStateMachine):
         self.run = get_scheduler().run
         self.remote = LocalBackend(f"{self.tmp}/remote")
         self.budget = 10**9
+        self.uploader = Uploader(f"{self.tmp}/cache", 8, 0)  # this process's uploads (open_store shares one)
         self.store = self._open()
         self.model: dict[str, bytes] = {}
 
     def _open(self) -> TieredBackend:
         config = CacheConfig(directory=f"{self.tmp}/cache", block_bytes=1024, disk_bytes=self.budget,
                              memory_bytes=4096, exit_wait_s=0, poll_s=0.005)
-        return TieredBackend(self.remote, config)
+        return TieredBackend(self.remote, config, self.uploader)
 
     def teardown(self) -> None:
         self.run(self.store.cancel_uploads())
@@ -107,7 +108,7 @@ class TieredMachine(RuleBasedStateMachine):
     @rule()
     def evict(self) -> None:
         self.budget = 2000 if self.budget > 2000 else 10**9
-        self.store = TieredBackend(self.remote, self._open().config)
+        self.store = TieredBackend(self.remote, self._open().config, self.uploader)
 
     @rule()
     def wait(self) -> None:

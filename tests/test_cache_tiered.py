@@ -18,7 +18,8 @@ import tierckpt
 from tierckpt import layout
 from tierckpt.backends import LocalBackend, open_backend
 from tierckpt.backends.base import ObjectWriter
-from tierckpt.cache import CacheConfig, TieredBackend, gc, open_tiered, prefetch, status, wait
+from tierckpt.cache import CacheConfig, TieredBackend
+from tierckpt.cache_api import gc, open_tiered, prefetch, status, wait
 from tierckpt.cache.config import parse_bytes
 from tierckpt.errors import CorruptCheckpointError, StorageError
 
@@ -54,9 +55,9 @@ class CountingBackend(LocalBackend):
         await self._maybe_wait(key)
         return await super().open_writer(key)
 
-    async def commit(self, key: str, data: bytes) -> None:
+    async def commit(self, key: str, data: bytes, **kwargs: Any) -> None:
         self.calls.append(("commit", key))
-        await super().commit(key, data)
+        await super().commit(key, data, **kwargs)
 
     async def get(self, key: str) -> bytes:
         self.calls.append(("get", key))
@@ -276,7 +277,8 @@ def test_parse_bytes_and_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
 
 def test_open_tiered_by_scheme(tmp_path: Path) -> None:
     config = make_config(tmp_path)
-    assert isinstance(open_tiered(str(tmp_path / "x"), config), LocalBackend)
+    local = open_tiered(str(tmp_path / "x"), config)  # never cached: the URI's backend behind its scheduling link
+    assert not isinstance(local, TieredBackend) and isinstance(local.inner, LocalBackend)
     assert not isinstance(open_tiered("memory://m/x", config), TieredBackend)
     tiered = open_tiered("s3://bucket/p", config, endpoint_url="http://127.0.0.1:1", key="k", secret="s")
     assert isinstance(tiered, TieredBackend) and tiered.root_uri == "s3://bucket/p"
@@ -294,14 +296,12 @@ def test_save_to_s3_then_load_from_warm_cache_without_remote(
     s3_bucket_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = make_config(tmp_path, block_bytes=8 * 2**20)
-    opener = lambda uri, **opts: open_tiered(uri, config, **opts)  # noqa: E731
-    monkeypatch.setattr(tierckpt.saver, "open_backend", opener)
-    monkeypatch.setattr(tierckpt.loader, "open_backend", opener)
+    cached = {"cache": config}
     uri = f"{s3_bucket_uri}/step-100"
     model = _model()
     state = {"model": model.state_dict(), "step": 100}
-    tierckpt.save(uri, state)
-    tierckpt.save(uri, state)  # a second save: deletes of the first generation wait for the new COMMIT
+    tierckpt.async_save(uri, state, storage_options=cached).wait()
+    tierckpt.async_save(uri, state, storage_options=cached).wait()  # deletes of the first generation wait for the new COMMIT
     wait(uri, timeout_s=60, config=config)
     st = status(uri, config=config)
     assert st.state == "remote" and st.pending_bytes == 0 and st.durable
@@ -309,16 +309,14 @@ def test_save_to_s3_then_load_from_warm_cache_without_remote(
     target = {"model": _model().state_dict(), "step": 0}
     for t in target["model"].values():
         t.zero_()
-    monkeypatch.setattr(tierckpt.loader, "open_backend", open_backend)  # plain load from S3
-    tierckpt.load(uri, target)
+    tierckpt.load(uri, target, storage_options={"cache": False})  # plain load from S3
     assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
     # Now with the endpoint unreachable: everything comes from the node cache.
-    monkeypatch.setattr(tierckpt.loader, "open_backend", opener)
     dead = f"http://127.0.0.1:{free_port()}"
     target = {"model": _model().state_dict(), "step": 0}
     for t in target["model"].values():
         t.zero_()
-    tierckpt.load(uri, target, storage_options={"endpoint_url": dead, "timeout_s": 2})
+    tierckpt.load(uri, target, storage_options={"endpoint_url": dead, "timeout_s": 2, **cached})
     assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
     assert target["step"] == 100
 
@@ -349,7 +347,7 @@ def test_prefetch_only_some_tensors_and_gc(tmp_path: Path, monkeypatch: pytest.M
 def test_save_handle_waits_for_remote_durability(s3_server, s3_bucket_uri):
     """``wait()`` returns at the commit in the node cache; ``wait_durable()`` once the remote has it all."""
     import tierckpt
-    from tierckpt.cache import status
+    from tierckpt.cache_api import status
 
     options = {"endpoint_url": s3_server, "key": "testing", "secret": "testing", "region": "us-east-1"}
     handle = tierckpt.async_save(s3_bucket_uri, {"w": torch.arange(1000.0)}, storage_options=options)
@@ -402,9 +400,10 @@ PART = 64 * 1024
 
 @pytest.fixture
 def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tierckpt.cache import tiered
+    from tierckpt.cache import tiered, uploads
 
     monkeypatch.setattr(tiered, "UPLOAD_PART_BYTES", PART)
+    monkeypatch.setattr(uploads, "UPLOAD_PART_BYTES", PART)
 
 
 def test_a_streamed_file_is_uploaded_while_it_is_written(remote: CountingBackend, store: TieredBackend, small_parts) -> None:
@@ -477,12 +476,12 @@ def test_a_root_lists_what_nested_roots_have_not_uploaded_yet(tmp_path: Path) ->
     step_remote.hold = lambda key: True
     step = TieredBackend(step_remote, config)
     run = TieredBackend(LocalBackend(str(tmp_path / "remote")), config)
-    sched.do(step, "put", "g-1/data/rank-00000.bin", b"x" * 100)
-    sched.do(step, "commit", "COMMIT", layout.CommitRecord("g-1", 0.0).encode())
-    assert sched.do(run, "list", "") == ["step-1/COMMIT", "step-1/g-1/data/rank-00000.bin"]
-    assert sched.do(run, "list", "step-1/g-1/") == ["step-1/g-1/data/rank-00000.bin"]
+    sched.run(step.put("g-1/data/rank-00000.bin", b"x" * 100))
+    sched.run(step.commit("COMMIT", layout.CommitRecord("g-1", 0.0).encode()))
+    assert sched.run(run.list("")) == ["step-1/COMMIT", "step-1/g-1/data/rank-00000.bin"]
+    assert sched.run(run.list("step-1/g-1/")) == ["step-1/g-1/data/rank-00000.bin"]
     deleting = sched.submit(step.delete_prefix(""))  # waits for the upload in flight, then removes it
     step_remote.gate.set()
     deleting.result(timeout=30)
     sched.run(step.wait_durable())
-    assert sched.do(run, "list", "") == [] and not any((tmp_path / "remote").rglob("*.bin"))
+    assert sched.run(run.list("")) == [] and not any((tmp_path / "remote").rglob("*.bin"))

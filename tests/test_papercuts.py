@@ -91,10 +91,10 @@ def test_import_is_cheap_and_every_public_name_still_imports() -> None:
         "import sys, tierckpt\n"
         "print('torch' in sys.modules)\n"
         "from tierckpt import *\n"
-        "import tierckpt.cache\n"
+        "import tierckpt.cache_api\n"
         "assert all(getattr(tierckpt, n) is not None for n in tierckpt.__all__)\n"
         "assert tierckpt.layout.COMMIT == 'COMMIT' and callable(tierckpt.verify.verify)\n"
-        "assert tierckpt.sync is tierckpt.cache.sync and tierckpt.save.__module__ == 'tierckpt.saver'\n"
+        "assert tierckpt.sync is tierckpt.cache_api.sync and tierckpt.save.__module__ == 'tierckpt.saver'\n"
         "assert set(tierckpt.__all__) <= set(dir(tierckpt))\n"
         "print('torch' in sys.modules)\n"
     )
@@ -144,7 +144,7 @@ def test_failed_upload_error_names_the_sync_command(tmp_path: Path, monkeypatch:
 
     assert cli.main(["wait", remote, "--timeout", "60"]) == cli.EXIT_ERROR
     err = capsys.readouterr().err
-    assert f"tierckpt sync {remote}" in err and "tierckpt.cache.sync" not in err
+    assert f"tierckpt sync {remote}" in err and "tierckpt.cache_api.sync" not in err
 
 
 # -- URIs and storage options ------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 _LAZY: dict[str, str] = {
-    **dict.fromkeys(("gc", "open_tiered", "prefetch", "status", "sync", "wait"), ".cache"),
+    **dict.fromkeys(("drop", "gc", "open_tiered", "prefetch", "status", "sync", "wait"), ".cache_api"),
     **dict.fromkeys(("load", "read_checkpoint"), ".loader"),
     "CheckpointManager": ".manager",
     **dict.fromkeys(("Monitor", "prometheus_text", "straggler_report"), ".monitor"),
@@ -35,7 +35,7 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "CheckpointBusyError", "CheckpointError", "CheckpointManager", "CheckpointNotFoundError", "CollectiveError", "CorruptCheckpointError", "FlatShardedTensor",
     "IncompleteCheckpointError", "Monitor", "MultiSourceReader", "RNGState", "ResumableSampler", "ShardedTensor", "SaveHandle", "async_save", "StateMismatchError", "StorageError", "StoragePermissionError",
-    "TransientStorageError", "UnsupportedURIError", "gc", "load", "open_tiered", "prefetch", "status", "sync", "wait", "prometheus_text", "straggler_report", "read_checkpoint", "save",
+    "TransientStorageError", "UnsupportedURIError", "drop", "gc", "load", "open_tiered", "prefetch", "status", "sync", "wait", "prometheus_text", "straggler_report", "read_checkpoint", "save",
 ]
 
 
@@ -60,7 +60,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
-    from .cache import gc, open_tiered, prefetch, status, sync, wait
+    from .cache_api import drop, gc, open_tiered, prefetch, status, sync, wait
     from .loader import load, read_checkpoint
     from .manager import CheckpointManager
     from .monitor import Monitor, prometheus_text, straggler_report

@@ -116,10 +116,10 @@ def _add_inspect(subparsers: Any) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a checkpoint's contents as a table or as JSON."""
-    from .backends import open_backend
+    from .store import open_store
     from .loader import read_checkpoint, read_pieces
 
-    backend = open_backend(args.uri)
+    backend = open_store(args.uri)
     ckpt = read_checkpoint(backend, accept_dcp=True)
     pieces = read_pieces(backend, ckpt)
     summary = describe(args.uri, ckpt, pieces, with_pieces=args.pieces)
@@ -246,7 +246,8 @@ def _add_verify(subparsers: Any) -> None:
         description="Check that a committed checkpoint is complete (metadata, every file with its listed size, "
         "pieces covering every tensor exactly) and read every piece and object to check its CRC-32C, streaming. "
         "Every problem is listed with its file, tensor or object, and byte offset. Exit 0 when sound, "
-        "5 when corrupt, 4 when incomplete, 3 when there is no checkpoint.",
+        "5 when corrupt, 4 when incomplete (also: committed in this node's cache but not on the remote), "
+        "3 when there is no checkpoint.",
     )
     p.add_argument("uri", help="checkpoint root: a path, file://, memory://, s3://, or any fsspec URI")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -260,7 +261,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     report = verify(args.uri, progress=args.progress)
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.render())
-    return EXIT_OK if report.ok else EXIT_CORRUPT
+    if report.problems:
+        return EXIT_CORRUPT
+    return EXIT_INCOMPLETE if report.node_only else EXIT_OK  # node only: the remote lacks its COMMIT
 
 
 # -- stats ---------------------------------------------------------------------------------------------
@@ -284,10 +287,10 @@ WRITE_PHASES = ("stage", "write")
 
 def cmd_stats(args: argparse.Namespace) -> int:
     """Print the save statistics of a checkpoint."""
-    from .backends import open_backend
+    from .store import open_store
     from .loader import read_checkpoint
 
-    ckpt = read_checkpoint(open_backend(args.uri))
+    ckpt = read_checkpoint(open_store(args.uri))
     doc = save_stats(args.uri, ckpt)
     print(json.dumps(doc, indent=1) if args.json else render_stats(doc))
     return EXIT_OK
@@ -375,7 +378,7 @@ def _add_ls(subparsers: Any) -> None:
         "ls", help="list the checkpoints under a root",
         description="List the checkpoints under ROOT: ROOT itself, the step-N checkpoints of a "
         "CheckpointManager root (the latest marked), or any directory of checkpoints. For each: step, status "
-        "(committed, incomplete or corrupt), generation, creation time, tensor bytes and world size.",
+        "(committed, node-only: committed in this node's cache but not on the remote, incomplete or corrupt), generation, creation time, tensor bytes and world size.",
     )
     p.add_argument("root", help="a checkpoint or a directory of checkpoints: a path or URI")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -391,10 +394,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def list_checkpoints(root: str) -> dict[str, Any]:
     """The ``ls --json`` document: every checkpoint under ``root``, sorted by step then path."""
-    from .backends import open_backend
+    from .store import open_store
     from .io.scheduler import get_scheduler
 
-    keys = get_scheduler().run(open_backend(root).list(""))
+    keys = get_scheduler().run(open_store(root).list(""))
     found = layout.find_checkpoints(keys)
     if not found:
         raise CheckpointNotFoundError(f"no checkpoints under {root!r}")
@@ -426,8 +429,11 @@ def _join(root: str, prefix: str) -> str:
 
 
 def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str], latest: set[str]) -> dict[str, Any]:
-    """One row of ``ls``: a committed checkpoint's header facts, or what an uncommitted one left."""
-    from .backends import open_backend
+    """One row of ``ls``: a committed checkpoint's header facts, or what an uncommitted one left.
+
+    ``status``: ``committed`` (where the URI points), ``node-only`` (committed in this node's cache, not on
+    the remote: ``node_only`` says why), ``incomplete`` or ``corrupt``."""
+    from .store import node_only_reason, open_store
     from .loader import read_checkpoint
 
     entry: dict[str, Any] = {
@@ -443,13 +449,17 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str
             entry["created_unix"] = int(millis) / 1000
             entry["created"] = _utc(entry["created_unix"])
         return entry
+    store = open_store(entry["uri"])
     try:
-        meta = read_checkpoint(open_backend(entry["uri"])).meta
+        meta = read_checkpoint(store).meta
     except CheckpointError as exc:
         return {**entry, "status": "corrupt", "error": str(exc)}
     gens = gens - {meta.generation}
+    node_only = node_only_reason(store)
+    if node_only is not None:
+        entry["node_only"] = node_only
     entry.update(
-        status="committed", generation=meta.generation, created_unix=meta.created_unix, created=_utc(meta.created_unix),
+        status="committed" if node_only is None else "node-only", generation=meta.generation, created_unix=meta.created_unix, created=_utc(meta.created_unix),
         tensor_bytes=meta.tensor_bytes, world_size=meta.world_size, num_tensors=meta.num_tensors,
         uncommitted_generations=len(gens),
     )

@@ -11,8 +11,8 @@ import dataclasses
 import json
 from typing import Any
 
-from . import cache
-from .errors import CheckpointNotFoundError
+from . import cache_api as cache
+from .errors import CheckpointError, CheckpointNotFoundError
 
 
 def _add_status(subparsers: Any) -> None:
@@ -28,18 +28,23 @@ def _add_status(subparsers: Any) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    """Print what is committed on this node and on the remote; exit 1 when an upload failed."""
     st = cache.status(args.uri)
-    if st.state is None and not st.pending_keys:
+    if st.state is None and not st.pending_keys and st.remote_generation is None:
         raise CheckpointNotFoundError(f"no checkpoint at {args.uri!r}: nothing committed, and nothing pending upload from this node")
-    doc = dataclasses.asdict(st) | {"durable": st.durable}
+    doc = dataclasses.asdict(st) | {"durable": st.durable, "committed_on_remote": st.committed_on_remote}
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
-        print(f"{st.uri}: {st.state or 'nothing committed'} (generation {st.generation or '-'}), "
-              f"{len(st.pending_keys)} object(s) / {st.pending_bytes} bytes pending upload")
+        remote = st.remote_generation or (f"unreadable ({st.remote_error})" if st.remote_error else "nothing")
+        print(f"{st.uri}: {st.state or 'nothing committed'}; committed on this node: {st.generation or '-'}; "
+              f"committed on the remote: {remote}; {len(st.pending_keys)} object(s) / {st.pending_bytes} bytes "
+              "pending upload")
         for error in st.errors:
             print(f"  upload error: {error}")
-    return 0
+        if st.errors:
+            print(f"  fix the remote, then: tierckpt sync {st.uri}   (or discard: tierckpt sync --drop {st.uri})")
+    return 1 if st.errors else 0
 
 
 def _add_wait(subparsers: Any) -> None:
@@ -68,11 +73,19 @@ def _add_sync(subparsers: Any) -> None:
         "killed or exited process) for URI, or for every store of the node, and wait until they are on the remote.",
     )
     p.add_argument("uri", nargs="?", default=None, help="only this store (default: every store of the node)")
-    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (exit 1)")
+    p.add_argument("--drop", action="store_true",
+                   help="discard the pending uploads of URI instead (e.g. to a mistyped bucket); they never reach it")
     p.set_defaults(handler=cmd_sync)
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
+    if args.drop:
+        if args.uri is None:
+            raise CheckpointError("tierckpt sync --drop needs the URI whose pending uploads to discard")
+        dropped = cache.drop(args.uri)
+        print(f"{args.uri}: dropped {len(dropped)} pending upload(s)" + "".join(f"\n  {k}" for k in dropped))
+        return 0
     synced = cache.sync(args.uri, timeout_s=args.timeout)
     print(f"synced {len(synced)} store(s)" + "".join(f"\n  {u}" for u in synced))
     return 0

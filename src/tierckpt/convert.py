@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from . import dcp_format, layout
-from .backends import Backend, open_backend
+from .backends import Backend
 from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import ReadRequest, get_scheduler
 from .loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES, Checkpoint, _read_objects, load, read_checkpoint, read_pieces
@@ -60,6 +60,7 @@ from .planner import TargetPiece, plan_load
 from .regions import Box
 from .saver import save
 from .state import named_groups, param_group_items
+from .store import open_store
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 DEFAULT_SLAB_BYTES = 256 << 20
@@ -134,7 +135,7 @@ def to_safetensors(
     ``config_dir``: a folder with the model's ``config.json`` (and ``generation_config.json``) to write
     next to the weights; without it they come from the checkpoint's ``hf_config`` objects.
     """
-    backend = open_backend(uri, **dict(storage_options or {}))
+    backend = open_store(uri, dict(storage_options or {}))
     ckpt = read_checkpoint(backend, accept_dcp=True)
     if ckpt.pieces is not None:
         backend = dcp_format.uncached(backend)
@@ -430,7 +431,7 @@ def to_dcp(
     import torch.distributed.checkpoint as dcp
 
     _check_one_process("convert --to dcp")
-    ckpt = read_checkpoint(open_backend(uri, **dict(storage_options or {})))
+    ckpt = read_checkpoint(open_store(uri, dict(storage_options or {})))
     state: dict[str, Any] = {fqn: torch.empty(t.shape, dtype=t.torch_dtype) for fqn, t in ckpt.tensors.items()}
     skipped = sorted({o.key for o in ckpt.meta.objects if o.codec == "pickle" and not allow_pickle})
     state.update({o.key: None for o in ckpt.meta.objects if o.key not in skipped})

@@ -102,7 +102,7 @@ def is_dcp(backend: Backend) -> bool:
     """Whether the root of ``backend`` is a DCP directory (``.metadata``, or DCP's data or per-rank metadata files)."""
     sched = get_scheduler()
     backend = uncached(backend)
-    return bool(sched.do(backend, "exists", METADATA_KEY)) or any(_DCP_FILE.match(k) for k in sched.do(backend, "list", ""))
+    return bool(sched.run(backend.exists(METADATA_KEY))) or any(_DCP_FILE.match(k) for k in sched.run(backend.list("")))
 
 
 def read_dcp(backend: Backend) -> DcpCheckpoint:
@@ -111,9 +111,9 @@ def read_dcp(backend: Backend) -> DcpCheckpoint:
     uri = backend.root_uri
     sched = get_scheduler()
     try:
-        raw = sched.do(backend, "get", METADATA_KEY)
+        raw = sched.run(backend.get(METADATA_KEY))
     except CheckpointNotFoundError:
-        if any(k.endswith(".metadata") for k in sched.do(backend, "list", "")):
+        if any(k.endswith(".metadata") for k in sched.run(backend.list(""))):
             raise CheckpointError(
                 f"{uri!r} is a torch DCP checkpoint saved with use_collectives=False (one __<rank>.metadata per rank, "
                 f"no {METADATA_KEY}), which tierckpt does not read; load it with torch.distributed.checkpoint"
@@ -290,7 +290,7 @@ def _file_sizes(backend: Backend, files: set[str]) -> dict[str, int]:
     names = sorted(files)
 
     async def sizes() -> list[int]:
-        return list(await asyncio.gather(*(sched.call(backend, "size", backend.size, f) for f in names)))
+        return list(await asyncio.gather(*(backend.size(f) for f in names)))
 
     try:
         return dict(zip(names, sched.run(sizes())))

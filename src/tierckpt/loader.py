@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from . import dcp_format, layout
-from .backends import Backend, open_backend
+from .backends import Backend
 from .comm import Comm
 from .errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
@@ -63,6 +63,7 @@ from .planner.load_planner import COALESCE_GAP_BYTES
 from .planner.routes import store_kind
 from .regions import FlatRange, StoredBox
 from .state import FlatState, TensorEntry, flatten_state
+from .store import open_store
 
 logger = logging.getLogger("tierckpt")
 
@@ -97,9 +98,9 @@ def read_commit(backend: Backend) -> layout.CommitRecord:
     """The decoded ``COMMIT`` record; a root with data but no ``COMMIT`` is incomplete."""
     sched = get_scheduler()
     try:
-        return layout.CommitRecord.decode(sched.do(backend, "get", layout.COMMIT))
+        return layout.CommitRecord.decode(sched.run(backend.get(layout.COMMIT)))
     except CheckpointNotFoundError:
-        if sched.do(backend, "list", ""):
+        if sched.run(backend.list("")):
             raise IncompleteCheckpointError(
                 f"{backend.root_uri!r} holds checkpoint data but no COMMIT record: a save was interrupted or is "
                 "still running. Load an earlier checkpoint, or wait for the save to finish"
@@ -166,13 +167,13 @@ def read_checkpoint(backend: Backend, *, accept_dcp: bool = False) -> Checkpoint
 def read_document(backend: Backend, key: str, limit: int) -> bytes:
     """A whole metadata document, refused unread when the store says it is larger than ``limit``."""
     sched = get_scheduler()
-    size = sched.do(backend, "size", key)
+    size = sched.run(backend.size(key))
     if size > limit:
         raise CorruptCheckpointError(
             f"{key!r} of checkpoint {backend.root_uri!r} holds {size} bytes, more than such a document may "
             f"({limit}); it is corrupt or crafted, so it is not read"
         )
-    data = sched.do(backend, "get", key)
+    data = sched.run(backend.get(key))
     if len(data) > limit:
         raise CorruptCheckpointError(f"{key!r} of checkpoint {backend.root_uri!r} grew past {limit} bytes while being read")
     return data
@@ -210,7 +211,7 @@ def load(
     comm = Comm(group)
     comm.check_in(f"load from {uri!r}", collective_timeout_s)
     monitor = monitor or Monitor()
-    backend = open_backend(uri, **dict(storage_options or {}))
+    backend = open_store(uri, dict(storage_options or {}))
     options = _Options(strict, allow_pickle, verify, check_crc, chunk_bytes, round_bytes, topology)
     attempt = 0
     while True:
@@ -449,7 +450,7 @@ def _checked_size(backend: Backend, ckpt: Checkpoint, file: str) -> int:
     sizes = {f.key: f.size for f in ckpt.meta.files}
     key = layout.in_generation(ckpt.meta.generation, file)
     try:
-        actual = get_scheduler().do(backend, "size", key)
+        actual = get_scheduler().run(backend.size(key))
     except CheckpointNotFoundError:
         raise CorruptCheckpointError(f"file {key!r} of checkpoint {backend.root_uri!r} is missing") from None
     if file not in sizes or actual != sizes[file]:
@@ -466,7 +467,7 @@ def _verify_pieces(backend: Backend, gen: str, pieces: dict[str, list[PieceMeta]
     for i, piece in enumerate(everything):
         if i % comm.world_size != comm.rank:
             continue
-        data = sched.do(backend, "get_range", layout.in_generation(gen, piece.file), piece.byte_offset, piece.byte_offset + piece.byte_length)
+        data = sched.run(backend.get_range(layout.in_generation(gen, piece.file), piece.byte_offset, piece.byte_offset + piece.byte_length))
         if crc32c.crc32c(data) != piece.crc32c:
             raise CorruptCheckpointError(
                 f"checksum mismatch in {piece.file!r} at bytes {piece.byte_offset}..{piece.byte_offset + piece.byte_length} "
@@ -606,8 +607,7 @@ class _Executor:
                     ReadRequest(key=key, start=int(reads[i][0].run_offsets[0]), out=reads[i][1]) for i in group
                 ])
             else:
-                await sched.call(backend, "read_runs", backend.read_runs, key, unit.run_offsets.tolist(), unit.run_bytes,
-                                 reads[group[0]][1], nbytes=unit.nbytes)
+                await backend.read_runs(key, unit.run_offsets.tolist(), unit.run_bytes, reads[group[0]][1])
 
         async def check(task: asyncio.Future, unit: ReadUnit, view: memoryview) -> None:
             await task
@@ -722,7 +722,7 @@ def _read_objects(backend: Backend, gen: str, metas: set[ObjectMeta]) -> dict[Ob
             spans.append((meta.file, meta.byte_offset, [meta]))
             ends.append(end)
     sched = get_scheduler()
-    sizes = {file: sched.do(backend, "size", layout.in_generation(gen, file)) for file, _, _ in spans}
+    sizes = {file: sched.run(backend.size(layout.in_generation(gen, file))) for file, _, _ in spans}
     for (file, _, group), end in zip(spans, ends):
         if end > sizes[file]:  # checked before allocating: the header is untrusted input
             last = max(group, key=lambda o: o.byte_offset + o.byte_length)

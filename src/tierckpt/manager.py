@@ -26,12 +26,13 @@ from typing import Any
 import torch.distributed as dist
 
 from . import layout
-from .backends import Backend, open_backend
+from .backends import Backend
 from .comm import Comm
 from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import get_scheduler
 from .loader import load
 from .saver import SaveHandle, async_save, save
+from .store import durability_of, node_only_reason, open_store
 
 LATEST = "LATEST"
 
@@ -67,14 +68,14 @@ class CheckpointManager:
 
     def _committed_names(self) -> dict[int, str]:
         """Committed step -> its directory (``step-00000100``, or ``step-100`` made by hand; padded wins)."""
-        return layout.by_step(layout.committed_children(get_scheduler().do(self._backend(), "list", "")))
+        return layout.by_step(layout.committed_children(get_scheduler().run(self._backend().list(""))))
 
     def _found_uri(self, step: int) -> str:
         """The URI of the existing checkpoint of ``step`` (whatever its padding)."""
         return f"{self.root_uri}/{self._committed_names().get(step, layout.step_name(step))}"
 
     def _backend(self) -> Backend:
-        return open_backend(self.root_uri, **self.storage_options)
+        return open_store(self.root_uri, self.storage_options)
 
     def save(self, step: int, state: Mapping[str, Any], *, force: bool = False, **options: Any) -> bool:
         """Save ``state`` as ``step`` when it is due; returns whether a save was started."""
@@ -97,8 +98,26 @@ class CheckpointManager:
             handle.wait()
             self._after_commit(step)
 
+    def wait_durable(self, timeout_s: float | None = None) -> None:
+        """Block until the save in flight is committed and every checkpoint and ``LATEST`` written through
+        this node are durable where the root points (on a remote behind the node cache: uploaded)."""
+        pending = self._pending
+        self.wait()
+        if pending is not None:
+            pending[1].wait_durable(timeout_s)
+        durable = durability_of(self._backend())
+        if durable is not None:
+            get_scheduler().run(durable.wait_durable(None, timeout_s))
+
+    def durable_where_uri_points(self, step: int) -> bool:
+        """Whether ``step`` is committed on the remote itself, not only in this node's cache (a write-back
+        save whose upload is pending or failed); ``steps()`` and ``latest()`` count both."""
+        uri = self._found_uri(step)
+        return self._committed(step) and node_only_reason(open_store(uri, self.storage_options)) is None
+
     def steps(self) -> list[int]:
-        """Committed steps under the root, ascending (including one whose upload is still pending)."""
+        """Committed steps under the root, ascending, as this node sees them: including one committed in
+        its cache whose upload is still pending (:meth:`durable_where_uri_points` tells them apart)."""
         found = set(self._committed_names())
         pointed = self._pointed_step()
         if pointed is not None and pointed not in found and self._committed(pointed):
@@ -115,14 +134,14 @@ class CheckpointManager:
 
     def _pointed_step(self) -> int | None:
         try:
-            return int(json.loads(get_scheduler().do(self._backend(), "get", LATEST))["step"])
+            return int(json.loads(get_scheduler().run(self._backend().get(LATEST)))["step"])
         except (CheckpointNotFoundError, ValueError, KeyError, TypeError):
             return None
 
     def _committed(self, step: int) -> bool:
         """Whether ``step`` has a COMMIT, asked through the step's own URI (its node-cache scope)."""
-        backend = open_backend(self.uri_of(step), **self.storage_options)
-        return bool(get_scheduler().do(backend, "exists", layout.COMMIT))
+        backend = open_store(self.uri_of(step), self.storage_options)
+        return bool(get_scheduler().run(backend.exists(layout.COMMIT)))
 
     def load_latest(self, state: dict[str, Any], **options: Any) -> int | None:
         """Load the newest committed step into ``state``; returns the step, or ``None`` if there is none."""
@@ -138,7 +157,7 @@ class CheckpointManager:
             return
         backend = self._backend()
         sched = get_scheduler()
-        sched.do(backend, "commit", LATEST, json.dumps({"step": step}).encode())
+        sched.run(backend.commit(LATEST, json.dumps({"step": step}).encode()))
         if self.keep_last is None:
             return  # no keep_last: every checkpoint is kept
         names = self._committed_names()
@@ -148,6 +167,6 @@ class CheckpointManager:
         for name in sorted(n for n in found.values() if n not in keep):
             # Through the step's own URI first: on a remote store its uploads may still be pending in
             # the node cache under that URI, and only that scope cancels them (none lands afterwards).
-            sched.do(open_backend(f"{self.root_uri}/{name}", **self.storage_options), "delete_prefix", "")
-            sched.do(backend, "delete_prefix", f"{name}/")
+            sched.run(open_store(f"{self.root_uri}/{name}", self.storage_options).delete_prefix(""))
+            sched.run(backend.delete_prefix(f"{name}/"))
 

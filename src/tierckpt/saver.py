@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -39,9 +40,9 @@ import torch
 import torch.distributed as dist
 
 from . import layout
-from .backends import Backend, open_backend, split_uri
+from .backends import Backend
 from .comm import Comm, StoreCoordinator, describe_error
-from .errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, TransientStorageError
 from .io.scheduler import get_scheduler
 from .io.staging import Chunk, FileStream, StagingBuffer, stage_into
 from .metadata import (
@@ -53,6 +54,7 @@ from .planner import LocalPiece, SavePlan, plan_save
 from .planner.save_planner import offers_digest
 from .regions import Box, FlatRange, Region
 from .state import FlatState, TensorEntry, flatten_state
+from .store import drain_write_back, durability_of, exit_wait_s, open_store
 
 # -- process-wide save state -----------------------------------------------------------------------
 @dataclass
@@ -75,22 +77,43 @@ class _Process:
 _PROCESS = _Process()
 
 
+def _drain_at_exit() -> None:
+    """The exit drain: let background saves commit, then write-back uploads finish, within the store's
+    exit wait; print on stderr what is left (with the ``tierckpt sync`` command that finishes it).
+
+    It runs from :mod:`threading`'s exit hooks, i.e. when the main thread is done and *before* the
+    ``atexit`` handlers: thread pools still accept work (``concurrent.futures`` stops them in an
+    earlier-registered hook of the same list, which runs after this one) and the I/O loop still runs.
+    """
+    handles = [h for h in _PROCESS.in_flight.values() if not h.done()]
+    deadline = time.monotonic() + exit_wait_s()
+    for handle in handles:
+        try:
+            handle.wait(max(0.0, deadline - time.monotonic()))
+        except BaseException as exc:  # noqa: BLE001 - reported, exit goes on
+            sys.stderr.write(f"tierckpt: the async save to {handle.uri} did not commit before exit: {describe_error(exc)}\n")
+    for line in drain_write_back(max(0.0, deadline - time.monotonic())):
+        sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]  # see _drain_at_exit
+
+
 def _group_key(group: dist.ProcessGroup | None) -> Any:
     return "WORLD" if group is None else id(group)
 
 
 class SaveHandle:
     """An asynchronous save in flight. ``wait()`` returns the committed checkpoint's metadata once it
-    is committed (on a remote store: in the node cache); ``wait_durable()`` also waits for the upload."""
+    is committed (on a write-back store: in the node cache); ``wait_durable()`` also waits until the
+    store holds it where its URI points (every object uploaded, ``COMMIT`` last)."""
 
     def __init__(
-        self, uri: str, future: concurrent.futures.Future[CheckpointMeta], monitor: Monitor,
-        storage_options: Mapping[str, Any] | None = None,
+        self, uri: str, future: concurrent.futures.Future[CheckpointMeta], monitor: Monitor, store: Backend,
     ) -> None:
         self.uri = uri
-        options = dict(storage_options or {})
-        self._through_cache = options.pop("cache", None) is not False and split_uri(uri)[0] not in ("", "file", "memory")
-        self.storage_options = options
+        self.store = store
         self.monitor = monitor
         self._future = future
         self._reported = False
@@ -111,13 +134,14 @@ class SaveHandle:
     result = wait
 
     def wait_durable(self, timeout_s: float | None = None) -> CheckpointMeta:
-        """Block until committed and, for remote stores written through the node cache, until the
-        checkpoint is durable on the remote (every object uploaded, ``COMMIT`` last)."""
+        """Block until committed and durable where the URI points: on a write-back store (the node
+        cache in front of a remote) until every object of the checkpoint is uploaded, ``COMMIT`` last.
+        Raises :class:`~tierckpt.errors.StorageError` when an upload failed (the message names the
+        ``tierckpt sync`` command that retries it)."""
         meta = self.wait(timeout_s)
-        if self._through_cache:
-            from .cache import wait as wait_remote  # the cache builds on the saver's modules
-
-            wait_remote(self.uri, timeout_s=timeout_s, **self.storage_options)
+        durable = durability_of(self.store)
+        if durable is not None:
+            get_scheduler().run(durable.wait_durable(meta.generation, timeout_s))
             self._record_uploads(meta.generation)
         return meta
 
@@ -154,21 +178,25 @@ class _Prepared:
     monitor: Monitor
     tags: dict[str, str]
     keep_previous: bool
+    write_back: bool
+    """Return at node commit and upload behind (``async_save``); else wait until the store is durable."""
 
 
 def _prepare(
     uri: str, state: Mapping[str, Any], group: dist.ProcessGroup | None, storage_options: Mapping[str, Any] | None,
     tags: Mapping[str, str] | None, keep_previous: bool, align_bytes: int, monitor: Monitor,
-    collective_timeout_s: float | None,
+    collective_timeout_s: float | None, write_back: bool,
 ) -> _Prepared:
     _raise_unreported()
     comm = Comm(group)
     comm.check_in(f"save to {uri!r}", collective_timeout_s)
-    backend = open_backend(uri, **dict(storage_options or {}))
+    backend = open_store(uri, dict(storage_options or {}))
     started = time.time()
     # Rank 0 reads COMMIT on the I/O loop while the state is flattened (a remote round trip then adds
-    # nothing to the stall); its commit sequence names the new generation.
-    base = get_scheduler().submit(_read_commit(backend)) if comm.rank == 0 else None
+    # nothing to the stall); its commit sequence names the new generation. A write-back save reads the
+    # node's view (its pending COMMIT first) and may start while the remote is unreachable.
+    offline_ok = write_back and durability_of(backend) is not None
+    base = get_scheduler().submit(_read_commit(backend, offline_ok)) if comm.rank == 0 else None
     with monitor.phase("plan"):
         # One collective agrees that every rank could prepare its state and carries each rank's
         # plan-cache digest and object digests, and rank 0's name for the new generation.
@@ -190,7 +218,7 @@ def _prepare(
     return _Prepared(
         uri=uri, comm=comm, backend=backend, flat=flat, encoded=encoded, plan=plan, owners=owners,
         generation=generation, started=started, monitor=monitor, tags=dict(tags or {}), keep_previous=keep_previous,
-        base=base,
+        base=base, write_back=write_back,
     )
 
 
@@ -389,7 +417,7 @@ def _put_all(backend: Backend, documents: Mapping[str, bytes]) -> concurrent.fut
 
     async def put_all() -> None:
         results = await asyncio.gather(
-            *(sched.call(backend, "put", backend.put, key, data) for key, data in documents.items()), return_exceptions=True,
+            *(backend.put(key, data) for key, data in documents.items()), return_exceptions=True,
         )
         for result in results:
             if isinstance(result, BaseException):
@@ -431,17 +459,23 @@ def _piece_tensor(entry: TensorEntry, region: Region) -> torch.Tensor:
 def _discard_generation(p: _Prepared) -> None:
     """Rank 0, after a failed save: remove what the ranks wrote (every rank has reported, none still writes)."""
     try:
-        get_scheduler().do(p.backend, "delete_prefix", f"{p.generation}/")
+        get_scheduler().run(p.backend.delete_prefix(f"{p.generation}/"))
     except CheckpointError:
         pass  # an uncommitted generation is invisible to loads, and `tierckpt gc` removes leftovers
 
 
-async def _read_commit(backend: Backend) -> bytes | None:
-    """The bytes of ``COMMIT`` (``None``: nothing committed yet)."""
+async def _read_commit(backend: Backend, offline_ok: bool = False) -> bytes | None:
+    """The bytes of ``COMMIT`` (``None``: nothing committed yet). ``offline_ok`` (a write-back store):
+    an unreachable remote that this node knows nothing of counts as none; the store's upload is a
+    compare-and-swap against that, so a remote that does hold a commit refuses it later, loudly."""
     try:
-        return await get_scheduler().call(backend, "get", backend.get, layout.COMMIT)
+        return await backend.get(layout.COMMIT)
     except CheckpointNotFoundError:
         return None
+    except TransientStorageError:
+        if offline_ok:
+            return None
+        raise
 
 
 def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None:
@@ -457,17 +491,20 @@ def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None
     }
     # The two tables at once (a round trip less on an object store), then the header.
     _put_all(backend, {layout.in_generation(gen, k): documents[k] for k in (layout.TENSORS, layout.PIECES)}).result()
-    sched.do(backend, "put", layout.in_generation(gen, layout.HEADER), documents[layout.HEADER])
+    sched.run(backend.put(layout.in_generation(gen, layout.HEADER), documents[layout.HEADER]))
     record = layout.CommitRecord(
         gen, time.time(), seq=layout.next_seq(base),
         checksums=tuple(sorted((key, layout.FileChecksum.of(data)) for key, data in documents.items())),
     ).encode()
     try:
-        sched.do(backend, "commit", layout.COMMIT, record, expected=base)
+        # The commit depends on every file of the generation (a write-back store uploads it after them).
+        after = {layout.in_generation(gen, f.key): f.size for f in meta.files}
+        after.update({layout.in_generation(gen, key): len(data) for key, data in documents.items()})
+        sched.run(backend.commit(layout.COMMIT, record, expected=base, after=after))
     except CheckpointBusyError as exc:
         current = sched.run(_read_commit(backend))
         if current != record:  # not a retried request whose first attempt landed: another job won
-            sched.do(backend, "delete_prefix", f"{gen}/")
+            sched.run(backend.delete_prefix(f"{gen}/"))
             winner = layout.CommitRecord.decode(current).generation if current else None
             started = layout.CommitRecord.decode(base).generation if base else None
             raise CheckpointBusyError(
@@ -477,7 +514,10 @@ def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None
             ) from exc
     previous = layout.CommitRecord.decode(base).generation if base else None
     if previous and previous != gen and not p.keep_previous:
-        sched.do(backend, "delete_prefix", f"{previous}/")
+        sched.run(backend.delete_prefix(f"{previous}/"))
+    durable = durability_of(backend)
+    if durable is not None and not p.write_back:  # a synchronous save commits where the URI points
+        sched.run(durable.wait_durable(gen, None, through_outage=False))
 
 
 def _raise_unreported() -> None:
@@ -514,7 +554,8 @@ def save(
     previous = _PROCESS.in_flight.get(uri)
     if previous is not None and not previous.done():
         previous.wait()
-    p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor, collective_timeout_s)
+    p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor, collective_timeout_s,
+                 write_back=False)
     with monitor.phase("stage"):
         stream = p.comm.run_agreed(lambda: _stream_direct(p), f"writing checkpoint {uri!r}")
     return _finish(p, stream, p.comm)
@@ -548,7 +589,8 @@ def async_save(
         if if_busy == "error":
             raise CheckpointBusyError(f"an async save to {uri!r} is still in flight; wait() for it or pass if_busy='wait'")
         previous.wait()
-    p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor, collective_timeout_s)
+    p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor, collective_timeout_s,
+                 write_back=True)
     _PROCESS.staging_lock.acquire()  # the staging buffer serves one save at a time
     try:
         # No collective after the copy: each rank returns to training as soon as its own copy is done.
@@ -571,7 +613,7 @@ def async_save(
             _PROCESS.staging_lock.release()
         return _finish(p, stream, StoreCoordinator(p.comm, p.generation))
 
-    handle = SaveHandle(uri, _PROCESS.executor().submit(finish), monitor, storage_options)
+    handle = SaveHandle(uri, _PROCESS.executor().submit(finish), monitor, p.backend)
     _PROCESS.in_flight[uri] = handle
     _PROCESS.unreported.append(handle)
     return handle

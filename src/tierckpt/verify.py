@@ -31,13 +31,14 @@ from typing import Any
 import crc32c
 
 from . import layout
-from .backends import Backend, open_backend
+from .backends import Backend
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .io.crc import combine_blocks
 from .io.scheduler import ReadRequest, get_scheduler
 from .loader import Checkpoint, read_checkpoint, read_pieces
 from .metadata import PieceMeta, TensorMeta
 from .regions import Box, Region, StoredBox, stored_boxes
+from .store import node_only_reason, open_store
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 
@@ -70,15 +71,22 @@ class VerifyReport:
     files: int = 0
     bytes_checked: int = 0
     problems: list[Problem] = field(default_factory=list)
+    node_only: str | None = None
+    """Set on the node that saved through its write-back cache while the checkpoint is committed there
+    but not (yet) on the remote: why, and the ``tierckpt sync`` command that finishes it."""
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        """Sound, and committed where the URI points (not only in this node's cache)."""
+        return not self.problems and self.node_only is None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``verify --json`` document."""
         doc = {k: getattr(self, k) for k in ("uri", "generation", "tensors", "pieces", "objects", "files", "bytes_checked")}
         doc["ok"] = self.ok
+        doc["committed_on_remote"] = self.node_only is None
+        if self.node_only is not None:
+            doc["node_only"] = self.node_only
         doc["problems"] = [{k: v for k, v in asdict(p).items() if v is not None} for p in self.problems]
         return doc
 
@@ -90,6 +98,8 @@ class VerifyReport:
         )
         if self.ok:
             return f"ok: {self.uri} (generation {self.generation}): {checked}"
+        if not self.problems:
+            return f"NODE ONLY: {self.uri}: sound, but {self.node_only}; {checked}"
         lines = [f"CORRUPT: {self.uri} (generation {self.generation}): {len(self.problems)} problem(s); {checked}"]
         lines += [f"  {p.kind}: {p.message}" for p in self.problems]
         return "\n".join(lines)
@@ -103,7 +113,7 @@ def verify(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> VerifyReport:
     """Check the committed checkpoint at ``uri`` completely (see the module docstring)."""
-    backend = open_backend(uri, **dict(storage_options or {}))
+    backend = open_store(uri, dict(storage_options or {}))
     report = VerifyReport(uri=uri)
     try:
         ckpt = read_checkpoint(backend)
@@ -120,6 +130,7 @@ def verify(
         report.problems += _coverage_problems(ckpt.tensors[fqn], pieces.get(fqn, []))
     report.problems += _block_checksum_problems(pieces)
     report.bytes_checked = _check_checksums(backend, ckpt, pieces, sizes, report.problems, progress, chunk_bytes)
+    report.node_only = node_only_reason(backend)
     return report
 
 

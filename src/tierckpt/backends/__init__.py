@@ -9,6 +9,12 @@ URI                    Backend
 ``hdfs://``            :class:`~tierckpt.backends.fsspec_backend.FsspecBackend`
 any fsspec protocol    :class:`~tierckpt.backends.fsspec_backend.FsspecBackend`
 =====================  ==========================================================
+
+This package is the floor of the storage chain: nothing here imports from above it. The node cache
+and every other link are assembled in front of a backend by :func:`tierckpt.store.open_store`.
+
+Adding a backend: a ``Backend`` subclass in its own module here (it passes ``tests/backend_contract.py``),
+and one branch in :func:`open_backend` for its scheme.
 """
 
 from __future__ import annotations
@@ -72,30 +78,15 @@ def split_uri(uri: str) -> tuple[str, str]:
     return match.group(1).lower(), match.group(2)
 
 
-def open_backend(uri: str, *, cache: Any = None, **options: Any) -> Backend:
-    """The backend for ``uri``; ``options`` go to its constructor (e.g. S3 credentials).
-
-    Remote schemes (s3, hdfs, other fsspec protocols) go through the node cache
-    (:mod:`tierckpt.cache`: write-back, read-through) unless ``cache=False`` or ``TIERCKPT_CACHE=off``;
-    pass a :class:`~tierckpt.cache.CacheConfig` as ``cache`` to configure it per call (``None`` or
-    ``True``: the configuration from the environment).
-    """
-    if cache is False:
-        return open_plain_backend(uri, **options)
-    from ..cache import CacheConfig, open_tiered
-
-    if cache is True:
-        cache = None
-    if cache is not None and not isinstance(cache, CacheConfig):
+def open_backend(uri: str, **options: Any) -> Backend:
+    """The backend of ``uri`` itself (never the node cache: :func:`tierckpt.store.open_store` assembles the
+    chain of a URI); ``options`` go to its constructor (e.g. S3 credentials). ``cache=False`` is accepted
+    (it asks for exactly this); any other ``cache`` is an error."""
+    if options.pop("cache", False) is not False:
         raise CheckpointError(
-            f"storage option cache={cache!r} for {uri!r}: pass True or False (node cache on or off), "
-            "or a tierckpt.cache.CacheConfig"
+            f"open_backend({uri!r}) opens the URI's own backend and takes no cache option; open the store with "
+            "tierckpt.store.open_store(uri, {'cache': ...}) to choose the node cache"
         )
-    return open_tiered(uri, cache, **options)
-
-
-def open_plain_backend(uri: str, **options: Any) -> Backend:
-    """The backend for ``uri`` itself, without the node cache."""
     scheme, _ = split_uri(uri)
     if scheme in ("", "file"):
         return LocalBackend(uri, **options)
@@ -113,3 +104,7 @@ def open_plain_backend(uri: str, **options: Any) -> Backend:
             "fsspec protocol"
         ) from exc
     return FsspecBackend(uri, **options)
+
+
+open_plain_backend = open_backend
+"""The same as :func:`open_backend` (the name says it: no node cache)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError
@@ -165,10 +165,16 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def commit(
-        self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL
+        self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
+        after: Mapping[str, int | None] | None = None,
     ) -> None:
         """Atomically and durably write a small object (the commit record of a checkpoint), if ``key``
-        holds ``expected`` (``None``: no object); otherwise raise :class:`CheckpointBusyError`."""
+        holds ``expected`` (``None``: no object); otherwise raise :class:`CheckpointBusyError`.
+
+        ``after``: the objects (key -> size, ``None`` when unknown) this commit depends on, stated by
+        the writer. A store that acknowledges writes before they are durable where it points (the node
+        cache's write-back) publishes the commit there only once each of them is; a store that is
+        durable when a write returns (every backend here) has already got them and ignores it."""
 
     # -- defaults built on the primitives ------------------------------------------------------
     async def read_into(self, key: str, start: int, out: memoryview) -> None:

@@ -47,7 +47,7 @@ import asyncio
 import os
 import posixpath
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import fsspec
@@ -65,6 +65,7 @@ from .base import (
     UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Unconditional, check_expected, commit_refused, validate_key,
 )
 from .local import check_prefix, check_range, is_temp_name, range_past_end, temp_name
+from ..retry import retry_transient
 
 ENDPOINT_ENV = "TIERCKPT_S3_ENDPOINT_URL"
 """Environment variable naming the default S3 endpoint URL."""
@@ -401,7 +402,8 @@ class FsspecBackend(Backend):
             await self._call(what, "rm", [self._path(k) for k in keys])
 
     async def commit(
-        self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL
+        self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
+        after: Mapping[str, int | None] | None = None,
     ) -> None:
         """Check, then write: fsspec offers no conditional write (see the module docstring)."""
         await check_expected(self, key, expected, self.uri_of(key))
@@ -429,7 +431,6 @@ class _MultipartWriter(ObjectWriter):
 
     async def _s3(self, what: str, method: str, **kwargs: Any) -> Any:
         """One S3 request of the upload, retried on transient errors (parts and PUTs are idempotent)."""
-        from ..io.scheduler import retry_transient  # here: the scheduler module imports the backends
 
         return await retry_transient(
             lambda: self._backend._call(
@@ -609,7 +610,8 @@ class S3Backend(FsspecBackend):
         return await self._call(what, "cat_file", self._path(key), max_concurrency=1)
 
     async def commit(
-        self, key: str, data: bytes | memoryview, *, expected: bytes | None | Unconditional = UNCONDITIONAL
+        self, key: str, data: bytes | memoryview, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
+        after: Mapping[str, int | None] | None = None,
     ) -> None:
         bucket, _, obj = self._path(key).partition("/")
         uri = self.uri_of(key)

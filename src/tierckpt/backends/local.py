@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 import fcntl
 import os
 import ctypes
@@ -540,7 +540,8 @@ class LocalBackend(ReadsInto, Backend):
             await asyncio.to_thread(shutil.rmtree, directory, True)
 
     async def commit(
-        self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL
+        self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
+        after: Mapping[str, int | None] | None = None,
     ) -> None:
         path = self.path_of(key)
         try:

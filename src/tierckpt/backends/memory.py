@@ -12,7 +12,7 @@ on ``close``, so readers never see a partial object. Error semantics match the l
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 from ..errors import (
@@ -170,7 +170,8 @@ class MemoryBackend(Backend):
             store.pop(full, None)
 
     async def commit(
-        self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL
+        self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
+        after: Mapping[str, int | None] | None = None,
     ) -> None:
         """Compare and set under the registry lock."""
         full = self._full(key)

@@ -1,16 +1,16 @@
 """The node-local tiered storage cache: write-back saves, read-through loads, durability tracking.
 
-See :mod:`tierckpt.cache.tiered` for the design and :mod:`tierckpt.cache.api` for the functions.
+Below :mod:`tierckpt.store` (which assembles it into a chain): :mod:`~tierckpt.cache.tiered` is the
+store, :mod:`~tierckpt.cache.uploads` its upload engine, :mod:`~tierckpt.cache.durable` its durability
+API, :mod:`~tierckpt.cache.uploader` this process's uploads per cache directory,
+:mod:`~tierckpt.cache.catalog` the LMDB catalogue. The public functions (``status``, ``wait``,
+``sync``, ``drop``, ``prefetch``, ``gc``) are in :mod:`tierckpt.cache_api`, above the store.
 """
 
-from .api import (
-    CheckpointStatus, GcResult, PrefetchHandle, gc, open_tiered, prefetch, status, sync, wait,
-)
 from .catalog import Catalog
 from .config import CacheConfig, parse_bytes
-from .tiered import StoreStatus, TieredBackend
+from .status import Durability, StoreStatus
+from .tiered import TieredBackend
+from .uploader import Uploader
 
-__all__ = [
-    "CacheConfig", "Catalog", "CheckpointStatus", "GcResult", "PrefetchHandle", "StoreStatus", "TieredBackend",
-    "gc", "open_tiered", "parse_bytes", "prefetch", "status", "sync", "wait",
-]
+__all__ = ["CacheConfig", "Catalog", "Durability", "StoreStatus", "TieredBackend", "Uploader", "parse_bytes"]

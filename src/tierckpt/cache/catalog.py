@@ -171,7 +171,7 @@ class Catalog:
     # -- writes through the cache ---------------------------------------------------------------
     def record_write(
         self, rh: str, key: str, size: int, crc: int, op: str, generation: str | None = None,
-        publish: Callable[[], None] | None = None,
+        publish: Callable[[], None] | None = None, extra: dict[str, Any] | None = None,
     ) -> tuple[int, list[tuple[str, int | None]]]:
         """Record a durable local write of ``key`` that the remote still needs (``op`` put/commit).
 
@@ -188,7 +188,7 @@ class Catalog:
             ver = self._next_ver(txn)
             old = _u(txn.get(_k(rh, key), db=self._db["pending"]))
             txn.put(_k(rh, key), _j({"op": op, "ver": ver, "owner": os.getpid(), "gen": generation,
-                                     "size": size, "error": None, "t": now}), db=self._db["pending"])
+                                     "size": size, "error": None, "t": now, **(extra or {})}), db=self._db["pending"])
             gens = self._db["gens"]
             if op == "put":
                 gp = generation_path(key)
@@ -242,7 +242,7 @@ class Catalog:
             rec = _u(txn.get(_k(rh, key), db=self._db["pending"]))
             if rec is None or rec["ver"] != ver:
                 return False
-            rec.update(owner=os.getpid(), error=None)
+            rec.update(owner=os.getpid(), error=None, retrying=False)
             txn.put(_k(rh, key), _j(rec), db=self._db["pending"])
             return True
 
@@ -263,14 +263,27 @@ class Catalog:
         self.sync()
         return "done"
 
-    def fail(self, rh: str, key: str, ver: int, message: str) -> None:
+    def fail(self, rh: str, key: str, ver: int, message: str, retrying: bool = False) -> None:
+        """Record why op ``ver`` of ``key`` failed; ``retrying``: transiently, its uploader tries again."""
         with self.env.begin(write=True) as txn:
             rec = _u(txn.get(_k(rh, key), db=self._db["pending"]))
             if rec is not None and rec["ver"] == ver:
                 rec["error"] = message
+                rec["retrying"] = retrying
                 txn.put(_k(rh, key), _j(rec), db=self._db["pending"])
 
+    def drop_pending(self, rh: str, key: str) -> None:
+        """Forget the pending op of ``key`` (``tierckpt sync --drop``): it will never reach the remote."""
+        with self.env.begin(write=True) as txn:
+            txn.delete(_k(rh, key), db=self._db["pending"])
+        self.sync()
+
     # -- generations -------------------------------------------------------------------------------
+    def mark_remote(self, rh: str, gen_path: str) -> None:
+        """This node uploaded the COMMIT naming ``gen_path`` (even if a newer commit replaced its record)."""
+        with self.env.begin(write=True) as txn:
+            txn.put(_k(rh, gen_path), _j({"state": "remote", "t": time.time()}), db=self._db["gens"])
+
     def generation_state(self, rh: str, gen_path: str) -> str | None:
         with self.env.begin() as txn:
             rec = _u(txn.get(_k(rh, gen_path), db=self._db["gens"]))

@@ -53,7 +53,7 @@ class CacheConfig:
     """Start uploading a streamed data file while it is still being written to the node cache (it is
     published on the remote only after the local copy is committed and checked; see ``tail_upload``)."""
     enabled: bool = True
-    """Whether :func:`~tierckpt.cache.open_tiered` caches remote URIs at all."""
+    """Whether :func:`~tierckpt.store.open_store` puts remote URIs behind the node cache at all (``cache=True`` overrides it)."""
     exit_wait_s: float = 600.0
     """At interpreter exit, how long to let this process's pending uploads finish (the rest stay
     pending in the catalogue for ``tierckpt.cache.sync``)."""

@@ -87,8 +87,7 @@ async def read_group(sched: IOScheduler, backend: Backend, requests: Sequence[Re
         return
     key, start = requests[0].key, requests[0].start
     end = requests[-1].start + len(memoryview(requests[-1].out).cast("B"))
-    # Counted as the scheduler counts any read of data into buffers ("read_into").
-    data = memoryview(await sched.call(backend, "read_into", backend.get_range, key, start, end, nbytes=end - start))
+    data = memoryview(await backend.get_range(key, start, end))
     for req in requests:
         out = memoryview(req.out).cast("B")
         at = req.start - start

@@ -19,7 +19,7 @@ class RangeFile(io.RawIOBase):
     def __init__(self, backend: Backend, key: str) -> None:
         super().__init__()
         self._backend, self._key = backend, key
-        self._size = get_scheduler().do(backend, "size", key)
+        self._size = get_scheduler().run(backend.size(key))
         self._position = 0
         self.bytes_read = 0
 
@@ -41,7 +41,7 @@ class RangeFile(io.RawIOBase):
         count = max(0, min(len(buffer), self._size - self._position))
         if count:
             out = memoryview(buffer).cast("B")[:count]
-            get_scheduler().do(self._backend, "read_into", self._key, self._position, out)
+            get_scheduler().run(self._backend.read_into(self._key, self._position, out))
             self._position += count
             self.bytes_read += count
         return count

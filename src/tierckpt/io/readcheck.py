@@ -161,7 +161,7 @@ class ReadChecker:
             block, crcs = piece.blocks()
             start = piece.byte_offset + b * block
             end = min(start + block, piece.byte_offset + piece.byte_length)
-            data = sched.do(backend, "get_range", layout.in_generation(self.generation, piece.file), start, end)
+            data = sched.run(backend.get_range(layout.in_generation(self.generation, piece.file), start, end))
             if crc32c.crc32c(data) != crcs[b]:
                 raise self._mismatch(piece, b)
 

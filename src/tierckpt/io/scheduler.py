@@ -6,7 +6,9 @@ process's :class:`IOScheduler`, whose loop runs on a background thread, and
 :meth:`IOScheduler.submit` starts background work (uploads) and returns a
 ``concurrent.futures.Future``.
 
-Inside the loop, every backend call goes through :meth:`IOScheduler.call`, which
+Inside the loop, every call to a store's backend goes through :meth:`IOScheduler.call` — for stores
+from :func:`tierckpt.store.open_store`, once, in their scheduling link
+(:class:`~tierckpt.io.scheduled.ScheduledBackend`), so callers just ``await store.get(key)``. It
 
 * holds one of the backend's slots (``max_concurrency`` per backend instance, default 16). When
   both priorities wait for a slot, :attr:`Priority.FOREGROUND` (loads, synchronous saves) gets it
@@ -33,9 +35,7 @@ import asyncio
 import atexit
 import collections
 import concurrent.futures
-import enum
 import os
-import random
 import threading
 import time
 import weakref
@@ -45,22 +45,18 @@ from typing import Any, TypeVar
 
 from ..backends.base import Backend
 from ..errors import CheckpointError, TransientStorageError
+from ..retry import retry_transient
+from .slots import IOMetrics, OpRecord, OpTotals, Priority, PrioritySemaphore
+
+__all__ = [
+    "IOMetrics", "IOScheduler", "OpRecord", "OpTotals", "Priority", "PrioritySemaphore", "ReadRequest", "get_scheduler",
+    "retry_transient",
+]
 
 _T = TypeVar("_T")
 
 DEFAULT_MAX_CONCURRENCY = 16
 DEFAULT_PART_BYTES = 32 * 2**20
-BACKOFF_BASE_S = 0.05
-BACKOFF_CAP_S = 2.0
-
-
-class Priority(enum.IntEnum):
-    """Who gets a backend slot first; lower values win."""
-
-    FOREGROUND = 0
-    """Loads and synchronous saves: someone is waiting."""
-    BACKGROUND = 1
-    """Asynchronous uploads: throughput matters, latency does not."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,126 +68,7 @@ class ReadRequest:
     out: memoryview
 
 
-# -- metrics ---------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class OpRecord:
-    """One finished (or failed) backend call."""
-
-    op: str
-    backend: str
-    key: str
-    nbytes: int
-    seconds: float
-    attempts: int
-    priority: Priority
-    ok: bool
-
-
-@dataclass(frozen=True, slots=True)
-class OpTotals:
-    """Totals of one op name since the last reset."""
-
-    count: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    retries: int = 0
-    errors: int = 0
-
-
-class IOMetrics:
-    """Thread-safe accumulation of :class:`OpRecord`; keeps totals and the most recent records."""
-
-    def __init__(self, keep_records: int = 10_000) -> None:
-        self._lock = threading.Lock()
-        self._totals: dict[str, OpTotals] = {}
-        self._records: collections.deque[OpRecord] = collections.deque(maxlen=keep_records)
-
-    def record(self, rec: OpRecord) -> None:
-        with self._lock:
-            t = self._totals.get(rec.op, OpTotals())
-            self._totals[rec.op] = OpTotals(
-                count=t.count + 1,
-                bytes=t.bytes + (rec.nbytes if rec.ok else 0),
-                seconds=t.seconds + rec.seconds,
-                retries=t.retries + rec.attempts - 1,
-                errors=t.errors + (not rec.ok),
-            )
-            self._records.append(rec)
-
-    def snapshot(self) -> dict[str, OpTotals]:
-        """Totals per op name."""
-        with self._lock:
-            return dict(self._totals)
-
-    def records(self) -> list[OpRecord]:
-        """The most recent records, oldest first."""
-        with self._lock:
-            return list(self._records)
-
-    def reset(self) -> None:
-        with self._lock:
-            self._totals.clear()
-            self._records.clear()
-
-
-# -- priority-aware slots --------------------------------------------------------------------------
-class PrioritySemaphore:
-    """An asyncio semaphore that hands a freed slot to the highest-priority waiter (FIFO within one).
-
-    A released slot goes straight to the chosen waiter, so a newcomer cannot barge past the queue.
-    Use it from one event loop only.
-    """
-
-    def __init__(self, value: int) -> None:
-        self._free = value
-        self._waiters: dict[Priority, collections.deque[asyncio.Future[None]]] = {
-            p: collections.deque() for p in sorted(Priority)
-        }
-
-    def _queued(self) -> bool:
-        return any(self._waiters.values())
-
-    async def acquire(self, priority: Priority) -> None:
-        if self._free > 0 and not self._queued():
-            self._free -= 1
-            return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters[priority].append(waiter)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.release()  # granted the slot just as we were cancelled: pass it on
-            else:
-                self._waiters[priority].remove(waiter)
-            raise
-
-    def release(self) -> None:
-        for queue in self._waiters.values():
-            while queue:
-                waiter = queue.popleft()
-                if not waiter.done():
-                    waiter.set_result(None)
-                    return
-        self._free += 1
-
-
 # -- the scheduler ---------------------------------------------------------------------------------
-async def retry_transient(fn: Callable[[], Awaitable[_T]], *, attempts: int = 5) -> _T:
-    """``await fn()``, retrying :class:`TransientStorageError` with exponential backoff and full jitter.
-
-    Usable on any event loop; :meth:`IOScheduler.call` adds slots and metrics on top of it.
-    """
-    for attempt in range(1, attempts + 1):
-        try:
-            return await fn()
-        except TransientStorageError:
-            if attempt >= attempts:
-                raise
-        await asyncio.sleep(_backoff_s(attempt))
-    raise CheckpointError(f"attempts must be at least 1, got {attempts}")
-
-
 class IOScheduler:
     """An event loop on a daemon thread, with per-backend slots, retries and metrics."""
 
@@ -202,9 +79,8 @@ class IOScheduler:
             raise CheckpointError(f"max_concurrency must be at least 1, got {max_concurrency}")
         self.max_concurrency = max_concurrency
         self.metrics = IOMetrics()
-        self._slots: weakref.WeakKeyDictionary[Backend, PrioritySemaphore] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._slots: weakref.WeakKeyDictionary[Any, PrioritySemaphore] = weakref.WeakKeyDictionary()
+        self._named_slots: dict[str, PrioritySemaphore] = {}
         self._loop = asyncio.new_event_loop()
         # Local-file backends block in worker threads; give them more than the default few.
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -253,10 +129,6 @@ class IOScheduler:
                 "raise the timeout or check the storage endpoint"
             ) from exc
 
-    def do(self, backend: Backend, op_name: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
-        """Run one backend operation from synchronous code, with the slot, retries and metrics of :meth:`call`."""
-        return self.run(self.call(backend, op_name, getattr(backend, op_name), *args, **kwargs), timeout_s)
-
     def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
         """Start ``coro`` on the I/O loop; cancelling the returned future cancels the coroutine."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -291,10 +163,13 @@ class IOScheduler:
                 "wrap the coroutine in scheduler.run() or scheduler.submit()"
             )
 
-    def _slot(self, backend: Backend) -> PrioritySemaphore:
-        slots = self._slots.get(backend)
+    def _slot(self, owner: Any) -> PrioritySemaphore:
+        """The slots of ``owner``: a backend instance, or a name (e.g. a remote's root URI) that every
+        scheduling link of one remote shares, so its reads and uploads wait in one priority queue."""
+        table: Any = self._named_slots if isinstance(owner, str) else self._slots
+        slots = table.get(owner)
         if slots is None:
-            slots = self._slots[backend] = PrioritySemaphore(self.max_concurrency)
+            slots = table[owner] = PrioritySemaphore(self.max_concurrency)
         return slots
 
     async def call(
@@ -311,14 +186,34 @@ class IOScheduler:
         """``await fn(*args, **kwargs)`` under one of ``backend``'s slots, retrying transient errors.
 
         ``retries`` is the most attempts in all (1: no retry). The metric's key is ``args[0]`` when
-        it is a string (backend methods take the key first).
+        it is a string (backend methods take the key first). A store that schedules its own calls
+        (its chain ends in the scheduling link, :class:`~tierckpt.io.scheduled.ScheduledBackend`) is
+        called as it is, so no call is slotted or retried twice.
         """
         self._check_loop()
+        if getattr(backend, "schedules_itself", False):
+            return await fn(*args, **kwargs)
+        return await self.slotted(backend, backend.root_uri, op_name, fn, *args, priority=priority, nbytes=nbytes,
+                                  retries=retries, **kwargs)
+
+    async def slotted(
+        self,
+        slot_owner: object,
+        label: str,
+        op_name: str,
+        fn: Callable[..., Awaitable[_T]],
+        *args: Any,
+        priority: Priority = Priority.FOREGROUND,
+        nbytes: int = 0,
+        retries: int = 5,
+        **kwargs: Any,
+    ) -> _T:
+        """The body of :meth:`call`: slots of ``slot_owner`` (one priority queue per owner), retries and
+        a metric labelled ``label`` (the store's URI)."""
+        self._check_loop()
         if retries < 1:
-            raise CheckpointError(
-                f"retries must be at least 1 for {op_name} on {backend}, got {retries}"
-            )
-        slots = self._slot(backend)
+            raise CheckpointError(f"retries must be at least 1 for {op_name} on {label}, got {retries}")
+        slots = self._slot(slot_owner)
         key = args[0] if args and isinstance(args[0], str) else ""
         started = time.perf_counter()
         attempt = 0
@@ -341,7 +236,7 @@ class IOScheduler:
             self.metrics.record(
                 OpRecord(
                     op=op_name,
-                    backend=backend.root_uri,
+                    backend=label,
                     key=key,
                     nbytes=nbytes,
                     seconds=time.perf_counter() - started,
@@ -387,11 +282,6 @@ class IOScheduler:
                     )
                 )
         await _all_or_cancel(parts)
-
-
-def _backoff_s(attempt: int) -> float:
-    """Full-jitter exponential backoff before attempt ``attempt + 1``."""
-    return random.uniform(0.0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (attempt - 1)))
 
 
 async def _all_or_cancel(coros: Sequence[Coroutine[Any, Any, Any]]) -> None:

@@ -92,7 +92,7 @@ class FileStream:
 
     async def _drain(self, backend: Backend, key: str) -> None:
         """Checksum each chunk while the previous one is being written, then write it (in order)."""
-        writer = await get_scheduler().call(backend, "open_writer", backend.open_writer, key)
+        writer = await backend.open_writer(key)
         in_flight: asyncio.Task[None] | None = None
         try:
             while (chunk := await self._queue.get()) is not None:

@@ -1,4 +1,6 @@
-"""Public functions of the node cache (synchronous; the lead re-exports them from ``tierckpt``).
+"""Public functions of the node cache (synchronous; re-exported from ``tierckpt``). They sit above
+:mod:`tierckpt.store` and open every store through :func:`~tierckpt.store.open_store`, so they share the
+process's uploads with the saves that started them.
 
 * :func:`open_tiered` — the backend for a URI, cached when the scheme is remote.
 * :func:`status` / :func:`wait` / :func:`sync` — durability of write-back saves.
@@ -12,36 +14,38 @@ import asyncio
 import concurrent.futures
 import fnmatch
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 
-from .. import layout
-from ..backends import Backend, open_plain_backend, split_uri
-from ..errors import CheckpointError, CheckpointNotFoundError
-from ..io.scheduler import get_scheduler
-from .catalog import Catalog
-from .config import CacheConfig
-from .tiered import StoreStatus, TieredBackend
-
-_LOCAL_SCHEMES = ("", "file", "local", "memory")
-
+from . import layout
+from .backends import Backend
+from .cache.catalog import Catalog
+from .cache.config import CacheConfig
+from .cache.status import StoreStatus
+from .cache.tiered import TieredBackend
+from .errors import CheckpointError, CheckpointNotFoundError
+from .io.scheduler import get_scheduler
+from .loader import read_checkpoint, read_pieces
+from .store import open_cached_store, open_store
 
 def open_tiered(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> Backend:
-    """The backend for ``uri``: a :class:`TieredBackend` over the remote for remote schemes (s3, hdfs,
-    any fsspec protocol) when caching is enabled, the plain backend for local paths and ``memory://``."""
-    config = config or CacheConfig.from_env()
-    remote = open_plain_backend(uri, **storage_options)
-    scheme, _ = split_uri(uri)
-    if not config.enabled or scheme in _LOCAL_SCHEMES or isinstance(remote, TieredBackend):
-        return remote
-    return TieredBackend(remote, config)
+    """The store for ``uri`` (:func:`~tierckpt.store.open_store`), with ``config`` as its node cache."""
+    options = dict(storage_options)
+    if config is not None:
+        options["cache"] = config
+    return open_store(uri, options)
 
 
 def _tiered(uri: str, config: CacheConfig | None, storage_options: dict[str, Any]) -> TieredBackend:
-    """A TieredBackend for ``uri`` even where :func:`open_tiered` would not cache (local remotes)."""
-    return TieredBackend(open_plain_backend(uri, **storage_options), config or CacheConfig.from_env())
+    """The store for ``uri`` behind the node cache, even where :func:`open_store` would not cache (local
+    paths); ``config``, else a :class:`CacheConfig` passed as the storage option ``cache``, configures it."""
+    options = dict(storage_options)
+    cache = options.pop("cache", None)
+    config = config or (cache if isinstance(cache, CacheConfig) else None) or CacheConfig.from_env()
+    return open_cached_store(uri, options, config)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,17 +61,25 @@ class CheckpointStatus:
     pending_bytes: int
     pending_keys: tuple[str, ...]
     errors: tuple[str, ...] = ()
+    remote_generation: str | None = None
+    """The generation the remote's own COMMIT names (``None``: none, or unreadable: see ``remote_error``)."""
+    remote_error: str | None = None
 
     @property
     def durable(self) -> bool:
         return self.state == "remote" and not self.pending_keys
+
+    @property
+    def committed_on_remote(self) -> bool:
+        return self.generation is not None and self.generation == self.remote_generation
 
 
 def status(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> CheckpointStatus:
     """The committed generation of the checkpoint at ``uri``, its durability and pending bytes."""
     st: StoreStatus = get_scheduler().run(_tiered(uri, config, storage_options).status())
     return CheckpointStatus(uri=uri, generation=st.generation, state=st.state, pending_bytes=st.pending_bytes,
-                            pending_keys=st.pending_keys, errors=st.errors)
+                            pending_keys=st.pending_keys, errors=st.errors, remote_generation=st.remote_generation,
+                            remote_error=st.remote_error)
 
 
 def wait(uri: str, timeout_s: float | None = None, config: CacheConfig | None = None, **storage_options: Any) -> None:
@@ -94,9 +106,17 @@ def sync(uri: str | None = None, config: CacheConfig | None = None, timeout_s: f
         roots = catalog.roots()
         uris = sorted({roots[rh] for rh, _, _ in catalog.pending_all() if rh in roots})
     sched = get_scheduler()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     for u in uris:
-        sched.run(_tiered(u, config, storage_options).sync(timeout_s))
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        sched.run(_tiered(u, config, storage_options).sync(left), left)
     return uris
+
+
+def drop(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> list[str]:
+    """Discard the uploads pending from this node to ``uri`` (a mistyped bucket, a store given up on);
+    returns the keys dropped. What they held stays readable in the node cache until evicted."""
+    return get_scheduler().run(_tiered(uri, config, storage_options).drop_pending())
 
 
 class PrefetchHandle:
@@ -139,8 +159,6 @@ def prefetch(uri: str, only: Sequence[str] | None = None, progress: bool = True,
     before this returns; the data is fetched at background priority: call ``result()`` on the returned
     handle to wait for it (a process that exits first has fetched only the metadata).
     """
-    from ..loader import read_checkpoint, read_pieces
-
     backend = _tiered(uri, config, storage_options)
     sched = get_scheduler()
     ckpt = read_checkpoint(backend)
@@ -241,11 +259,11 @@ def _remove_leftovers(store: Backend, dry_run: bool) -> list[str]:
     """Delete (unless ``dry_run``) the generations of ``store`` that can never be committed; their names."""
     sched = get_scheduler()
     try:
-        record = layout.CommitRecord.decode(sched.do(store, "get", layout.COMMIT))
+        record = layout.CommitRecord.decode(sched.run(store.get(layout.COMMIT)))
     except CheckpointNotFoundError:
         return []
-    superseded = layout.superseded_generations(sched.do(store, "list", ""), record)
+    superseded = layout.superseded_generations(sched.run(store.list("")), record)
     if not dry_run:
         for generation in superseded:
-            sched.do(store, "delete_prefix", f"{generation}/")
+            sched.run(store.delete_prefix(f"{generation}/"))
     return superseded

@@ -1,0 +1,82 @@
+"""The :class:`Uploader`: what this process has in flight through one node-cache directory.
+
+One per process and cache directory (:func:`tierckpt.store.open_store` shares it between every store
+of that directory), it owns the upload task of each pending key, the uploads that follow a file
+while it is written (``tail_upload``), the limit on concurrent uploads, the files already checked,
+and the exit drain's wait for them. Everything in it is touched on the I/O scheduler's loop, except
+the checked-files set, which has its own lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from ..io.scheduler import get_scheduler
+from .catalog import Catalog
+from .local_files import VerifiedFiles
+from .tail_upload import TailUpload
+
+EXIT_STALL_S = 5.0
+"""The exit drain stops waiting once uploads fail and none has finished for this long (it then reports)."""
+
+
+class Uploader:
+    """This process's uploads through the cache directory ``directory`` (see the module docstring)."""
+
+    def __init__(self, directory: str, upload_concurrency: int, exit_wait_s: float) -> None:
+        self.directory = directory
+        self.upload_concurrency = upload_concurrency
+        self.exit_wait_s = exit_wait_s
+        self.tasks: dict[tuple[str, str], asyncio.Task] = {}
+        """(root hash, key) -> the task uploading the key's pending op."""
+        self.tails: dict[tuple[str, str], TailUpload] = {}
+        """(root hash, key) -> the upload following the key's file while it is written."""
+        self.verified = VerifiedFiles()
+        self._slots: asyncio.Semaphore | None = None
+
+    def slots(self) -> asyncio.Semaphore:
+        """At most ``upload_concurrency`` uploads at once (created on the loop that uses it)."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.upload_concurrency)
+        return self._slots
+
+    def drain(self, timeout_s: float) -> list[str]:
+        """Wait up to ``timeout_s`` for this process's uploads (the I/O loop must still run); one line per
+        store left with ops this process owns, naming the command that finishes them."""
+        if not os.path.exists(os.path.join(self.directory, "catalog.lmdb")):
+            return []  # the directory is gone (a test's temporary cache)
+        catalog, me = Catalog(self.directory), os.getpid()
+
+        def mine() -> list[tuple[str, dict]]:
+            return [(rh, rec) for rh, _, rec in catalog.pending_all() if rec["owner"] == me]
+
+        async def wait() -> None:
+            deadline = time.monotonic() + timeout_s
+            last, since = -1, time.monotonic()
+            while self.tasks and (left := deadline - time.monotonic()) > 0:
+                await asyncio.wait(list(self.tasks.values()), timeout=min(left, 0.5))
+                recs = mine()
+                if len(recs) != last:
+                    last, since = len(recs), time.monotonic()
+                elif any(r.get("error") for _, r in recs) and time.monotonic() - since > EXIT_STALL_S:
+                    return  # failing, and nothing reached the remote for a while: report instead
+
+        if self.tasks:
+            get_scheduler().run(wait())
+        roots = catalog.roots()
+        left: dict[str, list[dict]] = {}
+        for rh, rec in mine():
+            if rh in roots:
+                left.setdefault(roots[rh], []).append(rec)
+        lines = []
+        for uri, recs in sorted(left.items()):
+            errors = [r["error"] for r in recs if r.get("error")]
+            why = f"failed: {errors[0]}" if errors else "not finished"
+            lines.append(
+                f"tierckpt: {len(recs)} upload(s) to {uri} did not finish before exit ({why}); what they hold is "
+                f"committed in this node's cache only. Finish them: TIERCKPT_CACHE_DIR={self.directory} tierckpt "
+                f"sync {uri} (or discard them: tierckpt sync --drop {uri})"
+            )
+        return lines

@@ -1,0 +1,157 @@
+"""The one place that assembles the storage chain of a URI: :func:`open_store`.
+
+A *store* is a :class:`~tierckpt.backends.base.Backend`: either the backend of the URI itself
+(:mod:`tierckpt.backends`) or that backend wrapped in *links*, each a small ``Backend`` with one job
+(:mod:`tierckpt.cache`: the node cache's write-back journal and read-through tiers). Saver, loader,
+manager, CLI, verify and convert get every store from :func:`open_store`, so "is this URI cached?" is
+decided here, once, by one rule (:func:`cache_config_for`).
+
+Durability is an optional protocol (:class:`Durable`): a write-back store acknowledges a write once it
+is durable on this node and uploads it behind; callers that hold such a store ask it with
+:func:`durability_of` and call ``wait_durable`` / ``status`` / ``sync`` on it. A store without the
+protocol is durable where its URI points when a write returns.
+
+Adding a link: write it as a ``Backend`` wrapper (one file, under ``cache/`` or beside it) and add one
+line to :func:`open_store` that wraps the chain built so far.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Protocol, runtime_checkable
+
+from .backends import Backend, open_plain_backend, split_uri
+from .cache.config import CacheConfig
+from .cache.status import StoreStatus
+from .cache.tiered import TieredBackend
+from .cache.uploader import Uploader
+from .errors import CheckpointError
+from .io.scheduled import ScheduledBackend
+from .io.scheduler import get_scheduler
+
+__all__ = [
+    "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s", "node_only_reason",
+    "open_cached_store", "open_store",
+]
+
+LOCAL_SCHEMES = ("", "file", "memory")
+
+_UPLOADERS: dict[str, Uploader] = {}
+"""This process's uploader of each node-cache directory, shared by every store open_store builds over it
+(one task per pending key, one upload limit, one exit drain). Dropped in a forked child."""
+"""Schemes that are never cached: the URI's own store is already on this node (or in this process)."""
+
+
+@runtime_checkable
+class Durable(Protocol):
+    """What a write-back store offers about the durability of what was written through it."""
+
+    async def wait_durable(self, generation: str | None = None, timeout_s: float | None = None, *,
+                           through_outage: bool = True) -> None:
+        """Wait until every write (of ``generation``) reached the remote; raise when one failed for good,
+        at ``timeout_s``, or (``through_outage=False``) as soon as one failed at all."""
+
+    async def status(self) -> StoreStatus:
+        """The committed generation on this node and on the remote, and what is still pending."""
+
+    async def sync(self, timeout_s: float | None = None) -> None:
+        """Resume writes left pending by this or a dead process, then :meth:`wait_durable`."""
+
+
+def cache_config_for(uri: str, cache: Any = None) -> CacheConfig | None:
+    """The node-cache configuration of ``uri``'s chain, or ``None`` for no cache. The one rule:
+
+    * local paths, ``file://`` and ``memory://`` are never cached;
+    * ``cache=False`` disables the cache, ``cache=True`` enables it (whatever ``TIERCKPT_CACHE`` says);
+    * a :class:`CacheConfig` is used as given (``enabled=False`` disables the cache);
+    * ``cache=None`` (the default): :meth:`CacheConfig.from_env` (``TIERCKPT_CACHE=off`` disables it).
+    """
+    if cache is not None and not isinstance(cache, (bool, CacheConfig)):
+        raise CheckpointError(
+            f"storage option cache={cache!r} for {uri!r}: pass True or False (node cache on or off), "
+            "or a tierckpt.cache.CacheConfig"
+        )
+    if cache is False or split_uri(uri)[0] in LOCAL_SCHEMES:
+        return None
+    if cache is True:
+        config = CacheConfig.from_env()
+        return config if config.enabled else CacheConfig.from_env(enabled=True)
+    config = cache if isinstance(cache, CacheConfig) else CacheConfig.from_env()
+    return config if config.enabled else None
+
+
+def open_store(uri: str, options: dict[str, Any] | None = None) -> Backend:
+    """The store for ``uri``: its backend (``options`` go to it, e.g. S3 credentials), behind the node
+    cache when :func:`cache_config_for` says so (option ``cache``)."""
+    options = dict(options or {})
+    config = cache_config_for(uri, options.pop("cache", None))
+    if config is not None:
+        return open_cached_store(uri, options, config)
+    return ScheduledBackend(open_plain_backend(uri, **options))  # slots, retries, metrics
+
+
+def open_cached_store(uri: str, options: dict[str, Any], config: CacheConfig) -> TieredBackend:
+    """The chain of ``uri`` behind the node cache ``config``, whatever :func:`cache_config_for` says (the
+    node cache's own commands: status, sync, prefetch, gc on any URI). ``options`` go to the backend."""
+    remote = ScheduledBackend(open_plain_backend(uri, **options))  # slots, retries, metrics
+    return TieredBackend(remote, config, _uploader(config))  # write-back journal + read-through tiers
+
+
+def _uploader(config: CacheConfig) -> Uploader:
+    uploader = _UPLOADERS.get(config.directory)
+    if uploader is None:
+        uploader = _UPLOADERS[config.directory] = Uploader(
+            config.directory, config.upload_concurrency, config.exit_wait_s
+        )
+    uploader.exit_wait_s = max(uploader.exit_wait_s, config.exit_wait_s)
+    return uploader
+
+
+def durability_of(store: Backend) -> Durable | None:
+    """``store`` itself when it is write-back (offers :class:`Durable`), else ``None``."""
+    return store if isinstance(store, Durable) else None
+
+
+def exit_wait_s() -> float:
+    """How long the exit drain may wait: the longest ``exit_wait_s`` of the caches this process opened."""
+    return max((u.exit_wait_s for u in _UPLOADERS.values()), default=0.0)
+
+
+def drain_write_back(timeout_s: float) -> list[str]:
+    """Wait up to ``timeout_s`` in all for this process's write-back uploads; one line per store left
+    pending, naming the command that finishes it (the saver's exit drain prints them)."""
+    deadline = time.monotonic() + timeout_s
+    lines: list[str] = []
+    for uploader in list(_UPLOADERS.values()):
+        lines += uploader.drain(max(0.0, deadline - time.monotonic()))
+    return lines
+
+
+def node_only_reason(store: Backend) -> str | None:
+    """``None`` when what ``store`` shows as committed is committed where its URI points (or nothing
+    is committed); otherwise one line saying that it is committed in this node's cache only, why, and
+    the command that finishes it. ``ls`` and ``verify`` report it on the saving node."""
+    durable = durability_of(store)
+    if durable is None:
+        return None
+    st = get_scheduler().run(durable.status())
+    if st.generation is None or st.committed_on_remote:
+        return None
+    if st.remote_generation is not None:
+        remote = f"the remote's COMMIT names {st.remote_generation}"
+    elif st.remote_error is not None:
+        remote = f"the remote's COMMIT cannot be read: {st.remote_error}"
+    else:
+        remote = "the remote has no COMMIT"
+    uploads = f"{len(st.pending_keys)} upload(s) pending" + (f", failing: {st.errors[0]}" if st.errors else "")
+    return (f"generation {st.generation} is committed in this node's cache only ({remote}; {uploads}); "
+            f"finish it with: tierckpt sync {st.uri}")
+
+
+def _forget_after_fork() -> None:
+    """A forked child has none of its parent's upload tasks."""
+    _UPLOADERS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
