@@ -94,7 +94,11 @@ class Replicator:
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._chunk = chunk_bytes
         self._durable_below = durable_below
-        self._pg = dist.new_group(self._ranks, backend="gloo", timeout=self._timeout, use_local_synchronization=True)
+        # Over the whole world every rank calls new_group, which names the group by a count all ranks share;
+        # the hashed names of local synchronization can differ between ranks of a long-lived process.
+        self._pg = dist.new_group(
+            self._ranks, backend="gloo", timeout=self._timeout, use_local_synchronization=group is not None,
+        )
         self._broken: dict[int, str] = {}
         self._queues: list[queue.Queue[_Job | None]] = []
         self._threads: list[threading.Thread] = []
