@@ -33,7 +33,7 @@ class TestS3Backend(BackendContract):
 
     async def test_large_writer_uses_multipart_and_abort_removes_it(self, backend: S3Backend) -> None:
         writer = await backend.open_writer("big/aborted")
-        for _ in range(5):  # > one 16 MiB part, so a multipart upload is under way
+        for _ in range(7):  # 35 MiB: past two 16 MiB parts, so a multipart upload is under way
             await writer.write(b"\0" * LARGE_CHUNK)
         assert len(self._uploads(backend)) == 1
         await writer.abort()
@@ -41,13 +41,19 @@ class TestS3Backend(BackendContract):
         assert not await backend.exists("big/aborted")
         assert await backend.list() == []
 
-    async def test_put_of_large_data_is_multipart(self, backend: S3Backend) -> None:
-        data = bytes(range(256)) * (backend.part_size // 256) + b"tail"
+    @pytest.mark.parametrize(("parts", "tail", "suffix"), [(1, b"tail", None), (2, b"", None), (3, b"tail", "-4")])
+    async def test_put_is_one_request_up_to_two_parts_then_multipart(
+        self, backend: S3Backend, parts: int, tail: bytes, suffix: str | None,
+    ) -> None:
+        data = bytes(range(256)) * (parts * backend.part_size // 256) + tail
         await backend.put("big/put", data)
         assert await backend.get("big/put") == data
         bucket, _, key = backend._path("big/put").partition("/")
-        etag = backend.fs.call_s3("head_object", Bucket=bucket, Key=key)["ETag"]
-        assert etag.strip('"').endswith("-2")  # a multipart ETag: two parts
+        etag = backend.fs.call_s3("head_object", Bucket=bucket, Key=key)["ETag"].strip('"')
+        if suffix is None:
+            assert "-" not in etag  # a single PUT: no part count in the ETag
+        else:
+            assert etag.endswith(suffix)  # a multipart ETag: three full parts and the tail
         assert self._uploads(backend) == []
 
     def test_works_from_the_scheduler_thread(self, backend: S3Backend) -> None:

@@ -13,7 +13,8 @@ one running on a background thread. Whole-object writes go through a hidden
   :class:`~tierckpt.errors.CorruptCheckpointError` instead of returning a short read.
 * ``open_writer`` streams a multipart upload (parts of ``part_size`` bytes, a few in flight);
   nothing is visible until ``close`` completes the upload, and ``abort`` aborts it so no parts
-  or partial object remain. Objects smaller than one part are sent as a single PUT.
+  or partial object remain. Objects of up to two parts are sent as a single PUT: a multipart upload
+  costs two requests more (start, complete), which a rank's file of a few parts would feel.
 * ``commit`` is a single conditional PUT, which S3 makes visible atomically: ``If-None-Match: *``
   when no object may exist yet, else ``If-Match`` with the ETag of the object it read and compared
   with ``expected``. A refused precondition (412, or 409 for a concurrent conditional write) raises
@@ -412,7 +413,7 @@ class FsspecBackend(Backend):
 
 # -- S3 ---------------------------------------------------------------------------------------------
 class _MultipartWriter(ObjectWriter):
-    """A streamed S3 upload: one PUT when small, else a multipart upload with parts in flight.
+    """A streamed S3 upload: one PUT up to ``2 * part_size`` bytes, else a multipart upload with parts in flight.
 
     Part sizes start at ``part_size`` and double every 2,000 parts so an object of any size fits in
     S3's 10,000-part limit. A failure inside ``write`` or ``close`` leaves the writer to be aborted
@@ -444,6 +445,8 @@ class _MultipartWriter(ObjectWriter):
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
         self._buf += memoryview(data).cast("B")
+        if self._upload_id is None and len(self._buf) <= 2 * self._backend.part_size:
+            return  # may still go up as one PUT at close
         while len(self._buf) >= self._part_size():
             size = self._part_size()
             chunk = bytes(self._buf[:size])
