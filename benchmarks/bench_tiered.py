@@ -6,7 +6,8 @@ the remote, and loads from a warm node cache against cold S3 — beside DCP writ
 Two gloo ranks save ``--gib`` GiB of fp32 DTensors (``Shard(0)``) to a moto S3 server on loopback:
 
 * tierckpt ``async_save`` through the node cache: *resume* = the call returns (snapshot taken);
-  *local* = ``handle.wait()`` (committed in the node cache: what a synchronous ``save`` returns after);
+  *local* = ``handle.wait()`` (committed in the node cache; a synchronous ``save`` to S3 returns only
+  once remote-durable);
   *remote-durable* = ``handle.wait_durable()`` (every object uploaded, ``COMMIT`` last);
 * DCP ``async_save`` with fsspec's S3 writer: *resume* = the call returns; *remote-durable* = its future.
 
