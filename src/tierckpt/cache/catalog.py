@@ -1,10 +1,9 @@
 """The node-local catalogue of the cache: one LMDB environment in the cache directory.
 
-Every process on the node opens the same environment (``<cache dir>/catalog.lmdb``); LMDB's
-write transactions serialise writers across processes and readers never block. Files are written
-first (temp + rename) and recorded after, and records are removed before files are deleted, so a
-record always names a complete file or one that has just been evicted (readers treat a vanished
-file as a miss).
+Every process on the node opens the same environment (``<cache dir>/catalog.lmdb``); LMDB's write
+transactions serialise writers across processes and readers never block. Files are written first (temp +
+rename) and recorded after, and records are removed before files are deleted, so a record always names a
+complete file or one that has just been evicted (readers treat a vanished file as a miss).
 
 Named databases (keys are ``<root hash> NUL <key>``; values are the JSON form of the typed records of
 :mod:`tierckpt.cache.records`, which this module alone encodes and decodes):
@@ -20,13 +19,12 @@ Named databases (keys are ``<root hash> NUL <key>``; values are the JSON form of
 
 Lifecycle of a written object (the process that writes it):
 
-1. The file lands in the local tier; :meth:`Catalog.record_write` adds ``objs`` and ``pending``
-   (op ``put``, or ``commit`` for a COMMIT record) and moves the generation to ``staged``
-   (``local`` for a commit), then fsyncs the environment.
+1. The file lands in the local tier; :meth:`Catalog.record_write` adds ``objs`` and ``pending`` (op ``put``,
+   or ``commit`` for a COMMIT record) and moves the generation to ``staged`` (``local`` for a commit), then
+   fsyncs the environment.
 2. An uploader (this process, or a later one that adopts the record of a dead owner) calls
-   :meth:`Catalog.claim`, uploads, then :meth:`Catalog.finish`, which removes the record only when
-   its ``ver`` is unchanged (a newer write is uploaded in turn) and marks a committed generation
-   ``remote``.
+   :meth:`Catalog.claim`, uploads, then :meth:`Catalog.finish`, which removes the record only when its
+   ``ver`` is unchanged (a newer write is uploaded in turn) and marks a committed generation ``remote``.
 """
 
 from __future__ import annotations

@@ -166,8 +166,10 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
 
     def _unlink_dropped(self, key: str, dropped: list[tuple[Tree, int | None]]) -> None:
         for tree, idx in dropped:
-            path = self._blocks.path_of(self._block_key(key, idx)) if tree == Tree.BLOCK else self._tree(tree).path_of(key)
-            _unlink(path)
+            if tree == Tree.BLOCK:
+                _unlink(self._blocks.path_of(self._block_key(key, idx)))
+            else:
+                _unlink(self._tree(tree).path_of(key))
 
     def _evict(self) -> None:
         if self.catalog.usage() <= self.config.disk_bytes:
@@ -286,8 +288,8 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
             generation: str | None = layout.CommitRecord.decode(data).generation
         except CorruptCheckpointError:
             generation = None  # not a tierckpt commit record: it waits for everything under its directory
-        if old is not None and old.op == Op.COMMIT and old.order is not None:  # still the remote's state: inherit it
-            cas, base = old.order.cas, old.order.base
+        if old is not None and old.op == Op.COMMIT and old.order is not None:
+            cas, base = old.order.cas, old.order.base  # still the remote's state: inherit it
         else:
             cas, base = expected is not UNCONDITIONAL, expected if isinstance(expected, bytes) else None
         order = CommitOrder(cas=cas, base=base, after=None if after is None else MappingProxyType(dict(after)))
