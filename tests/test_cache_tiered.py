@@ -21,6 +21,7 @@ from tierckpt.backends.base import ObjectWriter
 from tierckpt.cache import CacheConfig, TieredBackend
 from tierckpt.cache_api import gc, open_tiered, prefetch, status, wait
 from tierckpt.cache.config import parse_bytes
+from tierckpt.cache.records import Op
 from tierckpt.errors import CorruptCheckpointError, StorageError
 
 
@@ -125,7 +126,7 @@ async def test_write_back_is_local_first_then_remote(remote: CountingBackend, st
     await store.put("g-1/data/rank-00000.bin", b"d" * 5000)
     assert Path(store.written.path_of("g-1/data/rank-00000.bin")).read_bytes() == b"d" * 5000
     assert not await remote.exists("g-1/data/rank-00000.bin")
-    assert store.catalog.pending(store.rh, "g-1/data/rank-00000.bin")["op"] == "put"
+    assert store.catalog.pending(store.rh, "g-1/data/rank-00000.bin").op == Op.PUT
     assert store.catalog.generation_state(store.rh, "g-1") == "staged"
     assert await store.get("g-1/data/rank-00000.bin") == b"d" * 5000  # served locally meanwhile
     remote.gate.set()

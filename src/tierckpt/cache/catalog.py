@@ -1,53 +1,51 @@
 """The node-local catalogue of the cache: one LMDB environment in the cache directory.
 
-Every process on the node opens the same environment (``<cache dir>/catalog.lmdb``); LMDB's
-write transactions serialise writers across processes and readers never block. Files are written
-first (temp + rename) and recorded after, and records are removed before files are deleted, so a
-record always names a complete file or one that has just been evicted (readers treat a vanished
-file as a miss).
+Every process on the node opens the same environment (``<cache dir>/catalog.lmdb``); LMDB's write
+transactions serialise writers across processes and readers never block. Files are written first (temp +
+rename) and recorded after, and records are removed before files are deleted, so a record always names a
+complete file or one that has just been evicted (readers treat a vanished file as a miss).
 
-Named databases (keys are ``<root hash> NUL <key>``; values are JSON):
+Named databases (keys are ``<root hash> NUL <key>``; values are the JSON form of the typed records of
+:mod:`tierckpt.cache.records`, which this module alone encodes and decodes):
 
 * ``roots``   root hash -> remote root URI (so ``sync()`` can reopen every store).
-* ``objs``    whole objects in the local tier: ``{size, crc, atime, tree}``, ``tree`` being ``"w"``
-  (written through this cache) or ``"f"`` (fetched from the remote).
-* ``blocks``  ``<rh> NUL <key> NUL <index>`` -> ``{len, crc, atime}``: aligned blocks of large
-  remote objects.
+* ``objs``    whole objects in the local tier (:class:`ObjRecord`), written here or fetched.
+* ``blocks``  ``<rh> NUL <key> NUL <index>`` -> aligned blocks of large remote objects (:class:`BlockRecord`).
 * ``sizes``   sizes of remote objects learnt on reads.
-* ``pending`` the remote operation each key still needs: ``{op: put|commit|delete, ver, owner,
-  gen, size, error}``. A key has at most one; a newer write replaces it (``ver`` tells them apart).
-* ``gens``    durability of checkpoint generations: ``<rh> NUL <dir>/<generation>`` ->
-  ``{state: staged|local|remote|superseded, t}``.
+* ``pending`` the remote operation each key still needs (:class:`PendingOp`). A key has at most one;
+  a newer write replaces it (``ver`` tells them apart).
+* ``gens``    ``<rh> NUL <dir>/<generation>`` -> durability of a generation (:class:`GenRecord`).
 * ``meta``    ``bytes`` (bytes held by the local tier) and ``ver`` (a counter for ``pending``).
 
 Lifecycle of a written object (the process that writes it):
 
-1. The file lands in the local tier; :meth:`Catalog.record_write` adds ``objs`` and ``pending``
-   (op ``put``, or ``commit`` for a COMMIT record) and moves the generation to ``staged``
-   (``local`` for a commit), then fsyncs the environment.
+1. The file lands in the local tier; :meth:`Catalog.record_write` adds ``objs`` and ``pending`` (op ``put``,
+   or ``commit`` for a COMMIT record) and moves the generation to ``staged`` (``local`` for a commit), then
+   fsyncs the environment.
 2. An uploader (this process, or a later one that adopts the record of a dead owner) calls
-   :meth:`Catalog.claim`, uploads, then :meth:`Catalog.finish`, which removes the record only when
-   its ``ver`` is unchanged (a newer write is uploaded in turn) and marks a committed generation
-   ``remote``.
+   :meth:`Catalog.claim`, uploads, then :meth:`Catalog.finish`, which removes the record only when its
+   ``ver`` is unchanged (a newer write is uploaded in turn) and marks a committed generation ``remote``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import replace
+from typing import Any, TypeVar
 
 import lmdb
 
 from ..errors import StorageError
 from ..layout import generation_path
+from .records import BlockRecord, CommitOrder, Finish, GenRecord, GenState, ObjRecord, Op, PendingOp, Tree
 
 MAP_SIZE = 1 << 30
 _DBS = ("roots", "objs", "blocks", "sizes", "pending", "gens", "meta")
-STATES = ("staged", "local", "remote", "superseded")
+
+R = TypeVar("R")
 
 _envs: dict[str, tuple[lmdb.Environment, dict[str, Any]]] = {}
 _envs_lock = threading.Lock()
@@ -103,12 +101,9 @@ def _k(*parts: str | int) -> bytes:
     return "\0".join(f"{p:012d}" if isinstance(p, int) else p for p in parts).encode()
 
 
-def _j(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()
-
-
-def _u(raw: bytes | None) -> Any:
-    return None if raw is None else json.loads(raw)
+def _dec(decode: Callable[[bytes], R], raw: bytes | None) -> R | None:
+    """The record ``raw`` holds (``decode``: a record type's ``from_json``), or ``None`` if there is none."""
+    return None if raw is None else decode(raw)
 
 
 class Catalog:
@@ -137,18 +132,18 @@ class Catalog:
         txn.put(b"ver", str(ver).encode(), db=self._db["meta"])
         return ver
 
-    def _drop_local(self, txn: lmdb.Transaction, rh: str, key: str) -> list[tuple[str, int | None]]:
+    def _drop_local(self, txn: lmdb.Transaction, rh: str, key: str) -> list[tuple[Tree, int | None]]:
         """Remove the local records of ``key``; returns what files to delete (tree or block index)."""
-        dropped: list[tuple[str, int | None]] = []
-        obj = _u(txn.get(_k(rh, key), db=self._db["objs"]))
+        dropped: list[tuple[Tree, int | None]] = []
+        obj = _dec(ObjRecord.from_json, txn.get(_k(rh, key), db=self._db["objs"]))
         if obj is not None:
             txn.delete(_k(rh, key), db=self._db["objs"])
-            self._add_bytes(txn, -obj["size"])
-            dropped.append((obj["tree"], None))
+            self._add_bytes(txn, -obj.size)
+            dropped.append((obj.tree, None))
         for k, v in list(self._scan(txn, "blocks", _k(rh, key) + b"\0")):
             txn.delete(k, db=self._db["blocks"])
-            self._add_bytes(txn, -_u(v)["len"])
-            dropped.append(("b", int(k.rsplit(b"\0", 1)[1])))
+            self._add_bytes(txn, -BlockRecord.from_json(v).size)
+            dropped.append((Tree.BLOCK, int(k.rsplit(b"\0", 1)[1])))
         txn.delete(_k(rh, key), db=self._db["sizes"])
         return dropped
 
@@ -170,10 +165,11 @@ class Catalog:
 
     # -- writes through the cache ---------------------------------------------------------------
     def record_write(
-        self, rh: str, key: str, size: int, crc: int, op: str, generation: str | None = None,
-        publish: Callable[[], None] | None = None, extra: dict[str, Any] | None = None,
-    ) -> tuple[int, list[tuple[str, int | None]]]:
-        """Record a durable local write of ``key`` that the remote still needs (``op`` put/commit).
+        self, rh: str, key: str, size: int, crc: int, op: Op, generation: str | None = None,
+        publish: Callable[[], None] | None = None, order: CommitOrder | None = None,
+    ) -> tuple[int, list[tuple[Tree, int | None]]]:
+        """Record a durable local write of ``key`` that the remote still needs (``op`` put/commit;
+        ``order``: what a commit's upload waits for).
 
         ``publish`` (the rename of the file into place) runs inside the write transaction, so
         concurrent writers of one key, in any process, leave the file and its record in agreement.
@@ -182,95 +178,95 @@ class Catalog:
         with self.env.begin(write=True) as txn:
             if publish is not None:
                 publish()
-            dropped = [d for d in self._drop_local(txn, rh, key) if d[0] != "w"]
-            txn.put(_k(rh, key), _j({"size": size, "crc": crc, "atime": now, "tree": "w"}), db=self._db["objs"])
+            dropped = [d for d in self._drop_local(txn, rh, key) if d[0] != Tree.WRITTEN]
+            txn.put(_k(rh, key), ObjRecord(size, crc, now, Tree.WRITTEN).to_json(), db=self._db["objs"])
             self._add_bytes(txn, size)
             ver = self._next_ver(txn)
-            old = _u(txn.get(_k(rh, key), db=self._db["pending"]))
-            txn.put(_k(rh, key), _j({"op": op, "ver": ver, "owner": os.getpid(), "gen": generation,
-                                     "size": size, "error": None, "t": now, **(extra or {})}), db=self._db["pending"])
+            old = _dec(PendingOp.from_json, txn.get(_k(rh, key), db=self._db["pending"]))
+            if op == Op.COMMIT and order is None:
+                order = CommitOrder()
+            rec = PendingOp(op=op, ver=ver, owner=os.getpid(), gen=generation, size=size, t=now, order=order)
+            txn.put(_k(rh, key), rec.to_json(), db=self._db["pending"])
             gens = self._db["gens"]
-            if op == "put":
+            if op == Op.PUT:
                 gp = generation_path(key)
                 if gp is not None and txn.get(_k(rh, gp), db=gens) is None:
-                    txn.put(_k(rh, gp), _j({"state": "staged", "t": now}), db=gens)
-            elif op == "commit" and generation:
+                    txn.put(_k(rh, gp), GenRecord(GenState.STAGED, now).to_json(), db=gens)
+            elif op == Op.COMMIT and generation:
                 base = key.rpartition("/")[0]
                 gp = f"{base}/{generation}" if base else generation
-                if old is not None and old.get("op") == "commit" and old.get("gen") not in (None, generation):
-                    ogp = f"{base}/{old['gen']}" if base else old["gen"]
-                    prev = _u(txn.get(_k(rh, ogp), db=gens))
-                    if prev is not None and prev["state"] != "remote":
-                        txn.put(_k(rh, ogp), _j({"state": "superseded", "t": now}), db=gens)
-                txn.put(_k(rh, gp), _j({"state": "local", "t": now}), db=gens)
+                if old is not None and old.op == Op.COMMIT and old.gen not in (None, generation):
+                    ogp = f"{base}/{old.gen}" if base else old.gen
+                    prev = _dec(GenRecord.from_json, txn.get(_k(rh, ogp), db=gens))
+                    if prev is not None and prev.state != GenState.REMOTE:
+                        txn.put(_k(rh, ogp), GenRecord(GenState.SUPERSEDED, now).to_json(), db=gens)
+                txn.put(_k(rh, gp), GenRecord(GenState.LOCAL, now).to_json(), db=gens)
         self.sync()
         return ver, dropped
 
-    def record_delete(self, rh: str, key: str, deferred: bool) -> list[tuple[str, int | None]]:
+    def record_delete(self, rh: str, key: str, deferred: bool) -> list[tuple[Tree, int | None]]:
         """Forget ``key`` locally; with ``deferred`` record a pending remote delete, else drop any pending op."""
         with self.env.begin(write=True) as txn:
             dropped = self._drop_local(txn, rh, key)
             if deferred:
-                txn.put(_k(rh, key), _j({"op": "delete", "ver": self._next_ver(txn), "owner": os.getpid(),
-                                         "gen": None, "size": 0, "error": None, "t": time.time()}),
-                        db=self._db["pending"])
+                rec = PendingOp(op=Op.DELETE, ver=self._next_ver(txn), owner=os.getpid(), t=time.time())
+                txn.put(_k(rh, key), rec.to_json(), db=self._db["pending"])
             else:
                 txn.delete(_k(rh, key), db=self._db["pending"])
         self.sync()
         return dropped
 
     # -- pending operations ------------------------------------------------------------------------
-    def pending(self, rh: str, key: str) -> dict | None:
+    def pending(self, rh: str, key: str) -> PendingOp | None:
         with self.env.begin() as txn:
-            return _u(txn.get(_k(rh, key), db=self._db["pending"]))
+            return _dec(PendingOp.from_json, txn.get(_k(rh, key), db=self._db["pending"]))
 
-    def pending_under(self, rh: str, prefix: str = "") -> dict[str, dict]:
+    def pending_under(self, rh: str, prefix: str = "") -> dict[str, PendingOp]:
         with self.env.begin() as txn:
-            return {k.split(b"\0", 1)[1].decode(): _u(v) for k, v in self._scan(txn, "pending", _k(rh, prefix))}
+            return {k.split(b"\0", 1)[1].decode(): PendingOp.from_json(v)
+                    for k, v in self._scan(txn, "pending", _k(rh, prefix))}
 
-    def pending_all(self) -> list[tuple[str, str, dict]]:
+    def pending_all(self) -> list[tuple[str, str, PendingOp]]:
+        """Every pending op of the node: ``(root hash, key, op)``."""
         with self.env.begin() as txn:
             out = []
             for k, v in txn.cursor(self._db["pending"]):
                 rh, key = k.decode().split("\0", 1)
-                out.append((rh, key, _u(v)))
+                out.append((rh, key, PendingOp.from_json(v)))
             return out
 
     def claim(self, rh: str, key: str, ver: int) -> bool:
         """Make this process the owner of the pending op ``ver`` of ``key``; False if it changed."""
         with self.env.begin(write=True) as txn:
-            rec = _u(txn.get(_k(rh, key), db=self._db["pending"]))
-            if rec is None or rec["ver"] != ver:
+            rec = _dec(PendingOp.from_json, txn.get(_k(rh, key), db=self._db["pending"]))
+            if rec is None or rec.ver != ver:
                 return False
-            rec.update(owner=os.getpid(), error=None, retrying=False)
-            txn.put(_k(rh, key), _j(rec), db=self._db["pending"])
+            txn.put(_k(rh, key), rec.claimed(os.getpid()).to_json(), db=self._db["pending"])
             return True
 
-    def finish(self, rh: str, key: str, ver: int) -> str:
-        """The remote has op ``ver`` of ``key``: ``"done"``, ``"changed"`` (newer op) or ``"gone"``."""
+    def finish(self, rh: str, key: str, ver: int) -> Finish:
+        """The remote has op ``ver`` of ``key``: clear it, unless a newer op replaced it or none is left."""
         now = time.time()
         with self.env.begin(write=True) as txn:
-            rec = _u(txn.get(_k(rh, key), db=self._db["pending"]))
+            rec = _dec(PendingOp.from_json, txn.get(_k(rh, key), db=self._db["pending"]))
             if rec is None:
-                return "gone"
-            if rec["ver"] != ver:
-                return "changed"
+                return Finish.GONE
+            if rec.ver != ver:
+                return Finish.CHANGED
             txn.delete(_k(rh, key), db=self._db["pending"])
-            if rec["op"] == "commit" and rec.get("gen"):
+            if rec.op == Op.COMMIT and rec.gen:
                 base = key.rpartition("/")[0]
-                gp = f"{base}/{rec['gen']}" if base else rec["gen"]
-                txn.put(_k(rh, gp), _j({"state": "remote", "t": now}), db=self._db["gens"])
+                gp = f"{base}/{rec.gen}" if base else rec.gen
+                txn.put(_k(rh, gp), GenRecord(GenState.REMOTE, now).to_json(), db=self._db["gens"])
         self.sync()
-        return "done"
+        return Finish.DONE
 
     def fail(self, rh: str, key: str, ver: int, message: str, retrying: bool = False) -> None:
         """Record why op ``ver`` of ``key`` failed; ``retrying``: transiently, its uploader tries again."""
         with self.env.begin(write=True) as txn:
-            rec = _u(txn.get(_k(rh, key), db=self._db["pending"]))
-            if rec is not None and rec["ver"] == ver:
-                rec["error"] = message
-                rec["retrying"] = retrying
-                txn.put(_k(rh, key), _j(rec), db=self._db["pending"])
+            rec = _dec(PendingOp.from_json, txn.get(_k(rh, key), db=self._db["pending"]))
+            if rec is not None and rec.ver == ver:
+                txn.put(_k(rh, key), rec.failed(message, retrying).to_json(), db=self._db["pending"])
 
     def drop_pending(self, rh: str, key: str) -> None:
         """Forget the pending op of ``key`` (``tierckpt sync --drop``): it will never reach the remote."""
@@ -282,16 +278,17 @@ class Catalog:
     def mark_remote(self, rh: str, gen_path: str) -> None:
         """This node uploaded the COMMIT naming ``gen_path`` (even if a newer commit replaced its record)."""
         with self.env.begin(write=True) as txn:
-            txn.put(_k(rh, gen_path), _j({"state": "remote", "t": time.time()}), db=self._db["gens"])
+            txn.put(_k(rh, gen_path), GenRecord(GenState.REMOTE, time.time()).to_json(), db=self._db["gens"])
 
-    def generation_state(self, rh: str, gen_path: str) -> str | None:
+    def generation_state(self, rh: str, gen_path: str) -> GenState | None:
         with self.env.begin() as txn:
-            rec = _u(txn.get(_k(rh, gen_path), db=self._db["gens"]))
-            return None if rec is None else rec["state"]
+            rec = _dec(GenRecord.from_json, txn.get(_k(rh, gen_path), db=self._db["gens"]))
+            return None if rec is None else rec.state
 
-    def generations(self, rh: str) -> dict[str, str]:
+    def generations(self, rh: str) -> dict[str, GenState]:
         with self.env.begin() as txn:
-            return {k.split(b"\0", 1)[1].decode(): _u(v)["state"] for k, v in self._scan(txn, "gens", _k(rh, ""))}
+            return {k.split(b"\0", 1)[1].decode(): GenRecord.from_json(v).state
+                    for k, v in self._scan(txn, "gens", _k(rh, ""))}
 
     def forget_generations(self, rh: str, prefix: str) -> None:
         with self.env.begin(write=True) as txn:
@@ -299,58 +296,63 @@ class Catalog:
                 txn.delete(k, db=self._db["gens"])
 
     # -- the local tier ----------------------------------------------------------------------------
-    def obj(self, rh: str, key: str) -> dict | None:
+    def obj(self, rh: str, key: str) -> ObjRecord | None:
         with self.env.begin() as txn:
-            return _u(txn.get(_k(rh, key), db=self._db["objs"]))
+            return _dec(ObjRecord.from_json, txn.get(_k(rh, key), db=self._db["objs"]))
 
     def record_fetch(self, rh: str, key: str, size: int, crc: int) -> bool:
         """Record a whole object fetched from the remote (unless a local write of it is pending)."""
         with self.env.begin(write=True) as txn:
             if txn.get(_k(rh, key), db=self._db["pending"]) is not None:
                 return False
-            old = _u(txn.get(_k(rh, key), db=self._db["objs"]))
+            old = _dec(ObjRecord.from_json, txn.get(_k(rh, key), db=self._db["objs"]))
             if old is not None:
-                self._add_bytes(txn, -old["size"])
-            txn.put(_k(rh, key), _j({"size": size, "crc": crc, "atime": time.time(), "tree": "f"}), db=self._db["objs"])
+                self._add_bytes(txn, -old.size)
+            txn.put(_k(rh, key), ObjRecord(size, crc, time.time(), Tree.FETCHED).to_json(), db=self._db["objs"])
             txn.put(_k(rh, key), str(size).encode(), db=self._db["sizes"])
             self._add_bytes(txn, size)
             return True
 
-    def drop(self, rh: str, key: str, idx: int | None = None, tree: str | None = None) -> bool:
+    def _entry(self, rh: str, key: str, idx: int | None,
+               ) -> tuple[bytes, Any, Callable[[bytes], ObjRecord | BlockRecord]]:
+        """Catalogue key, database and decoder of a whole object (``idx`` None) or of block ``idx``."""
+        if idx is None:
+            return _k(rh, key), self._db["objs"], ObjRecord.from_json
+        return _k(rh, key, idx), self._db["blocks"], BlockRecord.from_json
+
+    def drop(self, rh: str, key: str, idx: int | None = None, tree: Tree | None = None) -> bool:
         """Forget one cached whole object (``idx`` None; only if it is in ``tree``) or block."""
+        k, db, decode = self._entry(rh, key, idx)
         with self.env.begin(write=True) as txn:
-            db = "objs" if idx is None else "blocks"
-            k = _k(rh, key) if idx is None else _k(rh, key, idx)
-            rec = _u(txn.get(k, db=self._db[db]))
-            if rec is None or (tree is not None and rec.get("tree") != tree):
+            rec = _dec(decode, txn.get(k, db=db))
+            if rec is None or (tree is not None and rec.tree != tree):
                 return False
-            txn.delete(k, db=self._db[db])
-            self._add_bytes(txn, -rec.get("size", rec.get("len", 0)))
+            txn.delete(k, db=db)
+            self._add_bytes(txn, -rec.size)
             return True
 
-    def touch(self, rh: str, key: str, idx: int | None = None, rec: dict | None = None) -> None:
-        """Refresh the access time used by LRU eviction (at most once a second per entry)."""
+    def touch(self, rh: str, key: str, idx: int | None = None, rec: ObjRecord | BlockRecord | None = None) -> None:
+        """Refresh the access time used by LRU eviction (at most once a second per entry; ``rec``: the
+        entry as the caller read it)."""
         now = time.time()
-        if rec is not None and now - rec.get("atime", 0) < 1.0:
+        if rec is not None and now - rec.atime < 1.0:
             return
-        db = "objs" if idx is None else "blocks"
-        k = _k(rh, key) if idx is None else _k(rh, key, idx)
+        k, db, decode = self._entry(rh, key, idx)
         with self.env.begin(write=True) as txn:
-            cur = _u(txn.get(k, db=self._db[db]))
-            if cur is not None:
-                cur["atime"] = now
-                txn.put(k, _j(cur), db=self._db[db])
+            raw = txn.get(k, db=db)
+            if raw is not None:
+                txn.put(k, replace(decode(raw), atime=now).to_json(), db=db)
 
-    def block(self, rh: str, key: str, idx: int) -> dict | None:
+    def block(self, rh: str, key: str, idx: int) -> BlockRecord | None:
         with self.env.begin() as txn:
-            return _u(txn.get(_k(rh, key, idx), db=self._db["blocks"]))
+            return _dec(BlockRecord.from_json, txn.get(_k(rh, key, idx), db=self._db["blocks"]))
 
     def record_block(self, rh: str, key: str, idx: int, length: int, crc: int) -> None:
         with self.env.begin(write=True) as txn:
-            old = _u(txn.get(_k(rh, key, idx), db=self._db["blocks"]))
+            old = _dec(BlockRecord.from_json, txn.get(_k(rh, key, idx), db=self._db["blocks"]))
             if old is not None:
-                self._add_bytes(txn, -old["len"])
-            txn.put(_k(rh, key, idx), _j({"len": length, "crc": crc, "atime": time.time()}), db=self._db["blocks"])
+                self._add_bytes(txn, -old.size)
+            txn.put(_k(rh, key, idx), BlockRecord(length, crc, time.time()).to_json(), db=self._db["blocks"])
             self._add_bytes(txn, length)
 
     def known_size(self, rh: str, key: str) -> int | None:
@@ -373,7 +375,7 @@ class Catalog:
         with self.env.begin() as txn:
             return int(txn.get(b"bytes", db=self._db["meta"]) or b"0")
 
-    def evict(self, budget: int) -> list[tuple[str, str, str, int | None]]:
+    def evict(self, budget: int) -> list[tuple[str, str, Tree, int | None]]:
         """Forget least recently used entries until the tier fits ``budget``; returns
         ``(rh, key, tree, block index)`` of the files to delete. Entries with a pending op stay."""
         with self.env.begin(write=True) as txn:
@@ -381,14 +383,14 @@ class Catalog:
             if total <= budget:
                 return []
             pending = {k for k, _ in txn.cursor(self._db["pending"])}
-            candidates = []
+            candidates: list[tuple[float, str, bytes, int, Tree]] = []
             for k, v in txn.cursor(self._db["objs"]):
                 if k not in pending:
-                    rec = _u(v)
-                    candidates.append((rec["atime"], "objs", k, rec["size"], rec["tree"]))
+                    obj = ObjRecord.from_json(v)
+                    candidates.append((obj.atime, "objs", k, obj.size, obj.tree))
             for k, v in txn.cursor(self._db["blocks"]):
-                rec = _u(v)
-                candidates.append((rec["atime"], "blocks", k, rec["len"], "b"))
+                block = BlockRecord.from_json(v)
+                candidates.append((block.atime, "blocks", k, block.size, Tree.BLOCK))
             candidates.sort()
             out = []
             for _, db, k, size, tree in candidates:

@@ -14,6 +14,7 @@ from ..comm import describe_error
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError
 from ..io.scheduler import get_scheduler
 from .catalog import generation_path, pid_alive
+from .records import Op, PendingOp
 from .status import Durability, StoreStatus
 
 
@@ -21,13 +22,13 @@ class DurableMixin:
     """See the module docstring; it uses the store's ``catalog``, ``rh``, ``link``, ``remote``, ``config``,
     ``uploader``, ``root_uri`` and ``uri_of``/``get``/``schedule``/``_adopt``/``_drop_tail``."""
 
-    def _relevant(self, generation: str | None) -> dict[str, dict]:
+    def _relevant(self, generation: str | None) -> dict[str, PendingOp]:
         pending = self.catalog.pending_under(self.rh)
         if generation is None:
             return pending
         name = generation.rstrip("/").rpartition("/")[2]
         return {k: r for k, r in pending.items()
-                if (generation_path(k) or "").rpartition("/")[2] == name or r.get("gen") == name}
+                if (generation_path(k) or "").rpartition("/")[2] == name or r.gen == name}
 
     async def wait_durable(self, generation: str | None = None, timeout_s: float | None = None, *,
                            through_outage: bool = True) -> None:
@@ -42,8 +43,8 @@ class DurableMixin:
             pending = self._relevant(generation)
             if not pending:
                 return
-            failed = {k: r["error"] for k, r in pending.items()
-                      if r.get("error") and not (through_outage and r.get("retrying"))}
+            failed = {k: r.error for k, r in pending.items()
+                      if r.error and not (through_outage and r.retrying)}
             if failed:
                 key, error = sorted(failed.items())[0]
                 raise StorageError(
@@ -65,8 +66,8 @@ class DurableMixin:
         """Resume every pending op of this store (left by this or a dead process), then wait for them."""
         me = os.getpid()
         for key, rec in self.catalog.pending_under(self.rh).items():
-            if rec.get("error") or rec["owner"] == me or not pid_alive(rec["owner"]):
-                self.catalog.claim(self.rh, key, rec["ver"])
+            if rec.error or rec.owner == me or not pid_alive(rec.owner):
+                self.catalog.claim(self.rh, key, rec.ver)
                 self.schedule(key)
         await self.wait_durable(None, timeout_s)
 
@@ -77,8 +78,8 @@ class DurableMixin:
         state: Durability | None = None
         remote_generation, remote_error = await self._remote_generation()
         commit = pending.get(layout.COMMIT)
-        if commit is not None and commit["op"] == "commit":
-            generation = commit.get("gen")
+        if commit is not None and commit.op == Op.COMMIT:
+            generation = commit.gen
         else:
             try:
                 generation = layout.CommitRecord.decode(await self.get(layout.COMMIT)).generation
@@ -87,15 +88,15 @@ class DurableMixin:
         if generation is not None:
             # no pending commit: this COMMIT came from the remote (uploaded, or fetched from it)
             state = Durability.LOCAL if commit is not None else Durability.REMOTE
-        elif any(r["op"] == "put" for r in pending.values()):
+        elif any(r.op == Op.PUT for r in pending.values()):
             state = Durability.STAGED
         return StoreStatus(
             uri=self.root_uri,
             generation=generation,
             state=state,
             pending_keys=tuple(sorted(pending)),
-            pending_bytes=sum(r.get("size", 0) for r in pending.values()),
-            errors=tuple(f"{k}: {r['error']}" for k, r in sorted(pending.items()) if r.get("error")),
+            pending_bytes=sum(r.size for r in pending.values()),
+            errors=tuple(f"{k}: {r.error}" for k, r in sorted(pending.items()) if r.error),
             remote_generation=remote_generation,
             remote_error=remote_error,
         )

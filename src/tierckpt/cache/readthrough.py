@@ -20,6 +20,7 @@ from ..backends.local import LocalBackend, _unlink, check_prefix, check_range, r
 from ..backends.base import validate_key
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError
 from .local_files import read_file
+from .records import ObjRecord, Op, PendingOp, Tree
 from .uploads import is_mutable
 
 logger = logging.getLogger("tierckpt.cache")
@@ -38,27 +39,27 @@ class ReadThroughMixin:
     def _not_found(self, key: str) -> CheckpointNotFoundError:
         return CheckpointNotFoundError(f"{self.uri_of(key)}: no such object (deleted through the node cache)")
 
-    async def _local_whole(self, key: str) -> tuple[LocalBackend, dict] | None:
+    async def _local_whole(self, key: str) -> tuple[LocalBackend, ObjRecord] | None:
         """The verified whole local copy of ``key``, or ``None`` (a bad copy is dropped first)."""
         for _ in range(3):
             rec = self.catalog.obj(self.rh, key)
             if rec is None:
                 return None
-            lb = self._tree(rec["tree"])
+            lb = self._tree(rec.tree)
             path = lb.path_of(key)
-            ok = await asyncio.to_thread(self.uploader.verified.check, path, rec["size"], rec.get("crc"))
+            ok = await asyncio.to_thread(self.uploader.verified.check, path, rec.size, rec.crc)
             if ok:
                 self.catalog.touch(self.rh, key, rec=rec)
                 return lb, rec
             if self.catalog.obj(self.rh, key) != rec:
                 continue  # rewritten meanwhile: look again
-            if rec["tree"] == "w" and self.catalog.pending(self.rh, key) is not None:
+            if rec.tree == Tree.WRITTEN and self.catalog.pending(self.rh, key) is not None:
                 raise CorruptCheckpointError(
                     f"the node-cache copy of {self.uri_of(key)} at {path} fails its size/CRC-32C check and has "
                     "not reached the remote yet: the local disk corrupted it; save the checkpoint again"
                 )
             logger.warning("dropping corrupt cached copy of %s at %s; fetching it again", self.uri_of(key), path)
-            if self.catalog.drop(self.rh, key, tree=rec["tree"]):
+            if self.catalog.drop(self.rh, key, tree=rec.tree):
                 await asyncio.to_thread(_unlink, path)
         return None
 
@@ -100,7 +101,7 @@ class ReadThroughMixin:
     async def get(self, key: str) -> bytes:
         validate_key(key)
         pending = self.catalog.pending(self.rh, key)
-        if pending is not None and pending["op"] == "delete":
+        if pending is not None and pending.op == Op.DELETE:
             raise self._not_found(key)
         if is_mutable(key) and pending is None:
             return await self._remote_commit_record(key)
@@ -136,7 +137,7 @@ class ReadThroughMixin:
         validate_key(key)
         check_range(self.uri_of(key), start, end)
         pending = self.catalog.pending(self.rh, key)
-        if pending is not None and pending["op"] == "delete":
+        if pending is not None and pending.op == Op.DELETE:
             raise self._not_found(key)
         data = self._memory.get(key) if not is_mutable(key) else None
         if data is None and is_mutable(key):
@@ -149,8 +150,8 @@ class ReadThroughMixin:
         local = await self._local_whole(key)
         if local is not None:
             lb, rec = local
-            if end > rec["size"]:
-                raise range_past_end(self.uri_of(key), start, end, rec["size"])
+            if end > rec.size:
+                raise range_past_end(self.uri_of(key), start, end, rec.size)
             try:
                 await lb.read_into(key, start, out)
                 return
@@ -180,7 +181,7 @@ class ReadThroughMixin:
         rec = self.catalog.block(self.rh, key, idx)
         if rec is not None:
             data = await asyncio.to_thread(read_file, self._blocks.path_of(bkey))
-            if data is not None and len(data) == rec["len"] == length and crc32c.crc32c(data) == rec["crc"]:
+            if data is not None and len(data) == rec.size == length and crc32c.crc32c(data) == rec.crc:
                 self.catalog.touch(self.rh, key, idx, rec=rec)
                 return data
             logger.warning("dropping bad cached block %d of %s; fetching it again", idx, self.uri_of(key))
@@ -209,7 +210,7 @@ class ReadThroughMixin:
         validate_key(key)
         pending = self.catalog.pending(self.rh, key)
         if pending is not None:
-            return pending["op"] != "delete"
+            return pending.op != Op.DELETE
         if not is_mutable(key) and (
             self.catalog.obj(self.rh, key) is not None or self.catalog.known_size(self.rh, key) is not None
         ):
@@ -224,13 +225,13 @@ class ReadThroughMixin:
     async def size(self, key: str) -> int:
         validate_key(key)
         pending = self.catalog.pending(self.rh, key)
-        if pending is not None and pending["op"] == "delete":
+        if pending is not None and pending.op == Op.DELETE:
             raise self._not_found(key)
         if is_mutable(key) and pending is None:
             return len(await self.get(key))
         rec = self.catalog.obj(self.rh, key)
-        if rec is not None and os.path.isfile(self._tree(rec["tree"]).path_of(key)):
-            return rec["size"]
+        if rec is not None and os.path.isfile(self._tree(rec.tree).path_of(key)):
+            return rec.size
         return await self._remote_size(key)
 
     async def list(self, prefix: str = "") -> list[str]:
@@ -243,11 +244,11 @@ class ReadThroughMixin:
                 raise
             logger.warning("remote unreachable (%s); listing %s from the node cache", exc, self.root_uri)
             keys = self.catalog.cached_keys(self.rh, prefix)
-        keys |= {k for k, r in pending.items() if r["op"] != "delete"}
-        keys -= {k for k, r in pending.items() if r["op"] == "delete"}
+        keys |= {k for k, r in pending.items() if r.op != Op.DELETE}
+        keys -= {k for k, r in pending.items() if r.op == Op.DELETE}
         return sorted(keys)
 
-    def _pending_with_nested(self, prefix: str) -> dict[str, dict]:
+    def _pending_with_nested(self, prefix: str) -> dict[str, PendingOp]:
         """Pending ops under ``prefix``: this root's, and those of roots nested in it (e.g. each step's
         own URI under a run's root), as keys of this root — so a listing shows what is committed in
         the node cache but not uploaded yet, wherever it was written from."""

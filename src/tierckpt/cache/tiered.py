@@ -51,6 +51,7 @@ from collections.abc import Mapping
 import asyncio
 import hashlib
 import os
+from types import MappingProxyType
 
 import crc32c
 
@@ -71,6 +72,7 @@ from .config import CacheConfig
 from .durable import DurableMixin
 from .local_files import MemoryTier
 from .readthrough import ReadThroughMixin
+from .records import CommitOrder, Op, PendingOp, Tree
 from .tail_upload import TailUpload
 from .uploader import Uploader
 from .uploads import UPLOAD_PART_BYTES, UploadsMixin
@@ -108,7 +110,7 @@ class _TieredWriter(ObjectWriter):
             self._tail.seal()
         try:
             await self._store._publish_written(
-                self._key, self._fd, self._tmp, self._size, self._crc, "put", None, self._tail
+                self._key, self._fd, self._tmp, self._size, self._crc, Op.PUT, None, self._tail
             )
         except BaseException:
             await self._store._drop_tail(self._key, self._tail)
@@ -154,36 +156,38 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
         uri_of = getattr(self.remote, "uri_of", None)
         return uri_of(key) if uri_of is not None else f"{self.root_uri.rstrip('/')}/{key}"
 
-    def _tree(self, tree: str) -> LocalBackend:
-        return self.written if tree == "w" else self.fetched
+    def _tree(self, tree: Tree) -> LocalBackend:
+        return self.written if tree == Tree.WRITTEN else self.fetched
 
     @staticmethod
     def _block_key(key: str, idx: int) -> str:
         h = hashlib.sha1(key.encode()).hexdigest()
         return f"{h[:2]}/{h}.{idx:08d}"
 
-    def _unlink_dropped(self, key: str, dropped: list[tuple[str, int | None]]) -> None:
+    def _unlink_dropped(self, key: str, dropped: list[tuple[Tree, int | None]]) -> None:
         for tree, idx in dropped:
-            path = self._blocks.path_of(self._block_key(key, idx)) if tree == "b" else self._tree(tree).path_of(key)
-            _unlink(path)
+            if tree == Tree.BLOCK:
+                _unlink(self._blocks.path_of(self._block_key(key, idx)))
+            else:
+                _unlink(self._tree(tree).path_of(key))
 
     def _evict(self) -> None:
         if self.catalog.usage() <= self.config.disk_bytes:
             return
         d = self.config.directory
         for rh, key, tree, idx in self.catalog.evict(self.config.disk_bytes):
-            if tree == "b":
+            if tree == Tree.BLOCK:
                 path = os.path.join(d, "blocks", rh, *self._block_key(key, idx).split("/"))
             else:
-                path = os.path.join(d, "objects" if tree == "w" else "fetched", rh, *key.split("/"))
+                path = os.path.join(d, "objects" if tree == Tree.WRITTEN else "fetched", rh, *key.split("/"))
             _unlink(path)
             if rh == self.rh:
                 self._memory.drop(key)
 
     # -- writes ------------------------------------------------------------------------------------
-    async def _publish_written(self, key: str, fd: int, tmp: str, size: int, crc: int, op: str,
+    async def _publish_written(self, key: str, fd: int, tmp: str, size: int, crc: int, op: Op,
                                generation: str | None, tail: TailUpload | None = None,
-                               extra: dict | None = None) -> None:
+                               order: CommitOrder | None = None) -> None:
         path = self.written.path_of(key)
 
         def publish() -> int:
@@ -197,7 +201,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
                 _fsync_dir(os.path.dirname(path))
 
             version, dropped = self.catalog.record_write(self.rh, key, size, crc, op, generation, publish=rename,
-                                                         extra=extra)
+                                                         order=order)
             self._unlink_dropped(key, dropped)
             return version
 
@@ -212,8 +216,8 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
         self._evict()
         self.schedule(key)
 
-    async def _write_whole(self, key: str, data: bytes | memoryview, op: str, generation: str | None,
-                           extra: dict | None = None) -> None:
+    async def _write_whole(self, key: str, data: bytes | memoryview, op: Op, generation: str | None,
+                           order: CommitOrder | None = None) -> None:
         path = self.written.path_of(key)
         await self._drop_tail(key, self.uploader.tails.get((self.rh, key)))  # superseded by this write
         view = memoryview(data).cast("B")
@@ -226,10 +230,10 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
         except BaseException:
             await asyncio.to_thread(_discard, fd, tmp)
             raise
-        await self._publish_written(key, fd, tmp, len(view), crc32c.crc32c(view), op, generation, extra=extra)
+        await self._publish_written(key, fd, tmp, len(view), crc32c.crc32c(view), op, generation, order=order)
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
-        await self._write_whole(validate_key(key), data, "put", None)
+        await self._write_whole(validate_key(key), data, Op.PUT, None)
 
     async def open_writer(self, key: str) -> ObjectWriter:
         path = self.written.path_of(validate_key(key))
@@ -284,17 +288,18 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
             generation: str | None = layout.CommitRecord.decode(data).generation
         except CorruptCheckpointError:
             generation = None  # not a tierckpt commit record: it waits for everything under its directory
-        if old is not None and old["op"] == "commit":
-            cas, base = old.get("cas", False), old.get("base")  # still the remote's state: inherit it
+        if old is not None and old.op == Op.COMMIT and old.order is not None:
+            cas, base = old.order.cas, old.order.base  # still the remote's state: inherit it
         else:
-            cas, base = expected is not UNCONDITIONAL, expected.hex() if isinstance(expected, bytes) else None
-        order = {"cas": cas, "base": base, "after": None if after is None else dict(after)}
-        await self._write_whole(key, data, "commit", generation, order)
+            cas, base = expected is not UNCONDITIONAL, expected if isinstance(expected, bytes) else None
+        order = CommitOrder(cas=cas, base=base, after=None if after is None else MappingProxyType(dict(after)))
+        await self._write_whole(key, data, Op.COMMIT, generation, order)
 
-    async def _check_node_view(self, key: str, expected: bytes | None | Unconditional, pending: dict | None) -> None:
+    async def _check_node_view(self, key: str, expected: bytes | None | Unconditional,
+                               pending: PendingOp | None) -> None:
         if expected is UNCONDITIONAL:
             return
-        if pending is not None and pending["op"] == "commit":
+        if pending is not None and pending.op == Op.COMMIT:
             current: bytes | None = await self.written.get(key)
         else:
             try:
@@ -313,7 +318,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
         self._memory.drop(key)
         await self._drop_tail(key, self.uploader.tails.get((self.rh, key)))
         deferred = any(
-            r["op"] == "commit" and k != key for k, r in self.catalog.pending_under(self.rh).items()
+            r.op == Op.COMMIT and k != key for k, r in self.catalog.pending_under(self.rh).items()
         )
         dropped = self.catalog.record_delete(self.rh, key, deferred)
         await asyncio.to_thread(self._unlink_dropped, key, dropped)

@@ -16,6 +16,7 @@ import time
 from ..io.scheduler import get_scheduler
 from .catalog import Catalog
 from .local_files import VerifiedFiles
+from .records import PendingOp
 from .tail_upload import TailUpload
 
 EXIT_STALL_S = 5.0
@@ -49,8 +50,8 @@ class Uploader:
             return []  # the directory is gone (a test's temporary cache)
         catalog, me = Catalog(self.directory), os.getpid()
 
-        def mine() -> list[tuple[str, dict]]:
-            return [(rh, rec) for rh, _, rec in catalog.pending_all() if rec["owner"] == me]
+        def mine() -> list[tuple[str, PendingOp]]:
+            return [(rh, rec) for rh, _, rec in catalog.pending_all() if rec.owner == me]
 
         async def wait() -> None:
             deadline = time.monotonic() + timeout_s
@@ -60,19 +61,19 @@ class Uploader:
                 recs = mine()
                 if len(recs) != last:
                     last, since = len(recs), time.monotonic()
-                elif any(r.get("error") for _, r in recs) and time.monotonic() - since > EXIT_STALL_S:
+                elif any(r.error for _, r in recs) and time.monotonic() - since > EXIT_STALL_S:
                     return  # failing, and nothing reached the remote for a while: report instead
 
         if self.tasks:
             get_scheduler().run(wait())
         roots = catalog.roots()
-        left: dict[str, list[dict]] = {}
+        left: dict[str, list[PendingOp]] = {}
         for rh, rec in mine():
             if rh in roots:
                 left.setdefault(roots[rh], []).append(rec)
         lines = []
         for uri, recs in sorted(left.items()):
-            errors = [r["error"] for r in recs if r.get("error")]
+            errors = [r.error for r in recs if r.error]
             why = f"failed: {errors[0]}" if errors else "not finished"
             lines.append(
                 f"tierckpt: {len(recs)} upload(s) to {uri} did not finish before exit ({why}); what they hold is "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Mapping
 
 import crc32c
 
@@ -36,6 +37,7 @@ from ..errors import (
 from ..io.scheduled import set_background
 from ..io.scheduler import get_scheduler
 from .catalog import pid_alive
+from .records import Finish, GenState, Op, PendingOp
 
 logger = logging.getLogger("tierckpt.cache")
 
@@ -65,11 +67,11 @@ class UploadsMixin:
         if tkey not in self.uploader.tasks:
             self.uploader.tasks[tkey] = asyncio.get_running_loop().create_task(self._drain(key, tkey))
 
-    def _adopt(self, records: dict[str, dict]) -> None:
+    def _adopt(self, records: dict[str, PendingOp]) -> None:
         """Schedule ops whose owner is this process or dead (a crashed save)."""
         me = os.getpid()
         for key, rec in records.items():
-            if rec["owner"] == me or not pid_alive(rec["owner"]):
+            if rec.owner == me or not pid_alive(rec.owner):
                 self.schedule(key)
 
     async def _drain(self, key: str, tkey: tuple[str, str]) -> None:
@@ -83,9 +85,9 @@ class UploadsMixin:
                 rec = self.catalog.pending(self.rh, key)
                 if rec is None:
                     return
-                if rec["owner"] != os.getpid() and pid_alive(rec["owner"]):
+                if rec.owner != os.getpid() and pid_alive(rec.owner):
                     return  # another live process on this node uploads it
-                if not self.catalog.claim(self.rh, key, rec["ver"]):
+                if not self.catalog.claim(self.rh, key, rec.ver):
                     continue
                 try:
                     performed = await self._perform(key, rec)
@@ -93,11 +95,11 @@ class UploadsMixin:
                     raise
                 except Exception as exc:  # noqa: BLE001 - recorded; wait()/sync() report it
                     current = self.catalog.pending(self.rh, key)
-                    if current is None or current["ver"] != rec["ver"]:
+                    if current is None or current.ver != rec.ver:
                         continue  # superseded while it was uploading (rewritten or deleted)
                     message = describe_error(exc)
                     retrying = isinstance(exc, TransientStorageError)
-                    self.catalog.fail(self.rh, key, rec["ver"], message, retrying=retrying)
+                    self.catalog.fail(self.rh, key, rec.ver, message, retrying=retrying)
                     logger.warning("upload of %s failed%s: %s", self.uri_of(key),
                                    f" (retrying in {pause:.0f} s)" if retrying else "", message)
                     if not retrying:
@@ -107,41 +109,41 @@ class UploadsMixin:
                     continue
                 if not performed:
                     continue
-                outcome = self.catalog.finish(self.rh, key, rec["ver"])
-                if outcome == "gone" and rec["op"] != "delete" and self.catalog.obj(self.rh, key) is None:
+                outcome = self.catalog.finish(self.rh, key, rec.ver)
+                if outcome == Finish.GONE and rec.op != Op.DELETE and self.catalog.obj(self.rh, key) is None:
                     try:  # deleted while it was uploading: do not leave it behind on the remote
                         await self.link.delete(key)
                     except CheckpointError as exc:
                         logger.warning("could not remove %s after a delete: %s", self.uri_of(key), exc)
-                if outcome != "changed":
+                if outcome != Finish.CHANGED:
                     return
         finally:
             if self.uploader.tasks.get(tkey) is asyncio.current_task():
                 del self.uploader.tasks[tkey]
 
-    async def _perform(self, key: str, rec: dict) -> bool:
+    async def _perform(self, key: str, rec: PendingOp) -> bool:
         """Apply one pending op to the remote; False if it was superseded while waiting."""
-        op = rec["op"]
-        if op == "put":
+        if rec.op == Op.PUT:
             if await self._complete_tail(key, rec):
                 return True
             async with self._upload_slots():
-                await self.link.call("upload", self._upload_file, key, rec, nbytes=rec["size"])
+                await self.link.call("upload", self._upload_file, key, rec, nbytes=rec.size)
             return True
-        if op == "commit":
+        if rec.op == Op.COMMIT:
             if not await self._wait_for_generation(key, rec):
                 return False
             data = await self.written.get(key)
-            if crc32c.crc32c(data) != (self.catalog.obj(self.rh, key) or {}).get("crc"):
+            obj = self.catalog.obj(self.rh, key)
+            if obj is None or crc32c.crc32c(data) != obj.crc:
                 return False  # rewritten meanwhile
             await self.link.call("commit", self._upload_commit, key, data, rec, nbytes=len(data))
             return True
         while True:  # delete: after every commit recorded before it
             current = self.catalog.pending(self.rh, key)
-            if current is None or current["ver"] != rec["ver"]:
+            if current is None or current.ver != rec.ver:
                 return False
             commits = {k: r for k, r in self.catalog.pending_under(self.rh).items()
-                       if r["op"] == "commit" and r["ver"] < rec["ver"]}
+                       if r.op == Op.COMMIT and r.ver < rec.ver}
             if not commits:
                 break
             self._adopt(commits)
@@ -149,7 +151,7 @@ class UploadsMixin:
         await self.link.delete(key)
         return True
 
-    async def _upload_commit(self, key: str, data: bytes, rec: dict) -> None:
+    async def _upload_commit(self, key: str, data: bytes, rec: PendingOp) -> None:
         """Upload a commit as a compare-and-swap against the remote state it was built on (``base``).
 
         A refusal is accepted only when the remote holds this very record (a retried request whose
@@ -157,8 +159,8 @@ class UploadsMixin:
         commit overtook this one's record); then it is retried against that. Anything else is another
         writer's commit: the upload fails and the checkpoint stays committed on this node only."""
         expected: bytes | None | Unconditional = UNCONDITIONAL
-        if rec.get("cas"):
-            expected = None if rec.get("base") is None else bytes.fromhex(rec["base"])
+        if rec.order is not None and rec.order.cas:
+            expected = rec.order.base
         try:
             await self.remote.commit(key, data, expected=expected)
         except CheckpointBusyError:
@@ -185,9 +187,9 @@ class UploadsMixin:
 
     def _uploaded_by_this_node(self, key: str, record: bytes) -> bool:
         gen_path = self._generation_path(key, record)
-        return gen_path is not None and self.catalog.generation_state(self.rh, gen_path) == "remote"
+        return gen_path is not None and self.catalog.generation_state(self.rh, gen_path) == GenState.REMOTE
 
-    async def _complete_tail(self, key: str, rec: dict) -> bool:
+    async def _complete_tail(self, key: str, rec: PendingOp) -> bool:
         """Publish the upload that followed this very write of ``key``, if there is one and it sent
         exactly the recorded bytes; ``False``: upload the file from the local copy."""
         tkey = (self.rh, key)
@@ -195,18 +197,18 @@ class UploadsMixin:
         if tail is None or not tail.sealed:
             return False  # none, or it follows a newer write still in progress
         version = await tail.published_version()
-        if version != rec["ver"]:
-            if version is None or version < rec["ver"]:
+        if version != rec.ver:
+            if version is None or version < rec.ver:
                 await self._drop_tail(key, tail)  # its write failed or was superseded
             return False
         del self.uploader.tails[tkey]
         obj = self.catalog.obj(self.rh, key)
-        if obj is None or obj["size"] != rec["size"]:
+        if obj is None or obj.size != rec.size:
             await tail.cancel()
             return False
-        return await tail.complete(rec["size"], obj["crc"])
+        return await tail.complete(rec.size, obj.crc)
 
-    async def _upload_file(self, key: str, rec: dict) -> None:
+    async def _upload_file(self, key: str, rec: PendingOp) -> None:
         """Stream the local copy of ``key`` to the remote, checking its CRC before publishing it."""
         path = self.written.path_of(key)
         obj = self.catalog.obj(self.rh, key)
@@ -218,7 +220,7 @@ class UploadsMixin:
             ) from None
         try:
             size = os.fstat(fd).st_size
-            expected = None if obj is None or obj["size"] != size else obj.get("crc")
+            expected = None if obj is None or obj.size != size else obj.crc
             if size <= UPLOAD_PART_BYTES:
                 data = await asyncio.to_thread(os.pread, fd, size, 0)
                 if expected is not None and crc32c.crc32c(data) != expected:
@@ -247,24 +249,24 @@ class UploadsMixin:
             "Save the checkpoint again"
         )
 
-    async def _wait_for_generation(self, key: str, rec: dict) -> bool:
+    async def _wait_for_generation(self, key: str, rec: PendingOp) -> bool:
         """Wait until what a commit depends on is on the remote; ``False`` if it was superseded meanwhile.
 
         The writer stated it (``after``: keys and sizes); a record without it (an older writer) waits for
         everything pending under its directory. Objects pending in this node's catalogue go first; then
         the remote must hold each listed object with its size (ranks on other nodes upload through their
         own caches)."""
-        after: dict[str, int | None] | None = rec.get("after")
+        after = None if rec.order is None else rec.order.after
         base = key.rpartition("/")[0]
         prefix = f"{base}/" if base else ""
         while True:
             current = self.catalog.pending(self.rh, key)
-            if current is None or current["ver"] != rec["ver"]:
+            if current is None or current.ver != rec.ver:
                 return False
             pending = self.catalog.pending_under(self.rh, prefix)
             deps = {k: r for k, r in pending.items()
-                    if k != key and r["op"] != "delete" and not is_mutable(k) and (after is None or k in after)}
-            failed = sorted((k, r["error"]) for k, r in deps.items() if r.get("error") and not r.get("retrying"))
+                    if k != key and r.op != Op.DELETE and not is_mutable(k) and (after is None or k in after)}
+            failed = sorted((k, r.error) for k, r in deps.items() if r.error and not r.retrying)
             if failed:
                 raise StorageError(f"not uploaded: {self.uri_of(failed[0][0])} failed ({failed[0][1]})")
             if not deps and (after is None or await self._remote_has_all(after)):
@@ -272,7 +274,7 @@ class UploadsMixin:
             self._adopt(deps)
             await asyncio.sleep(self.config.poll_s if deps else max(self.config.poll_s, 0.5))
 
-    async def _remote_has_all(self, after: dict[str, int | None]) -> bool:
+    async def _remote_has_all(self, after: Mapping[str, int | None]) -> bool:
         """Whether the remote holds every object of ``after`` (with its size where given)."""
         for k, size in sorted(after.items()):
             if k in self._files_checked:
