@@ -92,7 +92,7 @@ def states_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
 # -- crash points -------------------------------------------------------------------------------------
 def _targets() -> dict[str, tuple[Any, str]]:
     from tierckpt import saver
-    from tierckpt.backends import fsspec_backend, local
+    from tierckpt.backends import files, fsspec_backend, local, s3
     from tierckpt.io import staging
 
     return {
@@ -104,17 +104,17 @@ def _targets() -> dict[str, tuple[Any, str]]:
         "local.close": (local._LocalWriter, "close"),
         "local.delete": (local.LocalBackend, "delete"),
         # between fsync of the temp file and the rename, in the worker thread
-        "local.publish": (local, "_publish"),
-        "local.replace": (local.os, "replace"),
+        "local.publish": (files, "publish"),
+        "local.replace": (files.os, "replace"),
         # the saver: metadata + COMMIT (rank 0), and the data stream of the rank
         "saver.commit": (saver, "_commit"),
         "saver.finish_rank": (saver, "_finish_rank"),
         "staging.put": (staging.FileStream, "put"),
         "staging.finish": (staging.FileStream, "finish"),
         # S3 / fsspec backend
-        "s3.commit": (fsspec_backend.S3Backend, "commit"),
-        "s3.upload_part": (fsspec_backend._MultipartWriter, "_upload_part"),
-        "s3.mpu_close": (fsspec_backend._MultipartWriter, "close"),
+        "s3.commit": (s3.S3Backend, "commit"),
+        "s3.upload_part": (s3._MultipartWriter, "_upload_part"),
+        "s3.mpu_close": (s3._MultipartWriter, "close"),
         "s3.delete_prefix": (fsspec_backend.FsspecBackend, "delete_prefix"),
     }
 

@@ -16,7 +16,7 @@ from conftest import free_port
 
 import tierckpt
 from tierckpt import layout
-from tierckpt.backends import LocalBackend, open_backend
+from tierckpt.backends import LocalBackend
 from tierckpt.backends.base import ObjectWriter
 from tierckpt.cache import CacheConfig, TieredBackend
 from tierckpt.cache_api import gc, open_tiered, prefetch, status, wait

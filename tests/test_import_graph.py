@@ -14,7 +14,6 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tierckpt"
 """This checkout's sources (not whichever copy of the package is installed)."""

@@ -4,7 +4,6 @@ the bytes each route reads and exchanges (DDP resume on one node, on two simulat
 from __future__ import annotations
 
 import pytest
-import torch
 
 import scenarios_routes
 from test_load_planner import check_exact, reference, save_fake

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 
-from tierckpt.backends.local import WRITEBACK_BATCH_BYTES, WRITEBACK_PAGE_BYTES, LocalBackend
+from tierckpt.backends.files import WRITEBACK_BATCH_BYTES, WRITEBACK_PAGE_BYTES
+from tierckpt.backends.local import LocalBackend
 
 
 def test_streamed_file_is_exact_and_written_back_in_page_aligned_batches(tmp_path):

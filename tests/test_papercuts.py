@@ -18,7 +18,7 @@ import torch
 import tierckpt
 from tierckpt import cli, layout
 from tierckpt.backends import LocalBackend
-from tierckpt.backends.local import write_error
+from tierckpt.backends.files import write_error
 from tierckpt.cache import CacheConfig, TieredBackend
 from tierckpt.cache.config import default_directory
 from tierckpt.errors import (

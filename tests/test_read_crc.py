@@ -14,7 +14,6 @@ import random
 
 import crc32c
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch

@@ -71,7 +71,7 @@ def _fill_leaving(mount: Path, pages: int) -> None:
 
 def _leftovers(root: Path, keep: str) -> list[str]:
     """What is under ``root`` besides COMMIT, its lock file (kept by design) and the generation ``keep``."""
-    from tierckpt.backends.local import lock_name
+    from tierckpt.backends.files import lock_name
 
     return sorted(
         str(p.relative_to(root)) for p in root.rglob("*")

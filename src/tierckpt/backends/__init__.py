@@ -5,7 +5,7 @@ URI                    Backend
 =====================  ==========================================================
 ``/path``, ``file://``  :class:`~tierckpt.backends.local.LocalBackend`
 ``memory://NAME/...``  :class:`~tierckpt.backends.memory.MemoryBackend`
-``s3://``, ``s3a://``  :class:`~tierckpt.backends.fsspec_backend.S3Backend`
+``s3://``, ``s3a://``  :class:`~tierckpt.backends.s3.S3Backend`
 ``hdfs://``            :class:`~tierckpt.backends.fsspec_backend.FsspecBackend`
 any fsspec protocol    :class:`~tierckpt.backends.fsspec_backend.FsspecBackend`
 =====================  ==========================================================
@@ -26,7 +26,8 @@ import fsspec
 
 from ..errors import CheckpointError, UnsupportedURIError
 from .base import Backend, Capabilities, ObjectWriter, validate_key
-from .fsspec_backend import FsspecBackend, S3Backend
+from .fsspec_backend import FsspecBackend
+from .s3 import S3Backend
 from .local import LocalBackend
 from .memory import MemoryBackend
 

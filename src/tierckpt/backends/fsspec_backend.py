@@ -1,4 +1,4 @@
-"""Backends over fsspec file systems: a generic adapter, and S3 through s3fs.
+"""The backend over any fsspec file system, and the translation of provider errors that S3 shares.
 
 :class:`FsspecBackend` wraps any fsspec file system (HDFS through pyarrow, GCS, Azure, ...).
 Async implementations (``fs.async_impl``) run their coroutines on fsspec's own I/O loop thread and
@@ -7,30 +7,10 @@ threads (``asyncio.to_thread``). Either way the backend can be used from any eve
 one running on a background thread. Whole-object writes go through a hidden
 ``.<name>.<uuid>.partial`` object that is renamed into place, which is atomic on HDFS and POSIX.
 
-:class:`S3Backend` handles ``s3://bucket/prefix`` (and ``s3a://``) with s3fs:
-
-* ``get_range`` is one ranged GET; a range past the end of an object raises
-  :class:`~tierckpt.errors.CorruptCheckpointError` instead of returning a short read.
-* ``open_writer`` streams a multipart upload (parts of ``part_size`` bytes, a few in flight);
-  nothing is visible until ``close`` completes the upload, and ``abort`` aborts it so no parts
-  or partial object remain. Objects of up to two parts are sent as a single PUT: a multipart upload
-  costs two requests more (start, complete), which a rank's file of a few parts would feel.
-* ``commit`` is a single conditional PUT, which S3 makes visible atomically: ``If-None-Match: *``
-  when no object may exist yet, else ``If-Match`` with the ETag of the object it read and compared
-  with ``expected``. A refused precondition (412, or 409 for a concurrent conditional write) raises
-  :class:`~tierckpt.errors.CheckpointBusyError`. Stores without conditional writes answer 501 and
-  the commit fails with a :class:`~tierckpt.errors.StorageError` naming the response.
+:class:`~tierckpt.backends.s3.S3Backend` (``s3://``) builds on it, in :mod:`tierckpt.backends.s3`.
 
 The generic adapter has no conditional write: its ``commit`` checks, then writes, so two writers
 racing on such a file system may both succeed (a documented limitation).
-
-Configuration. Endpoint, region and credentials come from the usual AWS environment variables and
-config files (botocore's defaults) unless passed as options: ``endpoint_url``, ``key``, ``secret``,
-``token``, ``region``, plus any other :class:`s3fs.S3FileSystem` keyword. The environment variable
-``TIERCKPT_S3_ENDPOINT_URL``, when set, is the default endpoint (handy for MinIO or a local moto
-server in tests); an explicit ``endpoint_url`` option wins over it. ``timeout_s`` (default 30)
-bounds botocore's connect and read timeouts, and botocore makes a single attempt per request:
-retrying is the I/O scheduler's job, so an unreachable endpoint fails fast.
 
 Errors. Provider exceptions are translated here, chained with ``from``, into
 :class:`~tierckpt.errors.CheckpointNotFoundError` (missing key or bucket),
@@ -45,9 +25,7 @@ forked child instead of reusing the parent's.
 from __future__ import annotations
 
 import asyncio
-import os
 import posixpath
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -63,30 +41,9 @@ from ..errors import (
     UnsupportedURIError,
 )
 from .base import (
-    UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Unconditional, check_expected, commit_refused, validate_key,
+    UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Unconditional, check_expected, validate_key,
 )
-from .local import check_prefix, check_range, is_temp_name, range_past_end, temp_name
-from ..retry import retry_transient
-
-ENDPOINT_ENV = "TIERCKPT_S3_ENDPOINT_URL"
-"""Environment variable naming the default S3 endpoint URL."""
-
-
-def s3_endpoint(endpoint_url: str | None) -> str | None:
-    """The S3 endpoint to use: ``endpoint_url``, else ``$TIERCKPT_S3_ENDPOINT_URL``, else ``None`` (AWS).
-
-    Checked here, because botocore's own error (``ValueError: Invalid endpoint``) names neither the
-    setting it came from nor the fix.
-    """
-    source = "storage option endpoint_url"
-    if not endpoint_url:
-        endpoint_url, source = os.environ.get(ENDPOINT_ENV) or None, ENDPOINT_ENV
-    if endpoint_url is not None and not endpoint_url.lower().startswith(("http://", "https://")):
-        raise UnsupportedURIError(
-            f"{source}={endpoint_url!r} is not an endpoint URL: it must start with http:// or https:// "
-            f"(e.g. http://{endpoint_url.split('://')[-1]})"
-        )
-    return endpoint_url
+from .files import check_prefix, check_range, is_temp_name, range_past_end, temp_name
 
 _T = TypeVar("_T")
 
@@ -159,7 +116,7 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
         current = current.__cause__ or current.__context__
 
 
-def _response_error(exc: BaseException) -> tuple[str | None, int | None]:
+def response_error(exc: BaseException) -> tuple[str | None, int | None]:
     """The (error code, HTTP status) of the first botocore ``ClientError`` in the chain."""
     for e in _chain(exc):
         response = getattr(e, "response", None)
@@ -181,7 +138,7 @@ def translate_error(
     if isinstance(exc, CheckpointError):
         return None
     cause = _one_line(exc)
-    code, status = _response_error(exc)
+    code, status = response_error(exc)
     if code == "NoSuchBucket":
         return CheckpointNotFoundError(f"{what}: bucket {bucket!r} does not exist ({cause})")
     if code in _NOT_FOUND_CODES or status == 404:
@@ -350,7 +307,7 @@ class FsspecBackend(Backend):
             what = f"read [{start}, {end}) of {uri}"
             data = await self._call(what, "cat_file", path, start=start, end=end)
         except StorageError as exc:
-            if _response_error(exc)[0] != "InvalidRange":
+            if response_error(exc)[0] != "InvalidRange":
                 raise
             raise range_past_end(uri, start, end, await self.size(key)) from exc
         if len(data) != end - start:
@@ -409,241 +366,3 @@ class FsspecBackend(Backend):
         """Check, then write: fsspec offers no conditional write (see the module docstring)."""
         await check_expected(self, key, expected, self.uri_of(key))
         await self.put(key, data)
-
-
-# -- S3 ---------------------------------------------------------------------------------------------
-class _MultipartWriter(ObjectWriter):
-    """A streamed S3 upload: one PUT up to ``2 * part_size`` bytes, else a multipart upload with parts in flight.
-
-    Part sizes start at ``part_size`` and double every 2,000 parts so an object of any size fits in
-    S3's 10,000-part limit. A failure inside ``write`` or ``close`` leaves the writer to be aborted
-    by its owner (``close`` aborts the upload itself when completing fails).
-    """
-
-    def __init__(self, backend: S3Backend, key: str) -> None:
-        self._backend = backend
-        self._uri = backend.uri_of(key)
-        self._bucket, _, self._key = backend._path(key).partition("/")
-        self._buf = bytearray()
-        self._upload_id: str | None = None
-        self._next_part = 1
-        self._parts: list[dict[str, Any]] = []
-        self._in_flight: set[asyncio.Task[None]] = set()
-
-    async def _s3(self, what: str, method: str, **kwargs: Any) -> Any:
-        """One S3 request of the upload, retried on transient errors (parts and PUTs are idempotent)."""
-
-        return await retry_transient(
-            lambda: self._backend._call(
-                f"{what} {self._uri}", "call_s3", method, Bucket=self._bucket, Key=self._key, **kwargs
-            )
-        )
-
-    def _part_size(self) -> int:
-        return self._backend.part_size * 2 ** ((self._next_part - 1) // 2000)
-
-    async def write(self, data: bytes | memoryview) -> None:
-        self._check_open()
-        self._buf += memoryview(data).cast("B")
-        if self._upload_id is None and len(self._buf) <= 2 * self._backend.part_size:
-            return  # may still go up as one PUT at close
-        while len(self._buf) >= self._part_size():
-            size = self._part_size()
-            chunk = bytes(self._buf[:size])
-            del self._buf[:size]
-            await self._send_part(chunk)
-
-    async def _send_part(self, chunk: bytes) -> None:
-        if self._upload_id is None:
-            response = await self._s3("start multipart upload of", "create_multipart_upload")
-            self._upload_id = response["UploadId"]
-        while len(self._in_flight) >= self._backend.parts_in_flight:
-            await self._wait_for_one()
-        number = self._next_part
-        self._next_part += 1
-        self._in_flight.add(asyncio.ensure_future(self._upload_part(number, chunk)))
-
-    async def _upload_part(self, number: int, chunk: bytes) -> None:
-        response = await self._s3(
-            f"upload part {number} of",
-            "upload_part",
-            PartNumber=number,
-            UploadId=self._upload_id,
-            Body=chunk,
-        )
-        self._parts.append({"PartNumber": number, "ETag": response["ETag"]})
-
-    async def _wait_for_one(self) -> None:
-        done, _ = await asyncio.wait(self._in_flight, return_when=asyncio.FIRST_COMPLETED)
-        self._in_flight -= done
-        for task in done:
-            task.result()
-
-    async def close(self) -> None:
-        self._check_open()
-        try:
-            if self._upload_id is None:
-                await self._s3("write", "put_object", Body=bytes(self._buf))
-            else:
-                if self._buf:
-                    await self._send_part(bytes(self._buf))
-                while self._in_flight:
-                    await self._wait_for_one()
-                parts = sorted(self._parts, key=lambda p: p["PartNumber"])
-                await self._s3(
-                    "complete multipart upload of",
-                    "complete_multipart_upload",
-                    UploadId=self._upload_id,
-                    MultipartUpload={"Parts": parts},
-                )
-                self._upload_id = None
-        except BaseException:
-            await self.abort()
-            raise
-        self._done = True
-        self._buf = bytearray()
-
-    async def abort(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        self._buf = bytearray()
-        for task in self._in_flight:
-            task.cancel()
-        await asyncio.gather(*self._in_flight, return_exceptions=True)
-        self._in_flight.clear()
-        if self._upload_id is not None:
-            upload_id, self._upload_id = self._upload_id, None
-            await self._s3("abort multipart upload of", "abort_multipart_upload", UploadId=upload_id)
-
-
-_S3_FILESYSTEMS: dict[tuple[int, str], Any] = {}
-_S3_FILESYSTEMS_LOCK = threading.Lock()
-
-
-def _s3_filesystem(**options: Any) -> Any:
-    """The process's :class:`s3fs.S3FileSystem` for these options, created on first use.
-
-    Its client costs 70-250 ms of CPU to set up (botocore models, endpoint resolution); every save to
-    a new URI would pay that on the critical path, and under the GIL it also slows the snapshot copy.
-    Keyed by process id too, since a forked child cannot use its parent's event loop.
-    """
-    import s3fs
-
-    cache_key = (os.getpid(), repr(sorted(options.items())))
-    with _S3_FILESYSTEMS_LOCK:
-        fs = _S3_FILESYSTEMS.get(cache_key)
-        if fs is None:
-            fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, asynchronous=False, **options)
-            fs.retries = 1  # s3fs's own retry loop; the I/O scheduler retries instead
-            _S3_FILESYSTEMS[cache_key] = fs
-    return fs
-
-
-class S3Backend(FsspecBackend):
-    """``s3://bucket/prefix`` through s3fs; see the module docstring for options and semantics."""
-
-    def __init__(
-        self,
-        root_uri: str,
-        *,
-        endpoint_url: str | None = None,
-        key: str | None = None,
-        secret: str | None = None,
-        token: str | None = None,
-        region: str | None = None,
-        timeout_s: float = 30.0,
-        part_size: int = 16 * 2**20,
-        parts_in_flight: int = 4,
-        **storage_options: Any,
-    ) -> None:
-        Backend.__init__(self, root_uri)
-        scheme, sep, rest = root_uri.partition("://")
-        self._bucket = rest.split("/", 1)[0]
-        if scheme not in ("s3", "s3a") or not sep or not self._bucket:
-            raise UnsupportedURIError(
-                f"S3 URI {root_uri!r} is not of the form s3://bucket[/prefix]"
-            )
-        if part_size < 5 * 2**20:
-            raise UnsupportedURIError(
-                f"part_size={part_size} for {root_uri}: S3 multipart parts must be at least 5 MiB"
-            )
-        self.part_size = part_size
-        self.parts_in_flight = max(1, parts_in_flight)
-        config_kwargs = {
-            "connect_timeout": timeout_s,
-            "read_timeout": timeout_s,
-            "retries": {"total_max_attempts": 1, "mode": "standard"},
-            **storage_options.pop("config_kwargs", {}),
-        }
-        client_kwargs = dict(storage_options.pop("client_kwargs", {}))
-        if region:
-            client_kwargs.setdefault("region_name", region)
-        fs = _s3_filesystem(
-            endpoint_url=s3_endpoint(endpoint_url),
-            key=key,
-            secret=secret,
-            token=token,
-            client_kwargs=client_kwargs,
-            config_kwargs=config_kwargs,
-            **storage_options,
-        )
-        self._bind(fs, rest.rstrip("/"))
-
-    async def put(self, key: str, data: bytes | memoryview) -> None:
-        view = memoryview(data).cast("B")
-        if len(view) <= self.part_size:
-            await self.commit(key, view)
-            return
-        writer = await self.open_writer(key)
-        try:
-            for offset in range(0, len(view), self.part_size):
-                await writer.write(view[offset : offset + self.part_size])
-            await writer.close()
-        except BaseException:
-            await writer.abort()
-            raise
-
-    async def open_writer(self, key: str) -> ObjectWriter:
-        return _MultipartWriter(self, key)
-
-    async def get(self, key: str) -> bytes:
-        # One GET: without max_concurrency=1 s3fs first stats the object to plan parallel parts.
-        what = f"read {self.uri_of(key)}"
-        return await self._call(what, "cat_file", self._path(key), max_concurrency=1)
-
-    async def commit(
-        self, key: str, data: bytes | memoryview, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
-        after: Mapping[str, int | None] | None = None,
-    ) -> None:
-        bucket, _, obj = self._path(key).partition("/")
-        uri = self.uri_of(key)
-        body = data if isinstance(data, bytes) else bytes(data)
-        conditions: dict[str, str] = {}
-        if expected is None:
-            conditions["IfNoneMatch"] = "*"
-        elif expected is not UNCONDITIONAL:
-            current, etag = await self._get_with_etag(bucket, obj, uri)
-            if current != expected:
-                raise commit_refused(uri, expected, current)
-            conditions["IfMatch"] = str(etag)
-        try:
-            await self._call(f"write {uri}", "call_s3", "put_object", Bucket=bucket, Key=obj, Body=body, **conditions)
-        except StorageError as exc:
-            code, status = _response_error(exc)
-            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
-                raise commit_refused(uri, expected, f"a different object ({code or status})") from exc  # type: ignore[arg-type]
-            raise
-
-    async def _get_with_etag(self, bucket: str, obj: str, uri: str) -> tuple[bytes | None, str | None]:
-        """The object's bytes and ETag from one GET (``(None, None)``: no object)."""
-
-        async def fetch() -> tuple[bytes, str]:
-            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=obj)
-            async with response["Body"] as stream:
-                return await stream.read(), response["ETag"]
-
-        try:
-            return await self._on_fs_loop(f"read {uri}", fetch)
-        except CheckpointNotFoundError:
-            return None, None

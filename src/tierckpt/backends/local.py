@@ -16,381 +16,44 @@ Every blocking call runs in a worker thread (``asyncio.to_thread``). Cancelling 
 does not stop a call already running in its thread: a ``put`` cancelled mid-flight may still
 publish its whole object (never a partial one).
 
-The helpers :func:`check_range`, :func:`range_past_end`, :func:`temp_name` and
-:func:`is_temp_name` are shared with the other backends so every backend reports the same errors.
-A failed write is reported by :func:`write_error`: what the file system refused and where (never
-"not found").
+The file operations themselves live in :mod:`tierckpt.backends.files`, shared with the node cache
+and the memory tier.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
-from collections.abc import Mapping, Sequence
-import fcntl
 import os
-import ctypes
-import ctypes.util
-from collections.abc import Callable
 import shutil
-import stat
-import uuid
-from urllib.parse import unquote, urlparse
+from collections.abc import Mapping, Sequence
 
-from ..errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    StorageError,
-    StoragePermissionError,
-    UnsupportedURIError,
-)
+from ..errors import CorruptCheckpointError
 from .base import (
     UNCONDITIONAL, Backend, Capabilities, ObjectWriter, ReadsInto, Unconditional, commit_refused, validate_key,
 )
-
-_TEMP_SUFFIX = ".partial"
-_LOCK_SUFFIX = ".lock"
-
-
-# -- helpers shared by every backend ---------------------------------------------------------------
-def check_range(uri: str, start: int, end: int) -> None:
-    """Reject negative or inverted byte ranges before any I/O."""
-    if start < 0 or end < start:
-        raise CorruptCheckpointError(
-            f"invalid byte range [{start}, {end}) for {uri}: ranges need 0 <= start <= end"
-        )
-
-
-def range_past_end(uri: str, start: int, end: int, size: int) -> CorruptCheckpointError:
-    """The error for a read that would run past the end of an object (never a short read)."""
-    return CorruptCheckpointError(
-        f"byte range [{start}, {end}) of {uri} runs past the end of the object ({size} bytes); "
-        "the checkpoint metadata and the stored data disagree"
-    )
-
-
-def temp_name(name: str) -> str:
-    """Name of the hidden temporary object a write of ``name`` goes through."""
-    return f".{name}.{uuid.uuid4().hex}{_TEMP_SUFFIX}"
-
-
-def is_temp_name(name: str) -> bool:
-    """Whether the last path part ``name`` is an in-flight (or orphaned) temporary object."""
-    return name.startswith(".") and name.endswith(_TEMP_SUFFIX)
-
-
-def lock_name(name: str) -> str:
-    """Name of the hidden lock file that serializes commits of ``name`` (kept for good: a lock held on
-    a deleted file would exclude nobody who opens the name afresh)."""
-    return f".{name}{_LOCK_SUFFIX}"
-
-
-def is_lock_name(name: str) -> bool:
-    """Whether the last path part ``name`` is a commit lock file."""
-    return name.startswith(".") and name.endswith(_LOCK_SUFFIX)
-
-
-def check_prefix(prefix: str) -> str:
-    """Validate a listing prefix: ``""`` or a key-like string, optionally ending in ``/``."""
-    if prefix:
-        validate_key(prefix.removesuffix("/"))
-    return prefix
-
-
-# -- local file helpers (run in worker threads) ----------------------------------------------------
-def _os_error(exc: OSError, what: str) -> CheckpointError:
-    """Translate an ``OSError`` raised while doing ``what`` into the tierckpt hierarchy."""
-    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
-        return CheckpointNotFoundError(f"{what}: no such object ({exc.strerror})")
-    if isinstance(exc, PermissionError):
-        return StoragePermissionError(f"{what}: permission denied ({exc.strerror})")
-    return StorageError(f"{what}: {type(exc).__name__}: {exc.strerror or exc}")
-
-
-_REFUSED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
-_WRITE_HINTS = {
-    errno.EACCES: "choose a directory you may write to, or fix its permissions",
-    errno.EPERM: "choose a directory you may write to, or fix its permissions",
-    errno.EROFS: "the file system is mounted read-only: choose a directory on a writable one",
-    errno.ENOENT: "a directory on the path cannot be created there (a virtual file system such as /proc, or a "
-    "directory removed meanwhile): choose a directory on a writable file system",
-    errno.ENOTDIR: "a part of the path is a file, not a directory: choose another path",
-    errno.EISDIR: "a directory stands where the file goes: remove it or choose another path",
-    errno.ENOSPC: "the device is full: free space or choose another directory",
-    errno.EDQUOT: "the disk quota is exhausted: free space or choose another directory",
-    errno.ENAMETOOLONG: "the path is too long for the file system: choose a shorter one",
-}
-
-
-def write_error(exc: OSError, what: str) -> CheckpointError:
-    """Translate an ``OSError`` raised while writing: what the file system refused, where, and the fix.
-
-    Never "not found": a write that fails with ``ENOENT`` or ``ENOTDIR`` names a directory that cannot
-    be created, not a missing object. Refusals (permissions, read-only mounts) are
-    :class:`StoragePermissionError`, the rest :class:`StorageError`.
-    """
-    reason = exc.strerror or str(exc)
-    if exc.filename is not None:
-        reason += f": {exc.filename}"
-    hint = _WRITE_HINTS.get(exc.errno)
-    cls = StoragePermissionError if exc.errno in _REFUSED else StorageError
-    return cls(f"{what}: {reason}" + (f"; {hint}" if hint else ""))
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """libc's ``sync_file_range`` (Linux), or ``None`` where there is none."""
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _load_sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing ``nbytes`` at ``offset`` of ``fd`` to the device, without waiting.
-
-    A streamed file is then written out while the next chunks are still being produced, and the
-    ``fsync`` that makes it durable only waits for the tail — instead of the whole file, which the
-    kernel would otherwise keep dirty in memory until the ``fsync``. A no-op where unsupported.
-    """
-    if _SYNC_FILE_RANGE is not None and nbytes > 0:
-        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advisory: an error only loses the overlap
-
-
-WRITEBACK_BATCH_BYTES = 8 << 20
-"""A streamed file's writeback is started each time this many more bytes have been written."""
-WRITEBACK_PAGE_BYTES = 4096
-"""Writeback starts at page boundaries, so a page still being filled is not written early."""
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _open_temp(path: str) -> tuple[int, str]:
-    directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, temp_name(name))
-    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
-
-
-def _publish(fd: int, tmp: str, path: str) -> None:
-    """fsync and close ``fd``, rename ``tmp`` over ``path``, fsync the directory."""
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-
-
-READ_THROUGH_GAP_BYTES = 128 << 10
-"""Runs separated by at most this many bytes are read ahead as one span (the default Linux
-read-ahead window): reading through such a gap costs a device about what skipping it costs."""
-
-
-def read_ahead_spans(offsets: Sequence[int], run_bytes: int, max_gap: int = READ_THROUGH_GAP_BYTES) -> list[tuple[int, int]]:
-    """``(start, length)`` of each cluster of two or more ascending runs whose gaps are at most ``max_gap``.
-
-    Strided runs (a column window of a row-major shard) are announced to the kernel span by span,
-    so it reads them in large requests instead of one small synchronous read per run; lone runs
-    are left to the ``pread`` itself.
-    """
-    spans: list[tuple[int, int]] = []
-    start = previous = None
-    count = 0
-    for offset in offsets:
-        if previous is not None and offset >= previous + run_bytes and offset - previous - run_bytes <= max_gap:
-            count += 1
-        else:
-            if count > 1:
-                spans.append((start, previous + run_bytes - start))
-            start, count = offset, 1
-        previous = offset
-    if count > 1:
-        spans.append((start, previous + run_bytes - start))
-    return spans
-
-
-def _not_regular(path: str, mode: int) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"{path} is not a regular file (mode {stat.filemode(mode)}); a checkpoint holds only regular files, "
-        "so this one was tampered with"
-    )
-
-
-def _open_regular(path: str) -> int:
-    """Open ``path`` for reading, refusing anything but a regular file (a FIFO would block forever)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    try:
-        mode = os.fstat(fd).st_mode
-    except BaseException:
-        os.close(fd)
-        raise
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise _not_regular(path, mode)
-    return fd
-
-
-def _pread_runs(path: str, offsets: list[int], run_bytes: int, out: memoryview) -> None:
-    fd = _open_regular(path)
-    try:
-        if hasattr(os, "posix_fadvise"):  # Linux and most Unixes; elsewhere each pread reads alone
-            for start, length in read_ahead_spans(offsets, run_bytes):
-                os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
-        for i, offset in enumerate(offsets):
-            view = out[i * run_bytes : (i + 1) * run_bytes]
-            got = os.preadv(fd, [view], offset)
-            if got != run_bytes:
-                raise CorruptCheckpointError(
-                    f"{path} ends before byte {offset + run_bytes} (read {got} of {run_bytes} bytes at {offset})"
-                )
-    finally:
-        os.close(fd)
-
-
-def _unlink(path: str) -> None:
-    """Remove a file; a missing one is fine."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _discard(fd: int, tmp: str) -> None:
-    try:
-        os.close(fd)
-    finally:
-        _unlink(tmp)
-
-
-def _write_atomic(path: str, data: bytes | memoryview) -> None:
-    fd, tmp = _open_temp(path)
-    try:
-        _write_all(fd, data)
-    except BaseException:
-        _discard(fd, tmp)
-        raise
-    try:
-        _publish(fd, tmp, path)
-    except BaseException:
-        _unlink(tmp)
-        raise
-
-
-def _read_into(path: str, start: int, out: memoryview) -> None:
-    fd = _open_regular(path)
-    try:
-        end = start + len(out)
-        size = os.fstat(fd).st_size
-        if end > size:
-            raise range_past_end(path, start, end, size)
-        done = 0
-        while done < len(out):
-            n = os.preadv(fd, [out[done:]], start + done)
-            if n == 0:  # the file shrank under us
-                raise range_past_end(path, start, end, start + done)
-            done += n
-    finally:
-        os.close(fd)
-
-
-def _read_whole(path: str) -> bytes:
-    with open(_open_regular(path), "rb") as f:
-        return f.read()
-
-
-def _read_range(path: str, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)``, allocated only once the file is known to hold them."""
-    fd = _open_regular(path)
-    try:
-        size = os.fstat(fd).st_size
-    finally:
-        os.close(fd)
-    if end > size:
-        raise range_past_end(path, start, end, size)
-    buf = bytearray(end - start)
-    _read_into(path, start, memoryview(buf))
-    return bytes(buf)
-
-
-def _read_if_exists(path: str) -> bytes | None:
-    try:
-        return _read_whole(path)
-    except FileNotFoundError:
-        return None
-
-
-def _commit_if(path: str, data: bytes, expected: bytes | None | Unconditional) -> tuple[bool, bytes | None]:
-    """Publish ``data`` at ``path`` if it holds ``expected``, under the commit lock; ``(done, found)``."""
-    directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
-    fd = os.open(os.path.join(directory, lock_name(name)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if expected is not UNCONDITIONAL:
-            current = _read_if_exists(path)
-            if current != expected:
-                return False, current
-        _write_atomic(path, data)
-        return True, None
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _list_files(root: str, prefix: str) -> list[str]:
-    base = os.path.join(root, *prefix.split("/")[:-1])
-    keys = []
-    for directory, dirs, files in os.walk(base):
-        dirs.sort()
-        rel_dir = os.path.relpath(directory, root).replace(os.sep, "/")
-        for name in files:
-            if is_temp_name(name) or is_lock_name(name):
-                continue
-            key = name if rel_dir == "." else f"{rel_dir}/{name}"
-            if key.startswith(prefix):
-                keys.append(key)
-    return sorted(keys)
-
-
-def _size(path: str) -> int:
-    st = os.stat(path)
-    if stat.S_ISDIR(st.st_mode):
-        raise IsADirectoryError(21, "a directory", path)
-    if not stat.S_ISREG(st.st_mode):
-        raise _not_regular(path, st.st_mode)
-    return st.st_size
-
-
-def local_root(root_uri: str) -> str:
-    """The absolute directory a plain path or ``file://`` URI names."""
-    if root_uri.startswith("file:"):
-        parsed = urlparse(root_uri)
-        if parsed.netloc not in ("", "localhost"):
-            raise UnsupportedURIError(
-                f"file URI {root_uri!r} names host {parsed.netloc!r}; only local files are "
-                "supported: use file:///absolute/path"
-            )
-        return os.path.abspath(unquote(parsed.path))
-    return os.path.abspath(os.path.expanduser(root_uri))
+from .files import (
+    WRITEBACK_BATCH_BYTES,
+    WRITEBACK_PAGE_BYTES,
+    commit_if,
+    discard,
+    list_files,
+    open_temp,
+    os_error,
+    pread_runs,
+    publish,
+    pread_into,
+    pread_range,
+    read_whole,
+    file_size,
+    unlink,
+    write_all,
+    write_atomic,
+    check_prefix,
+    check_range,
+    local_root,
+    start_writeback,
+    write_error,
+)
 
 
 class _LocalWriter(ObjectWriter):
@@ -415,7 +78,7 @@ class _LocalWriter(ObjectWriter):
         """Append ``data``; every ``WRITEBACK_BATCH_BYTES`` start writing the whole pages written so far
         to the device, so ``close`` (fsync) waits only for the tail. Whole pages only, and in batches:
         a page that the next write dirties again would be written twice."""
-        _write_all(self._fd, data)
+        write_all(self._fd, data)
         self._offset += memoryview(data).nbytes
         if self._offset - self._flushed >= WRITEBACK_BATCH_BYTES:
             end = self._offset - self._offset % WRITEBACK_PAGE_BYTES
@@ -426,16 +89,16 @@ class _LocalWriter(ObjectWriter):
         self._check_open()
         self._done = True
         try:
-            await asyncio.to_thread(_publish, self._fd, self._tmp, self._path)
+            await asyncio.to_thread(publish, self._fd, self._tmp, self._path)
         except OSError as exc:
-            await asyncio.to_thread(_unlink, self._tmp)
+            await asyncio.to_thread(unlink, self._tmp)
             raise write_error(exc, f"publishing {self._path}") from exc
 
     async def abort(self) -> None:
         if self._done:
             return
         self._done = True
-        await asyncio.to_thread(_discard, self._fd, self._tmp)
+        await asyncio.to_thread(discard, self._fd, self._tmp)
 
 
 class LocalBackend(ReadsInto, Backend):
@@ -466,14 +129,14 @@ class LocalBackend(ReadsInto, Backend):
     async def put(self, key: str, data: bytes | memoryview) -> None:
         path = self.path_of(key)
         try:
-            await asyncio.to_thread(_write_atomic, path, data)
+            await asyncio.to_thread(write_atomic, path, data)
         except OSError as exc:
             raise write_error(exc, f"writing {path}") from exc
 
     async def open_writer(self, key: str) -> ObjectWriter:
         path = self.path_of(key)
         try:
-            fd, tmp = await asyncio.to_thread(_open_temp, path)
+            fd, tmp = await asyncio.to_thread(open_temp, path)
         except OSError as exc:
             raise write_error(exc, f"opening {path} for writing") from exc
         return _LocalWriter(self, key, fd, tmp)
@@ -481,25 +144,25 @@ class LocalBackend(ReadsInto, Backend):
     async def get(self, key: str) -> bytes:
         path = self.path_of(key)
         try:
-            return await asyncio.to_thread(_read_whole, path)
+            return await asyncio.to_thread(read_whole, path)
         except OSError as exc:
-            raise _os_error(exc, f"reading {path}") from exc
+            raise os_error(exc, f"reading {path}") from exc
 
     async def get_range(self, key: str, start: int, end: int) -> bytes:
         path = self.path_of(key)
         check_range(path, start, end)
         try:
-            return await asyncio.to_thread(_read_range, path, start, end)
+            return await asyncio.to_thread(pread_range, path, start, end)
         except OSError as exc:
-            raise _os_error(exc, f"reading [{start}, {end}) of {path}") from exc
+            raise os_error(exc, f"reading [{start}, {end}) of {path}") from exc
 
     async def _read_range(self, key: str, start: int, end: int, out: memoryview) -> None:
         path = self.path_of(key)
         check_range(path, start, end)
         try:
-            await asyncio.to_thread(_read_into, path, start, out)
+            await asyncio.to_thread(pread_into, path, start, out)
         except OSError as exc:
-            raise _os_error(exc, f"reading [{start}, {end}) of {path}") from exc
+            raise os_error(exc, f"reading [{start}, {end}) of {path}") from exc
 
     async def exists(self, key: str) -> bool:
         return await asyncio.to_thread(os.path.isfile, self.path_of(key))
@@ -507,30 +170,30 @@ class LocalBackend(ReadsInto, Backend):
     async def size(self, key: str) -> int:
         path = self.path_of(key)
         try:
-            return await asyncio.to_thread(_size, path)
+            return await asyncio.to_thread(file_size, path)
         except OSError as exc:
-            raise _os_error(exc, f"size of {path}") from exc
+            raise os_error(exc, f"size of {path}") from exc
 
     async def list(self, prefix: str = "") -> list[str]:
         try:
-            return await asyncio.to_thread(_list_files, self.root, check_prefix(prefix))
+            return await asyncio.to_thread(list_files, self.root, check_prefix(prefix))
         except OSError as exc:
-            raise _os_error(exc, f"listing {self.root} with prefix {prefix!r}") from exc
+            raise os_error(exc, f"listing {self.root} with prefix {prefix!r}") from exc
 
     async def delete(self, key: str) -> None:
         path = self.path_of(key)
         try:
-            await asyncio.to_thread(_unlink, path)
+            await asyncio.to_thread(unlink, path)
         except OSError as exc:
-            raise _os_error(exc, f"deleting {path}") from exc
+            raise os_error(exc, f"deleting {path}") from exc
 
     async def read_runs(self, key: str, offsets: Sequence[int], run_bytes: int, out: memoryview) -> None:
         """Positional reads of every run in one worker thread: thousands of short runs cost microseconds each."""
         path = self.path_of(key)
         try:
-            await asyncio.to_thread(_pread_runs, path, list(offsets), run_bytes, out)
+            await asyncio.to_thread(pread_runs, path, list(offsets), run_bytes, out)
         except OSError as exc:
-            raise _os_error(exc, f"reading {len(offsets)} runs of {path}") from exc
+            raise os_error(exc, f"reading {len(offsets)} runs of {path}") from exc
 
     async def delete_prefix(self, prefix: str) -> None:
         """Delete everything under ``prefix``; a prefix naming a directory removes the directory too."""
@@ -545,8 +208,8 @@ class LocalBackend(ReadsInto, Backend):
     ) -> None:
         path = self.path_of(key)
         try:
-            done, found = await asyncio.to_thread(_commit_if, path, bytes(data), expected)
+            done, found = await asyncio.to_thread(commit_if, path, bytes(data), expected)
         except OSError as exc:
-            raise _os_error(exc, f"committing {path}") from exc
+            raise os_error(exc, f"committing {path}") from exc
         if not done:
             raise commit_refused(path, expected, found)  # type: ignore[arg-type]

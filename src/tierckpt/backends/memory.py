@@ -22,7 +22,7 @@ from ..errors import (
     UnsupportedURIError,
 )
 from .base import UNCONDITIONAL, Backend, ObjectWriter, Unconditional, commit_refused, validate_key
-from .local import check_prefix, check_range, range_past_end
+from .files import check_prefix, check_range, range_past_end
 
 _SCHEME = "memory://"
 

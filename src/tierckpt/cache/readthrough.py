@@ -16,7 +16,8 @@ import os
 
 import crc32c
 
-from ..backends.local import LocalBackend, _unlink, check_prefix, check_range, range_past_end
+from ..backends.files import check_prefix, check_range, range_past_end, unlink
+from ..backends.local import LocalBackend
 from ..backends.base import validate_key
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError
 from .local_files import read_file
@@ -60,7 +61,7 @@ class ReadThroughMixin:
                 )
             logger.warning("dropping corrupt cached copy of %s at %s; fetching it again", self.uri_of(key), path)
             if self.catalog.drop(self.rh, key, tree=rec.tree):
-                await asyncio.to_thread(_unlink, path)
+                await asyncio.to_thread(unlink, path)
         return None
 
     async def _store_fetched(self, key: str, data: bytes) -> None:
@@ -186,7 +187,7 @@ class ReadThroughMixin:
                 return data
             logger.warning("dropping bad cached block %d of %s; fetching it again", idx, self.uri_of(key))
             self.catalog.drop(self.rh, key, idx)
-            await asyncio.to_thread(_unlink, self._blocks.path_of(bkey))
+            await asyncio.to_thread(unlink, self._blocks.path_of(bkey))
         data = await self.link.get_range(key, idx * b, idx * b + length)
         await self._store_block(key, idx, data)
         self._evict()

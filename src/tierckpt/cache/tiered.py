@@ -59,9 +59,8 @@ from .. import layout
 from ..backends.base import (
     UNCONDITIONAL, Backend, ObjectWriter, ReadsInto, Unconditional, commit_refused, validate_key,
 )
-from ..backends.local import (
-    LocalBackend, _discard, _fsync_dir, _open_temp, _unlink, _write_all,
-)
+from ..backends.files import discard, fsync_dir, open_temp, unlink, write_all
+from ..backends.local import LocalBackend
 from ..errors import (
     CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError,
 )
@@ -97,7 +96,7 @@ class _TieredWriter(ObjectWriter):
         self._crc = crc32c.crc32c(view, self._crc)
         self._size += len(view)
         try:
-            await asyncio.to_thread(_write_all, self._fd, view)
+            await asyncio.to_thread(write_all, self._fd, view)
         except OSError as exc:
             raise StorageError(f"writing the cached copy of {self._uri}: {exc}") from exc
         if self._tail is not None:
@@ -121,7 +120,7 @@ class _TieredWriter(ObjectWriter):
             return
         self._done = True
         await self._store._drop_tail(self._key, self._tail)
-        await asyncio.to_thread(_discard, self._fd, self._tmp)
+        await asyncio.to_thread(discard, self._fd, self._tmp)
 
 
 class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Backend):
@@ -167,9 +166,9 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
     def _unlink_dropped(self, key: str, dropped: list[tuple[Tree, int | None]]) -> None:
         for tree, idx in dropped:
             if tree == Tree.BLOCK:
-                _unlink(self._blocks.path_of(self._block_key(key, idx)))
+                unlink(self._blocks.path_of(self._block_key(key, idx)))
             else:
-                _unlink(self._tree(tree).path_of(key))
+                unlink(self._tree(tree).path_of(key))
 
     def _evict(self) -> None:
         if self.catalog.usage() <= self.config.disk_bytes:
@@ -180,7 +179,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
                 path = os.path.join(d, "blocks", rh, *self._block_key(key, idx).split("/"))
             else:
                 path = os.path.join(d, "objects" if tree == Tree.WRITTEN else "fetched", rh, *key.split("/"))
-            _unlink(path)
+            unlink(path)
             if rh == self.rh:
                 self._memory.drop(key)
 
@@ -198,7 +197,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
 
             def rename() -> None:
                 os.replace(tmp, path)
-                _fsync_dir(os.path.dirname(path))
+                fsync_dir(os.path.dirname(path))
 
             version, dropped = self.catalog.record_write(self.rh, key, size, crc, op, generation, publish=rename,
                                                          order=order)
@@ -208,7 +207,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
         try:
             version = await asyncio.to_thread(publish)
         except OSError as exc:
-            await asyncio.to_thread(_unlink, tmp)
+            await asyncio.to_thread(unlink, tmp)
             raise StorageError(f"publishing the cached copy of {self.uri_of(key)} at {path}: {exc}") from exc
         if tail is not None:
             tail.mark_published(version)
@@ -222,13 +221,13 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
         await self._drop_tail(key, self.uploader.tails.get((self.rh, key)))  # superseded by this write
         view = memoryview(data).cast("B")
         try:
-            fd, tmp = await asyncio.to_thread(_open_temp, path)
+            fd, tmp = await asyncio.to_thread(open_temp, path)
         except OSError as exc:
             raise StorageError(f"opening the cached copy of {self.uri_of(key)} at {path}: {exc}") from exc
         try:
-            await asyncio.to_thread(_write_all, fd, view)
+            await asyncio.to_thread(write_all, fd, view)
         except BaseException:
-            await asyncio.to_thread(_discard, fd, tmp)
+            await asyncio.to_thread(discard, fd, tmp)
             raise
         await self._publish_written(key, fd, tmp, len(view), crc32c.crc32c(view), op, generation, order=order)
 
@@ -238,7 +237,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
     async def open_writer(self, key: str) -> ObjectWriter:
         path = self.written.path_of(validate_key(key))
         try:
-            fd, tmp = await asyncio.to_thread(_open_temp, path)
+            fd, tmp = await asyncio.to_thread(open_temp, path)
         except OSError as exc:
             raise StorageError(f"opening the cached copy of {self.uri_of(key)} at {path}: {exc}") from exc
         tail = None

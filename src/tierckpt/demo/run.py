@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 import tierckpt
-from tierckpt.backends.local import write_error
+from tierckpt.backends.files import write_error
 from tierckpt.demo.model import TinyTransformer, batch
 from tierckpt.monitor import format_bytes
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import collections
 import concurrent.futures
 import os
 import threading

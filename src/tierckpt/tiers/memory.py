@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import crc32c
 
 from ..backends.base import UNCONDITIONAL, ObjectWriter, Unconditional
-from ..backends.local import LocalBackend, is_lock_name, is_temp_name, temp_name
+from ..backends.files import is_lock_name, is_temp_name, temp_name
+from ..backends.local import LocalBackend
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..layout import COMMIT, CommitRecord, is_superseded
 from ..metadata import validate_generation

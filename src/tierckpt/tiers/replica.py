@@ -251,7 +251,7 @@ class Replicator:
     # -- the receiving side ------------------------------------------------------------------------------
     def _receive_loop(self, jobs: queue.Queue[_Job | None]) -> None:
         bufs = _buffers(self._chunk)
-        while (job := jobs.get()) is not None:
+        while jobs.get() is not None:  # one job per generation to receive
             for source in self.plan.sources(self.node):
                 src = self._leader(source)
                 if src in self._broken:

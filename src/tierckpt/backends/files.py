@@ -1,0 +1,374 @@
+"""The file operations under the local backend: names of hidden files, atomic publication, positional
+reads, write-back hints and the errors a file system's refusals become.
+
+Plain functions of paths and descriptors, run in worker threads by their callers. Shared by the
+local backend, the node cache's files and the memory tier, so every one of them writes, reads and
+reports errors the same way: a failed write is reported by :func:`write_error` (what the file
+system refused and where, never "not found"); :func:`check_range`, :func:`range_past_end`,
+:func:`temp_name` and :func:`is_temp_name` are shared with every backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import os
+import stat
+import uuid
+from collections.abc import Callable, Sequence
+from urllib.parse import unquote, urlparse
+
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StorageError,
+    StoragePermissionError,
+    UnsupportedURIError,
+)
+from .base import UNCONDITIONAL, Unconditional, validate_key
+
+_TEMP_SUFFIX = ".partial"
+_LOCK_SUFFIX = ".lock"
+
+
+# -- helpers shared by every backend ---------------------------------------------------------------
+def check_range(uri: str, start: int, end: int) -> None:
+    """Reject negative or inverted byte ranges before any I/O."""
+    if start < 0 or end < start:
+        raise CorruptCheckpointError(
+            f"invalid byte range [{start}, {end}) for {uri}: ranges need 0 <= start <= end"
+        )
+
+
+def range_past_end(uri: str, start: int, end: int, size: int) -> CorruptCheckpointError:
+    """The error for a read that would run past the end of an object (never a short read)."""
+    return CorruptCheckpointError(
+        f"byte range [{start}, {end}) of {uri} runs past the end of the object ({size} bytes); "
+        "the checkpoint metadata and the stored data disagree"
+    )
+
+
+def temp_name(name: str) -> str:
+    """Name of the hidden temporary object a write of ``name`` goes through."""
+    return f".{name}.{uuid.uuid4().hex}{_TEMP_SUFFIX}"
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether the last path part ``name`` is an in-flight (or orphaned) temporary object."""
+    return name.startswith(".") and name.endswith(_TEMP_SUFFIX)
+
+
+def lock_name(name: str) -> str:
+    """Name of the hidden lock file that serializes commits of ``name`` (kept for good: a lock held on
+    a deleted file would exclude nobody who opens the name afresh)."""
+    return f".{name}{_LOCK_SUFFIX}"
+
+
+def is_lock_name(name: str) -> bool:
+    """Whether the last path part ``name`` is a commit lock file."""
+    return name.startswith(".") and name.endswith(_LOCK_SUFFIX)
+
+
+def check_prefix(prefix: str) -> str:
+    """Validate a listing prefix: ``""`` or a key-like string, optionally ending in ``/``."""
+    if prefix:
+        validate_key(prefix.removesuffix("/"))
+    return prefix
+
+
+# -- local file helpers (run in worker threads) ----------------------------------------------------
+def os_error(exc: OSError, what: str) -> CheckpointError:
+    """Translate an ``OSError`` raised while doing ``what`` into the tierckpt hierarchy."""
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        return CheckpointNotFoundError(f"{what}: no such object ({exc.strerror})")
+    if isinstance(exc, PermissionError):
+        return StoragePermissionError(f"{what}: permission denied ({exc.strerror})")
+    return StorageError(f"{what}: {type(exc).__name__}: {exc.strerror or exc}")
+
+
+_REFUSED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+_WRITE_HINTS = {
+    errno.EACCES: "choose a directory you may write to, or fix its permissions",
+    errno.EPERM: "choose a directory you may write to, or fix its permissions",
+    errno.EROFS: "the file system is mounted read-only: choose a directory on a writable one",
+    errno.ENOENT: "a directory on the path cannot be created there (a virtual file system such as /proc, or a "
+    "directory removed meanwhile): choose a directory on a writable file system",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: choose another path",
+    errno.EISDIR: "a directory stands where the file goes: remove it or choose another path",
+    errno.ENOSPC: "the device is full: free space or choose another directory",
+    errno.EDQUOT: "the disk quota is exhausted: free space or choose another directory",
+    errno.ENAMETOOLONG: "the path is too long for the file system: choose a shorter one",
+}
+
+
+def write_error(exc: OSError, what: str) -> CheckpointError:
+    """Translate an ``OSError`` raised while writing: what the file system refused, where, and the fix.
+
+    Never "not found": a write that fails with ``ENOENT`` or ``ENOTDIR`` names a directory that cannot
+    be created, not a missing object. Refusals (permissions, read-only mounts) are
+    :class:`StoragePermissionError`, the rest :class:`StorageError`.
+    """
+    reason = exc.strerror or str(exc)
+    if exc.filename is not None:
+        reason += f": {exc.filename}"
+    hint = _WRITE_HINTS.get(exc.errno)
+    cls = StoragePermissionError if exc.errno in _REFUSED else StorageError
+    return cls(f"{what}: {reason}" + (f"; {hint}" if hint else ""))
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` (Linux), or ``None`` where there is none."""
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``nbytes`` at ``offset`` of ``fd`` to the device, without waiting.
+
+    A streamed file is then written out while the next chunks are still being produced, and the
+    ``fsync`` that makes it durable only waits for the tail — instead of the whole file, which the
+    kernel would otherwise keep dirty in memory until the ``fsync``. A no-op where unsupported.
+    """
+    if _SYNC_FILE_RANGE is not None and nbytes > 0:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advisory: an error only loses the overlap
+
+
+WRITEBACK_BATCH_BYTES = 8 << 20
+"""A streamed file's writeback is started each time this many more bytes have been written."""
+WRITEBACK_PAGE_BYTES = 4096
+"""Writeback starts at page boundaries, so a page still being filled is not written early."""
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_temp(path: str) -> tuple[int, str]:
+    directory, name = os.path.split(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, temp_name(name))
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
+
+
+def publish(fd: int, tmp: str, path: str) -> None:
+    """fsync and close ``fd``, rename ``tmp`` over ``path``, fsync the directory."""
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))
+
+
+READ_THROUGH_GAP_BYTES = 128 << 10
+"""Runs separated by at most this many bytes are read ahead as one span (the default Linux
+read-ahead window): reading through such a gap costs a device about what skipping it costs."""
+
+
+def read_ahead_spans(offsets: Sequence[int], run_bytes: int, max_gap: int = READ_THROUGH_GAP_BYTES) -> list[tuple[int, int]]:
+    """``(start, length)`` of each cluster of two or more ascending runs whose gaps are at most ``max_gap``.
+
+    Strided runs (a column window of a row-major shard) are announced to the kernel span by span,
+    so it reads them in large requests instead of one small synchronous read per run; lone runs
+    are left to the ``pread`` itself.
+    """
+    spans: list[tuple[int, int]] = []
+    start = previous = None
+    count = 0
+    for offset in offsets:
+        if previous is not None and offset >= previous + run_bytes and offset - previous - run_bytes <= max_gap:
+            count += 1
+        else:
+            if count > 1:
+                spans.append((start, previous + run_bytes - start))
+            start, count = offset, 1
+        previous = offset
+    if count > 1:
+        spans.append((start, previous + run_bytes - start))
+    return spans
+
+
+def _not_regular(path: str, mode: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{path} is not a regular file (mode {stat.filemode(mode)}); a checkpoint holds only regular files, "
+        "so this one was tampered with"
+    )
+
+
+def _open_regular(path: str) -> int:
+    """Open ``path`` for reading, refusing anything but a regular file (a FIFO would block forever)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _not_regular(path, mode)
+    return fd
+
+
+def pread_runs(path: str, offsets: list[int], run_bytes: int, out: memoryview) -> None:
+    fd = _open_regular(path)
+    try:
+        if hasattr(os, "posix_fadvise"):  # Linux and most Unixes; elsewhere each pread reads alone
+            for start, length in read_ahead_spans(offsets, run_bytes):
+                os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
+        for i, offset in enumerate(offsets):
+            view = out[i * run_bytes : (i + 1) * run_bytes]
+            got = os.preadv(fd, [view], offset)
+            if got != run_bytes:
+                raise CorruptCheckpointError(
+                    f"{path} ends before byte {offset + run_bytes} (read {got} of {run_bytes} bytes at {offset})"
+                )
+    finally:
+        os.close(fd)
+
+
+def unlink(path: str) -> None:
+    """Remove a file; a missing one is fine."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def discard(fd: int, tmp: str) -> None:
+    try:
+        os.close(fd)
+    finally:
+        unlink(tmp)
+
+
+def write_atomic(path: str, data: bytes | memoryview) -> None:
+    fd, tmp = open_temp(path)
+    try:
+        write_all(fd, data)
+    except BaseException:
+        discard(fd, tmp)
+        raise
+    try:
+        publish(fd, tmp, path)
+    except BaseException:
+        unlink(tmp)
+        raise
+
+
+def pread_into(path: str, start: int, out: memoryview) -> None:
+    fd = _open_regular(path)
+    try:
+        end = start + len(out)
+        size = os.fstat(fd).st_size
+        if end > size:
+            raise range_past_end(path, start, end, size)
+        done = 0
+        while done < len(out):
+            n = os.preadv(fd, [out[done:]], start + done)
+            if n == 0:  # the file shrank under us
+                raise range_past_end(path, start, end, start + done)
+            done += n
+    finally:
+        os.close(fd)
+
+
+def read_whole(path: str) -> bytes:
+    with open(_open_regular(path), "rb") as f:
+        return f.read()
+
+
+def pread_range(path: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)``, allocated only once the file is known to hold them."""
+    fd = _open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if end > size:
+        raise range_past_end(path, start, end, size)
+    buf = bytearray(end - start)
+    pread_into(path, start, memoryview(buf))
+    return bytes(buf)
+
+
+def _read_if_exists(path: str) -> bytes | None:
+    try:
+        return read_whole(path)
+    except FileNotFoundError:
+        return None
+
+
+def commit_if(path: str, data: bytes, expected: bytes | None | Unconditional) -> tuple[bool, bytes | None]:
+    """Publish ``data`` at ``path`` if it holds ``expected``, under the commit lock; ``(done, found)``."""
+    directory, name = os.path.split(path)
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(os.path.join(directory, lock_name(name)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if expected is not UNCONDITIONAL:
+            current = _read_if_exists(path)
+            if current != expected:
+                return False, current
+        write_atomic(path, data)
+        return True, None
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def list_files(root: str, prefix: str) -> list[str]:
+    base = os.path.join(root, *prefix.split("/")[:-1])
+    keys = []
+    for directory, dirs, files in os.walk(base):
+        dirs.sort()
+        rel_dir = os.path.relpath(directory, root).replace(os.sep, "/")
+        for name in files:
+            if is_temp_name(name) or is_lock_name(name):
+                continue
+            key = name if rel_dir == "." else f"{rel_dir}/{name}"
+            if key.startswith(prefix):
+                keys.append(key)
+    return sorted(keys)
+
+
+def file_size(path: str) -> int:
+    st = os.stat(path)
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(21, "a directory", path)
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(path, st.st_mode)
+    return st.st_size
+
+
+def local_root(root_uri: str) -> str:
+    """The absolute directory a plain path or ``file://`` URI names."""
+    if root_uri.startswith("file:"):
+        parsed = urlparse(root_uri)
+        if parsed.netloc not in ("", "localhost"):
+            raise UnsupportedURIError(
+                f"file URI {root_uri!r} names host {parsed.netloc!r}; only local files are "
+                "supported: use file:///absolute/path"
+            )
+        return os.path.abspath(unquote(parsed.path))
+    return os.path.abspath(os.path.expanduser(root_uri))
