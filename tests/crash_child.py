@@ -182,6 +182,10 @@ def install_crash(spec: str | None) -> None:
             return result
 
     setattr(owner, attr, wrapper)
+    from tierckpt.backends import local
+
+    if owner is not local and getattr(local, attr, None) is original:  # a file operation the backend imported by name
+        setattr(local, attr, wrapper)
 
 
 # -- the save loop ---------------------------------------------------------------------------------
