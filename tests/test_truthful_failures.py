@@ -79,9 +79,12 @@ def _leftovers(root: Path, keep: str) -> list[str]:
     )
 
 
-@pytest.mark.parametrize("extra_pages, failing", [(1, "pieces.parquet"), (2, "header.json"), (3, "COMMIT")])
-def test_enospc_while_committing_leaves_nothing_behind(small_tmpfs: Path, extra_pages: int, failing: str) -> None:
-    """The data file fits; the ``extra_pages`` pages after it hold only some of the metadata documents."""
+@pytest.mark.parametrize("extra_pages, failing", [
+    (1, ("tensors.parquet", "pieces.parquet")), (2, ("header.json",)), (3, ("COMMIT",)),
+])
+def test_enospc_while_committing_leaves_nothing_behind(small_tmpfs: Path, extra_pages: int, failing: tuple[str, ...]) -> None:
+    """The data file fits; the ``extra_pages`` pages after it hold only some of the metadata documents
+    (the two tables are written at once, so either may be the one that finds the disk full)."""
     root = small_tmpfs / "ckpt"
     previous = {"w": torch.arange(1000, dtype=torch.float32)}
     tierckpt.save(str(root), previous)
@@ -92,7 +95,7 @@ def test_enospc_while_committing_leaves_nothing_behind(small_tmpfs: Path, extra_
     with pytest.raises(StorageError) as info:
         tierckpt.save(str(root), state)
     message = str(info.value)
-    assert "No space left" in message and failing in message, message
+    assert "No space left" in message and any(name in message for name in failing), message
     assert (root / "COMMIT").read_text() == committed
     assert _leftovers(root, generation) == [], "the failed generation was left on the full disk"
     target = {"w": torch.zeros(1000)}
