@@ -145,6 +145,7 @@ def test_failed_upload_error_names_the_sync_command(tmp_path: Path, monkeypatch:
     assert cli.main(["wait", remote, "--timeout", "60"]) == cli.EXIT_ERROR
     err = capsys.readouterr().err
     assert f"tierckpt sync {remote}" in err and "tierckpt.cache_api.sync" not in err
+    assert get_scheduler().run(store.drop_pending()) == ["obj"]  # nothing left for the exit drain to report
 
 
 # -- URIs and storage options ------------------------------------------------------------------------
