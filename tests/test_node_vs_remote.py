@@ -68,6 +68,9 @@ def test_surfaces_tell_node_from_remote(outage: Any, tmp_path: Path, capsys: pyt
     code, out = _run(["status", uri], capsys)
     assert code == 1 and "upload error" in out and "committed on the remote: " in out, out
     assert "committed on this node: g-" in out
+    code, out = _run(["status", uri, "--json"], capsys)
+    doc = json.loads(out)
+    assert code == 1 and doc["committed_on_node"] and not doc["committed_on_remote"] and not doc["durable"]
 
     # a deadline is honoured during the outage
     started = time.monotonic()
@@ -91,7 +94,7 @@ def test_surfaces_tell_node_from_remote(outage: Any, tmp_path: Path, capsys: pyt
     assert manager.durable_where_uri_points(1)
     code, out = _run(["status", uri, "--json"], capsys)
     doc = json.loads(out)
-    assert code == 0 and doc["committed_on_remote"] and doc["durable"]
+    assert code == 0 and doc["committed_on_node"] and doc["committed_on_remote"] and doc["durable"]
     monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(tmp_path / "node-b"))
     assert cli.main(["verify", uri]) == 0
 

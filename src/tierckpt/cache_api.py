@@ -70,6 +70,11 @@ class CheckpointStatus:
         return self.state == "remote" and not self.pending_keys
 
     @property
+    def committed_on_node(self) -> bool:
+        """Whether this node's cache holds a committed generation (uploaded or not)."""
+        return self.generation is not None
+
+    @property
     def committed_on_remote(self) -> bool:
         return self.generation is not None and self.generation == self.remote_generation
 

@@ -32,7 +32,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     st = cache.status(args.uri)
     if st.state is None and not st.pending_keys and st.remote_generation is None:
         raise CheckpointNotFoundError(f"no checkpoint at {args.uri!r}: nothing committed, and nothing pending upload from this node")
-    doc = dataclasses.asdict(st) | {"durable": st.durable, "committed_on_remote": st.committed_on_remote}
+    doc = dataclasses.asdict(st) | {
+        "durable": st.durable, "committed_on_node": st.committed_on_node, "committed_on_remote": st.committed_on_remote,
+    }
     if args.json:
         print(json.dumps(doc, indent=1))
     else:

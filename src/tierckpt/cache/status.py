@@ -46,10 +46,6 @@ class StoreStatus:
         return self.state == Durability.REMOTE and not self.pending_keys
 
     @property
-    def committed_on_node(self) -> bool:
-        return self.generation is not None
-
-    @property
     def committed_on_remote(self) -> bool:
         """Whether the remote holds the COMMIT of the generation committed on this node."""
         return self.generation is not None and self.remote_generation == self.generation
