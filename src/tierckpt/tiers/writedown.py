@@ -49,40 +49,55 @@ _ACTIVE: weakref.WeakSet[WriteDown] = weakref.WeakSet()
 _ACTIVE_LOCK = threading.Lock()
 
 
+class _Job:
+    """One write-down task; ``dropped`` tells it to stop before its next attempt (its key was deleted)."""
+
+    def __init__(self) -> None:
+        self.dropped = False
+        self.future: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
 class WriteDown:
     """This process's write-down for one link (see the module docstring)."""
 
     def __init__(self, link: MemoryLink) -> None:
         self.link = link
-        self.files: dict[str, concurrent.futures.Future[None]] = {}
-        self.commits: dict[str, concurrent.futures.Future[None]] = {}
+        self.files: dict[str, _Job] = {}
+        self.commits: dict[str, _Job] = {}
         self.deferred: list[concurrent.futures.Future[None]] = []
         self.failures: dict[str, tuple[str, bool]] = {}
         """key -> (why its copy failed, whether for good); cleared when it succeeds."""
-        self._last_commit: concurrent.futures.Future[None] | None = None
+        self._last_commit: _Job | None = None
         with _ACTIVE_LOCK:
             _ACTIVE.add(self)
 
     # -- starting --------------------------------------------------------------------------------------
-    def file(self, key: str) -> concurrent.futures.Future[None]:
-        job = self.files[key] = get_scheduler().submit(self._file(key))
+    def file(self, key: str) -> _Job:
+        job = self.files[key] = _Job()
+        job.future = get_scheduler().submit(self._file(key, job))
         return job
 
     def commit(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
                after: Mapping[str, int | None] | None) -> None:
-        job = get_scheduler().submit(self._commit(data, record, expected, after, self._last_commit))
+        job = _Job()
+        job.future = get_scheduler().submit(self._commit(data, record, expected, after, self._last_commit, job))
         self.commits[record.generation] = self._last_commit = job
 
     def pending(self) -> list[concurrent.futures.Future[None]]:
-        return [f for f in (*self.files.values(), *self.commits.values(), *self.deferred) if not f.done()]
+        jobs = [j.future for j in (*self.files.values(), *self.commits.values())]
+        return [f for f in (*jobs, *self.deferred) if not f.done()]
 
     # -- files -----------------------------------------------------------------------------------------
-    async def _retrying(self, key: str, generation: str, step: Callable[[], Awaitable[None]]) -> None:
-        """Run ``step`` until it succeeds, logging the start, each failure and the end in the tier's log."""
+    async def _retrying(self, key: str, generation: str, step: Callable[[], Awaitable[None]], job: _Job) -> None:
+        """Run ``step`` until it succeeds (or the job is dropped), logging the start, each failure and the
+        end in the tier's log."""
         down = self.link.down
         await asyncio.to_thread(down.append, generation, "start", key)
         attempt = 0
-        while True:
+        while not job.dropped:
             attempt += 1
             try:
                 await step()
@@ -99,9 +114,9 @@ class WriteDown:
             await asyncio.to_thread(down.append, generation, "done", key)
             return
 
-    async def _file(self, key: str) -> None:
+    async def _file(self, key: str, job: _Job) -> None:
         set_background()
-        await self._retrying(key, generation_of(key) or "", lambda: self._copy(key))
+        await self._retrying(key, generation_of(key) or "", lambda: self._copy(key), job)
 
     async def _copy(self, key: str) -> None:
         below, path = self.link.below, self.link.memory_tier.path_of(key)
@@ -125,10 +140,10 @@ class WriteDown:
 
     # -- commits ---------------------------------------------------------------------------------------
     async def _commit(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
-                      after: Mapping[str, int | None] | None, previous: concurrent.futures.Future[None] | None) -> None:
+                      after: Mapping[str, int | None] | None, previous: _Job | None, job: _Job) -> None:
         set_background()
         if previous is not None:  # commits go down in the order they were made
-            await asyncio.wait([asyncio.wrap_future(previous)])
+            await asyncio.wait([asyncio.wrap_future(previous.future)])
         tier, generation = self.link.memory_tier, record.generation
         try:
             await asyncio.to_thread(tier.seal, generation, origin=self.link.origin)
@@ -136,22 +151,22 @@ class WriteDown:
             log.warning("cannot seal %s %s in the memory tier: %s", tier.uri, generation, exc)
         need: dict[str, int | None] = dict.fromkeys(await asyncio.to_thread(tier.keys_of, generation))
         need.update(after or {})
-        await self._ensure_below(generation, need)
-        await self._retrying(COMMIT, generation, lambda: self._commit_below(data, record, expected, after))
+        await self._ensure_below(generation, need, job)
+        await self._retrying(COMMIT, generation, lambda: self._commit_below(data, record, expected, after), job)
 
-    async def _ensure_below(self, generation: str, need: dict[str, int | None]) -> None:
+    async def _ensure_below(self, generation: str, need: dict[str, int | None], job_of_commit: _Job) -> None:
         """Wait until the chain below holds every key of ``need`` (key -> size, ``None``: unknown)."""
         below, tier, down = self.link.below, self.link.memory_tier, self.link.down
         write_back = write_back_of(below) is not None  # its own commit waits for what other nodes write
         pending = set(need)
-        while pending:
+        while pending and not job_of_commit.dropped:
             state = await asyncio.to_thread(down.state, generation)
             for key in sorted(pending):
                 job = self.files.get(key)
                 if key in state.done:
                     pending.discard(key)
                 elif job is not None and job.done():
-                    job.result()  # raises its failure
+                    job.future.result()  # raises its failure
                     pending.discard(key)
                 elif job is not None or key in state.busy:
                     continue
@@ -203,9 +218,9 @@ class WriteDown:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             mine = [k for k in self.files if name is None or generation_of(k) == name]
-            jobs = [self.files[k] for k in mine]
+            jobs = [self.files[k].future for k in mine]
             if commit:
-                jobs += [f for g, f in self.commits.items() if name is None or g == name]
+                jobs += [j.future for g, j in self.commits.items() if name is None or g == name]
             failed = {k: why for k, (why, final) in self.failures.items()
                       if (name is None or generation_of(k) == name or k == COMMIT) and (final or not through_outage)}
             for job in jobs:
@@ -248,14 +263,18 @@ class WriteDown:
 
     # -- deletes ---------------------------------------------------------------------------------------
     async def cancel(self, what: str, *, exact: bool) -> None:
-        """Stop this process's write-downs of a key (``exact``) or of everything under a prefix."""
+        """Stop this process's write-downs of a key (``exact``) or of everything under a prefix: no new
+        attempt starts, and the one in flight is waited for (so nothing lands below after a delete)."""
+
         def hit(key: str) -> bool:
             return key == what if exact else key.startswith(what)
 
-        jobs = [f for k, f in self.files.items() if hit(k)]
-        jobs += [f for g, f in self.commits.items() if not exact and hit(f"{g}/")]
+        jobs = [j for k, j in self.files.items() if hit(k)]
+        jobs += [j for g, j in self.commits.items() if not exact and hit(f"{g}/")]
         for job in jobs:
-            job.cancel()
+            job.dropped = True
+        if jobs:
+            await asyncio.wait([asyncio.wrap_future(j.future) for j in jobs])
         for key in [k for k in self.files if hit(k)]:
             del self.files[key]
             self.failures.pop(key, None)
@@ -270,7 +289,7 @@ class WriteDown:
             return
 
         async def deferred() -> None:
-            await asyncio.wait([asyncio.wrap_future(previous)])
+            await asyncio.wait([asyncio.wrap_future(previous.future)])
             try:
                 await step()
             except CheckpointError as exc:
@@ -279,7 +298,7 @@ class WriteDown:
         self.deferred.append(get_scheduler().submit(deferred()))
 
 
-def _running(job: concurrent.futures.Future[None] | None) -> bool:
+def _running(job: _Job | None) -> bool:
     return job is not None and not job.done()
 
 
