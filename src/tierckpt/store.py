@@ -161,11 +161,8 @@ def durability_of(store: Backend) -> Durable | None:
 
 def exit_wait_s() -> float:
     """How long the exit drain may wait: the longest ``exit_wait_s`` of the caches this process opened
-    (``CacheConfig.exit_wait_s`` from the environment when a memory tier has write-downs in flight)."""
-    waits = [u.exit_wait_s for u in _UPLOADERS.values()]
-    if writedown.in_flight():
-        waits.append(CacheConfig.from_env().exit_wait_s)
-    return max(waits, default=0.0)
+    and of the memory tiers it has write-downs from."""
+    return max([u.exit_wait_s for u in _UPLOADERS.values()] + [writedown.exit_wait_s()])
 
 
 def drain_write_back(timeout_s: float) -> list[str]:

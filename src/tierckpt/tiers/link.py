@@ -178,13 +178,21 @@ class MemoryLink(Backend):
         validate_key(key)
         data = bytes(data)
         record = _record_of(data) if key == COMMIT else None
-        if record is None or record.generation in self.fallback or not self.memory_tier.keys_of(record.generation):
-            if record is not None:  # its files that did reach the tier go down first
-                await self.writedown.wait(record.generation, None, through_outage=True, commit=False)
+        if record is None:
             await self.below.commit(key, data, expected=expected, after=after)
             return
+        if record.generation in self.fallback or not self.memory_tier.keys_of(record.generation):
+            # Written to the chain below (the tier was full): its files that did reach the tier go first.
+            await self.writedown.wait(record.generation, None, through_outage=True, commit=False)
+            await self.writedown.commit_below(data, record, expected, after)
+            return
         if expected is not UNCONDITIONAL:
-            current = await self._get_or_none(COMMIT)
+            try:
+                current = await self._get_or_none(COMMIT)
+            except TransientStorageError:
+                if expected is not None:
+                    raise
+                current = None  # a URI this node never saw, below unreachable: the write-down's CAS decides
             if current != expected:
                 raise commit_refused(self.uri_of(key), expected, current)
         tier_current = await asyncio.to_thread(self._tier_commit_bytes)

@@ -152,7 +152,7 @@ class WriteDown:
         need: dict[str, int | None] = dict.fromkeys(await asyncio.to_thread(tier.keys_of, generation))
         need.update(after or {})
         await self._ensure_below(generation, need, job)
-        await self._retrying(COMMIT, generation, lambda: self._commit_below(data, record, expected, after), job)
+        await self._retrying(COMMIT, generation, lambda: self.commit_below(data, record, expected, after), job)
 
     async def _ensure_below(self, generation: str, need: dict[str, int | None], job_of_commit: _Job) -> None:
         """Wait until the chain below holds every key of ``need`` (key -> size, ``None``: unknown)."""
@@ -184,8 +184,10 @@ class WriteDown:
             if pending:
                 await asyncio.sleep(_POLL_S)
 
-    async def _commit_below(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
+    async def commit_below(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
                             after: Mapping[str, int | None] | None) -> None:
+        """Commit ``data`` below against ``expected``; a chain below that holds an older commit than
+        ``expected`` (an earlier write-down never landed) is caught up; a newer one is a conflict."""
         below = self.link.below
         if expected is not CATCH_UP:
             try:
@@ -309,13 +311,14 @@ def _read(path: str) -> bytes:
 
 def sync_command(link: MemoryLink) -> str:
     """The command that finishes the write-down of ``link``'s URI from any later process on the node."""
-    return f"{DIR_ENV}={link.memory.config.directory} TIERCKPT_MEMORY=on tierckpt sync {link.memory_tier.uri}"
+    return f"{DIR_ENV}={link.memory.config.directory} tierckpt sync {link.memory_tier.uri}"
 
 
-def in_flight() -> bool:
-    """Whether this process has write-downs running."""
+def exit_wait_s() -> float:
+    """How long the exit drain may wait for write-downs: the longest ``exit_wait_s`` of the memory
+    configurations of this process's links with write-downs running (0: none running)."""
     with _ACTIVE_LOCK:
-        return any(w.pending() for w in _ACTIVE)
+        return max((w.link.memory.config.exit_wait_s for w in _ACTIVE if w.pending()), default=0.0)
 
 
 def drain(timeout_s: float) -> list[str]:
