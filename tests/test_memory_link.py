@@ -269,3 +269,65 @@ def test_exit_with_the_remote_down_names_the_sync_command(proxy: FaultProxy, uri
     proxy.clear()
     get_scheduler().run(open_store(uri, s3(proxy.endpoint, mem(memdir))).sync(120))
     assert remote_commit(s3_server, uri).generation == done.stdout.split()[-1]
+
+
+# -- status surfaces and the manager ----------------------------------------------------------------
+def test_status_cli_shows_each_level(tmp_path: Path, memdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tierckpt import cli
+    from tierckpt.tiers.levels import Level, ReplicaResult, level_path
+    from tierckpt.tiers.memory import write_atomic
+
+    path = str(tmp_path / "ckpt")
+    meta = tierckpt.save(path, state(), storage_options={"memory": mem(memdir)})
+    tier = memory_tier_of(open_store(path, {"memory": mem(memdir)}))
+    # What a replicator records when a peer died mid-replication: the level stays at memory, with the reason.
+    write_atomic(level_path(tier, meta.generation), ReplicaResult(
+        uri=tier.uri, generation=meta.generation, level=Level.MEMORY, peers=("node-b",), acknowledged=(),
+        reason="node-b closed the connection mid-replication").encode())
+    assert cli.main(["status", path]) == 0  # TIERCKPT_MEMORY is off here: the tier holds the URI, so it is shown
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert lines["memory"].split()[1] == "yes" and str(memdir) in lines["memory"]
+    assert lines["replicated"].split()[1] == "no" and "node-b closed the connection" in lines["replicated"]
+    assert lines["remote"].split()[1] == "yes"
+    assert cli.main(["status", path, "--json"]) == 0
+    doc = __import__("json").loads(capsys.readouterr().out)
+    assert doc["memory_generation"] == meta.generation
+    assert [lvl[:2] for lvl in doc["levels"]][:2] == [["memory", True], ["replicated", False]]
+
+
+def test_manager_resumes_from_memory_with_the_remote_down(
+    proxy: FaultProxy, s3_server: str, memdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tierckpt import cli
+
+    import boto3
+
+    bucket = f"memlink-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=bucket)
+    root = f"s3://{bucket}/run"
+    proxy.add_rule(Rule("503", count=None))  # the remote is down for the whole run
+    opts = s3(proxy.endpoint, mem(memdir))
+    manager = tierckpt.CheckpointManager(root, use_async=True, storage_options=opts)
+    manager.save(1, state())
+    manager.save(2, other_state())
+    manager.wait()
+    restarted = tierckpt.CheckpointManager(root, storage_options=opts)  # a new process after a crash
+    got = target()
+    assert restarted.load_latest(got) == 2
+    assert_same(got, other_state())
+    assert restarted.levels(2) == {"memory": True, "replicated": False, "local": False, "remote": False}
+    # ls lists the memory-only checkpoints with their levels while the remote answers nothing.
+    monkeypatch.setenv("TIERCKPT_MEMORY", "on")
+    monkeypatch.setenv("TIERCKPT_CACHE", "off")
+    monkeypatch.setenv("TIERCKPT_S3_ENDPOINT_URL", proxy.endpoint)
+    assert cli.main(["ls", root, "--json"]) == 0
+    doc = __import__("json").loads(capsys.readouterr().out)
+    rows = {e["step"]: e for e in doc["checkpoints"]}
+    assert set(rows) == {1, 2} and rows[2]["status"] == "node-only"
+    assert rows[2]["levels"]["memory"] and not rows[2]["levels"]["remote"]
+    assert "memory tier only" in rows[2]["node_only"]
+    proxy.clear()
+    for step in (1, 2):
+        get_scheduler().run(open_store(manager.uri_of(step), opts).sync(120))
+    assert remote_commit(s3_server, manager.uri_of(2)) is not None

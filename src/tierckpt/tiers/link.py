@@ -54,6 +54,21 @@ def tier_uri(uri: str) -> str:
     return os.path.abspath(uri) if "://" not in uri else uri.rstrip("/")
 
 
+def committed_under(memory: NodeMemory, root: str) -> dict[str, list[str]]:
+    """Checkpoints under ``root`` committed in the node memory tier: path relative to ``root`` -> its keys
+    in the tier (``COMMIT`` and the committed generation's files), for listings that must see a
+    checkpoint the chain below does not hold yet (or cannot be reached)."""
+    prefix = tier_uri(root).rstrip("/") + "/"
+    out: dict[str, list[str]] = {}
+    for tier in memory.tiers():
+        if not tier.uri.startswith(prefix):
+            continue
+        record = tier.committed()
+        if record is not None:
+            out[tier.uri[len(prefix):]] = [COMMIT, *tier.keys_of(record.generation)]
+    return out
+
+
 class _LinkWriter(ObjectWriter):
     """Streams into the tier (admitting each chunk); moves to the chain below if the tier is full."""
 

@@ -105,14 +105,16 @@ class WriteDown:
                 self.failures[key] = (describe_error(exc), False)
                 await asyncio.to_thread(down.append, generation, "error", key, describe_error(exc))
                 await asyncio.sleep(max(backoff_s(min(attempt, 6)), 0.05))
+                if key in (await asyncio.to_thread(down.state, generation)).done:
+                    break  # another process (a sync) got it down meanwhile
                 continue
             except CheckpointError as exc:
                 self.failures[key] = (describe_error(exc), True)
-                await asyncio.to_thread(down.append, generation, "error", key, describe_error(exc))
+                await asyncio.to_thread(down.append, generation, "failed", key, describe_error(exc))
                 raise
-            self.failures.pop(key, None)
             await asyncio.to_thread(down.append, generation, "done", key)
-            return
+            break
+        self.failures.pop(key, None)
 
     async def _file(self, key: str, job: _Job) -> None:
         set_background()
@@ -195,19 +197,27 @@ class WriteDown:
                 return
             except CheckpointBusyError:
                 pass
-        try:
-            current: bytes | None = await below.get(COMMIT)
-        except CheckpointNotFoundError:
-            current = None
-        if current == data:
-            return  # already there (a retried request that landed, or another process's sync)
-        theirs = CommitRecord.decode(current) if current is not None else None
-        if theirs is not None and theirs.seq >= record.seq:
-            raise CheckpointBusyError(
-                f"{below.root_uri} holds generation {theirs.generation} (commit {theirs.seq}), committed by another "
-                f"writer; generation {record.generation} (commit {record.seq}) stays in this node's memory tier only"
-            )
-        await below.commit(COMMIT, data, expected=current, after=after)
+        for _ in range(3):  # catch up; another writer of this node may land the same record meanwhile
+            try:
+                current: bytes | None = await below.get(COMMIT)
+            except CheckpointNotFoundError:
+                current = None
+            if current == data:
+                return  # already there (a retried request that landed, or another process's sync)
+            theirs = CommitRecord.decode(current) if current is not None else None
+            if theirs is not None and theirs.seq >= record.seq:
+                raise CheckpointBusyError(
+                    f"{below.root_uri} holds generation {theirs.generation} (commit {theirs.seq}), committed by "
+                    f"another writer; generation {record.generation} (commit {record.seq}) stays in this node's "
+                    "memory tier only"
+                )
+            try:
+                await below.commit(COMMIT, data, expected=current, after=after)
+                return
+            except CheckpointBusyError:
+                continue
+        raise TransientStorageError(f"the COMMIT of {below.root_uri} keeps changing while generation "
+                                    f"{record.generation} is written down; retrying")
 
     # -- waiting ---------------------------------------------------------------------------------------
     async def wait(self, generation: str | None, timeout_s: float | None, *, through_outage: bool,
@@ -256,7 +266,7 @@ class WriteDown:
         for key in await asyncio.to_thread(down.pending, generation, state):
             if key != COMMIT and key not in state.busy and not _running(self.files.get(key)):
                 self.file(key)
-        if COMMIT not in state.done and not _running(self.commits.get(generation)):
+        if COMMIT not in state.done and COMMIT not in state.busy and not _running(self.commits.get(generation)):
             with open(tier.path_of(COMMIT), "rb") as f:
                 data = f.read()
             if CommitRecord.decode(data).generation == generation:
