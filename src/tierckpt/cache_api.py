@@ -48,43 +48,10 @@ def _tiered(uri: str, config: CacheConfig | None, storage_options: dict[str, Any
     return open_cached_store(uri, options, config)
 
 
-@dataclass(frozen=True, slots=True)
-class CheckpointStatus:
-    """Where a checkpoint stands on this node."""
-
-    uri: str
-    generation: str | None
-    """The committed generation (``None``: nothing committed)."""
-    state: str | None
-    """``staged`` (data written, no commit), ``local`` (committed in the node cache, upload pending)
-    or ``remote`` (committed on the remote)."""
-    pending_bytes: int
-    pending_keys: tuple[str, ...]
-    errors: tuple[str, ...] = ()
-    remote_generation: str | None = None
-    """The generation the remote's own COMMIT names (``None``: none, or unreadable: see ``remote_error``)."""
-    remote_error: str | None = None
-
-    @property
-    def durable(self) -> bool:
-        return self.state == "remote" and not self.pending_keys
-
-    @property
-    def committed_on_node(self) -> bool:
-        """Whether this node's cache holds a committed generation (uploaded or not)."""
-        return self.generation is not None
-
-    @property
-    def committed_on_remote(self) -> bool:
-        return self.generation is not None and self.generation == self.remote_generation
-
-
-def status(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> CheckpointStatus:
-    """The committed generation of the checkpoint at ``uri``, its durability and pending bytes."""
-    st: StoreStatus = get_scheduler().run(_tiered(uri, config, storage_options).status())
-    return CheckpointStatus(uri=uri, generation=st.generation, state=st.state, pending_bytes=st.pending_bytes,
-                            pending_keys=st.pending_keys, errors=st.errors, remote_generation=st.remote_generation,
-                            remote_error=st.remote_error)
+def status(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> StoreStatus:
+    """Where the checkpoint at ``uri`` stands on this node and on the remote: the generation committed
+    on each, what is still pending upload, and the upload errors."""
+    return get_scheduler().run(_tiered(uri, config, storage_options).status())
 
 
 def wait(uri: str, timeout_s: float | None = None, config: CacheConfig | None = None, **storage_options: Any) -> None:
