@@ -118,28 +118,32 @@ def s3_save_ranks(rank: int, world: int, gib: float, uri: str, opts: dict[str, A
     tierckpt.save(uri, C.make_state(gib, 0, fill=True), storage_options=opts)
 
 
-def recovery(gib: float, disk: str, memory_root: str) -> dict[str, Any]:
+def progress(what: str) -> None:
+    print(f"bench_memory: {what} ...", file=sys.stderr, flush=True)
+
+
+def recovery(gib: float, disk: str, memory_root: str, timeout_s: float) -> dict[str, Any]:
     """Seconds of each recovery (rank 0's wall time; the ranks start the load together)."""
     uri = os.path.join(disk, "tierckpt")
     away = uri + ".away"
     result: dict[str, Any] = {}
     os.rename(uri, away)  # the remote is down: only the memory tiers can serve the load
     try:
-        result["memory (process crash)"] = C.run_ranks(load_ranks, 2, gib, uri, None, memory_root)[0]
+        result["memory (process crash)"] = C.run_ranks(load_ranks, 2, gib, uri, None, memory_root, timeout_s=timeout_s)[0]
         C.rmtree(os.path.join(memory_root, "node1"))  # node 1 is lost; its rank restarts on an empty node
-        result["peer memory (node loss)"] = C.run_ranks(load_ranks, 2, gib, uri, None, memory_root)[0]
+        result["peer memory (node loss)"] = C.run_ranks(load_ranks, 2, gib, uri, None, memory_root, timeout_s=timeout_s)[0]
     finally:
         os.rename(away, uri)
     dropped = C.drop_caches()
     result["local disk" + (" (cold)" if dropped else " (warm: page cache not dropped)")] = (
-        C.run_ranks(load_ranks, 2, gib, uri, None, None)[0]
+        C.run_ranks(load_ranks, 2, gib, uri, None, None, timeout_s=timeout_s)[0]
     )
     from bench_matrix import BUCKET, MotoS3
 
     with MotoS3() as (_, s3_options):
         s3_uri, opts = f"s3://{BUCKET}/memory-bench", {**s3_options, "cache": False}
-        C.run_ranks(s3_save_ranks, 2, gib, s3_uri, opts)
-        result["S3 (moto, node cache off)"] = C.run_ranks(load_ranks, 2, gib, s3_uri, opts, None)[0]
+        C.run_ranks(s3_save_ranks, 2, gib, s3_uri, opts, timeout_s=timeout_s)
+        result["S3 (moto, node cache off)"] = C.run_ranks(load_ranks, 2, gib, s3_uri, opts, None, timeout_s=timeout_s)[0]
     return result
 
 
@@ -165,27 +169,37 @@ def train_ranks(rank: int, world: int, mode: str, steps: int, every: int, hidden
         model(data).square().mean().backward()
         optim.step()
 
-    for _ in range(3):  # warm-up: allocator, autograd, optimizer state
+    ckpt_group = dist.new_group(backend="gloo")  # DCP's async collectives must not race DDP's on the default group
+
+    def checkpoint(i: int) -> Any:
+        state = {"model": model, "optim": optim}
+        if mode == "tierckpt":
+            return tierckpt.async_save(os.path.join(disk, "train-tierckpt"), state)
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(model, optim)
+        return dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(disk, f"train-dcp-{i}"),
+                              process_group=ckpt_group)
+
+    def finish(handle: Any) -> None:
+        handle.wait() if mode == "tierckpt" else handle.result()
+
+    for _ in range(3):  # warm-up: allocator, autograd, optimizer state, and one checkpoint
         step()
+    if mode != "none":
+        finish(checkpoint(0))
     dist.barrier()
     start = time.perf_counter()
     for i in range(1, steps + 1):
         step()
         if mode == "none" or i % every:
             continue
-        state = {"model": model, "optim": optim}
         if pending is not None:  # one save in flight at a time, as a training loop does
-            pending.wait() if mode == "tierckpt" else pending.result()
-        if mode == "tierckpt":
-            pending = tierckpt.async_save(os.path.join(disk, "train-tierckpt"), state)
-        else:
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-
-            msd, osd = get_state_dict(model, optim)
-            pending = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(disk, f"train-dcp-{i}"))
+            finish(pending)
+        pending = checkpoint(i)
     seconds = time.perf_counter() - start
     if pending is not None:
-        pending.wait() if mode == "tierckpt" else pending.result()
+        finish(pending)
     dist.barrier()
     return seconds
 
@@ -195,7 +209,8 @@ def training(args: argparse.Namespace, disk: str, memory_root: str) -> dict[str,
     for r in range(args.repeats):
         modes = ["none", "tierckpt", "dcp"] if r % 2 == 0 else ["dcp", "tierckpt", "none"]
         for mode in modes:
-            out[mode].append(C.run_ranks(train_ranks, 2, mode, args.steps, args.every, args.hidden, disk, memory_root)[0])
+            out[mode].append(C.run_ranks(train_ranks, 2, mode, args.steps, args.every, args.hidden, disk, memory_root,
+                                          timeout_s=args.timeout)[0])
     return out
 
 
@@ -245,14 +260,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds any one group of ranks may take")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     disk = C.scratch_dir("tierckpt-bench-memory-")
     memory_root = f"/dev/shm/tierckpt-bench-{os.getpid()}"
     try:
-        saves = C.run_ranks(save_ranks, 2, args.gib, args.repeats, disk, memory_root)
-        rec = recovery(args.gib, disk, memory_root)
+        progress("saves")
+        saves = C.run_ranks(save_ranks, 2, args.gib, args.repeats, disk, memory_root, timeout_s=args.timeout)
+        progress("recovery")
+        rec = recovery(args.gib, disk, memory_root, args.timeout)
         shutil.rmtree(memory_root, ignore_errors=True)
+        progress("training loop")
         train = training(args, disk, memory_root)
         body = report(args, saves, rec, train, disk)
     finally:
