@@ -22,6 +22,7 @@ from tierckpt.cache import CacheConfig, TieredBackend
 from tierckpt.cache_api import gc, open_tiered, prefetch, status, wait
 from tierckpt.cache.config import parse_bytes
 from tierckpt.cache.records import Op
+from tierckpt.cache.uploader import Uploader
 from tierckpt.errors import CorruptCheckpointError, StorageError
 
 
@@ -486,3 +487,35 @@ def test_a_root_lists_what_nested_roots_have_not_uploaded_yet(tmp_path: Path) ->
     deleting.result(timeout=30)
     sched.run(step.wait_durable())
     assert sched.run(run.list("")) == [] and not any((tmp_path / "remote").rglob("*.bin"))
+
+
+def test_deleting_a_step_through_the_root_drops_what_its_own_uri_has_pending(tmp_path: Path) -> None:
+    """A run's root deletes a step that was written through the step's own URI (what the manager's
+    retention does): the step's pending uploads are dropped, an upload in flight removes what it landed,
+    and neither the remote nor the node cache serves the deleted checkpoint afterwards."""
+    from tierckpt.errors import CheckpointNotFoundError
+    from tierckpt.io.scheduler import get_scheduler
+
+    sched = get_scheduler()
+    config = make_config(tmp_path)
+    step_remote = CountingBackend(str(tmp_path / "remote" / "step-1"))
+    step_remote.gate.clear()
+    step_remote.hold = lambda key: True
+    uploader = Uploader(config.directory, config.upload_concurrency, config.exit_wait_s)  # as open_store shares it
+    step = TieredBackend(step_remote, config, uploader)
+    run = TieredBackend(LocalBackend(str(tmp_path / "remote")), config, uploader)
+    data_key = "g-1/data/rank-00000.bin"
+    sched.run(step.put(data_key, b"x" * 100))
+    sched.run(step.commit("COMMIT", layout.CommitRecord("g-1", 0.0).encode(), after={data_key: 100}))
+    assert step.catalog.pending_under(step.rh)  # nothing uploaded yet: the remote is held
+    deleting = sched.submit(run.delete_prefix("step-1/"))
+    step_remote.gate.set()  # the upload in flight lands now, after its key was forgotten
+    deleting.result(timeout=30)
+    sched.run(step.wait_durable())
+    assert step.catalog.pending_under(step.rh) == {} and step.catalog.keys_of_root(step.rh) == set()
+    assert not [p for p in (tmp_path / "remote").rglob("*") if p.is_file()]
+    assert not any((Path(config.directory) / "objects" / step.rh).rglob("*.bin"))
+    assert sched.run(run.list("")) == []
+    for key in (data_key, "COMMIT"):
+        with pytest.raises(CheckpointNotFoundError):
+            sched.run(step.get(key))

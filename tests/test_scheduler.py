@@ -18,6 +18,7 @@ from tierckpt.errors import (
     TransientStorageError,
 )
 from tierckpt.io import IOScheduler, Priority, ReadRequest, get_scheduler
+from tierckpt.io.scheduled import ScheduledBackend
 
 
 @pytest.fixture
@@ -99,7 +100,7 @@ def test_cancelling_a_submitted_task_cancels_its_backend_call(
             outcome.append("cancelled")
             raise
 
-    future = scheduler.submit(scheduler.call(backend, "op", blocking_op))
+    future = scheduler.submit(scheduler.slotted(backend, backend.root_uri, "op", blocking_op))
     scheduler.run(asyncio.wait_for(started.wait(), 10))
     future.cancel()
 
@@ -112,11 +113,11 @@ def test_cancelling_a_submitted_task_cancels_its_backend_call(
     assert scheduler.metrics.snapshot()["op"].errors == 1
 
 
-def test_call_outside_the_scheduler_loop_is_refused(
+def test_slotted_call_outside_the_scheduler_loop_is_refused(
     scheduler: IOScheduler, backend: MemoryBackend
 ) -> None:
     with pytest.raises(CheckpointError, match="scheduler's own loop"):
-        asyncio.run(scheduler.call(backend, "get", backend.get, "k"))
+        asyncio.run(scheduler.slotted(backend, backend.root_uri, "get", backend.get, "k"))
 
 
 # -- priorities and slots --------------------------------------------------------------------------
@@ -131,14 +132,14 @@ def test_foreground_overtakes_queued_background_calls(backend: MemoryBackend) ->
 
     async def scenario() -> None:
         release = asyncio.Event()
-        holder = asyncio.create_task(scheduler.call(backend, "op", op, "holder", release))
+        holder = asyncio.create_task(scheduler.slotted(backend, backend.root_uri, "op", op, "holder", release))
         await asyncio.sleep(0)
         queued = [
-            asyncio.create_task(scheduler.call(backend, "op", op, f"bg{i}", priority=Priority.BACKGROUND))
+            asyncio.create_task(scheduler.slotted(backend, backend.root_uri, "op", op, f"bg{i}", priority=Priority.BACKGROUND))
             for i in range(3)
         ]
         await asyncio.sleep(0)
-        foreground = scheduler.call(backend, "op", op, "fg", priority=Priority.FOREGROUND)
+        foreground = scheduler.slotted(backend, backend.root_uri, "op", op, "fg", priority=Priority.FOREGROUND)
         queued.append(asyncio.create_task(foreground))
         await asyncio.sleep(0.01)
         assert order == ["holder"]  # the single slot is taken; everyone else waits
@@ -166,8 +167,8 @@ def test_concurrency_is_limited_per_backend(tmp_path: Path) -> None:
 
     async def scenario() -> None:
         await asyncio.gather(
-            *(scheduler.call(first, "op", op, "one") for _ in range(10)),
-            *(scheduler.call(second, "op", op, "two") for _ in range(10)),
+            *(scheduler.slotted(first, first.root_uri, "op", op, "one") for _ in range(10)),
+            *(scheduler.slotted(second, second.root_uri, "op", op, "two") for _ in range(10)),
         )
 
     try:
@@ -187,7 +188,7 @@ def test_transient_errors_are_retried(scheduler: IOScheduler, backend: MemoryBac
             raise TransientStorageError(f"SlowDown while reading {key}")
         return b"finally"
 
-    result = scheduler.run(scheduler.call(backend, "get", flaky, "obj", nbytes=7, retries=5), timeout_s=10)
+    result = scheduler.run(scheduler.slotted(backend, backend.root_uri, "get", flaky, "obj", nbytes=7, retries=5), timeout_s=10)
     assert result == b"finally"
     (record,) = scheduler.metrics.records()
     assert (record.op, record.key, record.attempts, record.ok, record.nbytes) == ("get", "obj", 4, True, 7)
@@ -205,14 +206,14 @@ def test_retries_stop_after_the_last_attempt(scheduler: IOScheduler, backend: Me
         raise TransientStorageError("503 Service Unavailable")
 
     with pytest.raises(TransientStorageError):
-        scheduler.run(scheduler.call(backend, "put", always_throttled, retries=3), timeout_s=10)
+        scheduler.run(scheduler.slotted(backend, backend.root_uri, "put", always_throttled, retries=3), timeout_s=10)
     assert len(calls) == 3
     assert scheduler.metrics.snapshot()["put"].errors == 1
 
 
 def test_permanent_errors_are_not_retried(scheduler: IOScheduler, backend: MemoryBackend) -> None:
     with pytest.raises(CheckpointNotFoundError):
-        scheduler.run(scheduler.call(backend, "get", backend.get, "missing"), timeout_s=10)
+        scheduler.run(scheduler.slotted(backend, backend.root_uri, "get", backend.get, "missing"), timeout_s=10)
     (record,) = scheduler.metrics.records()
     assert record.attempts == 1 and not record.ok
 
@@ -233,10 +234,12 @@ def test_read_fills_buffers_in_parts(scheduler: IOScheduler, tmp_path: Path, kin
         ReadRequest("b.bin", 0, memoryview(empty)),
     ]
     part = 256 * 1024
-    scheduler.run(scheduler.read(backend, requests, part_bytes=part), timeout_s=30)
+    sched = get_scheduler()  # the scheduling link's scheduler slots and counts each part
+    sched.metrics.reset()
+    sched.run(sched.read(ScheduledBackend(backend), requests, part_bytes=part), timeout_s=30)
     assert big == blobs["a.bin"][5:]
     assert small == blobs["b.bin"][69_001:]
-    totals = scheduler.metrics.snapshot()["read_into"]
+    totals = sched.metrics.snapshot()["read_into"]
     assert totals.count == -(-len(big) // part) + 1
     assert totals.bytes == len(big) + len(small)
 

@@ -76,51 +76,11 @@ def _durable(uri: str, config: CacheConfig | None, storage_options: dict[str, An
     return MemoryLink(chain, memory, uri) if memory is not None else chain
 
 
-@dataclass(frozen=True, slots=True)
-class CheckpointStatus:
-    """Where a checkpoint stands on this node."""
-
-    uri: str
-    generation: str | None
-    """The committed generation (``None``: nothing committed)."""
-    state: str | None
-    """``staged`` (data written, no commit), ``local`` (committed in the node cache, upload pending)
-    or ``remote`` (committed on the remote)."""
-    pending_bytes: int
-    pending_keys: tuple[str, ...]
-    errors: tuple[str, ...] = ()
-    remote_generation: str | None = None
-    """The generation the remote's own COMMIT names (``None``: none, or unreadable: see ``remote_error``)."""
-    remote_error: str | None = None
-    memory_generation: str | None = None
-    """The generation the node memory tier's ``COMMIT`` names (``None``: none, or the tier is off)."""
-    levels: tuple[tuple[str, bool, str], ...] = ()
-    """``(level, reached, detail)`` for ``memory``, ``replicated``, ``local`` and ``remote`` when the node
-    memory tier is on for the URI (empty otherwise)."""
-
-    @property
-    def durable(self) -> bool:
-        return self.state == "remote" and not self.pending_keys
-
-    @property
-    def committed_on_node(self) -> bool:
-        """Whether this node's cache holds a committed generation (uploaded or not)."""
-        return self.generation is not None
-
-    @property
-    def committed_on_remote(self) -> bool:
-        return self.generation is not None and self.generation == self.remote_generation
-
-
-def status(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> CheckpointStatus:
-    """The committed generation of the checkpoint at ``uri``, its durability and pending bytes."""
-    st: StoreStatus = get_scheduler().run(_durable(uri, config, storage_options).status())
-    levels = tuple(st.levels()) if isinstance(st, LinkStatus) else ()
-    return CheckpointStatus(uri=uri, generation=st.generation, state=st.state, pending_bytes=st.pending_bytes,
-                            pending_keys=st.pending_keys, errors=st.errors, remote_generation=st.remote_generation,
-                            remote_error=st.remote_error,
-                            memory_generation=st.memory_generation if isinstance(st, LinkStatus) else None,
-                            levels=levels)
+def status(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> StoreStatus:
+    """Where the checkpoint at ``uri`` stands on this node and on the remote: the generation committed
+    on each, what is still pending upload, and the upload errors; with the node memory tier (see
+    :func:`_memory_for`) a :class:`~tierckpt.tiers.linkstatus.LinkStatus`, which adds each level."""
+    return get_scheduler().run(_durable(uri, config, storage_options).status())
 
 
 def wait(uri: str, timeout_s: float | None = None, config: CacheConfig | None = None, **storage_options: Any) -> None:

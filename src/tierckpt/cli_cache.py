@@ -13,6 +13,7 @@ from typing import Any
 
 from . import cache_api as cache
 from .errors import CheckpointError, CheckpointNotFoundError
+from .tiers.linkstatus import LinkStatus
 
 
 def _add_status(subparsers: Any) -> None:
@@ -34,9 +35,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     st = cache.status(args.uri)
     if st.state is None and not st.pending_keys and st.remote_generation is None:
         raise CheckpointNotFoundError(f"no checkpoint at {args.uri!r}: nothing committed, and nothing pending upload from this node")
+    levels = st.levels() if isinstance(st, LinkStatus) else []  # with the node memory tier: each level
     doc = dataclasses.asdict(st) | {
         "durable": st.durable, "committed_on_node": st.committed_on_node, "committed_on_remote": st.committed_on_remote,
-    }
+    } | ({"levels": levels} if levels else {})
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
@@ -44,7 +46,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{st.uri}: {st.state or 'nothing committed'}; committed on this node: {st.generation or '-'}; "
               f"committed on the remote: {remote}; {len(st.pending_keys)} object(s) / {st.pending_bytes} bytes "
               "pending upload")
-        for level, reached, detail in st.levels:
+        for level, reached, detail in levels:
             print(f"  {level:<10} {'yes' if reached else 'no':<3}  {detail}")
         for error in st.errors:
             print(f"  upload error: {error}")

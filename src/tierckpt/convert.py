@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from . import dcp_format, layout
+from . import layout
 from .backends import Backend
 from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import ReadRequest, get_scheduler
@@ -60,7 +60,7 @@ from .planner import TargetPiece, plan_load
 from .regions import Box
 from .saver import save
 from .state import named_groups, param_group_items
-from .store import open_store
+from .store import open_store, without_node_cache
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 DEFAULT_SLAB_BYTES = 256 << 20
@@ -138,7 +138,7 @@ def to_safetensors(
     backend = open_store(uri, dict(storage_options or {}))
     ckpt = read_checkpoint(backend, accept_dcp=True)
     if ckpt.pieces is not None:
-        backend = dcp_format.uncached(backend)
+        backend = without_node_cache(backend)
     configs = _hf_configs(backend, ckpt, config_dir)
     names = _select(ckpt.tensors, prefix)
     if not names:

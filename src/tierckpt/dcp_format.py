@@ -30,7 +30,7 @@ so pieces carry ``crc32c=0`` and everything that checks CRC-32C (``load(verify=T
 verify``) refuses a DCP checkpoint (:func:`refusal`).
 
 DCP rewrites a directory in place when it saves to it again, while the node cache takes every object
-but ``COMMIT`` to be immutable: a DCP checkpoint is read past the node cache (:func:`uncached`).
+but ``COMMIT`` to be immutable: a DCP checkpoint is read past the node cache (:func:`tierckpt.store.without_node_cache`).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from .metadata import (
     CheckpointMeta, FileMeta, ObjectMeta, PieceMeta, TensorMeta, _int, _shape, dtype_name, itemsize,
 )
 from .objects import codec_of
+from .store import without_node_cache
 from .regions import Box
 
 METADATA_KEY = ".metadata"
@@ -87,13 +88,6 @@ def refusal(uri: str) -> str:
     )
 
 
-def uncached(backend: Backend) -> Backend:
-    """``backend`` without the node cache (DCP rewrites its files in place; the cache would serve old bytes)."""
-    from .cache import TieredBackend
-
-    return backend.remote if isinstance(backend, TieredBackend) else backend
-
-
 _DCP_FILE = re.compile(r"^__\d+(_\d+\.distcp|\.metadata)$")
 """Data files and per-rank metadata files of a DCP directory (``__0_0.distcp``, ``__0.metadata``)."""
 
@@ -101,13 +95,13 @@ _DCP_FILE = re.compile(r"^__\d+(_\d+\.distcp|\.metadata)$")
 def is_dcp(backend: Backend) -> bool:
     """Whether the root of ``backend`` is a DCP directory (``.metadata``, or DCP's data or per-rank metadata files)."""
     sched = get_scheduler()
-    backend = uncached(backend)
+    backend = without_node_cache(backend)
     return bool(sched.run(backend.exists(METADATA_KEY))) or any(_DCP_FILE.match(k) for k in sched.run(backend.list("")))
 
 
 def read_dcp(backend: Backend) -> DcpCheckpoint:
     """Header, tensor table and every piece of the DCP checkpoint at the root of ``backend``."""
-    backend = uncached(backend)
+    backend = without_node_cache(backend)
     uri = backend.root_uri
     sched = get_scheduler()
     try:

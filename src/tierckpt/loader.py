@@ -63,7 +63,7 @@ from .planner.load_planner import COALESCE_GAP_BYTES
 from .planner.routes import store_kind
 from .regions import FlatRange, StoredBox
 from .state import FlatState, TensorEntry, flatten_state
-from .store import open_store
+from .store import open_store, without_node_cache
 
 logger = logging.getLogger("tierckpt")
 
@@ -218,7 +218,7 @@ def load(
         with monitor.phase("metadata"):
             ckpt = _broadcast_checkpoint(comm, backend, accept_dcp=not verify)
         # torch DCP rewrites its files in place, which a node cache would serve stale.
-        source = dcp_format.uncached(backend) if ckpt.pieces is not None else backend
+        source = without_node_cache(backend) if ckpt.pieces is not None else backend
         try:
             _load_generation(uri, state, comm, source, ckpt, options, monitor)
         except (CollectiveError, StateMismatchError):

@@ -200,8 +200,6 @@ class CheckpointManager:
         # Steps are unique here, so no commit time is needed to order them (0.0).
         keep = layout.retention([(s, 0.0, n) for s, n in found.items()], self.keep_last, self.keep_every)
         for name in sorted(n for n in found.values() if n not in keep):
-            # Through the step's own URI first: on a remote store its uploads may still be pending in
-            # the node cache under that URI, and only that scope cancels them (none lands afterwards).
-            sched.run(open_store(f"{self.root_uri}/{name}", self.storage_options).delete_prefix(""))
+            # The root's store also drops what the step's own URI still has pending in the node cache.
             sched.run(backend.delete_prefix(f"{name}/"))
 

@@ -44,7 +44,8 @@ from .tiers.memory import MemoryTier, NodeMemory
 
 __all__ = [
     "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s",
-    "memory_config_for", "memory_keys_under", "memory_levels", "memory_tier_of", "node_only_reason", "open_cached_store", "open_store",
+    "memory_config_for", "memory_keys_under", "memory_levels", "memory_tier_of", "node_only_reason", "open_cached_store",
+    "open_store", "without_node_cache",
 ]
 
 LOCAL_SCHEMES = ("", "file", "memory")
@@ -153,6 +154,14 @@ def _uploader(config: CacheConfig) -> Uploader:
         )
     uploader.exit_wait_s = max(uploader.exit_wait_s, config.exit_wait_s)
     return uploader
+
+
+def without_node_cache(store: Backend) -> Backend:
+    """``store``'s chain below the node cache: its scheduling link over the URI's own backend (what reads
+    a torch DCP directory in place, which DCP rewrites in place, so cached bytes could be stale)."""
+    if isinstance(store, MemoryLink):  # a DCP directory has no generation: the link would only pass it through
+        store = store.below
+    return store.link if isinstance(store, TieredBackend) else store
 
 
 def durability_of(store: Backend) -> Durable | None:

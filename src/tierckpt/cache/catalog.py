@@ -226,6 +226,14 @@ class Catalog:
             return {k.split(b"\0", 1)[1].decode(): PendingOp.from_json(v)
                     for k, v in self._scan(txn, "pending", _k(rh, prefix))}
 
+    def keys_of_root(self, rh: str) -> set[str]:
+        """Every key of root ``rh`` the catalogue has a record of: cached whole or in blocks, or pending."""
+        prefix = _k(rh, "")
+        with self.env.begin() as txn:
+            keys = {k[len(prefix):].decode() for db in ("objs", "pending") for k, _ in self._scan(txn, db, prefix)}
+            keys |= {k[len(prefix):].rsplit(b"\0", 1)[0].decode() for k, _ in self._scan(txn, "blocks", prefix)}
+        return keys
+
     def pending_all(self) -> list[tuple[str, str, PendingOp]]:
         """Every pending op of the node: ``(root hash, key, op)``."""
         with self.env.begin() as txn:

@@ -46,6 +46,11 @@ class StoreStatus:
         return self.state == Durability.REMOTE and not self.pending_keys
 
     @property
+    def committed_on_node(self) -> bool:
+        """Whether this node's cache holds a committed generation (uploaded or not)."""
+        return self.generation is not None
+
+    @property
     def committed_on_remote(self) -> bool:
         """Whether the remote holds the COMMIT of the generation committed on this node."""
         return self.generation is not None and self.remote_generation == self.generation

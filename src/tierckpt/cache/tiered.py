@@ -81,6 +81,19 @@ def root_hash(root_uri: str) -> str:
     return hashlib.sha256(root_uri.rstrip("/").encode()).hexdigest()[:24]
 
 
+def block_key(key: str, idx: int) -> str:
+    """Name of block ``idx`` of object ``key`` under a root's ``blocks/`` directory."""
+    h = hashlib.sha1(key.encode()).hexdigest()
+    return f"{h[:2]}/{h}.{idx:08d}"
+
+
+def cached_path(directory: str, rh: str, key: str, tree: Tree, idx: int | None) -> str:
+    """Where the cache in ``directory`` keeps ``key`` of root ``rh``: written or fetched whole, or block ``idx``."""
+    if tree == Tree.BLOCK:
+        return os.path.join(directory, "blocks", rh, *block_key(key, idx or 0).split("/"))
+    return os.path.join(directory, "objects" if tree == Tree.WRITTEN else "fetched", rh, *key.split("/"))
+
+
 class _TieredWriter(ObjectWriter):
     """Streams into a temp file of the local tier; ``close`` publishes it and records the upload."""
 
@@ -160,26 +173,18 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
 
     @staticmethod
     def _block_key(key: str, idx: int) -> str:
-        h = hashlib.sha1(key.encode()).hexdigest()
-        return f"{h[:2]}/{h}.{idx:08d}"
+        return block_key(key, idx)
 
-    def _unlink_dropped(self, key: str, dropped: list[tuple[Tree, int | None]]) -> None:
+    def _unlink_dropped(self, key: str, dropped: list[tuple[Tree, int | None]], rh: str | None = None) -> None:
+        """Delete the cached files of ``key`` (of this store, or of root ``rh``) the catalogue dropped."""
         for tree, idx in dropped:
-            if tree == Tree.BLOCK:
-                unlink(self._blocks.path_of(self._block_key(key, idx)))
-            else:
-                unlink(self._tree(tree).path_of(key))
+            unlink(cached_path(self.config.directory, rh or self.rh, key, tree, idx))
 
     def _evict(self) -> None:
         if self.catalog.usage() <= self.config.disk_bytes:
             return
-        d = self.config.directory
         for rh, key, tree, idx in self.catalog.evict(self.config.disk_bytes):
-            if tree == Tree.BLOCK:
-                path = os.path.join(d, "blocks", rh, *self._block_key(key, idx).split("/"))
-            else:
-                path = os.path.join(d, "objects" if tree == Tree.WRITTEN else "fetched", rh, *key.split("/"))
-            unlink(path)
+            unlink(cached_path(self.config.directory, rh, key, tree, idx))
             if rh == self.rh:
                 self._memory.drop(key)
 
@@ -250,11 +255,11 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
     def _upload_slots(self) -> asyncio.Semaphore:
         return self.uploader.slots()
 
-    async def _drop_tail(self, key: str, tail: TailUpload | None) -> None:
-        """Abandon ``tail`` (if it is still the key's) without publishing anything."""
+    async def _drop_tail(self, key: str, tail: TailUpload | None, rh: str | None = None) -> None:
+        """Abandon ``tail`` (if it is still the key's, of this root or of root ``rh``) without publishing anything."""
         if tail is None:
             return
-        tkey = (self.rh, key)
+        tkey = (rh or self.rh, key)
         if self.uploader.tails.get(tkey) is tail:
             del self.uploader.tails[tkey]
         sched = get_scheduler()
@@ -345,6 +350,40 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
             await settle()
         else:
             await asyncio.wrap_future(sched.submit(settle()))
+
+    async def delete_prefix(self, prefix: str) -> None:
+        """Delete every object under ``prefix``: on the remote, in this node's cache, and what stores rooted
+        under it (each step's own URI under a run's root) wrote through this cache. Their pending ops are
+        dropped (an upload in flight removes what it landed: the catalogue says the key is gone) and their
+        cached files deleted, so no caller needs to know the cache's scopes, no upload lands after the
+        remote delete, and a deleted checkpoint is never read back from the cache."""
+        for rh in self._roots_under(prefix):
+            await self._forget_root(rh)
+        await super().delete_prefix(prefix)
+
+    def _roots_under(self, prefix: str) -> list[str]:
+        """Hashes of the other roots of this cache whose URI lies under ``prefix`` of this root."""
+        base = self.root_uri.rstrip("/") + "/" + prefix
+        return [rh for rh, uri in self.catalog.roots().items()
+                if rh != self.rh and (uri.rstrip("/") + "/").startswith(base)]
+
+    async def _forget_root(self, rh: str) -> None:
+        """Forget everything this node's cache holds or owes for root ``rh``, then let this process's
+        uploads of it settle (each removes from the remote what it landed after being forgotten)."""
+        for key in self.catalog.keys_of_root(rh):
+            tail = self.uploader.tails.get((rh, key))
+            if tail is not None:
+                await self._drop_tail(key, tail, rh)
+            dropped = self.catalog.record_delete(rh, key, deferred=False)
+            await asyncio.to_thread(self._unlink_dropped, key, dropped, rh)
+        self.catalog.forget_generations(rh, "")
+
+        async def settle() -> None:
+            tasks = [t for (r, _), t in list(self.uploader.tasks.items()) if r == rh]
+            if tasks:
+                await asyncio.wait(tasks)
+
+        await asyncio.wrap_future(get_scheduler().submit(settle()))
 
     async def close(self) -> None:
         """Nothing to release: uploads keep running in the background (see :meth:`wait_durable`)."""

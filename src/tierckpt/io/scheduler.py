@@ -158,7 +158,7 @@ class IOScheduler:
             running = None
         if running is not self._loop:
             raise CheckpointError(
-                "IOScheduler.call()/read() must run on the scheduler's own loop; "
+                "IOScheduler.slotted()/read() must run on the scheduler's own loop; "
                 "wrap the coroutine in scheduler.run() or scheduler.submit()"
             )
 
@@ -170,30 +170,6 @@ class IOScheduler:
         if slots is None:
             slots = table[owner] = PrioritySemaphore(self.max_concurrency)
         return slots
-
-    async def call(
-        self,
-        backend: Backend,
-        op_name: str,
-        fn: Callable[..., Awaitable[_T]],
-        *args: Any,
-        priority: Priority = Priority.FOREGROUND,
-        nbytes: int = 0,
-        retries: int = 5,
-        **kwargs: Any,
-    ) -> _T:
-        """``await fn(*args, **kwargs)`` under one of ``backend``'s slots, retrying transient errors.
-
-        ``retries`` is the most attempts in all (1: no retry). The metric's key is ``args[0]`` when
-        it is a string (backend methods take the key first). A store that schedules its own calls
-        (its chain ends in the scheduling link, :class:`~tierckpt.io.scheduled.ScheduledBackend`) is
-        called as it is, so no call is slotted or retried twice.
-        """
-        self._check_loop()
-        if getattr(backend, "schedules_itself", False):
-            return await fn(*args, **kwargs)
-        return await self.slotted(backend, backend.root_uri, op_name, fn, *args, priority=priority, nbytes=nbytes,
-                                  retries=retries, **kwargs)
 
     async def slotted(
         self,
@@ -207,8 +183,12 @@ class IOScheduler:
         retries: int = 5,
         **kwargs: Any,
     ) -> _T:
-        """The body of :meth:`call`: slots of ``slot_owner`` (one priority queue per owner), retries and
-        a metric labelled ``label`` (the store's URI)."""
+        """``await fn(*args, **kwargs)`` under one of ``slot_owner``'s slots (one priority queue per owner),
+        retrying transient errors, with a metric labelled ``label`` (the store's URI).
+
+        ``retries`` is the most attempts in all (1: no retry). The metric's key is ``args[0]`` when it is a
+        string (backend methods take the key first). :class:`~tierckpt.io.scheduled.ScheduledBackend`, the
+        scheduling link of every chain, calls it for each operation of the store it wraps."""
         self._check_loop()
         if retries < 1:
             raise CheckpointError(f"retries must be at least 1 for {op_name} on {label}, got {retries}")
@@ -250,11 +230,10 @@ class IOScheduler:
         backend: Backend,
         requests: Sequence[ReadRequest],
         *,
-        priority: Priority = Priority.FOREGROUND,
         part_bytes: int = DEFAULT_PART_BYTES,
-        retries: int = 5,
     ) -> None:
-        """Fill every request's ``out`` in parallel, in parts of at most ``part_bytes``.
+        """Fill every request's ``out`` in parallel, in parts of at most ``part_bytes``, through
+        ``backend.read_into`` (a store's scheduling link slots and retries each part).
 
         The first failure cancels the remaining parts and is raised as is. Zero-length requests do
         no I/O.
@@ -266,20 +245,7 @@ class IOScheduler:
         for req in requests:
             out = memoryview(req.out).cast("B")
             for offset in range(0, len(out), part_bytes):
-                view = out[offset : offset + part_bytes]
-                parts.append(
-                    self.call(
-                        backend,
-                        "read_into",
-                        backend.read_into,
-                        req.key,
-                        req.start + offset,
-                        view,
-                        priority=priority,
-                        nbytes=len(view),
-                        retries=retries,
-                    )
-                )
+                parts.append(backend.read_into(req.key, req.start + offset, out[offset : offset + part_bytes]))
         await _all_or_cancel(parts)
 
 

@@ -42,7 +42,7 @@ from .downlog import DownLog, durable_copies, generation_of, write_back_of
 from .linkstatus import LinkStatus, link_status
 from .mapped import MappedFile, is_spare, open_mapped, prepare_in_background
 from .memory import IncomingFile, MemoryTier, NodeMemory
-from .writedown import WriteDown
+from .writedown import WriteDown, drop_tier
 
 log = logging.getLogger(__name__)
 
@@ -358,9 +358,21 @@ class MemoryLink(Backend):
             for gen in [generation] if generation else self.memory_tier.generations() if not what else []:
                 await asyncio.to_thread(self.memory_tier.evict, gen)
                 await asyncio.to_thread(self.down.forget, gen)
+        if not exact:
+            await self._delete_nested(what)
         await self.writedown.after_commits(
             (lambda: self.below.delete(what)) if exact else (lambda: self.below.delete_prefix(what))
         )
+
+    async def _delete_nested(self, prefix: str) -> None:
+        """Drop from the node's tier every URI rooted under ``prefix`` of this one (a root deleting a
+        step: the step's own tier), stopping this process's write-downs of them first."""
+        base = f"{self.memory_tier.uri.rstrip('/')}/{prefix}"
+        for tier in await asyncio.to_thread(self.memory.tiers):
+            if tier.uri == self.memory_tier.uri or not f"{tier.uri}/".startswith(base):
+                continue
+            await drop_tier(tier.home)
+            await asyncio.to_thread(_empty, tier)
 
     # -- durability (tierckpt.store.Durable) -----------------------------------------------------------
     async def wait_durable(self, generation: str | None = None, timeout_s: float | None = None, *,
@@ -385,6 +397,18 @@ class MemoryLink(Backend):
 
     async def close(self) -> None:
         """Nothing to release: write-downs keep running in the background (see :meth:`wait_durable`)."""
+
+
+def _empty(tier: MemoryTier) -> None:
+    """Every generation of ``tier`` evicted (COMMIT first) and its write-down logs dropped."""
+    try:
+        os.unlink(tier.path_of(COMMIT))
+    except FileNotFoundError:
+        pass
+    log_of = DownLog(tier)
+    for generation in tier.generations():
+        tier.evict(generation)
+        log_of.forget(generation)
 
 
 def _record_of(data: bytes) -> CommitRecord | None:

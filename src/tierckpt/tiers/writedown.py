@@ -327,6 +327,22 @@ class WriteDown:
         self.deferred.append(get_scheduler().submit(deferred()))
 
 
+async def drop_tier(home: str) -> None:
+    """Stop every write-down of this process from the tier at ``home`` (its URI is being deleted) and
+    wait for the attempts in flight."""
+    with _ACTIVE_LOCK:
+        peers = [w for w in _ACTIVE if w.link.memory_tier.home == home]
+    jobs = [j for w in peers for j in (*w.files.values(), *w.commits.values())]
+    for job in jobs:
+        job.dropped = True
+    if jobs:
+        await asyncio.wait([asyncio.wrap_future(j.future) for j in jobs])
+    for w in peers:
+        w.files.clear()
+        w.commits.clear()
+        w.failures.clear()
+
+
 def _running(job: _Job | None) -> bool:
     return job is not None and not job.done()
 

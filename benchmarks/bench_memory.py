@@ -1,0 +1,284 @@
+"""The node memory tier: save stall, time to ``replicated``, recovery, training-loop overhead, memory.
+
+    python benchmarks/bench_memory.py [--gib 0.5] [--repeats 3] [--steps 40] [--every 5] [--out docs/benchmarks.md]
+
+Two ranks, each simulating a node of its own (``TIERCKPT_NODE_ID`` and ``TIERCKPT_MEMORY_DIR`` per rank,
+the memory directories under ``/dev/shm``), so each node's files are replicated to the other. The state is
+``--gib`` GiB of fp32 DTensors (``Shard(0)``); the remote of tierckpt's saves is a directory on the local disk.
+
+* **stall**: seconds from the call to its return, medians of ``--repeats`` after a warm-up, of a warm
+  memcpy of the rank's state into preallocated memory, of ``tierckpt.async_save`` with the memory tier on,
+  and of DCP's ``async_save`` to the local disk; plus the seconds until tierckpt's save is committed in
+  memory (``wait()``) and ``replicated`` (``wait("replicated")``), and until DCP's is saved.
+* **recovery**: fresh processes load the checkpoint (every byte compared): after a crash, from node
+  memory with the remote moved away; after a node loss (node 1's memory directory deleted; its rank comes
+  back on an empty node), from node 0's memory and its replica of node 1's files, the remote still away; and,
+  for comparison, the same checkpoint from the local disk (page cache dropped where the machine allows,
+  else said) and from S3 (moto on loopback, node cache off).
+* **training loop**: a small MLP + AdamW trained ``--steps`` steps on the 2 ranks (DDP), checkpointed every
+  ``--every`` steps — no checkpoint, tierckpt ``async_save`` with the memory tier, DCP ``async_save`` —
+  as the percentage by which the loop is slower than without checkpoints.
+* **memory**: peak RSS above the state's and the bytes in the memory tier after the saves, per node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+from bench_async import _reset_peak, _rss_kib, _warm_memcpy  # noqa: E402
+
+
+def as_node(rank: int, memory_root: str) -> None:
+    """Make this process rank ``rank``'s own simulated node, memory tier on."""
+    os.environ["TIERCKPT_NODE_ID"] = f"node{rank}"
+    os.environ["TIERCKPT_MEMORY_DIR"] = os.path.join(memory_root, f"node{rank}")
+    os.environ["TIERCKPT_MEMORY"] = "on"
+
+
+def tier_bytes(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files)
+
+
+# -- stall and time to replicated ----------------------------------------------------------------
+def save_ranks(rank: int, world: int, gib: float, repeats: int, disk: str, memory_root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import tierckpt
+
+    as_node(rank, memory_root)
+    state = C.make_state(gib, 0, fill=True)
+    memcpy = min(_warm_memcpy(state) for _ in range(3))
+    base = _rss_kib("VmRSS")
+    _reset_peak()
+    out: dict[str, Any] = {"memcpy": memcpy, "stall": {"tierckpt": [], "dcp": []}, "memory": [], "replicated": [],
+                           "dcp_saved": []}
+    for i in range(repeats + 1):  # the first round warms both libraries up
+        for lib in C.order(i):
+            dist.barrier()
+            start = time.perf_counter()
+            if lib == "tierckpt":
+                handle = tierckpt.async_save(os.path.join(disk, "tierckpt"), state)
+                stall = time.perf_counter() - start
+                handle.wait()
+                in_memory = time.perf_counter() - start
+                handle.wait("replicated")
+                replicated = time.perf_counter() - start
+            else:
+                future = dcp.async_save(state, checkpoint_id=os.path.join(disk, f"dcp-{i}"))
+                stall = time.perf_counter() - start
+                future.result()
+                saved = time.perf_counter() - start
+            if i == 0:
+                continue
+            out["stall"][lib].append(stall)
+            if lib == "tierckpt":
+                out["memory"].append(in_memory)
+                out["replicated"].append(replicated)
+            else:
+                out["dcp_saved"].append(saved)
+    out["save_peak_kib"] = _rss_kib("VmHWM") - base
+    out["tier_bytes"] = tier_bytes(os.environ["TIERCKPT_MEMORY_DIR"])
+    out["state_bytes"] = sum(t.to_local().nbytes for t in state.values())
+    dist.barrier()
+    return out
+
+
+# -- recovery ------------------------------------------------------------------------------------
+def load_ranks(rank: int, world: int, gib: float, uri: str, opts: dict[str, Any] | None, memory_root: str | None) -> dict[str, Any]:
+    import tierckpt
+
+    if memory_root is not None:
+        as_node(rank, memory_root)
+    else:
+        os.environ["TIERCKPT_MEMORY"] = "off"
+    targets = C.make_state(gib, 0, fill=False)
+    base = _rss_kib("VmRSS")
+    _reset_peak()
+    start = time.perf_counter()
+    tierckpt.load(uri, targets, storage_options=opts)
+    seconds = time.perf_counter() - start
+    C.check_state(targets, gib)
+    return {"seconds": seconds, "peak_kib": _rss_kib("VmHWM") - base}
+
+
+def s3_save_ranks(rank: int, world: int, gib: float, uri: str, opts: dict[str, Any]) -> None:
+    import tierckpt
+
+    os.environ["TIERCKPT_MEMORY"] = "off"
+    tierckpt.save(uri, C.make_state(gib, 0, fill=True), storage_options=opts)
+
+
+def progress(what: str) -> None:
+    print(f"bench_memory: {what} ...", file=sys.stderr, flush=True)
+
+
+def recovery(gib: float, disk: str, memory_root: str, timeout_s: float) -> dict[str, Any]:
+    """Seconds of each recovery (rank 0's wall time; the ranks start the load together)."""
+    uri = os.path.join(disk, "tierckpt")
+    away = uri + ".away"
+    result: dict[str, Any] = {}
+    os.rename(uri, away)  # the remote is down: only the memory tiers can serve the load
+    try:
+        result["memory (process crash)"] = C.run_ranks(load_ranks, 2, gib, uri, None, memory_root, timeout_s=timeout_s)[0]
+        C.rmtree(os.path.join(memory_root, "node1"))  # node 1 is lost; its rank restarts on an empty node
+        result["peer memory (node loss)"] = C.run_ranks(load_ranks, 2, gib, uri, None, memory_root, timeout_s=timeout_s)[0]
+    finally:
+        os.rename(away, uri)
+    dropped = C.drop_caches()
+    result["local disk" + (" (cold)" if dropped else " (warm: page cache not dropped)")] = (
+        C.run_ranks(load_ranks, 2, gib, uri, None, None, timeout_s=timeout_s)[0]
+    )
+    from bench_matrix import BUCKET, MotoS3
+
+    with MotoS3() as (_, s3_options):
+        s3_uri, opts = f"s3://{BUCKET}/memory-bench", {**s3_options, "cache": False}
+        C.run_ranks(s3_save_ranks, 2, gib, s3_uri, opts, timeout_s=timeout_s)
+        result["S3 (moto, node cache off)"] = C.run_ranks(load_ranks, 2, gib, s3_uri, opts, None, timeout_s=timeout_s)[0]
+    return result
+
+
+# -- training-loop overhead ----------------------------------------------------------------------
+def train_ranks(rank: int, world: int, mode: str, steps: int, every: int, hidden: int, disk: str, memory_root: str) -> float:
+    """Seconds for ``steps`` training steps, checkpointing every ``every`` steps as ``mode`` says."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import tierckpt
+
+    as_node(rank, memory_root)
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU()) for _ in range(4)]
+    model = DDP(torch.nn.Sequential(*layers))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.randn(32, hidden)
+    pending: Any = None
+
+    def step() -> None:
+        optim.zero_grad()
+        model(data).square().mean().backward()
+        optim.step()
+
+    ckpt_group = dist.new_group(backend="gloo")  # DCP's async collectives must not race DDP's on the default group
+
+    def checkpoint(i: int) -> Any:
+        state = {"model": model, "optim": optim}
+        if mode == "tierckpt":
+            return tierckpt.async_save(os.path.join(disk, "train-tierckpt"), state)
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(model, optim)
+        return dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(disk, f"train-dcp-{i}"),
+                              process_group=ckpt_group)
+
+    def finish(handle: Any) -> None:
+        handle.wait() if mode == "tierckpt" else handle.result()
+
+    for _ in range(3):  # warm-up: allocator, autograd, optimizer state, and one checkpoint
+        step()
+    if mode != "none":
+        finish(checkpoint(0))
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(1, steps + 1):
+        step()
+        if mode == "none" or i % every:
+            continue
+        if pending is not None:  # one save in flight at a time, as a training loop does
+            finish(pending)
+        pending = checkpoint(i)
+    seconds = time.perf_counter() - start
+    if pending is not None:
+        finish(pending)
+    dist.barrier()
+    return seconds
+
+
+def training(args: argparse.Namespace, disk: str, memory_root: str) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"none": [], "tierckpt": [], "dcp": []}
+    for r in range(args.repeats):
+        modes = ["none", "tierckpt", "dcp"] if r % 2 == 0 else ["dcp", "tierckpt", "none"]
+        for mode in modes:
+            out[mode].append(C.run_ranks(train_ranks, 2, mode, args.steps, args.every, args.hidden, disk, memory_root,
+                                          timeout_s=args.timeout)[0])
+    return out
+
+
+# -- report --------------------------------------------------------------------------------------
+def report(args: argparse.Namespace, saves: list[dict[str, Any]], rec: dict[str, Any], train: dict[str, list[float]],
+           disk: str) -> str:
+    r0 = saves[0]
+    med = C.median
+    stall_t, stall_d = med(r0["stall"]["tierckpt"]), med(r0["stall"]["dcp"])
+    rows = [
+        ["memcpy of the rank's state (warm)", f"{r0['memcpy']:.3f}", ""],
+        ["tierckpt `async_save`, memory tier: stall", f"{stall_t:.3f}",
+         f"{stall_t / r0['memcpy']:.2f}x memcpy (target <= 1.1x), {stall_t / stall_d:.2f}x DCP (target <= 0.5x)"],
+        ["DCP `async_save` to local disk: stall", f"{stall_d:.3f}", ""],
+        ["tierckpt: committed in node memory", f"{med(r0['memory']):.3f}", ""],
+        ["tierckpt: `replicated` (peer node's memory)", f"{med(r0['replicated']):.3f}", ""],
+        ["DCP: saved to local disk", f"{med(r0['dcp_saved']):.3f}", ""],
+    ]
+    mem = next(v["seconds"] for k, v in rec.items() if k.startswith("memory"))
+    peer = next(v["seconds"] for k, v in rec.items() if k.startswith("peer"))
+    rec_rows = []
+    for name, value in rec.items():
+        ratio = "" if name.startswith(("memory", "peer")) else (
+            f"{value['seconds'] / mem:.1f}x the memory recovery, {value['seconds'] / peer:.1f}x the peer recovery")
+        rec_rows.append([name, f"{value['seconds']:.3f}", C.fmt_bytes(value["peak_kib"] * 1024), ratio])
+    base = med(train["none"])
+    train_rows = [[mode, C.runs(train[mode]), f"{100 * (med(train[mode]) / base - 1):+.1f} %"] for mode in ("none", "tierckpt", "dcp")]
+    mem_rows = [[f"node{i}", C.fmt_bytes(s["state_bytes"]), C.fmt_bytes(s["save_peak_kib"] * 1024), C.fmt_bytes(s["tier_bytes"])]
+                for i, s in enumerate(saves)]
+    return "\n\n".join([
+        f"`python benchmarks/bench_memory.py --gib {args.gib} --repeats {args.repeats} --steps {args.steps} "
+        f"--every {args.every} --hidden {args.hidden}` (2 ranks, each its own simulated node; medians of "
+        f"{args.repeats}). Machine: {C.machine_info(disk)}",
+        "Save (seconds, rank 0):\n\n" + C.md_table(["what", "seconds", "ratio"], rows),
+        "Recovery in fresh processes, remote away for the memory cases (seconds, rank 0; peak RSS above the "
+        "targets):\n\n" + C.md_table(["from", "seconds", "peak RSS", "ratio"], rec_rows),
+        f"Training loop, {args.steps} steps, a checkpoint every {args.every} (seconds, all repeats; overhead against "
+        "no checkpoint):\n\n" + C.md_table(["mode", "seconds", "overhead"], train_rows),
+        "Memory per node after the saves:\n\n" + C.md_table(["node", "state", "peak RSS above the state", "memory tier"], mem_rows),
+    ])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=0.5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--every", type=int, default=5)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds any one group of ranks may take")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    disk = C.scratch_dir("tierckpt-bench-memory-")
+    memory_root = f"/dev/shm/tierckpt-bench-{os.getpid()}"
+    try:
+        progress("saves")
+        saves = C.run_ranks(save_ranks, 2, args.gib, args.repeats, disk, memory_root, timeout_s=args.timeout)
+        progress("recovery")
+        rec = recovery(args.gib, disk, memory_root, args.timeout)
+        shutil.rmtree(memory_root, ignore_errors=True)
+        progress("training loop")
+        train = training(args, disk, memory_root)
+        body = report(args, saves, rec, train, disk)
+    finally:
+        shutil.rmtree(memory_root, ignore_errors=True)
+        C.rmtree(disk)
+    C.publish(body, args.out, "bench_memory")
+
+
+if __name__ == "__main__":
+    main()
