@@ -11,7 +11,9 @@ committed over the new record (leftovers of crashed, failed or losing saves, of 
 short by an exit, and generations kept by earlier ``keep_previous=True`` saves) — the same set
 ``tierckpt gc`` removes. Never the committed generation, never one whose commit sequence is higher
 (a save that started from the new record and may be in flight). A save with ``keep_previous=True``
-starts no sweep.
+starts no sweep. Through a node cache (a write-back store) only the previous generation is deleted
+(the cache defers the remote deletion until the new ``COMMIT`` is uploaded); listing the remote after
+every save is left to ``tierckpt gc``.
 
 Guarantees kept:
 
@@ -52,16 +54,17 @@ _pending: dict[str, concurrent.futures.Future[list[str]]] = {}
 
 
 def sweep_after_commit(
-    backend: Backend, uri: str, committed: layout.CommitRecord, previous: str | None,
+    backend: Backend, uri: str, committed: layout.CommitRecord, previous: str | None, *, find_leftovers: bool = True,
 ) -> concurrent.futures.Future[list[str]]:
     """Start removing, in the background, the generations superseded by ``committed`` under ``uri``.
 
-    ``previous``: the generation the replaced ``COMMIT`` named (deleted even if the listing fails).
+    ``previous``: the generation the replaced ``COMMIT`` named, deleted first (even if the listing
+    fails). ``find_leftovers``: then list ``uri`` and delete every other superseded generation.
     Returns a future of the generation names deleted; it never raises (failures are logged).
     """
     with _lock:
         before = _pending.get(uri)
-        future = get_scheduler().submit(_sweep(backend, uri, committed, previous, before))
+        future = get_scheduler().submit(_sweep(backend, uri, committed, previous, before, find_leftovers))
         _pending[uri] = future
     future.add_done_callback(lambda f: _forget(uri, f))
     return future
@@ -75,29 +78,36 @@ def _forget(uri: str, future: concurrent.futures.Future[list[str]]) -> None:
 
 async def _sweep(
     backend: Backend, uri: str, committed: layout.CommitRecord, previous: str | None,
-    before: concurrent.futures.Future[list[str]] | None,
+    before: concurrent.futures.Future[list[str]] | None, find_leftovers: bool,
 ) -> list[str]:
     set_background()
     if before is not None:
         await asyncio.wait([asyncio.wrap_future(before)])
     started = time.perf_counter()
-    doomed = {previous} if previous and previous != committed.generation else set()
-    try:
-        doomed.update(layout.superseded_generations(await backend.list(""), committed))
-    except Exception as exc:  # noqa: BLE001 - the previous generation is still removed below
-        logger.warning("listing %s for superseded generations failed (%s); `tierckpt gc` removes any left",
-                       uri, describe_error(exc))
     deleted: list[str] = []
-    for generation in sorted(doomed):
+    if previous and previous != committed.generation:
+        await _delete(backend, uri, previous, deleted)
+    if find_leftovers:
         try:
-            await backend.delete_prefix(f"{generation}/")
-            deleted.append(generation)
-        except Exception as exc:  # noqa: BLE001 - committed is committed; a leftover is only space
-            logger.warning("removing superseded generation %s of %s failed (%s); the next save to it or "
-                           "`tierckpt gc` removes it", generation, uri, describe_error(exc))
+            leftovers = layout.superseded_generations(await backend.list(""), committed)
+        except Exception as exc:  # noqa: BLE001 - a leftover is only space; gc finds it later
+            logger.warning("listing %s for superseded generations failed (%s); the next save to it or "
+                           "`tierckpt gc` removes any left", uri, describe_error(exc))
+            leftovers = []
+        for generation in leftovers:
+            await _delete(backend, uri, generation, deleted)
     logger.debug("removed %d superseded generation(s) of %s in %.3fs", len(deleted), uri,
                  time.perf_counter() - started)
     return deleted
+
+
+async def _delete(backend: Backend, uri: str, generation: str, deleted: list[str]) -> None:
+    try:
+        await backend.delete_prefix(f"{generation}/")
+        deleted.append(generation)
+    except Exception as exc:  # noqa: BLE001 - committed is committed; a leftover is only space
+        logger.warning("removing superseded generation %s of %s failed (%s); the next save to it or "
+                       "`tierckpt gc` removes it", generation, uri, describe_error(exc))
 
 
 def pending() -> list[str]:

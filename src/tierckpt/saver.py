@@ -345,7 +345,8 @@ def _sweep_superseded(p: _Prepared) -> None:
     base = p.base.result() if p.base is not None else None
     previous = layout.CommitRecord.decode(base).generation if base else None
     committed = layout.CommitRecord(p.generation, 0.0, seq=layout.next_seq(base))
-    cleanup.sweep_after_commit(p.backend, p.uri, committed, previous)
+    cleanup.sweep_after_commit(p.backend, p.uri, committed, previous,
+                               find_leftovers=durability_of(p.backend) is None)
 
 
 def _commit_gathered(p: _Prepared, gathered: Any, world_size: int) -> tuple[tuple[str, Any], BaseException | None]:
