@@ -7,8 +7,10 @@ each, 1 GiB in all), ``Shard(0)`` on 2 gloo ranks; both saves are durable (tierc
 metadata and directories fsynced; DCP: ``FileSystemWriter(sync_files=True)``, its default). Each save
 goes to a fresh directory, removed and ``os.sync``-ed before (untimed) — or with ``--between nosync``
 removed without the sync (the previous save's writeback may still run), or with ``--between reuse``
-saved over the previous checkpoint in place (tierckpt then deletes its previous generation inside the
-save; DCP truncates and rewrites its files). The order of the libraries alternates per repeat.
+saved over the previous checkpoint in place (DCP truncates and rewrites its files; tierckpt writes a
+new generation and removes the previous one in the background after the call returns — the script
+waits for that removal and ``os.sync``-s, untimed, and reports its seconds; versions that removed it
+inside the call pay it in the timed save). The order of the libraries alternates per repeat.
 
 Wall-clock ratios on a machine shared with other work swing from run to run, so beside the seconds it
 reports what depends less on the neighbours: each rank's CPU seconds (all threads, ``os.times``),
@@ -62,6 +64,23 @@ def _top(profile: cProfile.Profile, limit: int = 12) -> list[tuple[str, float, f
     return sorted(rows, key=lambda r: -r[1])[:limit]
 
 
+def _after_save(lib: str, between: str) -> float | None:
+    """Rank 0, untimed, after a save: wait for tierckpt's background removal of the superseded
+    generations (``--between reuse``; its seconds since the save returned, ``None`` when this
+    version of tierckpt removes them inside the call), then ``os.sync`` so that neither library's next
+    save pays for the other's freed blocks."""
+    if lib != "tierckpt" or between != "reuse":
+        return None
+    try:
+        from tierckpt import cleanup
+    except ImportError:
+        return None
+    started = time.perf_counter()
+    cleanup.wait_pending()
+    os.sync()
+    return time.perf_counter() - started
+
+
 def ranks(
     rank: int, world: int, n: int, side: int, root: str, repeats: int, profile: bool, between: str, warmup: bool,
 ) -> list[dict[str, Any]]:
@@ -102,8 +121,12 @@ def ranks(
                 prof.disable()
             own = time.perf_counter() - t0
             dist.barrier()
-            out.append({"repeat": r, "lib": lib, "seconds": time.perf_counter() - t0, "own_seconds": own,
-                        "cpu": _cpu() - cpu0, "phases": dict(monitor.seconds),
+            seconds = time.perf_counter() - t0
+            cpu = _cpu() - cpu0
+            sweep = _after_save(lib, between) if rank == 0 else None
+            dist.barrier()
+            out.append({"repeat": r, "lib": lib, "seconds": seconds, "own_seconds": own, "cpu": cpu,
+                        "phases": dict(monitor.seconds), "sweep": sweep,
                         "top": _top(prof) if prof is not None else None})
     return out
 
@@ -129,6 +152,10 @@ def report(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) -> st
         if rec["lib"] == "tierckpt":
             for name in set().union(*(rr[i]["phases"] for rr in per_rank)):
                 phases.setdefault(name, []).append(max(rr[i]["phases"].get(name, 0.0) for rr in per_rank))
+    sweeps = [rec["sweep"] for rec in per_rank[0] if rec["sweep"] is not None]
+    if sweeps:
+        lines.append(f"tierckpt's background removal of the previous generation, after the save returned, "
+                     f"untimed (wait + `os.sync`): {C.runs(sweeps)} s")
     lines.append("tierckpt phases (max over ranks; median over repeats): " + ", ".join(
         f"{k} {C.median(v):.3f}s" for k, v in sorted(phases.items(), key=lambda kv: -C.median(kv[1]))))
     for rec in per_rank[0]:
