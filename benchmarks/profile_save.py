@@ -41,6 +41,28 @@ def _cpu() -> float:
     return t.user + t.system
 
 
+def _discards(path: str) -> tuple[int, int]:
+    """``(bytes discarded, ms spent discarding)`` so far by the block device holding ``path``
+    (``/proc/diskstats``; the whole device, so other jobs' discards count too; ``(0, 0)`` if unknown)."""
+    dev = os.stat(path).st_dev
+    want = {(os.major(dev), os.minor(dev))}
+    try:
+        with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/../dev") as f:  # a partition: its disk
+            major, minor = f.read().split(":")
+            want.add((int(major), int(minor)))
+    except OSError:
+        pass
+    try:
+        with open("/proc/diskstats") as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return 0, 0
+    for row in rows:
+        if (int(row[0]), int(row[1])) in want and len(row) >= 18:
+            return int(row[16]) * 512, int(row[17])
+    return 0, 0
+
+
 def _state(rank: int, world: int, n: int, side: int) -> dict[str, Any]:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
@@ -110,6 +132,7 @@ def ranks(
             dist.barrier()
             monitor = tierckpt.Monitor()
             prof = cProfile.Profile() if profile and rank == 0 and r == repeats - 1 else None
+            disc0 = _discards(root)
             cpu0, t0 = _cpu(), time.perf_counter()
             if prof is not None:
                 prof.enable()
@@ -123,10 +146,11 @@ def ranks(
             dist.barrier()
             seconds = time.perf_counter() - t0
             cpu = _cpu() - cpu0
+            disc = [b - a for a, b in zip(disc0, _discards(root))]
             sweep = _after_save(lib, between) if rank == 0 else None
             dist.barrier()
             out.append({"repeat": r, "lib": lib, "seconds": seconds, "own_seconds": own, "cpu": cpu,
-                        "phases": dict(monitor.seconds), "sweep": sweep,
+                        "phases": dict(monitor.seconds), "sweep": sweep, "discard": disc,
                         "top": _top(prof) if prof is not None else None})
     return out
 
@@ -143,6 +167,9 @@ def report(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) -> st
         cpu = [sum(rr[i]["cpu"] for rr in per_rank) for i, _ in recs]
         rows.append([lib, f"{C.median(wall):.3f}", C.runs(wall), f"{C.median(cpu):.3f}", C.runs(cpu)])
     lines.append(C.md_table(["library", "wall s (median)", "wall s, all runs", "CPU s, both ranks (median)", "CPU s, all runs"], rows))
+    lines.append("Device discards during each timed save (whole disk, rank 0's view; other jobs' count too), "
+                 "GiB / ms: " + "; ".join(f"r{rec['repeat']} {rec['lib']} {rec['discard'][0] / C.GiB:.2f} / "
+                                          f"{rec['discard'][1]}" for rec in per_rank[0]))
     ratios = [d["seconds"] / t["seconds"] for d, t in zip(
         [rec for rec in per_rank[0] if rec["lib"] == "dcp"], [rec for rec in per_rank[0] if rec["lib"] == "tierckpt"])]
     lines.append(f"DCP s / tierckpt s per repeat: {' / '.join(f'{x:.2f}' for x in ratios)} "
