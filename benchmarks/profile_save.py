@@ -41,6 +41,10 @@ def _cpu() -> float:
     return t.user + t.system
 
 
+def _sys() -> float:
+    return os.times().system
+
+
 def _discards(path: str) -> tuple[int, int]:
     """``(bytes discarded, ms spent discarding)`` so far by the block device holding ``path``
     (``/proc/diskstats``; the whole device, so other jobs' discards count too; ``(0, 0)`` if unknown)."""
@@ -133,7 +137,7 @@ def ranks(
             monitor = tierckpt.Monitor()
             prof = cProfile.Profile() if profile and rank == 0 and r == repeats - 1 else None
             disc0 = _discards(root)
-            cpu0, t0 = _cpu(), time.perf_counter()
+            cpu0, sys0, t0 = _cpu(), _sys(), time.perf_counter()
             if prof is not None:
                 prof.enable()
             if lib == "tierckpt":
@@ -145,11 +149,11 @@ def ranks(
             own = time.perf_counter() - t0
             dist.barrier()
             seconds = time.perf_counter() - t0
-            cpu = _cpu() - cpu0
+            cpu, system = _cpu() - cpu0, _sys() - sys0
             disc = [b - a for a, b in zip(disc0, _discards(root))]
             sweep = _after_save(lib, between) if rank == 0 else None
             dist.barrier()
-            out.append({"repeat": r, "lib": lib, "seconds": seconds, "own_seconds": own, "cpu": cpu,
+            out.append({"repeat": r, "lib": lib, "seconds": seconds, "own_seconds": own, "cpu": cpu, "sys": system,
                         "phases": dict(monitor.seconds), "sweep": sweep, "discard": disc,
                         "top": _top(prof) if prof is not None else None})
     return out
@@ -166,7 +170,9 @@ def report(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) -> st
         wall = [rec["seconds"] for _, rec in recs]
         cpu = [sum(rr[i]["cpu"] for rr in per_rank) for i, _ in recs]
         rows.append([lib, f"{C.median(wall):.3f}", C.runs(wall), f"{C.median(cpu):.3f}", C.runs(cpu)])
-    lines.append(C.md_table(["library", "wall s (median)", "wall s, all runs", "CPU s, both ranks (median)", "CPU s, all runs"], rows))
+        rows[-1].append(C.runs([sum(rr[i]["sys"] for rr in per_rank) for i, _ in recs]))
+    lines.append(C.md_table(["library", "wall s (median)", "wall s, all runs", "CPU s, both ranks (median)", "CPU s, all runs",
+                             "of which system (kernel) s, all runs"], rows))
     lines.append("Device discards during each timed save (whole disk, rank 0's view; other jobs' count too), "
                  "GiB / ms: " + "; ".join(f"r{rec['repeat']} {rec['lib']} {rec['discard'][0] / C.GiB:.2f} / "
                                           f"{rec['discard'][1]}" for rec in per_rank[0]))
