@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -173,3 +174,17 @@ def test_an_exit_cut_short_leaves_only_superseded_generations_for_the_next_save_
     assert generations(uri) == [third], "the next save removed the leftover with its predecessor"
     loaded = load(uri)
     assert loaded["step"] == 3 and matches(loaded)
+
+
+def test_a_forked_child_does_not_wait_for_its_parents_removals(tmp_path: Path, gated_removal: threading.Event) -> None:
+    uri = str(tmp_path / "ckpt")
+    tierckpt.save(uri, make_state(1))
+    tierckpt.save(uri, make_state(2))
+    assert cleanup.pending() == [uri]
+    pid = os.fork()
+    if pid == 0:  # the child: no I/O loop of the parent's runs here
+        os._exit(0 if cleanup.pending() == [] and cleanup.wait_pending(1) == [] else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    gated_removal.set()
+    assert cleanup.wait_pending(60) == [] and len(generations(uri)) == 1

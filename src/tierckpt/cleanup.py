@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 
@@ -51,6 +52,16 @@ EXIT_WAIT_S = 10.0
 _lock = threading.Lock()
 _pending: dict[str, concurrent.futures.Future[list[str]]] = {}
 """The latest sweep of each URI in this process (a new one waits for it)."""
+
+
+def _forget_after_fork() -> None:
+    """A forked child has no I/O loop of its parent's: its sweeps are not the child's to wait for."""
+    global _lock
+    _lock = threading.Lock()
+    _pending.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def sweep_after_commit(
