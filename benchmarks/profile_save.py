@@ -1,8 +1,9 @@
 """Where the time of a local save goes: tierckpt vs ``dcp.save``, phase by phase, on a shared machine.
 
-    python benchmarks/profile_save.py [--n 16] [--side 4096] [--repeats 5] [--profile]
+    python benchmarks/profile_save.py [--n 16] [--side 4096] [--cols SIDE] [--repeats 5] [--profile]
 
-The state of the comparison: ``--n`` square fp32 DTensors of ``--side`` (default 16 x 4096^2, 64 MiB
+The state of the comparison: ``--n`` fp32 DTensors of ``--side`` rows and ``--cols`` columns (default
+``--side``: squares; 16 x 4096^2, 64 MiB
 each, 1 GiB in all), ``Shard(0)`` on 2 gloo ranks; both saves are durable (tierckpt: commit, data,
 metadata and directories fsynced; DCP: ``FileSystemWriter(sync_files=True)``, its default). Each save
 goes to a fresh directory, removed and ``os.sync``-ed before (untimed) — or with ``--between nosync``
@@ -67,7 +68,7 @@ def _discards(path: str) -> tuple[int, int]:
     return 0, 0
 
 
-def _state(rank: int, world: int, n: int, side: int) -> dict[str, Any]:
+def _state(rank: int, world: int, n: int, side: int, cols: int) -> dict[str, Any]:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
@@ -75,9 +76,9 @@ def _state(rank: int, world: int, n: int, side: int) -> dict[str, Any]:
     mesh = DeviceMesh("cpu", list(range(world)))
     state = {}
     for i in range(n):
-        local = torch.randn(side // world, side, generator=torch.Generator().manual_seed(i * world + rank))
-        state[f"t{i}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((side, side)),
-                                            stride=(side, 1))
+        local = torch.randn(side // world, cols, generator=torch.Generator().manual_seed(i * world + rank))
+        state[f"t{i}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((side, cols)),
+                                            stride=(cols, 1))
     return state
 
 
@@ -108,7 +109,8 @@ def _after_save(lib: str, between: str) -> float | None:
 
 
 def ranks(
-    rank: int, world: int, n: int, side: int, root: str, repeats: int, profile: bool, between: str, warmup: bool,
+    rank: int, world: int, n: int, side: int, cols: int, root: str, repeats: int, profile: bool, between: str,
+    warmup: bool,
 ) -> list[dict[str, Any]]:
     """Run on every rank: warm-up, then ``repeats`` timed saves per library (order alternating)."""
     import torch.distributed as dist
@@ -116,7 +118,7 @@ def ranks(
 
     import tierckpt
 
-    state = _state(rank, world, n, side)
+    state = _state(rank, world, n, side, cols)
     small = {k: v for k, v in list(state.items())[:1]}
     for lib in LIBS if warmup else ():  # untimed: imports and first-call setup of each library
         uri = os.path.join(root, f"warmup-{lib}")
@@ -160,8 +162,8 @@ def ranks(
 
 
 def report(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) -> str:
-    lines = [f"State: {args.n} x ({args.side}, {args.side}) fp32 `Shard(0)` on 2 ranks "
-             f"({C.fmt_bytes(args.n * args.side * args.side * 4)}); {args.repeats} repeats; between saves: "
+    lines = [f"State: {args.n} x ({args.side}, {args.cols}) fp32 `Shard(0)` on 2 ranks "
+             f"({C.fmt_bytes(args.n * args.side * args.cols * 4)}); {args.repeats} repeats; between saves: "
              f"{args.between}; {'no ' if args.no_warmup else ''}warm-up; load average before: "
              f"{args.load_before}, after: {os.getloadavg()[0]:.2f} (1 min)."]
     rows = []
@@ -201,7 +203,8 @@ def report(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) -> st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=16, help="number of square tensors (default 16)")
-    ap.add_argument("--side", type=int, default=4096, help="side of each square fp32 tensor (default 4096)")
+    ap.add_argument("--side", type=int, default=4096, help="rows of each fp32 tensor (default 4096)")
+    ap.add_argument("--cols", type=int, default=None, help="columns of each tensor (default: --side, squares)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="cProfile rank 0's calling thread in the last repeat")
     ap.add_argument("--between", choices=("fresh", "nosync", "reuse"), default="fresh",
@@ -210,11 +213,13 @@ def main() -> None:
                     help="time the first save of each library in the processes too (lazy imports, first plan)")
     ap.add_argument("--tmp", default=None, help="scratch directory (default: a new dir under $TMPDIR)")
     args = ap.parse_args()
+    args.cols = args.cols or args.side
     args.load_before = f"{os.getloadavg()[0]:.2f}"
     root = C.scratch_dir("tierckpt-profile-") if args.tmp is None else args.tmp
     os.makedirs(root, exist_ok=True)
     try:
-        per_rank = C.run_ranks(ranks, 2, args.n, args.side, root, args.repeats, args.profile, args.between, not args.no_warmup)
+        per_rank = C.run_ranks(ranks, 2, args.n, args.side, args.cols, root, args.repeats, args.profile, args.between,
+                               not args.no_warmup)
     finally:
         if args.tmp is None:
             C.rmtree(root)
