@@ -75,7 +75,16 @@ def sweep_after_commit(
     """
     with _lock:
         before = _pending.get(uri)
-        future = get_scheduler().submit(_sweep(backend, uri, committed, previous, before, find_leftovers))
+        sweep = _sweep(backend, uri, committed, previous, before, find_leftovers)
+        try:
+            future = get_scheduler().submit(sweep)
+        except Exception as exc:  # noqa: BLE001 - the commit stands; a leftover is only space
+            sweep.close()
+            logger.warning("could not start removing superseded generations of %s (%s); the next save to it or "
+                           "`tierckpt gc` removes them", uri, describe_error(exc))
+            future = concurrent.futures.Future()
+            future.set_result([])
+            return future
         _pending[uri] = future
     future.add_done_callback(lambda f: _forget(uri, f))
     return future
