@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--tmp", default=None, help="scratch directory (default: a new dir under $TMPDIR)")
     args = ap.parse_args()
 
+    load_before = os.getloadavg()[0]
     nbytes = C.state_bytes(args.gib)
     root = C.scratch_dir("tierckpt-bench-") if args.tmp is None else args.tmp
     os.makedirs(root, exist_ok=True)
@@ -87,6 +88,10 @@ def main() -> None:
     ]
     table = C.md_table(["operation", "tierckpt s (median)", "DCP s (median)", "speedup (DCP s / tierckpt s)",
                         "GiB/s tierckpt / DCP", "all runs, s (tierckpt — DCP)"], rows)
+    pairs = [d / t for t, d in zip(save_s["tierckpt"], save_s["dcp"])]
+    spread = (f"Save, DCP s / tierckpt s per repeat (same repeat, adjacent runs): {' / '.join(f'{x:.2f}' for x in pairs)} "
+              f"(min {min(pairs):.2f}, median {C.median(pairs):.2f}, max {max(pairs):.2f}). Load average (1 min) "
+              f"{load_before:.2f} before the run, {os.getloadavg()[0]:.2f} after.")
 
     amp_rows = []
     for lib in C.LIBS:
@@ -118,11 +123,13 @@ def main() -> None:
         f"State: {C.N_TENSORS} fp32 matrices of {C.shapes(args.gib)['w0']} = {C.fmt_bytes(nbytes)} of tensor data, "
         f"DTensors saved `Shard(0)` over 2 gloo ranks and loaded `Shard(1)` over 3 gloo ranks (a cross-cutting "
         f"reshard), in one run with {args.repeats} repeats (library order alternates per repeat, after an untimed tiny warm-up save+load of each library in the same processes); times are "
-        f"rank 0's barrier-to-barrier seconds, medians. Every load is checked element by element. "
+        f"rank 0's barrier-to-barrier seconds, medians. Each save goes to a fresh directory, removed and "
+        f"`os.sync`-ed before (untimed). Every load is checked element by element. "
         f"DCP: `FileSystemWriter(path, sync_files=True)` (its default: fsyncs each data file) / "
         f"`FileSystemReader`; tierckpt returns after its commit (data files, metadata and directories fsynced). "
         f"{cache_note}",
         table,
+        spread,
         "Bytes read per load (median over repeats; `/proc/self/io` deltas around the load call, summed over the "
         "3 loading ranks; `rchar` counts read()/pread() syscalls, not gloo socket traffic — checked: a 16 MiB "
         "gloo all_to_all adds ~100 B):",

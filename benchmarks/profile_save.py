@@ -1,14 +1,17 @@
 """Where the time of a local save goes: tierckpt vs ``dcp.save``, phase by phase, on a shared machine.
 
-    python benchmarks/profile_save.py [--n 16] [--side 4096] [--repeats 5] [--profile]
+    python benchmarks/profile_save.py [--n 16] [--side 4096] [--cols SIDE] [--repeats 5] [--profile]
 
-The state of the comparison: ``--n`` square fp32 DTensors of ``--side`` (default 16 x 4096^2, 64 MiB
+The state of the comparison: ``--n`` fp32 DTensors of ``--side`` rows and ``--cols`` columns (default
+``--side``: squares; 16 x 4096^2, 64 MiB
 each, 1 GiB in all), ``Shard(0)`` on 2 gloo ranks; both saves are durable (tierckpt: commit, data,
 metadata and directories fsynced; DCP: ``FileSystemWriter(sync_files=True)``, its default). Each save
 goes to a fresh directory, removed and ``os.sync``-ed before (untimed) — or with ``--between nosync``
 removed without the sync (the previous save's writeback may still run), or with ``--between reuse``
-saved over the previous checkpoint in place (tierckpt then deletes its previous generation inside the
-save; DCP truncates and rewrites its files). The order of the libraries alternates per repeat.
+saved over the previous checkpoint in place (DCP truncates and rewrites its files; tierckpt writes a
+new generation and removes the previous one in the background after the call returns — the script
+waits for that removal and ``os.sync``-s, untimed, and reports its seconds; versions that removed it
+inside the call pay it in the timed save). The order of the libraries alternates per repeat.
 
 Wall-clock ratios on a machine shared with other work swing from run to run, so beside the seconds it
 reports what depends less on the neighbours: each rank's CPU seconds (all threads, ``os.times``),
@@ -39,7 +42,33 @@ def _cpu() -> float:
     return t.user + t.system
 
 
-def _state(rank: int, world: int, n: int, side: int) -> dict[str, Any]:
+def _sys() -> float:
+    return os.times().system
+
+
+def _discards(path: str) -> tuple[int, int]:
+    """``(bytes discarded, ms spent discarding)`` so far by the block device holding ``path``
+    (``/proc/diskstats``; the whole device, so other jobs' discards count too; ``(0, 0)`` if unknown)."""
+    dev = os.stat(path).st_dev
+    want = {(os.major(dev), os.minor(dev))}
+    try:
+        with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/../dev") as f:  # a partition: its disk
+            major, minor = f.read().split(":")
+            want.add((int(major), int(minor)))
+    except OSError:
+        pass
+    try:
+        with open("/proc/diskstats") as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return 0, 0
+    for row in rows:
+        if (int(row[0]), int(row[1])) in want and len(row) >= 18:
+            return int(row[16]) * 512, int(row[17])
+    return 0, 0
+
+
+def _state(rank: int, world: int, n: int, side: int, cols: int) -> dict[str, Any]:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
@@ -47,9 +76,9 @@ def _state(rank: int, world: int, n: int, side: int) -> dict[str, Any]:
     mesh = DeviceMesh("cpu", list(range(world)))
     state = {}
     for i in range(n):
-        local = torch.randn(side // world, side, generator=torch.Generator().manual_seed(i * world + rank))
-        state[f"t{i}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((side, side)),
-                                            stride=(side, 1))
+        local = torch.randn(side // world, cols, generator=torch.Generator().manual_seed(i * world + rank))
+        state[f"t{i}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((side, cols)),
+                                            stride=(cols, 1))
     return state
 
 
@@ -62,8 +91,26 @@ def _top(profile: cProfile.Profile, limit: int = 12) -> list[tuple[str, float, f
     return sorted(rows, key=lambda r: -r[1])[:limit]
 
 
+def _after_save(lib: str, between: str) -> float | None:
+    """Rank 0, untimed, after a save: wait for tierckpt's background removal of the superseded
+    generations (``--between reuse``; its seconds since the save returned, ``None`` when this
+    version of tierckpt removes them inside the call), then ``os.sync`` so that neither library's next
+    save pays for the other's freed blocks."""
+    if lib != "tierckpt" or between != "reuse":
+        return None
+    try:
+        from tierckpt import cleanup
+    except ImportError:
+        return None
+    started = time.perf_counter()
+    cleanup.wait_pending()
+    os.sync()
+    return time.perf_counter() - started
+
+
 def ranks(
-    rank: int, world: int, n: int, side: int, root: str, repeats: int, profile: bool, between: str, warmup: bool,
+    rank: int, world: int, n: int, side: int, cols: int, root: str, repeats: int, profile: bool, between: str,
+    warmup: bool,
 ) -> list[dict[str, Any]]:
     """Run on every rank: warm-up, then ``repeats`` timed saves per library (order alternating)."""
     import torch.distributed as dist
@@ -71,7 +118,7 @@ def ranks(
 
     import tierckpt
 
-    state = _state(rank, world, n, side)
+    state = _state(rank, world, n, side, cols)
     small = {k: v for k, v in list(state.items())[:1]}
     for lib in LIBS if warmup else ():  # untimed: imports and first-call setup of each library
         uri = os.path.join(root, f"warmup-{lib}")
@@ -91,7 +138,8 @@ def ranks(
             dist.barrier()
             monitor = tierckpt.Monitor()
             prof = cProfile.Profile() if profile and rank == 0 and r == repeats - 1 else None
-            cpu0, t0 = _cpu(), time.perf_counter()
+            disc0 = _discards(root)
+            cpu0, sys0, t0 = _cpu(), _sys(), time.perf_counter()
             if prof is not None:
                 prof.enable()
             if lib == "tierckpt":
@@ -102,15 +150,20 @@ def ranks(
                 prof.disable()
             own = time.perf_counter() - t0
             dist.barrier()
-            out.append({"repeat": r, "lib": lib, "seconds": time.perf_counter() - t0, "own_seconds": own,
-                        "cpu": _cpu() - cpu0, "phases": dict(monitor.seconds),
+            seconds = time.perf_counter() - t0
+            cpu, system = _cpu() - cpu0, _sys() - sys0
+            disc = [b - a for a, b in zip(disc0, _discards(root))]
+            sweep = _after_save(lib, between) if rank == 0 else None
+            dist.barrier()
+            out.append({"repeat": r, "lib": lib, "seconds": seconds, "own_seconds": own, "cpu": cpu, "sys": system,
+                        "phases": dict(monitor.seconds), "sweep": sweep, "discard": disc,
                         "top": _top(prof) if prof is not None else None})
     return out
 
 
 def report(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) -> str:
-    lines = [f"State: {args.n} x ({args.side}, {args.side}) fp32 `Shard(0)` on 2 ranks "
-             f"({C.fmt_bytes(args.n * args.side * args.side * 4)}); {args.repeats} repeats; between saves: "
+    lines = [f"State: {args.n} x ({args.side}, {args.cols}) fp32 `Shard(0)` on 2 ranks "
+             f"({C.fmt_bytes(args.n * args.side * args.cols * 4)}); {args.repeats} repeats; between saves: "
              f"{args.between}; {'no ' if args.no_warmup else ''}warm-up; load average before: "
              f"{args.load_before}, after: {os.getloadavg()[0]:.2f} (1 min)."]
     rows = []
@@ -119,7 +172,12 @@ def report(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) -> st
         wall = [rec["seconds"] for _, rec in recs]
         cpu = [sum(rr[i]["cpu"] for rr in per_rank) for i, _ in recs]
         rows.append([lib, f"{C.median(wall):.3f}", C.runs(wall), f"{C.median(cpu):.3f}", C.runs(cpu)])
-    lines.append(C.md_table(["library", "wall s (median)", "wall s, all runs", "CPU s, both ranks (median)", "CPU s, all runs"], rows))
+        rows[-1].append(C.runs([sum(rr[i]["sys"] for rr in per_rank) for i, _ in recs]))
+    lines.append(C.md_table(["library", "wall s (median)", "wall s, all runs", "CPU s, both ranks (median)", "CPU s, all runs",
+                             "of which system (kernel) s, all runs"], rows))
+    lines.append("Device discards during each timed save (whole disk, rank 0's view; other jobs' count too), "
+                 "GiB / ms: " + "; ".join(f"r{rec['repeat']} {rec['lib']} {rec['discard'][0] / C.GiB:.2f} / "
+                                          f"{rec['discard'][1]}" for rec in per_rank[0]))
     ratios = [d["seconds"] / t["seconds"] for d, t in zip(
         [rec for rec in per_rank[0] if rec["lib"] == "dcp"], [rec for rec in per_rank[0] if rec["lib"] == "tierckpt"])]
     lines.append(f"DCP s / tierckpt s per repeat: {' / '.join(f'{x:.2f}' for x in ratios)} "
@@ -129,6 +187,10 @@ def report(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) -> st
         if rec["lib"] == "tierckpt":
             for name in set().union(*(rr[i]["phases"] for rr in per_rank)):
                 phases.setdefault(name, []).append(max(rr[i]["phases"].get(name, 0.0) for rr in per_rank))
+    sweeps = [rec["sweep"] for rec in per_rank[0] if rec["sweep"] is not None]
+    if sweeps:
+        lines.append(f"tierckpt's background removal of the previous generation, after the save returned, "
+                     f"untimed (wait + `os.sync`): {C.runs(sweeps)} s")
     lines.append("tierckpt phases (max over ranks; median over repeats): " + ", ".join(
         f"{k} {C.median(v):.3f}s" for k, v in sorted(phases.items(), key=lambda kv: -C.median(kv[1]))))
     for rec in per_rank[0]:
@@ -141,7 +203,8 @@ def report(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) -> st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=16, help="number of square tensors (default 16)")
-    ap.add_argument("--side", type=int, default=4096, help="side of each square fp32 tensor (default 4096)")
+    ap.add_argument("--side", type=int, default=4096, help="rows of each fp32 tensor (default 4096)")
+    ap.add_argument("--cols", type=int, default=None, help="columns of each tensor (default: --side, squares)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="cProfile rank 0's calling thread in the last repeat")
     ap.add_argument("--between", choices=("fresh", "nosync", "reuse"), default="fresh",
@@ -150,11 +213,13 @@ def main() -> None:
                     help="time the first save of each library in the processes too (lazy imports, first plan)")
     ap.add_argument("--tmp", default=None, help="scratch directory (default: a new dir under $TMPDIR)")
     args = ap.parse_args()
+    args.cols = args.cols or args.side
     args.load_before = f"{os.getloadavg()[0]:.2f}"
     root = C.scratch_dir("tierckpt-profile-") if args.tmp is None else args.tmp
     os.makedirs(root, exist_ok=True)
     try:
-        per_rank = C.run_ranks(ranks, 2, args.n, args.side, root, args.repeats, args.profile, args.between, not args.no_warmup)
+        per_rank = C.run_ranks(ranks, 2, args.n, args.side, args.cols, root, args.repeats, args.profile, args.between,
+                               not args.no_warmup)
     finally:
         if args.tmp is None:
             C.rmtree(root)

@@ -40,7 +40,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 import tierckpt  # noqa: E402
-from tierckpt import layout  # noqa: E402
+from tierckpt import cleanup, layout  # noqa: E402
 
 # -- the known state ---------------------------------------------------------------------------------
 SHAPES = {
@@ -214,6 +214,7 @@ def _child(job: dict[str, Any]) -> None:
         try:
             install_crash(job.get("crash_at"))
             run_saves(job["uri"], job["saves"], job.get("start", 0), job.get("storage_options"), out)
+            cleanup.wait_pending()  # what a normal exit's drain waits for (os._exit skips it)
         except BaseException as exc:  # noqa: BLE001 - reported to the parent through the file
             out.write(f"error {type(exc).__name__}: {' '.join(str(exc).split())}\n")
             out.flush()

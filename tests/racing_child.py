@@ -37,7 +37,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 import tierckpt  # noqa: E402
-from tierckpt import saver  # noqa: E402
+from tierckpt import cleanup, saver  # noqa: E402
 from tierckpt.backends import open_backend  # noqa: E402
 from tierckpt.errors import CheckpointBusyError  # noqa: E402
 from tierckpt.io.scheduler import get_scheduler  # noqa: E402
@@ -112,6 +112,7 @@ def race(uri: str, role: int, rounds: int, gates: Path) -> None:
             emit(round=r, role=role, outcome="won", generation=meta.generation, value=value)
         except CheckpointBusyError as exc:
             emit(round=r, role=role, outcome="busy", message=str(exc))
+        cleanup.wait_pending()  # the replaced generation is removed in the background after the commit
         (gates / f"done{r}-{role}").touch()
         if role == 0:
             wait_for(gates / f"done{r}-1")

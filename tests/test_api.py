@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import tierckpt
-from tierckpt import layout
+from tierckpt import cleanup, layout
 from tierckpt.backends import open_backend
 from tierckpt.errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError,
@@ -288,6 +288,7 @@ def test_successful_resave_deletes_previous_generation_data(tmp_path):
     g1 = committed(root)
     tierckpt.save(str(root), {"w": torch.full((2,), 2.0)})
     g2 = committed(root)
+    cleanup.wait_pending()  # the old generation is removed in the background, after the commit
     assert g2 != g1 and files_under(root / g1) == []
     tierckpt.save(str(root), {"w": torch.full((2,), 3.0)}, keep_previous=True)
     g3 = committed(root)
@@ -304,6 +305,7 @@ def test_successful_resave_deletes_previous_generation_in_memory():
     backend = open_backend(uri)
     g1 = read_checkpoint(backend).meta.generation
     tierckpt.save(uri, {"w": torch.ones(2)})
+    cleanup.wait_pending()
     from tierckpt.io.scheduler import get_scheduler
 
     keys = get_scheduler().run(backend.list(""))
@@ -316,6 +318,7 @@ def test_successful_resave_removes_previous_generation_directory(tmp_path):
     root = tmp_path / "ckpt"
     tierckpt.save(str(root), {"w": torch.ones(2)})
     tierckpt.save(str(root), {"w": torch.full((2,), 2.0)})
+    cleanup.wait_pending()
     assert generations(root) == [committed(root)]
 
 
@@ -410,6 +413,7 @@ def test_gc_removes_leftovers_of_crashed_saves_but_not_newer_ones(tmp_path):
 
     root = tmp_path / "ckpt"
     tierckpt.save(str(root), {"w": torch.ones(4)})
+    cleanup.wait_pending()  # the save's own sweep is over before the leftovers appear
     committed = read_checkpoint(open_backend(str(root))).meta.generation
     old_name, new_name = layout.new_generation(1), layout.new_generation(2)
     old = root / old_name / "data"

@@ -19,7 +19,8 @@ Lifecycle (every rank of the group unless noted):
 4. *Commit* (rank 0): write the metadata documents, then ``COMMIT`` as one compare-and-swap against
    the base: if another job committed meanwhile, this save raises
    :class:`~tierckpt.errors.CheckpointBusyError` and removes its generation. Share the outcome;
-   delete the generation the base named unless ``keep_previous``.
+   unless ``keep_previous``, rank 0 then hands the removal of the superseded generations (the one the
+   base named, and leftovers) to the I/O loop and returns (:mod:`tierckpt.cleanup`).
 
 A background failure is raised by the handle's ``wait()``, and — if nobody waited — by the next save.
 """
@@ -39,7 +40,7 @@ import crc32c
 import torch
 import torch.distributed as dist
 
-from . import layout
+from . import cleanup, layout
 from .backends import Backend
 from .comm import Comm, StoreCoordinator, describe_error
 from .errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, TransientStorageError
@@ -78,8 +79,9 @@ _PROCESS = _Process()
 
 
 def _drain_at_exit() -> None:
-    """The exit drain: let background saves commit, then write-back uploads finish, within the store's
-    exit wait; print on stderr what is left (with the ``tierckpt sync`` command that finishes it).
+    """The exit drain: let background saves commit, superseded generations be removed (up to
+    :data:`tierckpt.cleanup.EXIT_WAIT_S`), then write-back uploads finish, within the store's exit
+    wait; print on stderr what is left (with the command that finishes it).
 
     It runs from :mod:`threading`'s exit hooks, i.e. when the main thread is done and *before* the
     ``atexit`` handlers: thread pools still accept work (``concurrent.futures`` stops them in an
@@ -92,6 +94,9 @@ def _drain_at_exit() -> None:
             handle.wait(max(0.0, deadline - time.monotonic()))
         except BaseException as exc:  # noqa: BLE001 - reported, exit goes on
             sys.stderr.write(f"tierckpt: the async save to {handle.uri} did not commit before exit: {describe_error(exc)}\n")
+    for uri in cleanup.wait_pending(cleanup.EXIT_WAIT_S):
+        sys.stderr.write(f"tierckpt: removing superseded generations of {uri} was cut short by the exit; the next "
+                         f"save to it or `tierckpt gc {uri} --keep-last 1` removes them\n")
     for line in drain_write_back(max(0.0, deadline - time.monotonic())):
         sys.stderr.write(line + "\n")
     sys.stderr.flush()
@@ -336,8 +341,20 @@ def _finish(
     status, value = outcome
     if status != "ok":
         raise CheckpointError(f"saving checkpoint {p.uri!r} failed: {value}")
+    if coord.rank == 0 and not p.keep_previous:
+        _sweep_superseded(p)
     p.monitor.finish("save", p.uri, coord.rank, ranks_from_timings(value.timings))
     return value
+
+
+def _sweep_superseded(p: _Prepared) -> None:
+    """Rank 0, once every rank knows the outcome: remove the superseded generations in the background
+    (:mod:`tierckpt.cleanup`), so the call does not wait for the deletion."""
+    base = p.base.result() if p.base is not None else None
+    previous = layout.CommitRecord.decode(base).generation if base else None
+    committed = layout.CommitRecord(p.generation, 0.0, seq=layout.next_seq(base))
+    cleanup.sweep_after_commit(p.backend, p.uri, committed, previous,
+                               find_leftovers=durability_of(p.backend) is None)
 
 
 def _commit_gathered(p: _Prepared, gathered: Any, world_size: int) -> tuple[tuple[str, Any], BaseException | None]:
@@ -520,9 +537,6 @@ def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None
                 f"{started!r}); this save was not committed and its generation {gen!r} was removed; the other "
                 "job's checkpoint is intact. Give concurrent jobs different URIs"
             ) from exc
-    previous = layout.CommitRecord.decode(base).generation if base else None
-    if previous and previous != gen and not p.keep_previous:
-        sched.run(backend.delete_prefix(f"{previous}/"))
     durable = durability_of(backend)
     if durable is not None and not p.write_back:  # a synchronous save commits where the URI points
         sched.run(durable.wait_durable(gen, None, through_outage=False))
@@ -553,8 +567,9 @@ def save(
 ) -> CheckpointMeta:
     """Save ``state`` to ``uri``; return once the checkpoint is committed (on every rank).
 
-    ``keep_previous=True`` keeps the generation that the previous commit named (it is otherwise
-    deleted after the new commit). ``tags`` are stored in the header. Pass a :class:`Monitor` to
+    ``keep_previous=True`` keeps the generation that the previous commit named (otherwise it and any
+    other superseded generation under ``uri`` are deleted in the background once the new commit is
+    shared: see :mod:`tierckpt.cleanup`). ``tags`` are stored in the header. Pass a :class:`Monitor` to
     read per-phase timings and byte counts afterwards. Every rank of the group must call it; a rank
     that does not arrive within ``collective_timeout_s`` (default: the group's timeout) is named in a :class:`CollectiveError`.
     """
