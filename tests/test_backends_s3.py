@@ -77,7 +77,7 @@ def test_unreachable_endpoint_fails_fast_with_one_line() -> None:
     before = scheduler.metrics.snapshot().get("get")
     started = time.monotonic()
     with pytest.raises(TransientStorageError) as info:
-        scheduler.run(scheduler.call(backend, "get", backend.get, "some/key", retries=2), timeout_s=10)
+        scheduler.run(scheduler.slotted(backend, backend.root_uri, "get", backend.get, "some/key", retries=2), timeout_s=10)
     assert time.monotonic() - started < 5
     message = str(info.value)
     assert "\n" not in message and "s3://bucket/prefix/some/key" in message and "127.0.0.1" in message
