@@ -43,6 +43,11 @@ PieceKey = tuple[str, int]
 Partials = dict[PieceKey, tuple[np.ndarray, np.ndarray, np.ndarray]]
 """Per piece: block indices, the XOR of their parts' shifted raw CRCs, and the bytes covered."""
 
+DIGEST_RUN_BYTES = 64 << 10
+"""Runs of a strided read up to this long have their raw CRC taken as each lands, in the read's own
+loop (``Backend.read_runs(digest=raw_crc)``): the per-run cost is then one native call on bytes in
+the CPU cache. Longer runs are few per block and checked after the read, with the GIL released."""
+
 
 def checking_ranks(units: Sequence[Any], nodes: Sequence[str]) -> list[int]:
     """The rank that checks the checksums of each unit (``units``: a load plan's read units).
@@ -85,9 +90,16 @@ class ReadChecker:
         self._index = {k: (sorted(p.byte_offset for p in v), sorted(v, key=lambda p: p.byte_offset)) for k, v in index.items()}
         self._parts: dict[PieceKey, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
 
-    def check(self, fqn: str, file: str, run_offsets: np.ndarray, run_bytes: int, data: memoryview) -> Partials:
+    def check(
+        self, fqn: str, file: str, run_offsets: np.ndarray, run_bytes: int, data: memoryview,
+        run_crcs: Sequence[int] | None = None,
+    ) -> Partials:
         """Check the whole blocks among runs read into ``data`` (packed back to back); return the partial blocks.
 
+        ``run_crcs``: the raw CRC (:func:`~tierckpt.io.crc.raw_crc`) of each run, computed as it was
+        read (:data:`DIGEST_RUN_BYTES`); a run that lies within one block is not read again here, so a
+        strided read costs one native CRC call per run on bytes still in the CPU cache. Runs that
+        cross a block edge are cut there and their parts computed from ``data``.
         Thread-safe (keeps no state): the caller hands the result to :meth:`add`.
         """
         if run_bytes == 0 or len(run_offsets) == 0:
@@ -104,19 +116,27 @@ class ReadChecker:
         lo = np.maximum(rel[run], block_start)
         hi = np.minimum(rel[run] + run_bytes, block_end)
         at = run * run_bytes + (lo - rel[run])
-        full = (lo == block_start) & (hi == block_end)
+        raw = np.zeros(len(run), dtype=np.uint64)
+        known = np.zeros(len(run), dtype=bool)
+        if run_crcs is not None:
+            known = count[run] == 1  # the segment is its whole run
+            raw[known] = np.asarray(run_crcs, dtype=np.uint64)[run[known]]
         view = memoryview(data).cast("B")
-        whole = np.flatnonzero(full)
         starts, ends = at.tolist(), (at + hi - lo).tolist()
-        got = np.array([crc32c.crc32c(view[starts[i] : ends[i]]) for i in whole.tolist()], dtype=np.uint64)
+        todo = np.flatnonzero(~known)
+        raw[todo] = np.array(
+            [crc32c.crc32c(view[starts[i] : ends[i]], RAW_INIT) for i in todo.tolist()], dtype=np.uint64,
+        ) ^ np.uint64(RAW_INIT)
+        full = (lo == block_start) & (hi == block_end)
+        whole = np.flatnonzero(full)
+        got = raw[whole] ^ zeros_crc((hi - lo)[whole].astype(np.uint64))
         expected = np.asarray(crcs, dtype=np.uint64)[blocks[whole]]
         if (bad := np.flatnonzero(got != expected)).size:
             raise self._mismatch(piece, int(blocks[whole[bad[0]]]))
         part = np.flatnonzero(~full)
         if not part.size:
             return {}
-        raws = np.array([crc32c.crc32c(view[starts[i] : ends[i]], RAW_INIT) for i in part.tolist()], dtype=np.uint64) ^ np.uint64(RAW_INIT)
-        return {(piece.file, piece.byte_offset): (blocks[part], shift(raws, (block_end - hi)[part]), (hi - lo)[part])}
+        return {(piece.file, piece.byte_offset): (blocks[part], shift(raw[part], (block_end - hi)[part]), (hi - lo)[part])}
 
     def _piece_at(self, fqn: str, file: str, offset: int) -> PieceMeta:
         offsets, pieces = self._index[(fqn, file)]
