@@ -121,12 +121,10 @@ class ReadChecker:
         if run_crcs is not None:
             known = count[run] == 1  # the segment is its whole run
             raw[known] = np.asarray(run_crcs, dtype=np.uint64)[run[known]]
-        view = memoryview(data).cast("B")
-        starts, ends = at.tolist(), (at + hi - lo).tolist()
-        todo = np.flatnonzero(~known)
-        raw[todo] = np.array(
-            [crc32c.crc32c(view[starts[i] : ends[i]], RAW_INIT) for i in todo.tolist()], dtype=np.uint64,
-        ) ^ np.uint64(RAW_INIT)
+        if (todo := np.flatnonzero(~known)).size:
+            view = memoryview(data).cast("B")
+            pairs = zip(at[todo].tolist(), (at + hi - lo)[todo].tolist())
+            raw[todo] = np.array([crc32c.crc32c(view[a:b], RAW_INIT) for a, b in pairs], dtype=np.uint64) ^ np.uint64(RAW_INIT)
         full = (lo == block_start) & (hi == block_end)
         whole = np.flatnonzero(full)
         got = raw[whole] ^ zeros_crc((hi - lo)[whole].astype(np.uint64))
@@ -157,22 +155,31 @@ class ReadChecker:
         Pure given ``gathered`` (every rank's :meth:`partials`): every rank computes the same outcome,
         raising the same error on a mismatch, so no collective is needed to agree on it.
         """
-        merged: dict[PieceKey, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
-        for rank_partials in gathered:
-            for key, parts in rank_partials.items():
-                merged[key].append(parts)
-        incomplete: list[tuple[PieceMeta, int]] = []
-        for key in sorted(merged):
-            piece = self._pieces[key]
-            block, crcs = piece.blocks()
-            blocks, raw, covered = _reduce(merged[key])
-            lengths = np.minimum(blocks * block + block, piece.byte_length) - blocks * block
-            complete = covered == lengths
-            crc = raw[complete] ^ zeros_crc(lengths[complete].astype(np.uint64))
-            if (bad := np.flatnonzero(crc != np.asarray(crcs, dtype=np.uint64)[blocks[complete]])).size:
-                raise self._mismatch(piece, int(blocks[complete][bad[0]]))
-            incomplete.extend((piece, int(b)) for b in blocks[~complete])
-        return incomplete
+        keys = sorted({key for rank_partials in gathered for key in rank_partials})
+        if not keys:
+            return []
+        index = {key: i for i, key in enumerate(keys)}
+        parts = [
+            (np.full(len(p[0]), index[key], dtype=np.int64), *p)
+            for rank_partials in gathered for key, p in rank_partials.items()
+        ]
+        # One pass over every block of every piece: (piece, block) pairs keyed as one int64.
+        owner = np.concatenate([p[0] for p in parts])
+        key_of = (owner << 32) | np.concatenate([p[1] for p in parts])
+        raw, covered, pair = _reduce_by(key_of, np.concatenate([p[2] for p in parts]), np.concatenate([p[3] for p in parts]))
+        which, blocks = pair >> 32, pair & 0xFFFFFFFF
+        pieces = [self._pieces[k] for k in keys]
+        block = np.array([p.blocks()[0] for p in pieces], dtype=np.int64)[which]
+        length = np.array([p.byte_length for p in pieces], dtype=np.int64)[which]
+        lengths = np.minimum(blocks * block + block, length) - blocks * block
+        complete = covered == lengths
+        crc = raw[complete] ^ zeros_crc(lengths[complete].astype(np.uint64))
+        offsets = np.cumsum([0] + [len(p.blocks()[1]) for p in pieces])
+        stored = np.fromiter((c for p in pieces for c in p.blocks()[1]), dtype=np.uint64, count=int(offsets[-1]))
+        if (bad := np.flatnonzero(crc != stored[offsets[which[complete]] + blocks[complete]])).size:
+            first = int(np.flatnonzero(complete)[bad[0]])
+            raise self._mismatch(pieces[int(which[first])], int(blocks[first]))
+        return [(pieces[int(w)], int(b)) for w, b in zip(which[~complete], blocks[~complete])]
 
     def check_whole(self, incomplete: Sequence[tuple[PieceMeta, int]], backend: Backend, rank: int, world_size: int) -> None:
         """Read this rank's share (round robin) of the blocks read only in part, whole, and check them."""
@@ -199,9 +206,13 @@ class ReadChecker:
 def _reduce(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Parts of blocks -> one entry per block: the XOR of the raw CRCs and the sum of the bytes covered."""
     blocks = np.concatenate([p[0] for p in parts])
-    raw = np.concatenate([p[1] for p in parts]).astype(np.uint64)
-    covered = np.concatenate([p[2] for p in parts])
-    order = np.argsort(blocks, kind="stable")
-    blocks, raw, covered = blocks[order], raw[order], covered[order]
-    starts = np.flatnonzero(np.r_[True, blocks[1:] != blocks[:-1]])
-    return blocks[starts], np.bitwise_xor.reduceat(raw, starts), np.add.reduceat(covered, starts)
+    raw, covered, blocks = _reduce_by(blocks, np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts]))
+    return blocks, raw, covered
+
+
+def _reduce_by(keys: np.ndarray, raw: np.ndarray, covered: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per distinct key (ascending): the XOR of the raw CRCs, the sum of the bytes covered, the key."""
+    order = np.argsort(keys, kind="stable")
+    keys, raw, covered = keys[order], raw[order].astype(np.uint64), covered[order]
+    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+    return np.bitwise_xor.reduceat(raw, starts), np.add.reduceat(covered, starts), keys[starts]
