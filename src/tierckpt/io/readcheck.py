@@ -6,7 +6,9 @@ runs at block boundaries:
 
 * a block the unit covers whole is checked at once, before any of its bytes is delivered;
 * a block covered in part yields a *partial*: the raw CRC of each covered part, shifted to the end of
-  its block, XORed per block, with the count of bytes covered.
+  its block, XORed per block, with the count of bytes covered. A strided read takes the raw CRC of
+  each short run as it reads it (:data:`DIGEST_RUN_BYTES`), while the run is in the CPU cache; the
+  check computes only the parts of runs that cross a block edge.
 
 After the last round, :meth:`ReadChecker.settle` combines every rank's partials (gathered with the
 read step's agreement, no collective of its own): a
