@@ -14,11 +14,16 @@ Reports the median seconds between two barriers on rank 0, the overhead (checked
 the budget is 10 %), and bytes read summed over ranks (Monitor ``bytes_read``; must equal the state's
 bytes, amplification 1.00, both ways). The page cache is warm unless ``--cold`` (root): a warm cache
 is the worst case for the relative cost, since storage then hides nothing.
+
+Also reports the floor on this machine: one core's native CRC-32C throughput (the ``crc32c``
+package, over 1 MiB blocks as a load checks them) beside its memory copy throughput (what a load
+from a warm page cache mostly is), both over a 256 MiB buffer.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -62,6 +67,36 @@ def _loads(rank: int, world: int, path: str, gib: float, shard_dim: int, repeats
     return out
 
 
+def _loadavg(load: tuple[float, float, float]) -> str:
+    return " / ".join(f"{x:.2f}" for x in load)
+
+
+def _floor() -> str:
+    """One core's CRC-32C and copy throughput, GB/s (best of 5 over a 256 MiB buffer)."""
+    import crc32c
+    import torch
+
+    nbytes, block = 256 << 20, 1 << 20
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    view = memoryview(src.numpy())
+
+    def best(fn: Any) -> float:
+        times = []
+        for _ in range(5):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return nbytes / min(times) / 1e9
+
+    crc = best(lambda: [crc32c.crc32c(view[i : i + block]) for i in range(0, nbytes, block)])
+    copy = best(lambda: dst.copy_(src))
+    return (
+        f"Floor on this machine (one core, 256 MiB): native CRC-32C {crc:.1f} GB/s "
+        f"(`crc32c` {crc32c.__version__}, hardware: {crc32c.hardware_based}); memory copy {copy:.1f} GB/s."
+    )
+
+
 def _summary(name: str, per_rank: list[list[dict[str, Any]]], nbytes: int) -> tuple[list[Any], float]:
     rows = per_rank[0]
     on = [x["seconds"] for x in rows if x["check_crc"]]
@@ -84,6 +119,7 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="drop the page cache before each load (root)")
     parser.add_argument("--out", default=None, help="write the section into this Markdown file")
     args = parser.parse_args()
+    load_before = os.getloadavg()
     workdir = scratch_dir("tierckpt-bench-crc-")
     path = str(Path(workdir) / "ckpt")
     try:
@@ -102,6 +138,9 @@ def main() -> None:
             f"median of {args.repeats} repeats, seconds between barriers on rank 0 (each run in parentheses).",
             md_table(["load", "check_crc=False s", "check_crc=True s", "overhead", "read amplification off / on"], table),
             f"Budget: at most +10 %. Worst measured: {max(overheads) * 100:+.1f} %.",
+            _floor(),
+            f"Load average (1/5/15 min) at the start {_loadavg(load_before)}, at the end {_loadavg(os.getloadavg())}: "
+            "on a shared machine compare the two columns of one run, not runs with each other.",
         ])
         publish(body, args.out, "bench_load_crc")
     finally:

@@ -83,8 +83,8 @@ class OnSchedulerLoop(Backend):
     async def read_into(self, key: str, start: int, out: memoryview) -> None:
         await _on_loop(lambda: self.store.read_into(key, start, out))
 
-    async def read_runs(self, key: str, offsets: Sequence[int], run_bytes: int, out: memoryview) -> None:
-        await _on_loop(lambda: self.store.read_runs(key, offsets, run_bytes, out))
+    async def read_runs(self, key: str, offsets: Sequence[int], run_bytes: int, out: memoryview, digest: Any = None) -> Any:
+        return await _on_loop(lambda: self.store.read_runs(key, offsets, run_bytes, out, digest))
 
     async def exists(self, key: str) -> bool:
         return await _on_loop(lambda: self.store.exists(key))

@@ -48,8 +48,9 @@ from .errors import (
     IncompleteCheckpointError, StateMismatchError,
 )
 from .io.coalesce import Taken, coalesce, read_group
+from .io.crc import raw_crc
 from .io.rangefile import RangeFile
-from .io.readcheck import ReadChecker, checking_ranks
+from .io.readcheck import DIGEST_RUN_BYTES, ReadChecker, checking_ranks
 from .io.scheduler import DEFAULT_PART_BYTES, ReadRequest, get_scheduler
 from .metadata import (
     MAX_HEADER_BYTES, MAX_TABLE_BYTES, CheckpointMeta, ObjectMeta, PieceMeta, TensorMeta, decode_header, decode_pieces,
@@ -599,6 +600,8 @@ class _Executor:
         it lands, overlapping the other reads."""
         backend, sched, checker = self.backend, self.sched, self.checker
 
+        run_crcs: dict[int, list[int] | None] = {}  # the raw CRC of each run, taken as it was read
+
         async def read(group: list[int]) -> None:
             unit = reads[group[0]][0]
             key = layout.in_generation(self.gen, unit.file)
@@ -607,15 +610,18 @@ class _Executor:
                     ReadRequest(key=key, start=int(reads[i][0].run_offsets[0]), out=reads[i][1]) for i in group
                 ])
             else:
-                await backend.read_runs(key, unit.run_offsets.tolist(), unit.run_bytes, reads[group[0]][1])
+                digest = raw_crc if checked[group[0]] and unit.run_bytes <= DIGEST_RUN_BYTES else None
+                got = await backend.read_runs(key, unit.run_offsets.tolist(), unit.run_bytes, reads[group[0]][1], digest)
+                run_crcs[group[0]] = got if digest is not None else None
 
-        async def check(task: asyncio.Future, unit: ReadUnit, view: memoryview) -> None:
+        async def check(i: int, task: asyncio.Future, unit: ReadUnit, view: memoryview) -> None:
             await task
-            checker.add(await asyncio.to_thread(checker.check, unit.fqn, unit.file, unit.run_offsets, unit.run_bytes, view))
+            args = (unit.fqn, unit.file, unit.run_offsets, unit.run_bytes, view, run_crcs.get(i))
+            checker.add(await asyncio.to_thread(checker.check, *args))
 
         tasks = [asyncio.ensure_future(read(g)) for g in groups]
         task_of = {i: t for g, t in zip(groups, tasks) for i in g}
-        checks = [asyncio.ensure_future(check(task_of[i], *r)) for i, r in enumerate(reads) if checked[i]]
+        checks = [asyncio.ensure_future(check(i, task_of[i], *r)) for i, r in enumerate(reads) if checked[i]]
         try:
             await asyncio.gather(*tasks)
         except BaseException as exc:

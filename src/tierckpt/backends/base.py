@@ -26,7 +26,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError
@@ -181,19 +181,29 @@ class Backend(abc.ABC):
         """Read ``len(out)`` bytes at ``start`` straight into ``out`` (backends override to avoid a copy)."""
         out[:] = await self.get_range(key, start, start + len(out))
 
-    async def read_runs(self, key: str, offsets: Sequence[int], run_bytes: int, out: memoryview) -> None:
+    async def read_runs(
+        self, key: str, offsets: Sequence[int], run_bytes: int, out: memoryview,
+        digest: Callable[[memoryview], int] | None = None,
+    ) -> list[int] | None:
         """Read ``len(offsets)`` runs of ``run_bytes`` bytes each, packed one after another into ``out``.
 
+        With ``digest``, return ``digest(run)`` of each run, in order, computed as each run lands (the
+        load's checksums of short runs: one pass over the bytes while they are in the CPU cache).
         The default issues one ranged read per run, at most 16 at a time; local files override it
         with a loop of positional reads in one thread.
         """
         limit = asyncio.Semaphore(16)
+        digests = [0] * len(offsets) if digest is not None else None
 
         async def one(i: int, offset: int) -> None:
             async with limit:
-                await self.read_into(key, offset, out[i * run_bytes : (i + 1) * run_bytes])
+                view = out[i * run_bytes : (i + 1) * run_bytes]
+                await self.read_into(key, offset, view)
+                if digests is not None:
+                    digests[i] = digest(view)  # type: ignore[misc]
 
         await asyncio.gather(*(one(i, o) for i, o in enumerate(offsets)))
+        return digests
 
     async def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix``."""

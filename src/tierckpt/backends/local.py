@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import CorruptCheckpointError
 from .base import (
@@ -187,11 +187,14 @@ class LocalBackend(ReadsInto, Backend):
         except OSError as exc:
             raise os_error(exc, f"deleting {path}") from exc
 
-    async def read_runs(self, key: str, offsets: Sequence[int], run_bytes: int, out: memoryview) -> None:
+    async def read_runs(
+        self, key: str, offsets: Sequence[int], run_bytes: int, out: memoryview,
+        digest: Callable[[memoryview], int] | None = None,
+    ) -> list[int] | None:
         """Positional reads of every run in one worker thread: thousands of short runs cost microseconds each."""
         path = self.path_of(key)
         try:
-            await asyncio.to_thread(pread_runs, path, list(offsets), run_bytes, out)
+            return await asyncio.to_thread(pread_runs, path, list(offsets), run_bytes, out, digest)
         except OSError as exc:
             raise os_error(exc, f"reading {len(offsets)} runs of {path}") from exc
 

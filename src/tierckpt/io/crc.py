@@ -76,14 +76,16 @@ _MAX_SHIFT_TABLES = 4096
 
 def _shift_tables(zero_bytes: np.ndarray) -> np.ndarray:
     """Byte tables, shape (len, 4, 256), for each (distinct) shift; memoized, since a load's shifts repeat."""
-    missing = [int(n) for n in zero_bytes if int(n) not in _SHIFT_TABLES]
+    wanted = zero_bytes.tolist()
+    missing = [n for n in wanted if n not in _SHIFT_TABLES]
     if missing:
         if len(_SHIFT_TABLES) + len(missing) > _MAX_SHIFT_TABLES:
             _SHIFT_TABLES.clear()
+            missing = wanted  # distinct (the caller passes unique shifts), and none is cached any more
         powers = _x8n(np.array(missing, dtype=np.uint64))
         tables = _mulmod(powers[:, None, None], _BYTE_BASIS[None, :, :]).astype(np.uint32)
         _SHIFT_TABLES.update(zip(missing, tables))
-    return np.stack([_SHIFT_TABLES[int(n)] for n in zero_bytes])
+    return np.stack([_SHIFT_TABLES[n] for n in wanted])
 
 
 def shift(raw_crcs: np.ndarray, zero_bytes: np.ndarray) -> np.ndarray:
@@ -94,11 +96,13 @@ def shift(raw_crcs: np.ndarray, zero_bytes: np.ndarray) -> np.ndarray:
         return raw.copy()
     unique, inverse = np.unique(zero_bytes, return_inverse=True)  # few distinct shifts in a strided read
     tables = _shift_tables(unique)
-    which = inverse.reshape(raw.shape)
-    out = np.zeros(raw.shape, dtype=np.uint32)
-    for k in range(4):
-        out ^= tables[which, k, ((raw >> np.uint64(8 * k)) & np.uint64(255)).astype(np.intp)]
-    return out.astype(np.uint64)
+    flat = tables.reshape(-1)  # (shift, byte k, value) -> flat index shift * 1024 + k * 256 + value
+    base = inverse.reshape(-1).astype(np.intp) * 1024
+    octets = raw.reshape(-1).astype("<u4").view(np.uint8).reshape(-1, 4).astype(np.intp)  # low byte first
+    out = flat.take(base + octets[:, 0])
+    for k in range(1, 4):
+        out ^= flat.take(base + (256 * k) + octets[:, k])
+    return out.astype(np.uint64).reshape(raw.shape)
 
 
 def raw_crc(data: memoryview | bytes) -> int:

@@ -6,7 +6,9 @@ runs at block boundaries:
 
 * a block the unit covers whole is checked at once, before any of its bytes is delivered;
 * a block covered in part yields a *partial*: the raw CRC of each covered part, shifted to the end of
-  its block, XORed per block, with the count of bytes covered.
+  its block, XORed per block, with the count of bytes covered. A strided read takes the raw CRC of
+  each short run as it reads it (:data:`DIGEST_RUN_BYTES`), while the run is in the CPU cache; the
+  check computes only the parts of runs that cross a block edge.
 
 After the last round, :meth:`ReadChecker.settle` combines every rank's partials (gathered with the
 read step's agreement, no collective of its own): a
@@ -42,6 +44,11 @@ PieceKey = tuple[str, int]
 """A piece, named the same on every rank: ``(file, byte_offset)``."""
 Partials = dict[PieceKey, tuple[np.ndarray, np.ndarray, np.ndarray]]
 """Per piece: block indices, the XOR of their parts' shifted raw CRCs, and the bytes covered."""
+
+DIGEST_RUN_BYTES = 64 << 10
+"""Runs of a strided read up to this long have their raw CRC taken as each lands, in the read's own
+loop (``Backend.read_runs(digest=raw_crc)``): the per-run cost is then one native call on bytes in
+the CPU cache. Longer runs are few per block and checked after the read, with the GIL released."""
 
 
 def checking_ranks(units: Sequence[Any], nodes: Sequence[str]) -> list[int]:
@@ -85,9 +92,16 @@ class ReadChecker:
         self._index = {k: (sorted(p.byte_offset for p in v), sorted(v, key=lambda p: p.byte_offset)) for k, v in index.items()}
         self._parts: dict[PieceKey, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
 
-    def check(self, fqn: str, file: str, run_offsets: np.ndarray, run_bytes: int, data: memoryview) -> Partials:
+    def check(
+        self, fqn: str, file: str, run_offsets: np.ndarray, run_bytes: int, data: memoryview,
+        run_crcs: Sequence[int] | None = None,
+    ) -> Partials:
         """Check the whole blocks among runs read into ``data`` (packed back to back); return the partial blocks.
 
+        ``run_crcs``: the raw CRC (:func:`~tierckpt.io.crc.raw_crc`) of each run, computed as it was
+        read (:data:`DIGEST_RUN_BYTES`); a run that lies within one block is not read again here, so a
+        strided read costs one native CRC call per run on bytes still in the CPU cache. Runs that
+        cross a block edge are cut there and their parts computed from ``data``.
         Thread-safe (keeps no state): the caller hands the result to :meth:`add`.
         """
         if run_bytes == 0 or len(run_offsets) == 0:
@@ -104,19 +118,25 @@ class ReadChecker:
         lo = np.maximum(rel[run], block_start)
         hi = np.minimum(rel[run] + run_bytes, block_end)
         at = run * run_bytes + (lo - rel[run])
+        raw = np.zeros(len(run), dtype=np.uint64)
+        known = np.zeros(len(run), dtype=bool)
+        if run_crcs is not None:
+            known = count[run] == 1  # the segment is its whole run
+            raw[known] = np.asarray(run_crcs, dtype=np.uint64)[run[known]]
+        if (todo := np.flatnonzero(~known)).size:
+            view = memoryview(data).cast("B")
+            pairs = zip(at[todo].tolist(), (at + hi - lo)[todo].tolist())
+            raw[todo] = np.array([crc32c.crc32c(view[a:b], RAW_INIT) for a, b in pairs], dtype=np.uint64) ^ np.uint64(RAW_INIT)
         full = (lo == block_start) & (hi == block_end)
-        view = memoryview(data).cast("B")
         whole = np.flatnonzero(full)
-        starts, ends = at.tolist(), (at + hi - lo).tolist()
-        got = np.array([crc32c.crc32c(view[starts[i] : ends[i]]) for i in whole.tolist()], dtype=np.uint64)
+        got = raw[whole] ^ zeros_crc((hi - lo)[whole].astype(np.uint64))
         expected = np.asarray(crcs, dtype=np.uint64)[blocks[whole]]
         if (bad := np.flatnonzero(got != expected)).size:
             raise self._mismatch(piece, int(blocks[whole[bad[0]]]))
         part = np.flatnonzero(~full)
         if not part.size:
             return {}
-        raws = np.array([crc32c.crc32c(view[starts[i] : ends[i]], RAW_INIT) for i in part.tolist()], dtype=np.uint64) ^ np.uint64(RAW_INIT)
-        return {(piece.file, piece.byte_offset): (blocks[part], shift(raws, (block_end - hi)[part]), (hi - lo)[part])}
+        return {(piece.file, piece.byte_offset): (blocks[part], shift(raw[part], (block_end - hi)[part]), (hi - lo)[part])}
 
     def _piece_at(self, fqn: str, file: str, offset: int) -> PieceMeta:
         offsets, pieces = self._index[(fqn, file)]
@@ -137,22 +157,31 @@ class ReadChecker:
         Pure given ``gathered`` (every rank's :meth:`partials`): every rank computes the same outcome,
         raising the same error on a mismatch, so no collective is needed to agree on it.
         """
-        merged: dict[PieceKey, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
-        for rank_partials in gathered:
-            for key, parts in rank_partials.items():
-                merged[key].append(parts)
-        incomplete: list[tuple[PieceMeta, int]] = []
-        for key in sorted(merged):
-            piece = self._pieces[key]
-            block, crcs = piece.blocks()
-            blocks, raw, covered = _reduce(merged[key])
-            lengths = np.minimum(blocks * block + block, piece.byte_length) - blocks * block
-            complete = covered == lengths
-            crc = raw[complete] ^ zeros_crc(lengths[complete].astype(np.uint64))
-            if (bad := np.flatnonzero(crc != np.asarray(crcs, dtype=np.uint64)[blocks[complete]])).size:
-                raise self._mismatch(piece, int(blocks[complete][bad[0]]))
-            incomplete.extend((piece, int(b)) for b in blocks[~complete])
-        return incomplete
+        keys = sorted({key for rank_partials in gathered for key in rank_partials})
+        if not keys:
+            return []
+        index = {key: i for i, key in enumerate(keys)}
+        parts = [
+            (np.full(len(p[0]), index[key], dtype=np.int64), *p)
+            for rank_partials in gathered for key, p in rank_partials.items()
+        ]
+        # One pass over every block of every piece: (piece, block) pairs keyed as one int64.
+        owner = np.concatenate([p[0] for p in parts])
+        key_of = (owner << 32) | np.concatenate([p[1] for p in parts])
+        raw, covered, pair = _reduce_by(key_of, np.concatenate([p[2] for p in parts]), np.concatenate([p[3] for p in parts]))
+        which, blocks = pair >> 32, pair & 0xFFFFFFFF
+        pieces = [self._pieces[k] for k in keys]
+        block = np.array([p.blocks()[0] for p in pieces], dtype=np.int64)[which]
+        length = np.array([p.byte_length for p in pieces], dtype=np.int64)[which]
+        lengths = np.minimum(blocks * block + block, length) - blocks * block
+        complete = covered == lengths
+        crc = raw[complete] ^ zeros_crc(lengths[complete].astype(np.uint64))
+        offsets = np.cumsum([0] + [len(p.blocks()[1]) for p in pieces])
+        stored = np.fromiter((c for p in pieces for c in p.blocks()[1]), dtype=np.uint64, count=int(offsets[-1]))
+        if (bad := np.flatnonzero(crc != stored[offsets[which[complete]] + blocks[complete]])).size:
+            first = int(np.flatnonzero(complete)[bad[0]])
+            raise self._mismatch(pieces[int(which[first])], int(blocks[first]))
+        return [(pieces[int(w)], int(b)) for w, b in zip(which[~complete], blocks[~complete])]
 
     def check_whole(self, incomplete: Sequence[tuple[PieceMeta, int]], backend: Backend, rank: int, world_size: int) -> None:
         """Read this rank's share (round robin) of the blocks read only in part, whole, and check them."""
@@ -179,9 +208,13 @@ class ReadChecker:
 def _reduce(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Parts of blocks -> one entry per block: the XOR of the raw CRCs and the sum of the bytes covered."""
     blocks = np.concatenate([p[0] for p in parts])
-    raw = np.concatenate([p[1] for p in parts]).astype(np.uint64)
-    covered = np.concatenate([p[2] for p in parts])
-    order = np.argsort(blocks, kind="stable")
-    blocks, raw, covered = blocks[order], raw[order], covered[order]
-    starts = np.flatnonzero(np.r_[True, blocks[1:] != blocks[:-1]])
-    return blocks[starts], np.bitwise_xor.reduceat(raw, starts), np.add.reduceat(covered, starts)
+    raw, covered, blocks = _reduce_by(blocks, np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts]))
+    return blocks, raw, covered
+
+
+def _reduce_by(keys: np.ndarray, raw: np.ndarray, covered: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per distinct key (ascending): the XOR of the raw CRCs, the sum of the bytes covered, the key."""
+    order = np.argsort(keys, kind="stable")
+    keys, raw, covered = keys[order], raw[order].astype(np.uint64), covered[order]
+    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+    return np.bitwise_xor.reduceat(raw, starts), np.add.reduceat(covered, starts), keys[starts]

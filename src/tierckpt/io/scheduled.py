@@ -91,8 +91,13 @@ class ScheduledBackend(Backend):
     async def read_into(self, key: str, start: int, out: memoryview) -> None:
         await self.call("read_into", self.inner.read_into, key, start, out, nbytes=memoryview(out).nbytes)
 
-    async def read_runs(self, key: str, offsets: Sequence[int], run_bytes: int, out: memoryview) -> None:
-        await self.call("read_runs", self.inner.read_runs, key, offsets, run_bytes, out, nbytes=len(offsets) * run_bytes)
+    async def read_runs(
+        self, key: str, offsets: Sequence[int], run_bytes: int, out: memoryview,
+        digest: Callable[[memoryview], int] | None = None,
+    ) -> list[int] | None:
+        return await self.call(
+            "read_runs", self.inner.read_runs, key, offsets, run_bytes, out, digest, nbytes=len(offsets) * run_bytes,
+        )
 
     async def exists(self, key: str) -> bool:
         return await self.call("exists", self.inner.exists, key)

@@ -1,0 +1,157 @@
+"""The strided-read checksum path piece by piece: run CRCs taken as runs are read, partial blocks,
+several ranks' partials combined, and a flipped bit in every position of every run caught.
+
+A saved piece is laid out as rows of ``ROW`` bytes; each of 3 "ranks" reads a column range of every
+row (runs of ``ROW // 3``-ish bytes, one per row), as a reshard from row to column sharding does.
+Small blocks (``BLOCK`` bytes, not a multiple of ``ROW``) make runs cross block edges, and the piece
+ends in a short last block. The checker is driven as the loader drives it: :meth:`ReadChecker.check`
+per rank (with the run CRCs a read computes, and without), :meth:`ReadChecker.partials` gathered,
+:meth:`ReadChecker.settle` on the lot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+import crc32c
+import numpy as np
+import pytest
+
+from tierckpt.backends.local import LocalBackend
+from tierckpt.backends.memory import MemoryBackend, MemoryRegistry
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.io.crc import block_crcs, raw_crc
+from tierckpt.io.readcheck import ReadChecker
+from tierckpt.metadata import PieceMeta
+from tierckpt.regions import Box
+
+BLOCK = 4096
+ROW = 1000
+ROWS = 30  # 30,000 bytes: 7 whole blocks and a short last one of 1,328 bytes
+COLUMNS = [(0, 300), (300, 700), (700, 1000)]  # what each of 3 ranks reads of every row
+OFFSET = 512  # the piece's offset in its data file
+
+
+def _piece(data: bytes) -> PieceMeta:
+    return PieceMeta(
+        fqn="w", region=Box((0, 0), (ROWS, ROW)), file="d0", byte_offset=OFFSET, byte_length=len(data),
+        crc32c=crc32c.crc32c(data), block_bytes=BLOCK, block_crc32c=tuple(block_crcs(data, BLOCK)),
+    )
+
+
+def _runs(data: bytes, cols: tuple[int, int], rows: range) -> tuple[np.ndarray, int, bytes]:
+    """A rank's strided read of ``rows``: run offsets in the file, run length, the packed bytes."""
+    a, b = cols
+    offsets = np.array([OFFSET + r * ROW + a for r in rows], dtype=np.int64)
+    return offsets, b - a, b"".join(data[r * ROW + a : r * ROW + b] for r in rows)
+
+
+def _load(data: bytes, stored: bytes, with_run_crcs: bool, rows: range = range(ROWS)) -> list:
+    """Every rank's check of what it read from ``data`` (saved as ``stored``); the group's settle."""
+    checker = ReadChecker("g", {"w": [_piece(stored)]})
+    gathered = []
+    for cols in COLUMNS:
+        rank = ReadChecker("g", {"w": [_piece(stored)]})
+        offsets, run_bytes, packed = _runs(data, cols, rows)
+        view = memoryview(packed)
+        crcs = [raw_crc(view[i * run_bytes : (i + 1) * run_bytes]) for i in range(len(offsets))] if with_run_crcs else None
+        half = len(offsets) // 2  # two read units per rank, as a load's row slabs make
+        for lo, hi in ((0, half), (half, len(offsets))):
+            unit = view[lo * run_bytes : hi * run_bytes]
+            rank.add(rank.check("w", "d0", offsets[lo:hi], run_bytes, unit, None if crcs is None else crcs[lo:hi]))
+        gathered.append(rank.partials())
+    return checker.settle(gathered)
+
+
+@pytest.fixture(scope="module")
+def stored() -> bytes:
+    return random.Random(7).randbytes(ROWS * ROW)
+
+
+@pytest.mark.parametrize("with_run_crcs", [True, False], ids=["run-crcs-from-the-read", "crcs-in-the-check"])
+def test_three_ranks_partials_complete_every_block(stored, with_run_crcs) -> None:
+    assert _load(stored, stored, with_run_crcs) == []
+
+
+@pytest.mark.parametrize("with_run_crcs", [True, False], ids=["run-crcs-from-the-read", "crcs-in-the-check"])
+def test_a_flip_in_every_position_of_every_run_of_a_row_is_caught(stored, with_run_crcs) -> None:
+    """Every byte of rows 4 (crosses the block edge at 4096) and 29 (the short last block), each with a
+    different bit, plus the first and last byte of every run of every row."""
+    positions = [r * ROW + c for r in (4, 29) for c in range(ROW)]
+    positions += [r * ROW + c for r in range(ROWS) for a, b in COLUMNS for c in (a, b - 1)]
+    missed = []
+    for n, pos in enumerate(sorted(set(positions))):
+        flipped = bytearray(stored)
+        flipped[pos] ^= 1 << (n % 8)
+        try:
+            _load(bytes(flipped), stored, with_run_crcs)
+        except CorruptCheckpointError as exc:
+            block = pos // BLOCK
+            assert f"at bytes {OFFSET + block * BLOCK}..{OFFSET + min((block + 1) * BLOCK, len(stored))}" in str(exc)
+        else:
+            missed.append(pos)
+    assert not missed, f"{len(missed)} flips loaded without an error, e.g. at bytes {missed[:5]}"
+
+
+def test_blocks_the_group_reads_in_part_are_returned_not_passed(stored) -> None:
+    """Rows 5..17 only: blocks 1 and 4 (cut by the first and last row read) are incomplete, 2 and 3 checked."""
+    incomplete = _load(stored, stored, True, rows=range(5, 18))
+    assert [b for _, b in incomplete] == [1, 4]
+    flipped = bytearray(stored)
+    flipped[2 * BLOCK + 10] ^= 4
+    with pytest.raises(CorruptCheckpointError, match=f"at bytes {OFFSET + 2 * BLOCK}.."):
+        _load(bytes(flipped), stored, True, rows=range(5, 18))
+
+
+def test_a_missing_rank_leaves_blocks_incomplete_not_passed(stored) -> None:
+    """Two ranks' partials alone never complete a block: each is reported, none is taken as checked."""
+    checker = ReadChecker("g", {"w": [_piece(stored)]})
+    gathered = []
+    for cols in COLUMNS[:2]:
+        offsets, run_bytes, packed = _runs(stored, cols, range(ROWS))
+        rank = ReadChecker("g", {"w": [_piece(stored)]})
+        view = memoryview(packed)
+        rank.add(rank.check("w", "d0", offsets, run_bytes, view, [raw_crc(view[i * run_bytes : (i + 1) * run_bytes]) for i in range(ROWS)]))
+        gathered.append(rank.partials())
+    assert [b for _, b in checker.settle(gathered)] == list(range(8))
+
+
+def test_whole_runs_with_known_crcs_check_whole_blocks() -> None:
+    """Runs of a whole block each (one row per block): checked from the run CRCs alone, the last short."""
+    data = random.Random(3).randbytes(3 * BLOCK + 100)
+    piece = PieceMeta(
+        fqn="w", region=Box((0,), (len(data),)), file="d0", byte_offset=0, byte_length=len(data),
+        crc32c=crc32c.crc32c(data), block_bytes=BLOCK, block_crc32c=tuple(block_crcs(data, BLOCK)),
+    )
+    checker = ReadChecker("g", {"w": [piece]})
+    offsets = np.array([0, BLOCK, 2 * BLOCK], dtype=np.int64)
+    view = memoryview(data[: 3 * BLOCK])
+    crcs = [raw_crc(view[i * BLOCK : (i + 1) * BLOCK]) for i in range(3)]
+    assert checker.check("w", "d0", offsets, BLOCK, view, crcs) == {}
+    tail = memoryview(data[3 * BLOCK :])
+    assert checker.check("w", "d0", np.array([3 * BLOCK]), 100, tail, [raw_crc(tail)]) == {}
+    crcs[1] ^= 1 << 20  # what a read computes of a block with a flipped bit
+    with pytest.raises(CorruptCheckpointError, match=f"at bytes {BLOCK}..{2 * BLOCK}"):
+        checker.check("w", "d0", offsets, BLOCK, view, crcs)
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_read_runs_returns_the_digest_of_each_run(tmp_path, kind) -> None:
+    """Local files (one thread of positional reads) and the default (a ranged read per run)."""
+    data = os.urandom(50_000)
+    backend = LocalBackend(str(tmp_path)) if kind == "local" else MemoryBackend("memory://runs/root", registry=MemoryRegistry())
+    offsets = [7, 1000, 20_001, 49_000]
+
+    async def run() -> tuple[list[int] | None, list[int] | None, bytes]:
+        await backend.put("f", data)
+        out = bytearray(len(offsets) * 900)
+        got = await backend.read_runs("f", offsets, 900, memoryview(out), raw_crc)
+        plain = await backend.read_runs("f", offsets, 900, memoryview(bytearray(len(out))))
+        return got, plain, bytes(out)
+
+    got, plain, out = asyncio.run(run())
+    assert out == b"".join(data[o : o + 900] for o in offsets)
+    assert got == [raw_crc(data[o : o + 900]) for o in offsets]
+    assert plain is None
