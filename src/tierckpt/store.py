@@ -29,9 +29,10 @@ from .cache.uploader import Uploader
 from .errors import CheckpointError
 from .io.scheduled import ScheduledBackend
 from .io.scheduler import get_scheduler
+from .tiers.memory import MemoryTier
 
 __all__ = [
-    "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s", "node_only_reason",
+    "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s", "memory_tier_of", "node_only_reason",
     "open_cached_store", "open_store",
 ]
 
@@ -155,3 +156,9 @@ def _forget_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def memory_tier_of(store: Backend) -> MemoryTier | None:
+    """The node memory tier at the top of ``store``'s chain, or ``None`` when the tier is off."""
+    tier = getattr(store, "memory_tier", None)
+    return tier if isinstance(tier, MemoryTier) else None

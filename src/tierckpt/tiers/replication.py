@@ -1,0 +1,109 @@
+"""The saver's replication step: peer replicas of each checkpoint committed to the node memory tier.
+
+A save through a store with a memory tier (:func:`tierckpt.store.memory_tier_of`), in a job where
+torch.distributed is initialised, replicates each committed generation to the peer nodes:
+
+* :func:`replicator_for` runs in the save's foreground, on every rank at the same point (the save's
+  preparation, which every rank reaches together): the first save of a (process, group, memory
+  directory) builds its :class:`~.replica.Replicator` there — one all-gather of node ids on the
+  group and the creation of the replicator's own gloo group — and later saves reuse it. Nothing
+  is ever built from a background thread, so an ``async_save`` never issues a collective on
+  training's group behind training's back.
+* :meth:`Replication.start` runs after the commit (in the background for ``async_save``): it calls
+  :meth:`~.replica.Replicator.replicate`, which issues no collective at all (the transfers run on
+  the replicator's gloo group, in its own threads).
+* :meth:`Replication.wait` is ``SaveHandle.wait("replicated")``: the level of this node's files,
+  raising :class:`ReplicationError` with the reason when it stayed ``memory``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from ..errors import CheckpointError
+from .levels import Level, ReplicaHandle, ReplicaResult
+from .memory import MemoryTier, NodeMemory
+from .replica import Replicator
+
+_REPLICATORS: dict[tuple[Any, Any], Replicator] = {}
+"""This process's replicator of each (group, memory tier configuration)."""
+_LOCK = threading.Lock()
+
+TIER_OFF = (
+    "the node memory tier is off for this URI, so there is nothing to replicate (turn it on with "
+    "TIERCKPT_MEMORY=on or the storage option memory=True)"
+)
+NOT_DISTRIBUTED = (
+    "torch.distributed is not initialised: replicas go to the other nodes of the job's process group "
+    "(call init_process_group before saving)"
+)
+
+
+class ReplicationError(CheckpointError):
+    """A checkpoint is not (or cannot be) replicated to peer nodes; the message says why."""
+
+
+def replicator_for(tier: MemoryTier | None, group: dist.ProcessGroup | None, group_key: Any) -> tuple[Replicator | None, str | None]:
+    """The replicator of ``group`` for the memory tier ``tier`` (built on first use), or ``(None, why not)``.
+
+    Every rank of ``group`` must call it at the same foreground point (it may run collectives on
+    ``group``); ``group_key`` names the group the same way the saver's plan cache does.
+    """
+    if tier is None:
+        return None, TIER_OFF
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, NOT_DISTRIBUTED
+    key = (group_key, tier.config)
+    with _LOCK:
+        replicator = _REPLICATORS.get(key)
+        if replicator is None:
+            replicator = _REPLICATORS[key] = Replicator(NodeMemory(tier.config), group=group)
+    return replicator, None
+
+
+class Replication:
+    """The replication of one save: started after its commit, waited for by ``SaveHandle.wait("replicated")``."""
+
+    def __init__(self, uri: str, tier: MemoryTier | None, replicator: Replicator | None, reason: str | None) -> None:
+        self.uri = uri
+        self._tier, self._replicator, self._reason = tier, replicator, reason
+        self.handle: ReplicaHandle | None = None
+
+    def start(self, generation: str) -> None:
+        """Replicate ``generation`` (after it is committed; every rank of the group, in the same order).
+
+        A failure to start (the node's files cannot be sealed) is recorded as the level ``memory`` with
+        the reason: the save stays committed, and only ``wait("replicated")`` reports it."""
+        if self._replicator is None or self._tier is None:
+            return
+        try:
+            self.handle = self._replicator.replicate(self._tier.uri, generation)
+        except (CheckpointError, OSError) as exc:
+            handle = ReplicaHandle(self._tier, generation, ())
+            handle._finish(ReplicaResult(
+                uri=self._tier.uri, generation=generation, level=Level.MEMORY, peers=(), acknowledged=(),
+                reason=f"replication could not start: {type(exc).__name__}: {exc}",
+            ))
+            self.handle = handle
+
+    def wait(self, generation: str, timeout_s: float | None = None) -> ReplicaResult:
+        """The level of this node's files of ``generation`` once replicated; :class:`ReplicationError`
+        naming the reason when it stayed ``memory`` (or replication is not available)."""
+        if self.handle is None:
+            raise ReplicationError(
+                f"checkpoint {self.uri!r} generation {generation} cannot reach the level 'replicated': "
+                f"{self._reason or 'replication did not start'}"
+            )
+        try:
+            result = self.handle.wait(timeout_s)
+        except TimeoutError as exc:
+            raise ReplicationError(f"checkpoint {self.uri!r}: {exc}; its level is still 'memory'") from None
+        if result.level is not Level.REPLICATED:
+            raise ReplicationError(
+                f"checkpoint {self.uri!r} generation {generation} is committed in this node's memory but not "
+                f"replicated: {result.reason}"
+            )
+        return result
