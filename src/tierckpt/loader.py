@@ -20,6 +20,13 @@ Lifecycle (every rank of the loading group unless noted):
 5. Objects are decoded (weights-only unless ``allow_pickle``) and put in place; optimizers and
    stateful objects get their ``load_state_dict`` calls.
 
+With a node memory tier in the store's chain, each rank also reports in step 2 what its node's tier
+holds of the generation, and every file is read from the cheapest place the group can reach
+(:mod:`tierckpt.local_load`): units go to a rank whose node holds their file
+(:func:`~tierckpt.planner.locality.assign_local_readers`), which reads them from its memory tier;
+the pieces table and objects files a rank's node lacks come from a node that holds them; only what no
+node holds is read through the chain. Every check above applies to bytes read from memory too.
+
 Racing a save. A save that commits a newer generation deletes the one this load follows. When a
 step fails and ``COMMIT`` has moved since the load read it, the load starts again on the newer
 generation (at most :data:`RACE_RETRIES` times), filling every target again, so it returns one
@@ -63,7 +70,10 @@ from .planner.load_planner import COALESCE_GAP_BYTES
 from .planner.routes import store_kind
 from .regions import FlatRange, StoredBox
 from .state import FlatState, TensorEntry, flatten_state
-from .store import open_store
+from .local_load import LocalReads, held_files, rereaders
+from .planner.locality import assign_local_readers, relocate, spans_of
+from .store import memory_tier_of, open_store
+from .tiers.memory import MemoryTier
 
 logger = logging.getLogger("tierckpt")
 
@@ -261,33 +271,48 @@ def _load_generation(
     uri: str, state: dict[str, Any], comm: Comm, backend: Backend, ckpt: Checkpoint, opts: _Options, monitor: Monitor,
 ) -> None:
     """Steps 2-5 of the lifecycle for the generation ``ckpt`` names; fills every target."""
+    tier = memory_tier_of(backend) if ckpt.pieces is None else None
     with monitor.phase("metadata"):
         saved_keys = set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}
-        # One collective agrees that every rank could prepare its state and carries what each needs.
-        (flat, needs), gathered = comm.exchange_agreed(lambda: _prepare(state, ckpt, saved_keys), "preparing the state to load")
+        # One collective agrees that every rank could prepare its state and carries what each needs
+        # and what its node's memory tier holds.
+        (flat, needs, wanted), gathered = comm.exchange_agreed(
+            lambda: _prepare(state, ckpt, saved_keys, comm.rank, tier), "preparing the state to load"
+        )
         _report(gathered, ckpt, opts.strict, uri)
+        local = LocalReads.of(comm.rank, tier, [(g[4], g[5]) for g in gathered])
+        # Small files a rank needs and its node lacks come from a node that holds them (one collective, if any).
+        shared = local.share(comm, ckpt.meta.generation, [[layout.PIECES, *g[6]] for g in gathered]) if local.active else {}
         all_needs = [g[0] for g in gathered]
         fqns = {n.fqn for rank_needs in all_needs for n in rank_needs}
-        pieces = comm.run_agreed(lambda: read_pieces(backend, ckpt, fqns), "reading the pieces table")
+        pieces = comm.run_agreed(lambda: _local_pieces(backend, ckpt, fqns, local, shared), "reading the pieces table")
     with monitor.phase("plan"):
         topo = opts.topology or _topology(backend, comm, [g[4] for g in gathered])
         nodes = list(topo.nodes)
         plan = plan_load(
             ckpt.tensors, pieces, all_needs, chunk_bytes=opts.chunk_bytes, round_bytes=opts.round_bytes, topology=topo,
         )
+        if local.active:  # each unit to a rank whose node's memory tier holds its file, where one does
+            locality = assign_local_readers(spans_of(plan), local.holdings)
+            plan = relocate(plan, locality.readers, opts.round_bytes)
+            monitor.count("bytes_read_memory", sum(
+                u.nbytes for u, here in zip(plan.units, locality.local) if here and u.reader == comm.rank
+            ))
         _log_routes(plan, topo, comm.rank, monitor)
     gen = ckpt.meta.generation
-    comm.run_agreed(lambda: _check_files(backend, ckpt, plan, comm.rank), "checking the data files")
+    comm.run_agreed(lambda: _check_files(backend, ckpt, plan, comm.rank, local), "checking the data files")
     if opts.verify:
         with monitor.phase("verify"):
             comm.run_agreed(lambda: _verify_pieces(backend, gen, pieces, comm), "verifying checksums")
     with monitor.phase("objects"):
         # Objects are small: fetch, check and decode them before any tensor is modified.
-        values = comm.run_agreed(lambda: _fetch_objects(backend, ckpt, flat, comm, opts.allow_pickle), "loading objects")
+        values = comm.run_agreed(
+            lambda: _fetch_objects(backend, ckpt, flat, wanted, opts.allow_pickle, local, shared), "loading objects"
+        )
     targets = [flat.tensors[n.fqn] for n in needs]
     # A torch DCP directory records no checksums (its pieces carry none): there is nothing to check.
     checker = ReadChecker(gen, pieces) if opts.check_crc and ckpt.pieces is None else None
-    executor = _Executor(backend, gen, plan, targets, comm, monitor, checker, nodes, opts.chunk_bytes)
+    executor = _Executor(backend, gen, plan, targets, comm, monitor, checker, nodes, opts.chunk_bytes, local)
 
     def read() -> tuple[None, Any]:
         executor.run()
@@ -297,7 +322,7 @@ def _load_generation(
         # The agreement that every rank read its units carries each rank's partial block checksums.
         _, partials = comm.exchange_agreed(read, f"loading {uri!r}")
         if checker is not None:
-            _settle_checksums(checker, backend, comm, partials)
+            _settle_checksums(checker, backend, comm, partials, local)
     with monitor.phase("apply"):
         for key, value in values.items():
             flat.objects[key].assign(value)
@@ -323,15 +348,32 @@ def _broadcast_checkpoint(comm: Comm, backend: Backend, accept_dcp: bool = False
 
 
 def _prepare(
-    state: Mapping[str, Any], ckpt: Checkpoint, saved_keys: set[str],
-) -> tuple[tuple[FlatState, list[TargetPiece]], tuple[list[TargetPiece], list[tuple[str, str]], list[str], list[str], str]]:
-    """Flatten this rank's state for loading: ``(kept, shared)``, shared being what :func:`_report` reads."""
+    state: Mapping[str, Any], ckpt: Checkpoint, saved_keys: set[str], rank: int, tier: MemoryTier | None,
+) -> tuple[tuple[FlatState, list[TargetPiece], dict[str, list[ObjectMeta]]], tuple[Any, ...]]:
+    """Flatten this rank's state for loading: ``(kept, shared)``. Shared: needs, findings, tensor and
+    object keys (what :func:`_report` reads), the node, what its memory tier holds (``None``: no tier)
+    and the objects files this rank reads."""
     flat = flatten_state(
         state, for_load=True, saved_keys=lambda p: any(k.startswith(p) for k in saved_keys),
         legacy_names=ckpt.meta.format_minor < 1,
     )
     needs, findings = _match(flat, ckpt)
-    return (flat, needs), (needs, findings, sorted(flat.tensors), sorted(flat.objects), node_id())
+    wanted = _wanted_objects(ckpt, flat, rank)
+    held = held_files(tier, ckpt.meta, ckpt.record)
+    files = sorted({o.file for metas in wanted.values() for o in metas}) if held is not None else []
+    return (flat, needs, wanted), (needs, findings, sorted(flat.tensors), sorted(flat.objects), node_id(), held, files)
+
+
+def _local_pieces(
+    backend: Backend, ckpt: Checkpoint, fqns: set[str], local: LocalReads, shared: dict[str, bytes],
+) -> dict[str, list[PieceMeta]]:
+    """The pieces table from where this rank finds it: shared by a peer, its node's memory tier, the chain."""
+    data = shared.get(layout.PIECES)
+    if data is None:
+        return read_pieces(local.source(layout.PIECES, backend), ckpt, fqns)
+    if ckpt.record is not None:
+        ckpt.record.check_document(layout.PIECES, data, backend.root_uri)
+    return decode_pieces(data, ckpt.tensors, fqns)
 
 
 def _topology(backend: Backend, comm: Comm, nodes: list[str]) -> Topology:
@@ -426,8 +468,9 @@ def read_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str] | None = None
         raise CorruptCheckpointError(f"checkpoint {backend.root_uri!r} has no pieces table: {exc}") from exc
 
 
-def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int) -> None:
-    """Each data file this rank reads has the size the header lists, and holds every run read from it."""
+def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int, local: LocalReads) -> None:
+    """Each data file this rank reads (from its memory tier or the chain) has the size the header lists,
+    and holds every run read from it."""
     ends: dict[str, int] = {}
     for u in plan.units:
         if u.reader == rank and len(u.run_offsets):
@@ -435,7 +478,7 @@ def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int) 
     files = sorted(ends)
     # Every size at once: on an object store each check is a round trip.
     with concurrent.futures.ThreadPoolExecutor(max(1, min(len(files), PARALLEL_METADATA))) as pool:
-        sizes = list(pool.map(lambda file: _checked_size(backend, ckpt, file), files))
+        sizes = list(pool.map(lambda file: _checked_size(local.source(file, backend), ckpt, file), files))
     for file, size in zip(files, sizes):
         end = ends[file]
         if end > size:
@@ -475,12 +518,26 @@ def _verify_pieces(backend: Backend, gen: str, pieces: dict[str, list[PieceMeta]
             )
 
 
-def _settle_checksums(checker: ReadChecker, backend: Backend, comm: Comm, gathered: list[Any]) -> None:
+def _settle_checksums(checker: ReadChecker, backend: Backend, comm: Comm, gathered: list[Any], local: LocalReads) -> None:
     """Check the blocks read in parts (by several ranks or units) from every rank's partial CRCs
-    (``gathered``); blocks the group read only in part are read whole, agreed in one collective."""
+    (``gathered``); blocks the group read only in part are read whole, agreed in one collective (with
+    memory tiers: by a rank whose node holds the block's file, from its tier)."""
     incomplete = checker.settle(gathered)  # the same on every rank: a mismatch raises on all of them
-    if incomplete:
+    if not incomplete:
+        return
+    if not local.active:
         comm.run_agreed(lambda: checker.check_whole(incomplete, backend, comm.rank, comm.world_size), "checking data checksums")
+        return
+    readers = rereaders([piece.file for piece, _ in incomplete], local, comm.world_size)
+    mine = [block for block, reader in zip(incomplete, readers) if reader == comm.rank]
+
+    def check() -> None:
+        for here in (True, False):
+            blocks = [b for b in mine if local.here(b[0].file) == here]
+            if blocks:
+                checker.check_whole(blocks, local.tier if here else backend, 0, 1)  # type: ignore[arg-type]
+
+    comm.run_agreed(check, "checking data checksums")
 
 
 def _target_view(entry: TensorEntry, stored: StoredBox) -> torch.Tensor:
@@ -538,9 +595,10 @@ class _Executor:
 
     def __init__(
         self, backend: Backend, gen: str, plan: LoadPlan, targets: list[TensorEntry], comm: Comm, monitor: Monitor,
-        checker: ReadChecker | None, nodes: list[str], chunk_bytes: int,
+        checker: ReadChecker | None, nodes: list[str], chunk_bytes: int, local: LocalReads,
     ) -> None:
         self.backend, self.gen, self.plan, self.targets, self.comm, self.monitor = backend, gen, plan, targets, comm, monitor
+        self.local = local
         self.checker = checker
         # Units that ranks of one node read alike are checked by one of them (io.readcheck).
         self.checks = checking_ranks(plan.units, nodes) if checker is not None else []
@@ -597,10 +655,11 @@ class _Executor:
         """Read a round's units, each group of ``reads`` in one request (then set ``landed``); the
         checksums of each unit this rank checks (``checked``) are checked in a worker thread as soon as
         it lands, overlapping the other reads."""
-        backend, sched, checker = self.backend, self.sched, self.checker
+        sched, checker = self.sched, self.checker
 
         async def read(group: list[int]) -> None:
             unit = reads[group[0]][0]
+            backend = self.local.source(unit.file, self.backend)  # its node's memory tier, or the chain
             key = layout.in_generation(self.gen, unit.file)
             if len(unit.run_offsets) == 1:
                 await read_group(sched, backend, [
@@ -686,8 +745,27 @@ OBJECT_GAP_BYTES = 1 << 20
 """Objects of one file at most this far apart are fetched in one ranged read (they are many and small)."""
 
 
-def _fetch_objects(backend: Backend, ckpt: Checkpoint, flat: FlatState, comm: Comm, allow_pickle: bool) -> dict[str, Any]:
-    """The decoded value of every object entry this rank loads (nothing is assigned yet)."""
+def _fetch_objects(
+    backend: Backend, ckpt: Checkpoint, flat: FlatState, wanted: dict[str, list[ObjectMeta]], allow_pickle: bool,
+    local: LocalReads, shared: dict[str, bytes],
+) -> dict[str, Any]:
+    """The decoded value of every object entry this rank loads (``wanted``: :func:`_wanted_objects`;
+    nothing is assigned yet). Each objects file is read from a peer's share, this node's memory tier or
+    the chain."""
+    metas = {o for ms in wanted.values() for o in ms}
+    data = _object_bytes(shared, {o for o in metas if o.file in shared})
+    for here in (True, False):
+        group = {o for o in metas if o.file not in shared and local.here(o.file) == here}
+        data.update(_read_objects(local.tier if here and local.tier is not None else backend, ckpt.meta.generation, group))
+    values: dict[str, Any] = {}
+    for key, ms in wanted.items():
+        decoded = [decode_object(data[o], o.codec, o.key, allow_pickle=allow_pickle) for o in ms]
+        values[key] = decoded if flat.objects[key].all_ranks else decoded[0]
+    return values
+
+
+def _wanted_objects(ckpt: Checkpoint, flat: FlatState, rank: int) -> dict[str, list[ObjectMeta]]:
+    """The saved objects each object entry of this rank's state loads from (all ranks' for ``all_ranks`` entries)."""
     by_key: dict[str, list[ObjectMeta]] = {}
     for o in ckpt.meta.objects:
         by_key.setdefault(o.key, []).append(o)
@@ -700,13 +778,19 @@ def _fetch_objects(backend: Backend, ckpt: Checkpoint, flat: FlatState, comm: Co
         if entry.all_ranks:
             wanted[key] = sorted(options, key=lambda o: -1 if o.rank is None else o.rank)
         else:
-            wanted[key] = [_object_for_rank(options, comm.rank, saved_world, key)]
-    data = _read_objects(backend, ckpt.meta.generation, {o for metas in wanted.values() for o in metas})
-    values: dict[str, Any] = {}
-    for key, metas in wanted.items():
-        decoded = [decode_object(data[o], o.codec, o.key, allow_pickle=allow_pickle) for o in metas]
-        values[key] = decoded if flat.objects[key].all_ranks else decoded[0]
-    return values
+            wanted[key] = [_object_for_rank(options, rank, saved_world, key)]
+    return wanted
+
+
+def _object_bytes(files: dict[str, bytes], metas: set[ObjectMeta]) -> dict[ObjectMeta, bytes]:
+    """The checksummed bytes of each object, cut from whole objects files already read."""
+    out: dict[ObjectMeta, bytes] = {}
+    for meta in metas:
+        data = files[meta.file][meta.byte_offset : meta.byte_offset + meta.byte_length]
+        if len(data) != meta.byte_length or crc32c.crc32c(data) != meta.crc32c:
+            raise CorruptCheckpointError(f"checksum mismatch for object {meta.key!r} in {meta.file!r} at byte {meta.byte_offset}")
+        out[meta] = data
+    return out
 
 
 def _read_objects(backend: Backend, gen: str, metas: set[ObjectMeta]) -> dict[ObjectMeta, bytes]:
