@@ -1,0 +1,124 @@
+"""One rank of a simulated multi-node job that saves into, or recovers from, node memory tiers
+(``tests/test_memory_recovery.py``).
+
+Usage::
+
+    python tests/recovery_child.py SPEC_JSON
+
+The parent sets this process's node (``TIERCKPT_NODE_ID``, ``TIERCKPT_MEMORY_DIR``, ``TIERCKPT_MEMORY=on``).
+``SPEC_JSON`` holds ``rank``, ``world``, ``port``, ``result`` (where this rank writes its JSON result),
+``layout`` (``"shard"``: DTensor ``Shard(0)`` over all ranks, as FSDP2 holds parameters; ``"replicate"``:
+plain full tensors, as DDP does) and either
+
+* ``saves``: a list of ``{"uri", "seed", "level"}``: each is saved with ``async_save`` and waited for
+  to ``level``; ``"kill_receiver": true`` on one makes the first replica chunk that node's leader
+  receives of it kill it (a node lost during replication); or
+* ``loads``: a list of ``{"uri", "seed"}``: each is loaded and compared bit-exactly with what
+  ``seed`` saved (or the error is reported), and the level recorded in this node's tier is read.
+
+The process ends with ``os._exit`` (no exit drain, no collective teardown): a crash, as far as the
+memory tier is concerned.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import traceback
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import Shard  # noqa: E402
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
+
+import tierckpt  # noqa: E402
+from scenarios import as_dtensor, make_mesh, reference  # noqa: E402
+from tierckpt.store import memory_tier_of, open_store  # noqa: E402
+from tierckpt.tiers import memory as memory_module  # noqa: E402
+from tierckpt.tiers.levels import recorded_level  # noqa: E402
+
+SPECS = {"w": ((67, 24), torch.float32), "b16": ((33, 7), torch.bfloat16), "i": ((9,), torch.int64)}
+
+
+def full(name: str, seed: int) -> torch.Tensor:
+    shape, dtype = SPECS[name]
+    return reference(f"{name}-{seed}", shape, dtype)
+
+
+def state(layout: str, seed: int | None) -> dict:
+    """The model as this rank holds it: the values of ``seed``, or zeros to load into (``None``)."""
+    mesh = make_mesh((dist.get_world_size(),)) if layout == "shard" else None
+    model = {}
+    for name, (shape, dtype) in SPECS.items():
+        value = full(name, seed) if seed is not None else torch.zeros(shape, dtype=dtype)
+        model[name] = as_dtensor(value, mesh, [Shard(0)]) if mesh is not None else value
+    return {"model": model, "extra": {"step": -1 if seed is None else seed}}
+
+
+def compare(loaded: dict, seed: int) -> list[str]:
+    """Names of the tensors (and objects) that differ from what ``seed`` saved, bit for bit."""
+    bad = []
+    for name, value in loaded["model"].items():
+        expected = full(name, seed)
+        if hasattr(value, "to_local"):
+            shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+            expected = expected[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
+            value = value.to_local()
+        if value.dtype != expected.dtype or not torch.equal(value.view(torch.uint8), expected.view(torch.uint8)):
+            bad.append(name)
+    if loaded["extra"]["step"] != seed:
+        bad.append("extra.step")
+    return bad
+
+
+def kill_on_first_replica_chunk() -> None:
+    def write(self: memory_module.IncomingFile, data: memoryview) -> None:
+        os._exit(9)
+
+    memory_module.IncomingFile.write = write  # type: ignore[method-assign]
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    rank, world = spec["rank"], spec["world"]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    out: dict = {"node": os.environ["TIERCKPT_NODE_ID"], "saves": {}, "loads": {}}
+    for save in spec.get("saves", []):
+        if save.get("kill_receiver") and rank == spec["kill_rank"]:
+            kill_on_first_replica_chunk()
+        handle = tierckpt.async_save(save["uri"], state(spec["layout"], save["seed"]))
+        try:
+            meta = handle.wait(save["level"], timeout_s=60)
+            out["saves"][save["uri"]] = {"ok": True, "generation": meta.generation}
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out["saves"][save["uri"]] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    for load in spec.get("loads", []):
+        target = state(spec["layout"], None)
+        record: dict = {}
+        try:
+            tierckpt.load(load["uri"], target)
+            record["differs"] = compare(target, load["seed"])
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            record["trace"] = traceback.format_exc()
+        tier = memory_tier_of(open_store(load["uri"]))
+        committed = tier.committed() if tier is not None else None
+        level = recorded_level(tier, committed.generation) if committed is not None else None
+        record["level"] = None if level is None else {"level": level.level.value, "reason": level.reason}
+        out["loads"][load["uri"]] = record
+    with open(spec["result"], "w") as f:
+        json.dump(out, f)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Recovery from node memory with real process groups: 2 simulated nodes x 2 ranks on this machine.
+
+Each simulated node is a set of processes with their own ``TIERCKPT_NODE_ID`` and
+``TIERCKPT_MEMORY_DIR`` (``tests/recovery_child.py``); processes end with ``os._exit``, as in a crash.
+The URI's own store is a local directory that is deleted before every restart, so a restart can only
+read from the memory tiers. Checked: bit-exact loads (FSDP2-style ``Shard(0)`` DTensors, and plain
+replicated tensors as DDP holds them), after a crash of every process, after the loss of a whole node
+(with a fresh replacement node, and on the surviving node alone), and that a node lost during
+replication leaves the new checkpoint at ``memory`` while the previous, replicated one recovers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distributed import free_port
+
+HERE = Path(__file__).parent
+CHILD = HERE / "recovery_child.py"
+SRC = HERE.parent / "src"
+
+
+class Job:
+    """One launch of ranks placed on simulated nodes (``nodes[r]``: rank ``r``'s node)."""
+
+    def __init__(self, workdir: Path, nodes: list[str], layout: str, **spec: object) -> None:
+        self.workdir, self.nodes = workdir, nodes
+        port = free_port()
+        self.results = [workdir / f"result-{i}-{os.getpid()}-{port}.json" for i in range(len(nodes))]
+        self.procs = []
+        for rank, node in enumerate(nodes):
+            env = dict(os.environ)
+            env.update({
+                "TIERCKPT_NODE_ID": node, "TIERCKPT_MEMORY_DIR": str(workdir / node / "shm"), "TIERCKPT_MEMORY": "on",
+                "TIERCKPT_MEMORY_BYTES": "256M", "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE), env.get("PYTHONPATH", "")]),
+            })
+            body = {"rank": rank, "world": len(nodes), "port": port, "layout": layout, "result": str(self.results[rank]), **spec}
+            self.procs.append(subprocess.Popen(
+                [sys.executable, str(CHILD), json.dumps(body)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            ))
+
+    def wait(self, ranks: list[int] | None = None, timeout_s: float = 90) -> list[dict]:
+        """The results of ``ranks`` (default all) once they exited; the output of any that failed."""
+        out = []
+        for rank in ranks if ranks is not None else range(len(self.procs)):
+            proc = self.procs[rank]
+            try:
+                output, _ = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                output, _ = proc.communicate()
+                raise AssertionError(f"rank {rank} did not finish:\n{output.decode(errors='replace')}") from None
+            assert proc.returncode == 0 and self.results[rank].exists(), (
+                f"rank {rank} exited {proc.returncode}:\n{output.decode(errors='replace')}"
+            )
+            out.append(json.loads(self.results[rank].read_text()))
+        return out
+
+    def kill(self, ranks: list[int] | None = None) -> None:
+        for rank in ranks if ranks is not None else range(len(self.procs)):
+            proc = self.procs[rank]
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
+
+def lose(workdir: Path, *nodes: str) -> None:
+    """The remote store becomes unreachable; ``nodes`` lose their memory (their processes are gone)."""
+    shutil.rmtree(workdir / "remote", ignore_errors=True)
+    for node in nodes:
+        shutil.rmtree(workdir / node, ignore_errors=True)
+
+
+def assert_exact(results: list[dict], uri: str) -> None:
+    for r in results:
+        load = r["loads"][uri]
+        assert "error" not in load, load.get("trace")
+        assert load["differs"] == [], f"{r['node']}: {load['differs']} differ from what was saved"
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+def uri_of(workdir: Path, step: int) -> str:
+    return str(workdir / "remote" / f"step-{step}")
+
+
+def test_processes_killed_after_commit_restart_from_memory(workdir: Path) -> None:
+    uri = uri_of(workdir, 1)
+    nodes = ["node-0", "node-0", "node-1", "node-1"]
+    saved = Job(workdir, nodes, "shard", saves=[{"uri": uri, "seed": 1, "level": "memory"}]).wait()
+    assert all(r["saves"][uri]["ok"] for r in saved), saved
+    lose(workdir)  # every process is gone (os._exit after the commit), and the remote with them
+    assert_exact(Job(workdir, nodes, "shard", loads=[{"uri": uri, "seed": 1}]).wait(), uri)
+
+
+def test_a_lost_node_is_rebuilt_from_its_peer_and_the_survivor_reshards(workdir: Path) -> None:
+    uri = uri_of(workdir, 1)
+    saved = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "shard",
+                saves=[{"uri": uri, "seed": 1, "level": "replicated"}]).wait()
+    assert all(r["saves"][uri]["ok"] for r in saved), saved
+    lose(workdir, "node-1")
+    # A fresh node takes the lost one's place: it holds nothing, its ranks read from node-0's memory.
+    fresh = Job(workdir, ["node-0", "node-0", "node-2", "node-2"], "shard", loads=[{"uri": uri, "seed": 1}]).wait()
+    assert_exact(fresh, uri)
+    assert fresh[0]["loads"][uri]["level"]["level"] == "replicated"
+    # The surviving node alone, 2 ranks, plain replicated tensors (DDP) instead of Shard(0) over 4.
+    alone = Job(workdir, ["node-0", "node-0"], "replicate", loads=[{"uri": uri, "seed": 1}]).wait()
+    assert_exact(alone, uri)
+
+
+def test_a_node_lost_during_replication_keeps_the_previous_checkpoint(workdir: Path) -> None:
+    old, new = uri_of(workdir, 1), uri_of(workdir, 2)
+    job = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "shard", kill_rank=2, saves=[
+        {"uri": old, "seed": 1, "level": "replicated"},
+        {"uri": new, "seed": 2, "level": "replicated", "kill_receiver": True},
+    ])
+    survivors = job.wait([0, 1])
+    job.kill([2, 3])  # node-1 is lost: its leader died receiving node-0's replica, the other rank with it
+    lose(workdir, "node-1")
+    for r in survivors:
+        assert r["saves"][old]["ok"], r
+        assert not r["saves"][new]["ok"] and "not replicated" in r["saves"][new]["error"], r
+    loaded = Job(workdir, ["node-0", "node-0"], "shard", loads=[{"uri": old, "seed": 1}, {"uri": new, "seed": 2}]).wait()
+    assert_exact(loaded, old)
+    for r in loaded:
+        assert r["loads"][old]["level"]["level"] == "replicated"
+        assert r["loads"][new]["level"]["level"] == "memory" and r["loads"][new]["level"]["reason"]
+        assert "error" in r["loads"][new]  # node-1's files of it are gone: an error, never wrong bytes
