@@ -2,9 +2,16 @@
 
 A *store* is a :class:`~tierckpt.backends.base.Backend`: either the backend of the URI itself
 (:mod:`tierckpt.backends`) or that backend wrapped in *links*, each a small ``Backend`` with one job
-(:mod:`tierckpt.cache`: the node cache's write-back journal and read-through tiers). Saver, loader,
-manager, CLI, verify and convert get every store from :func:`open_store`, so "is this URI cached?" is
-decided here, once, by one rule (:func:`cache_config_for`).
+(:mod:`tierckpt.cache`: the node cache's write-back journal and read-through tiers;
+:mod:`tierckpt.tiers.link`: the node memory tier on top). Saver, loader, manager, CLI, verify and
+convert get every store from :func:`open_store`, so "is this URI cached?" and "does it commit into
+node memory first?" are decided here, once, each by one rule (:func:`cache_config_for`,
+:func:`memory_config_for`). The chain, top first::
+
+    MemoryLink (node memory tier, tmpfs)      when memory_config_for(uri, option "memory") says so
+      TieredBackend (node disk cache)         when cache_config_for(uri, option "cache") says so
+        ScheduledBackend (slots, retries)
+          the URI's backend (local, memory://, S3, fsspec)
 
 Durability is an optional protocol (:class:`Durable`): a write-back store acknowledges a write once it
 is durable on this node and uploads it behind; callers that hold such a store ask it with
@@ -29,11 +36,14 @@ from .cache.uploader import Uploader
 from .errors import CheckpointError
 from .io.scheduled import ScheduledBackend
 from .io.scheduler import get_scheduler
+from .tiers import writedown
+from .tiers.config import MemoryConfig, memory_enabled_from_env
+from .tiers.link import MemoryLink
 from .tiers.memory import MemoryTier
 
 __all__ = [
-    "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s", "memory_tier_of", "node_only_reason",
-    "open_cached_store", "open_store",
+    "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s",
+    "memory_config_for", "memory_tier_of", "node_only_reason", "open_cached_store", "open_store",
 ]
 
 LOCAL_SCHEMES = ("", "file", "memory")
@@ -82,19 +92,54 @@ def cache_config_for(uri: str, cache: Any = None) -> CacheConfig | None:
     return config if config.enabled else None
 
 
+def memory_config_for(uri: str, memory: Any = None) -> MemoryConfig | None:
+    """The node memory tier configuration of ``uri``'s chain, or ``None`` for no memory tier. The one rule:
+
+    * ``memory://`` URIs never get one (the store is already in this process's memory);
+    * ``memory=False`` leaves it out, ``memory=True`` puts it in (:meth:`MemoryConfig.from_env`), whatever
+      ``TIERCKPT_MEMORY`` says; a :class:`~tierckpt.tiers.MemoryConfig` is used as given;
+    * ``memory=None`` (the default): on when ``TIERCKPT_MEMORY=on`` (default ``off``).
+    """
+    if memory is not None and not isinstance(memory, (bool, MemoryConfig)):
+        raise CheckpointError(
+            f"storage option memory={memory!r} for {uri!r}: pass True or False (node memory tier on or off), "
+            "or a tierckpt.tiers.MemoryConfig"
+        )
+    if memory is False or split_uri(uri)[0] == "memory":
+        return None
+    if isinstance(memory, MemoryConfig):
+        return memory
+    if memory is True or memory_enabled_from_env():
+        return MemoryConfig.from_env()
+    return None
+
+
+def memory_tier_of(store: Backend) -> MemoryTier | None:
+    """The node memory tier at the top of ``store``'s chain, or ``None`` when the tier is off."""
+    tier = getattr(store, "memory_tier", None)
+    return tier if isinstance(tier, MemoryTier) else None
+
+
 def open_store(uri: str, options: dict[str, Any] | None = None) -> Backend:
     """The store for ``uri``: its backend (``options`` go to it, e.g. S3 credentials), behind the node
-    cache when :func:`cache_config_for` says so (option ``cache``)."""
+    cache when :func:`cache_config_for` says so (option ``cache``), behind the node memory tier when
+    :func:`memory_config_for` says so (option ``memory``)."""
     options = dict(options or {})
+    memory = memory_config_for(uri, options.pop("memory", None))
     config = cache_config_for(uri, options.pop("cache", None))
     if config is not None:
-        return open_cached_store(uri, options, config)
-    return ScheduledBackend(open_plain_backend(uri, **options))  # slots, retries, metrics
+        store: Backend = open_cached_store(uri, options, config)
+    else:
+        store = ScheduledBackend(open_plain_backend(uri, **options))  # slots, retries, metrics
+    if memory is not None:
+        store = MemoryLink(store, memory, uri)  # node memory first, written down behind
+    return store
 
 
 def open_cached_store(uri: str, options: dict[str, Any], config: CacheConfig) -> TieredBackend:
     """The chain of ``uri`` behind the node cache ``config``, whatever :func:`cache_config_for` says (the
     node cache's own commands: status, sync, prefetch, gc on any URI). ``options`` go to the backend."""
+    options = {k: v for k, v in options.items() if k != "memory"}  # the memory tier is open_store's
     remote = ScheduledBackend(open_plain_backend(uri, **options))  # slots, retries, metrics
     return TieredBackend(remote, config, _uploader(config))  # write-back journal + read-through tiers
 
@@ -115,15 +160,20 @@ def durability_of(store: Backend) -> Durable | None:
 
 
 def exit_wait_s() -> float:
-    """How long the exit drain may wait: the longest ``exit_wait_s`` of the caches this process opened."""
-    return max((u.exit_wait_s for u in _UPLOADERS.values()), default=0.0)
+    """How long the exit drain may wait: the longest ``exit_wait_s`` of the caches this process opened
+    (``CacheConfig.exit_wait_s`` from the environment when a memory tier has write-downs in flight)."""
+    waits = [u.exit_wait_s for u in _UPLOADERS.values()]
+    if writedown.in_flight():
+        waits.append(CacheConfig.from_env().exit_wait_s)
+    return max(waits, default=0.0)
 
 
 def drain_write_back(timeout_s: float) -> list[str]:
-    """Wait up to ``timeout_s`` in all for this process's write-back uploads; one line per store left
-    pending, naming the command that finishes it (the saver's exit drain prints them)."""
+    """Wait up to ``timeout_s`` in all for this process's write-backs (memory tier write-downs first,
+    then the node cache's uploads, which they feed); one line per store left pending, naming the
+    command that finishes it (the saver's exit drain prints them)."""
     deadline = time.monotonic() + timeout_s
-    lines: list[str] = []
+    lines: list[str] = writedown.drain(timeout_s)
     for uploader in list(_UPLOADERS.values()):
         lines += uploader.drain(max(0.0, deadline - time.monotonic()))
     return lines
@@ -156,9 +206,3 @@ def _forget_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-def memory_tier_of(store: Backend) -> MemoryTier | None:
-    """The node memory tier at the top of ``store``'s chain, or ``None`` when the tier is off."""
-    tier = getattr(store, "memory_tier", None)
-    return tier if isinstance(tier, MemoryTier) else None

@@ -1,7 +1,10 @@
 """Configuration of the node memory tier (:class:`MemoryConfig`).
 
-Environment variables (read by :meth:`MemoryConfig.from_env`):
+Environment variables (read by :meth:`MemoryConfig.from_env`, and :func:`memory_enabled_from_env`):
 
+* ``TIERCKPT_MEMORY``: ``on`` puts the memory tier at the top of every non-``memory://`` URI's storage
+  chain (:func:`tierckpt.store.memory_config_for`); ``off`` (default) leaves it out. The storage option
+  ``memory`` of a call overrides it.
 * ``TIERCKPT_MEMORY_DIR``: the tier's directory, shared by every process of the node; it should be on a
   memory file system (tmpfs) so it outlives the training processes but costs no disk I/O
   (default ``/dev/shm/tierckpt``).
@@ -23,6 +26,7 @@ from typing import Any
 from ..errors import CheckpointError, StorageError
 from ..units import parse_bytes
 
+MEMORY_ENV = "TIERCKPT_MEMORY"
 DIR_ENV = "TIERCKPT_MEMORY_DIR"
 BYTES_ENV = "TIERCKPT_MEMORY_BYTES"
 FULL_ENV = "TIERCKPT_MEMORY_FULL"
@@ -40,6 +44,18 @@ class OnFull(enum.Enum):
 
 class MemoryTierFullError(StorageError):
     """A checkpoint does not fit in the node memory tier, even after evicting every evictable copy."""
+
+
+def memory_enabled_from_env() -> bool:
+    """Whether ``TIERCKPT_MEMORY`` turns the memory tier on (``on``/``off``; unset or empty: off)."""
+    flag = os.environ.get(MEMORY_ENV, "").strip().lower()
+    if flag in ("", "off"):
+        return False
+    if flag == "on":
+        return True
+    raise CheckpointError(
+        f"{MEMORY_ENV}={flag!r}: use 'on' (checkpoints commit into the node memory tier first) or 'off' (the default)"
+    )
 
 
 def default_budget(directory: str) -> int:

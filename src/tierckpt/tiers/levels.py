@@ -1,7 +1,8 @@
 """The durability level of a generation on this node's side, as the replicator records it.
 
 ``memory``: committed in this node's memory tier; ``replicated``: and acknowledged, CRC-checked, by
-every peer node that holds this node's replicas. The node's leader records each generation's final
+every peer node that holds this node's replicas (``local``, node disk, and ``remote`` are reported
+beside them by the memory link's status, :mod:`.linkstatus`). The node's leader records each generation's final
 :class:`ReplicaResult` in the tier (``levels/<generation>.json``) before waking its waiters, so the
 node's other ranks, and a restart, read the same level; :class:`ReplicaHandle` waits for it.
 """
@@ -28,6 +29,10 @@ class Level(str, enum.Enum):
     """Committed in this node's memory tier."""
     REPLICATED = "replicated"
     """And acknowledged, CRC-checked, by every peer node that holds this node's replicas."""
+    LOCAL = "local"
+    """In the node disk cache (reported beside the two above, not ordered with them)."""
+    REMOTE = "remote"
+    """Committed where the URI points (reported beside the two above, not ordered with them)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

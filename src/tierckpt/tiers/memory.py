@@ -135,6 +135,17 @@ class IncomingFile:
         self._crc = crc32c.crc32c(data, self._crc)
         self._size += data.nbytes
 
+    @property
+    def tmp_path(self) -> str:
+        """The temp file written so far (the memory link copies it elsewhere when the tier is full)."""
+        return self._tmp
+
+    def publish(self) -> FileEntry:
+        """Publish what was written (a file this node produced, so its own size and CRC-32C are the truth)."""
+        entry = FileEntry(self._size, self._crc)
+        self.finish(entry)
+        return entry
+
     def finish(self, expected: FileEntry) -> None:
         """Publish the file if it has ``expected`` size and CRC-32C; else discard it and raise."""
         self._file.close()

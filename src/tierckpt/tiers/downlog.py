@@ -1,0 +1,130 @@
+"""What the chain below the node memory tier holds: the write-down log of each generation.
+
+The memory link (:mod:`.link`) copies every file it puts into the tier down to the chain below it
+("write-down"), ``COMMIT`` last. Which copies are down decides eviction (a copy no lower tier holds is
+never evicted), ``status`` and ``sync`` — for every process of the node and for a restart — so it is
+kept in the tier, one append-only log per generation::
+
+    <tier home>/down/<generation>.log      one JSON line per event: {"pid", "op", "key", "error"}
+
+``op`` is ``start`` (a process began copying ``key`` down), ``done`` (the chain below acknowledged it)
+or ``error`` (the copy failed; ``error`` says why). Each line is one ``write`` on an ``O_APPEND`` file,
+so lines of concurrent processes never interleave. A key started by a process that is gone and never
+done is nobody's: ``sync`` (or the commit's write-down) copies it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..cache.catalog import pid_alive
+from ..backends.base import Backend
+from ..layout import COMMIT, is_generation
+from .eviction import copy_id
+from .memory import MemoryTier, NodeMemory
+
+
+def generation_of(key: str) -> str | None:
+    """The generation a key of the checkpoint root lies in (its first part), else ``None``."""
+    first = key.split("/", 1)[0]
+    return first if "/" in key and is_generation(first) else None
+
+
+def write_back_of(store: Backend) -> Any | None:
+    """``store`` when it offers the durability protocol (:class:`tierckpt.store.Durable`: a write-back
+    chain below the memory tier, e.g. the node disk cache), else ``None``."""
+    return store if all(callable(getattr(store, n, None)) for n in ("wait_durable", "status", "sync")) else None
+
+
+@dataclass(slots=True)
+class DownState:
+    """The write-down of one generation as the log tells it."""
+
+    done: set[str] = field(default_factory=set)
+    """Keys the chain below acknowledged (``COMMIT`` included once its commit landed there)."""
+    busy: dict[str, int] = field(default_factory=dict)
+    """Keys a live process is copying right now -> its pid."""
+    errors: dict[str, str] = field(default_factory=dict)
+    """Keys whose last copy failed (and are not done) -> why."""
+
+
+class DownLog:
+    """The write-down logs of one URI's tier (see the module docstring)."""
+
+    def __init__(self, tier: MemoryTier) -> None:
+        self.tier = tier
+
+    def path(self, generation: str) -> str:
+        return os.path.join(self.tier.home, "down", f"{generation}.log")
+
+    def append(self, generation: str, op: str, key: str, error: str | None = None) -> None:
+        """Record one event (one ``O_APPEND`` write, so concurrent processes' lines stay whole)."""
+        path = self.path(generation)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        line = json.dumps({"pid": os.getpid(), "op": op, "key": key, "error": error}) + "\n"
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+    def state(self, generation: str) -> DownState:
+        """Replay the log of ``generation``; a torn last line (a process killed mid-write) is skipped."""
+        out = DownState()
+        started: dict[str, int] = {}
+        try:
+            with open(self.path(generation), "rb") as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            return out
+        for raw in lines:
+            try:
+                event = json.loads(raw)
+                pid, op, key = int(event["pid"]), str(event["op"]), str(event["key"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            if op == "start":
+                started[key] = pid
+            elif op == "done":
+                out.done.add(key)
+                out.errors.pop(key, None)
+                started.pop(key, None)
+            elif op == "error":
+                out.errors[key] = str(event.get("error"))
+                started.pop(key, None)
+        out.busy = {k: p for k, p in started.items() if k not in out.done and pid_alive(p)}
+        return out
+
+    def forget(self, generation: str) -> None:
+        """Drop the log of a generation that left the tier."""
+        try:
+            os.unlink(self.path(generation))
+        except FileNotFoundError:
+            pass
+
+    def pending(self, generation: str, state: DownState | None = None) -> list[str]:
+        """The tier's files of ``generation`` (and its ``COMMIT``, when the tier's names it) not yet down."""
+        state = state if state is not None else self.state(generation)
+        keys = [k for k in self.tier.keys_of(generation) if k not in state.done]
+        record = self.tier.committed()
+        if record is not None and record.generation == generation and COMMIT not in state.done:
+            keys.append(COMMIT)
+        return keys
+
+    def held_below(self, generation: str) -> bool:
+        """Whether the chain below holds every file of ``generation`` that the tier holds (and its COMMIT)."""
+        return not self.pending(generation)
+
+
+def durable_copies(memory: NodeMemory, tiers: Iterable[MemoryTier] | None = None) -> set[str]:
+    """Copy ids (see :func:`~.eviction.copy_id`) of every generation in the node's tier that the chain
+    below its link holds whole: what eviction may drop."""
+    out: set[str] = set()
+    for tier in tiers if tiers is not None else memory.tiers():
+        log = DownLog(tier)
+        out.update(copy_id(tier.uri, g) for g in tier.generations() if log.held_below(g))
+    return out

@@ -1,0 +1,341 @@
+"""``MemoryLink``: the node memory tier at the top of a URI's storage chain.
+
+:func:`tierckpt.store.open_store` puts it over whatever chain is below (the node disk cache in front of
+a remote, or the URI's own scheduled backend) when :func:`tierckpt.store.memory_config_for` says so.
+
+Writes of a checkpoint generation (keys ``<generation>/...``) go into the URI's
+:class:`~.memory.MemoryTier` first, each after :meth:`~.memory.NodeMemory.admit` made room for its bytes
+(a streamed file admits each chunk before writing it, so the budget is checked against what really
+arrives). A generation that does not fit raises :class:`~.config.MemoryTierFullError`, or with
+``OnFull.FALLBACK`` goes to the chain below from then on (a file being streamed moves there with what
+it had written). Every file put into the tier is then copied down in the background (the
+*write-down*, logged in :mod:`.downlog`); a ``COMMIT`` is committed in the tier, and committed below
+only after every file it depends on (``after=``) is there, as a compare-and-swap against the base
+the saver gave (``expected=``). Other keys pass straight through to the chain below.
+
+Reads take a generation's file from the tier when it is complete there and the generation is
+committed in the tier, sealed there (a manifest lists it, with its size checked), or written by this
+link; otherwise from below. ``COMMIT`` is the newer (by commit sequence) of the tier's and the
+chain below's, the tier's alone while the chain below cannot be read. ``delete``/``delete_prefix`` apply
+to both; the chain below's part waits for a pending ``COMMIT`` write-down, so the chain below never
+names a generation that is gone.
+
+Durability (:class:`tierckpt.store.Durable`): ``wait_durable`` waits for the write-down and then for
+the chain below's own durability; ``status`` reports each level; ``sync`` copies down what the tier
+holds that the chain below lacks, including what a dead process left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ..backends.base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Unconditional, commit_refused, validate_key
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError
+from ..layout import COMMIT, CommitRecord, is_generation
+from ..node import node_id
+from .config import MemoryConfig
+from .downlog import DownLog, durable_copies, generation_of, write_back_of
+from .linkstatus import LinkStatus, link_status
+from .memory import IncomingFile, MemoryTier, NodeMemory
+from .writedown import WriteDown
+
+log = logging.getLogger(__name__)
+
+_COPY_CHUNK = 8 << 20
+
+
+def tier_uri(uri: str) -> str:
+    """The URI a memory tier is kept under: plain paths made absolute (a restart from another working
+    directory finds the same tier), others as given."""
+    return os.path.abspath(uri) if "://" not in uri else uri.rstrip("/")
+
+
+class _LinkWriter(ObjectWriter):
+    """Streams into the tier (admitting each chunk); moves to the chain below if the tier is full."""
+
+    def __init__(self, link: MemoryLink, key: str, generation: str, incoming: IncomingFile) -> None:
+        self._link, self._key, self._generation = link, key, generation
+        self._incoming: IncomingFile | None = incoming
+        self._below: ObjectWriter | None = None
+        self._uri = link.memory_tier.uri_of(key)
+
+    async def write(self, data: bytes | memoryview) -> None:
+        self._check_open()
+        view = memoryview(data).cast("B")
+        if self._below is None and not await self._link._admit(self._generation, view.nbytes):
+            await self._move_below()
+        if self._below is not None:
+            await self._below.write(view)
+        else:
+            await asyncio.to_thread(self._incoming.write, view)  # type: ignore[union-attr]
+
+    async def _move_below(self) -> None:
+        """The tier is full (fallback): continue in the chain below, starting with what was written."""
+        incoming = self._incoming
+        assert incoming is not None
+        self._below = await self._link.below.open_writer(self._key)
+        with open(incoming.tmp_path, "rb", buffering=0) as f:
+            while chunk := await asyncio.to_thread(f.read, _COPY_CHUNK):
+                await self._below.write(chunk)
+        await asyncio.to_thread(incoming.abort)
+        self._incoming = None
+
+    async def close(self) -> None:
+        self._check_open()
+        self._done = True
+        if self._below is not None:
+            await self._below.close()
+            return
+        await asyncio.to_thread(self._incoming.publish)  # type: ignore[union-attr]
+        self._link._wrote(self._key)
+
+    async def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._below is not None:
+            await self._below.abort()
+        if self._incoming is not None:
+            await asyncio.to_thread(self._incoming.abort)
+
+
+class MemoryLink(Backend):
+    """The node memory tier in front of ``below`` (see the module docstring)."""
+
+    schedules_itself = True
+    """Its calls reach the chain below, which schedules its own remote calls."""
+
+    def __init__(self, below: Backend, config: MemoryConfig, uri: str | None = None) -> None:
+        super().__init__(below.root_uri)
+        self.below = below
+        """The chain this link wraps (node disk cache + remote, or the URI's scheduled backend)."""
+        self.memory = NodeMemory(config)
+        """The node's whole memory tier directory (admission and eviction across URIs)."""
+        self.memory_tier: MemoryTier = self.memory.tier(tier_uri(uri or below.root_uri))
+        """This URI's files in the node memory tier."""
+        self.capabilities = Capabilities()  # a read may be served by the tier or by the chain below
+        self.origin = node_id()
+        self.down = DownLog(self.memory_tier)
+        self.writedown = WriteDown(self)
+        self._written: set[str] = set()
+        self.fallback: dict[str, str] = {}
+        """Generations written to the chain below because the tier was full -> why."""
+
+    def __repr__(self) -> str:
+        return f"MemoryLink({self.below!r}, tier={self.memory_tier.home!r})"
+
+    def uri_of(self, key: str) -> str:
+        uri_of = getattr(self.below, "uri_of", None)
+        return uri_of(key) if uri_of is not None else f"{self.root_uri.rstrip('/')}/{key}"
+
+    # -- admission -------------------------------------------------------------------------------------
+    async def _admit(self, generation: str, nbytes: int) -> bool:
+        """Make room for ``nbytes`` more of ``generation``; ``False``: it falls back to the chain below."""
+        if generation in self.fallback:
+            return False
+
+        def admit() -> bool:
+            durable = durable_copies(self.memory)
+            admission = self.memory.admit(self.memory_tier.uri, generation, nbytes, durable)
+            if not admission.fits:
+                self.fallback[generation] = admission.reason or "the memory tier is full"
+                log.warning("%s %s goes to the next tier: %s", self.memory_tier.uri, generation, admission.reason)
+            return admission.fits
+
+        return await asyncio.to_thread(admit)
+
+    def _wrote(self, key: str) -> None:
+        """``key`` is complete in the tier: remember it and start copying it down."""
+        self._written.add(key)
+        self.writedown.file(key)
+
+    # -- writes ----------------------------------------------------------------------------------------
+    async def put(self, key: str, data: bytes | memoryview) -> None:
+        generation = generation_of(validate_key(key))
+        if generation is None or not await self._admit(generation, memoryview(data).nbytes):
+            await self.below.put(key, data)
+            return
+        await self.memory_tier.put(key, data)
+        self._wrote(key)
+
+    async def open_writer(self, key: str) -> ObjectWriter:
+        generation = generation_of(validate_key(key))
+        if generation is None or generation in self.fallback:
+            return await self.below.open_writer(key)
+        incoming = await asyncio.to_thread(self.memory_tier.receive, key)
+        return _LinkWriter(self, key, generation, incoming)
+
+    async def commit(
+        self, key: str, data: bytes | memoryview, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
+        after: Mapping[str, int | None] | None = None,
+    ) -> None:
+        """``COMMIT`` of a generation written into the tier: a compare-and-swap against this node's view
+        (:meth:`get`), committed in the tier, written down behind. Anything else goes below."""
+        validate_key(key)
+        data = bytes(data)
+        record = _record_of(data) if key == COMMIT else None
+        if record is None or record.generation in self.fallback or not self.memory_tier.keys_of(record.generation):
+            if record is not None:  # its files that did reach the tier go down first
+                await self.writedown.wait(record.generation, None, through_outage=True, commit=False)
+            await self.below.commit(key, data, expected=expected, after=after)
+            return
+        if expected is not UNCONDITIONAL:
+            current = await self._get_or_none(COMMIT)
+            if current != expected:
+                raise commit_refused(self.uri_of(key), expected, current)
+        tier_current = await asyncio.to_thread(self._tier_commit_bytes)
+        await self.memory_tier.commit(COMMIT, data, expected=tier_current)
+        self.writedown.commit(data, record, expected, after)
+
+    # -- reads -----------------------------------------------------------------------------------------
+    def _tier_commit_bytes(self) -> bytes | None:
+        try:
+            with open(self.memory_tier.path_of(COMMIT), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def _in_tier(self, key: str) -> bool:
+        """Whether a read of ``key`` is served by the tier (see the module docstring)."""
+        generation = generation_of(key)
+        if generation is None or not os.path.isfile(self.memory_tier.path_of(key)):
+            return False
+        if key in self._written:
+            return True
+        held = self.memory_tier.held(generation).get(key)
+        if held is not None:
+            return os.path.getsize(self.memory_tier.path_of(key)) == held.size
+        record = self.memory_tier.committed()
+        return record is not None and record.generation == generation
+
+    async def _get_or_none(self, key: str) -> bytes | None:
+        try:
+            return await self.get(key)
+        except CheckpointNotFoundError:
+            return None
+
+    async def _commit_view(self) -> bytes:
+        """The newer ``COMMIT`` of the tier and the chain below (the tier's while below is unreachable)."""
+        mine = await asyncio.to_thread(self._tier_commit_bytes)
+        try:
+            theirs: bytes | None = await self.below.get(COMMIT)
+        except CheckpointNotFoundError:
+            theirs = None
+        except TransientStorageError:
+            if mine is None:
+                raise
+            return mine
+        if mine is None or theirs is None:
+            if mine is None and theirs is None:
+                raise CheckpointNotFoundError(f"no object at {self.uri_of(COMMIT)} (neither in the node memory tier nor below)")
+            return mine if theirs is None else theirs  # type: ignore[return-value]
+        return mine if _seq(mine) > _seq(theirs) else theirs
+
+    async def get(self, key: str) -> bytes:
+        if validate_key(key) == COMMIT:
+            return await self._commit_view()
+        if await asyncio.to_thread(self._in_tier, key):
+            return await self.memory_tier.get(key)
+        return await self.below.get(key)
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        if await asyncio.to_thread(self._in_tier, validate_key(key)):
+            return await self.memory_tier.get_range(key, start, end)
+        return await self.below.get_range(key, start, end)
+
+    async def read_into(self, key: str, start: int, out: memoryview) -> None:
+        if await asyncio.to_thread(self._in_tier, validate_key(key)):
+            await self.memory_tier.read_into(key, start, out)
+        else:
+            await self.below.read_into(key, start, out)
+
+    async def read_runs(self, key: str, offsets: Any, run_bytes: int, out: memoryview) -> None:
+        if await asyncio.to_thread(self._in_tier, validate_key(key)):
+            await self.memory_tier.read_runs(key, offsets, run_bytes, out)
+        else:
+            await self.below.read_runs(key, offsets, run_bytes, out)
+
+    async def exists(self, key: str) -> bool:
+        if validate_key(key) == COMMIT:
+            return await self._get_or_none(COMMIT) is not None
+        return await asyncio.to_thread(self._in_tier, key) or await self.below.exists(key)
+
+    async def size(self, key: str) -> int:
+        if validate_key(key) == COMMIT:
+            return len(await self.get(COMMIT))
+        if await asyncio.to_thread(self._in_tier, key):
+            return await self.memory_tier.size(key)
+        return await self.below.size(key)
+
+    async def list(self, prefix: str = "") -> list[str]:
+        """The union of the tier's generation files and the chain below's keys under ``prefix``."""
+        below = await self.below.list(prefix)
+        mine = [k for k in await self.memory_tier.list(prefix) if generation_of(k) is not None]
+        return sorted(set(below) | set(mine))
+
+    # -- deletes ---------------------------------------------------------------------------------------
+    async def delete(self, key: str) -> None:
+        validate_key(key)
+        await self._delete(key, exact=True)
+
+    async def delete_prefix(self, prefix: str) -> None:
+        await self._delete(prefix, exact=False)
+
+    async def _delete(self, what: str, *, exact: bool) -> None:
+        """Drop ``what`` (a key, or a prefix) from the tier now and from the chain below once no pending
+        ``COMMIT`` write-down can still name it there."""
+        await self.writedown.cancel(what, exact=exact)
+        if exact:
+            await self.memory_tier.delete(what)
+            self._written.discard(what)
+        else:
+            await self.memory_tier.delete_prefix(what)
+            self._written = {k for k in self._written if not k.startswith(what)}
+            generation = generation_of(what) or (what.rstrip("/") if is_generation(what.rstrip("/")) else None)
+            for gen in [generation] if generation else self.memory_tier.generations() if not what else []:
+                await asyncio.to_thread(self.memory_tier.evict, gen)
+                await asyncio.to_thread(self.down.forget, gen)
+        await self.writedown.after_commits(
+            (lambda: self.below.delete(what)) if exact else (lambda: self.below.delete_prefix(what))
+        )
+
+    # -- durability (tierckpt.store.Durable) -----------------------------------------------------------
+    async def wait_durable(self, generation: str | None = None, timeout_s: float | None = None, *,
+                           through_outage: bool = True) -> None:
+        """Wait until the write-down (of ``generation``) is done, then for the chain below's durability."""
+        await self.writedown.wait(generation, timeout_s, through_outage=through_outage)
+        durable = write_back_of(self.below)
+        if durable is not None:
+            await durable.wait_durable(generation, timeout_s, through_outage=through_outage)
+
+    async def status(self) -> LinkStatus:
+        """Each level of the newest checkpoint (see :class:`~.linkstatus.LinkStatus`)."""
+        return await link_status(self)
+
+    async def sync(self, timeout_s: float | None = None) -> None:
+        """Copy down what the tier holds and the chain below lacks (left by this or a dead process),
+        ``COMMIT`` last, then wait for the chain below's own sync."""
+        await self.writedown.sync(timeout_s)
+        durable = write_back_of(self.below)
+        if durable is not None:
+            await durable.sync(timeout_s)
+
+    async def close(self) -> None:
+        """Nothing to release: write-downs keep running in the background (see :meth:`wait_durable`)."""
+
+
+def _record_of(data: bytes) -> CommitRecord | None:
+    try:
+        return CommitRecord.decode(data)
+    except CorruptCheckpointError:
+        return None
+
+
+def _seq(data: bytes) -> int:
+    record = _record_of(data)
+    return -1 if record is None else record.seq
+

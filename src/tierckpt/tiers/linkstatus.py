@@ -1,0 +1,120 @@
+"""What a :class:`~.link.MemoryLink` reports: :class:`LinkStatus`, each durability level of the newest checkpoint.
+
+Levels (see :class:`~.levels.Level`): ``memory`` (committed in this node's memory tier), ``replicated``
+(and acknowledged by the peer nodes; the reason when not, as the replicator recorded it), ``local`` (in
+the node disk cache, when the chain has one) and ``remote`` (the URI's own store holds its ``COMMIT``).
+``memory`` < ``replicated``; ``local`` and ``remote`` are reported separately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..cache.status import Durability, StoreStatus
+from ..comm import describe_error
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..layout import COMMIT, CommitRecord, seq_of
+from .downlog import write_back_of
+from .levels import Level, recorded_level
+
+if TYPE_CHECKING:
+    from .link import MemoryLink
+
+
+@dataclass(frozen=True, slots=True)
+class LinkStatus(StoreStatus):
+    """A :class:`~tierckpt.cache.status.StoreStatus` (the view below the tier) plus the memory tier's levels."""
+
+    memory_generation: str | None = None
+    """The generation the memory tier's ``COMMIT`` names (``None``: none)."""
+    memory_directory: str = ""
+    replicated: bool = False
+    replica_reason: str | None = None
+    """Why the generation is not ``replicated`` (the replicator's record; ``None`` when it is)."""
+    node_disk: bool | None = None
+    """Whether the node disk cache holds the generation committed (``None``: the chain has no disk cache)."""
+    written_down: bool = False
+    """Whether the chain below the memory tier holds every file of the generation and its ``COMMIT``."""
+
+    @property
+    def in_memory(self) -> bool:
+        return self.generation is not None and self.memory_generation == self.generation
+
+    def levels(self) -> list[tuple[str, bool, str]]:
+        """``(level, reached, detail)`` for memory, replicated, local and remote, in that order."""
+        remote_detail = (
+            f"the remote's COMMIT names {self.remote_generation}" if self.remote_generation
+            else f"the remote cannot be read: {self.remote_error}" if self.remote_error else "the remote has no COMMIT"
+        )
+        return [
+            (Level.MEMORY.value, self.in_memory,
+             f"in {self.memory_directory}" if self.in_memory else "not in this node's memory tier"),
+            (Level.REPLICATED.value, self.replicated, "every peer acknowledged it" if self.replicated
+             else self.replica_reason or "no replication recorded"),
+            (Level.LOCAL.value, bool(self.node_disk),
+             "no node disk cache in the chain" if self.node_disk is None
+             else "committed in the node disk cache" if self.node_disk else "not in the node disk cache yet"),
+            (Level.REMOTE.value, self.committed_on_remote,
+             "committed on the remote" if self.committed_on_remote else remote_detail),
+        ]
+
+
+async def link_status(link: MemoryLink) -> LinkStatus:
+    """The status of ``link``'s URI on this node (reads the tier, its logs, and the chain below)."""
+    tier, down = link.memory_tier, link.down
+    record = await asyncio.to_thread(tier.committed)
+    memory_generation = record.generation if record is not None else None
+    durable = write_back_of(link.below)
+    below: StoreStatus | None = await durable.status() if durable is not None else None
+    if below is not None:
+        below_generation, remote_generation, remote_error = below.generation, below.remote_generation, below.remote_error
+    else:
+        below_generation, remote_error = await _commit_of(link)
+        remote_generation = below_generation
+    generation = memory_generation
+    if below_generation is not None and (generation is None or (seq_of(below_generation) or 0) > (seq_of(generation) or 0)):
+        generation = below_generation
+    pending: list[str] = []
+    errors: list[str] = []
+    if memory_generation is not None:
+        state = await asyncio.to_thread(down.state, memory_generation)
+        pending = await asyncio.to_thread(down.pending, memory_generation, state)
+        errors = [f"{k}: {why}" for k, why in sorted(state.errors.items())]
+    written_down = generation is not None and (generation != memory_generation or not pending)
+    if generation is None:
+        state_now: Durability | None = Durability.STAGED if pending else None
+    elif generation == memory_generation and pending:
+        state_now = Durability.LOCAL
+    elif below is not None and below.generation == generation:
+        state_now = below.state
+    else:
+        state_now = Durability.REMOTE if remote_generation == generation else Durability.LOCAL
+    replica = recorded_level(tier, generation) if generation is not None else None
+    return LinkStatus(
+        uri=link.memory_tier.uri,
+        generation=generation,
+        state=state_now,
+        pending_keys=tuple(pending) + (below.pending_keys if below is not None else ()),
+        pending_bytes=below.pending_bytes if below is not None else 0,
+        errors=tuple(errors) + (below.errors if below is not None else ()),
+        remote_generation=remote_generation,
+        remote_error=remote_error,
+        memory_generation=memory_generation,
+        memory_directory=tier.home,
+        replicated=replica is not None and replica.level is Level.REPLICATED,
+        replica_reason=None if replica is None else replica.reason,
+        node_disk=None if below is None else below.generation == generation,
+        written_down=written_down,
+    )
+
+
+async def _commit_of(link: MemoryLink) -> tuple[str | None, str | None]:
+    """The generation the chain below's ``COMMIT`` names, and why it could not be read."""
+    try:
+        return CommitRecord.decode(await link.below.get(COMMIT)).generation, None
+    except CheckpointNotFoundError:
+        return None, None
+    except (CorruptCheckpointError, CheckpointError) as exc:
+        return None, describe_error(exc)

@@ -1,0 +1,329 @@
+"""The write-down of a :class:`~.link.MemoryLink`: this process's copies from the memory tier to the chain below.
+
+Every file the link puts into the tier is copied down by a background task on the I/O scheduler's
+loop (:meth:`WriteDown.file`), retried through outages. A ``COMMIT`` committed in the tier is committed
+below by one task per commit (:meth:`WriteDown.commit`), in the order of the commits: it seals the
+generation's manifest, waits until every file the commit depends on is below (this process's copies;
+copies of the node's other processes, taken over when their process is gone; other nodes' files,
+asked of the chain below), then commits there as a compare-and-swap against the base the saver gave.
+A chain below that lags behind the tier (an earlier write-down was dropped with its superseded
+generation) is caught up: the commit then swaps against what it holds, if that is older. Events go to
+the tier's write-down log (:mod:`.downlog`), shared by the node's processes.
+
+:func:`drain` is the exit drain's part: it waits for this process's write-downs and names what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING
+
+from ..backends.base import UNCONDITIONAL, Unconditional
+from ..comm import describe_error
+from ..errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, StorageError, TransientStorageError
+from ..io.scheduled import set_background
+from ..io.scheduler import get_scheduler
+from ..layout import COMMIT, CommitRecord
+from ..retry import backoff_s
+from .config import DIR_ENV
+from .downlog import generation_of, write_back_of
+
+if TYPE_CHECKING:
+    from .link import MemoryLink
+
+log = logging.getLogger(__name__)
+
+_COPY_CHUNK = 8 << 20
+_POLL_S = 0.05
+CATCH_UP = object()
+"""``expected`` of a commit pushed by ``sync``: swap against what the chain below holds if it is older."""
+
+_ACTIVE: weakref.WeakSet[WriteDown] = weakref.WeakSet()
+_ACTIVE_LOCK = threading.Lock()
+
+
+class WriteDown:
+    """This process's write-down for one link (see the module docstring)."""
+
+    def __init__(self, link: MemoryLink) -> None:
+        self.link = link
+        self.files: dict[str, concurrent.futures.Future[None]] = {}
+        self.commits: dict[str, concurrent.futures.Future[None]] = {}
+        self.deferred: list[concurrent.futures.Future[None]] = []
+        self.failures: dict[str, tuple[str, bool]] = {}
+        """key -> (why its copy failed, whether for good); cleared when it succeeds."""
+        self._last_commit: concurrent.futures.Future[None] | None = None
+        with _ACTIVE_LOCK:
+            _ACTIVE.add(self)
+
+    # -- starting --------------------------------------------------------------------------------------
+    def file(self, key: str) -> concurrent.futures.Future[None]:
+        job = self.files[key] = get_scheduler().submit(self._file(key))
+        return job
+
+    def commit(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
+               after: Mapping[str, int | None] | None) -> None:
+        job = get_scheduler().submit(self._commit(data, record, expected, after, self._last_commit))
+        self.commits[record.generation] = self._last_commit = job
+
+    def pending(self) -> list[concurrent.futures.Future[None]]:
+        return [f for f in (*self.files.values(), *self.commits.values(), *self.deferred) if not f.done()]
+
+    # -- files -----------------------------------------------------------------------------------------
+    async def _retrying(self, key: str, generation: str, step: Callable[[], Awaitable[None]]) -> None:
+        """Run ``step`` until it succeeds, logging the start, each failure and the end in the tier's log."""
+        down = self.link.down
+        await asyncio.to_thread(down.append, generation, "start", key)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await step()
+            except TransientStorageError as exc:
+                self.failures[key] = (describe_error(exc), False)
+                await asyncio.to_thread(down.append, generation, "error", key, describe_error(exc))
+                await asyncio.sleep(max(backoff_s(min(attempt, 6)), 0.05))
+                continue
+            except CheckpointError as exc:
+                self.failures[key] = (describe_error(exc), True)
+                await asyncio.to_thread(down.append, generation, "error", key, describe_error(exc))
+                raise
+            self.failures.pop(key, None)
+            await asyncio.to_thread(down.append, generation, "done", key)
+            return
+
+    async def _file(self, key: str) -> None:
+        set_background()
+        await self._retrying(key, generation_of(key) or "", lambda: self._copy(key))
+
+    async def _copy(self, key: str) -> None:
+        below, path = self.link.below, self.link.memory_tier.path_of(key)
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.link.memory_tier.uri_of(key)} left the memory tier before it was written down") from None
+        if size <= _COPY_CHUNK:
+            data = await asyncio.to_thread(_read, path)
+            await below.put(key, data)
+            return
+        writer = await below.open_writer(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                while chunk := await asyncio.to_thread(f.read, _COPY_CHUNK):
+                    await writer.write(chunk)
+            await writer.close()
+        except BaseException:
+            await writer.abort()
+            raise
+
+    # -- commits ---------------------------------------------------------------------------------------
+    async def _commit(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
+                      after: Mapping[str, int | None] | None, previous: concurrent.futures.Future[None] | None) -> None:
+        set_background()
+        if previous is not None:  # commits go down in the order they were made
+            await asyncio.wait([asyncio.wrap_future(previous)])
+        tier, generation = self.link.memory_tier, record.generation
+        try:
+            await asyncio.to_thread(tier.seal, generation, origin=self.link.origin)
+        except CheckpointError as exc:  # reads then go below for other processes' files; nothing is lost
+            log.warning("cannot seal %s %s in the memory tier: %s", tier.uri, generation, exc)
+        need: dict[str, int | None] = dict.fromkeys(await asyncio.to_thread(tier.keys_of, generation))
+        need.update(after or {})
+        await self._ensure_below(generation, need)
+        await self._retrying(COMMIT, generation, lambda: self._commit_below(data, record, expected, after))
+
+    async def _ensure_below(self, generation: str, need: dict[str, int | None]) -> None:
+        """Wait until the chain below holds every key of ``need`` (key -> size, ``None``: unknown)."""
+        below, tier, down = self.link.below, self.link.memory_tier, self.link.down
+        write_back = write_back_of(below) is not None  # its own commit waits for what other nodes write
+        pending = set(need)
+        while pending:
+            state = await asyncio.to_thread(down.state, generation)
+            for key in sorted(pending):
+                job = self.files.get(key)
+                if key in state.done:
+                    pending.discard(key)
+                elif job is not None and job.done():
+                    job.result()  # raises its failure
+                    pending.discard(key)
+                elif job is not None or key in state.busy:
+                    continue
+                elif os.path.isfile(tier.path_of(key)):
+                    self.file(key)  # the node's process that wrote it is gone: copy it here
+                elif write_back:
+                    pending.discard(key)
+                else:
+                    try:
+                        size = await below.size(key)
+                    except CheckpointNotFoundError:
+                        continue
+                    if need[key] is None or size == need[key]:
+                        pending.discard(key)
+            if pending:
+                await asyncio.sleep(_POLL_S)
+
+    async def _commit_below(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
+                            after: Mapping[str, int | None] | None) -> None:
+        below = self.link.below
+        if expected is not CATCH_UP:
+            try:
+                await below.commit(COMMIT, data, expected=expected, after=after)  # type: ignore[arg-type]
+                return
+            except CheckpointBusyError:
+                pass
+        try:
+            current: bytes | None = await below.get(COMMIT)
+        except CheckpointNotFoundError:
+            current = None
+        if current == data:
+            return  # already there (a retried request that landed, or another process's sync)
+        theirs = CommitRecord.decode(current) if current is not None else None
+        if theirs is not None and theirs.seq >= record.seq:
+            raise CheckpointBusyError(
+                f"{below.root_uri} holds generation {theirs.generation} (commit {theirs.seq}), committed by another "
+                f"writer; generation {record.generation} (commit {record.seq}) stays in this node's memory tier only"
+            )
+        await below.commit(COMMIT, data, expected=current, after=after)
+
+    # -- waiting ---------------------------------------------------------------------------------------
+    async def wait(self, generation: str | None, timeout_s: float | None, *, through_outage: bool,
+                   commit: bool = True) -> None:
+        """Wait for this process's write-downs (of ``generation``) and until the tier's log shows the
+        node's files of it below; raise a failure for good at once, a transient one at once unless
+        ``through_outage``, and :class:`TransientStorageError` at ``timeout_s``."""
+        link = self.link
+        name = None if generation is None else generation.rstrip("/").rpartition("/")[2]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            mine = [k for k in self.files if name is None or generation_of(k) == name]
+            jobs = [self.files[k] for k in mine]
+            if commit:
+                jobs += [f for g, f in self.commits.items() if name is None or g == name]
+            failed = {k: why for k, (why, final) in self.failures.items()
+                      if (name is None or generation_of(k) == name or k == COMMIT) and (final or not through_outage)}
+            for job in jobs:
+                if job.done() and not job.cancelled() and job.exception() is not None:
+                    failed.setdefault(name or COMMIT, describe_error(job.exception()))
+            if failed:
+                key, why = sorted(failed.items())[0]
+                raise StorageError(
+                    f"writing {link.uri_of(key)} down from the node memory tier failed ({why}); the checkpoint is "
+                    f"committed in this node's memory only. Fix the storage, then run: {sync_command(link)}"
+                )
+            left = [j for j in jobs if not j.done()]
+            if not left and (not commit or name is None or await asyncio.to_thread(link.down.held_below, name)):
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TransientStorageError(
+                    f"the write-down of {link.memory_tier.uri} from the node memory tier did not finish within "
+                    f"{timeout_s} s; it goes on in the background ({sync_command(link)} finishes it)"
+                )
+            await asyncio.sleep(_POLL_S)
+
+    async def sync(self, timeout_s: float | None) -> None:
+        """Copy down the tier's committed generation wherever the chain below lacks it (files not being
+        copied by a live process, then ``COMMIT``), and wait for it."""
+        tier, down = self.link.memory_tier, self.link.down
+        record = await asyncio.to_thread(tier.committed)
+        if record is None:
+            return
+        generation = record.generation
+        state = await asyncio.to_thread(down.state, generation)
+        for key in await asyncio.to_thread(down.pending, generation, state):
+            if key != COMMIT and key not in state.busy and not _running(self.files.get(key)):
+                self.file(key)
+        if COMMIT not in state.done and not _running(self.commits.get(generation)):
+            with open(tier.path_of(COMMIT), "rb") as f:
+                data = f.read()
+            if CommitRecord.decode(data).generation == generation:
+                self.commit(data, record, CATCH_UP, None)
+        await self.wait(generation, timeout_s, through_outage=True)
+
+    # -- deletes ---------------------------------------------------------------------------------------
+    async def cancel(self, what: str, *, exact: bool) -> None:
+        """Stop this process's write-downs of a key (``exact``) or of everything under a prefix."""
+        def hit(key: str) -> bool:
+            return key == what if exact else key.startswith(what)
+
+        jobs = [f for k, f in self.files.items() if hit(k)]
+        jobs += [f for g, f in self.commits.items() if not exact and hit(f"{g}/")]
+        for job in jobs:
+            job.cancel()
+        for key in [k for k in self.files if hit(k)]:
+            del self.files[key]
+            self.failures.pop(key, None)
+        for gen in [g for g in self.commits if not exact and hit(f"{g}/")]:
+            del self.commits[gen]
+
+    async def after_commits(self, step: Callable[[], Awaitable[None]]) -> None:
+        """Run ``step`` (a delete below) now, or after the pending ``COMMIT`` write-down when there is one."""
+        previous = self._last_commit
+        if previous is None or previous.done():
+            await step()
+            return
+
+        async def deferred() -> None:
+            await asyncio.wait([asyncio.wrap_future(previous)])
+            try:
+                await step()
+            except CheckpointError as exc:
+                log.warning("a delete below %s after its write-down failed: %s", self.link.memory_tier.uri, exc)
+
+        self.deferred.append(get_scheduler().submit(deferred()))
+
+
+def _running(job: concurrent.futures.Future[None] | None) -> bool:
+    return job is not None and not job.done()
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def sync_command(link: MemoryLink) -> str:
+    """The command that finishes the write-down of ``link``'s URI from any later process on the node."""
+    return f"{DIR_ENV}={link.memory.config.directory} TIERCKPT_MEMORY=on tierckpt sync {link.memory_tier.uri}"
+
+
+def in_flight() -> bool:
+    """Whether this process has write-downs running."""
+    with _ACTIVE_LOCK:
+        return any(w.pending() for w in _ACTIVE)
+
+
+def drain(timeout_s: float) -> list[str]:
+    """Wait up to ``timeout_s`` for this process's write-downs; one line per URI left with some."""
+    with _ACTIVE_LOCK:
+        active = list(_ACTIVE)
+    jobs = [j for w in active for j in w.pending()]
+    if jobs:
+        concurrent.futures.wait(jobs, timeout=timeout_s)
+    lines = []
+    for w in active:
+        left = w.pending()
+        if not left:
+            continue
+        errors = [why for why, _ in w.failures.values()]
+        why = f"failing: {errors[0]}" if errors else "not finished"
+        lines.append(
+            f"tierckpt: {len(left)} write-down(s) of {w.link.memory_tier.uri} from the node memory tier did not "
+            f"finish before exit ({why}); what they hold is committed in this node's memory only. Finish them: "
+            f"{sync_command(w.link)}"
+        )
+    return lines
+
+
+def _forget_after_fork() -> None:
+    """A forked child has none of its parent's write-down tasks."""
+    _ACTIVE.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
