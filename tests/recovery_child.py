@@ -1,12 +1,9 @@
 """One rank of a simulated multi-node job that saves into, or recovers from, node memory tiers
 (``tests/test_memory_recovery.py``).
 
-Usage::
-
-    python tests/recovery_child.py SPEC_JSON
-
-The parent sets this process's node (``TIERCKPT_NODE_ID``, ``TIERCKPT_MEMORY_DIR``, ``TIERCKPT_MEMORY=on``).
-``SPEC_JSON`` holds ``rank``, ``world``, ``port``, ``result`` (where this rank writes its JSON result),
+The parent starts :func:`run` in a process forked from a server that imported torch once (starting
+Python and torch per rank costs seconds), with this process's node in ``env`` (``TIERCKPT_NODE_ID``,
+``TIERCKPT_MEMORY_DIR``, ``TIERCKPT_MEMORY=on``). ``spec`` holds ``rank``, ``world``, ``port``, ``result`` (where this rank writes its JSON result),
 ``layout`` (``"shard"``: DTensor ``Shard(0)`` over all ranks, as FSDP2 holds parameters; ``"replicate"``:
 plain full tensors, as DDP does) and either
 
@@ -83,8 +80,19 @@ def kill_on_first_replica_chunk() -> None:
     memory_module.IncomingFile.write = write  # type: ignore[method-assign]
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
+def run(spec: dict, env: dict[str, str]) -> None:
+    """One rank: ``env`` is this rank's node; ends the process with ``os._exit``."""
+    os.environ.update(env)
+    try:
+        main(spec)
+    except BaseException:  # noqa: BLE001 - the parent reads the exit status and the output
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def main(spec: dict) -> None:
     rank, world = spec["rank"], spec["world"]
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank, world_size=world,
@@ -117,8 +125,5 @@ def main() -> None:
     with open(spec["result"], "w") as f:
         json.dump(out, f)
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)
-
-
-if __name__ == "__main__":
-    main()

@@ -12,19 +12,18 @@ replication leaves the new checkpoint at ``memory`` while the previous, replicat
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import recovery_child
 from distributed import free_port
 
-HERE = Path(__file__).parent
-CHILD = HERE / "recovery_child.py"
-SRC = HERE.parent / "src"
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed.tensor", "tierckpt", "scenarios", "recovery_child"])
 
 
 class Job:
@@ -33,43 +32,37 @@ class Job:
     def __init__(self, workdir: Path, nodes: list[str], layout: str, **spec: object) -> None:
         self.workdir, self.nodes = workdir, nodes
         port = free_port()
-        self.results = [workdir / f"result-{i}-{os.getpid()}-{port}.json" for i in range(len(nodes))]
+        self.results = [workdir / f"result-{i}-{port}.json" for i in range(len(nodes))]
         self.procs = []
         for rank, node in enumerate(nodes):
-            env = dict(os.environ)
-            env.update({
+            env = {
                 "TIERCKPT_NODE_ID": node, "TIERCKPT_MEMORY_DIR": str(workdir / node / "shm"), "TIERCKPT_MEMORY": "on",
                 "TIERCKPT_MEMORY_BYTES": "256M", "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE), env.get("PYTHONPATH", "")]),
-            })
+            }
             body = {"rank": rank, "world": len(nodes), "port": port, "layout": layout, "result": str(self.results[rank]), **spec}
-            self.procs.append(subprocess.Popen(
-                [sys.executable, str(CHILD), json.dumps(body)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            ))
+            proc = _CTX.Process(target=recovery_child.run, args=(body, env), daemon=True)
+            proc.start()
+            self.procs.append(proc)
 
     def wait(self, ranks: list[int] | None = None, timeout_s: float = 90) -> list[dict]:
-        """The results of ``ranks`` (default all) once they exited; the output of any that failed."""
+        """The results of ``ranks`` (default all) once they exited (their output is in the test's)."""
         out = []
         for rank in ranks if ranks is not None else range(len(self.procs)):
             proc = self.procs[rank]
-            try:
-                output, _ = proc.communicate(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
+            proc.join(timeout_s)
+            if proc.is_alive():
                 self.kill()
-                output, _ = proc.communicate()
-                raise AssertionError(f"rank {rank} did not finish:\n{output.decode(errors='replace')}") from None
-            assert proc.returncode == 0 and self.results[rank].exists(), (
-                f"rank {rank} exited {proc.returncode}:\n{output.decode(errors='replace')}"
-            )
+                raise AssertionError(f"rank {rank} did not finish within {timeout_s}s")
+            assert proc.exitcode == 0 and self.results[rank].exists(), f"rank {rank} exited {proc.exitcode} (output above)"
             out.append(json.loads(self.results[rank].read_text()))
         return out
 
     def kill(self, ranks: list[int] | None = None) -> None:
         for rank in ranks if ranks is not None else range(len(self.procs)):
             proc = self.procs[rank]
-            if proc.poll() is None:
+            if proc.is_alive():
                 proc.kill()
-            proc.communicate()
+            proc.join()
 
 
 def lose(workdir: Path, *nodes: str) -> None:
