@@ -8,8 +8,8 @@ Python and torch per rank costs seconds), with this process's node in ``env`` (`
 plain full tensors, as DDP does) and either
 
 * ``saves``: a list of ``{"uri", "seed", "level"}``: each is saved with ``async_save`` and waited for
-  to ``level``; ``"kill_receiver": true`` on one makes the first replica chunk that node's leader
-  receives of it kill it (a node lost during replication); or
+  to ``level``; ``"kill_receiver": true`` on one makes that node's leader die when the first
+  replica file of it arrives (a node lost during replication); or
 * ``loads``: a list of ``{"uri", "seed"}``: each is loaded and compared bit-exactly with what
   ``seed`` saved (or the error is reported), and the level recorded in this node's tier is read.
 
@@ -36,8 +36,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 import tierckpt  # noqa: E402
 from scenarios import as_dtensor, make_mesh, reference  # noqa: E402
 from tierckpt.store import memory_tier_of, open_store  # noqa: E402
-from tierckpt.tiers import memory as memory_module  # noqa: E402
 from tierckpt.tiers.levels import recorded_level  # noqa: E402
+from tierckpt.tiers.replica import Replicator  # noqa: E402
 
 SPECS = {"w": ((67, 24), torch.float32), "b16": ((33, 7), torch.bfloat16), "i": ((9,), torch.int64)}
 
@@ -73,11 +73,11 @@ def compare(loaded: dict, seed: int) -> list[str]:
     return bad
 
 
-def kill_on_first_replica_chunk() -> None:
-    def write(self: memory_module.IncomingFile, data: memoryview) -> None:
+def kill_on_first_replica_file() -> None:
+    def receive_file(self: Replicator, *args: object) -> None:
         os._exit(9)
 
-    memory_module.IncomingFile.write = write  # type: ignore[method-assign]
+    Replicator._receive_file = receive_file  # type: ignore[method-assign]
 
 
 def run(spec: dict, env: dict[str, str]) -> None:
@@ -101,7 +101,7 @@ def main(spec: dict) -> None:
     out: dict = {"node": os.environ["TIERCKPT_NODE_ID"], "saves": {}, "loads": {}}
     for save in spec.get("saves", []):
         if save.get("kill_receiver") and rank == spec["kill_rank"]:
-            kill_on_first_replica_chunk()
+            kill_on_first_replica_file()
         handle = tierckpt.async_save(save["uri"], state(spec["layout"], save["seed"]))
         try:
             meta = handle.wait(save["level"], timeout_s=60)
@@ -124,6 +124,8 @@ def main(spec: dict) -> None:
         out["loads"][load["uri"]] = record
     with open(spec["result"], "w") as f:
         json.dump(out, f)
+    if not any(save.get("kill_receiver") for save in spec.get("saves", [])):
+        dist.barrier()  # rank 0 serves the group's store: it leaves last (with a node lost, nobody waits)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

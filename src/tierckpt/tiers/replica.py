@@ -35,7 +35,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,8 @@ class _Job:
     manifest: Manifest
     commit: bytes | None
     handle: ReplicaHandle
+    received: threading.Event = field(default_factory=threading.Event)
+    """Set once this node's receiver took what its source nodes sent of the same generation."""
 
 
 class Replicator:
@@ -100,6 +102,7 @@ class Replicator:
             self._ranks, backend="gloo", timeout=self._timeout, use_local_synchronization=group is not None,
         )
         self._broken: dict[int, str] = {}
+        self._receiving: collections.OrderedDict[tuple[str, str], threading.Event] = collections.OrderedDict()
         self._queues: list[queue.Queue[_Job | None]] = []
         self._threads: list[threading.Thread] = []
         if self.is_leader and self.plan.replicas:
@@ -139,9 +142,19 @@ class Replicator:
             with open(tier.path_of(COMMIT), "rb") as f:
                 commit = f.read()
         job = _Job(tier.uri, generation, manifest, commit, handle)
+        self._receiving[(tier.uri, generation)] = job.received
+        while len(self._receiving) > 64:
+            self._receiving.popitem(last=False)
         for q in self._queues:
             q.put(job)
         return handle
+
+    def wait_received(self, uri: str, generation: str, timeout_s: float | None = None) -> bool:
+        """Wait until this node took its source nodes' replicas of ``generation`` (or gave up on them: the
+        transfers' own timeouts bound it). Only a leader receives; elsewhere it returns at once. A
+        process should not exit before this returns, or its peers' replication of the generation fails."""
+        event = self._receiving.get((uri.rstrip("/"), generation))
+        return True if event is None else event.wait(timeout_s)
 
     def close(self) -> None:
         """Finish the queued jobs and stop the background threads."""
@@ -251,16 +264,21 @@ class Replicator:
     # -- the receiving side ------------------------------------------------------------------------------
     def _receive_loop(self, jobs: queue.Queue[_Job | None]) -> None:
         bufs = _buffers(self._chunk)
-        while jobs.get() is not None:  # one job per generation to receive
-            for source in self.plan.sources(self.node):
-                src = self._leader(source)
-                if src in self._broken:
-                    continue
-                try:
-                    self._receive_job(src, bufs)
-                except Exception as exc:  # noqa: BLE001 - the sender reports the failure as its level
-                    self._broken[src] = f"{type(exc).__name__}: {exc}"
-                    log.warning("receiving replicas from rank %d failed: %s", src, self._broken[src])
+        while (job := jobs.get()) is not None:  # one job per generation to receive
+            self._receive_sources(bufs)
+            job.received.set()
+
+    def _receive_sources(self, bufs: tuple[torch.Tensor, ...]) -> None:
+        """Receive one generation from each source node in turn (a failed source is logged; its sender reports it)."""
+        for source in self.plan.sources(self.node):
+            src = self._leader(source)
+            if src in self._broken:
+                continue
+            try:
+                self._receive_job(src, bufs)
+            except Exception as exc:  # noqa: BLE001 - the sender reports the failure as its level
+                self._broken[src] = f"{type(exc).__name__}: {exc}"
+                log.warning("receiving replicas from rank %d failed: %s", src, self._broken[src])
 
     def _receive_job(self, src: int, bufs: tuple[torch.Tensor, ...]) -> None:
         header = json.loads(self._recv_bytes(src, _TAG_HEADER))

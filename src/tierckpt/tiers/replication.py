@@ -13,7 +13,9 @@ torch.distributed is initialised, replicates each committed generation to the pe
   :meth:`~.replica.Replicator.replicate`, which issues no collective at all (the transfers run on
   the replicator's gloo group, in its own threads).
 * :meth:`Replication.wait` is ``SaveHandle.wait("replicated")``: the level of this node's files,
-  raising :class:`ReplicationError` with the reason when it stayed ``memory``.
+  raising :class:`ReplicationError` with the reason when it stayed ``memory``. It returns once this
+  node also took its peers' replicas of the generation, so a job that exits after every rank's
+  ``wait("replicated")`` returned leaves every node's files replicated.
 """
 
 from __future__ import annotations
@@ -99,6 +101,12 @@ class Replication:
             )
         try:
             result = self.handle.wait(timeout_s)
+            # This node's leader also holds its peers' replicas of the generation before it says so:
+            # a process that exits once every rank's wait returned cuts no peer's transfer short.
+            if self._replicator is not None and self._tier is not None and not self._replicator.wait_received(
+                self._tier.uri, generation, timeout_s
+            ):
+                raise TimeoutError(f"receiving peers' replicas of generation {generation} not finished within {timeout_s}s")
         except TimeoutError as exc:
             raise ReplicationError(f"checkpoint {self.uri!r}: {exc}; its level is still 'memory'") from None
         if result.level is not Level.REPLICATED:
