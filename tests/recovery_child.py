@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import sys
+import time
 import traceback
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -98,25 +99,29 @@ def main(spec: dict) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=30),
     )
-    out: dict = {"node": os.environ["TIERCKPT_NODE_ID"], "saves": {}, "loads": {}}
+    out: dict = {"started": time.monotonic() - spec["launched"], "node": os.environ["TIERCKPT_NODE_ID"], "saves": {}, "loads": {}}
     for save in spec.get("saves", []):
         if save.get("kill_receiver") and rank == spec["kill_rank"]:
             kill_on_first_replica_file()
+        started = time.monotonic()
         handle = tierckpt.async_save(save["uri"], state(spec["layout"], save["seed"]))
         try:
             meta = handle.wait(save["level"], timeout_s=60)
             out["saves"][save["uri"]] = {"ok": True, "generation": meta.generation}
         except Exception as exc:  # noqa: BLE001 - reported to the test
             out["saves"][save["uri"]] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        out["saves"][save["uri"]]["seconds"] = time.monotonic() - started
     for load in spec.get("loads", []):
         target = state(spec["layout"], None)
         record: dict = {}
+        started = time.monotonic()
         try:
             tierckpt.load(load["uri"], target)
             record["differs"] = compare(target, load["seed"])
         except Exception as exc:  # noqa: BLE001 - reported to the test
             record["error"] = f"{type(exc).__name__}: {exc}"
             record["trace"] = traceback.format_exc()
+        record["seconds"] = time.monotonic() - started
         tier = memory_tier_of(open_store(load["uri"]))
         committed = tier.committed() if tier is not None else None
         level = recorded_level(tier, committed.generation) if committed is not None else None

@@ -15,6 +15,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ class Job:
                 "TIERCKPT_NODE_ID": node, "TIERCKPT_MEMORY_DIR": str(workdir / node / "shm"), "TIERCKPT_MEMORY": "on",
                 "TIERCKPT_MEMORY_BYTES": "256M", "OMP_NUM_THREADS": "1",
             }
-            body = {"rank": rank, "world": len(nodes), "port": port, "layout": layout, "result": str(self.results[rank]), **spec}
+            body = {"launched": time.monotonic(), "rank": rank, "world": len(nodes), "port": port, "layout": layout, "result": str(self.results[rank]), **spec}
             proc = _CTX.Process(target=recovery_child.run, args=(body, env), daemon=True)
             proc.start()
             self.procs.append(proc)
