@@ -103,13 +103,13 @@ def test_a_lost_node_is_rebuilt_from_its_peer_and_the_survivor_reshards(workdir:
     saved = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "shard",
                 saves=[{"uri": uri, "seed": 1, "level": "replicated"}]).wait()
     assert all(r["saves"][uri]["ok"] for r in saved), saved
-    lose(workdir, "node-1")
-    # A fresh node takes the lost one's place: it holds nothing, its ranks read from node-0's memory.
-    fresh = Job(workdir, ["node-0", "node-0", "node-2", "node-2"], "shard", loads=[{"uri": uri, "seed": 1}]).wait()
+    lose(workdir, "node-0")  # the node of rank 0, which wrote the metadata and COMMIT
+    # A fresh node takes the lost one's place (ranks 0 and 1): it holds nothing, it reads from node-1's memory.
+    fresh = Job(workdir, ["node-2", "node-2", "node-1", "node-1"], "shard", loads=[{"uri": uri, "seed": 1}]).wait()
     assert_exact(fresh, uri)
-    assert fresh[0]["loads"][uri]["level"]["level"] == "replicated"
+    assert fresh[2]["loads"][uri]["level"]["level"] == "replicated"
     # The surviving node alone, 2 ranks, plain replicated tensors (DDP) instead of Shard(0) over 4.
-    alone = Job(workdir, ["node-0", "node-0"], "replicate", loads=[{"uri": uri, "seed": 1}]).wait()
+    alone = Job(workdir, ["node-1", "node-1"], "replicate", loads=[{"uri": uri, "seed": 1}]).wait()
     assert_exact(alone, uri)
 
 

@@ -223,10 +223,11 @@ def load(
     monitor = monitor or Monitor()
     backend = open_store(uri, dict(storage_options or {}))
     options = _Options(strict, allow_pickle, verify, check_crc, chunk_bytes, round_bytes, topology)
+    reader = _metadata_reader(comm, memory_tier_of(backend))
     attempt = 0
     while True:
         with monitor.phase("metadata"):
-            ckpt = _broadcast_checkpoint(comm, backend, accept_dcp=not verify)
+            ckpt = _broadcast_checkpoint(comm, backend, accept_dcp=not verify, src=reader)
         # torch DCP rewrites its files in place, which a node cache would serve stale.
         source = dcp_format.uncached(backend) if ckpt.pieces is not None else backend
         try:
@@ -237,7 +238,9 @@ def load(
             if ckpt.pieces is not None:
                 raise  # a DCP directory has no commit to follow
             # Every rank raised (failures are agreed); rank 0 tells whether a newer commit explains it.
-            moved = comm.broadcast_object(_newer_commit(backend, ckpt.meta.generation) is not None if comm.rank == 0 else None)
+            moved = comm.broadcast_object(
+                _newer_commit(backend, ckpt.meta.generation) is not None if comm.rank == reader else None, reader
+            )
             if not moved:
                 raise
             if attempt == RACE_RETRIES:
@@ -329,18 +332,34 @@ def _load_generation(
         comm.run_agreed(lambda: [fn() for fn in flat.after_load], "applying loaded state")
 
 
-def _broadcast_checkpoint(comm: Comm, backend: Backend, accept_dcp: bool = False) -> Checkpoint:
+def _metadata_reader(comm: Comm, tier: MemoryTier | None) -> int:
+    """The rank that reads ``COMMIT`` and the metadata for the group: rank 0, unless the store has a memory
+    tier and another rank's node holds a newer ``COMMIT`` in it (rank 0 runs on a replacement node, say,
+    while the remote is unreachable): then the lowest rank whose node holds the newest. One collective,
+    only with a memory tier."""
+    if tier is None or comm.world_size == 1:
+        return 0
+    try:
+        record = tier.committed()
+        seq = -1 if record is None else record.seq
+    except (CheckpointError, OSError):
+        seq = -1  # an unreadable COMMIT in the tier: a rank that can read one leads
+    seqs = comm.all_gather_object(seq)
+    return seqs.index(max(seqs)) if seqs[0] < max(seqs) else 0
+
+
+def _broadcast_checkpoint(comm: Comm, backend: Backend, accept_dcp: bool = False, src: int = 0) -> Checkpoint:
     result: Checkpoint | None = None
     error: str | None = None
     exc_type: type[CheckpointError] = CheckpointError
-    if comm.rank == 0:
+    if comm.rank == src:
         try:
             result = read_checkpoint(backend, accept_dcp=accept_dcp)
         except CheckpointError as exc:
             if comm.world_size == 1:
                 raise
             error, exc_type = str(exc), type(exc)
-    result, error, exc_type = comm.broadcast_object((result, error, exc_type))
+    result, error, exc_type = comm.broadcast_object((result, error, exc_type), src)
     if error is not None:
         raise exc_type(error)
     assert result is not None
