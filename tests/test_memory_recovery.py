@@ -131,3 +131,13 @@ def test_a_node_lost_during_replication_keeps_the_previous_checkpoint(workdir: P
         assert r["loads"][old]["level"]["level"] == "replicated"
         assert r["loads"][new]["level"]["level"] == "memory" and r["loads"][new]["level"]["reason"]
         assert "error" in r["loads"][new]  # node-1's files of it are gone: an error, never wrong bytes
+
+
+def test_one_node_says_why_replicated_is_not_available(workdir: Path) -> None:
+    uri = uri_of(workdir, 1)
+    saved = Job(workdir, ["node-0", "node-0"], "shard", saves=[{"uri": uri, "seed": 1, "level": "replicated"}]).wait()
+    for r in saved:
+        assert not r["saves"][uri]["ok"]
+        assert "not replicated: no peer holds a replica: the job spans one node" in r["saves"][uri]["error"], r
+    lose(workdir)
+    assert_exact(Job(workdir, ["node-0", "node-0"], "shard", loads=[{"uri": uri, "seed": 1}]).wait(), uri)
