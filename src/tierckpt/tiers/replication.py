@@ -58,7 +58,8 @@ def replicator_for(tier: MemoryTier | None, group: dist.ProcessGroup | None, gro
         return None, TIER_OFF
     if not (dist.is_available() and dist.is_initialized()):
         return None, NOT_DISTRIBUTED
-    key = (group_key, tier.config)
+    # A default group created again (destroy_process_group, init_process_group) needs a new replicator.
+    key = (group_key if group is not None else id(dist.group.WORLD), tier.config)
     with _LOCK:
         replicator = _REPLICATORS.get(key)
         if replicator is None:
