@@ -4,8 +4,10 @@ in the library, so the scheduling link really takes slots, retries and records m
 
 Chains: a local path, ``memory://``, S3 without the node cache (each: the backend behind its
 scheduling link), S3 through the node cache, and a local path through the node cache (the chain the
-cache's own commands build for any URI). Plus: the one rule that decides the cache, and the shared
-priority queue of one remote.
+cache's own commands build for any URI); the node memory link on top of a local path and of S3
+through the node cache, each once with keys inside a checkpoint generation (which the link keeps in the
+memory tier and writes down behind) and once with other keys (which it passes through). Plus: the
+rules that decide the cache and the memory tier, and the shared priority queue of one remote.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ from tierckpt.cache import CacheConfig, TieredBackend  # noqa: E402
 from tierckpt.errors import CheckpointError  # noqa: E402
 from tierckpt.io.scheduled import ScheduledBackend  # noqa: E402
 from tierckpt.io.scheduler import get_scheduler  # noqa: E402
-from tierckpt.store import cache_config_for, durability_of, open_cached_store, open_store  # noqa: E402
+from tierckpt.store import (  # noqa: E402
+    cache_config_for, durability_of, memory_config_for, memory_tier_of, open_cached_store, open_store,
+)
+from tierckpt.tiers import MemoryConfig  # noqa: E402
+from tierckpt.tiers.link import MemoryLink  # noqa: E402
 
 _T = TypeVar("_T")
 
@@ -100,6 +106,61 @@ class OnSchedulerLoop(Backend):
         await _on_loop(lambda: self.store.commit(key, data, expected=expected, after=after))
 
 
+class InGeneration(Backend):
+    """Test adapter: every key of ``store`` inside one checkpoint generation (``g-.../<key>``), so the
+    memory link keeps it in the memory tier; ``list`` strips the generation again."""
+
+    GEN = "g-00000001-1700000000000-c0ffee"
+
+    def __init__(self, store: Backend) -> None:
+        super().__init__(store.root_uri)
+        self.store = store
+
+    def _k(self, key: str) -> str:
+        return f"{self.GEN}/{key}"
+
+    async def put(self, key: str, data: bytes | memoryview) -> None:
+        await self.store.put(self._k(key), data)
+
+    async def open_writer(self, key: str) -> ObjectWriter:
+        return await self.store.open_writer(self._k(key))
+
+    async def get(self, key: str) -> bytes:
+        return await self.store.get(self._k(key))
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        return await self.store.get_range(self._k(key), start, end)
+
+    async def read_into(self, key: str, start: int, out: memoryview) -> None:
+        await self.store.read_into(self._k(key), start, out)
+
+    async def read_runs(self, key: str, offsets: Sequence[int], run_bytes: int, out: memoryview) -> None:
+        await self.store.read_runs(self._k(key), offsets, run_bytes, out)
+
+    async def exists(self, key: str) -> bool:
+        return await self.store.exists(self._k(key))
+
+    async def size(self, key: str) -> int:
+        return await self.store.size(self._k(key))
+
+    async def list(self, prefix: str = "") -> list[str]:
+        return [k.partition("/")[2] for k in await self.store.list(self._k(prefix))]
+
+    async def delete(self, key: str) -> None:
+        await self.store.delete(self._k(key))
+
+    async def delete_prefix(self, prefix: str) -> None:
+        await self.store.delete_prefix(self._k(prefix))
+
+    async def commit(self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
+                     after: Any = None) -> None:
+        await self.store.commit(self._k(key), data, expected=expected, after=after)
+
+
+def _memory(tmp_path: Path) -> MemoryConfig:
+    return MemoryConfig(directory=str(tmp_path / "memory-tier"), budget_bytes=1 << 30)
+
+
 def _config(tmp_path: Path) -> CacheConfig:
     return CacheConfig(directory=str(tmp_path / "cache"), block_bytes=64 * 1024, exit_wait_s=0, poll_s=0.01)
 
@@ -143,6 +204,33 @@ class TestLocalThroughNodeCacheChain(BackendContract):
         return OnSchedulerLoop(open_cached_store(str(tmp_path / "remote"), {}, _config(tmp_path)))
 
 
+class TestLocalThroughMemoryLinkChain(BackendContract):
+    """Keys inside a generation: written into the memory tier, read from it, written down behind."""
+
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> Backend:
+        store = open_store(str(tmp_path / "root"), {"memory": _memory(tmp_path)})
+        assert isinstance(store, MemoryLink) and isinstance(store.below, ScheduledBackend)
+        assert memory_tier_of(store) is store.memory_tier and durability_of(store) is store
+        return InGeneration(OnSchedulerLoop(store))
+
+
+class TestLocalThroughMemoryLinkPassThroughChain(BackendContract):
+    """Keys outside any generation go straight to the chain below."""
+
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> Backend:
+        return OnSchedulerLoop(open_store(str(tmp_path / "root"), {"memory": _memory(tmp_path)}))
+
+
+class TestS3ThroughMemoryLinkAndNodeCacheChain(BackendContract):
+    @pytest.fixture
+    def backend(self, s3_bucket_uri: str, tmp_path: Path) -> Backend:
+        store = open_store(s3_bucket_uri, {"cache": _config(tmp_path), "memory": _memory(tmp_path)})
+        assert isinstance(store, MemoryLink) and isinstance(store.below, TieredBackend)
+        return InGeneration(OnSchedulerLoop(store))
+
+
 class TestScheduledLinkAlone(BackendContract):
     """The link on a foreign event loop (a test's own): it still retries and forwards everything."""
 
@@ -164,6 +252,26 @@ def test_one_rule_decides_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert cache_config_for("s3://b/p", CacheConfig(directory=str(tmp_path), enabled=False)) is None
     with pytest.raises(CheckpointError, match="cache="):
         cache_config_for("s3://b/p", "yes")
+
+
+def test_one_rule_decides_the_memory_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = _memory(tmp_path)
+    monkeypatch.delenv("TIERCKPT_MEMORY", raising=False)
+    monkeypatch.setenv("TIERCKPT_MEMORY_DIR", str(tmp_path / "env-tier"))
+    assert memory_config_for("s3://b/p") is None  # off by default
+    assert memory_config_for(str(tmp_path), config) == config
+    assert memory_config_for("memory://x/y", True) is None  # never for memory://
+    assert memory_config_for("s3://b/p", True).directory == str(tmp_path / "env-tier")
+    monkeypatch.setenv("TIERCKPT_MEMORY", "on")
+    assert memory_config_for(str(tmp_path)) is not None  # local paths too
+    assert memory_config_for("s3://b/p", False) is None  # an explicit False wins over the environment
+    assert memory_tier_of(open_store(str(tmp_path / "r"), {"memory": False})) is None
+    assert memory_tier_of(open_store(str(tmp_path / "r"))) is not None
+    monkeypatch.setenv("TIERCKPT_MEMORY", "yes")
+    with pytest.raises(CheckpointError, match="TIERCKPT_MEMORY='yes'"):
+        memory_config_for("s3://b/p")
+    with pytest.raises(CheckpointError, match="memory="):
+        memory_config_for("s3://b/p", "on")
 
 
 def test_links_of_one_remote_share_one_priority_queue(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 process's uploads with the saves that started them.
 
 * :func:`open_tiered` — the backend for a URI, cached when the scheme is remote.
-* :func:`status` / :func:`wait` / :func:`sync` — durability of write-back saves.
+* :func:`status` / :func:`wait` / :func:`sync` — durability of write-back saves (with the node memory tier
+  on top when it is on for the URI, or holds the URI on this node: its levels too).
 * :func:`prefetch` — pull a committed checkpoint (or some tensors of it) into the node cache.
 * :func:`gc` — retention over a directory of checkpoints.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import fnmatch
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -29,7 +31,12 @@ from .cache.tiered import TieredBackend
 from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import get_scheduler
 from .loader import read_checkpoint, read_pieces
-from .store import open_cached_store, open_store
+from .store import memory_config_for, open_cached_store, open_store
+from .tiers.config import MemoryConfig
+from .tiers.downlog import DownLog
+from .tiers.link import MemoryLink, tier_uri
+from .tiers.linkstatus import LinkStatus
+from .tiers.memory import MemoryTier, NodeMemory
 
 def open_tiered(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> Backend:
     """The store for ``uri`` (:func:`~tierckpt.store.open_store`), with ``config`` as its node cache."""
@@ -48,6 +55,27 @@ def _tiered(uri: str, config: CacheConfig | None, storage_options: dict[str, Any
     return open_cached_store(uri, options, config)
 
 
+def _memory_for(uri: str, option: Any) -> MemoryConfig | None:
+    """The memory tier of ``uri`` for the durability commands: on by :func:`~tierckpt.store.memory_config_for`,
+    or because this node's tier (``TIERCKPT_MEMORY_DIR``) holds the URI (what a save left there is
+    reported and synced even by a process that did not turn the tier on); ``memory=False`` leaves it out."""
+    config = memory_config_for(uri, option)
+    if config is None and option is not False and not uri.startswith("memory://"):
+        env = MemoryConfig.from_env()
+        if os.path.isdir(MemoryTier(tier_uri(uri), env).home):
+            config = env
+    return config
+
+
+def _durable(uri: str, config: CacheConfig | None, storage_options: dict[str, Any]) -> Backend:
+    """The chain the durability commands act on: the node cache chain of :func:`_tiered`, behind the
+    memory link when :func:`_memory_for` says so."""
+    options = dict(storage_options)
+    memory = _memory_for(uri, options.pop("memory", None))
+    chain = _tiered(uri, config, options)
+    return MemoryLink(chain, memory, uri) if memory is not None else chain
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointStatus:
     """Where a checkpoint stands on this node."""
@@ -64,6 +92,11 @@ class CheckpointStatus:
     remote_generation: str | None = None
     """The generation the remote's own COMMIT names (``None``: none, or unreadable: see ``remote_error``)."""
     remote_error: str | None = None
+    memory_generation: str | None = None
+    """The generation the node memory tier's ``COMMIT`` names (``None``: none, or the tier is off)."""
+    levels: tuple[tuple[str, bool, str], ...] = ()
+    """``(level, reached, detail)`` for ``memory``, ``replicated``, ``local`` and ``remote`` when the node
+    memory tier is on for the URI (empty otherwise)."""
 
     @property
     def durable(self) -> bool:
@@ -81,10 +114,13 @@ class CheckpointStatus:
 
 def status(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> CheckpointStatus:
     """The committed generation of the checkpoint at ``uri``, its durability and pending bytes."""
-    st: StoreStatus = get_scheduler().run(_tiered(uri, config, storage_options).status())
+    st: StoreStatus = get_scheduler().run(_durable(uri, config, storage_options).status())
+    levels = tuple(st.levels()) if isinstance(st, LinkStatus) else ()
     return CheckpointStatus(uri=uri, generation=st.generation, state=st.state, pending_bytes=st.pending_bytes,
                             pending_keys=st.pending_keys, errors=st.errors, remote_generation=st.remote_generation,
-                            remote_error=st.remote_error)
+                            remote_error=st.remote_error,
+                            memory_generation=st.memory_generation if isinstance(st, LinkStatus) else None,
+                            levels=levels)
 
 
 def wait(uri: str, timeout_s: float | None = None, config: CacheConfig | None = None, **storage_options: Any) -> None:
@@ -93,13 +129,14 @@ def wait(uri: str, timeout_s: float | None = None, config: CacheConfig | None = 
     Raises :class:`~tierckpt.errors.TransientStorageError` on timeout and
     :class:`~tierckpt.errors.StorageError` when an upload failed (fix the remote, then :func:`sync`).
     """
-    get_scheduler().run(_tiered(uri, config, storage_options).wait_durable(None, timeout_s))
+    get_scheduler().run(_durable(uri, config, storage_options).wait_durable(None, timeout_s))
 
 
 def sync(uri: str | None = None, config: CacheConfig | None = None, timeout_s: float | None = None,
          **storage_options: Any) -> list[str]:
-    """Resume the uploads the catalogue records as pending (for ``uri``, or every store of the node)
-    and wait for them; returns the URIs synced. A restarted process calls this after a crash.
+    """Resume the uploads the catalogue records as pending and the write-downs the node memory tier
+    holds (for ``uri``, or every store of the node) and wait for them; returns the URIs synced. A
+    restarted process calls this after a crash.
 
     ``storage_options`` open every remote (credentials are never stored in the catalogue).
     """
@@ -109,13 +146,24 @@ def sync(uri: str | None = None, config: CacheConfig | None = None, timeout_s: f
     else:
         catalog = Catalog(config.directory)
         roots = catalog.roots()
-        uris = sorted({roots[rh] for rh, _, _ in catalog.pending_all() if rh in roots})
+        uris = sorted({roots[rh] for rh, _, _ in catalog.pending_all() if rh in roots} | set(_memory_only()))
     sched = get_scheduler()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     for u in uris:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        sched.run(_tiered(u, config, storage_options).sync(left), left)
+        sched.run(_durable(u, config, storage_options).sync(left), left)
     return uris
+
+
+def _memory_only() -> list[str]:
+    """URIs whose committed generation the node memory tier (``TIERCKPT_MEMORY_DIR``) holds and has not
+    written down whole."""
+    out = []
+    for tier in NodeMemory(MemoryConfig.from_env()).tiers():
+        record = tier.committed()
+        if record is not None and DownLog(tier).pending(record.generation):
+            out.append(tier.uri)
+    return out
 
 
 def drop(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> list[str]:

@@ -394,11 +394,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def list_checkpoints(root: str) -> dict[str, Any]:
     """The ``ls --json`` document: every checkpoint under ``root``, sorted by step then path."""
-    from .store import open_store
+    from .errors import TransientStorageError
+    from .store import memory_keys_under, open_store
     from .io.scheduler import get_scheduler
 
-    keys = get_scheduler().run(open_store(root).list(""))
-    found = layout.find_checkpoints(keys)
+    in_memory = memory_keys_under(root)  # checkpoints committed in this node's memory tier (when it is on)
+    try:
+        keys = get_scheduler().run(open_store(root).list(""))
+    except TransientStorageError:
+        if not in_memory:
+            raise
+        keys = []  # the remote is unreachable: what the memory tier holds is still listed
+    found = layout.find_checkpoints(sorted(set(keys) | set(in_memory)))
     if not found:
         raise CheckpointNotFoundError(f"no checkpoints under {root!r}")
     latest = _latest_steps(root, found)
@@ -433,7 +440,7 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str
 
     ``status``: ``committed`` (where the URI points), ``node-only`` (committed in this node's cache, not on
     the remote: ``node_only`` says why), ``incomplete`` or ``corrupt``."""
-    from .store import node_only_reason, open_store
+    from .store import memory_levels, node_only_reason, open_store
     from .loader import read_checkpoint
 
     entry: dict[str, Any] = {
@@ -458,6 +465,9 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str
     node_only = node_only_reason(store)
     if node_only is not None:
         entry["node_only"] = node_only
+    levels = memory_levels(store)
+    if levels is not None:
+        entry["levels"] = levels
     entry.update(
         status="committed" if node_only is None else "node-only", generation=meta.generation, created_unix=meta.created_unix, created=_utc(meta.created_unix),
         tensor_bytes=meta.tensor_bytes, world_size=meta.world_size, num_tensors=meta.num_tensors,
@@ -476,8 +486,13 @@ def render_ls(doc: dict[str, Any]) -> str:
         )
         for e in doc["checkpoints"]
     ]
+    header = ("step", "", "status", "generation", "created", "tensor bytes", "world", "path")
+    if any("levels" in e for e in doc["checkpoints"]):  # the node memory tier is on: the levels reached
+        header += ("levels",)
+        rows = [r + (",".join(k for k, v in e.get("levels", {}).items() if v) or "-",)
+                for r, e in zip(rows, doc["checkpoints"])]
     lines = [f"checkpoints under {doc['root']} (* = latest):"]
-    lines += _table(("step", "", "status", "generation", "created", "tensor bytes", "world", "path"), rows, right=(0, 5, 6))
+    lines += _table(header, rows, right=(0, 5, 6))
     return "\n".join(lines)
 
 

@@ -18,9 +18,11 @@ from .errors import CheckpointError, CheckpointNotFoundError
 def _add_status(subparsers: Any) -> None:
     """Register ``status``."""
     p = subparsers.add_parser(
-        "status", help="where a checkpoint stands: staged, local (upload pending) or remote",
+        "status", help="where a checkpoint stands: staged, local (upload pending) or remote; with the memory tier, each level",
         description="Show the committed generation of a checkpoint and whether it is durable on the remote store, "
-        "or still only in this node's cache with uploads pending.",
+        "or still only in this node's cache with uploads pending. When the node memory tier is on (TIERCKPT_MEMORY=on) "
+        "or holds the checkpoint, one line per level follows: memory, replicated (or why not), local (node disk "
+        "cache), remote.",
     )
     p.add_argument("uri", help="checkpoint root, e.g. s3://bucket/run1/step-00001000")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -42,6 +44,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{st.uri}: {st.state or 'nothing committed'}; committed on this node: {st.generation or '-'}; "
               f"committed on the remote: {remote}; {len(st.pending_keys)} object(s) / {st.pending_bytes} bytes "
               "pending upload")
+        for level, reached, detail in st.levels:
+            print(f"  {level:<10} {'yes' if reached else 'no':<3}  {detail}")
         for error in st.errors:
             print(f"  upload error: {error}")
         if st.errors:

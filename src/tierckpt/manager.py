@@ -15,11 +15,18 @@ Lifecycle of :meth:`CheckpointManager.save` (every rank of the group):
    committed step is never deleted, and without ``keep_last`` nothing is (:func:`tierckpt.layout.retention`).
    For an async save this happens when its handle is waited on (:meth:`wait`, the next :meth:`save`,
    or :meth:`load_latest`).
+
+With the node memory tier on (``TIERCKPT_MEMORY=on`` or the storage option ``memory``), the steps the
+manager sees are those committed in any tier it can reach: the root's listing (when the remote answers)
+plus the checkpoints committed in this node's memory tier, so a restart after a crash resumes from memory
+even while the remote is down (``LATEST`` is then read where it can be, else the newest step wins).
+:meth:`levels` reports each durability level of a step.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,13 +35,14 @@ import torch.distributed as dist
 from . import layout
 from .backends import Backend
 from .comm import Comm
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, TransientStorageError
 from .io.scheduler import get_scheduler
 from .loader import load
 from .saver import SaveHandle, async_save, save
-from .store import durability_of, node_only_reason, open_store
+from .store import durability_of, memory_config_for, memory_keys_under, memory_levels, node_only_reason, open_store
 
 LATEST = "LATEST"
+log = logging.getLogger(__name__)
 
 
 class CheckpointManager:
@@ -67,8 +75,19 @@ class CheckpointManager:
         return f"{self.root_uri}/{layout.step_name(step)}"
 
     def _committed_names(self) -> dict[int, str]:
-        """Committed step -> its directory (``step-00000100``, or ``step-100`` made by hand; padded wins)."""
-        return layout.by_step(layout.committed_children(get_scheduler().run(self._backend().list(""))))
+        """Committed step -> its directory (``step-00000100``, or ``step-100`` made by hand; padded wins), in
+        the root's listing and in this node's memory tier (the listing may fail while the tier answers)."""
+        in_memory = memory_keys_under(self.root_uri, self.storage_options.get("memory"))
+        try:
+            keys = get_scheduler().run(self._backend().list(""))
+        except TransientStorageError:
+            if not in_memory:
+                raise
+            keys = []
+        return layout.by_step(layout.committed_children(sorted(set(keys) | set(in_memory))))
+
+    def _memory_on(self) -> bool:
+        return memory_config_for(self.root_uri, self.storage_options.get("memory")) is not None
 
     def _found_uri(self, step: int) -> str:
         """The URI of the existing checkpoint of ``step`` (whatever its padding)."""
@@ -137,6 +156,15 @@ class CheckpointManager:
             return int(json.loads(get_scheduler().run(self._backend().get(LATEST)))["step"])
         except (CheckpointNotFoundError, ValueError, KeyError, TypeError):
             return None
+        except TransientStorageError:
+            if not self._memory_on():
+                raise
+            return None  # unreachable: the newest step committed in a tier that answers wins
+
+    def levels(self, step: int) -> dict[str, bool] | None:
+        """``{level: reached}`` of ``step`` (memory, replicated, local, remote) when the node memory tier is
+        on, else ``None`` (then :meth:`durable_where_uri_points` tells node cache from remote)."""
+        return memory_levels(open_store(self._found_uri(step), self.storage_options))
 
     def _committed(self, step: int) -> bool:
         """Whether ``step`` has a COMMIT, asked through the step's own URI (its node-cache scope)."""
@@ -157,7 +185,14 @@ class CheckpointManager:
             return
         backend = self._backend()
         sched = get_scheduler()
-        sched.run(backend.commit(LATEST, json.dumps({"step": step}).encode()))
+        try:
+            sched.run(backend.commit(LATEST, json.dumps({"step": step}).encode()))
+        except TransientStorageError as exc:
+            if not self._memory_on():
+                raise
+            # The step is committed in node memory; without LATEST the newest committed step is the latest.
+            log.warning("%s: LATEST not updated to step %d (the store is unreachable: %s)", self.root_uri, step, exc)
+            return
         if self.keep_last is None:
             return  # no keep_last: every checkpoint is kept
         names = self._committed_names()

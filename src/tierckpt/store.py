@@ -38,12 +38,13 @@ from .io.scheduled import ScheduledBackend
 from .io.scheduler import get_scheduler
 from .tiers import writedown
 from .tiers.config import MemoryConfig, memory_enabled_from_env
-from .tiers.link import MemoryLink
-from .tiers.memory import MemoryTier
+from .tiers.link import MemoryLink, committed_under
+from .tiers.linkstatus import LinkStatus
+from .tiers.memory import MemoryTier, NodeMemory
 
 __all__ = [
     "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s",
-    "memory_config_for", "memory_tier_of", "node_only_reason", "open_cached_store", "open_store",
+    "memory_config_for", "memory_keys_under", "memory_levels", "memory_tier_of", "node_only_reason", "open_cached_store", "open_store",
 ]
 
 LOCAL_SCHEMES = ("", "file", "memory")
@@ -161,11 +162,8 @@ def durability_of(store: Backend) -> Durable | None:
 
 def exit_wait_s() -> float:
     """How long the exit drain may wait: the longest ``exit_wait_s`` of the caches this process opened
-    (``CacheConfig.exit_wait_s`` from the environment when a memory tier has write-downs in flight)."""
-    waits = [u.exit_wait_s for u in _UPLOADERS.values()]
-    if writedown.in_flight():
-        waits.append(CacheConfig.from_env().exit_wait_s)
-    return max(waits, default=0.0)
+    and of the memory tiers it has write-downs from."""
+    return max([u.exit_wait_s for u in _UPLOADERS.values()] + [writedown.exit_wait_s()])
 
 
 def drain_write_back(timeout_s: float) -> list[str]:
@@ -196,8 +194,29 @@ def node_only_reason(store: Backend) -> str | None:
     else:
         remote = "the remote has no COMMIT"
     uploads = f"{len(st.pending_keys)} upload(s) pending" + (f", failing: {st.errors[0]}" if st.errors else "")
-    return (f"generation {st.generation} is committed in this node's cache only ({remote}; {uploads}); "
+    where = "memory tier" if isinstance(st, LinkStatus) and st.in_memory and not st.written_down else "cache"
+    return (f"generation {st.generation} is committed in this node's {where} only ({remote}; {uploads}); "
             f"finish it with: tierckpt sync {st.uri}")
+
+
+def memory_levels(store: Backend) -> dict[str, bool] | None:
+    """``{level: reached}`` (memory, replicated, local, remote) of what ``store`` shows as committed, when
+    its chain has the node memory tier (``None`` otherwise); ``ls`` and the manager report them."""
+    if memory_tier_of(store) is None or durability_of(store) is None:
+        return None
+    st = get_scheduler().run(durability_of(store).status())  # type: ignore[union-attr]
+    return {level: reached for level, reached, _ in st.levels()} if isinstance(st, LinkStatus) else None
+
+
+def memory_keys_under(root: str, memory: Any = None) -> list[str]:
+    """Keys (relative to ``root``) of the checkpoints under ``root`` committed in this node's memory tier,
+    when the tier is on for ``root`` (:func:`memory_config_for`; ``memory`` is the storage option): what
+    ``ls`` and the manager add to the chain's listing, so a checkpoint only in memory is found."""
+    config = memory_config_for(root, memory)
+    if config is None:
+        return []
+    found = committed_under(NodeMemory(config), root)
+    return sorted(f"{path}/{key}" for path, keys in found.items() for key in keys)
 
 
 def _forget_after_fork() -> None:

@@ -77,6 +77,9 @@ class MemoryConfig:
     """Bytes the tier may hold; ``0`` means the default, half the directory's file system."""
     on_full: OnFull = OnFull.ERROR
     """What a checkpoint that cannot fit does (see :class:`OnFull`)."""
+    exit_wait_s: float = 600.0
+    """At interpreter exit, how long to let this process's write-downs to the next tier finish (what is
+    left stays in the tier for ``tierckpt sync``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "directory", os.path.abspath(os.path.expanduser(self.directory)))

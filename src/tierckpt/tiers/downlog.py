@@ -7,8 +7,9 @@ kept in the tier, one append-only log per generation::
 
     <tier home>/down/<generation>.log      one JSON line per event: {"pid", "op", "key", "error"}
 
-``op`` is ``start`` (a process began copying ``key`` down), ``done`` (the chain below acknowledged it)
-or ``error`` (the copy failed; ``error`` says why). Each line is one ``write`` on an ``O_APPEND`` file,
+``op`` is ``start`` (a process began copying ``key`` down), ``done`` (the chain below acknowledged it),
+``error`` (an attempt failed transiently and the process retries; ``error`` says why) or ``failed`` (it
+failed for good). Each line is one ``write`` on an ``O_APPEND`` file,
 so lines of concurrent processes never interleave. A key started by a process that is gone and never
 done is nobody's: ``sync`` (or the commit's write-down) copies it.
 """
@@ -93,7 +94,9 @@ class DownLog:
                 out.done.add(key)
                 out.errors.pop(key, None)
                 started.pop(key, None)
-            elif op == "error":
+            elif op == "error":  # a transient failure: its process retries (it stays busy while alive)
+                out.errors[key] = str(event.get("error"))
+            elif op == "failed":  # for good: nobody copies it until a sync
                 out.errors[key] = str(event.get("error"))
                 started.pop(key, None)
         out.busy = {k: p for k, p in started.items() if k not in out.done and pid_alive(p)}

@@ -54,6 +54,21 @@ def tier_uri(uri: str) -> str:
     return os.path.abspath(uri) if "://" not in uri else uri.rstrip("/")
 
 
+def committed_under(memory: NodeMemory, root: str) -> dict[str, list[str]]:
+    """Checkpoints under ``root`` committed in the node memory tier: path relative to ``root`` -> its keys
+    in the tier (``COMMIT`` and the committed generation's files), for listings that must see a
+    checkpoint the chain below does not hold yet (or cannot be reached)."""
+    prefix = tier_uri(root).rstrip("/") + "/"
+    out: dict[str, list[str]] = {}
+    for tier in memory.tiers():
+        if not tier.uri.startswith(prefix):
+            continue
+        record = tier.committed()
+        if record is not None:
+            out[tier.uri[len(prefix):]] = [COMMIT, *tier.keys_of(record.generation)]
+    return out
+
+
 class _LinkWriter(ObjectWriter):
     """Streams into the tier (admitting each chunk); moves to the chain below if the tier is full."""
 
@@ -178,13 +193,21 @@ class MemoryLink(Backend):
         validate_key(key)
         data = bytes(data)
         record = _record_of(data) if key == COMMIT else None
-        if record is None or record.generation in self.fallback or not self.memory_tier.keys_of(record.generation):
-            if record is not None:  # its files that did reach the tier go down first
-                await self.writedown.wait(record.generation, None, through_outage=True, commit=False)
+        if record is None:
             await self.below.commit(key, data, expected=expected, after=after)
             return
+        if record.generation in self.fallback or not self.memory_tier.keys_of(record.generation):
+            # Written to the chain below (the tier was full): its files that did reach the tier go first.
+            await self.writedown.wait(record.generation, None, through_outage=True, commit=False)
+            await self.writedown.commit_below(data, record, expected, after)
+            return
         if expected is not UNCONDITIONAL:
-            current = await self._get_or_none(COMMIT)
+            try:
+                current = await self._get_or_none(COMMIT)
+            except TransientStorageError:
+                if expected is not None:
+                    raise
+                current = None  # a URI this node never saw, below unreachable: the write-down's CAS decides
             if current != expected:
                 raise commit_refused(self.uri_of(key), expected, current)
         tier_current = await asyncio.to_thread(self._tier_commit_bytes)

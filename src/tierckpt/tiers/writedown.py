@@ -49,40 +49,55 @@ _ACTIVE: weakref.WeakSet[WriteDown] = weakref.WeakSet()
 _ACTIVE_LOCK = threading.Lock()
 
 
+class _Job:
+    """One write-down task; ``dropped`` tells it to stop before its next attempt (its key was deleted)."""
+
+    def __init__(self) -> None:
+        self.dropped = False
+        self.future: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
 class WriteDown:
     """This process's write-down for one link (see the module docstring)."""
 
     def __init__(self, link: MemoryLink) -> None:
         self.link = link
-        self.files: dict[str, concurrent.futures.Future[None]] = {}
-        self.commits: dict[str, concurrent.futures.Future[None]] = {}
+        self.files: dict[str, _Job] = {}
+        self.commits: dict[str, _Job] = {}
         self.deferred: list[concurrent.futures.Future[None]] = []
         self.failures: dict[str, tuple[str, bool]] = {}
         """key -> (why its copy failed, whether for good); cleared when it succeeds."""
-        self._last_commit: concurrent.futures.Future[None] | None = None
+        self._last_commit: _Job | None = None
         with _ACTIVE_LOCK:
             _ACTIVE.add(self)
 
     # -- starting --------------------------------------------------------------------------------------
-    def file(self, key: str) -> concurrent.futures.Future[None]:
-        job = self.files[key] = get_scheduler().submit(self._file(key))
+    def file(self, key: str) -> _Job:
+        job = self.files[key] = _Job()
+        job.future = get_scheduler().submit(self._file(key, job))
         return job
 
     def commit(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
                after: Mapping[str, int | None] | None) -> None:
-        job = get_scheduler().submit(self._commit(data, record, expected, after, self._last_commit))
+        job = _Job()
+        job.future = get_scheduler().submit(self._commit(data, record, expected, after, self._last_commit, job))
         self.commits[record.generation] = self._last_commit = job
 
     def pending(self) -> list[concurrent.futures.Future[None]]:
-        return [f for f in (*self.files.values(), *self.commits.values(), *self.deferred) if not f.done()]
+        jobs = [j.future for j in (*self.files.values(), *self.commits.values())]
+        return [f for f in (*jobs, *self.deferred) if not f.done()]
 
     # -- files -----------------------------------------------------------------------------------------
-    async def _retrying(self, key: str, generation: str, step: Callable[[], Awaitable[None]]) -> None:
-        """Run ``step`` until it succeeds, logging the start, each failure and the end in the tier's log."""
+    async def _retrying(self, key: str, generation: str, step: Callable[[], Awaitable[None]], job: _Job) -> None:
+        """Run ``step`` until it succeeds (or the job is dropped), logging the start, each failure and the
+        end in the tier's log."""
         down = self.link.down
         await asyncio.to_thread(down.append, generation, "start", key)
         attempt = 0
-        while True:
+        while not job.dropped:
             attempt += 1
             try:
                 await step()
@@ -90,18 +105,20 @@ class WriteDown:
                 self.failures[key] = (describe_error(exc), False)
                 await asyncio.to_thread(down.append, generation, "error", key, describe_error(exc))
                 await asyncio.sleep(max(backoff_s(min(attempt, 6)), 0.05))
+                if key in (await asyncio.to_thread(down.state, generation)).done:
+                    break  # another process (a sync) got it down meanwhile
                 continue
             except CheckpointError as exc:
                 self.failures[key] = (describe_error(exc), True)
-                await asyncio.to_thread(down.append, generation, "error", key, describe_error(exc))
+                await asyncio.to_thread(down.append, generation, "failed", key, describe_error(exc))
                 raise
-            self.failures.pop(key, None)
             await asyncio.to_thread(down.append, generation, "done", key)
-            return
+            break
+        self.failures.pop(key, None)
 
-    async def _file(self, key: str) -> None:
+    async def _file(self, key: str, job: _Job) -> None:
         set_background()
-        await self._retrying(key, generation_of(key) or "", lambda: self._copy(key))
+        await self._retrying(key, generation_of(key) or "", lambda: self._copy(key), job)
 
     async def _copy(self, key: str) -> None:
         below, path = self.link.below, self.link.memory_tier.path_of(key)
@@ -125,10 +142,10 @@ class WriteDown:
 
     # -- commits ---------------------------------------------------------------------------------------
     async def _commit(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
-                      after: Mapping[str, int | None] | None, previous: concurrent.futures.Future[None] | None) -> None:
+                      after: Mapping[str, int | None] | None, previous: _Job | None, job: _Job) -> None:
         set_background()
         if previous is not None:  # commits go down in the order they were made
-            await asyncio.wait([asyncio.wrap_future(previous)])
+            await asyncio.wait([asyncio.wrap_future(previous.future)])
         tier, generation = self.link.memory_tier, record.generation
         try:
             await asyncio.to_thread(tier.seal, generation, origin=self.link.origin)
@@ -136,22 +153,22 @@ class WriteDown:
             log.warning("cannot seal %s %s in the memory tier: %s", tier.uri, generation, exc)
         need: dict[str, int | None] = dict.fromkeys(await asyncio.to_thread(tier.keys_of, generation))
         need.update(after or {})
-        await self._ensure_below(generation, need)
-        await self._retrying(COMMIT, generation, lambda: self._commit_below(data, record, expected, after))
+        await self._ensure_below(generation, need, job)
+        await self._retrying(COMMIT, generation, lambda: self.commit_below(data, record, expected, after), job)
 
-    async def _ensure_below(self, generation: str, need: dict[str, int | None]) -> None:
+    async def _ensure_below(self, generation: str, need: dict[str, int | None], job_of_commit: _Job) -> None:
         """Wait until the chain below holds every key of ``need`` (key -> size, ``None``: unknown)."""
         below, tier, down = self.link.below, self.link.memory_tier, self.link.down
         write_back = write_back_of(below) is not None  # its own commit waits for what other nodes write
         pending = set(need)
-        while pending:
+        while pending and not job_of_commit.dropped:
             state = await asyncio.to_thread(down.state, generation)
             for key in sorted(pending):
                 job = self.files.get(key)
                 if key in state.done:
                     pending.discard(key)
                 elif job is not None and job.done():
-                    job.result()  # raises its failure
+                    job.future.result()  # raises its failure
                     pending.discard(key)
                 elif job is not None or key in state.busy:
                     continue
@@ -169,8 +186,10 @@ class WriteDown:
             if pending:
                 await asyncio.sleep(_POLL_S)
 
-    async def _commit_below(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
+    async def commit_below(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
                             after: Mapping[str, int | None] | None) -> None:
+        """Commit ``data`` below against ``expected``; a chain below that holds an older commit than
+        ``expected`` (an earlier write-down never landed) is caught up; a newer one is a conflict."""
         below = self.link.below
         if expected is not CATCH_UP:
             try:
@@ -178,19 +197,27 @@ class WriteDown:
                 return
             except CheckpointBusyError:
                 pass
-        try:
-            current: bytes | None = await below.get(COMMIT)
-        except CheckpointNotFoundError:
-            current = None
-        if current == data:
-            return  # already there (a retried request that landed, or another process's sync)
-        theirs = CommitRecord.decode(current) if current is not None else None
-        if theirs is not None and theirs.seq >= record.seq:
-            raise CheckpointBusyError(
-                f"{below.root_uri} holds generation {theirs.generation} (commit {theirs.seq}), committed by another "
-                f"writer; generation {record.generation} (commit {record.seq}) stays in this node's memory tier only"
-            )
-        await below.commit(COMMIT, data, expected=current, after=after)
+        for _ in range(3):  # catch up; another writer of this node may land the same record meanwhile
+            try:
+                current: bytes | None = await below.get(COMMIT)
+            except CheckpointNotFoundError:
+                current = None
+            if current == data:
+                return  # already there (a retried request that landed, or another process's sync)
+            theirs = CommitRecord.decode(current) if current is not None else None
+            if theirs is not None and theirs.seq >= record.seq:
+                raise CheckpointBusyError(
+                    f"{below.root_uri} holds generation {theirs.generation} (commit {theirs.seq}), committed by "
+                    f"another writer; generation {record.generation} (commit {record.seq}) stays in this node's "
+                    "memory tier only"
+                )
+            try:
+                await below.commit(COMMIT, data, expected=current, after=after)
+                return
+            except CheckpointBusyError:
+                continue
+        raise TransientStorageError(f"the COMMIT of {below.root_uri} keeps changing while generation "
+                                    f"{record.generation} is written down; retrying")
 
     # -- waiting ---------------------------------------------------------------------------------------
     async def wait(self, generation: str | None, timeout_s: float | None, *, through_outage: bool,
@@ -203,9 +230,9 @@ class WriteDown:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             mine = [k for k in self.files if name is None or generation_of(k) == name]
-            jobs = [self.files[k] for k in mine]
+            jobs = [self.files[k].future for k in mine]
             if commit:
-                jobs += [f for g, f in self.commits.items() if name is None or g == name]
+                jobs += [j.future for g, j in self.commits.items() if name is None or g == name]
             failed = {k: why for k, (why, final) in self.failures.items()
                       if (name is None or generation_of(k) == name or k == COMMIT) and (final or not through_outage)}
             for job in jobs:
@@ -239,7 +266,7 @@ class WriteDown:
         for key in await asyncio.to_thread(down.pending, generation, state):
             if key != COMMIT and key not in state.busy and not _running(self.files.get(key)):
                 self.file(key)
-        if COMMIT not in state.done and not _running(self.commits.get(generation)):
+        if COMMIT not in state.done and COMMIT not in state.busy and not _running(self.commits.get(generation)):
             with open(tier.path_of(COMMIT), "rb") as f:
                 data = f.read()
             if CommitRecord.decode(data).generation == generation:
@@ -248,14 +275,18 @@ class WriteDown:
 
     # -- deletes ---------------------------------------------------------------------------------------
     async def cancel(self, what: str, *, exact: bool) -> None:
-        """Stop this process's write-downs of a key (``exact``) or of everything under a prefix."""
+        """Stop this process's write-downs of a key (``exact``) or of everything under a prefix: no new
+        attempt starts, and the one in flight is waited for (so nothing lands below after a delete)."""
+
         def hit(key: str) -> bool:
             return key == what if exact else key.startswith(what)
 
-        jobs = [f for k, f in self.files.items() if hit(k)]
-        jobs += [f for g, f in self.commits.items() if not exact and hit(f"{g}/")]
+        jobs = [j for k, j in self.files.items() if hit(k)]
+        jobs += [j for g, j in self.commits.items() if not exact and hit(f"{g}/")]
         for job in jobs:
-            job.cancel()
+            job.dropped = True
+        if jobs:
+            await asyncio.wait([asyncio.wrap_future(j.future) for j in jobs])
         for key in [k for k in self.files if hit(k)]:
             del self.files[key]
             self.failures.pop(key, None)
@@ -270,7 +301,7 @@ class WriteDown:
             return
 
         async def deferred() -> None:
-            await asyncio.wait([asyncio.wrap_future(previous)])
+            await asyncio.wait([asyncio.wrap_future(previous.future)])
             try:
                 await step()
             except CheckpointError as exc:
@@ -279,7 +310,7 @@ class WriteDown:
         self.deferred.append(get_scheduler().submit(deferred()))
 
 
-def _running(job: concurrent.futures.Future[None] | None) -> bool:
+def _running(job: _Job | None) -> bool:
     return job is not None and not job.done()
 
 
@@ -290,13 +321,14 @@ def _read(path: str) -> bytes:
 
 def sync_command(link: MemoryLink) -> str:
     """The command that finishes the write-down of ``link``'s URI from any later process on the node."""
-    return f"{DIR_ENV}={link.memory.config.directory} TIERCKPT_MEMORY=on tierckpt sync {link.memory_tier.uri}"
+    return f"{DIR_ENV}={link.memory.config.directory} tierckpt sync {link.memory_tier.uri}"
 
 
-def in_flight() -> bool:
-    """Whether this process has write-downs running."""
+def exit_wait_s() -> float:
+    """How long the exit drain may wait for write-downs: the longest ``exit_wait_s`` of the memory
+    configurations of this process's links with write-downs running (0: none running)."""
     with _ACTIVE_LOCK:
-        return any(w.pending() for w in _ACTIVE)
+        return max((w.link.memory.config.exit_wait_s for w in _ACTIVE if w.pending()), default=0.0)
 
 
 def drain(timeout_s: float) -> list[str]:

@@ -1,0 +1,42 @@
+"""A child process for tests/test_memory_link.py: an ``async_save`` into the node memory tier that then
+dies (``kill``: SIGKILL right after the memory commit) or exits normally (``exit``: the exit drain must
+write the checkpoint down). Usage: ``memory_child.py MODE URI ENDPOINT EXIT_WAIT_S`` with
+``TIERCKPT_MEMORY_DIR`` set; prints ``committed <generation>`` once the save is committed in memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+import torch
+
+
+def state() -> dict[str, Any]:
+    """The state every child saves (deterministic, so the parent can compare bit-exactly)."""
+    g = torch.Generator().manual_seed(15)
+    return {"w": torch.randn(256, 1024, generator=g), "b": torch.arange(4096, dtype=torch.int64), "step": 7}
+
+
+def options(endpoint: str, exit_wait_s: float = 600.0) -> dict[str, Any]:
+    from tierckpt.tiers import MemoryConfig
+
+    return {"memory": MemoryConfig(directory=os.environ["TIERCKPT_MEMORY_DIR"], budget_bytes=1 << 30, exit_wait_s=exit_wait_s),
+            "cache": False, "endpoint_url": endpoint, "key": "testing", "secret": "testing", "region": "us-east-1",
+            "timeout_s": 5}
+
+
+def main() -> None:
+    import tierckpt
+
+    mode, uri, endpoint, exit_wait_s = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+    handle = tierckpt.async_save(uri, state(), storage_options=options(endpoint, exit_wait_s))
+    meta = handle.wait()
+    print(f"committed {meta.generation}", flush=True)
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()
