@@ -30,7 +30,7 @@ _CTX.set_forkserver_preload(["torch", "torch.distributed.tensor", "tierckpt", "s
 class Job:
     """One launch of ranks placed on simulated nodes (``nodes[r]``: rank ``r``'s node)."""
 
-    def __init__(self, workdir: Path, nodes: list[str], layout: str, **spec: object) -> None:
+    def __init__(self, workdir: Path, nodes: list[str], layout: str, extra_env: dict[str, str] | None = None, **spec: object) -> None:
         self.workdir, self.nodes = workdir, nodes
         port = free_port()
         self.results = [workdir / f"result-{i}-{port}.json" for i in range(len(nodes))]
@@ -38,7 +38,7 @@ class Job:
         for rank, node in enumerate(nodes):
             env = {
                 "TIERCKPT_NODE_ID": node, "TIERCKPT_MEMORY_DIR": str(workdir / node / "shm"), "TIERCKPT_MEMORY": "on",
-                "TIERCKPT_MEMORY_BYTES": "256M", "OMP_NUM_THREADS": "1",
+                "TIERCKPT_MEMORY_BYTES": "256M", "OMP_NUM_THREADS": "1", **(extra_env or {}),
             }
             body = {"launched": time.monotonic(), "rank": rank, "world": len(nodes), "port": port, "layout": layout, "result": str(self.results[rank]), **spec}
             proc = _CTX.Process(target=recovery_child.run, args=(body, env), daemon=True)
@@ -141,3 +141,13 @@ def test_one_node_says_why_replicated_is_not_available(workdir: Path) -> None:
         assert "not replicated: no peer holds a replica: the job spans one node" in r["saves"][uri]["error"], r
     lose(workdir)
     assert_exact(Job(workdir, ["node-0", "node-0"], "shard", loads=[{"uri": uri, "seed": 1}]).wait(), uri)
+
+
+def test_an_unreachable_s3_remote_from_save_to_recovery(workdir: Path) -> None:
+    down = {"TIERCKPT_S3_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    uri = "s3://bucket/run/step-1"
+    saved = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "shard", extra_env=down,
+                saves=[{"uri": uri, "seed": 1, "level": "replicated"}]).wait()
+    assert all(r["saves"][uri]["ok"] for r in saved), saved
+    lose(workdir, "node-1")
+    assert_exact(Job(workdir, ["node-0", "node-0"], "replicate", extra_env=down, loads=[{"uri": uri, "seed": 1}]).wait(), uri)
