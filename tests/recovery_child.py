@@ -116,8 +116,12 @@ def main(spec: dict) -> None:
         record: dict = {}
         started = time.monotonic()
         try:
-            tierckpt.load(load["uri"], target)
+            monitor = tierckpt.Monitor()
+            tierckpt.load(load["uri"], target, monitor=monitor)
             record["differs"] = compare(target, load["seed"])
+            counts = monitor.summary()
+            record["bytes_read"] = counts.get("bytes_read", 0)
+            record["bytes_read_memory"] = counts.get("bytes_read_memory", 0)
         except Exception as exc:  # noqa: BLE001 - reported to the test
             record["error"] = f"{type(exc).__name__}: {exc}"
             record["trace"] = traceback.format_exc()

@@ -73,11 +73,17 @@ def lose(workdir: Path, *nodes: str) -> None:
         shutil.rmtree(workdir / node, ignore_errors=True)
 
 
+TENSOR_BYTES = 67 * 24 * 4 + 33 * 7 * 2 + 9 * 8
+"""The bytes of the tensors recovery_child saves: a load reads each exactly once per group."""
+
+
 def assert_exact(results: list[dict], uri: str) -> None:
     for r in results:
         load = r["loads"][uri]
         assert "error" not in load, load.get("trace")
         assert load["differs"] == [], f"{r['node']}: {load['differs']} differ from what was saved"
+        assert load["bytes_read"] == load["bytes_read_memory"], f"{r['node']} read from outside the memory tiers"
+    assert sum(r["loads"][uri]["bytes_read"] for r in results) == TENSOR_BYTES
 
 
 @pytest.fixture
@@ -107,6 +113,7 @@ def test_a_lost_node_is_rebuilt_from_its_peer_and_the_survivor_reshards(workdir:
     # A fresh node takes the lost one's place (ranks 0 and 1): it holds nothing, it reads from node-1's memory.
     fresh = Job(workdir, ["node-2", "node-2", "node-1", "node-1"], "shard", loads=[{"uri": uri, "seed": 1}]).wait()
     assert_exact(fresh, uri)
+    assert [r["loads"][uri]["bytes_read"] > 0 for r in fresh] == [False, False, True, True]  # node-1 reads it all
     assert fresh[2]["loads"][uri]["level"]["level"] == "replicated"
     # The surviving node alone, 2 ranks, plain replicated tensors (DDP) instead of Shard(0) over 4.
     alone = Job(workdir, ["node-1", "node-1"], "replicate", loads=[{"uri": uri, "seed": 1}]).wait()
