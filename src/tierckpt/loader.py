@@ -58,6 +58,7 @@ from .io.coalesce import Taken, coalesce, read_group
 from .io.rangefile import RangeFile
 from .io.readcheck import ReadChecker, checking_ranks
 from .io.scheduler import DEFAULT_PART_BYTES, ReadRequest, get_scheduler
+from .local_load import LocalReads, held_files, rereaders
 from .metadata import (
     MAX_HEADER_BYTES, MAX_TABLE_BYTES, CheckpointMeta, ObjectMeta, PieceMeta, TensorMeta, decode_header, decode_pieces,
     decode_tensors, dtype_name, itemsize,
@@ -67,11 +68,10 @@ from .objects import decode_object
 from .node import node_id
 from .planner import LoadPlan, ReadUnit, TargetPiece, Topology, plan_load, topology as route_topology
 from .planner.load_planner import COALESCE_GAP_BYTES
+from .planner.locality import assign_local_readers, relocate, spans_of
 from .planner.routes import store_kind
 from .regions import FlatRange, StoredBox
 from .state import FlatState, TensorEntry, flatten_state
-from .local_load import LocalReads, held_files, rereaders
-from .planner.locality import assign_local_readers, relocate, spans_of
 from .store import memory_tier_of, open_store
 from .tiers.memory import MemoryTier
 

@@ -371,7 +371,9 @@ def _finish(
     status, value = outcome
     if status != "ok":
         raise CheckpointError(f"saving checkpoint {p.uri!r} failed: {value}")
-    p.replication.start(value.generation)  # every rank, after the commit; no collective
+    # Every rank, after the commit; no collective. Before the save reports committed, so that the node's
+    # files are sealed (restart-recoverable from memory) whenever wait("memory") has returned.
+    p.replication.start(value.generation)
     p.monitor.finish("save", p.uri, coord.rank, ranks_from_timings(value.timings))
     return value
 
