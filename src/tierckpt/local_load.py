@@ -33,6 +33,7 @@ from .backends import Backend
 from .comm import Comm
 from .errors import CheckpointError
 from .metadata import CheckpointMeta
+from .node import node_id
 from .planner.locality import HeldFile, RankHoldings
 from .tiers.memory import MemoryTier
 
@@ -44,7 +45,9 @@ def held_files(tier: MemoryTier | None, meta: CheckpointMeta, record: layout.Com
 
     A file counts only if it exists and its sealed size is the size the checkpoint records (the header
     for data and objects files, ``COMMIT`` for metadata documents); an unreadable manifest counts as
-    holding nothing (the files are then read through the chain)."""
+    holding nothing (the files are then read through the chain). Files of the generation that no manifest
+    lists — the node's processes died between the commit and the seal — are sealed now (read once for
+    their CRC-32C) under the origin ``<node>-recovered``, so the group can use them."""
     if tier is None:
         return None
     generation = meta.generation
@@ -53,7 +56,11 @@ def held_files(tier: MemoryTier | None, meta: CheckpointMeta, record: layout.Com
         sizes.update({key: c.size for key, c in record.checksums})
     try:
         held = tier.held(generation)
-    except CheckpointError as exc:
+        unsealed = [k for k in tier.keys_of(generation) if k not in held and k[len(generation) + 1:] in sizes]
+        if unsealed:
+            tier.seal(generation, origin=f"{node_id()}-recovered", keys=unsealed)
+            held = tier.held(generation)
+    except (CheckpointError, OSError) as exc:
         logger.warning("memory tier of %s: %s; reading generation %s through the store", tier.uri, exc, generation)
         return ()
     out = []
