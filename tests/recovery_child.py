@@ -5,7 +5,8 @@ The parent starts :func:`run` in a process forked from a server that imported to
 Python and torch per rank costs seconds), with this process's node in ``env`` (``TIERCKPT_NODE_ID``,
 ``TIERCKPT_MEMORY_DIR``, ``TIERCKPT_MEMORY=on``). ``spec`` holds ``rank``, ``world``, ``port``, ``result`` (where this rank writes its JSON result),
 ``layout`` (``"shard"``: DTensor ``Shard(0)`` over all ranks, as FSDP2 holds parameters; ``"replicate"``:
-plain full tensors, as DDP does) and either
+plain full tensors, as DDP does; ``"fsdp2"`` / ``"ddp"``: a small transformer and its AdamW state, trained
+two steps before a save, compared with the full state saved beside the test, ``expected``) and either
 
 * ``saves``: a list of ``{"uri", "seed", "level"}``: each is saved with ``async_save`` and waited for
   to ``level``; ``"kill_receiver": true`` on one makes that node's leader die when the first
@@ -35,7 +36,7 @@ from torch.distributed.tensor import Shard  # noqa: E402
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
 
 import tierckpt  # noqa: E402
-from scenarios import as_dtensor, make_mesh, reference  # noqa: E402
+from scenarios import as_dtensor, assert_same, build, full_state, make_mesh, reference, train  # noqa: E402
 from tierckpt.store import memory_tier_of, open_store  # noqa: E402
 from tierckpt.tiers.levels import recorded_level  # noqa: E402
 from tierckpt.tiers.replica import Replicator  # noqa: E402
@@ -56,6 +57,26 @@ def state(layout: str, seed: int | None) -> dict:
         value = full(name, seed) if seed is not None else torch.zeros(shape, dtype=dtype)
         model[name] = as_dtensor(value, mesh, [Shard(0)]) if mesh is not None else value
     return {"model": model, "extra": {"step": -1 if seed is None else seed}}
+
+
+def model_state(layout: str, seed: int | None, expected: str) -> dict:
+    """A real module and optimizer (``fsdp2`` or ``ddp``): trained and its full state kept in ``expected``
+    when saving (``seed``), fresh when loading (``None``)."""
+    model, optim = build(layout, None, make_mesh((dist.get_world_size(),)), seed=0 if seed is not None else 1)
+    if seed is not None:
+        train(model, optim, 2, dist.get_rank())
+        full_sd = full_state(model, optim)
+        if dist.get_rank() == 0:
+            torch.save(full_sd, expected)
+    return {"model": model, "optim": optim, "extra": {"step": -1 if seed is None else seed}}
+
+
+def compare_model(loaded: dict, seed: int, expected: str) -> list[str]:
+    try:
+        assert_same(torch.load(expected), full_state(loaded["model"], loaded["optim"]))
+    except AssertionError as exc:
+        return [str(exc)]
+    return [] if loaded["extra"]["step"] == seed else ["extra.step"]
 
 
 def compare(loaded: dict, seed: int) -> list[str]:
@@ -104,7 +125,9 @@ def main(spec: dict) -> None:
         if save.get("kill_receiver") and rank == spec["kill_rank"]:
             kill_on_first_replica_file()
         started = time.monotonic()
-        handle = tierckpt.async_save(save["uri"], state(spec["layout"], save["seed"]))
+        modules = spec["layout"] in ("fsdp2", "ddp")
+        saved = model_state(spec["layout"], save["seed"], spec["expected"]) if modules else state(spec["layout"], save["seed"])
+        handle = tierckpt.async_save(save["uri"], saved)
         try:
             meta = handle.wait(save["level"], timeout_s=60)
             out["saves"][save["uri"]] = {"ok": True, "generation": meta.generation}
@@ -112,13 +135,14 @@ def main(spec: dict) -> None:
             out["saves"][save["uri"]] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         out["saves"][save["uri"]]["seconds"] = time.monotonic() - started
     for load in spec.get("loads", []):
-        target = state(spec["layout"], None)
+        modules = spec["layout"] in ("fsdp2", "ddp")
+        target = model_state(spec["layout"], None, "") if modules else state(spec["layout"], None)
         record: dict = {}
         started = time.monotonic()
         try:
             monitor = tierckpt.Monitor()
             tierckpt.load(load["uri"], target, monitor=monitor)
-            record["differs"] = compare(target, load["seed"])
+            record["differs"] = compare_model(target, load["seed"], spec["expected"]) if modules else compare(target, load["seed"])
             counts = monitor.summary()
             record["bytes_read"] = counts.get("bytes_read", 0)
             record["bytes_read_memory"] = counts.get("bytes_read_memory", 0)
