@@ -40,3 +40,34 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def ranks_share_the_tier(path: str, config: Any) -> list[str]:
+    """Every rank of the pool (one node) async-saves into the node's memory tier, waits until it is written
+    down, and loads it back bit-exact, from memory and from the path alone; returns the data files the
+    tier holds of the generation (rank 0)."""
+    import torch.distributed as dist
+
+    import tierckpt
+    from tierckpt.backends import LocalBackend
+    from tierckpt.io.scheduler import get_scheduler
+    from tierckpt.layout import COMMIT, CommitRecord
+    from tierckpt.store import memory_tier_of, open_store
+
+    def make() -> dict[str, torch.Tensor]:  # replicated on every rank: the plan gives each rank one tensor
+        return {name: torch.full((128, 64), float(i)) + torch.arange(64.0) for i, name in enumerate("abcd")}
+
+    handle = tierckpt.async_save(path, make(), storage_options={"memory": config})
+    meta = handle.wait()
+    handle.wait_durable(120)
+    dist.barrier()
+    for memory in (config, False):
+        got = {name: torch.zeros(128, 64) for name in "abcd"}
+        tierckpt.load(path, got, storage_options={"memory": memory})
+        assert all(torch.equal(got[n], make()[n]) for n in "abcd")
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return []
+    assert CommitRecord.decode(get_scheduler().run(LocalBackend(path).get(COMMIT))).generation == meta.generation
+    tier = memory_tier_of(open_store(path, {"memory": config}))
+    return [k for k in tier.held(meta.generation) if "/data/" in k]

@@ -195,7 +195,9 @@ def test_killed_after_async_memory_commit_restart_loads_from_memory(
     st = status(open_store(uri, opts))
     assert st.memory_generation == generation and not st.committed_on_remote
     proxy.clear()
-    get_scheduler().run(open_store(uri, opts).sync(120))  # what the dead process left goes down
+    from tierckpt import cli
+
+    assert cli.main(["sync", uri, "--timeout", "120"]) == 0  # what the dead process left goes down
     assert remote_commit(s3_server, uri).generation == generation
     got = target()
     tierckpt.load(uri, got, storage_options=s3(s3_server))
@@ -331,3 +333,12 @@ def test_manager_resumes_from_memory_with_the_remote_down(
     for step in (1, 2):
         get_scheduler().run(open_store(manager.uri_of(step), opts).sync(120))
     assert remote_commit(s3_server, manager.uri_of(2)) is not None
+
+
+def test_ranks_of_a_node_share_its_tier(dist_pool: Any, tmp_path: Path, memdir: Path) -> None:
+    """Four real gloo ranks on one node: each writes its file into the shared tier and down behind; rank 0's
+    commit waits for the others' write-downs; the COMMIT names a generation whose every file is sealed."""
+    from memory_child import ranks_share_the_tier
+
+    held = dist_pool.run(ranks_share_the_tier, str(tmp_path / "ckpt"), mem(memdir))[0]
+    assert len(held) == 4

@@ -46,6 +46,11 @@ from .writedown import WriteDown
 log = logging.getLogger(__name__)
 
 _COPY_CHUNK = 8 << 20
+_CREDIT_SHARE = 16
+_CREDIT_MAX = 1 << 30
+"""After an admission, a process may write up to 1/16 of the tier's free room (at most 1 GiB) of the same
+generation before the next check (a check walks the node's tier); 16 processes writing at once at most
+fill the free room, so the budget holds for up to 16 writers of a node."""
 
 
 def tier_uri(uri: str) -> str:
@@ -137,6 +142,8 @@ class MemoryLink(Backend):
         self.down = DownLog(self.memory_tier)
         self.writedown = WriteDown(self)
         self._written: set[str] = set()
+        self._readable: set[str] = set()
+        self._credit: dict[str, int] = {}
         self.fallback: dict[str, str] = {}
         """Generations written to the chain below because the tier was full -> why."""
 
@@ -152,14 +159,20 @@ class MemoryLink(Backend):
         """Make room for ``nbytes`` more of ``generation``; ``False``: it falls back to the chain below."""
         if generation in self.fallback:
             return False
+        credit = self._credit.get(generation, 0)
+        if nbytes <= credit:
+            self._credit[generation] = credit - nbytes
+            return True
 
         def admit() -> bool:
-            durable = durable_copies(self.memory)
-            admission = self.memory.admit(self.memory_tier.uri, generation, nbytes, durable)
+            admission = self.memory.admit(self.memory_tier.uri, generation, nbytes, lambda: durable_copies(self.memory))
             if not admission.fits:
                 self.fallback[generation] = admission.reason or "the memory tier is full"
                 log.warning("%s %s goes to the next tier: %s", self.memory_tier.uri, generation, admission.reason)
-            return admission.fits
+                return False
+            free = self.memory.config.budget_bytes - admission.used_bytes - nbytes
+            self._credit[generation] = max(0, min(free // _CREDIT_SHARE, _CREDIT_MAX))
+            return True
 
         return await asyncio.to_thread(admit)
 
@@ -223,7 +236,10 @@ class MemoryLink(Backend):
             return None
 
     def _in_tier(self, key: str) -> bool:
-        """Whether a read of ``key`` is served by the tier (see the module docstring)."""
+        """Whether a read of ``key`` is served by the tier (see the module docstring); a yes is remembered
+        (a file of a committed generation never changes; a read that finds it gone goes below)."""
+        if key in self._readable:
+            return True
         generation = generation_of(key)
         if generation is None or not os.path.isfile(self.memory_tier.path_of(key)):
             return False
@@ -231,9 +247,23 @@ class MemoryLink(Backend):
             return True
         held = self.memory_tier.held(generation).get(key)
         if held is not None:
-            return os.path.getsize(self.memory_tier.path_of(key)) == held.size
-        record = self.memory_tier.committed()
-        return record is not None and record.generation == generation
+            readable = os.path.getsize(self.memory_tier.path_of(key)) == held.size
+        else:
+            record = self.memory_tier.committed()
+            readable = record is not None and record.generation == generation
+        if readable:
+            self._readable.add(key)
+        return readable
+
+    async def _read(self, key: str, tier_read: Any, below_read: Any) -> Any:
+        """``tier_read()`` when the tier serves ``key``, else (or when it was evicted meanwhile) ``below_read()``."""
+        if await asyncio.to_thread(self._in_tier, key):
+            try:
+                return await tier_read()
+            except CheckpointNotFoundError:
+                self._readable.discard(key)
+                self._written.discard(key)
+        return await below_read()
 
     async def _get_or_none(self, key: str) -> bytes | None:
         try:
@@ -261,26 +291,19 @@ class MemoryLink(Backend):
     async def get(self, key: str) -> bytes:
         if validate_key(key) == COMMIT:
             return await self._commit_view()
-        if await asyncio.to_thread(self._in_tier, key):
-            return await self.memory_tier.get(key)
-        return await self.below.get(key)
+        return await self._read(key, lambda: self.memory_tier.get(key), lambda: self.below.get(key))
 
     async def get_range(self, key: str, start: int, end: int) -> bytes:
-        if await asyncio.to_thread(self._in_tier, validate_key(key)):
-            return await self.memory_tier.get_range(key, start, end)
-        return await self.below.get_range(key, start, end)
+        return await self._read(validate_key(key), lambda: self.memory_tier.get_range(key, start, end),
+                                lambda: self.below.get_range(key, start, end))
 
     async def read_into(self, key: str, start: int, out: memoryview) -> None:
-        if await asyncio.to_thread(self._in_tier, validate_key(key)):
-            await self.memory_tier.read_into(key, start, out)
-        else:
-            await self.below.read_into(key, start, out)
+        await self._read(validate_key(key), lambda: self.memory_tier.read_into(key, start, out),
+                         lambda: self.below.read_into(key, start, out))
 
     async def read_runs(self, key: str, offsets: Any, run_bytes: int, out: memoryview) -> None:
-        if await asyncio.to_thread(self._in_tier, validate_key(key)):
-            await self.memory_tier.read_runs(key, offsets, run_bytes, out)
-        else:
-            await self.below.read_runs(key, offsets, run_bytes, out)
+        await self._read(validate_key(key), lambda: self.memory_tier.read_runs(key, offsets, run_bytes, out),
+                         lambda: self.below.read_runs(key, offsets, run_bytes, out))
 
     async def exists(self, key: str) -> bool:
         if validate_key(key) == COMMIT:
@@ -315,9 +338,11 @@ class MemoryLink(Backend):
         if exact:
             await self.memory_tier.delete(what)
             self._written.discard(what)
+            self._readable.discard(what)
         else:
             await self.memory_tier.delete_prefix(what)
             self._written = {k for k in self._written if not k.startswith(what)}
+            self._readable = {k for k in self._readable if not k.startswith(what)}
             generation = generation_of(what) or (what.rstrip("/") if is_generation(what.rstrip("/")) else None)
             for gen in [generation] if generation else self.memory_tier.generations() if not what else []:
                 await asyncio.to_thread(self.memory_tier.evict, gen)

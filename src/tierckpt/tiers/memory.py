@@ -28,7 +28,7 @@ import hashlib
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import crc32c
@@ -382,19 +382,22 @@ class NodeMemory:
     def copies(self) -> list[TierCopy]:
         return [c for t in self.tiers() for c in t.copies()]
 
-    def admit(self, uri: str, generation: str, nbytes: int, durable_below: Iterable[str]) -> Admission:
+    def admit(self, uri: str, generation: str, nbytes: int,
+              durable_below: Iterable[str] | Callable[[], Iterable[str]]) -> Admission:
         """Make room for ``nbytes`` of ``generation`` of ``uri`` before writing it, evicting what
         :func:`~.eviction.plan_admission` allows, under the node-wide lock (see :mod:`.eviction`).
         The generation being admitted is never evicted for itself (replicas of a generation arrive
-        beside the node's own files of it)."""
+        beside the node's own files of it). ``durable_below`` may be a function: it is called (under
+        the lock) only when something must be evicted."""
         incoming = copy_id(uri, generation)
-        durable = set(durable_below) - {incoming}
         os.makedirs(self.config.directory, exist_ok=True)
         fd = os.open(os.path.join(self.config.directory, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             tiers = {t.uri: t for t in self.tiers()}
             copies = [c for t in tiers.values() for c in t.copies()]
+            fits = sum(c.nbytes for c in copies) + nbytes <= self.config.budget_bytes
+            durable = set() if fits else set(durable_below() if callable(durable_below) else durable_below) - {incoming}
             admission = plan_admission(
                 copies, nbytes, self.config.budget_bytes, durable, incoming=incoming, on_full=self.config.on_full,
             )
