@@ -141,7 +141,9 @@ def test_a_node_lost_during_replication_keeps_the_previous_checkpoint(workdir: P
     for r in loaded:
         assert r["loads"][old]["level"]["level"] == "replicated"
         assert r["loads"][new]["level"]["level"] == "memory" and r["loads"][new]["level"]["reason"]
-        assert "error" in r["loads"][new]  # node-1's files of it are gone: an error, never wrong bytes
+        # node-1's files of it reached node-0 only if node-1's sender finished before it died: then the load
+        # is exact, else it fails naming the missing file; never wrong bytes.
+        assert "error" in r["loads"][new] or r["loads"][new]["differs"] == [], r["loads"][new]
 
 
 def test_one_node_says_why_replicated_is_not_available(workdir: Path) -> None:

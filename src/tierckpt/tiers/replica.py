@@ -285,7 +285,7 @@ class Replicator:
         try:
             manifest = Manifest.decode(header["manifest"].encode(), f"the header from rank {src}")
             tier = self.memory.tier(manifest.uri)
-            admission = self.memory.admit(manifest.uri, manifest.generation, manifest.nbytes, self._durable_below())
+            admission = self.memory.admit(manifest.uri, manifest.generation, manifest.nbytes, self._durable_below)
             refusal = None if admission.fits else admission.reason
         except CheckpointError as exc:
             refusal = str(exc)

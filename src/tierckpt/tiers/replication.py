@@ -26,6 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import CheckpointError
+from .downlog import durable_copies
 from .levels import Level, ReplicaHandle, ReplicaResult
 from .memory import MemoryTier, NodeMemory
 from .replica import Replicator
@@ -63,7 +64,9 @@ def replicator_for(tier: MemoryTier | None, group: dist.ProcessGroup | None, gro
     with _LOCK:
         replicator = _REPLICATORS.get(key)
         if replicator is None:
-            replicator = _REPLICATORS[key] = Replicator(NodeMemory(tier.config), group=group)
+            memory = NodeMemory(tier.config)
+            # A receiver may evict only what the chain below holds whole (the memory link's write-down log).
+            replicator = _REPLICATORS[key] = Replicator(memory, group=group, durable_below=lambda: durable_copies(memory))
     return replicator, None
 
 
