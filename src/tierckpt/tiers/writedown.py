@@ -47,6 +47,9 @@ CATCH_UP = object()
 
 _ACTIVE: weakref.WeakSet[WriteDown] = weakref.WeakSet()
 _ACTIVE_LOCK = threading.Lock()
+_LAST_COMMIT: dict[str, _Job] = {}
+"""Tier home -> this process's newest COMMIT write-down of it, whichever link made it: commits go down in
+the order they were made, even when each save opened its own store."""
 
 
 class _Job:
@@ -70,7 +73,6 @@ class WriteDown:
         self.deferred: list[concurrent.futures.Future[None]] = []
         self.failures: dict[str, tuple[str, bool]] = {}
         """key -> (why its copy failed, whether for good); cleared when it succeeds."""
-        self._last_commit: _Job | None = None
         with _ACTIVE_LOCK:
             _ACTIVE.add(self)
 
@@ -83,8 +85,17 @@ class WriteDown:
     def commit(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
                after: Mapping[str, int | None] | None) -> None:
         job = _Job()
-        job.future = get_scheduler().submit(self._commit(data, record, expected, after, self._last_commit, job))
-        self.commits[record.generation] = self._last_commit = job
+        home = self.link.memory_tier.home
+        with _ACTIVE_LOCK:
+            previous = _LAST_COMMIT.get(home)
+            _LAST_COMMIT[home] = job
+        job.future = get_scheduler().submit(self._commit(data, record, expected, after, previous, job))
+        self.commits[record.generation] = job
+
+    def _same_tier(self) -> list[WriteDown]:
+        """This process's write-downs of the same tier (one per store opened on the URI)."""
+        with _ACTIVE_LOCK:
+            return [w for w in _ACTIVE if w.link.memory_tier.home == self.link.memory_tier.home]
 
     def pending(self) -> list[concurrent.futures.Future[None]]:
         jobs = [j.future for j in (*self.files.values(), *self.commits.values())]
@@ -144,8 +155,10 @@ class WriteDown:
     async def _commit(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
                       after: Mapping[str, int | None] | None, previous: _Job | None, job: _Job) -> None:
         set_background()
-        if previous is not None:  # commits go down in the order they were made
-            await asyncio.wait([asyncio.wrap_future(previous.future)])
+        while previous is not None and not previous.done() and not job.dropped:  # in the order they were made
+            await asyncio.wait([asyncio.wrap_future(previous.future)], timeout=_POLL_S)
+        if job.dropped:
+            return
         tier, generation = self.link.memory_tier, record.generation
         try:
             await asyncio.to_thread(tier.seal, generation, origin=self.link.origin)
@@ -275,27 +288,31 @@ class WriteDown:
 
     # -- deletes ---------------------------------------------------------------------------------------
     async def cancel(self, what: str, *, exact: bool) -> None:
-        """Stop this process's write-downs of a key (``exact``) or of everything under a prefix: no new
-        attempt starts, and the one in flight is waited for (so nothing lands below after a delete)."""
+        """Stop this process's write-downs of a key (``exact``) or of everything under a prefix, through any
+        store of the URI: no new attempt starts, and the one in flight is waited for (so nothing lands
+        below after a delete)."""
 
         def hit(key: str) -> bool:
             return key == what if exact else key.startswith(what)
 
-        jobs = [j for k, j in self.files.items() if hit(k)]
-        jobs += [j for g, j in self.commits.items() if not exact and hit(f"{g}/")]
+        peers = self._same_tier()
+        jobs = [j for w in peers for k, j in w.files.items() if hit(k)]
+        jobs += [j for w in peers for g, j in w.commits.items() if not exact and hit(f"{g}/")]
         for job in jobs:
             job.dropped = True
         if jobs:
             await asyncio.wait([asyncio.wrap_future(j.future) for j in jobs])
-        for key in [k for k in self.files if hit(k)]:
-            del self.files[key]
-            self.failures.pop(key, None)
-        for gen in [g for g in self.commits if not exact and hit(f"{g}/")]:
-            del self.commits[gen]
+        for w in peers:
+            for key in [k for k in w.files if hit(k)]:
+                del w.files[key]
+                w.failures.pop(key, None)
+            for gen in [g for g in w.commits if not exact and hit(f"{g}/")]:
+                del w.commits[gen]
 
     async def after_commits(self, step: Callable[[], Awaitable[None]]) -> None:
         """Run ``step`` (a delete below) now, or after the pending ``COMMIT`` write-down when there is one."""
-        previous = self._last_commit
+        with _ACTIVE_LOCK:
+            previous = _LAST_COMMIT.get(self.link.memory_tier.home)
         if previous is None or previous.done():
             await step()
             return
@@ -356,6 +373,7 @@ def drain(timeout_s: float) -> list[str]:
 def _forget_after_fork() -> None:
     """A forked child has none of its parent's write-down tasks."""
     _ACTIVE.clear()
+    _LAST_COMMIT.clear()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
