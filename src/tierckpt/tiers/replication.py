@@ -20,6 +20,7 @@ torch.distributed is initialised, replicates each committed generation to the pe
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -34,6 +35,7 @@ from .replica import Replicator
 _REPLICATORS: dict[tuple[Any, Any], Replicator] = {}
 """This process's replicator of each (group, memory tier configuration)."""
 _LOCK = threading.Lock()
+os.register_at_fork(after_in_child=_REPLICATORS.clear)  # a forked child has none of its parent's threads or groups
 
 TIER_OFF = (
     "the node memory tier is off for this URI, so there is nothing to replicate (turn it on with "
