@@ -366,3 +366,43 @@ def test_manager_retention_with_async_saves_leaves_nothing_pending(tmp_path: Pat
     got = target()
     assert tierckpt.CheckpointManager(root, storage_options={"memory": config}).load_latest(got) == 3
     assert_same(got, state())
+
+
+def test_async_snapshot_goes_straight_into_the_tier(tmp_path: Path, memdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first async save, the snapshot copy writes into a spare file of the tier (mapped, touched in
+    the background): that file becomes the checkpoint's data file, bit-exact; the spare counts in the tier
+    and stays out of listings."""
+    import time
+
+    from tierckpt.tiers import link as link_module
+    from tierckpt.tiers import mapped
+
+    used: list[bool] = []
+
+    def spy(*args: Any) -> Any:
+        writer = mapped.open_mapped(*args)
+        used.append(writer is not None)
+        return writer
+
+    monkeypatch.setattr(link_module, "open_mapped", spy)
+    path, config = str(tmp_path / "ckpt"), mem(memdir)
+    store = open_store(path, {"memory": config})
+    try:
+        for i in range(3):
+            want = {"w": state()["w"] + i, "b": state()["b"] * i, "step": i}
+            handle = tierckpt.async_save(path, want, storage_options={"memory": config})
+            meta = handle.wait()
+            handle.wait_durable(timeout_s=60)
+            deadline = time.monotonic() + 60
+            while store.memory_tier.home not in mapped._SPARES and time.monotonic() < deadline:
+                time.sleep(0.05)  # the next save's spare is made in the background
+            assert any(g.startswith(mapped.SPARE_PREFIX) for g in store.memory_tier.generations())
+            assert not any(mapped.is_spare(k) for k in get_scheduler().run(store.list("")))
+            for memory in (config, False):
+                got = target()
+                tierckpt.load(path, got, storage_options={"memory": memory})
+                assert_same(got, want)
+            assert store.memory_tier.committed().generation == meta.generation
+        assert used == [False, True, True]
+    finally:
+        mapped._drop_spares()

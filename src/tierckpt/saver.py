@@ -330,15 +330,23 @@ def _stream_direct(p: _Prepared) -> FileStream | None:
 
 
 def _stream_staged(p: _Prepared, staging_bytes: int | None) -> FileStream | None:
-    """Asynchronous path: copy pieces through the reusable staging buffer; return when all are copied."""
-    stream = _open_stream(p)
-    if stream is None:
+    """Asynchronous path: copy pieces through the reusable staging buffer — or, through the node memory
+    tier, straight into the tier's file (``mapped_writer``) — and return when all are copied."""
+    writes = p.plan.writes[p.comm.rank]
+    if not writes:
         return None
+    size = p.plan.file_sizes[p.comm.rank]
+    pin = any(e.tensor.is_cuda for e in p.flat.tensors.values()) and torch.cuda.is_available()
+    key = layout.in_generation(p.generation, writes[0].file)
+    mapped = getattr(p.backend, "mapped_writer", None)
+    mapped = mapped(key, size) if mapped is not None and not pin else None
+    stream = FileStream(p.backend, key, len(writes), writer=mapped)
     with stream.abort_on_error():
-        size = p.plan.file_sizes[p.comm.rank]
-        capacity = min(size, staging_bytes) if staging_bytes else size
-        pin = any(e.tensor.is_cuda for e in p.flat.tensors.values()) and torch.cuda.is_available()
-        stage_into(stream, _pieces(p), _PROCESS.staging.acquire(capacity, pin=pin)[:capacity])
+        if mapped is not None:
+            stage_into(stream, _pieces(p), mapped.buffer)
+        else:
+            capacity = min(size, staging_bytes) if staging_bytes else size
+            stage_into(stream, _pieces(p), _PROCESS.staging.acquire(capacity, pin=pin)[:capacity])
     p.monitor.count("bytes_staged", size)
     return stream
 

@@ -15,7 +15,8 @@ other, and the copy waits for a half to drain, so memory stays bounded and the p
 
 Lifecycle of one file (the saving rank):
 
-1. ``stream = FileStream(backend, key, num_pieces)`` opens the writer on the I/O loop.
+1. ``stream = FileStream(backend, key, num_pieces)`` opens the writer on the I/O loop (or takes one
+   already open: the memory tier's mapped file, whose pages the snapshot copy fills).
 2. ``stream.put(chunk)`` for each chunk, in file order (from any one thread).
 3. ``stream.finish()`` closes the writer (the file becomes visible atomically) and returns the
    per-piece checksums; on any failure the writer is aborted and nothing is left behind.
@@ -55,7 +56,7 @@ _ABORT = Chunk(memoryview(b""))
 class FileStream:
     """Writes chunks of one file in order on the I/O loop (see the module docstring)."""
 
-    def __init__(self, backend: Backend, key: str, num_pieces: int) -> None:
+    def __init__(self, backend: Backend, key: str, num_pieces: int, writer: ObjectWriter | None = None) -> None:
         self.checksums = [BlockAccumulator() for _ in range(num_pieces)]
         self.bytes_written = 0
         self.checksum_s = 0.0
@@ -64,7 +65,7 @@ class FileStream:
         """Seconds spent in the backend writer, the file's close (fsync, publish) included."""
         self._sched = get_scheduler()
         self._queue: asyncio.Queue[Chunk | None] = self._sched.run(self._make_queue())
-        self._done = self._sched.submit(self._drain(backend, key))
+        self._done = self._sched.submit(self._drain(backend, key, writer))
 
     @staticmethod
     async def _make_queue() -> asyncio.Queue[Chunk | None]:
@@ -90,9 +91,9 @@ class FileStream:
                 self._done.result()
             raise
 
-    async def _drain(self, backend: Backend, key: str) -> None:
+    async def _drain(self, backend: Backend, key: str, writer: ObjectWriter | None) -> None:
         """Checksum each chunk while the previous one is being written, then write it (in order)."""
-        writer = await backend.open_writer(key)
+        writer = writer if writer is not None else await backend.open_writer(key)
         in_flight: asyncio.Task[None] | None = None
         try:
             while (chunk := await self._queue.get()) is not None:

@@ -40,6 +40,7 @@ from ..node import node_id
 from .config import MemoryConfig
 from .downlog import DownLog, durable_copies, generation_of, write_back_of
 from .linkstatus import LinkStatus, link_status
+from .mapped import MappedFile, is_spare, open_mapped, prepare_in_background
 from .memory import IncomingFile, MemoryTier, NodeMemory
 from .writedown import WriteDown
 
@@ -144,6 +145,8 @@ class MemoryLink(Backend):
         self._written: set[str] = set()
         self._readable: set[str] = set()
         self._credit: dict[str, int] = {}
+        self.spare_wanted: dict[str, int] = {}
+        """Keys of async saves that found no spare -> the size of the spare to make once they are written."""
         self.fallback: dict[str, str] = {}
         """Generations written to the chain below because the tier was full -> why."""
 
@@ -180,6 +183,9 @@ class MemoryLink(Backend):
         """``key`` is complete in the tier: remember it and start copying it down."""
         self._written.add(key)
         self.writedown.file(key)
+        wanted = self.spare_wanted.pop(key, None)
+        if wanted is not None:
+            prepare_in_background(self, wanted)
 
     # -- writes ----------------------------------------------------------------------------------------
     async def put(self, key: str, data: bytes | memoryview) -> None:
@@ -196,6 +202,11 @@ class MemoryLink(Backend):
             return await self.below.open_writer(key)
         incoming = await asyncio.to_thread(self.memory_tier.receive, key)
         return _LinkWriter(self, key, generation, incoming)
+
+    def mapped_writer(self, key: str, nbytes: int) -> MappedFile | None:
+        """A writer of ``key`` whose ``buffer`` (``nbytes``, the tier file's own pages) the caller fills
+        before streaming it (see :mod:`.mapped`), or ``None``: use :meth:`open_writer`."""
+        return open_mapped(self, validate_key(key), nbytes)
 
     async def commit(
         self, key: str, data: bytes | memoryview, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
@@ -320,7 +331,7 @@ class MemoryLink(Backend):
     async def list(self, prefix: str = "") -> list[str]:
         """The union of the tier's generation files and the chain below's keys under ``prefix``."""
         below = await self.below.list(prefix)
-        mine = [k for k in await self.memory_tier.list(prefix) if generation_of(k) is not None]
+        mine = [k for k in await self.memory_tier.list(prefix) if generation_of(k) is not None and not is_spare(k)]
         return sorted(set(below) | set(mine))
 
     # -- deletes ---------------------------------------------------------------------------------------

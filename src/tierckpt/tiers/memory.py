@@ -43,6 +43,8 @@ from .config import DIR_ENV, MemoryConfig
 from .eviction import Admission, TierCopy, copy_id, plan_admission
 from .manifest import FileEntry, Manifest
 
+SPARE_PREFIX = "g-00000000-0000000000000-"
+"""Generation names of the memory link's spare files (:mod:`.mapped`): commit sequence 0, always evictable."""
 _READ_CHUNK = 8 << 20
 _THREAD_CRC_BYTES = 1 << 20
 """Writes at least this large compute their CRC-32C in a worker thread, not on the event loop."""
@@ -340,7 +342,8 @@ class MemoryTier(LocalBackend):
                 nbytes=sizes,
                 created_unix=max((m.created_unix for m in manifests), default=mtimes),
                 sealed=bool(manifests),
-                superseded=record is not None and generation != record.generation and is_superseded(generation, record),
+                superseded=generation.startswith(SPARE_PREFIX) or (
+                    record is not None and generation != record.generation and is_superseded(generation, record)),
             ))
         return out
 

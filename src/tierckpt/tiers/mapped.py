@@ -1,0 +1,221 @@
+"""Async snapshots straight into the node memory tier: the staging buffer *is* the tier's file.
+
+An ``async_save`` through a :class:`~.link.MemoryLink` asks :func:`open_mapped` for its rank's data file.
+When the process holds a *spare* — a file of the tier, already allocated, mapped (``mmap``, shared)
+and touched, prepared in the background after the previous save — the snapshot copy writes into its
+pages: one copy from training memory to a node-durable copy, at memcpy speed. The file is then only
+checksummed (:class:`MappedFile`'s writes add the CRC-32C) and renamed into place on close, and written
+down like any file of the tier; the next spare is prepared then (not during the copy, whose memory
+bandwidth it would take). Without a spare (the first save, a spare evicted, a CUDA state) the
+usual path runs: the staging buffer, then a write into the tier; and a spare of the file's size is
+prepared for the next save. A fresh mapping would cost more than it saves: allocating and mapping
+tmpfs pages is several times slower than a memcpy into warm memory.
+
+The spare lives in the tier as a generation of its own, ``g-00000000-0000000000000-<pid>`` (commit
+sequence 0), so it counts in the budget; it is made only when it fits without evicting anything, and
+eviction drops it first when a checkpoint needs the room (a spare never fails a save); the link leaves
+it out of listings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import crc32c
+import torch
+
+from ..backends.base import ObjectWriter
+from ..backends.files import temp_name
+from ..errors import CheckpointError
+from .config import MemoryTierFullError
+from .downlog import durable_copies, generation_of
+from .manifest import FileEntry
+from .memory import SPARE_PREFIX
+
+if TYPE_CHECKING:
+    from .link import MemoryLink
+
+log = logging.getLogger(__name__)
+
+_THREAD_CRC_BYTES = 1 << 20
+
+
+def is_spare(key: str) -> bool:
+    return key.startswith(SPARE_PREFIX)
+
+
+@dataclass
+class _Spare:
+    path: str
+    fd: int
+    buffer: torch.Tensor
+    """The whole file, mapped and touched."""
+
+
+_SPARES: dict[str, _Spare] = {}
+"""Tier home -> this process's spare."""
+_LOCK = threading.Lock()
+
+
+class MappedFile(ObjectWriter):
+    """A data file whose bytes the snapshot copy wrote into :attr:`buffer`; writes only checksum them."""
+
+    def __init__(self, link: MemoryLink, key: str, tmp: str, fd: int, buffer: torch.Tensor) -> None:
+        self._link, self._key, self._tmp, self._fd = link, key, tmp, fd
+        self.buffer = buffer
+        self._uri = link.memory_tier.uri_of(key)
+        self._crc = 0
+        self._size = 0
+
+    async def write(self, data: bytes | memoryview) -> None:
+        self._check_open()
+        view = memoryview(data).cast("B")
+        if view.nbytes >= _THREAD_CRC_BYTES:
+            self._crc = await asyncio.to_thread(crc32c.crc32c, view, self._crc)
+        else:
+            self._crc = crc32c.crc32c(view, self._crc)
+        self._size += view.nbytes
+
+    async def close(self) -> None:
+        self._check_open()
+        self._done = True
+        if self._size != self.buffer.numel():
+            await self.abort()
+            raise CheckpointError(f"{self._uri}: {self._size} bytes streamed into a mapped file of {self.buffer.numel()}")
+        tier = self._link.memory_tier
+        await asyncio.to_thread(_publish, self._fd, self._tmp, tier.path_of(self._key))
+        tier._remember(self._key, FileEntry(self._size, self._crc))
+        self._link._wrote(self._key)
+        prepare_in_background(self._link, self._size)  # the next save's, once this one's copy is done
+
+    async def abort(self) -> None:
+        self._done = True
+        await asyncio.to_thread(_discard, self._fd, self._tmp)
+
+
+def _publish(fd: int, tmp: str, path: str) -> None:
+    os.close(fd)
+    os.replace(tmp, path)
+
+
+def _discard(fd: int, tmp: str) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+
+
+def open_mapped(link: MemoryLink, key: str, nbytes: int) -> MappedFile | None:
+    """The tier's file for ``key`` with this process's spare as its pages, or ``None`` (then the caller
+    takes the usual path, and a spare of ``nbytes`` is prepared in the background for the next save)."""
+    generation = generation_of(key)
+    if generation is None or generation in link.fallback or nbytes < 1:
+        return None
+    home = link.memory_tier.home
+    with _LOCK:
+        spare = _SPARES.pop(home, None)
+    if spare is not None and spare.buffer.numel() >= nbytes:
+        path = link.memory_tier.path_of(key)
+        tmp = os.path.join(os.path.dirname(path), temp_name(os.path.basename(path)))
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if os.fstat(spare.fd).st_nlink == 0:
+                raise FileNotFoundError(spare.path)  # evicted: its pages go when the mapping does
+            os.replace(spare.path, tmp)  # its bytes were admitted when it was made
+            if spare.buffer.numel() > nbytes:
+                os.ftruncate(spare.fd, nbytes)
+            _drop_dir(spare.path)
+            return MappedFile(link, key, tmp, spare.fd, spare.buffer[:nbytes])
+        except OSError as exc:
+            log.info("the memory tier's spare of %s is gone (%s); staging as usual", link.memory_tier.uri, exc)
+    if spare is not None:
+        _discard(spare.fd, spare.path)
+        _drop_dir(spare.path)
+    link.spare_wanted[key] = nbytes  # made once this file is written (not during its copy)
+    return None
+
+
+def prepare_in_background(link: MemoryLink, nbytes: int) -> None:
+    threading.Thread(target=_prepare, args=(link, nbytes), name="tierckpt-spare", daemon=True).start()
+
+
+def _drop_dir(path: str) -> None:
+    for directory in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
+
+
+_PREPARING: set[str] = set()
+
+
+def _prepare(link: MemoryLink, nbytes: int) -> None:
+    """Make a spare of ``nbytes`` in the tier (admitted under the budget), mapped and touched."""
+    tier = link.memory_tier
+    with _LOCK:
+        if tier.home in _PREPARING or tier.home in _SPARES:
+            return
+        _PREPARING.add(tier.home)
+    try:
+        _make(link, nbytes)
+    finally:
+        with _LOCK:
+            _PREPARING.discard(tier.home)
+
+
+def _make(link: MemoryLink, nbytes: int) -> None:
+    tier = link.memory_tier
+    generation = f"{SPARE_PREFIX}{os.getpid():x}"
+    if sum(c.nbytes for c in link.memory.copies()) + nbytes > link.memory.config.budget_bytes:
+        return  # a spare only takes free room: it never evicts a checkpoint
+    try:
+        admission = link.memory.admit(tier.uri, generation, nbytes, lambda: durable_copies(link.memory))
+    except MemoryTierFullError:
+        return
+    if not admission.fits:
+        return
+    path = tier.path_of(f"{generation}/data/spare.bin")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        os.ftruncate(fd, nbytes)
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        buffer = torch.frombuffer(mapping, dtype=torch.uint8)
+        buffer.fill_(0)  # every page allocated and mapped writable now, not during the next snapshot
+    except OSError as exc:
+        log.info("no spare in the memory tier of %s: %s", tier.uri, exc)
+        return
+    with _LOCK:
+        _SPARES[tier.home] = _Spare(path, fd, buffer)
+
+
+def _drop_spares() -> None:
+    """At exit: the spares leave the tier (they hold no checkpoint)."""
+    with _LOCK:
+        spares = list(_SPARES.values())
+        _SPARES.clear()
+    for spare in spares:
+        _discard(spare.fd, spare.path)
+        _drop_dir(spare.path)
+
+
+def _forget_after_fork() -> None:
+    """A forked child does not share its parent's spares."""
+    _SPARES.clear()
+    _PREPARING.clear()
+
+
+atexit.register(_drop_spares)
+os.register_at_fork(after_in_child=_forget_after_fork)
