@@ -64,7 +64,7 @@ from .metadata import (
     decode_tensors, dtype_name, itemsize,
 )
 from .monitor import Monitor
-from .objects import decode_object
+from .objects_read import fetch_objects, wanted_objects
 from .node import node_id
 from .planner import LoadPlan, ReadUnit, TargetPiece, Topology, plan_load, topology as route_topology
 from .planner.load_planner import COALESCE_GAP_BYTES
@@ -310,7 +310,7 @@ def _load_generation(
     with monitor.phase("objects"):
         # Objects are small: fetch, check and decode them before any tensor is modified.
         values = comm.run_agreed(
-            lambda: _fetch_objects(backend, ckpt, flat, wanted, opts.allow_pickle, local, shared), "loading objects"
+            lambda: fetch_objects(backend, ckpt, flat, wanted, opts.allow_pickle, local, shared), "loading objects"
         )
     targets = [flat.tensors[n.fqn] for n in needs]
     # A torch DCP directory records no checksums (its pieces carry none): there is nothing to check.
@@ -377,7 +377,7 @@ def _prepare(
         legacy_names=ckpt.meta.format_minor < 1,
     )
     needs, findings = _match(flat, ckpt)
-    wanted = _wanted_objects(ckpt, flat, rank)
+    wanted = wanted_objects(ckpt, flat, rank)
     held = held_files(tier, ckpt.meta, ckpt.record)
     files = sorted({o.file for metas in wanted.values() for o in metas}) if held is not None else []
     return (flat, needs, wanted), (needs, findings, sorted(flat.tensors), sorted(flat.objects), node_id(), held, files)
@@ -758,109 +758,3 @@ class _Executor:
 def _deliver(entry: TensorEntry, delivery: Any, part: torch.Tensor) -> None:
     target = _target_view(entry, delivery.target_box)[delivery.box.relative_to(delivery.target_box.box).slices()]
     target.copy_(part.reshape(delivery.box.lengths))
-
-
-OBJECT_GAP_BYTES = 1 << 20
-"""Objects of one file at most this far apart are fetched in one ranged read (they are many and small)."""
-
-
-def _fetch_objects(
-    backend: Backend, ckpt: Checkpoint, flat: FlatState, wanted: dict[str, list[ObjectMeta]], allow_pickle: bool,
-    local: LocalReads, shared: dict[str, bytes],
-) -> dict[str, Any]:
-    """The decoded value of every object entry this rank loads (``wanted``: :func:`_wanted_objects`;
-    nothing is assigned yet). Each objects file is read from a peer's share, this node's memory tier or
-    the chain."""
-    metas = {o for ms in wanted.values() for o in ms}
-    data = _object_bytes(shared, {o for o in metas if o.file in shared})
-    for here in (True, False):
-        group = {o for o in metas if o.file not in shared and local.here(o.file) == here}
-        data.update(_read_objects(local.tier if here and local.tier is not None else backend, ckpt.meta.generation, group))
-    values: dict[str, Any] = {}
-    for key, ms in wanted.items():
-        decoded = [decode_object(data[o], o.codec, o.key, allow_pickle=allow_pickle) for o in ms]
-        values[key] = decoded if flat.objects[key].all_ranks else decoded[0]
-    return values
-
-
-def _wanted_objects(ckpt: Checkpoint, flat: FlatState, rank: int) -> dict[str, list[ObjectMeta]]:
-    """The saved objects each object entry of this rank's state loads from (all ranks' for ``all_ranks`` entries)."""
-    by_key: dict[str, list[ObjectMeta]] = {}
-    for o in ckpt.meta.objects:
-        by_key.setdefault(o.key, []).append(o)
-    saved_world = ckpt.meta.world_size
-    wanted: dict[str, list[ObjectMeta]] = {}
-    for key, entry in flat.objects.items():
-        options = by_key.get(key)
-        if not options:
-            continue
-        if entry.all_ranks:
-            wanted[key] = sorted(options, key=lambda o: -1 if o.rank is None else o.rank)
-        else:
-            wanted[key] = [_object_for_rank(options, rank, saved_world, key)]
-    return wanted
-
-
-def _object_bytes(files: dict[str, bytes], metas: set[ObjectMeta]) -> dict[ObjectMeta, bytes]:
-    """The checksummed bytes of each object, cut from whole objects files already read."""
-    out: dict[ObjectMeta, bytes] = {}
-    for meta in metas:
-        data = files[meta.file][meta.byte_offset : meta.byte_offset + meta.byte_length]
-        if len(data) != meta.byte_length or crc32c.crc32c(data) != meta.crc32c:
-            raise CorruptCheckpointError(f"checksum mismatch for object {meta.key!r} in {meta.file!r} at byte {meta.byte_offset}")
-        out[meta] = data
-    return out
-
-
-def _read_objects(backend: Backend, gen: str, metas: set[ObjectMeta]) -> dict[ObjectMeta, bytes]:
-    """The checksummed bytes of each object; nearby objects of one file come in one ranged read."""
-    spans: list[tuple[str, int, list[ObjectMeta]]] = []
-    ends: list[int] = []
-    for meta in sorted(metas, key=lambda o: (o.file, o.byte_offset)):
-        end = meta.byte_offset + meta.byte_length
-        if spans and spans[-1][0] == meta.file and meta.byte_offset - ends[-1] <= OBJECT_GAP_BYTES:
-            spans[-1][2].append(meta)
-            ends[-1] = max(ends[-1], end)
-        else:
-            spans.append((meta.file, meta.byte_offset, [meta]))
-            ends.append(end)
-    sched = get_scheduler()
-    sizes = {file: sched.run(backend.size(layout.in_generation(gen, file))) for file, _, _ in spans}
-    for (file, _, group), end in zip(spans, ends):
-        if end > sizes[file]:  # checked before allocating: the header is untrusted input
-            last = max(group, key=lambda o: o.byte_offset + o.byte_length)
-            raise CorruptCheckpointError(
-                f"object {last.key!r} runs past the end of {file!r} ({sizes[file]} bytes): the checkpoint "
-                "metadata and the stored data disagree"
-            )
-    buffers = [bytearray(end - start) for (_, start, _), end in zip(spans, ends)]
-    requests = [
-        ReadRequest(key=layout.in_generation(gen, file), start=start, out=memoryview(buf))
-        for (file, start, _), buf in zip(spans, buffers)
-    ]
-    if requests:
-        sched.run(sched.read(backend, requests))
-    out: dict[ObjectMeta, bytes] = {}
-    for (_, start, group), buf in zip(spans, buffers):
-        for meta in group:
-            data = bytes(buf[meta.byte_offset - start : meta.byte_offset - start + meta.byte_length])
-            if crc32c.crc32c(data) != meta.crc32c:
-                raise CorruptCheckpointError(
-                    f"checksum mismatch for object {meta.key!r} in {meta.file!r} at byte {meta.byte_offset}"
-                )
-            out[meta] = data
-    return out
-
-
-def _object_for_rank(options: list[ObjectMeta], rank: int, saved_world: int, key: str) -> ObjectMeta:
-    shared = [o for o in options if o.rank is None]
-    if shared:
-        return shared[0]
-    per_rank = {o.rank: o for o in options}
-    if rank in per_rank:
-        return per_rank[rank]
-    source = rank % saved_world
-    logger.warning("object %r was saved per rank by %d ranks; rank %d loads rank %d's value", key, saved_world, rank, source)
-    if source not in per_rank:
-        raise CorruptCheckpointError(f"object {key!r} has no value for saved rank {source}")
-    return per_rank[source]
