@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import tierckpt
-from tierckpt.errors import CheckpointError
+from tierckpt.errors import CheckpointBusyError, CheckpointError
 from tierckpt.loader import read_checkpoint
 from tierckpt.local_load import LocalReads, held_files, rereaders
 from tierckpt.planner.locality import HeldFile
@@ -45,6 +47,31 @@ def test_wait_levels_without_a_memory_tier(tmp_path: Path) -> None:
     loaded = _state(0)
     tierckpt.load(uri, loaded)
     assert torch.equal(loaded["w"], _state(2)["w"])  # a sync save that could not replicate is still committed
+
+
+def test_a_number_first_is_the_timeout(tmp_path: Path) -> None:
+    """``handle.wait(30)``, as written before levels existed, is ``wait("memory", timeout_s=30)``."""
+    from tierckpt.saver import _PROCESS
+
+    uri = str(tmp_path / "ckpt")
+    release = threading.Event()
+    blocker = _PROCESS.executor().submit(release.wait)  # the save's background step queues behind it
+    try:
+        handle = tierckpt.async_save(uri, _state(1))
+        started = time.monotonic()
+        with pytest.raises(CheckpointBusyError, match=r"still running after 0.2s"):
+            handle.wait(0.2)
+        assert time.monotonic() - started < 5
+    finally:
+        release.set()
+        blocker.result()
+    meta = handle.wait(30)
+    assert handle.wait(30.0).generation == meta.generation == handle.wait("memory", 30).generation
+    assert handle.wait(level="remote", timeout_s=30).generation == meta.generation
+    with pytest.raises(CheckpointError, match=r"wait\(5, timeout_s=6\): a number as the first argument is the timeout"):
+        handle.wait(5, timeout_s=6)
+    with pytest.raises(ReplicationError, match="memory tier is off"):
+        handle.wait("replicated", 30)
 
 
 def test_replicated_needs_torch_distributed(tmp_path: Path) -> None:

@@ -135,8 +135,11 @@ class SaveHandle:
     def done(self) -> bool:
         return self._future.done()
 
-    def wait(self, level: str = "memory", timeout_s: float | None = None) -> CheckpointMeta:
+    def wait(self, level: str | float = "memory", timeout_s: float | None = None) -> CheckpointMeta:
         """Block until the checkpoint reached ``level``; return its metadata. Raise the save's error if it failed.
+
+        A number as the first argument is the timeout, as before levels existed: ``wait(30)`` is
+        ``wait("memory", timeout_s=30)``.
 
         * ``"memory"`` (default): committed — in the node memory tier (or node cache) when the store
           has one, else where the URI points.
@@ -146,6 +149,13 @@ class SaveHandle:
           the memory tier off). Each rank waits for its own node's files.
         * ``"remote"``: durable where the URI points (:meth:`wait_durable`).
         """
+        if isinstance(level, (int, float)) and not isinstance(level, bool):
+            if timeout_s is not None:
+                raise CheckpointError(
+                    f"SaveHandle.wait({level!r}, timeout_s={timeout_s!r}): a number as the first argument is the "
+                    "timeout; pass the level by name, e.g. wait('replicated', timeout_s=30)"
+                )
+            level, timeout_s = "memory", float(level)
         if level not in LEVELS:
             raise CheckpointError(
                 f"SaveHandle.wait(level={level!r}): use 'memory' (committed), 'replicated' (and copied to peer "
