@@ -12,6 +12,9 @@ Prints ``generation <name>`` of the last save.
 MODE ``slow-reader`` (no memory tier): one ``async_save``, waited for, then the script returns; rank 1's view
 of the group's store answers ``get`` five seconds late (a busy rank), so rank 0, which serves the store, reaches
 its exit before rank 1 read the outcome. Every rank prints ``committed <generation>`` or ``failed <error>``.
+
+MODE ``stuck-peer``: one save whose replication to node 1 cannot finish (node 1's receiver hangs), with an
+exit wait of 3 s: the exit drain gives up, says so on stderr, and node 0's level stays ``memory``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,24 @@ def slow_reader(workdir: str, rank: int) -> None:
         print(f"failed {type(exc).__name__}: {exc}", flush=True)
 
 
+def stuck_peer(workdir: str, rank: int) -> None:
+    """One save whose replication cannot finish in time: rank 1's node stops taking replicas (its receiver
+    hangs 8 s on the first file, then fails); the memory tier's exit wait is 3 s."""
+    from tierckpt.tiers import MemoryConfig
+    from tierckpt.tiers.replica import Replicator
+
+    if rank == 1:
+        def receive_file(*args: object) -> None:
+            time.sleep(8)
+            raise RuntimeError("this node stopped taking replicas")
+
+        Replicator._receive_file = receive_file  # type: ignore[method-assign]
+    memory = MemoryConfig.from_env(exit_wait_s=3.0)
+    handle = tierckpt.async_save(os.path.join(workdir, "remote", "ckpt"), {f"extra{rank}": torch.ones(EXTRA_BYTES // 4)},
+                                 storage_options={"memory": memory})
+    print(f"generation {handle.wait(60).generation}", flush=True)
+
+
 def main() -> None:
     mode, workdir, rank, world, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     torch.set_num_threads(1)
@@ -65,6 +86,9 @@ def main() -> None:
                             timeout=datetime.timedelta(seconds=60))
     if mode == "slow-reader":
         slow_reader(workdir, rank)
+        return
+    if mode == "stuck-peer":
+        stuck_peer(workdir, rank)
         return
     torch.manual_seed(0)
     model = DistributedDataParallel(TinyTransformer())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -62,7 +63,7 @@ def test_exit_right_after_a_save_finishes_its_replication(tmp_path: Path, mode: 
         node, peer = f"node-{rank}", f"node-{1 - rank}"
         level = _levels(tmp_path, node).get(generation)
         assert level is not None, f"{node} recorded no level for {generation}: {runs[rank].stderr}"
-        assert level["level"] == "replicated" and level["acknowledged"] == [peer], level
+        assert level["level"] == "replicated" and level["acknowledged"] == [peer], (level, runs[rank].stderr)
         # The peer holds this node's data file of the last generation, whole.
         own = list((tmp_path / node / "shm").glob(f"*/objects/{generation}/data/rank-0000{rank}.bin"))
         replica = list((tmp_path / peer / "shm").glob(f"*/objects/{generation}/data/rank-0000{rank}.bin"))
@@ -77,3 +78,21 @@ def test_a_committed_save_is_committed_on_every_rank_when_rank_0_exits_first(tmp
     assert generations[0] == generations[1], f"rank 0: {runs[0].stdout!r}; rank 1: {runs[1].stdout!r}"
     commit = json.loads((tmp_path / "remote" / "ckpt" / "COMMIT").read_text())
     assert commit["generation"] == generations[0]
+
+
+def test_a_replication_the_exit_drain_gives_up_on_stays_memory(tmp_path: Path) -> None:
+    runs = _run("stuck-peer", tmp_path, env={"TIERCKPT_MEMORY": "on"})
+    for rank, run in enumerate(runs):
+        assert "terminate called" not in run.stderr, run.stderr
+        assert run.returncode == 0, f"rank {rank} exited {run.returncode}: {run.stderr}"
+    generation = runs[0].stdout.split("generation ", 1)[1].split()[0]
+    # Node 0's files never reached node 1: the exit drain gave up after the exit wait and said so.
+    said = re.escape(f"peer replication of {tmp_path / 'remote' / 'ckpt'} generation {generation}")
+    assert re.search(f"{said} did not finish within [0-9.]+s \\(the process exited\\): its level stays 'memory'",
+                     runs[0].stderr), runs[0].stderr
+    level = _levels(tmp_path, "node-0")[generation]
+    assert level["level"] == "memory" and level["acknowledged"] == [], level
+    assert "replication cut short: the process exited" in level["reason"]
+    # Node 1's own files reached node 0; what it failed to take is named on its stderr.
+    assert _levels(tmp_path, "node-1")[generation]["level"] == "replicated", runs[1].stderr
+    assert "this node did not take every peer's replica" in runs[1].stderr, runs[1].stderr

@@ -61,7 +61,8 @@ from .planner.save_planner import offers_digest
 from .regions import Box, FlatRange, Region
 from .state import FlatState, TensorEntry, flatten_state
 from .store import drain_write_back, durability_of, exit_wait_s, memory_tier_of, open_store
-from .tiers.replication import Replication, replicator_for
+from .tiers.replication import Replication, replicator_for, stop_replicators
+from .tiers.replication import exit_wait_s as replication_exit_wait_s
 
 # -- process-wide save state -----------------------------------------------------------------------
 @dataclass
@@ -85,8 +86,10 @@ _PROCESS = _Process()
 
 
 def _drain_at_exit() -> None:
-    """The exit drain: let background saves commit, then write-back uploads finish, within the store's
-    exit wait; print on stderr what is left (with the ``tierckpt sync`` command that finishes it).
+    """The exit drain: let background saves commit, then peer replication in flight finish (its threads
+    are then stopped, before the interpreter and the process groups are torn down), then write-back
+    uploads, within the stores' exit wait; print on stderr what is left (with the ``tierckpt sync``
+    command that finishes an upload; a replication cut short keeps the level ``memory``).
 
     It runs from :mod:`threading`'s exit hooks, i.e. when the main thread is done and *before* the
     ``atexit`` handlers: thread pools still accept work (``concurrent.futures`` stops them in an
@@ -99,6 +102,10 @@ def _drain_at_exit() -> None:
             handle.wait(timeout_s=max(0.0, deadline - time.monotonic()))
         except BaseException as exc:  # noqa: BLE001 - reported, exit goes on
             sys.stderr.write(f"tierckpt: the async save to {handle.uri} did not commit before exit: {describe_error(exc)}\n")
+    # Replication started with each commit above: its wait counts from there, within its own limit.
+    replication_deadline = max(deadline, time.monotonic() + replication_exit_wait_s())
+    for line in stop_replicators(max(0.0, replication_deadline - time.monotonic()), "the process exited"):
+        sys.stderr.write(line + "\n")
     for line in drain_write_back(max(0.0, deadline - time.monotonic())):
         sys.stderr.write(line + "\n")
     sys.stderr.flush()
