@@ -10,9 +10,9 @@ one checkpoint generation, called by every rank in the same order:
    the node) in the foreground, so no replica arriving later is mistaken for its own; other ranks only
    get a handle that follows the level the leader records.
 2. Sender, per target node in turn (reading the files it opened at step 1, so a newer commit that
-   deletes the generation meanwhile does not cut its transfer): a header (the manifest, and ``COMMIT`` when it names this
-   generation) -> the receiver admits the bytes under its budget and answers go or refused -> the
-   files in chunks -> the receiver's acknowledgement.
+   deletes the generation meanwhile does not cut its transfer): a header (the manifest, and
+   ``COMMIT`` when it names this generation) -> the receiver admits the bytes under its budget and
+   answers go or refused -> the files in chunks -> the receiver's acknowledgement.
 3. Receiver, per source node in turn: each file to a temp file with its CRC-32C computed on the way;
    published only if it matches the sender's manifest; then the manifest (origin = the sender) and,
    if newer than its own, ``COMMIT``; then the acknowledgement.
@@ -196,8 +196,9 @@ class Replicator:
         report ``memory`` naming ``why``.
 
         A job not finished in time is cut short: unless its level is already known, it is recorded as
-        ``memory`` with ``why`` (a transfer that completes later changes nothing); its threads are left
-        to the transfers' own timeouts. Returns one line per job cut short (empty when all finished)."""
+        ``memory`` with ``why`` (a transfer that completes later changes nothing); a thread inside a
+        transfer (gloo cannot interrupt it) reads its sentinel once that transfer fails. Returns one line
+        per job cut short or thread left running (empty when all finished)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._jobs_lock:
             self._closed = why
@@ -211,7 +212,8 @@ class Replicator:
             sent, received = job.handle.finished(left()), job.received.wait(left())
             if sent and received:
                 continue
-            what = f"tierckpt: peer replication of {job.uri} generation {job.generation} did not finish within {timeout_s:.3g}s ({why})"
+            what = (f"tierckpt: peer replication of {job.uri} generation {job.generation} did not finish within "
+                    f"{timeout_s:.3g}s ({why})")
             if not sent and job.handle._finish(ReplicaResult(
                 uri=job.uri, generation=job.generation, level=Level.MEMORY,
                 peers=tuple(self._node_name(t) for t in self.plan.targets(self.node)), acknowledged=(),
