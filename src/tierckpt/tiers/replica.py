@@ -29,7 +29,6 @@ for the queued generations and ends the threads: before the process exits or its
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import datetime
 import json
@@ -45,13 +44,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointBusyError, CheckpointError
-from ..layout import COMMIT, CommitRecord
+from ..errors import CheckpointError
+from ..layout import COMMIT
 from ..node import node_id
 from .levels import Level, ReplicaHandle, ReplicaResult
 from .manifest import FileEntry, Manifest
 from .memory import IncomingFile, MemoryTier, NodeMemory
 from .peers import ReplicaPlan, plan_replicas
+from .transfer import Chunks, adopt_commit, buffers, open_files, read_chunk
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class Replicator:
         if record is not None and record.generation == generation:
             with open(tier.path_of(COMMIT), "rb") as f:
                 commit = f.read()
-        job = _Job(tier.uri, generation, manifest, commit, handle, _open_files(tier, manifest))
+        job = _Job(tier.uri, generation, manifest, commit, handle, open_files(tier, manifest))
         with self._jobs_lock:
             if self._closed is not None:
                 for fd in job.files.values():
@@ -272,7 +272,7 @@ class Replicator:
 
     # -- the sending side --------------------------------------------------------------------------------
     def _send_loop(self, jobs: queue.Queue[_Job | None]) -> None:
-        bufs = _buffers(self._chunk)
+        bufs = buffers(self._chunk)
         while (job := jobs.get()) is not None:
             try:
                 result = self._replicate_job(job, bufs)
@@ -330,7 +330,7 @@ class Replicator:
                 if in_flight[slot] is not None:
                     self._wait(in_flight[slot])
                 view = bufs[slot][: min(self._chunk, entry.size - offset)]
-                _read_chunk(job.files[key], key, offset, view, entry.size)
+                read_chunk(job.files[key], key, offset, view, entry.size)
                 in_flight[slot] = dist.isend(view, dst, group=self._pg, tag=_TAG_DATA)
         for work in in_flight:
             if work is not None:
@@ -340,7 +340,7 @@ class Replicator:
 
     # -- the receiving side ------------------------------------------------------------------------------
     def _receive_loop(self, jobs: queue.Queue[_Job | None]) -> None:
-        bufs = _buffers(self._chunk)
+        bufs = buffers(self._chunk)
         while (job := jobs.get()) is not None:  # one job per generation to receive
             self._receive_sources(bufs)
             job.received.set()
@@ -370,18 +370,18 @@ class Replicator:
         if refusal:
             return
         sizes = [min(self._chunk, e.size - o) for _, e in manifest.files for o in range(0, e.size, self._chunk)]
-        chunks = _Chunks(sizes, bufs, lambda view: dist.irecv(view, src, group=self._pg, tag=_TAG_DATA), self._wait)
+        chunks = Chunks(sizes, bufs, lambda view: dist.irecv(view, src, group=self._pg, tag=_TAG_DATA), self._wait)
         failures = [f for key, entry in manifest.files if (f := self._receive_file(tier, key, entry, chunks))]
         if not failures:
             try:
                 tier.record(manifest)
                 if header["commit"] is not None:
-                    _adopt_commit(tier, header["commit"].encode())
+                    adopt_commit(tier, header["commit"].encode())
             except (CheckpointError, OSError) as exc:
                 failures.append(f"recording {manifest.generation} of {tier.uri} failed: {exc}")
         self._reply("; ".join(failures) or "ok", src, _TAG_ACK)
 
-    def _receive_file(self, tier: MemoryTier, key: str, entry: FileEntry, chunks: _Chunks) -> str | None:
+    def _receive_file(self, tier: MemoryTier, key: str, entry: FileEntry, chunks: Chunks) -> str | None:
         """Receive one file into the tier; why it was not published (a local failure: the rest of the
         file is still drained, so the transfer stays in step), or ``None``. Transport errors raise."""
         failure = None
@@ -431,77 +431,3 @@ os.register_at_fork(after_in_child=_LIVE.clear)  # a forked child has none of it
 def _settled(job: _Job) -> bool:
     """Whether ``job`` is finished both ways: its level recorded and the peers' replicas received."""
     return job.handle.finished(0) and job.received.is_set()
-
-
-def _buffers(chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two chunk buffers: one is filled (or drained) while the other is on the wire."""
-    return torch.empty(chunk_bytes, dtype=torch.uint8), torch.empty(chunk_bytes, dtype=torch.uint8)
-
-
-def _open_files(tier: MemoryTier, manifest: Manifest) -> dict[str, int]:
-    """A descriptor of each file of ``manifest``, opened for reading (all or none)."""
-    files: dict[str, int] = {}
-    try:
-        for key, _ in manifest.files:
-            files[key] = os.open(tier.path_of(key), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        for fd in files.values():
-            os.close(fd)
-        raise
-    return files
-
-
-def _read_chunk(fd: int, key: str, offset: int, view: torch.Tensor, sealed_size: int) -> None:
-    """Fill ``view`` with the bytes of the file ``key`` (open as ``fd``) at ``offset``."""
-    if os.preadv(fd, [view.numpy()], offset) != view.numel():
-        raise CheckpointError(f"{key} is shorter than its sealed {sealed_size} bytes")
-
-
-class _Chunks:
-    """The data chunks of one transfer, received in turn into alternating buffers: the receive of
-    chunk ``i + len(bufs)`` is posted as soon as chunk ``i`` has been consumed."""
-
-    def __init__(
-        self, sizes: list[int], bufs: tuple[torch.Tensor, ...], post: Callable[[torch.Tensor], dist.Work],
-        wait: Callable[[dist.Work], None],
-    ) -> None:
-        self._sizes, self._bufs, self._post, self._wait = sizes, bufs, post, wait
-        self._posted: collections.deque[tuple[torch.Tensor, dist.Work]] = collections.deque()
-        self._next = 0
-        self._taken = False
-        for _ in bufs:
-            self._post_next()
-
-    def _post_next(self) -> None:
-        if self._next < len(self._sizes):
-            view = self._bufs[self._next % len(self._bufs)][: self._sizes[self._next]]
-            self._posted.append((view, self._post(view)))
-            self._next += 1
-
-    def take(self) -> memoryview:
-        """The next chunk's bytes, valid until the next ``take``."""
-        if self._taken:
-            self._post_next()  # the previous chunk's buffer is free again
-        view, work = self._posted.popleft()
-        self._wait(work)
-        self._taken = True
-        return memoryview(view.numpy())
-
-
-def _adopt_commit(tier: MemoryTier, data: bytes) -> None:
-    """Write a peer's ``COMMIT`` unless this tier holds the same or a newer one (compare-and-swap, so a
-    commit of this node's own ranks racing it is never overwritten by an older record)."""
-    record = CommitRecord.decode(data)
-    while True:
-        try:
-            with open(tier.path_of(COMMIT), "rb") as f:
-                current: bytes | None = f.read()
-        except FileNotFoundError:
-            current = None
-        if current is not None and CommitRecord.decode(current).seq >= record.seq:
-            return
-        try:
-            asyncio.run(tier.commit(COMMIT, data, expected=current))
-            return
-        except CheckpointBusyError:
-            continue  # someone committed meanwhile: compare again
