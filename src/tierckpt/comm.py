@@ -9,6 +9,7 @@ instead of leaving the others blocked in the next collective.
 from __future__ import annotations
 
 import datetime
+import logging
 import pickle
 import re
 from collections.abc import Callable, Sequence
@@ -19,6 +20,8 @@ import torch.distributed as dist
 
 from . import errors
 from .errors import CheckpointError, CollectiveError
+
+logger = logging.getLogger("tierckpt")
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -204,17 +207,29 @@ class StoreCoordinator:
         return out
 
     def broadcast(self, obj: T | None) -> T:
+        """Rank 0's ``obj`` on every rank. Rank 0 returns only once every other rank has read it: rank 0
+        serves the store, and a process that exits right after its save committed must not take the
+        outcome away from ranks that have not read it yet (they would report a committed save as failed).
+        """
         if self.store is None:
             return obj  # type: ignore[return-value]
         key = f"{self.prefix}/outcome"
         if self.rank == 0:
             self.store.set(key, pickle.dumps(obj))
+            try:
+                self.store.wait([f"{key}/read"], self.timeout)
+            except RuntimeError as exc:  # a rank died after reporting its records: its own process is gone
+                logger.warning("not every rank read the outcome of %s within the timeout: %s", self.prefix, exc)
+            for name in (key, f"{key}/readers", f"{key}/read"):
+                self.store.delete_key(name)
             return obj  # type: ignore[return-value]
         self._wait([key], "waiting for rank 0's commit")
         value = pickle.loads(self.store.get(key))
-        if self.store.add(f"{key}/read", 1) == self.world_size - 1:  # the last reader cleans up
-            self.store.delete_key(key)
-            self.store.delete_key(f"{key}/read")
+        try:
+            if self.store.add(f"{key}/readers", 1) == self.world_size - 1:  # the last reader tells rank 0
+                self.store.set(f"{key}/read", b"1")
+        except RuntimeError as exc:  # rank 0 gave up waiting and left: the outcome is known all the same
+            logger.warning("could not tell rank 0 that the outcome of %s was read: %s", self.prefix, exc)
         return value
 
     def _wait(self, keys: list[str], what: str) -> None:

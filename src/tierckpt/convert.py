@@ -53,7 +53,8 @@ from . import layout
 from .backends import Backend
 from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import ReadRequest, get_scheduler
-from .loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES, Checkpoint, _read_objects, load, read_checkpoint, read_pieces
+from .loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES, Checkpoint, load, read_checkpoint, read_pieces
+from .objects_read import read_objects
 from .objects import decode_object
 from .metadata import PieceMeta, TensorMeta
 from .planner import TargetPiece, plan_load
@@ -194,7 +195,7 @@ def _hf_configs(backend: Backend, ckpt: Checkpoint, config_dir: str | os.PathLik
             if any(o.key.startswith(key + ".") for o in ckpt.meta.objects):
                 raise CheckpointError(f"{backend.root_uri!r} holds {key!r} as a dict (one object per field); {_as_json(key)}")
             continue
-        data = _read_objects(backend, ckpt.meta.generation, {meta})[meta]
+        data = read_objects(backend, ckpt.meta.generation, {meta})[meta]
         value = decode_object(data, meta.codec, meta.key, allow_pickle=False)
         if not isinstance(value, str):
             raise CheckpointError(f"object {key!r} of {backend.root_uri!r} is of type {type(value).__name__}; {_as_json(key)}")

@@ -20,6 +20,13 @@ Lifecycle (every rank of the loading group unless noted):
 5. Objects are decoded (weights-only unless ``allow_pickle``) and put in place; optimizers and
    stateful objects get their ``load_state_dict`` calls.
 
+With a node memory tier in the store's chain, each rank also reports in step 2 what its node's tier
+holds of the generation, and every file is read from the cheapest place the group can reach
+(:mod:`tierckpt.local_load`): units go to a rank whose node holds their file
+(:func:`~tierckpt.planner.locality.assign_local_readers`), which reads them from its memory tier;
+the pieces table and objects files a rank's node lacks come from a node that holds them; only what no
+node holds is read through the chain. Every check above applies to bytes read from memory too.
+
 Racing a save. A save that commits a newer generation deletes the one this load follows. When a
 step fails and ``COMMIT`` has moved since the load read it, the load starts again on the newer
 generation (at most :data:`RACE_RETRIES` times), filling every target again, so it returns one
@@ -52,19 +59,22 @@ from .io.crc import raw_crc
 from .io.rangefile import RangeFile
 from .io.readcheck import DIGEST_RUN_BYTES, ReadChecker, checking_ranks
 from .io.scheduler import DEFAULT_PART_BYTES, ReadRequest, get_scheduler
+from .local_load import LocalReads, held_files, rereaders
 from .metadata import (
     MAX_HEADER_BYTES, MAX_TABLE_BYTES, CheckpointMeta, ObjectMeta, PieceMeta, TensorMeta, decode_header, decode_pieces,
     decode_tensors, dtype_name, itemsize,
 )
 from .monitor import Monitor
-from .objects import decode_object
+from .objects_read import fetch_objects, wanted_objects
 from .node import node_id
 from .planner import LoadPlan, ReadUnit, TargetPiece, Topology, plan_load, topology as route_topology
 from .planner.load_planner import COALESCE_GAP_BYTES
+from .planner.locality import assign_local_readers, relocate, spans_of
 from .planner.routes import store_kind
 from .regions import FlatRange, StoredBox
 from .state import FlatState, TensorEntry, flatten_state
-from .store import open_store, without_node_cache
+from .store import memory_tier_of, open_store, without_node_cache
+from .tiers.memory import MemoryTier
 
 logger = logging.getLogger("tierckpt")
 
@@ -214,10 +224,11 @@ def load(
     monitor = monitor or Monitor()
     backend = open_store(uri, dict(storage_options or {}))
     options = _Options(strict, allow_pickle, verify, check_crc, chunk_bytes, round_bytes, topology)
+    reader = _metadata_reader(comm, memory_tier_of(backend))
     attempt = 0
     while True:
         with monitor.phase("metadata"):
-            ckpt = _broadcast_checkpoint(comm, backend, accept_dcp=not verify)
+            ckpt = _broadcast_checkpoint(comm, backend, accept_dcp=not verify, src=reader)
         # torch DCP rewrites its files in place, which a node cache would serve stale.
         source = without_node_cache(backend) if ckpt.pieces is not None else backend
         try:
@@ -228,7 +239,9 @@ def load(
             if ckpt.pieces is not None:
                 raise  # a DCP directory has no commit to follow
             # Every rank raised (failures are agreed); rank 0 tells whether a newer commit explains it.
-            moved = comm.broadcast_object(_newer_commit(backend, ckpt.meta.generation) is not None if comm.rank == 0 else None)
+            moved = comm.broadcast_object(
+                _newer_commit(backend, ckpt.meta.generation) is not None if comm.rank == reader else None, reader
+            )
             if not moved:
                 raise
             if attempt == RACE_RETRIES:
@@ -262,33 +275,48 @@ def _load_generation(
     uri: str, state: dict[str, Any], comm: Comm, backend: Backend, ckpt: Checkpoint, opts: _Options, monitor: Monitor,
 ) -> None:
     """Steps 2-5 of the lifecycle for the generation ``ckpt`` names; fills every target."""
+    tier = memory_tier_of(backend) if ckpt.pieces is None else None
     with monitor.phase("metadata"):
         saved_keys = set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}
-        # One collective agrees that every rank could prepare its state and carries what each needs.
-        (flat, needs), gathered = comm.exchange_agreed(lambda: _prepare(state, ckpt, saved_keys), "preparing the state to load")
+        # One collective agrees that every rank could prepare its state and carries what each needs
+        # and what its node's memory tier holds.
+        (flat, needs, wanted), gathered = comm.exchange_agreed(
+            lambda: _prepare(state, ckpt, saved_keys, comm.rank, tier), "preparing the state to load"
+        )
         _report(gathered, ckpt, opts.strict, uri)
+        local = LocalReads.of(comm.rank, tier, [(g[4], g[5]) for g in gathered])
+        # Small files a rank needs and its node lacks come from a node that holds them (one collective, if any).
+        shared = local.share(comm, ckpt.meta.generation, [[layout.PIECES, *g[6]] for g in gathered]) if local.active else {}
         all_needs = [g[0] for g in gathered]
         fqns = {n.fqn for rank_needs in all_needs for n in rank_needs}
-        pieces = comm.run_agreed(lambda: read_pieces(backend, ckpt, fqns), "reading the pieces table")
+        pieces = comm.run_agreed(lambda: _local_pieces(backend, ckpt, fqns, local, shared), "reading the pieces table")
     with monitor.phase("plan"):
         topo = opts.topology or _topology(backend, comm, [g[4] for g in gathered])
         nodes = list(topo.nodes)
         plan = plan_load(
             ckpt.tensors, pieces, all_needs, chunk_bytes=opts.chunk_bytes, round_bytes=opts.round_bytes, topology=topo,
         )
+        if local.active:  # each unit to a rank whose node's memory tier holds its file, where one does
+            locality = assign_local_readers(spans_of(plan), local.holdings)
+            plan = relocate(plan, locality.readers, opts.round_bytes)
+            monitor.count("bytes_read_memory", sum(
+                u.nbytes for u, here in zip(plan.units, locality.local) if here and u.reader == comm.rank
+            ))
         _log_routes(plan, topo, comm.rank, monitor)
     gen = ckpt.meta.generation
-    comm.run_agreed(lambda: _check_files(backend, ckpt, plan, comm.rank), "checking the data files")
+    comm.run_agreed(lambda: _check_files(backend, ckpt, plan, comm.rank, local), "checking the data files")
     if opts.verify:
         with monitor.phase("verify"):
             comm.run_agreed(lambda: _verify_pieces(backend, gen, pieces, comm), "verifying checksums")
     with monitor.phase("objects"):
         # Objects are small: fetch, check and decode them before any tensor is modified.
-        values = comm.run_agreed(lambda: _fetch_objects(backend, ckpt, flat, comm, opts.allow_pickle), "loading objects")
+        values = comm.run_agreed(
+            lambda: fetch_objects(backend, ckpt, flat, wanted, opts.allow_pickle, local, shared), "loading objects"
+        )
     targets = [flat.tensors[n.fqn] for n in needs]
     # A torch DCP directory records no checksums (its pieces carry none): there is nothing to check.
     checker = ReadChecker(gen, pieces) if opts.check_crc and ckpt.pieces is None else None
-    executor = _Executor(backend, gen, plan, targets, comm, monitor, checker, nodes, opts.chunk_bytes)
+    executor = _Executor(backend, gen, plan, targets, comm, monitor, checker, nodes, opts.chunk_bytes, local)
 
     def read() -> tuple[None, Any]:
         executor.run()
@@ -298,25 +326,41 @@ def _load_generation(
         # The agreement that every rank read its units carries each rank's partial block checksums.
         _, partials = comm.exchange_agreed(read, f"loading {uri!r}")
         if checker is not None:
-            _settle_checksums(checker, backend, comm, partials)
+            _settle_checksums(checker, backend, comm, partials, local)
     with monitor.phase("apply"):
         for key, value in values.items():
             flat.objects[key].assign(value)
         comm.run_agreed(lambda: [fn() for fn in flat.after_load], "applying loaded state")
 
 
-def _broadcast_checkpoint(comm: Comm, backend: Backend, accept_dcp: bool = False) -> Checkpoint:
+def _metadata_reader(comm: Comm, tier: MemoryTier | None) -> int:
+    """The rank that reads ``COMMIT`` and the metadata for the group: rank 0, unless the store has a memory
+    tier and another rank's node holds a newer ``COMMIT`` in it (rank 0 runs on a replacement node, say,
+    while the remote is unreachable): then the lowest rank whose node holds the newest. One collective,
+    only with a memory tier."""
+    if tier is None or comm.world_size == 1:
+        return 0
+    try:
+        record = tier.committed()
+        seq = -1 if record is None else record.seq
+    except (CheckpointError, OSError):
+        seq = -1  # an unreadable COMMIT in the tier: a rank that can read one leads
+    seqs = comm.all_gather_object(seq)
+    return seqs.index(max(seqs)) if seqs[0] < max(seqs) else 0
+
+
+def _broadcast_checkpoint(comm: Comm, backend: Backend, accept_dcp: bool = False, src: int = 0) -> Checkpoint:
     result: Checkpoint | None = None
     error: str | None = None
     exc_type: type[CheckpointError] = CheckpointError
-    if comm.rank == 0:
+    if comm.rank == src:
         try:
             result = read_checkpoint(backend, accept_dcp=accept_dcp)
         except CheckpointError as exc:
             if comm.world_size == 1:
                 raise
             error, exc_type = str(exc), type(exc)
-    result, error, exc_type = comm.broadcast_object((result, error, exc_type))
+    result, error, exc_type = comm.broadcast_object((result, error, exc_type), src)
     if error is not None:
         raise exc_type(error)
     assert result is not None
@@ -324,15 +368,32 @@ def _broadcast_checkpoint(comm: Comm, backend: Backend, accept_dcp: bool = False
 
 
 def _prepare(
-    state: Mapping[str, Any], ckpt: Checkpoint, saved_keys: set[str],
-) -> tuple[tuple[FlatState, list[TargetPiece]], tuple[list[TargetPiece], list[tuple[str, str]], list[str], list[str], str]]:
-    """Flatten this rank's state for loading: ``(kept, shared)``, shared being what :func:`_report` reads."""
+    state: Mapping[str, Any], ckpt: Checkpoint, saved_keys: set[str], rank: int, tier: MemoryTier | None,
+) -> tuple[tuple[FlatState, list[TargetPiece], dict[str, list[ObjectMeta]]], tuple[Any, ...]]:
+    """Flatten this rank's state for loading: ``(kept, shared)``. Shared: needs, findings, tensor and
+    object keys (what :func:`_report` reads), the node, what its memory tier holds (``None``: no tier)
+    and the objects files this rank reads."""
     flat = flatten_state(
         state, for_load=True, saved_keys=lambda p: any(k.startswith(p) for k in saved_keys),
         legacy_names=ckpt.meta.format_minor < 1,
     )
     needs, findings = _match(flat, ckpt)
-    return (flat, needs), (needs, findings, sorted(flat.tensors), sorted(flat.objects), node_id())
+    wanted = wanted_objects(ckpt, flat, rank)
+    held = held_files(tier, ckpt.meta, ckpt.record)
+    files = sorted({o.file for metas in wanted.values() for o in metas}) if held is not None else []
+    return (flat, needs, wanted), (needs, findings, sorted(flat.tensors), sorted(flat.objects), node_id(), held, files)
+
+
+def _local_pieces(
+    backend: Backend, ckpt: Checkpoint, fqns: set[str], local: LocalReads, shared: dict[str, bytes],
+) -> dict[str, list[PieceMeta]]:
+    """The pieces table from where this rank finds it: shared by a peer, its node's memory tier, the chain."""
+    data = shared.get(layout.PIECES)
+    if data is None:
+        return read_pieces(local.source(layout.PIECES, backend), ckpt, fqns)
+    if ckpt.record is not None:
+        ckpt.record.check_document(layout.PIECES, data, backend.root_uri)
+    return decode_pieces(data, ckpt.tensors, fqns)
 
 
 def _topology(backend: Backend, comm: Comm, nodes: list[str]) -> Topology:
@@ -427,8 +488,9 @@ def read_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str] | None = None
         raise CorruptCheckpointError(f"checkpoint {backend.root_uri!r} has no pieces table: {exc}") from exc
 
 
-def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int) -> None:
-    """Each data file this rank reads has the size the header lists, and holds every run read from it."""
+def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int, local: LocalReads) -> None:
+    """Each data file this rank reads (from its memory tier or the chain) has the size the header lists,
+    and holds every run read from it."""
     ends: dict[str, int] = {}
     for u in plan.units:
         if u.reader == rank and len(u.run_offsets):
@@ -436,7 +498,7 @@ def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int) 
     files = sorted(ends)
     # Every size at once: on an object store each check is a round trip.
     with concurrent.futures.ThreadPoolExecutor(max(1, min(len(files), PARALLEL_METADATA))) as pool:
-        sizes = list(pool.map(lambda file: _checked_size(backend, ckpt, file), files))
+        sizes = list(pool.map(lambda file: _checked_size(local.source(file, backend), ckpt, file), files))
     for file, size in zip(files, sizes):
         end = ends[file]
         if end > size:
@@ -476,12 +538,26 @@ def _verify_pieces(backend: Backend, gen: str, pieces: dict[str, list[PieceMeta]
             )
 
 
-def _settle_checksums(checker: ReadChecker, backend: Backend, comm: Comm, gathered: list[Any]) -> None:
+def _settle_checksums(checker: ReadChecker, backend: Backend, comm: Comm, gathered: list[Any], local: LocalReads) -> None:
     """Check the blocks read in parts (by several ranks or units) from every rank's partial CRCs
-    (``gathered``); blocks the group read only in part are read whole, agreed in one collective."""
+    (``gathered``); blocks the group read only in part are read whole, agreed in one collective (with
+    memory tiers: by a rank whose node holds the block's file, from its tier)."""
     incomplete = checker.settle(gathered)  # the same on every rank: a mismatch raises on all of them
-    if incomplete:
+    if not incomplete:
+        return
+    if not local.active:
         comm.run_agreed(lambda: checker.check_whole(incomplete, backend, comm.rank, comm.world_size), "checking data checksums")
+        return
+    readers = rereaders([piece.file for piece, _ in incomplete], local, comm.world_size)
+    mine = [block for block, reader in zip(incomplete, readers) if reader == comm.rank]
+
+    def check() -> None:
+        for here in (True, False):
+            blocks = [b for b in mine if local.here(b[0].file) == here]
+            if blocks:
+                checker.check_whole(blocks, local.tier if here else backend, 0, 1)  # type: ignore[arg-type]
+
+    comm.run_agreed(check, "checking data checksums")
 
 
 def _target_view(entry: TensorEntry, stored: StoredBox) -> torch.Tensor:
@@ -539,9 +615,10 @@ class _Executor:
 
     def __init__(
         self, backend: Backend, gen: str, plan: LoadPlan, targets: list[TensorEntry], comm: Comm, monitor: Monitor,
-        checker: ReadChecker | None, nodes: list[str], chunk_bytes: int,
+        checker: ReadChecker | None, nodes: list[str], chunk_bytes: int, local: LocalReads,
     ) -> None:
         self.backend, self.gen, self.plan, self.targets, self.comm, self.monitor = backend, gen, plan, targets, comm, monitor
+        self.local = local
         self.checker = checker
         # Units that ranks of one node read alike are checked by one of them (io.readcheck).
         self.checks = checking_ranks(plan.units, nodes) if checker is not None else []
@@ -598,12 +675,13 @@ class _Executor:
         """Read a round's units, each group of ``reads`` in one request (then set ``landed``); the
         checksums of each unit this rank checks (``checked``) are checked in a worker thread as soon as
         it lands, overlapping the other reads."""
-        backend, sched, checker = self.backend, self.sched, self.checker
+        sched, checker = self.sched, self.checker
 
         run_crcs: dict[int, list[int] | None] = {}  # the raw CRC of each run, taken as it was read
 
         async def read(group: list[int]) -> None:
             unit = reads[group[0]][0]
+            backend = self.local.source(unit.file, self.backend)  # its node's memory tier, or the chain
             key = layout.in_generation(self.gen, unit.file)
             if len(unit.run_offsets) == 1:
                 await read_group(sched, backend, [
@@ -686,84 +764,3 @@ class _Executor:
 def _deliver(entry: TensorEntry, delivery: Any, part: torch.Tensor) -> None:
     target = _target_view(entry, delivery.target_box)[delivery.box.relative_to(delivery.target_box.box).slices()]
     target.copy_(part.reshape(delivery.box.lengths))
-
-
-OBJECT_GAP_BYTES = 1 << 20
-"""Objects of one file at most this far apart are fetched in one ranged read (they are many and small)."""
-
-
-def _fetch_objects(backend: Backend, ckpt: Checkpoint, flat: FlatState, comm: Comm, allow_pickle: bool) -> dict[str, Any]:
-    """The decoded value of every object entry this rank loads (nothing is assigned yet)."""
-    by_key: dict[str, list[ObjectMeta]] = {}
-    for o in ckpt.meta.objects:
-        by_key.setdefault(o.key, []).append(o)
-    saved_world = ckpt.meta.world_size
-    wanted: dict[str, list[ObjectMeta]] = {}
-    for key, entry in flat.objects.items():
-        options = by_key.get(key)
-        if not options:
-            continue
-        if entry.all_ranks:
-            wanted[key] = sorted(options, key=lambda o: -1 if o.rank is None else o.rank)
-        else:
-            wanted[key] = [_object_for_rank(options, comm.rank, saved_world, key)]
-    data = _read_objects(backend, ckpt.meta.generation, {o for metas in wanted.values() for o in metas})
-    values: dict[str, Any] = {}
-    for key, metas in wanted.items():
-        decoded = [decode_object(data[o], o.codec, o.key, allow_pickle=allow_pickle) for o in metas]
-        values[key] = decoded if flat.objects[key].all_ranks else decoded[0]
-    return values
-
-
-def _read_objects(backend: Backend, gen: str, metas: set[ObjectMeta]) -> dict[ObjectMeta, bytes]:
-    """The checksummed bytes of each object; nearby objects of one file come in one ranged read."""
-    spans: list[tuple[str, int, list[ObjectMeta]]] = []
-    ends: list[int] = []
-    for meta in sorted(metas, key=lambda o: (o.file, o.byte_offset)):
-        end = meta.byte_offset + meta.byte_length
-        if spans and spans[-1][0] == meta.file and meta.byte_offset - ends[-1] <= OBJECT_GAP_BYTES:
-            spans[-1][2].append(meta)
-            ends[-1] = max(ends[-1], end)
-        else:
-            spans.append((meta.file, meta.byte_offset, [meta]))
-            ends.append(end)
-    sched = get_scheduler()
-    sizes = {file: sched.run(backend.size(layout.in_generation(gen, file))) for file, _, _ in spans}
-    for (file, _, group), end in zip(spans, ends):
-        if end > sizes[file]:  # checked before allocating: the header is untrusted input
-            last = max(group, key=lambda o: o.byte_offset + o.byte_length)
-            raise CorruptCheckpointError(
-                f"object {last.key!r} runs past the end of {file!r} ({sizes[file]} bytes): the checkpoint "
-                "metadata and the stored data disagree"
-            )
-    buffers = [bytearray(end - start) for (_, start, _), end in zip(spans, ends)]
-    requests = [
-        ReadRequest(key=layout.in_generation(gen, file), start=start, out=memoryview(buf))
-        for (file, start, _), buf in zip(spans, buffers)
-    ]
-    if requests:
-        sched.run(sched.read(backend, requests))
-    out: dict[ObjectMeta, bytes] = {}
-    for (_, start, group), buf in zip(spans, buffers):
-        for meta in group:
-            data = bytes(buf[meta.byte_offset - start : meta.byte_offset - start + meta.byte_length])
-            if crc32c.crc32c(data) != meta.crc32c:
-                raise CorruptCheckpointError(
-                    f"checksum mismatch for object {meta.key!r} in {meta.file!r} at byte {meta.byte_offset}"
-                )
-            out[meta] = data
-    return out
-
-
-def _object_for_rank(options: list[ObjectMeta], rank: int, saved_world: int, key: str) -> ObjectMeta:
-    shared = [o for o in options if o.rank is None]
-    if shared:
-        return shared[0]
-    per_rank = {o.rank: o for o in options}
-    if rank in per_rank:
-        return per_rank[rank]
-    source = rank % saved_world
-    logger.warning("object %r was saved per rank by %d ranks; rank %d loads rank %d's value", key, saved_world, rank, source)
-    if source not in per_rank:
-        raise CorruptCheckpointError(f"object {key!r} has no value for saved rank {source}")
-    return per_rank[source]

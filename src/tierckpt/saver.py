@@ -22,6 +22,12 @@ Lifecycle (every rank of the group unless noted):
    unless ``keep_previous``, rank 0 then hands the removal of the superseded generations (the one the
    base named, and leftovers) to the I/O loop and returns (:mod:`tierckpt.cleanup`).
 
+5. *Replicate* (a store with a node memory tier, torch.distributed initialised): after the commit every
+   rank starts copying its node's files of the generation to the peer nodes' memory tiers
+   (:mod:`tierckpt.tiers.replication`; the replicator is built in step 1 of the first save, never in
+   the background). Neither ``save`` nor ``async_save`` waits for it unless asked:
+   ``handle.wait("replicated")``, ``save(..., replicated=True)``.
+
 A background failure is raised by the handle's ``wait()``, and — if nobody waited — by the next save.
 """
 
@@ -55,7 +61,9 @@ from .planner import LocalPiece, SavePlan, plan_save
 from .planner.save_planner import offers_digest
 from .regions import Box, FlatRange, Region
 from .state import FlatState, TensorEntry, flatten_state
-from .store import drain_write_back, durability_of, exit_wait_s, open_store
+from .store import drain_write_back, durability_of, exit_wait_s, memory_tier_of, open_store
+from .tiers.replication import Replication, replicator_for, stop_replicators
+from .tiers.replication import exit_wait_s as replication_exit_wait_s
 
 # -- process-wide save state -----------------------------------------------------------------------
 @dataclass
@@ -80,8 +88,10 @@ _PROCESS = _Process()
 
 def _drain_at_exit() -> None:
     """The exit drain: let background saves commit, superseded generations be removed (up to
-    :data:`tierckpt.cleanup.EXIT_WAIT_S`), then write-back uploads finish, within the store's exit
-    wait; print on stderr what is left (with the command that finishes it).
+    :data:`tierckpt.cleanup.EXIT_WAIT_S`), peer replication in flight finish (its threads are then
+    stopped, before the interpreter and the process groups are torn down), then write-back uploads,
+    within the stores' exit wait; print on stderr what is left (with the command that finishes an
+    upload or a removal; a replication cut short keeps the level ``memory``).
 
     It runs from :mod:`threading`'s exit hooks, i.e. when the main thread is done and *before* the
     ``atexit`` handlers: thread pools still accept work (``concurrent.futures`` stops them in an
@@ -91,12 +101,16 @@ def _drain_at_exit() -> None:
     deadline = time.monotonic() + exit_wait_s()
     for handle in handles:
         try:
-            handle.wait(max(0.0, deadline - time.monotonic()))
+            handle.wait(timeout_s=max(0.0, deadline - time.monotonic()))
         except BaseException as exc:  # noqa: BLE001 - reported, exit goes on
             sys.stderr.write(f"tierckpt: the async save to {handle.uri} did not commit before exit: {describe_error(exc)}\n")
     for uri in cleanup.wait_pending(cleanup.EXIT_WAIT_S):
         sys.stderr.write(f"tierckpt: removing superseded generations of {uri} was cut short by the exit; the next "
                          f"save to it or `tierckpt gc {uri} --keep-last 1` removes them\n")
+    # Replication started with each commit above: its wait counts from there, within its own limit.
+    replication_deadline = max(deadline, time.monotonic() + replication_exit_wait_s())
+    for line in stop_replicators(max(0.0, replication_deadline - time.monotonic()), "the process exited"):
+        sys.stderr.write(line + "\n")
     for line in drain_write_back(max(0.0, deadline - time.monotonic())):
         sys.stderr.write(line + "\n")
     sys.stderr.flush()
@@ -109,25 +123,64 @@ def _group_key(group: dist.ProcessGroup | None) -> Any:
     return "WORLD" if group is None else id(group)
 
 
+LEVELS = ("memory", "replicated", "remote")
+"""The durability levels :meth:`SaveHandle.wait` waits for."""
+
+
 class SaveHandle:
     """An asynchronous save in flight. ``wait()`` returns the committed checkpoint's metadata once it
-    is committed (on a write-back store: in the node cache); ``wait_durable()`` also waits until the
-    store holds it where its URI points (every object uploaded, ``COMMIT`` last)."""
+    is committed (on a write-back store: in the node cache or memory tier); ``wait("replicated")``
+    also waits until the peer nodes hold this node's files; ``wait("remote")`` (= ``wait_durable()``)
+    until the store holds it where its URI points (every object uploaded, ``COMMIT`` last)."""
 
     def __init__(
         self, uri: str, future: concurrent.futures.Future[CheckpointMeta], monitor: Monitor, store: Backend,
+        replication: Replication | None = None,
     ) -> None:
         self.uri = uri
         self.store = store
         self.monitor = monitor
         self._future = future
+        self._replication = replication if replication is not None else Replication(uri, None, None, None)
         self._reported = False
 
     def done(self) -> bool:
         return self._future.done()
 
-    def wait(self, timeout_s: float | None = None) -> CheckpointMeta:
-        """Block until committed; raise the save's error if it failed."""
+    def wait(self, level: str | float = "memory", timeout_s: float | None = None) -> CheckpointMeta:
+        """Block until the checkpoint reached ``level``; return its metadata. Raise the save's error if it failed.
+
+        A number as the first argument is the timeout, as before levels existed: ``wait(30)`` is
+        ``wait("memory", timeout_s=30)``.
+
+        * ``"memory"`` (default): committed — in the node memory tier (or node cache) when the store
+          has one, else where the URI points.
+        * ``"replicated"``: and this node's files are acknowledged, CRC-checked, by its peer nodes'
+          memory tiers. Raises :class:`~tierckpt.tiers.replication.ReplicationError` naming the reason
+          when the level stayed ``memory`` (a peer died or refused, one node, ``TIERCKPT_REPLICAS=0``,
+          the memory tier off). Each rank waits for its own node's files.
+        * ``"remote"``: durable where the URI points (:meth:`wait_durable`).
+        """
+        if isinstance(level, (int, float)) and not isinstance(level, bool):
+            if timeout_s is not None:
+                raise CheckpointError(
+                    f"SaveHandle.wait({level!r}, timeout_s={timeout_s!r}): a number as the first argument is the "
+                    "timeout; pass the level by name, e.g. wait('replicated', timeout_s=30)"
+                )
+            level, timeout_s = "memory", float(level)
+        if level not in LEVELS:
+            raise CheckpointError(
+                f"SaveHandle.wait(level={level!r}): use 'memory' (committed), 'replicated' (and copied to peer "
+                "nodes' memory) or 'remote' (uploaded where the URI points); a timeout goes in timeout_s="
+            )
+        if level == "remote":
+            return self.wait_durable(timeout_s)
+        meta = self._committed(timeout_s)
+        if level == "replicated":
+            self._replication.wait(meta.generation, timeout_s)
+        return meta
+
+    def _committed(self, timeout_s: float | None) -> CheckpointMeta:
         try:
             return self._future.result(timeout_s)
         except concurrent.futures.TimeoutError:
@@ -136,14 +189,16 @@ class SaveHandle:
             self._reported = True
             raise
 
-    result = wait
+    def result(self, timeout_s: float | None = None) -> CheckpointMeta:
+        """The committed checkpoint's metadata (``wait("memory", timeout_s)``)."""
+        return self._committed(timeout_s)
 
     def wait_durable(self, timeout_s: float | None = None) -> CheckpointMeta:
         """Block until committed and durable where the URI points: on a write-back store (the node
         cache in front of a remote) until every object of the checkpoint is uploaded, ``COMMIT`` last.
         Raises :class:`~tierckpt.errors.StorageError` when an upload failed (the message names the
         ``tierckpt sync`` command that retries it)."""
-        meta = self.wait(timeout_s)
+        meta = self._committed(timeout_s)
         durable = durability_of(self.store)
         if durable is not None:
             get_scheduler().run(durable.wait_durable(meta.generation, timeout_s))
@@ -185,6 +240,8 @@ class _Prepared:
     keep_previous: bool
     write_back: bool
     """Return at node commit and upload behind (``async_save``); else wait until the store is durable."""
+    replication: Replication
+    """Peer replication of the generation once committed (a no-op without a memory tier or torch.distributed)."""
 
 
 def _prepare(
@@ -220,10 +277,13 @@ def _prepare(
             plan = comm.run_agreed(lambda: plan_save(gathered, align_bytes=align_bytes), "planning the save")
             _PROCESS.plans[plan_key] = (digests, plan)
         owners = _place_objects([a[1] for a in agreement], plan)
+    # The replicator is built here, in the foreground every rank reaches together (first save only).
+    tier = memory_tier_of(backend)
+    replicator, not_replicated = replicator_for(tier, group, _group_key(group))
     return _Prepared(
         uri=uri, comm=comm, backend=backend, flat=flat, encoded=encoded, plan=plan, owners=owners,
         generation=generation, started=started, monitor=monitor, tags=dict(tags or {}), keep_previous=keep_previous,
-        base=base, write_back=write_back,
+        base=base, write_back=write_back, replication=Replication(uri, tier, replicator, not_replicated),
     )
 
 
@@ -341,6 +401,9 @@ def _finish(
     status, value = outcome
     if status != "ok":
         raise CheckpointError(f"saving checkpoint {p.uri!r} failed: {value}")
+    # Every rank, after the commit; no collective. Before the save reports committed, so that the node's
+    # files are sealed (restart-recoverable from memory) whenever wait("memory") has returned.
+    p.replication.start(value.generation)
     if coord.rank == 0 and not p.keep_previous:
         _sweep_superseded(p)
     p.monitor.finish("save", p.uri, coord.rank, ranks_from_timings(value.timings))
@@ -564,8 +627,14 @@ def save(
     align_bytes: int = 64,
     monitor: Monitor | None = None,
     collective_timeout_s: float | None = None,
+    replicated: bool = False,
 ) -> CheckpointMeta:
     """Save ``state`` to ``uri``; return once the checkpoint is committed (on every rank).
+
+    With the node memory tier on in a multi-node job, peer replication starts after the commit and runs
+    in the background; ``replicated=True`` also waits for it and raises
+    :class:`~tierckpt.tiers.replication.ReplicationError` naming the reason when this node's files did
+    not reach the level ``replicated``.
 
     ``keep_previous=True`` keeps the generation that the previous commit named (otherwise it and any
     other superseded generation under ``uri`` are deleted in the background once the new commit is
@@ -581,7 +650,10 @@ def save(
                  write_back=False)
     with monitor.phase("stage"):
         stream = p.comm.run_agreed(lambda: _stream_direct(p), f"writing checkpoint {uri!r}")
-    return _finish(p, stream, p.comm)
+    meta = _finish(p, stream, p.comm)
+    if replicated:
+        p.replication.wait(meta.generation)
+    return meta
 
 
 def async_save(
@@ -636,7 +708,7 @@ def async_save(
             _PROCESS.staging_lock.release()
         return _finish(p, stream, StoreCoordinator(p.comm, p.generation))
 
-    handle = SaveHandle(uri, _PROCESS.executor().submit(finish), monitor, p.backend)
+    handle = SaveHandle(uri, _PROCESS.executor().submit(finish), monitor, p.backend, p.replication)
     _PROCESS.in_flight[uri] = handle
     _PROCESS.unreported.append(handle)
     return handle

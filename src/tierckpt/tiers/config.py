@@ -79,7 +79,8 @@ class MemoryConfig:
     """What a checkpoint that cannot fit does (see :class:`OnFull`)."""
     exit_wait_s: float = 600.0
     """At interpreter exit, how long to let this process's write-downs to the next tier finish (what is
-    left stays in the tier for ``tierckpt sync``)."""
+    left stays in the tier for ``tierckpt sync``), and its peer replication in flight (a replication cut
+    short leaves the level ``memory``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "directory", os.path.abspath(os.path.expanduser(self.directory)))

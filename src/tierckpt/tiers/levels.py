@@ -83,17 +83,28 @@ class ReplicaHandle:
     def __init__(self, tier: MemoryTier, generation: str, peers: tuple[str, ...]) -> None:
         self._tier, self._generation, self._peers = tier, generation, peers
         self._done = threading.Event()
+        self._finishing = threading.Lock()
         self._result: ReplicaResult | None = None
 
-    def _finish(self, result: ReplicaResult) -> None:
+    def _finish(self, result: ReplicaResult) -> bool:
         """Record the level in the tier, then wake the waiters (so a process that exits as soon as its
-        wait returns has recorded it for the node's other ranks and for a restart)."""
-        try:
-            write_atomic(level_path(self._tier, self._generation), result.encode())
-        except OSError as exc:  # the node's other ranks then see no level and report "in progress"
-            log.warning("cannot record the level of %s %s: %s", self._tier.uri, self._generation, exc)
-        self._result = result
-        self._done.set()
+        wait returns has recorded it for the node's other ranks and for a restart). The first result
+        is final: a transfer that ends after its replication was reported cut short changes nothing.
+        Whether this call recorded ``result``."""
+        with self._finishing:
+            if self._done.is_set():
+                return False
+            try:
+                write_atomic(level_path(self._tier, self._generation), result.encode())
+            except OSError as exc:  # the node's other ranks then see no level and report "in progress"
+                log.warning("cannot record the level of %s %s: %s", self._tier.uri, self._generation, exc)
+            self._result = result
+            self._done.set()
+            return True
+
+    def finished(self, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` until this process recorded the final level; whether it did."""
+        return self._done.wait(timeout_s)
 
     def _poll(self) -> ReplicaResult | None:
         if self._result is None:

@@ -9,9 +9,10 @@ one checkpoint generation, called by every rank in the same order:
 1. The leader seals its node's files of the generation (:meth:`~.memory.MemoryTier.seal`, origin =
    the node) in the foreground, so no replica arriving later is mistaken for its own; other ranks only
    get a handle that follows the level the leader records.
-2. Sender, per target node in turn: a header (the manifest, and ``COMMIT`` when it names this
-   generation) -> the receiver admits the bytes under its budget and answers go or refused -> the
-   files in chunks -> the receiver's acknowledgement.
+2. Sender, per target node in turn (reading the files it opened at step 1, so a newer commit that
+   deletes the generation meanwhile does not cut its transfer): a header (the manifest, and
+   ``COMMIT`` when it names this generation) -> the receiver admits the bytes under its budget and
+   answers go or refused -> the files in chunks -> the receiver's acknowledgement.
 3. Receiver, per source node in turn: each file to a temp file with its CRC-32C computed on the way;
    published only if it matches the sender's manifest; then the manifest (origin = the sender) and,
    if newer than its own, ``COMMIT``; then the acknowledgement.
@@ -21,32 +22,36 @@ one checkpoint generation, called by every rank in the same order:
    tier (``levels/<generation>.json``), where the node's other ranks, and a restart, read it.
 
 A peer connection that failed once is not used again by this replicator (gloo closes the pair):
-later generations report ``memory`` naming the first failure.
+later generations report ``memory`` naming the first failure. :meth:`Replicator.close` waits (bounded)
+for the queued generations and ends the threads: before the process exits or its groups are destroyed
+(:func:`~.replication.stop_replicators`), so no thread is inside a transfer when gloo is torn down.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import datetime
 import json
 import logging
 import os
 import queue
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointBusyError, CheckpointError
-from ..layout import COMMIT, CommitRecord
+from ..errors import CheckpointError
+from ..layout import COMMIT
 from ..node import node_id
 from .levels import Level, ReplicaHandle, ReplicaResult
 from .manifest import FileEntry, Manifest
 from .memory import IncomingFile, MemoryTier, NodeMemory
 from .peers import ReplicaPlan, plan_replicas
+from .transfer import Chunks, adopt_commit, buffers, open_files, read_chunk
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +66,11 @@ class _Job:
     manifest: Manifest
     commit: bytes | None
     handle: ReplicaHandle
+    files: dict[str, int] = field(default_factory=dict)
+    """The generation's files, opened when it was committed: a newer commit that deletes the generation
+    while it is still being sent takes its names, not the bytes the sender reads."""
+    received: threading.Event = field(default_factory=threading.Event)
+    """Set once this node's receiver took what its source nodes sent of the same generation."""
 
 
 class Replicator:
@@ -100,15 +110,26 @@ class Replicator:
             self._ranks, backend="gloo", timeout=self._timeout, use_local_synchronization=group is not None,
         )
         self._broken: dict[int, str] = {}
+        self._receiving: collections.OrderedDict[tuple[str, str], threading.Event] = collections.OrderedDict()
+        self._jobs: list[_Job] = []
+        """Queued jobs not yet finished both ways (sent and acknowledged, the peers' replicas received)."""
+        self._jobs_lock = threading.Lock()
+        self._closed: str | None = None
+        """Why the background threads were stopped (``None`` while they run)."""
         self._queues: list[queue.Queue[_Job | None]] = []
         self._threads: list[threading.Thread] = []
         if self.is_leader and self.plan.replicas:
             for name, loop in (("send", self._send_loop), ("receive", self._receive_loop)):
                 q: queue.Queue[_Job | None] = queue.Queue()
-                thread = threading.Thread(target=loop, args=(q,), name=f"tierckpt-replica-{name}", daemon=True)
+                # Not a daemon: a daemon thread that returns from a gloo wait during interpreter teardown
+                # aborts the process; this one is stopped by close() (the exit drain), or outlives it by at
+                # most one transfer's timeout.
+                thread = threading.Thread(target=loop, args=(q,), name=f"tierckpt-replica-{name}", daemon=False)
                 thread.start()
                 self._queues.append(q)
                 self._threads.append(thread)
+            with _LIVE_LOCK:
+                _LIVE.add(self)
 
     def _node_name(self, node: int) -> str:
         return self.plan.nodes[node]
@@ -138,25 +159,93 @@ class Replicator:
         if record is not None and record.generation == generation:
             with open(tier.path_of(COMMIT), "rb") as f:
                 commit = f.read()
-        job = _Job(tier.uri, generation, manifest, commit, handle)
-        for q in self._queues:
-            q.put(job)
+        job = _Job(tier.uri, generation, manifest, commit, handle, open_files(tier, manifest))
+        with self._jobs_lock:
+            if self._closed is not None:
+                for fd in job.files.values():
+                    os.close(fd)
+                handle._finish(ReplicaResult(
+                    uri=tier.uri, generation=generation, level=Level.MEMORY, peers=peers, acknowledged=(),
+                    reason=f"not replicated: {self._closed} before this save (replication stopped)",
+                ))
+                return handle
+            self._jobs = [j for j in self._jobs if not _settled(j)] + [job]
+            self._receiving[(tier.uri, generation)] = job.received
+            while len(self._receiving) > 64:
+                self._receiving.popitem(last=False)
+            for q in self._queues:
+                q.put(job)
         return handle
 
-    def close(self) -> None:
-        """Finish the queued jobs and stop the background threads."""
+    def wait_received(self, uri: str, generation: str, timeout_s: float | None = None) -> bool:
+        """Wait until this node took its source nodes' replicas of ``generation`` (or gave up on them: the
+        transfers' own timeouts bound it). Only a leader receives; elsewhere it returns at once. A
+        process should not exit before this returns, or its peers' replication of the generation fails."""
+        event = self._receiving.get((uri.rstrip("/"), generation))
+        return True if event is None else event.wait(timeout_s)
+
+    def busy(self) -> bool:
+        """Whether a queued generation is still being sent or received."""
+        with self._jobs_lock:
+            return not all(_settled(j) for j in self._jobs)
+
+    def close(self, timeout_s: float | None = None, why: str = "the replicator was closed") -> list[str]:
+        """Wait up to ``timeout_s`` (``None``: no limit) for the queued jobs to finish both ways, then
+        end the background threads (a sentinel each, joined), so that none is inside a transfer of the
+        replicator's group when the process tears its groups down. Later :meth:`replicate` calls
+        report ``memory`` naming ``why``.
+
+        A job not finished in time is cut short: unless its level is already known, it is recorded as
+        ``memory`` with ``why`` (a transfer that completes later changes nothing); a thread inside a
+        transfer (gloo cannot interrupt it) reads its sentinel once that transfer fails. Returns one line
+        per job cut short or thread left running (empty when all finished)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._jobs_lock:
+            self._closed = why
+            jobs, self._jobs = self._jobs, []
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        cut: list[str] = []
+        for job in jobs:
+            sent, received = job.handle.finished(left()), job.received.wait(left())
+            if sent and received:
+                continue
+            what = (f"tierckpt: peer replication of {job.uri} generation {job.generation} did not finish within "
+                    f"{timeout_s:.3g}s ({why})")
+            if not sent and job.handle._finish(ReplicaResult(
+                uri=job.uri, generation=job.generation, level=Level.MEMORY,
+                peers=tuple(self._node_name(t) for t in self.plan.targets(self.node)), acknowledged=(),
+                reason=f"replication cut short: {why} before every peer acknowledged this node's files",
+            )):
+                cut.append(f"{what}: its level stays 'memory' (this node's files are committed in its memory only)")
+            if not received:
+                cut.append(f"{what}: this node did not take every peer's replica of it (the peers report their level)")
         for q in self._queues:
             q.put(None)
         for thread in self._threads:
-            thread.join()
+            thread.join(None if deadline is None else max(1.0, deadline - time.monotonic()))  # idle: prompt
+            if thread.is_alive():  # inside a transfer that gloo cannot interrupt: it ends at the timeout
+                cut.append(
+                    f"tierckpt: the replication thread {thread.name} is still inside a transfer ({why}); it stops "
+                    f"when that transfer fails (a transfer step waits at most {self._timeout.total_seconds():g}s)"
+                )
         self._queues, self._threads = [], []
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+        return cut
 
     # -- transport ---------------------------------------------------------------------------------------
+    def _wait(self, work: dist.Work) -> None:
+        """Wait for a transfer step, at most the replicator's timeout (then gloo fails it and closes the pair)."""
+        work.wait(self._timeout)
+
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        dist.isend(tensor, dst, group=self._pg, tag=tag).wait(self._timeout)
+        self._wait(dist.isend(tensor, dst, group=self._pg, tag=tag))
 
     def _recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
-        dist.irecv(tensor, src, group=self._pg, tag=tag).wait(self._timeout)
+        self._wait(dist.irecv(tensor, src, group=self._pg, tag=tag))
 
     def _send_bytes(self, data: bytes, dst: int, tag: int) -> None:
         self._send(torch.tensor([len(data)], dtype=torch.int64), dst, tag)
@@ -183,7 +272,7 @@ class Replicator:
 
     # -- the sending side --------------------------------------------------------------------------------
     def _send_loop(self, jobs: queue.Queue[_Job | None]) -> None:
-        bufs = _buffers(self._chunk)
+        bufs = buffers(self._chunk)
         while (job := jobs.get()) is not None:
             try:
                 result = self._replicate_job(job, bufs)
@@ -192,6 +281,9 @@ class Replicator:
                     uri=job.uri, generation=job.generation, level=Level.MEMORY, peers=(), acknowledged=(),
                     reason=f"replication failed: {type(exc).__name__}: {exc}",
                 )
+            finally:
+                for fd in job.files.values():
+                    os.close(fd)
             job.handle._finish(result)
 
     def _replicate_job(self, job: _Job, bufs: tuple[torch.Tensor, ...]) -> ReplicaResult:
@@ -229,45 +321,48 @@ class Replicator:
         answer = self._answer(dst, _TAG_REPLY)
         if answer != "ok":
             return answer
-        tier = self.memory.tier(job.uri)
         in_flight: list[dist.Work | None] = [None] * len(bufs)
         chunk = 0
         for key, entry in job.manifest.files:
-            path = tier.path_of(key)
             for offset in range(0, entry.size, self._chunk):
                 slot = chunk % len(bufs)
                 chunk += 1
                 if in_flight[slot] is not None:
-                    in_flight[slot].wait(self._timeout)
+                    self._wait(in_flight[slot])
                 view = bufs[slot][: min(self._chunk, entry.size - offset)]
-                _read_chunk(path, offset, view, entry.size)
+                read_chunk(job.files[key], key, offset, view, entry.size)
                 in_flight[slot] = dist.isend(view, dst, group=self._pg, tag=_TAG_DATA)
         for work in in_flight:
             if work is not None:
-                work.wait(self._timeout)
+                self._wait(work)
         answer = self._answer(dst, _TAG_ACK)
         return None if answer == "ok" else answer
 
     # -- the receiving side ------------------------------------------------------------------------------
     def _receive_loop(self, jobs: queue.Queue[_Job | None]) -> None:
-        bufs = _buffers(self._chunk)
-        while jobs.get() is not None:  # one job per generation to receive
-            for source in self.plan.sources(self.node):
-                src = self._leader(source)
-                if src in self._broken:
-                    continue
-                try:
-                    self._receive_job(src, bufs)
-                except Exception as exc:  # noqa: BLE001 - the sender reports the failure as its level
-                    self._broken[src] = f"{type(exc).__name__}: {exc}"
-                    log.warning("receiving replicas from rank %d failed: %s", src, self._broken[src])
+        bufs = buffers(self._chunk)
+        while (job := jobs.get()) is not None:  # one job per generation to receive
+            self._receive_sources(bufs)
+            job.received.set()
+
+    def _receive_sources(self, bufs: tuple[torch.Tensor, ...]) -> None:
+        """Receive one generation from each source node in turn (a failed source is logged; its sender reports it)."""
+        for source in self.plan.sources(self.node):
+            src = self._leader(source)
+            if src in self._broken:
+                continue
+            try:
+                self._receive_job(src, bufs)
+            except Exception as exc:  # noqa: BLE001 - the sender reports the failure as its level
+                self._broken[src] = f"{type(exc).__name__}: {exc}"
+                log.warning("receiving replicas from rank %d failed: %s", src, self._broken[src])
 
     def _receive_job(self, src: int, bufs: tuple[torch.Tensor, ...]) -> None:
         header = json.loads(self._recv_bytes(src, _TAG_HEADER))
         try:
             manifest = Manifest.decode(header["manifest"].encode(), f"the header from rank {src}")
             tier = self.memory.tier(manifest.uri)
-            admission = self.memory.admit(manifest.uri, manifest.generation, manifest.nbytes, self._durable_below())
+            admission = self.memory.admit(manifest.uri, manifest.generation, manifest.nbytes, self._durable_below)
             refusal = None if admission.fits else admission.reason
         except CheckpointError as exc:
             refusal = str(exc)
@@ -275,18 +370,18 @@ class Replicator:
         if refusal:
             return
         sizes = [min(self._chunk, e.size - o) for _, e in manifest.files for o in range(0, e.size, self._chunk)]
-        chunks = _Chunks(sizes, bufs, lambda view: dist.irecv(view, src, group=self._pg, tag=_TAG_DATA), self._timeout)
+        chunks = Chunks(sizes, bufs, lambda view: dist.irecv(view, src, group=self._pg, tag=_TAG_DATA), self._wait)
         failures = [f for key, entry in manifest.files if (f := self._receive_file(tier, key, entry, chunks))]
         if not failures:
             try:
                 tier.record(manifest)
                 if header["commit"] is not None:
-                    _adopt_commit(tier, header["commit"].encode())
+                    adopt_commit(tier, header["commit"].encode())
             except (CheckpointError, OSError) as exc:
                 failures.append(f"recording {manifest.generation} of {tier.uri} failed: {exc}")
         self._reply("; ".join(failures) or "ok", src, _TAG_ACK)
 
-    def _receive_file(self, tier: MemoryTier, key: str, entry: FileEntry, chunks: _Chunks) -> str | None:
+    def _receive_file(self, tier: MemoryTier, key: str, entry: FileEntry, chunks: Chunks) -> str | None:
         """Receive one file into the tier; why it was not published (a local failure: the rest of the
         file is still drained, so the transfer stays in step), or ``None``. Transport errors raise."""
         failure = None
@@ -314,66 +409,25 @@ class Replicator:
         return failure
 
 
-def _buffers(chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two chunk buffers: one is filled (or drained) while the other is on the wire."""
-    return torch.empty(chunk_bytes, dtype=torch.uint8), torch.empty(chunk_bytes, dtype=torch.uint8)
+_LIVE: set[Replicator] = set()
+"""Replicators whose threads run (the exit hook below stops those nobody closed)."""
+_LIVE_LOCK = threading.Lock()
 
 
-def _read_chunk(path: str, offset: int, view: torch.Tensor, sealed_size: int) -> None:
-    """Fill ``view`` with the bytes of ``path`` at ``offset``."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if os.preadv(fd, [view.numpy()], offset) != view.numel():
-            raise CheckpointError(f"{path} is shorter than its sealed {sealed_size} bytes")
-    finally:
-        os.close(fd)
+def _close_at_exit() -> None:
+    """Stop the threads of replicators nobody closed (the saver's exit drain, which runs before this
+    hook, closes its own after waiting for them), so that the interpreter's exit does not wait for them."""
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for replicator in live:
+        for line in replicator.close(0.0, "the process exited"):
+            sys.stderr.write(line + "\n")
 
 
-class _Chunks:
-    """The data chunks of one transfer, received in turn into alternating buffers: the receive of
-    chunk ``i + len(bufs)`` is posted as soon as chunk ``i`` has been consumed."""
-
-    def __init__(
-        self, sizes: list[int], bufs: tuple[torch.Tensor, ...], post: Callable[[torch.Tensor], dist.Work],
-        timeout: datetime.timedelta,
-    ) -> None:
-        self._sizes, self._bufs, self._post, self._timeout = sizes, bufs, post, timeout
-        self._posted: collections.deque[tuple[torch.Tensor, dist.Work]] = collections.deque()
-        self._next = 0
-        self._taken = False
-        for _ in bufs:
-            self._post_next()
-
-    def _post_next(self) -> None:
-        if self._next < len(self._sizes):
-            view = self._bufs[self._next % len(self._bufs)][: self._sizes[self._next]]
-            self._posted.append((view, self._post(view)))
-            self._next += 1
-
-    def take(self) -> memoryview:
-        """The next chunk's bytes, valid until the next ``take``."""
-        if self._taken:
-            self._post_next()  # the previous chunk's buffer is free again
-        view, work = self._posted.popleft()
-        work.wait(self._timeout)
-        self._taken = True
-        return memoryview(view.numpy())
+threading._register_atexit(_close_at_exit)  # type: ignore[attr-defined]  # before the threads are joined
+os.register_at_fork(after_in_child=_LIVE.clear)  # a forked child has none of its parent's threads
 
 
-def _adopt_commit(tier: MemoryTier, data: bytes) -> None:
-    """Write a peer's ``COMMIT`` unless this tier holds the same or a newer one (compare-and-swap, so a
-    commit of this node's own ranks racing it is never overwritten by an older record)."""
-    record = CommitRecord.decode(data)
-    while True:
-        try:
-            with open(tier.path_of(COMMIT), "rb") as f:
-                current: bytes | None = f.read()
-        except FileNotFoundError:
-            current = None
-        if current is not None and CommitRecord.decode(current).seq >= record.seq:
-            return
-        try:
-            asyncio.run(tier.commit(COMMIT, data, expected=current))
-            return
-        except CheckpointBusyError:
-            continue  # someone committed meanwhile: compare again
+def _settled(job: _Job) -> bool:
+    """Whether ``job`` is finished both ways: its level recorded and the peers' replicas received."""
+    return job.handle.finished(0) and job.received.is_set()

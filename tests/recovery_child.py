@@ -1,0 +1,164 @@
+"""One rank of a simulated multi-node job that saves into, or recovers from, node memory tiers
+(``tests/test_memory_recovery.py``).
+
+The parent starts :func:`run` in a process forked from a server that imported torch once (starting
+Python and torch per rank costs seconds), with this process's node in ``env`` (``TIERCKPT_NODE_ID``,
+``TIERCKPT_MEMORY_DIR``, ``TIERCKPT_MEMORY=on``). ``spec`` holds ``rank``, ``world``, ``port``, ``result`` (where this rank writes its JSON result),
+``layout`` (``"shard"``: DTensor ``Shard(0)`` over all ranks, as FSDP2 holds parameters; ``"replicate"``:
+plain full tensors, as DDP does; ``"fsdp2"`` / ``"ddp"``: a small transformer and its AdamW state, trained
+two steps before a save, compared with the full state saved beside the test, ``expected``) and either
+
+* ``saves``: a list of ``{"uri", "seed", "level"}``: each is saved with ``async_save`` and waited for
+  to ``level``; ``"kill_receiver": true`` on one makes that node's leader die when the first
+  replica file of it arrives (a node lost during replication); or
+* ``loads``: a list of ``{"uri", "seed"}``: each is loaded and compared bit-exactly with what
+  ``seed`` saved (or the error is reported), and the level recorded in this node's tier is read.
+
+The process ends with ``os._exit`` (no exit drain, no collective teardown): a crash, as far as the
+memory tier is concerned.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import Shard  # noqa: E402
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
+
+import tierckpt  # noqa: E402
+from scenarios import as_dtensor, assert_same, build, full_state, make_mesh, reference, train  # noqa: E402
+from tierckpt.store import memory_tier_of, open_store  # noqa: E402
+from tierckpt.tiers.levels import recorded_level  # noqa: E402
+from tierckpt.tiers.replica import Replicator  # noqa: E402
+
+SPECS = {"w": ((67, 24), torch.float32), "b16": ((33, 7), torch.bfloat16), "i": ((9,), torch.int64)}
+
+
+def full(name: str, seed: int) -> torch.Tensor:
+    shape, dtype = SPECS[name]
+    return reference(f"{name}-{seed}", shape, dtype)
+
+
+def state(layout: str, seed: int | None) -> dict:
+    """The model as this rank holds it: the values of ``seed``, or zeros to load into (``None``)."""
+    mesh = make_mesh((dist.get_world_size(),)) if layout == "shard" else None
+    model = {}
+    for name, (shape, dtype) in SPECS.items():
+        value = full(name, seed) if seed is not None else torch.zeros(shape, dtype=dtype)
+        model[name] = as_dtensor(value, mesh, [Shard(0)]) if mesh is not None else value
+    return {"model": model, "extra": {"step": -1 if seed is None else seed}}
+
+
+def model_state(layout: str, seed: int | None, expected: str) -> dict:
+    """A real module and optimizer (``fsdp2`` or ``ddp``): trained and its full state kept in ``expected``
+    when saving (``seed``), fresh when loading (``None``)."""
+    model, optim = build(layout, None, make_mesh((dist.get_world_size(),)), seed=0 if seed is not None else 1)
+    if seed is not None:
+        train(model, optim, 2, dist.get_rank())
+        full_sd = full_state(model, optim)
+        if dist.get_rank() == 0:
+            torch.save(full_sd, expected)
+    return {"model": model, "optim": optim, "extra": {"step": -1 if seed is None else seed}}
+
+
+def compare_model(loaded: dict, seed: int, expected: str) -> list[str]:
+    try:
+        assert_same(torch.load(expected), full_state(loaded["model"], loaded["optim"]))
+    except AssertionError as exc:
+        return [str(exc)]
+    return [] if loaded["extra"]["step"] == seed else ["extra.step"]
+
+
+def compare(loaded: dict, seed: int) -> list[str]:
+    """Names of the tensors (and objects) that differ from what ``seed`` saved, bit for bit."""
+    bad = []
+    for name, value in loaded["model"].items():
+        expected = full(name, seed)
+        if hasattr(value, "to_local"):
+            shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+            expected = expected[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
+            value = value.to_local()
+        if value.dtype != expected.dtype or not torch.equal(value.view(torch.uint8), expected.view(torch.uint8)):
+            bad.append(name)
+    if loaded["extra"]["step"] != seed:
+        bad.append("extra.step")
+    return bad
+
+
+def kill_on_first_replica_file() -> None:
+    def receive_file(self: Replicator, *args: object) -> None:
+        os._exit(9)
+
+    Replicator._receive_file = receive_file  # type: ignore[method-assign]
+
+
+def run(spec: dict, env: dict[str, str]) -> None:
+    """One rank: ``env`` is this rank's node; ends the process with ``os._exit``."""
+    os.environ.update(env)
+    try:
+        main(spec)
+    except BaseException:  # noqa: BLE001 - the parent reads the exit status and the output
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def main(spec: dict) -> None:
+    rank, world = spec["rank"], spec["world"]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    out: dict = {"started": time.monotonic() - spec["launched"], "node": os.environ["TIERCKPT_NODE_ID"], "saves": {}, "loads": {}}
+    for save in spec.get("saves", []):
+        if save.get("kill_receiver") and rank == spec["kill_rank"]:
+            kill_on_first_replica_file()
+        started = time.monotonic()
+        modules = spec["layout"] in ("fsdp2", "ddp")
+        saved = model_state(spec["layout"], save["seed"], spec["expected"]) if modules else state(spec["layout"], save["seed"])
+        handle = tierckpt.async_save(save["uri"], saved)
+        try:
+            meta = handle.wait(save["level"], timeout_s=60)
+            out["saves"][save["uri"]] = {"ok": True, "generation": meta.generation}
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out["saves"][save["uri"]] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        out["saves"][save["uri"]]["seconds"] = time.monotonic() - started
+    for load in spec.get("loads", []):
+        modules = spec["layout"] in ("fsdp2", "ddp")
+        target = model_state(spec["layout"], None, "") if modules else state(spec["layout"], None)
+        record: dict = {}
+        started = time.monotonic()
+        try:
+            monitor = tierckpt.Monitor()
+            tierckpt.load(load["uri"], target, monitor=monitor)
+            record["differs"] = compare_model(target, load["seed"], spec["expected"]) if modules else compare(target, load["seed"])
+            counts = monitor.summary()
+            record["bytes_read"] = counts.get("bytes_read", 0)
+            record["bytes_read_memory"] = counts.get("bytes_read_memory", 0)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            record["trace"] = traceback.format_exc()
+        record["seconds"] = time.monotonic() - started
+        tier = memory_tier_of(open_store(load["uri"]))
+        committed = tier.committed() if tier is not None else None
+        level = recorded_level(tier, committed.generation) if committed is not None else None
+        record["level"] = None if level is None else {"level": level.level.value, "reason": level.reason}
+        out["loads"][load["uri"]] = record
+    with open(spec["result"], "w") as f:
+        json.dump(out, f)
+    if not any(save.get("kill_receiver") for save in spec.get("saves", [])):
+        dist.barrier()  # rank 0 serves the group's store: it leaves last (with a node lost, nobody waits)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,176 @@
+"""Recovery from node memory with real process groups: 2 simulated nodes x 2 ranks on this machine.
+
+Each simulated node is a set of processes with their own ``TIERCKPT_NODE_ID`` and
+``TIERCKPT_MEMORY_DIR`` (``tests/recovery_child.py``); processes end with ``os._exit``, as in a crash.
+The URI's own store is a local directory that is deleted before every restart, so a restart can only
+read from the memory tiers. Checked: bit-exact loads (FSDP2-style ``Shard(0)`` DTensors, and plain
+replicated tensors as DDP holds them), after a crash of every process, after the loss of a whole node
+(with a fresh replacement node, and on the surviving node alone), and that a node lost during
+replication leaves the new checkpoint at ``memory`` while the previous, replicated one recovers.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+import recovery_child
+from distributed import free_port
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed.tensor", "tierckpt", "scenarios", "recovery_child"])
+
+
+class Job:
+    """One launch of ranks placed on simulated nodes (``nodes[r]``: rank ``r``'s node)."""
+
+    def __init__(self, workdir: Path, nodes: list[str], layout: str, extra_env: dict[str, str] | None = None, **spec: object) -> None:
+        self.workdir, self.nodes = workdir, nodes
+        port = free_port()
+        self.results = [workdir / f"result-{i}-{port}.json" for i in range(len(nodes))]
+        self.procs = []
+        for rank, node in enumerate(nodes):
+            env = {
+                "TIERCKPT_NODE_ID": node, "TIERCKPT_MEMORY_DIR": str(workdir / node / "shm"), "TIERCKPT_MEMORY": "on",
+                "TIERCKPT_MEMORY_BYTES": "256M", "OMP_NUM_THREADS": "1", **(extra_env or {}),
+            }
+            body = {"launched": time.monotonic(), "rank": rank, "world": len(nodes), "port": port, "layout": layout, "result": str(self.results[rank]), **spec}
+            proc = _CTX.Process(target=recovery_child.run, args=(body, env), daemon=True)
+            proc.start()
+            self.procs.append(proc)
+
+    def wait(self, ranks: list[int] | None = None, timeout_s: float = 90) -> list[dict]:
+        """The results of ``ranks`` (default all) once they exited (their output is in the test's)."""
+        out = []
+        for rank in ranks if ranks is not None else range(len(self.procs)):
+            proc = self.procs[rank]
+            proc.join(timeout_s)
+            if proc.is_alive():
+                self.kill()
+                raise AssertionError(f"rank {rank} did not finish within {timeout_s}s")
+            assert proc.exitcode == 0 and self.results[rank].exists(), f"rank {rank} exited {proc.exitcode} (output above)"
+            out.append(json.loads(self.results[rank].read_text()))
+        return out
+
+    def kill(self, ranks: list[int] | None = None) -> None:
+        for rank in ranks if ranks is not None else range(len(self.procs)):
+            proc = self.procs[rank]
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+
+
+def lose(workdir: Path, *nodes: str) -> None:
+    """The remote store becomes unreachable; ``nodes`` lose their memory (their processes are gone)."""
+    shutil.rmtree(workdir / "remote", ignore_errors=True)
+    for node in nodes:
+        shutil.rmtree(workdir / node, ignore_errors=True)
+
+
+TENSOR_BYTES = 67 * 24 * 4 + 33 * 7 * 2 + 9 * 8
+"""The bytes of the tensors recovery_child saves: a load reads each exactly once per group."""
+
+
+def assert_exact(results: list[dict], uri: str, tensor_bytes: int | None = TENSOR_BYTES) -> None:
+    for r in results:
+        load = r["loads"][uri]
+        assert "error" not in load, load.get("trace")
+        assert load["differs"] == [], f"{r['node']}: {load['differs']} differ from what was saved"
+        assert load["bytes_read"] == load["bytes_read_memory"], f"{r['node']} read from outside the memory tiers"
+    if tensor_bytes is not None:
+        assert sum(r["loads"][uri]["bytes_read"] for r in results) == tensor_bytes
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+def uri_of(workdir: Path, step: int) -> str:
+    return str(workdir / "remote" / f"step-{step}")
+
+
+def test_processes_killed_after_commit_restart_from_memory(workdir: Path) -> None:
+    uri = uri_of(workdir, 1)
+    nodes = ["node-0", "node-0", "node-1", "node-1"]
+    saved = Job(workdir, nodes, "shard", saves=[{"uri": uri, "seed": 1, "level": "memory"}]).wait()
+    assert all(r["saves"][uri]["ok"] for r in saved), saved
+    lose(workdir)  # every process is gone (os._exit after the commit), and the remote with them
+    unsealed = list((workdir / "node-1" / "shm").glob("*/manifests"))
+    assert unsealed
+    for manifests in unsealed:
+        shutil.rmtree(manifests)  # as if node-1's processes died before sealing their files
+    assert_exact(Job(workdir, nodes, "shard", loads=[{"uri": uri, "seed": 1}]).wait(), uri)
+
+
+def test_a_lost_node_is_rebuilt_from_its_peer_and_the_survivor_reshards(workdir: Path) -> None:
+    uri = uri_of(workdir, 1)
+    saved = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "shard",
+                saves=[{"uri": uri, "seed": 1, "level": "replicated"}]).wait()
+    assert all(r["saves"][uri]["ok"] for r in saved), saved
+    lose(workdir, "node-0")  # the node of rank 0, which wrote the metadata and COMMIT
+    # A fresh node takes the lost one's place (ranks 0 and 1): it holds nothing, it reads from node-1's memory.
+    fresh = Job(workdir, ["node-2", "node-2", "node-1", "node-1"], "shard", loads=[{"uri": uri, "seed": 1}]).wait()
+    assert_exact(fresh, uri)
+    assert [r["loads"][uri]["bytes_read"] > 0 for r in fresh] == [False, False, True, True]  # node-1 reads it all
+    assert fresh[2]["loads"][uri]["level"]["level"] == "replicated"
+    # The surviving node alone, 2 ranks, plain replicated tensors (DDP) instead of Shard(0) over 4.
+    alone = Job(workdir, ["node-1", "node-1"], "replicate", loads=[{"uri": uri, "seed": 1}]).wait()
+    assert_exact(alone, uri)
+
+
+def test_a_node_lost_during_replication_keeps_the_previous_checkpoint(workdir: Path) -> None:
+    old, new = uri_of(workdir, 1), uri_of(workdir, 2)
+    job = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "shard", kill_rank=2, saves=[
+        {"uri": old, "seed": 1, "level": "replicated"},
+        {"uri": new, "seed": 2, "level": "replicated", "kill_receiver": True},
+    ])
+    survivors = job.wait([0, 1])
+    job.kill([2, 3])  # node-1 is lost: its leader died receiving node-0's replica, the other rank with it
+    lose(workdir, "node-1")
+    for r in survivors:
+        assert r["saves"][old]["ok"], r
+        assert not r["saves"][new]["ok"] and "not replicated" in r["saves"][new]["error"], r
+    loaded = Job(workdir, ["node-0", "node-0"], "shard", loads=[{"uri": old, "seed": 1}, {"uri": new, "seed": 2}]).wait()
+    assert_exact(loaded, old)
+    for r in loaded:
+        assert r["loads"][old]["level"]["level"] == "replicated"
+        assert r["loads"][new]["level"]["level"] == "memory" and r["loads"][new]["level"]["reason"]
+        # node-1's files of it reached node-0 only if node-1's sender finished before it died: then the load
+        # is exact, else it fails naming the missing file; never wrong bytes.
+        assert "error" in r["loads"][new] or r["loads"][new]["differs"] == [], r["loads"][new]
+
+
+def test_one_node_says_why_replicated_is_not_available(workdir: Path) -> None:
+    uri = uri_of(workdir, 1)
+    saved = Job(workdir, ["node-0", "node-0"], "shard", saves=[{"uri": uri, "seed": 1, "level": "replicated"}]).wait()
+    for r in saved:
+        assert not r["saves"][uri]["ok"]
+        assert "not replicated: no peer holds a replica: the job spans one node" in r["saves"][uri]["error"], r
+    lose(workdir)
+    assert_exact(Job(workdir, ["node-0", "node-0"], "shard", loads=[{"uri": uri, "seed": 1}]).wait(), uri)
+
+
+def test_an_unreachable_s3_remote_from_save_to_recovery(workdir: Path) -> None:
+    down = {"TIERCKPT_S3_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    uri = "s3://bucket/run/step-1"
+    saved = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "shard", extra_env=down,
+                saves=[{"uri": uri, "seed": 1, "level": "replicated"}]).wait()
+    assert all(r["saves"][uri]["ok"] for r in saved), saved
+    lose(workdir, "node-1")
+    assert_exact(Job(workdir, ["node-0", "node-0"], "replicate", extra_env=down, loads=[{"uri": uri, "seed": 1}]).wait(), uri)
+
+
+def test_fsdp2_on_two_nodes_to_ddp_on_the_surviving_node(workdir: Path) -> None:
+    uri, expected = uri_of(workdir, 1), str(workdir / "expected.pt")
+    saved = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "fsdp2", expected=expected,
+                saves=[{"uri": uri, "seed": 1, "level": "replicated"}]).wait()
+    assert all(r["saves"][uri]["ok"] for r in saved), saved
+    lose(workdir, "node-0")
+    loaded = Job(workdir, ["node-1", "node-1"], "ddp", expected=expected, loads=[{"uri": uri, "seed": 1}]).wait()
+    assert_exact(loaded, uri, tensor_bytes=None)  # model and optimizer state, bit-exact, all from node-1's memory
