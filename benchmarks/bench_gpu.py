@@ -26,7 +26,6 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
 
 import torch
 

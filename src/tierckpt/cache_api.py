@@ -35,7 +35,6 @@ from .store import memory_config_for, open_cached_store, open_store
 from .tiers.config import MemoryConfig
 from .tiers.downlog import DownLog
 from .tiers.link import MemoryLink, tier_uri
-from .tiers.linkstatus import LinkStatus
 from .tiers.memory import MemoryTier, NodeMemory
 
 def open_tiered(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> Backend:

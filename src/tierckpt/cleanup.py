@@ -17,9 +17,11 @@ every save is left to ``tierckpt gc``.
 
 Guarantees kept:
 
-* A load racing the save finishes on a committed generation: a load that was reading a deleted
-  generation fails a step, sees that ``COMMIT`` moved and starts again on the newer one (the loader's
-  rule, unchanged: it never depended on when the deletion happens).
+* A load racing the save finishes on a committed generation. A superseded generation stays readable
+  for :data:`GRACE_S` after the commit that superseded it, so a load that began on it just before
+  finishes on it; a load that was still reading it later fails a step, sees that ``COMMIT`` moved and
+  starts again on the newer one (the loader's rule). The grace is a delay of the deletion only: what
+  is deleted is decided by commit sequences, never by a clock.
 * Sweeps of one URI in a process run one after the other (each waits for the one before), at
   background priority on the store's slots.
 * A sweep that fails (an unreachable store) is logged as a warning naming ``tierckpt gc``; the save
@@ -46,8 +48,15 @@ from .io.scheduler import get_scheduler
 
 logger = logging.getLogger("tierckpt")
 
+GRACE_S = 1.0
+"""Seconds a superseded generation stays readable after the commit that superseded it (sweeps of one URI
+run in commit order, each no earlier than its commit + ``GRACE_S``, so a fast save loop does not queue)."""
+
 EXIT_WAIT_S = 10.0
 """How long the exit drain waits for this process's pending sweeps."""
+
+_exiting = threading.Event()
+"""Set by the exit drain: pending sweeps skip the rest of their grace (this process's loads are over)."""
 
 _lock = threading.Lock()
 _pending: dict[str, concurrent.futures.Future[list[str]]] = {}
@@ -73,9 +82,10 @@ def sweep_after_commit(
     fails). ``find_leftovers``: then list ``uri`` and delete every other superseded generation.
     Returns a future of the generation names deleted; it never raises (failures are logged).
     """
+    due = time.monotonic() + GRACE_S
     with _lock:
         before = _pending.get(uri)
-        sweep = _sweep(backend, uri, committed, previous, before, find_leftovers)
+        sweep = _sweep(backend, uri, committed, previous, before, find_leftovers, due)
         try:
             future = get_scheduler().submit(sweep)
         except Exception as exc:  # noqa: BLE001 - the commit stands; a leftover is only space
@@ -98,11 +108,13 @@ def _forget(uri: str, future: concurrent.futures.Future[list[str]]) -> None:
 
 async def _sweep(
     backend: Backend, uri: str, committed: layout.CommitRecord, previous: str | None,
-    before: concurrent.futures.Future[list[str]] | None, find_leftovers: bool,
+    before: concurrent.futures.Future[list[str]] | None, find_leftovers: bool, due: float,
 ) -> list[str]:
     set_background()
     if before is not None:
         await asyncio.wait([asyncio.wrap_future(before)])
+    while not _exiting.is_set() and (left := due - time.monotonic()) > 0:  # the grace of loads on the old generation
+        await asyncio.sleep(min(left, 0.05))
     started = time.perf_counter()
     deleted: list[str] = []
     if previous and previous != committed.generation:
@@ -136,8 +148,11 @@ def pending() -> list[str]:
         return sorted(uri for uri, future in _pending.items() if not future.done())
 
 
-def wait_pending(timeout_s: float | None = None) -> list[str]:
-    """Wait up to ``timeout_s`` (``None``: no limit) for this process's sweeps; return the URIs still pending."""
+def wait_pending(timeout_s: float | None = None, *, exiting: bool = False) -> list[str]:
+    """Wait up to ``timeout_s`` (``None``: no limit) for this process's sweeps; return the URIs still pending.
+    ``exiting`` (the exit drain): the sweeps skip the rest of their grace."""
+    if exiting:
+        _exiting.set()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         with _lock:

@@ -104,7 +104,7 @@ def _drain_at_exit() -> None:
             handle.wait(timeout_s=max(0.0, deadline - time.monotonic()))
         except BaseException as exc:  # noqa: BLE001 - reported, exit goes on
             sys.stderr.write(f"tierckpt: the async save to {handle.uri} did not commit before exit: {describe_error(exc)}\n")
-    for uri in cleanup.wait_pending(cleanup.EXIT_WAIT_S):
+    for uri in cleanup.wait_pending(cleanup.EXIT_WAIT_S, exiting=True):
         sys.stderr.write(f"tierckpt: removing superseded generations of {uri} was cut short by the exit; the next "
                          f"save to it or `tierckpt gc {uri} --keep-last 1` removes them\n")
     # Replication started with each commit above: its wait counts from there, within its own limit.

@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
-from ..backends.base import UNCONDITIONAL, Unconditional
+from ..backends.base import Unconditional
 from ..comm import describe_error
 from ..errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, StorageError, TransientStorageError
 from ..io.scheduled import set_background
