@@ -188,3 +188,21 @@ def test_a_forked_child_does_not_wait_for_its_parents_removals(tmp_path: Path, g
     assert os.waitstatus_to_exitcode(status) == 0
     gated_removal.set()
     assert cleanup.wait_pending(60) == [] and len(generations(uri)) == 1
+
+
+def test_a_checkpoint_deleted_and_saved_afresh_keeps_its_new_generation(tmp_path: Path) -> None:
+    """A sweep decides what is superseded by the COMMIT found when it runs: a URI deleted and saved again
+    from scratch (its commit sequences start over) while the first history's sweep was still pending keeps
+    the new checkpoint's generation."""
+    import shutil
+
+    uri = str(tmp_path / "ckpt")
+    tierckpt.save(uri, make_state(1))
+    tierckpt.save(uri, make_state(2))  # its sweep (of step 1's generation) waits out its grace
+    shutil.rmtree(uri)
+    tierckpt.save(uri, make_state(3))  # a new history: sequence 1 again, below the pending sweep's record
+    fresh = record(uri)
+    assert cleanup.wait_pending(30) == []
+    assert generations(uri) == [fresh.generation]
+    loaded = tierckpt.load(uri, empty_state())
+    assert matches(loaded) and loaded["step"] == 3

@@ -10,7 +10,9 @@ every generation under the URI that :func:`tierckpt.layout.superseded_generation
 committed over the new record (leftovers of crashed, failed or losing saves, of earlier sweeps cut
 short by an exit, and generations kept by earlier ``keep_previous=True`` saves) — the same set
 ``tierckpt gc`` removes. Never the committed generation, never one whose commit sequence is higher
-(a save that started from the new record and may be in flight). A save with ``keep_previous=True``
+(a save that started from the new record and may be in flight); and nothing when the ``COMMIT`` found
+when the sweep runs is gone or older than the new record (the URI was deleted and may be saved afresh,
+its commit sequences starting over), nor the generation that ``COMMIT`` names. A save with ``keep_previous=True``
 starts no sweep. Through a node cache (a write-back store) only the previous generation is deleted
 (the cache defers the remote deletion until the new ``COMMIT`` is uploaded); listing the remote after
 every save is left to ``tierckpt gc``.
@@ -117,11 +119,15 @@ async def _sweep(
         await asyncio.sleep(min(left, 0.05))
     started = time.perf_counter()
     deleted: list[str] = []
-    if previous and previous != committed.generation:
+    current = await _current_commit(backend, uri)
+    if current is None or current.seq < committed.seq:
+        return deleted  # COMMIT gone or older: the URI was wiped (a new history may be starting): keep all
+    if previous and previous != current.generation:
         await _delete(backend, uri, previous, deleted)
     if find_leftovers:
         try:
-            leftovers = layout.superseded_generations(await backend.list(""), committed)
+            keys = await backend.list("")
+            leftovers = [g for g in layout.superseded_generations(keys, committed) if g != current.generation]
         except Exception as exc:  # noqa: BLE001 - a leftover is only space; gc finds it later
             logger.warning("listing %s for superseded generations failed (%s); the next save to it or "
                            "`tierckpt gc` removes any left", uri, describe_error(exc))
@@ -131,6 +137,18 @@ async def _sweep(
     logger.debug("removed %d superseded generation(s) of %s in %.3fs", len(deleted), uri,
                  time.perf_counter() - started)
     return deleted
+
+
+async def _current_commit(backend: Backend, uri: str) -> layout.CommitRecord | None:
+    """The ``COMMIT`` record under ``uri`` now (``None``: none, or unreadable). What is superseded is decided
+    against it, not against the record the sweep was started for: between the commit and the sweep the URI
+    may have been deleted and saved afresh, restarting the commit sequences."""
+    try:
+        return layout.CommitRecord.decode(await backend.get(layout.COMMIT))
+    except Exception as exc:  # noqa: BLE001 - nothing is deleted without a readable COMMIT
+        logger.debug("not removing superseded generations of %s: its COMMIT cannot be read (%s)", uri,
+                     describe_error(exc))
+        return None
 
 
 async def _delete(backend: Backend, uri: str, generation: str, deleted: list[str]) -> None:
