@@ -243,7 +243,7 @@ def report(args: argparse.Namespace, saves: list[dict[str, Any]], rec: dict[str,
     return "\n\n".join([
         f"`python benchmarks/bench_memory.py --gib {args.gib} --repeats {args.repeats} --steps {args.steps} "
         f"--every {args.every} --hidden {args.hidden}` (2 ranks, each its own simulated node; medians of "
-        f"{args.repeats}). Machine: {C.machine_info(disk)}",
+        f"{args.repeats}).\n\n{C.machine_info(disk)}",
         "Save (seconds, rank 0):\n\n" + C.md_table(["what", "seconds", "ratio"], rows),
         "Recovery in fresh processes, remote away for the memory cases (seconds, rank 0; peak RSS above the "
         "targets):\n\n" + C.md_table(["from", "seconds", "peak RSS", "ratio"], rec_rows),
