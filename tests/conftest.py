@@ -100,6 +100,26 @@ def s3_bucket_uri(s3_server: str) -> Iterator[str]:
     client.close()
 
 
+@pytest.fixture
+def proxy(s3_server: str):
+    """A fault-injecting reverse proxy in front of the moto server (``tests/fault_proxy.py``)."""
+    from fault_proxy import FaultProxy
+
+    p = FaultProxy(s3_server)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def uri(s3_server: str) -> str:
+    """``s3://<fresh bucket>/ckpt`` on the moto server (modules that test other stores define their own ``uri``)."""
+    import boto3
+
+    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/ckpt"
+
+
 # -- multi-rank worker pool --------------------------------------------------------------------------
 import sys as _sys
 from pathlib import Path as _Path

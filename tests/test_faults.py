@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,22 +50,6 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def retries_of(op: str) -> int:
     t = get_scheduler().metrics.snapshot().get(op)
     return 0 if t is None else t.retries
-
-
-@pytest.fixture
-def proxy(s3_server: str) -> Iterator[FaultProxy]:
-    p = FaultProxy(s3_server)
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def uri(s3_server: str) -> str:
-    import boto3
-
-    bucket = f"faults-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=bucket)
-    return f"s3://{bucket}/ckpt"
 
 
 def opts(endpoint: str, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:

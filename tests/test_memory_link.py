@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,22 +45,6 @@ def memdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def mem(memdir: Path, budget: int = 1 << 30, **kw: Any) -> MemoryConfig:
     return MemoryConfig(directory=str(memdir), budget_bytes=budget, exit_wait_s=0, **kw)
-
-
-@pytest.fixture
-def proxy(s3_server: str) -> Iterator[FaultProxy]:
-    p = FaultProxy(s3_server)
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def uri(s3_server: str) -> str:
-    import boto3
-
-    bucket = f"memlink-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=bucket)
-    return f"s3://{bucket}/ckpt"
 
 
 def s3(endpoint: str, memory: MemoryConfig | bool = False, cache: CacheConfig | bool = False) -> dict[str, Any]:

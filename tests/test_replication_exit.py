@@ -11,13 +11,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import free_port  # noqa: E402
+from processes import communicate_all  # noqa: E402
 
 CHILD = str(Path(__file__).parent / "exit_child.py")
 LIMIT_S = 150
@@ -33,17 +33,7 @@ def _run(mode: str, workdir: Path, world: int = 2, env: dict[str, str] | None = 
                      "TIERCKPT_MEMORY_BYTES": "512M", **(env or {})}
         procs.append(subprocess.Popen([sys.executable, CHILD, mode, str(workdir), str(rank), str(world), str(port)],
                                       env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = []
-    deadline = time.monotonic() + LIMIT_S
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"{mode}: a rank did not exit within {LIMIT_S} s")
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    return out
+    return communicate_all(procs, LIMIT_S, mode)
 
 
 def _levels(workdir: Path, node: str) -> dict[str, dict]:

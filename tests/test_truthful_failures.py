@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from fault_proxy import FaultProxy, Rule
-from test_faults import empty, make_state, opts, proxy, uri  # noqa: F401 - fixtures
+from test_faults import empty, make_state, opts
 
 import tierckpt
 from tierckpt.cli import main as cli_main

@@ -24,6 +24,7 @@ from tierckpt.cache import CacheConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import free_port  # noqa: E402
+from processes import communicate_all  # noqa: E402
 from fault_proxy import FaultProxy, Rule  # noqa: E402
 from writeback_child import state  # noqa: E402
 
@@ -60,17 +61,7 @@ def _run(mode: str, uri: str, world: int, cache_dir: Path, *, cache: str = "on",
     procs = [subprocess.Popen([sys.executable, CHILD, mode, uri, str(r), str(world), str(port), cache],
                               env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
-    out = []
-    deadline = time.monotonic() + limit_s
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"{mode} to {uri}: the process did not exit within {limit_s} s (hang at exit)")
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    return out
+    return communicate_all(procs, limit_s, f"{mode} to {uri}")
 
 
 def _load_remote(uri: str, step: int, world: int) -> None:
