@@ -12,7 +12,8 @@ import pytest
 
 from tierckpt import layout
 from tierckpt.backends import LocalBackend
-from tierckpt.cache import CacheConfig, TieredBackend
+from tierckpt.cache import CacheConfig
+from tierckpt.store import node_cache_over
 from tierckpt.cache.records import (
     BlockRecord, CommitOrder, GenRecord, GenState, ObjRecord, Op, PendingOp, Tree,
 )
@@ -79,7 +80,7 @@ async def test_a_catalogue_in_the_stored_json_form_is_uploaded_by_sync(tmp_path:
     that depends on it (compare-and-swap against no COMMIT) reach the remote through ``sync()``."""
     remote = LocalBackend(str(tmp_path / "remote"))
     config = CacheConfig(directory=str(tmp_path / "cache"), exit_wait_s=0, poll_s=0.01)
-    store = TieredBackend(remote, config)
+    store = node_cache_over(remote, config)
     gen = layout.new_generation()
     data_key, data = f"{gen}/data/rank-00000.bin", os.urandom(5000)
     record = layout.CommitRecord(gen, 1.0).encode()

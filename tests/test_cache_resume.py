@@ -17,7 +17,8 @@ import torch
 import tierckpt
 from tierckpt import layout
 from tierckpt.backends import LocalBackend
-from tierckpt.cache import CacheConfig, TieredBackend
+from tierckpt.cache import CacheConfig
+from tierckpt.store import node_cache_over
 from tierckpt.cache_api import status, sync
 from tierckpt.io import get_scheduler
 
@@ -27,7 +28,8 @@ SAVER = textwrap.dedent(
     import torch
     import tierckpt
     from tierckpt.backends import LocalBackend
-    from tierckpt.cache import CacheConfig, TieredBackend
+    from tierckpt.cache import CacheConfig
+    from tierckpt.store import node_cache_over
 
     class StuckRemote(LocalBackend):
         '''Uploads of data files never finish: the process is killed while they are pending.'''
@@ -42,7 +44,7 @@ SAVER = textwrap.dedent(
 
     remote_dir, cache_dir = sys.argv[1], sys.argv[2]
     config = CacheConfig(directory=cache_dir, exit_wait_s=0, poll_s=0.01)
-    tierckpt.saver.open_store = lambda uri, options=None: TieredBackend(StuckRemote(uri), config)
+    tierckpt.saver.open_store = lambda uri, options=None: node_cache_over(StuckRemote(uri), config)
     torch.manual_seed(0)
     state = {"w": torch.randn(256, 256), "b": torch.arange(1000), "step": 7}
     tierckpt.async_save(remote_dir, state).wait()  # write-back: committed in the node cache
@@ -55,11 +57,12 @@ READER = textwrap.dedent(
     """
     import hashlib, random, sys
     from tierckpt.backends import LocalBackend
-    from tierckpt.cache import CacheConfig, TieredBackend
+    from tierckpt.cache import CacheConfig
     from tierckpt.io import get_scheduler
+    from tierckpt.store import node_cache_over
 
     remote_dir, cache_dir, expected = sys.argv[1], sys.argv[2], sys.argv[3]
-    store = TieredBackend(LocalBackend(remote_dir), CacheConfig(directory=cache_dir, block_bytes=65536, exit_wait_s=0))
+    store = node_cache_over(LocalBackend(remote_dir), CacheConfig(directory=cache_dir, block_bytes=65536, exit_wait_s=0))
     run = get_scheduler().run
     size = run(store.size("big.bin"))
     rng = random.Random()
@@ -119,7 +122,7 @@ def test_two_processes_share_one_cache_dir(tmp_path: Path) -> None:
         assert p.returncode == 0 and out.strip() == "OK", err
     assert time.monotonic() - started < 120
     # The cache is consistent afterwards: a third reader is served without the remote.
-    store = TieredBackend(LocalBackend(str(remote_dir)), CacheConfig(directory=str(cache_dir), block_bytes=65536,
+    store = node_cache_over(LocalBackend(str(remote_dir)), CacheConfig(directory=str(cache_dir), block_bytes=65536,
                                                                      exit_wait_s=0))
     os.rename(remote_dir, tmp_path / "gone")
     assert get_scheduler().run(store.get_range("big.bin", 0, 2**20)) == data[: 2**20]

@@ -42,6 +42,7 @@ class TieredMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.run(self.store.cancel_uploads())
+        self.uploader.catalog.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     @rule(key=KEYS, data=DATA)

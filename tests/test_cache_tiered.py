@@ -19,10 +19,10 @@ from tierckpt import layout
 from tierckpt.backends import LocalBackend
 from tierckpt.backends.base import ObjectWriter
 from tierckpt.cache import CacheConfig, TieredBackend
+from tierckpt.store import node_cache_over
 from tierckpt.cache_api import gc, open_tiered, prefetch, status, wait
 from tierckpt.cache.config import parse_bytes
 from tierckpt.cache.records import Op
-from tierckpt.cache.uploader import Uploader
 from tierckpt.errors import CorruptCheckpointError, StorageError
 
 
@@ -84,7 +84,7 @@ class CountingBackend(LocalBackend):
 class TestTieredOverLocal(BackendContract):
     @pytest.fixture
     def backend(self, tmp_path: Path) -> TieredBackend:
-        return TieredBackend(LocalBackend(str(tmp_path / "remote")), make_config(tmp_path))
+        return node_cache_over(LocalBackend(str(tmp_path / "remote")), make_config(tmp_path))
 
     async def test_everything_reaches_the_remote(self, backend: TieredBackend) -> None:
         await backend.put("a/1", b"one")
@@ -118,7 +118,7 @@ def remote(tmp_path: Path) -> CountingBackend:
 
 @pytest.fixture
 def store(remote: CountingBackend, tmp_path: Path) -> TieredBackend:
-    return TieredBackend(remote, make_config(tmp_path))
+    return node_cache_over(remote, make_config(tmp_path))
 
 
 async def test_write_back_is_local_first_then_remote(remote: CountingBackend, store: TieredBackend) -> None:
@@ -196,7 +196,7 @@ async def test_second_read_does_not_touch_the_remote(remote: CountingBackend, st
     assert bytes(buf) == big[100_000:101_000]
     assert len(remote.reads()) == before
     # A new instance (another process would be the same) reads from the disk tier.
-    again = TieredBackend(remote, make_config(tmp_path))
+    again = node_cache_over(remote, make_config(tmp_path))
     assert await again.get("small") == small
     assert await again.get_range("big", 65_536, 131_072) == big[65_536:131_072]
     assert len(remote.reads()) == before
@@ -215,7 +215,7 @@ async def test_corrupted_cache_entries_are_refetched(remote: CountingBackend, st
     Path(store.fetched.path_of("small")).write_bytes(b"X" * 1000)  # same size, wrong bytes
     block_path = Path(store._blocks.path_of(store._block_key("big", 0)))
     block_path.write_bytes(b"Y" * 100)  # truncated
-    fresh = TieredBackend(remote, make_config(tmp_path))
+    fresh = node_cache_over(remote, make_config(tmp_path))
     before = len(remote.reads())
     assert await fresh.get("small") == small
     assert await fresh.get_range("big", 0, 10) == big[:10]
@@ -230,7 +230,7 @@ async def test_corrupt_unuploaded_data_raises(remote: CountingBackend, store: Ti
     await store.cancel_uploads()  # as if the process had died: the upload stays pending
     Path(store.written.path_of("g-1/data/x")).write_bytes(b"q" * 100)
     with pytest.raises(CorruptCheckpointError, match="has not reached the remote"):
-        await TieredBackend(remote, make_config(tmp_path)).get("g-1/data/x")
+        await node_cache_over(remote, make_config(tmp_path)).get("g-1/data/x")
     remote.gate.set()
     with pytest.raises(StorageError, match="CRC-32C"):
         await store.sync()
@@ -239,7 +239,7 @@ async def test_corrupt_unuploaded_data_raises(remote: CountingBackend, store: Ti
 
 async def test_eviction_keeps_pending_data(remote: CountingBackend, tmp_path: Path) -> None:
     config = make_config(tmp_path, disk_bytes=100_000)
-    store = TieredBackend(remote, config)
+    store = node_cache_over(remote, config)
     remote.gate.clear()
     remote.hold = lambda key: key.startswith("pending/")
     for i in range(4):
@@ -332,7 +332,7 @@ def test_prefetch_only_some_tensors_and_gc(tmp_path: Path, monkeypatch: pytest.M
         tierckpt.save(str(root / f"step-{step}"), state)
     handle = prefetch(str(root / "step-400"), only=["a.*"], progress=False, config=config)
     assert handle.result(timeout=60) == handle.bytes_total > 0
-    store = TieredBackend(LocalBackend(str(root / "step-400")), config)
+    store = node_cache_over(LocalBackend(str(root / "step-400")), config)
     gen = layout.CommitRecord.decode((root / "step-400" / "COMMIT").read_bytes()).generation
     data_key = f"{gen}/data/rank-00000.bin"
     size = (root / "step-400" / gen / "data" / "rank-00000.bin").stat().st_size
@@ -458,7 +458,7 @@ def test_a_rewritten_key_publishes_only_its_last_version(remote: CountingBackend
 def test_upload_while_writing_can_be_turned_off(remote: CountingBackend, tmp_path: Path, small_parts) -> None:
     from tierckpt.io.scheduler import get_scheduler
 
-    store = TieredBackend(remote, make_config(tmp_path, upload_while_writing=False))
+    store = node_cache_over(remote, make_config(tmp_path, upload_while_writing=False))
     key = "g-1/data/rank-00000.bin"
     parts = [os.urandom(PART) for _ in range(3)]
     assert _write_parts(store, key, parts[:1] + parts[1:], "close") == 0  # waited the full 5 s: nothing moved
@@ -476,8 +476,8 @@ def test_a_root_lists_what_nested_roots_have_not_uploaded_yet(tmp_path: Path) ->
     step_remote = CountingBackend(str(tmp_path / "remote" / "step-1"))
     step_remote.gate.clear()
     step_remote.hold = lambda key: True
-    step = TieredBackend(step_remote, config)
-    run = TieredBackend(LocalBackend(str(tmp_path / "remote")), config)
+    step = node_cache_over(step_remote, config)
+    run = node_cache_over(LocalBackend(str(tmp_path / "remote")), config)
     sched.run(step.put("g-1/data/rank-00000.bin", b"x" * 100))
     sched.run(step.commit("COMMIT", layout.CommitRecord("g-1", 0.0).encode()))
     assert sched.run(run.list("")) == ["step-1/COMMIT", "step-1/g-1/data/rank-00000.bin"]
@@ -501,9 +501,8 @@ def test_deleting_a_step_through_the_root_drops_what_its_own_uri_has_pending(tmp
     step_remote = CountingBackend(str(tmp_path / "remote" / "step-1"))
     step_remote.gate.clear()
     step_remote.hold = lambda key: True
-    uploader = Uploader(config.directory, config.upload_concurrency, config.exit_wait_s)  # as open_store shares it
-    step = TieredBackend(step_remote, config, uploader)
-    run = TieredBackend(LocalBackend(str(tmp_path / "remote")), config, uploader)
+    step = node_cache_over(step_remote, config)  # both share the directory's one uploader
+    run = node_cache_over(LocalBackend(str(tmp_path / "remote")), config)
     data_key = "g-1/data/rank-00000.bin"
     sched.run(step.put(data_key, b"x" * 100))
     sched.run(step.commit("COMMIT", layout.CommitRecord("g-1", 0.0).encode(), after={data_key: 100}))

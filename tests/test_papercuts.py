@@ -19,7 +19,8 @@ import tierckpt
 from tierckpt import cli, layout
 from tierckpt.backends import LocalBackend
 from tierckpt.backends.files import write_error
-from tierckpt.cache import CacheConfig, TieredBackend
+from tierckpt.cache import CacheConfig
+from tierckpt.store import node_cache_over
 from tierckpt.cache.config import default_directory
 from tierckpt.errors import (
     CheckpointError, CheckpointNotFoundError, StorageError, StoragePermissionError, UnsupportedURIError,
@@ -139,7 +140,7 @@ def test_failed_upload_error_names_the_sync_command(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "a-file").write_bytes(b"x")
     remote = str(tmp_path / "a-file" / "remote")  # every upload fails: a file stands where a directory goes
-    store = TieredBackend(LocalBackend(remote), CacheConfig.from_env(poll_s=0.01, exit_wait_s=0))
+    store = node_cache_over(LocalBackend(remote), CacheConfig.from_env(poll_s=0.01, exit_wait_s=0))
     get_scheduler().run(store.put("obj", b"payload"))
 
     assert cli.main(["wait", remote, "--timeout", "60"]) == cli.EXIT_ERROR

@@ -30,7 +30,8 @@ from tierckpt.errors import CheckpointError  # noqa: E402
 from tierckpt.io.scheduled import ScheduledBackend  # noqa: E402
 from tierckpt.io.scheduler import get_scheduler  # noqa: E402
 from tierckpt.store import (  # noqa: E402
-    cache_config_for, durability_of, memory_config_for, memory_tier_of, open_cached_store, open_store,
+    cache_config_for, durability_of, memory_config_for, memory_tier_of, node_cache_over, open_cached_store, open_store,
+    uploader_of,
 )
 from tierckpt.tiers import MemoryConfig  # noqa: E402
 from tierckpt.tiers.link import MemoryLink  # noqa: E402
@@ -284,3 +285,41 @@ def test_links_of_one_remote_share_one_priority_queue(tmp_path: Path) -> None:
     assert sched._slot(a.queue) is sched._slot(b.queue)
     ops = [r for r in sched.metrics.records() if r.backend.rstrip("/") == a.root_uri and r.key == "k"]
     assert {r.op for r in ops} >= {"put", "get"}
+
+
+def test_one_uploader_and_catalogue_per_cache_directory(tmp_path: Path) -> None:
+    """Every store of a cache directory shares the process's one uploader and catalogue handle, whatever
+    spelling names the directory (LMDB refuses a second handle in a process)."""
+    config = CacheConfig(directory=str(tmp_path / "cache"), exit_wait_s=0)
+    spelled_apart = CacheConfig(directory=str(tmp_path / "x" / ".." / "cache") + "/", exit_wait_s=0)
+    a = node_cache_over(LocalBackend(str(tmp_path / "r1")), config)
+    b = node_cache_over(LocalBackend(str(tmp_path / "r2")), spelled_apart)
+    assert a.uploader is b.uploader is uploader_of(config) and a.catalog is b.catalog
+    with pytest.raises(ValueError, match="cannot serve the cache"):
+        TieredBackend(LocalBackend(str(tmp_path / "r3")), CacheConfig(directory=str(tmp_path / "other")), a.uploader)
+
+
+def test_a_forked_child_opens_the_cache_its_parent_has_open(tmp_path: Path) -> None:
+    """A forked child lets go of its parent's catalogue handle (LMDB handles must not cross a fork) and
+    writes through the node cache with its own; the parent's handle keeps working and sees the write."""
+    import os
+
+    config = CacheConfig(directory=str(tmp_path / "cache"), exit_wait_s=0)
+    sched = get_scheduler()
+    parent = node_cache_over(LocalBackend(str(tmp_path / "r")), config)
+    sched.run(parent.put("a", b"from the parent"))
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 only if its write through the cache reached the remote
+        code = 1
+        try:
+            child = node_cache_over(LocalBackend(str(tmp_path / "r")), config)
+            sched_child = get_scheduler()
+            sched_child.run(child.put("b", b"from the child"))
+            sched_child.run(child.wait_durable(timeout_s=30))
+            code = 0 if sched_child.run(child.get("a")) == b"from the parent" else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert (tmp_path / "r" / "b").read_bytes() == b"from the child"
+    assert parent.catalog.roots() and sched.run(parent.get("b")) == b"from the child"

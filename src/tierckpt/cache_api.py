@@ -24,14 +24,13 @@ from typing import Any
 
 from . import layout
 from .backends import Backend
-from .cache.catalog import Catalog
 from .cache.config import CacheConfig
 from .cache.status import StoreStatus
 from .cache.tiered import TieredBackend
 from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import get_scheduler
 from .loader import read_checkpoint, read_pieces
-from .store import memory_config_for, open_cached_store, open_store
+from .store import memory_config_for, open_cached_store, open_store, uploader_of
 from .tiers.config import MemoryConfig
 from .tiers.downlog import DownLog
 from .tiers.link import MemoryLink, tier_uri
@@ -103,7 +102,7 @@ def sync(uri: str | None = None, config: CacheConfig | None = None, timeout_s: f
     if uri is not None:
         uris = [uri]
     else:
-        catalog = Catalog(config.directory)
+        catalog = uploader_of(config).catalog
         roots = catalog.roots()
         uris = sorted({roots[rh] for rh, _, _ in catalog.pending_all() if rh in roots} | set(_memory_only()))
     sched = get_scheduler()

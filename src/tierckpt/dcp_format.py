@@ -52,7 +52,7 @@ import crc32c
 import torch
 
 from .backends import Backend
-from .backends.base import validate_key
+from .keys import validate_key
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from .io.scheduler import ReadRequest, get_scheduler
 from .metadata import (

@@ -44,16 +44,18 @@ from .tiers.memory import MemoryTier, NodeMemory
 
 __all__ = [
     "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s",
-    "memory_config_for", "memory_keys_under", "memory_levels", "memory_tier_of", "node_only_reason", "open_cached_store",
-    "open_store", "without_node_cache",
+    "memory_config_for", "memory_keys_under", "memory_levels", "memory_tier_of", "node_cache_over",
+    "node_only_reason", "open_cached_store", "open_store", "uploader_of", "without_node_cache",
 ]
 
 LOCAL_SCHEMES = ("", "file", "memory")
 
-_UPLOADERS: dict[str, Uploader] = {}
-"""This process's uploader of each node-cache directory, shared by every store open_store builds over it
-(one task per pending key, one upload limit, one exit drain). Dropped in a forked child."""
 """Schemes that are never cached: the URI's own store is already on this node (or in this process)."""
+
+_UPLOADERS: dict[str, Uploader] = {}
+"""This process's uploader of each node-cache directory (by real path), shared by every store open_store
+builds over it (its catalogue handle, one task per pending key, one upload limit, one exit drain).
+Dropped in a forked child."""
 
 
 @runtime_checkable
@@ -142,16 +144,23 @@ def open_cached_store(uri: str, options: dict[str, Any], config: CacheConfig) ->
     """The chain of ``uri`` behind the node cache ``config``, whatever :func:`cache_config_for` says (the
     node cache's own commands: status, sync, prefetch, gc on any URI). ``options`` go to the backend."""
     options = {k: v for k, v in options.items() if k != "memory"}  # the memory tier is open_store's
-    remote = ScheduledBackend(open_plain_backend(uri, **options))  # slots, retries, metrics
-    return TieredBackend(remote, config, _uploader(config))  # write-back journal + read-through tiers
+    return node_cache_over(open_plain_backend(uri, **options), config)
 
 
-def _uploader(config: CacheConfig) -> Uploader:
-    uploader = _UPLOADERS.get(config.directory)
+def node_cache_over(remote: Backend, config: CacheConfig) -> TieredBackend:
+    """The node cache ``config`` (write-back journal + read-through tiers) in front of the open backend
+    ``remote``, behind its scheduling link (slots, retries, metrics)."""
+    return TieredBackend(ScheduledBackend(remote), config, uploader_of(config))
+
+
+def uploader_of(config: CacheConfig) -> Uploader:
+    """This process's one :class:`Uploader` of the node cache ``config`` names, with the directory's
+    catalogue: every store and command of the directory goes through it (LMDB allows one handle per
+    process)."""
+    directory = os.path.realpath(config.directory)
+    uploader = _UPLOADERS.get(directory)
     if uploader is None:
-        uploader = _UPLOADERS[config.directory] = Uploader(
-            config.directory, config.upload_concurrency, config.exit_wait_s
-        )
+        uploader = _UPLOADERS[directory] = Uploader(config.directory, config.upload_concurrency, config.exit_wait_s)
     uploader.exit_wait_s = max(uploader.exit_wait_s, config.exit_wait_s)
     return uploader
 
@@ -229,7 +238,10 @@ def memory_keys_under(root: str, memory: Any = None) -> list[str]:
 
 
 def _forget_after_fork() -> None:
-    """A forked child has none of its parent's upload tasks."""
+    """A forked child has none of its parent's upload tasks, and must not use its parent's catalogue
+    handles (LMDB): it lets go of them, and opens its own when it needs one."""
+    for uploader in _UPLOADERS.values():
+        uploader.catalog.close()
     _UPLOADERS.clear()
 
 

@@ -25,7 +25,8 @@ from typing import Any
 import fsspec
 
 from ..errors import CheckpointError, UnsupportedURIError
-from .base import Backend, Capabilities, ObjectWriter, validate_key
+from ..keys import validate_key
+from .base import Backend, Capabilities, ObjectWriter
 from .fsspec_backend import FsspecBackend
 from .s3 import S3Backend
 from .local import LocalBackend

@@ -30,7 +30,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError
-from ..keys import validate_key as validate_key  # the key rule, where the backends import it from
 
 
 class Unconditional(enum.Enum):

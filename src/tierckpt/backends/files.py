@@ -28,7 +28,8 @@ from ..errors import (
     StoragePermissionError,
     UnsupportedURIError,
 )
-from .base import UNCONDITIONAL, Unconditional, validate_key
+from ..keys import validate_key
+from .base import UNCONDITIONAL, Unconditional
 
 _TEMP_SUFFIX = ".partial"
 _LOCK_SUFFIX = ".lock"

@@ -40,9 +40,8 @@ from ..errors import (
     TransientStorageError,
     UnsupportedURIError,
 )
-from .base import (
-    UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Unconditional, check_expected, validate_key,
-)
+from ..keys import validate_key
+from .base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Unconditional, check_expected
 from .files import check_prefix, check_range, is_temp_name, range_past_end, temp_name
 
 _T = TypeVar("_T")

@@ -28,9 +28,8 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import CorruptCheckpointError
-from .base import (
-    UNCONDITIONAL, Backend, Capabilities, ObjectWriter, ReadsInto, Unconditional, commit_refused, validate_key,
-)
+from ..keys import validate_key
+from .base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, ReadsInto, Unconditional, commit_refused
 from .files import (
     WRITEBACK_BATCH_BYTES,
     WRITEBACK_PAGE_BYTES,

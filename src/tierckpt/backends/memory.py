@@ -21,7 +21,8 @@ from ..errors import (
     CorruptCheckpointError,
     UnsupportedURIError,
 )
-from .base import UNCONDITIONAL, Backend, ObjectWriter, Unconditional, commit_refused, validate_key
+from ..keys import validate_key
+from .base import UNCONDITIONAL, Backend, ObjectWriter, Unconditional, commit_refused
 from .files import check_prefix, check_range, range_past_end
 
 _SCHEME = "memory://"

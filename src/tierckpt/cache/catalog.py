@@ -30,7 +30,6 @@ Lifecycle of a written object (the process that writes it):
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -47,42 +46,27 @@ _DBS = ("roots", "objs", "blocks", "sizes", "pending", "gens", "meta")
 
 R = TypeVar("R")
 
-_envs: dict[str, tuple[lmdb.Environment, dict[str, Any]]] = {}
-_envs_lock = threading.Lock()
-
-
-def _forget_after_fork() -> None:
-    global _envs_lock
-    _envs.clear()  # an LMDB environment must not be used across fork: the child reopens it
-    _envs_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
-
 
 def _open_env(path: str) -> tuple[lmdb.Environment, dict[str, Any]]:
-    """The process's one handle on the environment at ``path`` and its named databases.
+    """A handle on the environment at ``path`` and its named databases.
 
-    LMDB forbids opening an environment twice in a process. The databases are opened once, inside an
-    explicit write transaction: ``open_db`` without one takes the writer lock while holding the GIL,
-    which deadlocks against a thread that holds the writer lock and needs the GIL to finish.
+    LMDB forbids opening an environment twice in a process: the one :class:`~tierckpt.cache.uploader.Uploader`
+    of each cache directory (shared through :func:`tierckpt.store.open_store`) owns its catalogue. The
+    databases are opened once, inside an explicit write transaction: ``open_db`` without one takes the
+    writer lock while holding the GIL, which deadlocks against a thread that holds the writer lock and
+    needs the GIL to finish.
     """
-    with _envs_lock:
-        cached = _envs.get(path)
-        if cached is None:
-            os.makedirs(path, exist_ok=True)
-            try:
-                env = lmdb.open(path, map_size=MAP_SIZE, max_dbs=len(_DBS), sync=False, metasync=False,
-                                max_readers=512)
-                with env.begin(write=True) as txn:
-                    dbs = {name: env.open_db(name.encode(), txn=txn) for name in _DBS}
-            except lmdb.Error as exc:
-                raise StorageError(
-                    f"cannot open the cache catalogue {path}: {exc}; check the permissions of the cache "
-                    "directory or point TIERCKPT_CACHE_DIR elsewhere"
-                ) from exc
-            cached = _envs[path] = (env, dbs)
-        return cached
+    os.makedirs(path, exist_ok=True)
+    try:
+        env = lmdb.open(path, map_size=MAP_SIZE, max_dbs=len(_DBS), sync=False, metasync=False, max_readers=512)
+        with env.begin(write=True) as txn:
+            dbs = {name: env.open_db(name.encode(), txn=txn) for name in _DBS}
+    except lmdb.Error as exc:
+        raise StorageError(
+            f"cannot open the cache catalogue {path}: {exc}; check the permissions of the cache "
+            "directory or point TIERCKPT_CACHE_DIR elsewhere"
+        ) from exc
+    return env, dbs
 
 
 def pid_alive(pid: int) -> bool:
@@ -112,6 +96,10 @@ class Catalog:
     def __init__(self, directory: str) -> None:
         self.path = os.path.join(directory, "catalog.lmdb")
         self.env, self._db = _open_env(self.path)
+
+    def close(self) -> None:
+        """Let go of the environment (a forked child must, before it opens the catalogue again)."""
+        self.env.close()
 
     # -- helpers -------------------------------------------------------------------------------
     def _scan(self, txn: lmdb.Transaction, db: str, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:

@@ -18,7 +18,7 @@ import crc32c
 
 from ..backends.files import check_prefix, check_range, range_past_end, unlink
 from ..backends.local import LocalBackend
-from ..backends.base import validate_key
+from ..keys import validate_key
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError
 from .local_files import read_file
 from .records import ObjRecord, Op, PendingOp, Tree

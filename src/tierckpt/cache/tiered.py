@@ -56,9 +56,7 @@ from types import MappingProxyType
 import crc32c
 
 from .. import layout
-from ..backends.base import (
-    UNCONDITIONAL, Backend, ObjectWriter, ReadsInto, Unconditional, commit_refused, validate_key,
-)
+from ..backends.base import UNCONDITIONAL, Backend, ObjectWriter, ReadsInto, Unconditional, commit_refused
 from ..backends.files import discard, fsync_dir, open_temp, unlink, write_all
 from ..backends.local import LocalBackend
 from ..errors import (
@@ -66,7 +64,7 @@ from ..errors import (
 )
 from ..io.scheduled import ScheduledBackend
 from ..io.scheduler import get_scheduler
-from .catalog import Catalog
+from ..keys import validate_key
 from .config import CacheConfig
 from .durable import DurableMixin
 from .local_files import MemoryTier
@@ -142,15 +140,19 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
     schedules_itself = True
     """Its remote calls go through its scheduling link; callers add no slots or retries of their own."""
 
-    def __init__(self, remote: Backend, config: CacheConfig | None = None, uploader: Uploader | None = None) -> None:
+    def __init__(self, remote: Backend, config: CacheConfig, uploader: Uploader) -> None:
         super().__init__(remote.root_uri)
         self.link = remote if isinstance(remote, ScheduledBackend) else ScheduledBackend(remote)
         """The remote behind its scheduling link (every network call of this tier goes through it)."""
         self.remote = self.link.inner
-        self.config = config or CacheConfig.from_env()
+        self.config = config
         self.capabilities = remote.capabilities
         self.rh = root_hash(remote.root_uri)
-        self.catalog = Catalog(self.config.directory)
+        if os.path.realpath(uploader.directory) != os.path.realpath(config.directory):
+            raise ValueError(f"the uploader of {uploader.directory} cannot serve the cache {config.directory}")
+        self.uploader = uploader
+        """This process's uploads and catalogue of the cache directory (one per directory: store.uploader_of)."""
+        self.catalog = uploader.catalog
         self.catalog.register_root(self.rh, remote.root_uri)
         d = self.config.directory
         self.written = LocalBackend(os.path.join(d, "objects", self.rh))
@@ -158,8 +160,6 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
         self._blocks = LocalBackend(os.path.join(d, "blocks", self.rh))
         self._memory = MemoryTier(self.config.memory_bytes, self.config.memory_object_bytes)
         self._files_checked: set[str] = set()
-        self.uploader = uploader or Uploader(d, self.config.upload_concurrency, self.config.exit_wait_s)
-        """This process's uploads through the cache directory (shared by the stores open_store builds)."""
 
     def __repr__(self) -> str:
         return f"TieredBackend({self.remote!r}, cache={self.config.directory!r})"

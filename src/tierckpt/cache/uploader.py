@@ -1,7 +1,7 @@
 """The :class:`Uploader`: what this process has in flight through one node-cache directory.
 
-One per process and cache directory (:func:`tierckpt.store.open_store` shares it between every store
-of that directory), it owns the upload task of each pending key, the uploads that follow a file
+One per process and cache directory (:func:`tierckpt.store.uploader_of` keeps it and shares it between
+every store of that directory), it owns the directory's catalogue (LMDB allows one handle per process), the upload task of each pending key, the uploads that follow a file
 while it is written (``tail_upload``), the limit on concurrent uploads, the files already checked,
 and the exit drain's wait for them. Everything in it is touched on the I/O scheduler's loop, except
 the checked-files set, which has its own lock.
@@ -28,6 +28,8 @@ class Uploader:
 
     def __init__(self, directory: str, upload_concurrency: int, exit_wait_s: float) -> None:
         self.directory = directory
+        self.catalog = Catalog(directory)
+        """The catalogue of the directory: this process's one handle on it (LMDB allows no second)."""
         self.upload_concurrency = upload_concurrency
         self.exit_wait_s = exit_wait_s
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
@@ -46,9 +48,9 @@ class Uploader:
     def drain(self, timeout_s: float) -> list[str]:
         """Wait up to ``timeout_s`` for this process's uploads (the I/O loop must still run); one line per
         store left with ops this process owns, naming the command that finishes them."""
-        if not os.path.exists(os.path.join(self.directory, "catalog.lmdb")):
+        if not os.path.exists(self.catalog.path):
             return []  # the directory is gone (a test's temporary cache)
-        catalog, me = Catalog(self.directory), os.getpid()
+        catalog, me = self.catalog, os.getpid()
 
         def mine() -> list[tuple[str, PendingOp]]:
             return [(rh, rec) for rh, _, rec in catalog.pending_all() if rec.owner == me]

@@ -33,8 +33,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..backends.base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Unconditional, commit_refused, validate_key
+from ..backends.base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Unconditional, commit_refused
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError
+from ..keys import validate_key
 from ..layout import COMMIT, CommitRecord, is_generation
 from ..node import node_id
 from .config import MemoryConfig
