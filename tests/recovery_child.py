@@ -141,7 +141,7 @@ def main(spec: dict) -> None:
         started = time.monotonic()
         try:
             monitor = tierckpt.Monitor()
-            tierckpt.load(load["uri"], target, monitor=monitor)
+            tierckpt.load(load["uri"], target, monitor=monitor, verify=load.get("verify", False))
             record["differs"] = compare_model(target, load["seed"], spec["expected"]) if modules else compare(target, load["seed"])
             counts = monitor.summary()
             record["bytes_read"] = counts.get("bytes_read", 0)

@@ -114,8 +114,10 @@ def test_a_lost_node_is_rebuilt_from_its_peer_and_the_survivor_reshards(workdir:
                 saves=[{"uri": uri, "seed": 1, "level": "replicated"}]).wait()
     assert all(r["saves"][uri]["ok"] for r in saved), saved
     lose(workdir, "node-0")  # the node of rank 0, which wrote the metadata and COMMIT
-    # A fresh node takes the lost one's place (ranks 0 and 1): it holds nothing, it reads from node-1's memory.
-    fresh = Job(workdir, ["node-2", "node-2", "node-1", "node-1"], "shard", loads=[{"uri": uri, "seed": 1}]).wait()
+    # A fresh node takes the lost one's place (ranks 0 and 1): it holds nothing, it reads from node-1's memory
+    # (verify=True too: node-1's ranks re-read every piece from their tier, the fresh node cannot).
+    fresh = Job(workdir, ["node-2", "node-2", "node-1", "node-1"], "shard",
+                loads=[{"uri": uri, "seed": 1, "verify": True}]).wait()
     assert_exact(fresh, uri)
     assert [r["loads"][uri]["bytes_read"] > 0 for r in fresh] == [False, False, True, True]  # node-1 reads it all
     assert fresh[2]["loads"][uri]["level"]["level"] == "replicated"

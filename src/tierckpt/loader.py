@@ -307,7 +307,7 @@ def _load_generation(
     comm.run_agreed(lambda: _check_files(backend, ckpt, plan, comm.rank, local), "checking the data files")
     if opts.verify:
         with monitor.phase("verify"):
-            comm.run_agreed(lambda: _verify_pieces(backend, gen, pieces, comm), "verifying checksums")
+            comm.run_agreed(lambda: _verify_pieces(backend, gen, pieces, comm, local), "verifying checksums")
     with monitor.phase("objects"):
         # Objects are small: fetch, check and decode them before any tensor is modified.
         values = comm.run_agreed(
@@ -524,13 +524,21 @@ def _checked_size(backend: Backend, ckpt: Checkpoint, file: str) -> int:
     return actual
 
 
-def _verify_pieces(backend: Backend, gen: str, pieces: dict[str, list[PieceMeta]], comm: Comm) -> None:
+def _verify_pieces(backend: Backend, gen: str, pieces: dict[str, list[PieceMeta]], comm: Comm,
+                   local: LocalReads) -> None:
+    """``verify=True``: every saved piece read whole and checked against its CRC-32C, the pieces shared
+    round robin over the ranks — with memory tiers, over the ranks whose node holds the piece's file,
+    which read it from their tier (the remote may be down, and another node's tier is not theirs)."""
     sched = get_scheduler()
     everything = [p for fqn in sorted(pieces) for p in pieces[fqn]]
-    for i, piece in enumerate(everything):
-        if i % comm.world_size != comm.rank:
+    readers = rereaders([p.file for p in everything], local, comm.world_size) if local.active else (
+        [i % comm.world_size for i in range(len(everything))])
+    for piece, reader in zip(everything, readers):
+        if reader != comm.rank:
             continue
-        data = sched.run(backend.get_range(layout.in_generation(gen, piece.file), piece.byte_offset, piece.byte_offset + piece.byte_length))
+        store = local.source(piece.file, backend)
+        data = sched.run(store.get_range(layout.in_generation(gen, piece.file), piece.byte_offset,
+                                         piece.byte_offset + piece.byte_length))
         if crc32c.crc32c(data) != piece.crc32c:
             raise CorruptCheckpointError(
                 f"checksum mismatch in {piece.file!r} at bytes {piece.byte_offset}..{piece.byte_offset + piece.byte_length} "
