@@ -71,3 +71,19 @@ def ranks_share_the_tier(path: str, config: Any) -> list[str]:
     assert CommitRecord.decode(get_scheduler().run(LocalBackend(path).get(COMMIT))).generation == meta.generation
     tier = memory_tier_of(open_store(path, {"memory": config}))
     return [k for k in tier.held(meta.generation) if "/data/" in k]
+
+
+def ranks_disagree_on_the_tier(path: str, config: Any) -> str:
+    """Rank 0 saves through the node memory tier, the others without: every rank gets the same error,
+    before anything is written (no COMMIT, nothing in the tier); returns the error's message."""
+    import torch.distributed as dist
+
+    import tierckpt
+    from tierckpt.errors import CheckpointError
+
+    memory = config if dist.get_rank() == 0 else False
+    try:
+        tierckpt.save(path, {"w": torch.ones(8, 8)}, storage_options={"memory": memory})
+    except CheckpointError as exc:
+        return str(exc)
+    raise AssertionError("a save with the memory tier on for some ranks only succeeded")

@@ -389,3 +389,15 @@ def test_async_snapshot_goes_straight_into_the_tier(tmp_path: Path, memdir: Path
         assert used == [False, True, True]
     finally:
         mapped._drop_spares()
+
+
+def test_ranks_that_disagree_on_the_tier_fail_together(dist_pool: Any, tmp_path: Path, memdir: Path) -> None:
+    """The memory tier on for rank 0 only: every rank raises the same error, naming the ranks and the
+    setting to fix, and nothing is committed — neither where the URI points nor in the node's memory."""
+    from memory_child import ranks_disagree_on_the_tier
+
+    path = tmp_path / "ckpt"
+    messages = dist_pool.run(ranks_disagree_on_the_tier, str(path), mem(memdir))
+    assert len(set(messages)) == 1 and "on for ranks [0], off for ranks [1, 2, 3]" in messages[0]
+    assert "TIERCKPT_MEMORY" in messages[0]
+    assert not (path / "COMMIT").exists() and not list(memdir.rglob("COMMIT"))

@@ -263,8 +263,9 @@ def _prepare(
         # One collective agrees that every rank could prepare its state and carries each rank's
         # plan-cache digest and object digests, and rank 0's name for the new generation.
         (flat, offers, encoded), agreement = comm.exchange_agreed(
-            lambda: _offer(state, base), "preparing the state to save"
+            lambda: _offer(state, base, memory_tier_of(backend) is not None), "preparing the state to save"
         )
+        _check_tiers_agree(uri, [a[3] for a in agreement])
         generation = agreement[0][2]
         digests = [a[0] for a in agreement]
         plan_key = (_group_key(group), align_bytes)
@@ -288,11 +289,12 @@ def _prepare(
 
 
 def _offer(
-    state: Mapping[str, Any], base: concurrent.futures.Future[bytes | None] | None,
-) -> tuple[tuple[FlatState, list[LocalPiece], dict[str, tuple[bytes, str]]], tuple[str, dict[str, tuple[int, int]], str | None]]:
+    state: Mapping[str, Any], base: concurrent.futures.Future[bytes | None] | None, memory_tier: bool,
+) -> tuple[tuple[FlatState, list[LocalPiece], dict[str, tuple[bytes, str]]],
+           tuple[str, dict[str, tuple[int, int]], str | None, bool]]:
     """Flatten and encode this rank's state: ``(kept, shared)``, shared being the plan-cache digest of
-    the offered pieces, ``(crc, size)`` of each encoded object, and rank 0's generation proposal (named
-    after the base ``COMMIT``'s sequence)."""
+    the offered pieces, ``(crc, size)`` of each encoded object, rank 0's generation proposal (named
+    after the base ``COMMIT``'s sequence) and whether this rank's chain has the node memory tier."""
     flat = flatten_state(state, for_load=False)
     offers = [
         LocalPiece(fqn=e.fqn, dtype=dtype_name(e.tensor.dtype), shape=e.shape, region=e.region)
@@ -301,7 +303,20 @@ def _offer(
     encoded = {key: encode_object(entry.value) for key, entry in flat.objects.items()}
     digests = {key: (crc32c.crc32c(data), len(data)) for key, (data, _) in encoded.items()}
     proposal = None if base is None else layout.new_generation(layout.next_seq(base.result()))
-    return (flat, offers, encoded), (offers_digest([offers]), digests, proposal)
+    return (flat, offers, encoded), (offers_digest([offers]), digests, proposal, memory_tier)
+
+
+def _check_tiers_agree(uri: str, memory_tier: list[bool]) -> None:
+    """Every rank saves through the node memory tier or none does: a checkpoint half in memory would be
+    reported ``memory``/``replicated`` while some of its files are in no node's memory. Raised on every
+    rank (the flags came with the agreement), before anything is written."""
+    if len(set(memory_tier)) > 1:
+        on = [r for r, flag in enumerate(memory_tier) if flag]
+        off = [r for r, flag in enumerate(memory_tier) if not flag]
+        raise CheckpointError(
+            f"ranks disagree on the node memory tier for {uri!r}: on for ranks {on}, off for ranks {off}; "
+            "set TIERCKPT_MEMORY (or storage_options memory=) the same on every rank"
+        )
 
 
 def _place_objects(digests: list[dict[str, tuple[int, int]]], plan: SavePlan) -> dict[str, int | None]:
