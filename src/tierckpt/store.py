@@ -33,7 +33,7 @@ from .cache.config import CacheConfig
 from .cache.status import StoreStatus
 from .cache.tiered import TieredBackend
 from .cache.uploader import Uploader
-from .errors import CheckpointError
+from .errors import CheckpointError, StorageError
 from .io.scheduled import ScheduledBackend
 from .io.scheduler import get_scheduler
 from .tiers import writedown
@@ -56,6 +56,8 @@ _UPLOADERS: dict[str, Uploader] = {}
 """This process's uploader of each node-cache directory (by real path), shared by every store open_store
 builds over it (its catalogue handle, one task per pending key, one upload limit, one exit drain).
 Dropped in a forked child."""
+_INHERITED: dict[str, Uploader] = {}
+"""In a forked child: the parent's uploaders, kept untouched (their LMDB handles are unusable here)."""
 
 
 @runtime_checkable
@@ -160,6 +162,12 @@ def uploader_of(config: CacheConfig) -> Uploader:
     directory = os.path.realpath(config.directory)
     uploader = _UPLOADERS.get(directory)
     if uploader is None:
+        if directory in _INHERITED:
+            raise StorageError(
+                f"the node cache {config.directory} was opened by this process's parent before it forked, and "
+                "its catalogue (LMDB) cannot be used across a fork: start processes that save or load with "
+                "the 'spawn' or 'forkserver' start method, or give the child its own TIERCKPT_CACHE_DIR"
+            )
         uploader = _UPLOADERS[directory] = Uploader(config.directory, config.upload_concurrency, config.exit_wait_s)
     uploader.exit_wait_s = max(uploader.exit_wait_s, config.exit_wait_s)
     return uploader
@@ -238,10 +246,11 @@ def memory_keys_under(root: str, memory: Any = None) -> list[str]:
 
 
 def _forget_after_fork() -> None:
-    """A forked child has none of its parent's upload tasks, and must not use its parent's catalogue
-    handles (LMDB): it lets go of them, and opens its own when it needs one."""
-    for uploader in _UPLOADERS.values():
-        uploader.catalog.close()
+    """A forked child has none of its parent's upload tasks, and cannot use its parent's catalogue
+    handles: LMDB handles must not cross a fork, the binding refuses a second handle in the process, and
+    closing the inherited one can wait forever on an operation a parent thread had in flight. The child
+    keeps them untouched (never closed, never freed) and refuses their directories (:func:`uploader_of`)."""
+    _INHERITED.update(_UPLOADERS)
     _UPLOADERS.clear()
 
 
