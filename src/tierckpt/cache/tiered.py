@@ -37,7 +37,7 @@ Lifecycle of a write (the process that saves; uploads may be finished by another
 
 This module holds the store and its writes; reads are in ``readthrough.py``, uploads in
 ``uploads.py``, the durability API in ``durable.py``; this process's upload tasks belong to the
-``Uploader`` passed in (``uploader.py``; :func:`tierckpt.store.open_store` shares one per directory).
+``Uploader`` passed in (``uploader.py``; :func:`tierckpt.store.uploader_of` keeps one per directory).
 
 ``COMMIT`` records are the only mutable objects of the layout: reads of them go to the remote
 (falling back to the cached copy when the remote is unreachable); every other object is treated as

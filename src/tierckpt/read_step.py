@@ -1,0 +1,240 @@
+"""Step 4 of a load (:mod:`tierckpt.loader`): the read step, run on every rank of the loading group.
+
+Round by round, :class:`ReadStep` reads the units this rank is the reader of (straight into the target's
+memory when a unit is exactly one contiguous CPU part of one target, else into a round buffer),
+checks the CRC-32C of what it reads (:mod:`tierckpt.io.readcheck`), copies its own deliveries into
+place, and exchanges the rest with one all-to-all per round. Round *k + 1*'s reads are in flight on
+the I/O loop while round *k* is delivered and exchanged, so storage and the network overlap, and at
+most two rounds' buffers are alive at once. With a node memory tier, a unit whose file this rank's
+node holds is read from the tier (:class:`~tierckpt.local_load.LocalReads`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import layout
+from .backends import Backend
+from .comm import Comm
+from .io.coalesce import Taken, coalesce, read_group
+from .io.crc import raw_crc
+from .io.readcheck import DIGEST_RUN_BYTES, ReadChecker, checking_ranks
+from .io.scheduler import DEFAULT_PART_BYTES, ReadRequest, get_scheduler
+from .local_load import LocalReads
+from .metadata import TensorMeta, itemsize
+from .monitor import Monitor
+from .planner import LoadPlan, ReadUnit
+from .planner.load_planner import COALESCE_GAP_BYTES
+from .regions import FlatRange, StoredBox
+from .state import TensorEntry
+
+
+def _target_view(entry: TensorEntry, stored: StoredBox) -> torch.Tensor:
+    """The target's storage for one stored box, shaped like the box (global-offset coordinates)."""
+    if isinstance(entry.region, FlatRange):
+        flat = entry.tensor.reshape(-1)
+        return flat[stored.element_offset : stored.element_offset + stored.box.numel].view(stored.box.lengths)
+    return entry.tensor
+
+
+def _direct_buffer(unit: ReadUnit, targets: list[TensorEntry], rank: int) -> torch.Tensor | None:
+    """The target memory to read ``unit`` into when it is exactly one contiguous CPU part of one target."""
+    if len(unit.deliveries) != 1:
+        return None
+    d = unit.deliveries[0]
+    if d.rank != rank or d.box != unit.box:
+        return None
+    view = _target_view(targets[d.target], d.target_box)[d.box.relative_to(d.target_box.box).slices()]
+    if view.device.type != "cpu" or not view.is_contiguous():
+        return None
+    return view.reshape(-1).view(torch.uint8)
+
+
+def _dtype(unit: ReadUnit) -> torch.dtype:
+    return TensorMeta(fqn=unit.fqn, dtype=unit.dtype, shape=()).torch_dtype
+
+
+EXCHANGE_ALIGN = 16
+"""Each delivery starts at a multiple of this many bytes in the exchange stream, so any dtype can view it."""
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // EXCHANGE_ALIGN) * EXCHANGE_ALIGN
+
+
+@dataclass
+class _Round:
+    """One round's units, the buffers they are read into, and the reads in flight."""
+
+    indices: tuple[int, ...]
+    buffers: dict[int, torch.Tensor]
+    direct: set[int]
+    landed: concurrent.futures.Future
+    """Done when the round's bytes are read (its checksums may still be being checked)."""
+    reads: Any
+    """Done when the round's bytes are read and checked."""
+
+
+class ReadStep:
+    """Runs a :class:`LoadPlan` on one rank: reads, local copies and one all-to-all per round.
+
+    Round *k + 1*'s reads are in flight on the I/O loop while round *k* is delivered and exchanged,
+    so storage and the network overlap; at most two rounds' buffers are alive at once.
+    """
+
+    def __init__(
+        self, backend: Backend, gen: str, plan: LoadPlan, targets: list[TensorEntry], comm: Comm, monitor: Monitor,
+        checker: ReadChecker | None, nodes: list[str], chunk_bytes: int, local: LocalReads,
+    ) -> None:
+        self.backend, self.gen, self.plan, self.targets, self.comm, self.monitor = backend, gen, plan, targets, comm, monitor
+        self.local = local
+        self.checker = checker
+        # Units that ranks of one node read alike are checked by one of them (io.readcheck).
+        self.checks = checking_ranks(plan.units, nodes) if checker is not None else []
+        self.sched = get_scheduler()
+        # Neighbouring units of a file become one request where requests are dear (io.coalesce), of at
+        # most the size the load reads in one unit.
+        self.coalesce = not backend.capabilities.local_path
+        self.coalesce_bytes = max(1, min(chunk_bytes, DEFAULT_PART_BYTES))
+        self.taken = Taken((u.file, u.run_offsets, u.run_bytes) for u in plan.units) if self.coalesce else None
+
+    def run(self) -> None:
+        rounds = list(zip(self.plan.rounds, self.plan.exchanges))
+        pending = self._start(rounds[0][0]) if rounds else None
+        for k, (_, exchange) in enumerate(rounds):
+            current = pending
+            current.landed.result()
+            pending = self._start(rounds[k + 1][0]) if k + 1 < len(rounds) else None  # overlaps round k's checks
+            current.reads.result()
+            with torch.no_grad():
+                self._deliver_round(current, exchange)
+
+    def _start(self, indices: tuple[int, ...]) -> _Round:
+        """Allocate this rank's buffers for a round and start reading into them."""
+        buffers: dict[int, torch.Tensor] = {}
+        direct: set[int] = set()
+        reads: list[tuple[ReadUnit, memoryview]] = []
+        checked: list[bool] = []
+        for i in indices:
+            unit = self.plan.units[i]
+            if unit.reader != self.comm.rank:
+                continue
+            buf = _direct_buffer(unit, self.targets, self.comm.rank)
+            if buf is None:
+                buf = torch.empty(unit.nbytes, dtype=torch.uint8)
+            else:
+                direct.add(i)
+            buffers[i] = buf
+            reads.append((unit, memoryview(buf.numpy())))
+            checked.append(self.checker is not None and self.checks[i] == self.comm.rank)
+            self.monitor.count("bytes_read", unit.nbytes)
+            self.monitor.count("bytes_checked", unit.nbytes if checked[-1] else 0)
+        groups = coalesce(
+            [(u.file, int(u.run_offsets[0]), u.nbytes) if self.coalesce and len(u.run_offsets) == 1 else None for u, _ in reads],
+            self.coalesce_bytes, COALESCE_GAP_BYTES, self.taken,
+        )
+        self.monitor.count("requests", sum(1 if len(g) > 1 else len(reads[g[0]][0].run_offsets) for g in groups))
+        landed: concurrent.futures.Future = concurrent.futures.Future()
+        return _Round(indices, buffers, direct, landed, self.sched.submit(self._read(reads, groups, checked, landed)))
+
+    async def _read(
+        self, reads: list[tuple[ReadUnit, memoryview]], groups: list[list[int]], checked: list[bool],
+        landed: concurrent.futures.Future,
+    ) -> None:
+        """Read a round's units, each group of ``reads`` in one request (then set ``landed``); the
+        checksums of each unit this rank checks (``checked``) are checked in a worker thread as soon as
+        it lands, overlapping the other reads."""
+        sched, checker = self.sched, self.checker
+
+        run_crcs: dict[int, list[int] | None] = {}  # the raw CRC of each run, taken as it was read
+
+        async def read(group: list[int]) -> None:
+            unit = reads[group[0]][0]
+            backend = self.local.source(unit.file, self.backend)  # its node's memory tier, or the chain
+            key = layout.in_generation(self.gen, unit.file)
+            if len(unit.run_offsets) == 1:
+                await read_group(sched, backend, [
+                    ReadRequest(key=key, start=int(reads[i][0].run_offsets[0]), out=reads[i][1]) for i in group
+                ])
+            else:
+                digest = raw_crc if checked[group[0]] and unit.run_bytes <= DIGEST_RUN_BYTES else None
+                got = await backend.read_runs(key, unit.run_offsets.tolist(), unit.run_bytes, reads[group[0]][1], digest)
+                run_crcs[group[0]] = got if digest is not None else None
+
+        async def check(i: int, task: asyncio.Future, unit: ReadUnit, view: memoryview) -> None:
+            await task
+            args = (unit.fqn, unit.file, unit.run_offsets, unit.run_bytes, view, run_crcs.get(i))
+            checker.add(await asyncio.to_thread(checker.check, *args))
+
+        tasks = [asyncio.ensure_future(read(g)) for g in groups]
+        task_of = {i: t for g, t in zip(groups, tasks) for i in g}
+        checks = [asyncio.ensure_future(check(i, task_of[i], *r)) for i, r in enumerate(reads) if checked[i]]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException as exc:
+            landed.set_exception(exc)
+            for c in checks:
+                c.cancel()
+            await asyncio.gather(*tasks, *checks, return_exceptions=True)
+            raise
+        landed.set_result(None)
+        failed = [r for r in await asyncio.gather(*checks, return_exceptions=True) if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
+
+    def _deliver_round(self, rnd: _Round, exchange: bool) -> None:
+        me = self.comm.rank
+        units = [(i, self.plan.units[i]) for i in rnd.indices]
+        send_sizes = [0] * self.comm.world_size
+        for i, unit in units:
+            if unit.reader == me:
+                for d in unit.deliveries:
+                    if d.rank != me:
+                        send_sizes[d.rank] += _padded(d.numel * itemsize(_dtype(unit)))
+        send = torch.empty(sum(send_sizes), dtype=torch.uint8)
+        cursors = [sum(send_sizes[:r]) for r in range(self.comm.world_size)]
+        for i, unit in units:
+            if unit.reader != me or i in rnd.direct:
+                continue
+            source = rnd.buffers.pop(i).view(_dtype(unit)).view(unit.box.lengths)
+            for d in unit.deliveries:
+                part = source[d.box.relative_to(unit.box).slices()]
+                if d.rank == me:
+                    _deliver(self.targets[d.target], d, part)
+                else:
+                    nbytes = d.numel * part.element_size()
+                    at = cursors[d.rank]
+                    send[at : at + nbytes].view(part.dtype).view(d.box.lengths).copy_(part)
+                    cursors[d.rank] += _padded(nbytes)
+        if exchange:
+            self._exchange(units, send, send_sizes)
+
+    def _exchange(self, units: list[tuple[int, ReadUnit]], send: torch.Tensor, send_sizes: list[int]) -> None:
+        me = self.comm.rank
+        recv_sizes = [0] * self.comm.world_size
+        incoming = []
+        for _, unit in units:
+            if unit.reader == me:
+                continue
+            for d in unit.deliveries:
+                if d.rank == me:
+                    nbytes = d.numel * itemsize(_dtype(unit))
+                    recv_sizes[unit.reader] += _padded(nbytes)
+                    incoming.append((unit, d, nbytes))
+        received = self.comm.all_to_all_bytes(send, send_sizes, recv_sizes)
+        self.monitor.count("bytes_exchanged", sum(recv_sizes))
+        cursors = [0] * self.comm.world_size
+        for unit, d, nbytes in incoming:
+            at = cursors[unit.reader]
+            cursors[unit.reader] += _padded(nbytes)
+            _deliver(self.targets[d.target], d, received[unit.reader][at : at + nbytes].view(_dtype(unit)))
+
+
+def _deliver(entry: TensorEntry, delivery: Any, part: torch.Tensor) -> None:
+    target = _target_view(entry, delivery.target_box)[delivery.box.relative_to(delivery.target_box.box).slices()]
+    target.copy_(part.reshape(delivery.box.lengths))
