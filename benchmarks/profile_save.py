@@ -1,6 +1,6 @@
 """Where the time of a local save goes: tierckpt vs ``dcp.save``, phase by phase, on a shared machine.
 
-    python benchmarks/profile_save.py [--n 16] [--side 4096] [--cols SIDE] [--repeats 5] [--profile] [--slices 1,32]
+    python benchmarks/profile_save.py [--n 16] [--side 4096] [--cols SIDE] [--repeats 5] [--profile] [--floor]
 
 The state of the comparison: ``--n`` fp32 DTensors of ``--side`` rows and ``--cols`` columns (default
 ``--side``: squares; 16 x 4096^2, 64 MiB
@@ -12,9 +12,11 @@ saved over the previous checkpoint in place (DCP truncates and rewrites its file
 new generation and removes the previous one in the background after the call returns — the script
 waits for that removal and ``os.sync``-s, untimed, and reports its seconds; versions that removed it
 inside the call pay it in the timed save). The order of the libraries alternates per repeat. With
-``--slices``, tierckpt is also timed with each of the given write-slice sizes in MiB (the granularity
-at which its local writer writes and starts the writeback, ``backends.files.WRITEBACK_BATCH_BYTES``) in
-the same processes, as ``tierckpt@N``.
+``--floor``, the device's floor for the same bytes is timed
+in the same processes too: each rank writes its shards' bytes to one file with plain ``os.write`` calls,
+``fsync``-s it and its directory (``floor``: what any buffered writer pays, with no format, no checksum,
+no metadata), and the same through an 8 MiB page-aligned buffer with ``O_DIRECT`` (``floor-direct``:
+the page cache bypassed, for reference).
 
 Wall-clock ratios on a machine shared with other work swing from run to run, so beside the seconds it
 reports what depends less on the neighbours: each rank's CPU seconds (all threads, ``os.times``),
@@ -111,18 +113,39 @@ def _after_save(lib: str, between: str) -> float | None:
     return time.perf_counter() - started
 
 
-def _save_tierckpt(lib: str, uri: str, state: dict[str, Any], monitor: Any) -> None:
-    """``tierckpt.save``; for ``tierckpt@N``, with the local writer's slices set to ``N`` MiB meanwhile."""
-    import tierckpt
-    from tierckpt.backends import files
+FLOOR_DIRECT_BUFFER = 8 << 20
 
-    default = files.WRITEBACK_BATCH_BYTES
-    if "@" in lib:
-        files.WRITEBACK_BATCH_BYTES = int(float(lib.split("@")[1]) * 2**20)
+
+def _save_floor(lib: str, directory: str, rank: int, state: dict[str, Any]) -> None:
+    """The device floor: this rank's shard bytes written to one file, then ``fsync`` of it and of
+    ``directory`` (buffered for ``floor``; ``O_DIRECT`` through a page-aligned buffer for ``floor-direct``)."""
+    import mmap
+
+    import torch
+
+    direct = lib == "floor-direct"
+    path = os.path.join(directory, f"rank{rank}")
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
+    bounce = mmap.mmap(-1, FLOOR_DIRECT_BUFFER) if direct else None
     try:
-        tierckpt.save(uri, state, monitor=monitor)
+        for value in state.values():
+            data = memoryview(value.to_local().contiguous().reshape(-1).view(torch.uint8).numpy())
+            for start in range(0, len(data), FLOOR_DIRECT_BUFFER if direct else len(data)):
+                piece = data[start : start + (FLOOR_DIRECT_BUFFER if direct else len(data))]
+                if bounce is not None:  # the shard sizes here are multiples of the block size
+                    bounce[: len(piece)] = piece
+                    piece = memoryview(bounce)[: len(piece)]
+                while piece:
+                    piece = piece[os.write(fd, piece) :]
+        os.fsync(fd)
     finally:
-        files.WRITEBACK_BATCH_BYTES = default
+        os.close(fd)
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def ranks(
@@ -147,7 +170,7 @@ def ranks(
     out = []
     for r in range(repeats):
         for lib in libs if r % 2 == 0 else libs[::-1]:
-            uri = os.path.join(root, lib.replace("@", "-"))
+            uri = os.path.join(root, lib)
             if rank == 0 and between == "fresh":
                 C.remove_uri(uri, None)
             elif rank == 0 and between == "nosync":
@@ -159,8 +182,10 @@ def ranks(
             cpu0, sys0, t0 = _cpu(), _sys(), time.perf_counter()
             if prof is not None:
                 prof.enable()
-            if lib.startswith("tierckpt"):
-                _save_tierckpt(lib, uri, state, monitor)
+            if lib == "tierckpt":
+                tierckpt.save(uri, state, monitor=monitor)
+            elif lib.startswith("floor"):
+                _save_floor(lib, uri, rank, state)
             else:
                 dcp.save(state, storage_writer=dcp.FileSystemWriter(uri, sync_files=True))
             if prof is not None:
@@ -229,12 +254,12 @@ def main() -> None:
                     help="before each save: remove and sync (fresh), remove only (nosync), or nothing (reuse)")
     ap.add_argument("--no-warmup", action="store_true",
                     help="time the first save of each library in the processes too (lazy imports, first plan)")
-    ap.add_argument("--slices", default="",
-                    help="also time tierckpt with these write-slice sizes in MiB, comma-separated (e.g. 1,32)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time the device floor for the same bytes: plain writes + fsync, and with O_DIRECT")
     ap.add_argument("--tmp", default=None, help="scratch directory (default: a new dir under $TMPDIR)")
     args = ap.parse_args()
     args.cols = args.cols or args.side
-    args.libs = ("tierckpt", *(f"tierckpt@{x}" for x in args.slices.split(",") if x), "dcp")
+    args.libs = ("tierckpt", *(("floor", "floor-direct") if args.floor else ()), "dcp")
     args.load_before = f"{os.getloadavg()[0]:.2f}"
     root = C.scratch_dir("tierckpt-profile-") if args.tmp is None else args.tmp
     os.makedirs(root, exist_ok=True)
