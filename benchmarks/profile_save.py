@@ -1,6 +1,6 @@
 """Where the time of a local save goes: tierckpt vs ``dcp.save``, phase by phase, on a shared machine.
 
-    python benchmarks/profile_save.py [--n 16] [--side 4096] [--cols SIDE] [--repeats 5] [--profile]
+    python benchmarks/profile_save.py [--n 16] [--side 4096] [--cols SIDE] [--repeats 5] [--profile] [--floor]
 
 The state of the comparison: ``--n`` fp32 DTensors of ``--side`` rows and ``--cols`` columns (default
 ``--side``: squares; 16 x 4096^2, 64 MiB
@@ -11,7 +11,12 @@ removed without the sync (the previous save's writeback may still run), or with 
 saved over the previous checkpoint in place (DCP truncates and rewrites its files; tierckpt writes a
 new generation and removes the previous one in the background after the call returns — the script
 waits for that removal and ``os.sync``-s, untimed, and reports its seconds; versions that removed it
-inside the call pay it in the timed save). The order of the libraries alternates per repeat.
+inside the call pay it in the timed save). The order of the libraries alternates per repeat. With
+``--floor``, the device's floor for the same bytes is timed
+in the same processes too: each rank writes its shards' bytes to one file with plain ``os.write`` calls,
+``fsync``-s it and its directory (``floor``: what any buffered writer pays, with no format, no checksum,
+no metadata), and the same through an 8 MiB page-aligned buffer with ``O_DIRECT`` (``floor-direct``:
+the page cache bypassed, for reference).
 
 Wall-clock ratios on a machine shared with other work swing from run to run, so beside the seconds it
 reports what depends less on the neighbours: each rank's CPU seconds (all threads, ``os.times``),
@@ -108,9 +113,44 @@ def _after_save(lib: str, between: str) -> float | None:
     return time.perf_counter() - started
 
 
+FLOOR_DIRECT_BUFFER = 8 << 20
+
+
+def _save_floor(lib: str, directory: str, rank: int, state: dict[str, Any]) -> None:
+    """The device floor: this rank's shard bytes written to one file, then ``fsync`` of it and of
+    ``directory`` (buffered for ``floor``; ``O_DIRECT`` through a page-aligned buffer for ``floor-direct``)."""
+    import mmap
+
+    import torch
+
+    direct = lib == "floor-direct"
+    path = os.path.join(directory, f"rank{rank}")
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
+    bounce = mmap.mmap(-1, FLOOR_DIRECT_BUFFER) if direct else None
+    try:
+        for value in state.values():
+            data = memoryview(value.to_local().contiguous().reshape(-1).view(torch.uint8).numpy())
+            for start in range(0, len(data), FLOOR_DIRECT_BUFFER if direct else len(data)):
+                piece = data[start : start + (FLOOR_DIRECT_BUFFER if direct else len(data))]
+                if bounce is not None:  # the shard sizes here are multiples of the block size
+                    bounce[: len(piece)] = piece
+                    piece = memoryview(bounce)[: len(piece)]
+                while piece:
+                    piece = piece[os.write(fd, piece) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
 def ranks(
     rank: int, world: int, n: int, side: int, cols: int, root: str, repeats: int, profile: bool, between: str,
-    warmup: bool,
+    warmup: bool, libs: tuple[str, ...] = LIBS,
 ) -> list[dict[str, Any]]:
     """Run on every rank: warm-up, then ``repeats`` timed saves per library (order alternating)."""
     import torch.distributed as dist
@@ -129,7 +169,7 @@ def ranks(
         dist.barrier()
     out = []
     for r in range(repeats):
-        for lib in LIBS if r % 2 == 0 else LIBS[::-1]:
+        for lib in libs if r % 2 == 0 else libs[::-1]:
             uri = os.path.join(root, lib)
             if rank == 0 and between == "fresh":
                 C.remove_uri(uri, None)
@@ -144,6 +184,8 @@ def ranks(
                 prof.enable()
             if lib == "tierckpt":
                 tierckpt.save(uri, state, monitor=monitor)
+            elif lib.startswith("floor"):
+                _save_floor(lib, uri, rank, state)
             else:
                 dcp.save(state, storage_writer=dcp.FileSystemWriter(uri, sync_files=True))
             if prof is not None:
@@ -167,7 +209,7 @@ def report(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) -> st
              f"{args.between}; {'no ' if args.no_warmup else ''}warm-up; load average before: "
              f"{args.load_before}, after: {os.getloadavg()[0]:.2f} (1 min)."]
     rows = []
-    for lib in LIBS:
+    for lib in args.libs:
         recs = [(i, rec) for i, rec in enumerate(per_rank[0]) if rec["lib"] == lib]
         wall = [rec["seconds"] for _, rec in recs]
         cpu = [sum(rr[i]["cpu"] for rr in per_rank) for i, _ in recs]
@@ -178,10 +220,11 @@ def report(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) -> st
     lines.append("Device discards during each timed save (whole disk, rank 0's view; other jobs' count too), "
                  "GiB / ms: " + "; ".join(f"r{rec['repeat']} {rec['lib']} {rec['discard'][0] / C.GiB:.2f} / "
                                           f"{rec['discard'][1]}" for rec in per_rank[0]))
-    ratios = [d["seconds"] / t["seconds"] for d, t in zip(
-        [rec for rec in per_rank[0] if rec["lib"] == "dcp"], [rec for rec in per_rank[0] if rec["lib"] == "tierckpt"])]
-    lines.append(f"DCP s / tierckpt s per repeat: {' / '.join(f'{x:.2f}' for x in ratios)} "
-                 f"(median {C.median(ratios):.2f}, min {min(ratios):.2f}, max {max(ratios):.2f})")
+    for lib in args.libs[:-1]:
+        ratios = [d["seconds"] / t["seconds"] for d, t in zip(
+            [rec for rec in per_rank[0] if rec["lib"] == "dcp"], [rec for rec in per_rank[0] if rec["lib"] == lib])]
+        lines.append(f"DCP s / {lib} s per repeat: {' / '.join(f'{x:.2f}' for x in ratios)} "
+                     f"(median {C.median(ratios):.2f}, min {min(ratios):.2f}, max {max(ratios):.2f})")
     phases: dict[str, list[float]] = {}
     for i, rec in enumerate(per_rank[0]):
         if rec["lib"] == "tierckpt":
@@ -211,15 +254,18 @@ def main() -> None:
                     help="before each save: remove and sync (fresh), remove only (nosync), or nothing (reuse)")
     ap.add_argument("--no-warmup", action="store_true",
                     help="time the first save of each library in the processes too (lazy imports, first plan)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time the device floor for the same bytes: plain writes + fsync, and with O_DIRECT")
     ap.add_argument("--tmp", default=None, help="scratch directory (default: a new dir under $TMPDIR)")
     args = ap.parse_args()
     args.cols = args.cols or args.side
+    args.libs = ("tierckpt", *(("floor", "floor-direct") if args.floor else ()), "dcp")
     args.load_before = f"{os.getloadavg()[0]:.2f}"
     root = C.scratch_dir("tierckpt-profile-") if args.tmp is None else args.tmp
     os.makedirs(root, exist_ok=True)
     try:
         per_rank = C.run_ranks(ranks, 2, args.n, args.side, args.cols, root, args.repeats, args.profile, args.between,
-                               not args.no_warmup)
+                               not args.no_warmup, args.libs)
     finally:
         if args.tmp is None:
             C.rmtree(root)
