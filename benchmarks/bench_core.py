@@ -28,7 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0, help="checkpoint size in GiB (default 1.0)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians reported (default 3)")
-    ap.add_argument("--out", default="docs/benchmarks.md", help="Markdown file to write the results into")
+    ap.add_argument("--out", default=None, help="Markdown file to write the section into (default: print only)")
     ap.add_argument("--tmp", default=None, help="scratch directory (default: a new dir under $TMPDIR)")
     args = ap.parse_args()
 

@@ -443,13 +443,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny states: a smoke test of the whole matrix")
     ap.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians reported (default 3)")
     ap.add_argument("--out", default=None,
-                    help="Markdown file to write the table into (default docs/benchmarks.md; none with --quick)")
+                    help="Markdown file to write the table into, the chart beside it (default: print only)")
     ap.add_argument("--chart", default="benchmarks-matrix.png", help="chart file name, written beside --out (when given)")
     ap.add_argument("--cases", default="ddp,fsdp2,squares,reshard,async,s3", help="comma-separated subset")
     ap.add_argument("--tmp", default=None, help="scratch directory (default: a new dir under $TMPDIR)")
     args = ap.parse_args()
-    if args.out is None and not args.quick:
-        args.out = "docs/benchmarks.md"
     size = SIZES["quick" if args.quick else "full"]
     cases = set(args.cases.split(","))
     libs, bcp_why = libraries()

@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=0.25,
                     help="checkpoint size in GiB (default 0.25: moto on a 2-core machine is slow; see the doc)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians reported (default 3)")
-    ap.add_argument("--out", default="docs/benchmarks.md", help="Markdown file to write the results into")
+    ap.add_argument("--out", default=None, help="Markdown file to write the section into (default: print only)")
     args = ap.parse_args()
 
     import multiprocessing as mp

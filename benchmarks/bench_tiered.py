@@ -85,7 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=0.25)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", default="docs/benchmarks.md")
+    ap.add_argument("--out", default=None, help="Markdown file to write the section into (default: print only)")
     args = ap.parse_args()
 
     import logging
@@ -122,7 +122,8 @@ def main() -> None:
         + C.md_table(["load", "seconds", "speedup vs DCP from S3"], load_rows) + "\n"
     )
     print(text)
-    C.write_section(args.out, "bench_tiered", "## S3 through the node cache (`benchmarks/bench_tiered.py`)\n\n" + text)
+    if args.out:
+        C.write_section(args.out, "bench_tiered", "## S3 through the node cache (`benchmarks/bench_tiered.py`)\n\n" + text)
 
 
 if __name__ == "__main__":
