@@ -148,8 +148,9 @@ def recovery(gib: float, disk: str, memory_root: str, timeout_s: float) -> dict[
 
 
 # -- training-loop overhead ----------------------------------------------------------------------
-def train_ranks(rank: int, world: int, mode: str, steps: int, every: int, hidden: int, disk: str, memory_root: str) -> float:
-    """Seconds for ``steps`` training steps, checkpointing every ``every`` steps as ``mode`` says."""
+def train_ranks(rank: int, world: int, mode: str, steps: int, every: int, hidden: int, disk: str, memory_root: str) -> dict[str, float]:
+    """Seconds for ``steps`` training steps, checkpointing every ``every`` steps as ``mode`` says; and of
+    them, the seconds inside the checkpoint calls (``stall``) and waiting for the previous save (``wait``)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -189,23 +190,28 @@ def train_ranks(rank: int, world: int, mode: str, steps: int, every: int, hidden
     if mode != "none":
         finish(checkpoint(0))
     dist.barrier()
+    stall = wait = 0.0
     start = time.perf_counter()
     for i in range(1, steps + 1):
         step()
         if mode == "none" or i % every:
             continue
+        t0 = time.perf_counter()
         if pending is not None:  # one save in flight at a time, as a training loop does
             finish(pending)
+        t1 = time.perf_counter()
         pending = checkpoint(i)
+        t2 = time.perf_counter()
+        wait, stall = wait + t1 - t0, stall + t2 - t1
     seconds = time.perf_counter() - start
     if pending is not None:
         finish(pending)
     dist.barrier()
-    return seconds
+    return {"seconds": seconds, "stall": stall, "wait": wait}
 
 
-def training(args: argparse.Namespace, disk: str, memory_root: str) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"none": [], "tierckpt": [], "dcp": []}
+def training(args: argparse.Namespace, disk: str, memory_root: str) -> dict[str, list[dict[str, float]]]:
+    out: dict[str, list[dict[str, float]]] = {"none": [], "tierckpt": [], "dcp": []}
     for r in range(args.repeats):
         modes = ["none", "tierckpt", "dcp"] if r % 2 == 0 else ["dcp", "tierckpt", "none"]
         for mode in modes:
@@ -215,8 +221,10 @@ def training(args: argparse.Namespace, disk: str, memory_root: str) -> dict[str,
 
 
 # -- report --------------------------------------------------------------------------------------
-def report(args: argparse.Namespace, saves: list[dict[str, Any]], rec: dict[str, Any], train: dict[str, list[float]],
-           disk: str) -> str:
+def save_section(saves: list[dict[str, Any]]) -> list[str]:
+    """The save table and the memory-per-node table (empty when the save part did not run)."""
+    if not saves:
+        return []
     r0 = saves[0]
     med = C.median
     stall_t, stall_d = med(r0["stall"]["tierckpt"]), med(r0["stall"]["dcp"])
@@ -229,6 +237,16 @@ def report(args: argparse.Namespace, saves: list[dict[str, Any]], rec: dict[str,
         ["tierckpt: `replicated` (peer node's memory)", f"{med(r0['replicated']):.3f}", ""],
         ["DCP: saved to local disk", f"{med(r0['dcp_saved']):.3f}", ""],
     ]
+    mem_rows = [[f"node{i}", C.fmt_bytes(s["state_bytes"]), C.fmt_bytes(s["save_peak_kib"] * 1024), C.fmt_bytes(s["tier_bytes"])]
+                for i, s in enumerate(saves)]
+    return ["Save (seconds, rank 0):\n\n" + C.md_table(["what", "seconds", "ratio"], rows),
+            "Memory per node after the saves:\n\n" + C.md_table(["node", "state", "peak RSS above the state", "memory tier"], mem_rows)]
+
+
+def recovery_section(rec: dict[str, Any]) -> list[str]:
+    """The recovery table (empty when the recovery part did not run)."""
+    if not rec:
+        return []
     mem = next(v["seconds"] for k, v in rec.items() if k.startswith("memory"))
     peer = next(v["seconds"] for k, v in rec.items() if k.startswith("peer"))
     rec_rows = []
@@ -236,21 +254,35 @@ def report(args: argparse.Namespace, saves: list[dict[str, Any]], rec: dict[str,
         ratio = "" if name.startswith(("memory", "peer")) else (
             f"{value['seconds'] / mem:.1f}x the memory recovery, {value['seconds'] / peer:.1f}x the peer recovery")
         rec_rows.append([name, f"{value['seconds']:.3f}", C.fmt_bytes(value["peak_kib"] * 1024), ratio])
-    base = med(train["none"])
-    train_rows = [[mode, C.runs(train[mode]), f"{100 * (med(train[mode]) / base - 1):+.1f} %"] for mode in ("none", "tierckpt", "dcp")]
-    mem_rows = [[f"node{i}", C.fmt_bytes(s["state_bytes"]), C.fmt_bytes(s["save_peak_kib"] * 1024), C.fmt_bytes(s["tier_bytes"])]
-                for i, s in enumerate(saves)]
-    return "\n\n".join([
+    return ["Recovery in fresh processes, remote away for the memory cases (seconds, rank 0; peak RSS above the "
+            "targets):\n\n" + C.md_table(["from", "seconds", "peak RSS", "ratio"], rec_rows)]
+
+
+def training_section(args: argparse.Namespace, train: dict[str, list[dict[str, float]]]) -> list[str]:
+    """The training-loop table (empty when the training part did not run)."""
+    if not train:
+        return []
+    med = C.median
+    base = med([r["seconds"] for r in train["none"]])
+    saves = args.steps // args.every
+    rows = [[mode, C.runs([r["seconds"] for r in train[mode]]), f"{100 * (med([r['seconds'] for r in train[mode]]) / base - 1):+.1f} %",
+             f"{1000 * med([r['stall'] for r in train[mode]]) / saves:.1f}", f"{1000 * med([r['wait'] for r in train[mode]]) / saves:.1f}"]
+            for mode in ("none", "tierckpt", "dcp")]
+    return [f"Training loop, {args.steps} steps, a checkpoint every {args.every} (seconds, all repeats; overhead against "
+            "no checkpoint; per checkpoint, rank 0's milliseconds inside the checkpoint call and waiting for the "
+            "previous save):\n\n" + C.md_table(["mode", "seconds", "overhead", "stall ms", "wait ms"], rows)]
+
+
+def report(args: argparse.Namespace, saves: list[dict[str, Any]], rec: dict[str, Any], train: dict[str, list[dict[str, float]]],
+           disk: str) -> str:
+    save_table, *memory_table = save_section(saves) or [None]
+    sections = [
         f"`python benchmarks/bench_memory.py --gib {args.gib} --repeats {args.repeats} --steps {args.steps} "
         f"--every {args.every} --hidden {args.hidden}` (2 ranks, each its own simulated node; medians of "
         f"{args.repeats}).\n\n{C.machine_info(disk)}",
-        "Save (seconds, rank 0):\n\n" + C.md_table(["what", "seconds", "ratio"], rows),
-        "Recovery in fresh processes, remote away for the memory cases (seconds, rank 0; peak RSS above the "
-        "targets):\n\n" + C.md_table(["from", "seconds", "peak RSS", "ratio"], rec_rows),
-        f"Training loop, {args.steps} steps, a checkpoint every {args.every} (seconds, all repeats; overhead against "
-        "no checkpoint):\n\n" + C.md_table(["mode", "seconds", "overhead"], train_rows),
-        "Memory per node after the saves:\n\n" + C.md_table(["node", "state", "peak RSS above the state", "memory tier"], mem_rows),
-    ])
+        save_table, *recovery_section(rec), *training_section(args, train), *memory_table,
+    ]
+    return "\n\n".join(s for s in sections if s)
 
 
 def main() -> None:
@@ -261,18 +293,29 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--timeout", type=float, default=600, help="seconds any one group of ranks may take")
+    ap.add_argument("--parts", default="save,recovery,training",
+                    help="comma-separated parts to run (save, recovery, training); recovery needs save")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= {"save", "recovery", "training"} or ("recovery" in parts and "save" not in parts):
+        ap.error(f"--parts {args.parts!r}: name some of save, recovery, training (recovery needs save)")
     disk = C.scratch_dir("tierckpt-bench-memory-")
     memory_root = f"/dev/shm/tierckpt-bench-{os.getpid()}"
     try:
-        progress("saves")
-        saves = C.run_ranks(save_ranks, 2, args.gib, args.repeats, disk, memory_root, timeout_s=args.timeout)
-        progress("recovery")
-        rec = recovery(args.gib, disk, memory_root, args.timeout)
+        saves: list[dict[str, Any]] = []
+        rec: dict[str, Any] = {}
+        train: dict[str, list[dict[str, float]]] = {}
+        if "save" in parts:
+            progress("saves")
+            saves = C.run_ranks(save_ranks, 2, args.gib, args.repeats, disk, memory_root, timeout_s=args.timeout)
+        if "recovery" in parts:
+            progress("recovery")
+            rec = recovery(args.gib, disk, memory_root, args.timeout)
         shutil.rmtree(memory_root, ignore_errors=True)
-        progress("training loop")
-        train = training(args, disk, memory_root)
+        if "training" in parts:
+            progress("training loop")
+            train = training(args, disk, memory_root)
         body = report(args, saves, rec, train, disk)
     finally:
         shutil.rmtree(memory_root, ignore_errors=True)

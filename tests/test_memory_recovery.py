@@ -108,6 +108,15 @@ def test_processes_killed_after_commit_restart_from_memory(workdir: Path) -> Non
     assert_exact(Job(workdir, nodes, "shard", loads=[{"uri": uri, "seed": 1}]).wait(), uri)
 
 
+def test_every_rank_reaches_remote_while_its_node_holds_peers_replicas(workdir: Path) -> None:
+    """``wait("remote")`` after ``replicated`` returns on every node: the replicas a node holds are
+    their own node's to write down, and the COMMIT another node writes down is found below."""
+    uri = uri_of(workdir, 1)
+    saved = Job(workdir, ["node-0", "node-1"], "shard", saves=[{"uri": uri, "seed": 1, "level": ["replicated", "remote"]}]).wait()
+    assert all(r["saves"][uri]["ok"] for r in saved), saved
+    assert (Path(uri) / "COMMIT").is_file()
+
+
 def test_a_lost_node_is_rebuilt_from_its_peer_and_the_survivor_reshards(workdir: Path) -> None:
     uri = uri_of(workdir, 1)
     saved = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "shard",

@@ -109,10 +109,16 @@ class DownLog:
         except FileNotFoundError:
             pass
 
-    def pending(self, generation: str, state: DownState | None = None) -> list[str]:
-        """The tier's files of ``generation`` (and its ``COMMIT``, when the tier's names it) not yet down."""
+    def pending(self, generation: str, state: DownState | None = None, *, origin: str | None = None) -> list[str]:
+        """The tier's files of ``generation`` (and its ``COMMIT``, when the tier's names it) not yet down.
+        With ``origin`` (this node), the replicas other nodes sent are left out: their own node writes
+        them down."""
         state = state if state is not None else self.state(generation)
         keys = [k for k in self.tier.keys_of(generation) if k not in state.done]
+        if origin is not None:
+            mine = (origin, f"{origin}-recovered")
+            replicas = {k for m in self.tier.manifests(generation) if m.origin not in mine for k, _ in m.files}
+            keys = [k for k in keys if k not in replicas]
         record = self.tier.committed()
         if record is not None and record.generation == generation and COMMIT not in state.done:
             keys.append(COMMIT)

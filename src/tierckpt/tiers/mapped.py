@@ -34,6 +34,7 @@ import torch
 from ..backends.base import ObjectWriter
 from ..backends.files import temp_name
 from ..errors import CheckpointError
+from .background import lower_priority
 from .config import MemoryTierFullError
 from .downlog import durable_copies, generation_of
 from .manifest import FileEntry
@@ -162,7 +163,9 @@ _PREPARING: set[str] = set()
 
 
 def _prepare(link: MemoryLink, nbytes: int) -> None:
-    """Make a spare of ``nbytes`` in the tier (admitted under the budget), mapped and touched."""
+    """Make a spare of ``nbytes`` in the tier (admitted under the budget), mapped and touched, at the
+    tier's background priority."""
+    lower_priority()
     tier = link.memory_tier
     with _LOCK:
         if tier.home in _PREPARING or tier.home in _SPARES:
@@ -193,7 +196,9 @@ def _make(link: MemoryLink, nbytes: int) -> None:
         os.ftruncate(fd, nbytes)
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         buffer = torch.frombuffer(mapping, dtype=torch.uint8)
-        buffer.fill_(0)  # every page allocated and mapped writable now, not during the next snapshot
+        # Every page mapped writable now, not during the next snapshot: MAP_POPULATE alone leaves a write
+        # fault per page for the snapshot copy (measured: about 4 % slower on 256 MiB).
+        buffer.fill_(0)
     except OSError as exc:
         log.info("no spare in the memory tier of %s: %s", tier.uri, exc)
         return

@@ -51,11 +51,14 @@ from .levels import Level, ReplicaHandle, ReplicaResult
 from .manifest import FileEntry, Manifest
 from .memory import IncomingFile, MemoryTier, NodeMemory
 from .peers import ReplicaPlan, plan_replicas
-from .transfer import Chunks, adopt_commit, buffers, open_files, read_chunk
+from .background import background_nice, lower_priority, lower_priority_of_new, started_threads
+from .transfer import Chunks, SentFiles, adopt_commit, buffers, open_files
 
 log = logging.getLogger(__name__)
 
 _REPLY_BYTES = 4096
+_IN_FLIGHT = 2
+"""Data chunks a sender keeps on the wire at once."""
 _TAG_HEADER, _TAG_REPLY, _TAG_DATA, _TAG_ACK = 1, 2, 3, 4
 
 
@@ -101,14 +104,17 @@ class Replicator:
         self.plan: ReplicaPlan = plan_replicas(self.rank_nodes, replicas)
         self.node = self.plan.node_of(self.rank_nodes, self._ranks.index(dist.get_rank()))
         self.is_leader = self._ranks[self.plan.leaders[self.node]] == dist.get_rank()
+        background_nice()  # a bad TIERCKPT_BACKGROUND_NICE fails here, in the foreground, not in a thread
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._chunk = chunk_bytes
         self._durable_below = durable_below
         # Over the whole world every rank calls new_group, which names the group by a count all ranks share;
         # the hashed names of local synchronization can differ between ranks of a long-lived process.
+        threads = started_threads()
         self._pg = dist.new_group(
             self._ranks, backend="gloo", timeout=self._timeout, use_local_synchronization=group is not None,
         )
+        lower_priority_of_new(threads)  # the group's own gloo threads copy every replicated byte
         self._broken: dict[int, str] = {}
         self._receiving: collections.OrderedDict[tuple[str, str], threading.Event] = collections.OrderedDict()
         self._jobs: list[_Job] = []
@@ -272,10 +278,10 @@ class Replicator:
 
     # -- the sending side --------------------------------------------------------------------------------
     def _send_loop(self, jobs: queue.Queue[_Job | None]) -> None:
-        bufs = buffers(self._chunk)
+        lower_priority()
         while (job := jobs.get()) is not None:
             try:
-                result = self._replicate_job(job, bufs)
+                result = self._replicate_job(job)
             except Exception as exc:  # noqa: BLE001 - never a lost handle: the level stays memory, with why
                 result = ReplicaResult(
                     uri=job.uri, generation=job.generation, level=Level.MEMORY, peers=(), acknowledged=(),
@@ -286,17 +292,18 @@ class Replicator:
                     os.close(fd)
             job.handle._finish(result)
 
-    def _replicate_job(self, job: _Job, bufs: tuple[torch.Tensor, ...]) -> ReplicaResult:
+    def _replicate_job(self, job: _Job) -> ReplicaResult:
         """Send one generation to every target in turn; its level from their answers."""
         acknowledged: list[str] = []
         reasons: list[str] = []
-        for target in self.plan.targets(self.node):
+        with SentFiles(job.files, job.manifest) as files:
+            for target in self.plan.targets(self.node):
                 name, dst = self._node_name(target), self._leader(target)
                 if dst in self._broken:
                     reasons.append(f"peer {name} (rank {dst}) is unreachable since: {self._broken[dst]}")
                     continue
                 try:
-                    refusal = self._send_job(job, dst, bufs)
+                    refusal = self._send_job(job, dst, files)
                 except Exception as exc:  # noqa: BLE001 - a dead or hung peer: reported, never raised
                     self._broken[dst] = f"{type(exc).__name__}: {exc}"
                     reasons.append(f"peer {name} (rank {dst}) failed during replication: {self._broken[dst]}")
@@ -311,35 +318,31 @@ class Replicator:
             peers=peers, acknowledged=tuple(acknowledged), reason="; ".join(reasons) or None,
         )
 
-    def _send_job(self, job: _Job, dst: int, bufs: tuple[torch.Tensor, ...]) -> str | None:
+    def _send_job(self, job: _Job, dst: int, files: SentFiles) -> str | None:
         """Send one generation to one peer; the peer's refusal, or ``None`` once it acknowledged.
 
-        Chunks alternate between the buffers: the next chunk is read from the tier while the previous
-        one is on the wire."""
+        The chunks are sent straight from the tier files' pages (no copy on this side); two are on the
+        wire at a time."""
         header = {"manifest": job.manifest.encode().decode(), "commit": None if job.commit is None else job.commit.decode()}
         self._send_bytes(json.dumps(header).encode(), dst, _TAG_HEADER)
         answer = self._answer(dst, _TAG_REPLY)
         if answer != "ok":
             return answer
-        in_flight: list[dist.Work | None] = [None] * len(bufs)
-        chunk = 0
+        in_flight: collections.deque[dist.Work] = collections.deque()
         for key, entry in job.manifest.files:
             for offset in range(0, entry.size, self._chunk):
-                slot = chunk % len(bufs)
-                chunk += 1
-                if in_flight[slot] is not None:
-                    self._wait(in_flight[slot])
-                view = bufs[slot][: min(self._chunk, entry.size - offset)]
-                read_chunk(job.files[key], key, offset, view, entry.size)
-                in_flight[slot] = dist.isend(view, dst, group=self._pg, tag=_TAG_DATA)
-        for work in in_flight:
-            if work is not None:
-                self._wait(work)
+                if len(in_flight) == _IN_FLIGHT:
+                    self._wait(in_flight.popleft())
+                view = files.chunk(key, offset, min(self._chunk, entry.size - offset))
+                in_flight.append(dist.isend(view, dst, group=self._pg, tag=_TAG_DATA))
+        while in_flight:
+            self._wait(in_flight.popleft())
         answer = self._answer(dst, _TAG_ACK)
         return None if answer == "ok" else answer
 
     # -- the receiving side ------------------------------------------------------------------------------
     def _receive_loop(self, jobs: queue.Queue[_Job | None]) -> None:
+        lower_priority()
         bufs = buffers(self._chunk)
         while (job := jobs.get()) is not None:  # one job per generation to receive
             self._receive_sources(bufs)

@@ -1,13 +1,15 @@
-"""The byte-moving pieces of peer replication (:mod:`.replica`): chunk buffers, reading a sealed
-file's bytes through a descriptor opened at commit, receiving a transfer's chunks into alternating
-buffers, and adopting a peer's ``COMMIT`` without ever replacing a newer one.
+"""The byte-moving pieces of peer replication (:mod:`.replica`): sending a sealed generation's files
+from their pages (mapped through descriptors opened at commit), receiving a transfer's chunks into
+alternating buffers, and adopting a peer's ``COMMIT`` without ever replacing a newer one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import mmap
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -37,10 +39,46 @@ def open_files(tier: MemoryTier, manifest: Manifest) -> dict[str, int]:
     return files
 
 
-def read_chunk(fd: int, key: str, offset: int, view: torch.Tensor, sealed_size: int) -> None:
-    """Fill ``view`` with the bytes of the file ``key`` (open as ``fd``) at ``offset``."""
-    if os.preadv(fd, [view.numpy()], offset) != view.numel():
-        raise CheckpointError(f"{key} is shorter than its sealed {sealed_size} bytes")
+class SentFiles:
+    """The files of one sent generation, mapped read-only from the descriptors opened at commit: chunks
+    go on the wire straight from the tier's pages. A file shorter than its sealed size is an error."""
+
+    def __init__(self, files: dict[str, int], manifest: Manifest) -> None:
+        self._maps: dict[str, mmap.mmap] = {}
+        self._tensors: dict[str, torch.Tensor] = {}
+        try:
+            for key, entry in manifest.files:
+                if entry.size == 0:
+                    continue
+                if os.fstat(files[key]).st_size < entry.size:
+                    raise CheckpointError(f"{key} is shorter than its sealed {entry.size} bytes")
+                mapping = self._maps[key] = mmap.mmap(files[key], entry.size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
+                # A read-only mapping, never written through: the tensor only hands its pages to the wire.
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    self._tensors[key] = torch.frombuffer(mapping, dtype=torch.uint8)
+        except BaseException:
+            self.close()
+            raise
+
+    def chunk(self, key: str, offset: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of ``key`` from ``offset``, as a tensor over the file's pages."""
+        return self._tensors[key][offset: offset + nbytes]
+
+    def close(self) -> None:
+        maps, self._maps = self._maps, {}
+        self._tensors.clear()
+        for mapping in maps.values():
+            try:
+                mapping.close()
+            except BufferError:
+                pass  # a view still exists (a send gloo still holds): unmapped when it goes
+
+    def __enter__(self) -> SentFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Chunks:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import mmap
 import os
 import threading
 import time
@@ -141,15 +142,27 @@ class WriteDown:
             data = await asyncio.to_thread(_read, path)
             await below.put(key, data)
             return
-        writer = await below.open_writer(key)
+        # The chain below reads the tier's own pages (a published tier file never changes or shrinks):
+        # no copy into fresh buffers, whose allocation would fault in new pages for every chunk.
         try:
-            with open(path, "rb", buffering=0) as f:
-                while chunk := await asyncio.to_thread(f.read, _COPY_CHUNK):
-                    await writer.write(chunk)
+            mapping = await asyncio.to_thread(_map, path)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.link.memory_tier.uri_of(key)} left the memory tier before it was written down") from None
+        view = memoryview(mapping)
+        try:
+            writer = await below.open_writer(key)
+        except BaseException:
+            _unmap(mapping, view)
+            raise
+        try:
+            for offset in range(0, len(mapping), _COPY_CHUNK):
+                await writer.write(view[offset: offset + _COPY_CHUNK])
             await writer.close()
         except BaseException:
             await writer.abort()
             raise
+        finally:
+            _unmap(mapping, view)
 
     # -- commits ---------------------------------------------------------------------------------------
     async def _commit(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
@@ -258,7 +271,7 @@ class WriteDown:
                     f"committed in this node's memory only. Fix the storage, then run: {sync_command(link)}"
                 )
             left = [j for j in jobs if not j.done()]
-            if not left and (not commit or name is None or await asyncio.to_thread(link.down.held_below, name)):
+            if not left and (not commit or name is None or await self._node_files_below(name)):
                 return
             if deadline is not None and time.monotonic() > deadline:
                 raise TransientStorageError(
@@ -266,6 +279,22 @@ class WriteDown:
                     f"{timeout_s} s; it goes on in the background ({sync_command(link)} finishes it)"
                 )
             await asyncio.sleep(_POLL_S)
+
+    async def _node_files_below(self, generation: str) -> bool:
+        """Whether the chain below holds this node's files of ``generation`` (the tier's log says so;
+        the replicas other nodes sent are theirs to write down) and, when the tier's ``COMMIT`` names it,
+        that commit: logged as written down from this node, or else (another node, or another process
+        of this one, commits it) found below."""
+        link = self.link
+        pending = await asyncio.to_thread(link.down.pending, generation, origin=link.origin)
+        if pending != [COMMIT]:
+            return not pending
+        record = await asyncio.to_thread(link.memory_tier.committed)
+        try:
+            below = CommitRecord.decode(await link.below.get(COMMIT))
+        except (CheckpointNotFoundError, TransientStorageError):
+            return False
+        return record is not None and record.generation == generation and below.generation == generation
 
     async def sync(self, timeout_s: float | None) -> None:
         """Copy down the tier's committed generation wherever the chain below lacks it (files not being
@@ -350,6 +379,21 @@ def _running(job: _Job | None) -> bool:
 def _read(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
+
+
+def _unmap(mapping: mmap.mmap, view: memoryview) -> None:
+    """Unmap now, or (a writer below still holds a view of it) when its last view goes."""
+    try:
+        view.release()
+        mapping.close()
+    except BufferError:
+        pass
+
+
+def _map(path: str) -> mmap.mmap:
+    """The tier file at ``path`` mapped read-only (its pages already in memory: populated at once)."""
+    with open(path, "rb", buffering=0) as f:
+        return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
 
 def sync_command(link: MemoryLink) -> str:
