@@ -235,6 +235,7 @@ async def test_corrupt_unuploaded_data_raises(remote: CountingBackend, store: Ti
     with pytest.raises(StorageError, match="CRC-32C"):
         await store.sync()
     assert not await remote.exists("g-1/data/x")
+    assert await store.drop_pending() == ["g-1/data/x"]  # what a user does with it (the exit drain would report it)
 
 
 async def test_eviction_keeps_pending_data(remote: CountingBackend, tmp_path: Path) -> None:
