@@ -169,3 +169,20 @@ def test_block_accumulator_and_piece_crc() -> None:
         assert sums.crc32c == crc32c.crc32c(data)
         assert list(sums.block_crc32c) == block_crcs(data, 1024)
     assert combine_blocks([[]], [0]) == [0]
+
+
+def test_powers_table_matches_the_vectorised_multiplication() -> None:
+    """The import-time table ``x^(2^k) mod P`` (built with Python ints) equals the numpy multiplication
+    the combining code uses, and shifting by it gives the CRC of real zero bytes."""
+    import crc32c as _crc32c
+    import numpy as np
+
+    from tierckpt.io import crc
+
+    table = [1 << 30]
+    for _ in range(63):
+        last = np.array([table[-1]], dtype=np.uint64)
+        table.append(int(crc._mulmod(last, last)[0]))
+    assert crc._X2N == table
+    for n in (1, 7, 4096, 1 << 20, 3 * (1 << 20) + 5):
+        assert int(crc.zeros_crc(np.array([n]))[0]) == _crc32c.crc32c(bytes(n))

@@ -475,7 +475,9 @@ def _column(table: pa.Table, name: str, what: str) -> list[Any]:
 
 def _read_table(source: Any, what: str) -> pa.Table:
     try:
-        return pq.read_table(pa.BufferReader(source) if isinstance(source, bytes) else source)
+        # ParquetFile, not read_table: read_table goes through pyarrow.dataset, whose first import (with
+        # pyarrow.compute) costs 0.05-0.1 s inside a fresh process's first load.
+        return pq.ParquetFile(pa.BufferReader(source) if isinstance(source, bytes) else source).read()
     except CheckpointError:
         raise  # the store failed (transient, not found...), not the table
     except (pa.ArrowException, OSError, ValueError) as exc:

@@ -25,6 +25,7 @@ forked child instead of reusing the parent's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import posixpath
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -79,8 +80,13 @@ _TRANSIENT_CODES = frozenset(
 _TRANSIENT_STATUS = frozenset({500, 502, 503, 504})
 
 
+@functools.cache
 def _provider_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
-    """(transient, missing-credentials, other provider) exception types of the installed clients."""
+    """(transient, missing-credentials, other provider) exception types of the installed clients.
+
+    Imported on the first failure to classify, not with this module: importing aiohttp and botocore
+    takes 0.2-0.5 s, which every process that loads from a local path or memory would pay before its
+    first load."""
     transient: list[type] = [ConnectionError, TimeoutError, FSTimeoutError]
     credentials: list[type] = []
     other: list[type] = []
@@ -100,9 +106,6 @@ def _provider_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, .
     except ImportError:
         pass
     return tuple(transient), tuple(credentials), tuple(other)
-
-
-_TRANSIENT_TYPES, _CREDENTIAL_TYPES, _PROVIDER_TYPES = _provider_types()
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
@@ -146,9 +149,10 @@ def translate_error(
         return StoragePermissionError(f"{what}: access denied, check the credentials ({cause})")
     if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS:
         return TransientStorageError(f"{what}: transient failure ({cause})")
-    if any(isinstance(e, _TRANSIENT_TYPES) for e in _chain(exc)):
+    transient_types, credential_types, provider_types = _provider_types()
+    if any(isinstance(e, transient_types) for e in _chain(exc)):
         return TransientStorageError(f"{what}: connection failed or timed out ({cause})")
-    if isinstance(exc, _CREDENTIAL_TYPES):
+    if isinstance(exc, credential_types):
         return StoragePermissionError(
             f"{what}: no usable credentials ({cause}); set AWS_ACCESS_KEY_ID and "
             "AWS_SECRET_ACCESS_KEY or pass key=/secret= options"
@@ -157,7 +161,7 @@ def translate_error(
         return CheckpointNotFoundError(f"{what}: no such object ({cause})")
     if isinstance(exc, PermissionError):
         return StoragePermissionError(f"{what}: permission denied ({cause})")
-    if isinstance(exc, (OSError, *_PROVIDER_TYPES)):
+    if isinstance(exc, (OSError, *provider_types)):
         return StorageError(f"{what}: {cause}")
     return None
 

@@ -41,12 +41,22 @@ def _mulmod(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return product
 
 
+def _mulmod_int(a: int, b: int) -> int:
+    """``a * b mod P`` for two reflected 32-bit polynomials as Python ints (:func:`_mulmod` for one pair,
+    without numpy's per-call overhead: the table below is built at import, in every fresh process)."""
+    product = 0
+    for bit in range(31, -1, -1):
+        if (a >> bit) & 1:
+            product ^= b
+        b = (b >> 1) ^ (_POLY if b & 1 else 0)
+    return product
+
+
 def _powers() -> list[int]:
     """``x^(2^k) mod P`` for k = 0..63."""
     table = [1 << 30]  # x^1
     for _ in range(63):
-        last = np.array([table[-1]], dtype=np.uint64)
-        table.append(int(_mulmod(last, last)[0]))
+        table.append(_mulmod_int(table[-1], table[-1]))
     return table
 
 

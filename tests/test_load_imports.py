@@ -1,0 +1,39 @@
+"""A fresh process that loads from a local path imports no object-store client and no pyarrow.dataset:
+those imports took 0.2-0.5 s of a restarted process's recovery (the clients' exception types are now
+imported on the first failure to classify; Parquet tables are read without pyarrow.dataset)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+import tierckpt
+from tierckpt.backends.fsspec_backend import translate_error
+from tierckpt.errors import TransientStorageError
+
+CHILD = """
+import sys, torch, tierckpt
+state = {"w": torch.zeros(4, 4)}
+tierckpt.load(sys.argv[1], state)
+assert torch.equal(state["w"], torch.arange(16.0).reshape(4, 4)), state["w"]
+print(sorted(m for m in ("aiohttp", "botocore", "s3fs", "pyarrow.dataset") if m in sys.modules))
+"""
+
+
+def test_local_load_imports_no_store_client(tmp_path) -> None:
+    uri = str(tmp_path / "ckpt")
+    tierckpt.save(uri, {"w": torch.arange(16.0).reshape(4, 4)})
+    env = {**os.environ, "TIERCKPT_MEMORY": "off"}
+    out = subprocess.run([sys.executable, "-c", CHILD, uri], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_client_errors_still_classified_after_lazy_import() -> None:
+    import aiohttp
+
+    err = translate_error(aiohttp.ClientConnectionError("reset"), "reading 's3://b/k'")
+    assert isinstance(err, TransientStorageError)
