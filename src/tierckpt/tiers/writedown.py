@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 _COPY_CHUNK = 8 << 20
 _POLL_S = 0.05
+_REMOTE_POLL_MAX_S = 1.0
+"""A wait that is left with another node's ``COMMIT`` to find below asks the chain below (a remote GET
+each time) at intervals doubling from ``_POLL_S`` up to this."""
 CATCH_UP = object()
 """``expected`` of a commit pushed by ``sync``: swap against what the chain below holds if it is older."""
 
@@ -254,6 +257,7 @@ class WriteDown:
         link = self.link
         name = None if generation is None else generation.rstrip("/").rpartition("/")[2]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pause = _POLL_S
         while True:
             mine = [k for k in self.files if name is None or generation_of(k) == name]
             jobs = [self.files[k].future for k in mine]
@@ -278,7 +282,9 @@ class WriteDown:
                     f"the write-down of {link.memory_tier.uri} from the node memory tier did not finish within "
                     f"{timeout_s} s; it goes on in the background ({sync_command(link)} finishes it)"
                 )
-            await asyncio.sleep(_POLL_S)
+            await asyncio.sleep(pause)
+            if not left and commit and name is not None:  # only the COMMIT below is awaited: ask less often
+                pause = min(pause * 2, _REMOTE_POLL_MAX_S)
 
     async def _node_files_below(self, generation: str) -> bool:
         """Whether the chain below holds this node's files of ``generation`` (the tier's log says so;
