@@ -5,7 +5,6 @@ alternating buffers, and adopting a peer's ``COMMIT`` without ever replacing a n
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import mmap
 import os
@@ -15,7 +14,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointBusyError, CheckpointError
+from ..backends.files import commit_if
+from ..errors import CheckpointError
 from ..layout import COMMIT, CommitRecord
 from .manifest import Manifest
 from .memory import MemoryTier
@@ -114,18 +114,22 @@ class Chunks:
 
 def adopt_commit(tier: MemoryTier, data: bytes) -> None:
     """Write a peer's ``COMMIT`` unless this tier holds the same or a newer one (compare-and-swap, so a
-    commit of this node's own ranks racing it is never overwritten by an older record)."""
+    commit of this node's own ranks racing it is never overwritten by an older record).
+
+    Synchronous, under the same commit lock as :meth:`~.memory.MemoryTier.commit`: the receiving thread
+    must not build an event loop per generation (``asyncio.run`` creates a loop and a worker thread,
+    Python-level work that holds the GIL while training runs)."""
     record = CommitRecord.decode(data)
+    path = tier.path_of(COMMIT)
     while True:
         try:
-            with open(tier.path_of(COMMIT), "rb") as f:
+            with open(path, "rb") as f:
                 current: bytes | None = f.read()
         except FileNotFoundError:
             current = None
         if current is not None and CommitRecord.decode(current).seq >= record.seq:
             return
-        try:
-            asyncio.run(tier.commit(COMMIT, data, expected=current))
+        done, _ = commit_if(path, data, current)
+        if done:
             return
-        except CheckpointBusyError:
-            continue  # someone committed meanwhile: compare again
+        # someone committed meanwhile: compare again
