@@ -155,7 +155,10 @@ def recovery(gib: float, disk: str, memory_root: str, timeout_s: float) -> dict[
 # -- training-loop overhead ----------------------------------------------------------------------
 def train_ranks(rank: int, world: int, mode: str, steps: int, every: int, hidden: int, disk: str, memory_root: str) -> dict[str, float]:
     """Seconds for ``steps`` training steps, checkpointing every ``every`` steps as ``mode`` says; and of
-    them, the seconds inside the checkpoint calls (``stall``) and waiting for the previous save (``wait``)."""
+    them, the seconds inside the checkpoint calls (``stall``) and waiting for the previous save (``wait``);
+    and the CPU seconds the rank's process spent meanwhile, all its threads (``cpu``): on cores that
+    training keeps busy, the background work of the saves costs the loop about what it costs in CPU."""
+    import resource
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -196,6 +199,7 @@ def train_ranks(rank: int, world: int, mode: str, steps: int, every: int, hidden
         finish(checkpoint(0))
     dist.barrier()
     stall = wait = 0.0
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     for i in range(1, steps + 1):
         step()
@@ -209,10 +213,12 @@ def train_ranks(rank: int, world: int, mode: str, steps: int, every: int, hidden
         t2 = time.perf_counter()
         wait, stall = wait + t1 - t0, stall + t2 - t1
     seconds = time.perf_counter() - start
+    end = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = end.ru_utime + end.ru_stime - usage.ru_utime - usage.ru_stime
     if pending is not None:
         finish(pending)
     dist.barrier()
-    return {"seconds": seconds, "stall": stall, "wait": wait}
+    return {"seconds": seconds, "stall": stall, "wait": wait, "cpu": cpu}
 
 
 def training(args: argparse.Namespace, disk: str, memory_root: str) -> dict[str, list[dict[str, float]]]:
@@ -274,12 +280,15 @@ def training_section(args: argparse.Namespace, train: dict[str, list[dict[str, f
     med = C.median
     base = med([r["seconds"] for r in train["none"]])
     saves = args.steps // args.every
+    base_cpu = med([r["cpu"] for r in train["none"]])
     rows = [[mode, C.runs([r["seconds"] for r in train[mode]]), f"{100 * (med([r['seconds'] for r in train[mode]]) / base - 1):+.1f} %",
-             f"{1000 * med([r['stall'] for r in train[mode]]) / saves:.1f}", f"{1000 * med([r['wait'] for r in train[mode]]) / saves:.1f}"]
+             f"{1000 * med([r['stall'] for r in train[mode]]) / saves:.1f}", f"{1000 * med([r['wait'] for r in train[mode]]) / saves:.1f}",
+             f"{1000 * (med([r['cpu'] for r in train[mode]]) - base_cpu) / saves:.0f}"]
             for mode in ("none", "tierckpt", "dcp")]
     return [f"Training loop, {args.steps} steps, a checkpoint every {args.every} (seconds, all repeats; overhead against "
             "no checkpoint; per checkpoint, rank 0's milliseconds inside the checkpoint call and waiting for the "
-            "previous save):\n\n" + C.md_table(["mode", "seconds", "overhead", "stall ms", "wait ms"], rows)]
+            "previous save, and the CPU milliseconds its process spent beyond the loop without checkpoints, all "
+            "threads):\n\n" + C.md_table(["mode", "seconds", "overhead", "stall ms", "wait ms", "CPU ms"], rows)]
 
 
 def report(args: argparse.Namespace, saves: list[dict[str, Any]], rec: dict[str, Any], train: dict[str, list[dict[str, float]]],
