@@ -17,7 +17,10 @@ Lifecycle of one file (the saving rank):
 
 1. ``stream = FileStream(backend, key, num_pieces)`` opens the writer on the I/O loop (or takes one
    already open: the memory tier's mapped file, whose pages the snapshot copy fills).
-2. ``stream.put(chunk)`` for each chunk, in file order (from any one thread).
+2. ``stream.put(chunk)`` for each chunk, in file order (from any one thread) — or ``put_later`` for
+   chunks of a fully staged file, handed to the writer only by ``finish()``: a whole-file snapshot
+   returns to training before any checksum or write starts, so none competes with the caller's last
+   steps for the cores (measured: 1.5-4 ms of a 256 MiB snapshot's stall on 2 cores, see ``stage_into``).
 3. ``stream.finish()`` closes the writer (the file becomes visible atomically) and returns the
    per-piece checksums; on any failure the writer is aborted and nothing is left behind.
 """
@@ -64,21 +67,29 @@ class FileStream:
         self.write_s = 0.0
         """Seconds spent in the backend writer, the file's close (fsync, publish) included."""
         self._sched = get_scheduler()
-        self._queue: asyncio.Queue[Chunk | None] = self._sched.run(self._make_queue())
+        # Bound to the I/O loop on first use there (every put and get runs on it): no round trip now.
+        self._queue: asyncio.Queue[Chunk | None] = asyncio.Queue()
+        self._later: list[Chunk] = []
         self._done = self._sched.submit(self._drain(backend, key, writer))
-
-    @staticmethod
-    async def _make_queue() -> asyncio.Queue[Chunk | None]:
-        return asyncio.Queue()
 
     def put(self, chunk: Chunk) -> None:
         self._sched.loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
 
+    def put_later(self, chunk: Chunk) -> None:
+        """Queue ``chunk`` (after those put before it) for :meth:`finish` to hand to the writer. Only for
+        chunks whose memory stays valid until then (a fully staged file, not a ping-pong half)."""
+        self._later.append(chunk)
+
     def finish(self) -> list[PieceChecksums]:
         """Close the file once every chunk is written and return each piece's checksums; raise the first write error."""
-        self._sched.loop.call_soon_threadsafe(self._queue.put_nowait, None)
+        later, self._later = self._later, []
+        self._sched.loop.call_soon_threadsafe(self._put_all, [*later, None])
         self._done.result()
         return finish_pieces(self.checksums)
+
+    def _put_all(self, chunks: list[Chunk | None]) -> None:
+        for chunk in chunks:
+            self._queue.put_nowait(chunk)
 
     @contextlib.contextmanager
     def abort_on_error(self) -> Iterator[None]:
@@ -86,6 +97,7 @@ class FileStream:
         try:
             yield
         except BaseException:
+            self._later.clear()
             self._sched.loop.call_soon_threadsafe(self._queue.put_nowait, _ABORT)
             with contextlib.suppress(BaseException):
                 self._done.result()
@@ -236,8 +248,9 @@ def stage_into(stream: FileStream, pieces: Iterable[tuple[int, int, torch.Tensor
     """Copy ``(index, byte_offset, tensor)`` pieces, in file order, through ``buffer`` into ``stream``.
 
     Returns once every byte has been copied, so the caller may mutate its tensors. When the whole file
-    fits in ``buffer`` it is copied first and streamed afterwards, so no write competes with the
-    snapshot for memory bandwidth; otherwise the two halves of the buffer are used ping-pong and the
+    fits in ``buffer`` it is copied first and handed to the stream by ``stream.finish()``
+    (:meth:`FileStream.put_later`), so neither a checksum nor a write competes with the snapshot or with
+    the caller's return to training; otherwise the two halves of the buffer are used ping-pong and the
     copy waits for a half to drain. The last chunks may still be in flight (``stream.finish()`` waits).
     """
     pieces = list(pieces)
@@ -277,4 +290,4 @@ def _stage_whole(stream: FileStream, pieces: list[tuple[int, int, torch.Tensor]]
             for index, offset, n in spans
             if offset < end and offset + n > start
         ]
-        stream.put(Chunk(view[start:end], segments))
+        stream.put_later(Chunk(view[start:end], segments))

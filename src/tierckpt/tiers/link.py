@@ -284,10 +284,16 @@ class MemoryLink(Backend):
             return None
 
     async def _commit_view(self) -> bytes:
-        """The newer ``COMMIT`` of the tier and the chain below (the tier's while below is unreachable)."""
-        mine = await asyncio.to_thread(self._tier_commit_bytes)
+        """The newer ``COMMIT`` of the tier and the chain below (the tier's while below is unreachable);
+        both read at once (an async save's call waits for this on rank 0)."""
+        below = asyncio.ensure_future(self.below.get(COMMIT))
         try:
-            theirs: bytes | None = await self.below.get(COMMIT)
+            mine = await asyncio.to_thread(self._tier_commit_bytes)
+        except BaseException:
+            below.cancel()
+            raise
+        try:
+            theirs: bytes | None = await below
         except CheckpointNotFoundError:
             theirs = None
         except TransientStorageError:

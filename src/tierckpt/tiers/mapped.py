@@ -71,9 +71,13 @@ class MappedFile(ObjectWriter):
     def __init__(self, link: MemoryLink, key: str, tmp: str, fd: int, buffer: torch.Tensor) -> None:
         self._link, self._key, self._tmp, self._fd = link, key, tmp, fd
         self.buffer = buffer
-        self._uri = link.memory_tier.uri_of(key)
         self._crc = 0
         self._size = 0
+
+    @property
+    def _uri(self) -> str:  # type: ignore[override]
+        """For messages only: resolving the path is not paid inside the snapshot call."""
+        return self._link.memory_tier.uri_of(self._key)
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
