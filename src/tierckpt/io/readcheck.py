@@ -100,6 +100,7 @@ class ReadChecker:
                 index[(fqn, p.file)].append(p)
         self._index = {k: (sorted(p.byte_offset for p in v), sorted(v, key=lambda p: p.byte_offset)) for k, v in index.items()}
         self._parts: dict[PieceKey, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
+        self._arrays: dict[PieceKey, np.ndarray] = {}
 
     def check(
         self, fqn: str, file: str, run_offsets: np.ndarray, run_bytes: int, data: memoryview,
@@ -120,18 +121,25 @@ class ReadChecker:
         rel = np.asarray(run_offsets, dtype=np.int64) - piece.byte_offset
         first = rel // block
         count = (rel + run_bytes - 1) // block - first + 1
-        run = np.repeat(np.arange(len(rel)), count)
-        blocks = np.repeat(first, count) + (np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count))
+        if (one := bool((count == 1).all())):  # each run lies in one block (short strided runs, block runs)
+            run, blocks = np.arange(len(rel)), first
+        else:  # cut runs at block edges: one segment per (run, block) pair
+            run = np.repeat(np.arange(len(rel)), count)
+            blocks = np.repeat(first, count) + (np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count))
         block_start = blocks * block
         block_end = np.minimum(block_start + block, piece.byte_length)
         lo = np.maximum(rel[run], block_start)
         hi = np.minimum(rel[run] + run_bytes, block_end)
         at = run * run_bytes + (lo - rel[run])
-        raw = np.zeros(len(run), dtype=np.uint64)
-        known = np.zeros(len(run), dtype=bool)
-        if run_crcs is not None:
-            known = count[run] == 1  # the segment is its whole run
-            raw[known] = np.asarray(run_crcs, dtype=np.uint64)[run[known]] ^ np.uint64(_zeros_crc_of(run_bytes))
+        if run_crcs is not None and one:
+            known = np.ones(len(run), dtype=bool)
+            raw = np.array(run_crcs, dtype=np.uint64) ^ np.uint64(_zeros_crc_of(run_bytes))
+        else:
+            raw = np.zeros(len(run), dtype=np.uint64)
+            known = np.zeros(len(run), dtype=bool)
+            if run_crcs is not None:
+                known = count[run] == 1  # the segment is its whole run
+                raw[known] = np.asarray(run_crcs, dtype=np.uint64)[run[known]] ^ np.uint64(_zeros_crc_of(run_bytes))
         if (todo := np.flatnonzero(~known)).size:
             view = memoryview(data).cast("B")
             pairs = zip(at[todo].tolist(), (at + hi - lo)[todo].tolist())
@@ -139,13 +147,20 @@ class ReadChecker:
         full = (lo == block_start) & (hi == block_end)
         whole = np.flatnonzero(full)
         got = raw[whole] ^ zeros_crc((hi - lo)[whole].astype(np.uint64))
-        expected = np.asarray(crcs, dtype=np.uint64)[blocks[whole]]
+        expected = self._block_crcs(piece)[blocks[whole]]
         if (bad := np.flatnonzero(got != expected)).size:
             raise self._mismatch(piece, int(blocks[whole[bad[0]]]))
         part = np.flatnonzero(~full)
         if not part.size:
             return {}
         return {(piece.file, piece.byte_offset): (blocks[part], shift(raw[part], (block_end - hi)[part]), (hi - lo)[part])}
+
+    def _block_crcs(self, piece: PieceMeta) -> np.ndarray:
+        """The piece's block CRCs as an array (made once per piece; :meth:`check` indexes it per unit)."""
+        key = (piece.file, piece.byte_offset)
+        if (got := self._arrays.get(key)) is None:
+            got = self._arrays[key] = np.array(piece.blocks()[1], dtype=np.uint64)
+        return got
 
     def block_runs(self, fqn: str, file: str, start: int, nbytes: int) -> list[tuple[int, int, int]]:
         """A contiguous range of a piece cut at the piece's block edges, as groups of equal runs
