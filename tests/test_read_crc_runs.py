@@ -171,3 +171,25 @@ def test_block_runs_cut_a_range_at_the_block_edges() -> None:
     assert checker.block_runs("w", "d0", OFFSET, len(data)) == [(OFFSET, BLOCK, 3), (OFFSET + 3 * BLOCK, 100, 1)]
     assert checker.block_runs("w", "d0", OFFSET + 5, 20) == [(OFFSET + 5, 20, 1)]
     assert checker.block_runs("w", "d0", OFFSET + BLOCK, BLOCK) == [(OFFSET + BLOCK, BLOCK, 1)]
+
+
+def test_shift_tables_stay_right_across_threads_and_a_full_cache() -> None:
+    """Shifts from 4 threads at once, more distinct ones than the cache keeps: each equals the raw CRC
+    of the bytes followed by that many zeros (small shifts), and shifting twice equals shifting by the sum."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tierckpt.io.crc import _MAX_SHIFT_TABLES, shift
+
+    data = random.Random(5).randbytes(64)
+    raw = np.full(8, raw_crc(data), dtype=np.uint64)
+
+    def one(seed: int) -> bool:
+        rng = np.random.default_rng(seed)
+        a = rng.integers(0, 1 << 30, size=_MAX_SHIFT_TABLES // 2 + 1).astype(np.uint64)
+        small = np.arange(8, dtype=np.uint64) + np.uint64(seed)
+        ok = all(int(v) == raw_crc(data + bytes(int(n))) for v, n in zip(shift(raw, small), small))
+        twice = shift(shift(raw[:1].repeat(len(a)), a), a)
+        return ok and bool((twice == shift(raw[:1].repeat(len(a)), 2 * a)).all())
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(one, range(8)))

@@ -112,7 +112,8 @@ class ReadChecker:
         (:data:`DIGEST_RUN_BYTES`, :meth:`block_runs`); a run that lies within one block is not read
         again here, so a read costs one native CRC call per run on bytes still in the CPU cache. Runs
         that cross a block edge are cut there and their parts computed from ``data``.
-        Thread-safe (keeps no state): the caller hands the result to :meth:`add`.
+        Thread-safe (its only state is a cache of each piece's block CRCs as an array): the caller hands
+        the result to :meth:`add`.
         """
         if run_bytes == 0 or len(run_offsets) == 0:
             return {}
