@@ -56,7 +56,7 @@ def _load(data: bytes, stored: bytes, with_run_crcs: bool, rows: range = range(R
         rank = ReadChecker("g", {"w": [_piece(stored)]})
         offsets, run_bytes, packed = _runs(data, cols, rows)
         view = memoryview(packed)
-        crcs = [raw_crc(view[i * run_bytes : (i + 1) * run_bytes]) for i in range(len(offsets))] if with_run_crcs else None
+        crcs = [crc32c.crc32c(view[i * run_bytes : (i + 1) * run_bytes]) for i in range(len(offsets))] if with_run_crcs else None
         half = len(offsets) // 2  # two read units per rank, as a load's row slabs make
         for lo, hi in ((0, half), (half, len(offsets))):
             unit = view[lo * run_bytes : hi * run_bytes]
@@ -113,7 +113,7 @@ def test_a_missing_rank_leaves_blocks_incomplete_not_passed(stored) -> None:
         offsets, run_bytes, packed = _runs(stored, cols, range(ROWS))
         rank = ReadChecker("g", {"w": [_piece(stored)]})
         view = memoryview(packed)
-        rank.add(rank.check("w", "d0", offsets, run_bytes, view, [raw_crc(view[i * run_bytes : (i + 1) * run_bytes]) for i in range(ROWS)]))
+        rank.add(rank.check("w", "d0", offsets, run_bytes, view, [crc32c.crc32c(view[i * run_bytes : (i + 1) * run_bytes]) for i in range(ROWS)]))
         gathered.append(rank.partials())
     assert [b for _, b in checker.settle(gathered)] == list(range(8))
 
@@ -128,10 +128,10 @@ def test_whole_runs_with_known_crcs_check_whole_blocks() -> None:
     checker = ReadChecker("g", {"w": [piece]})
     offsets = np.array([0, BLOCK, 2 * BLOCK], dtype=np.int64)
     view = memoryview(data[: 3 * BLOCK])
-    crcs = [raw_crc(view[i * BLOCK : (i + 1) * BLOCK]) for i in range(3)]
+    crcs = [crc32c.crc32c(view[i * BLOCK : (i + 1) * BLOCK]) for i in range(3)]
     assert checker.check("w", "d0", offsets, BLOCK, view, crcs) == {}
     tail = memoryview(data[3 * BLOCK :])
-    assert checker.check("w", "d0", np.array([3 * BLOCK]), 100, tail, [raw_crc(tail)]) == {}
+    assert checker.check("w", "d0", np.array([3 * BLOCK]), 100, tail, [crc32c.crc32c(tail)]) == {}
     crcs[1] ^= 1 << 20  # what a read computes of a block with a flipped bit
     with pytest.raises(CorruptCheckpointError, match=f"at bytes {BLOCK}..{2 * BLOCK}"):
         checker.check("w", "d0", offsets, BLOCK, view, crcs)
@@ -155,3 +155,41 @@ def test_read_runs_returns_the_digest_of_each_run(tmp_path, kind) -> None:
     assert out == b"".join(data[o : o + 900] for o in offsets)
     assert got == [raw_crc(data[o : o + 900]) for o in offsets]
     assert plain is None
+
+
+def test_block_runs_cut_a_range_at_the_block_edges() -> None:
+    """Head up to the first edge, whole blocks, tail; a range inside one block is one run; an aligned one has no head."""
+    data = bytes(3 * BLOCK + 100)
+    piece = PieceMeta(
+        fqn="w", region=Box((0,), (len(data),)), file="d0", byte_offset=OFFSET, byte_length=len(data),
+        crc32c=crc32c.crc32c(data), block_bytes=BLOCK, block_crc32c=tuple(block_crcs(data, BLOCK)),
+    )
+    checker = ReadChecker("g", {"w": [piece]})
+    assert checker.block_runs("w", "d0", OFFSET + 10, 3 * BLOCK) == [
+        (OFFSET + 10, BLOCK - 10, 1), (OFFSET + BLOCK, BLOCK, 2), (OFFSET + 3 * BLOCK, 10, 1),
+    ]
+    assert checker.block_runs("w", "d0", OFFSET, len(data)) == [(OFFSET, BLOCK, 3), (OFFSET + 3 * BLOCK, 100, 1)]
+    assert checker.block_runs("w", "d0", OFFSET + 5, 20) == [(OFFSET + 5, 20, 1)]
+    assert checker.block_runs("w", "d0", OFFSET + BLOCK, BLOCK) == [(OFFSET + BLOCK, BLOCK, 1)]
+
+
+def test_shift_tables_stay_right_across_threads_and_a_full_cache() -> None:
+    """Shifts from 4 threads at once, more distinct ones than the cache keeps: each equals the raw CRC
+    of the bytes followed by that many zeros (small shifts), and shifting twice equals shifting by the sum."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tierckpt.io.crc import _MAX_SHIFT_TABLES, shift
+
+    data = random.Random(5).randbytes(64)
+    raw = np.full(8, raw_crc(data), dtype=np.uint64)
+
+    def one(seed: int) -> bool:
+        rng = np.random.default_rng(seed)
+        a = rng.integers(0, 1 << 30, size=_MAX_SHIFT_TABLES // 2 + 1).astype(np.uint64)
+        small = np.arange(8, dtype=np.uint64) + np.uint64(seed)
+        ok = all(int(v) == raw_crc(data + bytes(int(n))) for v, n in zip(shift(raw, small), small))
+        twice = shift(shift(raw[:1].repeat(len(a)), a), a)
+        return ok and bool((twice == shift(raw[:1].repeat(len(a)), 2 * a)).all())
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(one, range(8)))

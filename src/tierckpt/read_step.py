@@ -16,14 +16,14 @@ import concurrent.futures
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import layout
 from .backends import Backend
 from .comm import Comm
 from .io.coalesce import Taken, coalesce, read_group
-from .io.crc import raw_crc
-from .io.readcheck import DIGEST_RUN_BYTES, ReadChecker, checking_ranks
+from .io.readcheck import DIGEST_RUN_BYTES, RUN_DIGEST, ReadChecker, checking_ranks
 from .io.scheduler import DEFAULT_PART_BYTES, ReadRequest, get_scheduler
 from .local_load import LocalReads
 from .metadata import TensorMeta, itemsize
@@ -151,25 +151,44 @@ class ReadStep:
         it lands, overlapping the other reads."""
         sched, checker = self.sched, self.checker
 
-        run_crcs: dict[int, list[int] | None] = {}  # the raw CRC of each run, taken as it was read
+        # What each checked unit's check covers: (run offsets, run bytes, their bytes, each run's CRC-32C
+        # taken as it was read, or None); a unit read whole and checked afterwards is absent.
+        segments: dict[int, list[tuple[Any, int, memoryview, list[int] | None]]] = {}
 
         async def read(group: list[int]) -> None:
-            unit = reads[group[0]][0]
+            i = group[0]
+            unit, view = reads[i]
             backend = self.local.source(unit.file, self.backend)  # its node's memory tier, or the chain
             key = layout.in_generation(self.gen, unit.file)
-            if len(unit.run_offsets) == 1:
-                await read_group(sched, backend, [
-                    ReadRequest(key=key, start=int(reads[i][0].run_offsets[0]), out=reads[i][1]) for i in group
-                ])
+            if len(unit.run_offsets) > 1:
+                digest = RUN_DIGEST if checked[i] and unit.run_bytes <= DIGEST_RUN_BYTES else None
+                got = await backend.read_runs(key, unit.run_offsets.tolist(), unit.run_bytes, view, digest)
+                segments[i] = [(unit.run_offsets, unit.run_bytes, view, got)]
+            elif checked[i] and len(group) == 1 and backend.capabilities.local_path:
+                segments[i] = await _read_blocks(backend, key, unit, view)
             else:
-                digest = raw_crc if checked[group[0]] and unit.run_bytes <= DIGEST_RUN_BYTES else None
-                got = await backend.read_runs(key, unit.run_offsets.tolist(), unit.run_bytes, reads[group[0]][1], digest)
-                run_crcs[group[0]] = got if digest is not None else None
+                await read_group(sched, backend, [
+                    ReadRequest(key=key, start=int(reads[j][0].run_offsets[0]), out=reads[j][1]) for j in group
+                ])
+
+        async def _read_blocks(backend: Backend, key: str, unit: ReadUnit, view: memoryview) -> list:
+            """A contiguous unit from a local file, read block by block, each block's CRC taken while it
+            is in the CPU cache (:meth:`ReadChecker.block_runs`): no second pass over its bytes."""
+            out, at = [], 0
+            for first, run_bytes, count in checker.block_runs(unit.fqn, unit.file, int(unit.run_offsets[0]), unit.nbytes):
+                part = view[at : at + run_bytes * count]
+                offsets = [first + k * run_bytes for k in range(count)]
+                out.append((np.array(offsets, dtype=np.int64), run_bytes, part, await backend.read_runs(key, offsets, run_bytes, part, RUN_DIGEST)))
+                at += run_bytes * count
+            return out
+
+        def check_unit(unit: ReadUnit, parts: list[tuple[Any, int, memoryview, list[int] | None]]) -> None:
+            for offsets, run_bytes, data, crcs in parts:
+                checker.add(checker.check(unit.fqn, unit.file, offsets, run_bytes, data, crcs))
 
         async def check(i: int, task: asyncio.Future, unit: ReadUnit, view: memoryview) -> None:
             await task
-            args = (unit.fqn, unit.file, unit.run_offsets, unit.run_bytes, view, run_crcs.get(i))
-            checker.add(await asyncio.to_thread(checker.check, *args))
+            await asyncio.to_thread(check_unit, unit, segments.get(i, [(unit.run_offsets, unit.run_bytes, view, None)]))
 
         tasks = [asyncio.ensure_future(read(g)) for g in groups]
         task_of = {i: t for g, t in zip(groups, tasks) for i in g}

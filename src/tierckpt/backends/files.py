@@ -232,17 +232,30 @@ def _open_regular(path: str) -> int:
     return fd
 
 
+def _back_to_back(offsets: list[int], run_bytes: int) -> bool:
+    """Whether the runs are one contiguous ascending range."""
+    return bool(offsets) and offsets == list(range(offsets[0], offsets[0] + len(offsets) * run_bytes, run_bytes))
+
+
 def pread_runs(
     path: str, offsets: list[int], run_bytes: int, out: memoryview, digest: Callable[[memoryview], int] | None = None,
 ) -> list[int] | None:
     """Read runs packed into ``out``; with ``digest``, also ``digest(run)`` of each run right after
-    its read, while its bytes are in the CPU cache (one pass over them, no second thread)."""
+    its read, while its bytes are in the CPU cache (one pass over them, no second thread).
+
+    Runs separated by gaps are announced to the kernel span by span (:func:`read_ahead_spans`); runs
+    back to back (a contiguous range read block by block) only mark the file sequential, so the
+    kernel's own read-ahead runs ahead of them: asking for a range already in the page cache costs
+    about 2.6 ms per 32 MiB on the 2-core test VM, more than checksumming it."""
     digests: list[int] | None = [] if digest is not None else None
     fd = _open_regular(path)
     try:
         if hasattr(os, "posix_fadvise"):  # Linux and most Unixes; elsewhere each pread reads alone
-            for start, length in read_ahead_spans(offsets, run_bytes):
-                os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
+            if _back_to_back(offsets, run_bytes):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            else:
+                for start, length in read_ahead_spans(offsets, run_bytes):
+                    os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
         for i, offset in enumerate(offsets):
             view = out[i * run_bytes : (i + 1) * run_bytes]
             got = os.preadv(fd, [view], offset)

@@ -14,6 +14,7 @@ CRC of ``n`` zero bytes (:func:`zeros_crc`).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import crc32c
@@ -79,23 +80,43 @@ def _x8n(nbytes: np.ndarray) -> np.ndarray:
 
 _BYTE_BASIS = np.arange(256, dtype=np.uint64)[None, :] << (np.uint64(8) * np.arange(4, dtype=np.uint64))[:, None]
 """Every value of each of the 4 bytes of a 32-bit CRC, in place: shape (4, 256)."""
-_SHIFT_TABLES: dict[int, np.ndarray] = {}
-"""Shift by n bytes as 4 byte tables (multiplication by ``x^(8n)`` is linear: XOR of the bytes' images)."""
 _MAX_SHIFT_TABLES = 4096
+"""At most this many shifts' tables are kept (4 KiB each); past that the cache starts afresh."""
 
 
-def _shift_tables(zero_bytes: np.ndarray) -> np.ndarray:
-    """Byte tables, shape (len, 4, 256), for each (distinct) shift; memoized, since a load's shifts repeat."""
-    wanted = zero_bytes.tolist()
-    missing = [n for n in wanted if n not in _SHIFT_TABLES]
-    if missing:
-        if len(_SHIFT_TABLES) + len(missing) > _MAX_SHIFT_TABLES:
-            _SHIFT_TABLES.clear()
-            missing = wanted  # distinct (the caller passes unique shifts), and none is cached any more
-        powers = _x8n(np.array(missing, dtype=np.uint64))
-        tables = _mulmod(powers[:, None, None], _BYTE_BASIS[None, :, :]).astype(np.uint32)
-        _SHIFT_TABLES.update(zip(missing, tables))
-    return np.stack([_SHIFT_TABLES[n] for n in wanted])
+class _ShiftTables:
+    """Shift by n bytes as 4 byte tables (multiplication by ``x^(8n)`` is linear: XOR of the bytes' images),
+    memoized in one growing array, since a load's shifts repeat. Thread-safe: the load's checks run in
+    worker threads; rows once written never change, and a full cache starts a new array."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rows: dict[int, int] = {}
+        self._table = np.zeros((64, 1024), dtype=np.uint32)
+
+    def rows(self, zero_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The table array, shape (rows, 1024) (byte k's image of value v at ``k * 256 + v``), and the
+        row of each of ``zero_bytes`` (distinct) in it."""
+        wanted = zero_bytes.tolist()
+        with self._lock:
+            missing = [n for n in wanted if n not in self._rows]
+            if missing:
+                if len(self._rows) + len(missing) > _MAX_SHIFT_TABLES:
+                    self._rows, self._table = {}, np.zeros((64, 1024), dtype=np.uint32)
+                    missing = wanted  # distinct (the caller passes unique shifts), and none is cached any more
+                powers = _x8n(np.array(missing, dtype=np.uint64))
+                tables = _mulmod(powers[:, None, None], _BYTE_BASIS[None, :, :]).astype(np.uint32).reshape(len(missing), 1024)
+                used = len(self._rows)
+                if used + len(missing) > len(self._table):
+                    grown = np.zeros((max(2 * len(self._table), used + len(missing)), 1024), dtype=np.uint32)
+                    grown[:used] = self._table[:used]
+                    self._table = grown  # a new array: readers of the old one keep valid rows
+                self._table[used : used + len(missing)] = tables
+                self._rows.update(zip(missing, range(used, used + len(missing))))
+            return self._table, np.array([self._rows[n] for n in wanted], dtype=np.intp)
+
+
+_SHIFT_TABLES = _ShiftTables()
 
 
 def shift(raw_crcs: np.ndarray, zero_bytes: np.ndarray) -> np.ndarray:
@@ -105,9 +126,9 @@ def shift(raw_crcs: np.ndarray, zero_bytes: np.ndarray) -> np.ndarray:
     if raw.size == 0:
         return raw.copy()
     unique, inverse = np.unique(zero_bytes, return_inverse=True)  # few distinct shifts in a strided read
-    tables = _shift_tables(unique)
-    flat = tables.reshape(-1)  # (shift, byte k, value) -> flat index shift * 1024 + k * 256 + value
-    base = inverse.reshape(-1).astype(np.intp) * 1024
+    table, rows = _SHIFT_TABLES.rows(unique)
+    flat = table.reshape(-1)  # (row, byte k, value) -> flat index row * 1024 + k * 256 + value
+    base = rows[inverse.reshape(-1)] * 1024
     octets = raw.reshape(-1).astype("<u4").view(np.uint8).reshape(-1, 4).astype(np.intp)  # low byte first
     out = flat.take(base + octets[:, 0])
     for k in range(1, 4):

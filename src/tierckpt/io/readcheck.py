@@ -6,9 +6,13 @@ runs at block boundaries:
 
 * a block the unit covers whole is checked at once, before any of its bytes is delivered;
 * a block covered in part yields a *partial*: the raw CRC of each covered part, shifted to the end of
-  its block, XORed per block, with the count of bytes covered. A strided read takes the raw CRC of
+  its block, XORed per block, with the count of bytes covered. A strided read takes the CRC-32C of
   each short run as it reads it (:data:`DIGEST_RUN_BYTES`), while the run is in the CPU cache; the
   check computes only the parts of runs that cross a block edge.
+
+A contiguous unit read from a local file is read in runs cut at its piece's block edges
+(:meth:`ReadChecker.block_runs`), each run's CRC-32C taken right after its read, while its bytes are
+in the CPU cache: one pass over memory instead of a read and a second pass to check it.
 
 After the last round, :meth:`ReadChecker.settle` combines every rank's partials (gathered with the
 read step's agreement, no collective of its own): a
@@ -26,6 +30,7 @@ load on every rank). Ranks of different nodes each check what they read.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,9 +51,13 @@ Partials = dict[PieceKey, tuple[np.ndarray, np.ndarray, np.ndarray]]
 """Per piece: block indices, the XOR of their parts' shifted raw CRCs, and the bytes covered."""
 
 DIGEST_RUN_BYTES = 64 << 10
-"""Runs of a strided read up to this long have their raw CRC taken as each lands, in the read's own
-loop (``Backend.read_runs(digest=raw_crc)``): the per-run cost is then one native call on bytes in
+"""Runs of a strided read up to this long have their CRC taken as each lands, in the read's own
+loop (``Backend.read_runs(digest=RUN_DIGEST)``): the per-run cost is then one native call on bytes in
 the CPU cache. Longer runs are few per block and checked after the read, with the GIL released."""
+RUN_DIGEST = crc32c.crc32c
+"""What a read computes of each run it reads: the plain CRC-32C, the native function itself (no Python
+frame per run); :meth:`ReadChecker.check` turns all of a unit's run CRCs into raw CRCs with one XOR,
+since its runs have one length."""
 
 
 def checking_ranks(units: Sequence[Any], nodes: Sequence[str]) -> list[int]:
@@ -91,6 +100,7 @@ class ReadChecker:
                 index[(fqn, p.file)].append(p)
         self._index = {k: (sorted(p.byte_offset for p in v), sorted(v, key=lambda p: p.byte_offset)) for k, v in index.items()}
         self._parts: dict[PieceKey, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
+        self._arrays: dict[PieceKey, np.ndarray] = {}
 
     def check(
         self, fqn: str, file: str, run_offsets: np.ndarray, run_bytes: int, data: memoryview,
@@ -98,11 +108,12 @@ class ReadChecker:
     ) -> Partials:
         """Check the whole blocks among runs read into ``data`` (packed back to back); return the partial blocks.
 
-        ``run_crcs``: the raw CRC (:func:`~tierckpt.io.crc.raw_crc`) of each run, computed as it was
-        read (:data:`DIGEST_RUN_BYTES`); a run that lies within one block is not read again here, so a
-        strided read costs one native CRC call per run on bytes still in the CPU cache. Runs that
-        cross a block edge are cut there and their parts computed from ``data``.
-        Thread-safe (keeps no state): the caller hands the result to :meth:`add`.
+        ``run_crcs``: the CRC-32C (:data:`RUN_DIGEST`) of each run, computed as it was read
+        (:data:`DIGEST_RUN_BYTES`, :meth:`block_runs`); a run that lies within one block is not read
+        again here, so a read costs one native CRC call per run on bytes still in the CPU cache. Runs
+        that cross a block edge are cut there and their parts computed from ``data``.
+        Thread-safe (its only state is a cache of each piece's block CRCs as an array): the caller hands
+        the result to :meth:`add`.
         """
         if run_bytes == 0 or len(run_offsets) == 0:
             return {}
@@ -111,18 +122,25 @@ class ReadChecker:
         rel = np.asarray(run_offsets, dtype=np.int64) - piece.byte_offset
         first = rel // block
         count = (rel + run_bytes - 1) // block - first + 1
-        run = np.repeat(np.arange(len(rel)), count)
-        blocks = np.repeat(first, count) + (np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count))
+        if (one := bool((count == 1).all())):  # each run lies in one block (short strided runs, block runs)
+            run, blocks = np.arange(len(rel)), first
+        else:  # cut runs at block edges: one segment per (run, block) pair
+            run = np.repeat(np.arange(len(rel)), count)
+            blocks = np.repeat(first, count) + (np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count))
         block_start = blocks * block
         block_end = np.minimum(block_start + block, piece.byte_length)
         lo = np.maximum(rel[run], block_start)
         hi = np.minimum(rel[run] + run_bytes, block_end)
         at = run * run_bytes + (lo - rel[run])
-        raw = np.zeros(len(run), dtype=np.uint64)
-        known = np.zeros(len(run), dtype=bool)
-        if run_crcs is not None:
-            known = count[run] == 1  # the segment is its whole run
-            raw[known] = np.asarray(run_crcs, dtype=np.uint64)[run[known]]
+        if run_crcs is not None and one:
+            known = np.ones(len(run), dtype=bool)
+            raw = np.array(run_crcs, dtype=np.uint64) ^ np.uint64(_zeros_crc_of(run_bytes))
+        else:
+            raw = np.zeros(len(run), dtype=np.uint64)
+            known = np.zeros(len(run), dtype=bool)
+            if run_crcs is not None:
+                known = count[run] == 1  # the segment is its whole run
+                raw[known] = np.asarray(run_crcs, dtype=np.uint64)[run[known]] ^ np.uint64(_zeros_crc_of(run_bytes))
         if (todo := np.flatnonzero(~known)).size:
             view = memoryview(data).cast("B")
             pairs = zip(at[todo].tolist(), (at + hi - lo)[todo].tolist())
@@ -130,13 +148,36 @@ class ReadChecker:
         full = (lo == block_start) & (hi == block_end)
         whole = np.flatnonzero(full)
         got = raw[whole] ^ zeros_crc((hi - lo)[whole].astype(np.uint64))
-        expected = np.asarray(crcs, dtype=np.uint64)[blocks[whole]]
+        expected = self._block_crcs(piece)[blocks[whole]]
         if (bad := np.flatnonzero(got != expected)).size:
             raise self._mismatch(piece, int(blocks[whole[bad[0]]]))
         part = np.flatnonzero(~full)
         if not part.size:
             return {}
         return {(piece.file, piece.byte_offset): (blocks[part], shift(raw[part], (block_end - hi)[part]), (hi - lo)[part])}
+
+    def _block_crcs(self, piece: PieceMeta) -> np.ndarray:
+        """The piece's block CRCs as an array (made once per piece; :meth:`check` indexes it per unit)."""
+        key = (piece.file, piece.byte_offset)
+        if (got := self._arrays.get(key)) is None:
+            got = self._arrays[key] = np.array(piece.blocks()[1], dtype=np.uint64)
+        return got
+
+    def block_runs(self, fqn: str, file: str, start: int, nbytes: int) -> list[tuple[int, int, int]]:
+        """A contiguous range of a piece cut at the piece's block edges, as groups of equal runs
+        ``(file offset of the first run, run bytes, runs)``: the head up to the first block edge, the
+        whole blocks, the tail after the last edge (each group only where it has bytes).
+
+        A read of these runs that takes each run's CRC right after reading it (``Backend.read_runs``
+        with :data:`RUN_DIGEST`) checks every block while its bytes are in the CPU cache.
+        """
+        piece = self._piece_at(fqn, file, start)
+        block = piece.blocks()[0]
+        rel, end = start - piece.byte_offset, start - piece.byte_offset + nbytes
+        head_end = min(-(-rel // block) * block, end)
+        body_end = max(head_end, end // block * block)
+        groups = [(rel, head_end - rel, 1), (head_end, block, (body_end - head_end) // block), (body_end, end - body_end, 1)]
+        return [(piece.byte_offset + at, size, n) for at, size, n in groups if size and n]
 
     def _piece_at(self, fqn: str, file: str, offset: int) -> PieceMeta:
         offsets, pieces = self._index[(fqn, file)]
@@ -203,6 +244,12 @@ class ReadChecker:
             f"{start}..{end} (tensor {piece.fqn!r}, region {piece.region}): the checkpoint is corrupt; "
             "load an earlier checkpoint or restore this one from another copy"
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_crc_of(nbytes: int) -> int:
+    """The CRC-32C of ``nbytes`` zero bytes: what turns the CRC-32C of ``nbytes`` bytes into their raw CRC."""
+    return int(zeros_crc(np.array(nbytes, dtype=np.uint64)))
 
 
 def _reduce(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
