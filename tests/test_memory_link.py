@@ -122,6 +122,27 @@ def test_tier_reads_serve_the_load(tmp_path: Path, memdir: Path) -> None:
     assert_same(got, state())
 
 
+def test_strided_reads_through_the_link_return_each_runs_checksum(tmp_path: Path, memdir: Path) -> None:
+    """A checked strided load reads runs through the chain with a digest per run: the link hands it to
+    whichever tier serves the file (its own tier here, the path below for a node whose tier is empty)
+    and returns each run's CRC-32C."""
+    import crc32c
+
+    path = str(tmp_path / "ckpt")
+    config = mem(memdir)
+    tierckpt.save(path, state(), storage_options={"memory": config})
+    generation = memory_tier_of(open_store(path, {"memory": config})).committed().generation
+    key = next(f"{generation}/data/{n}" for n in os.listdir(os.path.join(path, generation, "data")))
+    whole = get_scheduler().run(LocalBackend(path).get(key))
+    offsets, run_bytes = [0, 4096, 3 * 4096], 1000
+    want = [crc32c.crc32c(whole[o : o + run_bytes]) for o in offsets]
+    for memory in (config, mem(tmp_path / "empty-tier")):
+        out = bytearray(len(offsets) * run_bytes)
+        got = get_scheduler().run(open_store(path, {"memory": memory}).read_runs(key, offsets, run_bytes, memoryview(out), crc32c.crc32c))
+        assert got == want
+        assert bytes(out) == b"".join(whole[o : o + run_bytes] for o in offsets)
+
+
 @pytest.mark.parametrize("cache", [False, True], ids=["cache-off", "cache-on"])
 def test_round_trip_to_s3(uri: str, s3_server: str, memdir: Path, tmp_path: Path, cache: bool) -> None:
     cache_config = CacheConfig(directory=str(tmp_path / "cache"), exit_wait_s=0, poll_s=0.01) if cache else False

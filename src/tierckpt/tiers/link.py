@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..backends.base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Unconditional, commit_refused
@@ -319,9 +319,11 @@ class MemoryLink(Backend):
         await self._read(validate_key(key), lambda: self.memory_tier.read_into(key, start, out),
                          lambda: self.below.read_into(key, start, out))
 
-    async def read_runs(self, key: str, offsets: Any, run_bytes: int, out: memoryview) -> None:
-        await self._read(validate_key(key), lambda: self.memory_tier.read_runs(key, offsets, run_bytes, out),
-                         lambda: self.below.read_runs(key, offsets, run_bytes, out))
+    async def read_runs(
+        self, key: str, offsets: Any, run_bytes: int, out: memoryview, digest: Callable[[memoryview], int] | None = None,
+    ) -> list[int] | None:
+        return await self._read(validate_key(key), lambda: self.memory_tier.read_runs(key, offsets, run_bytes, out, digest),
+                                lambda: self.below.read_runs(key, offsets, run_bytes, out, digest))
 
     async def exists(self, key: str) -> bool:
         if validate_key(key) == COMMIT:
