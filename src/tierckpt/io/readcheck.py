@@ -118,11 +118,11 @@ class ReadChecker:
         if run_bytes == 0 or len(run_offsets) == 0:
             return {}
         piece = self._piece_at(fqn, file, int(run_offsets[0]))
-        block, crcs = piece.blocks()
+        block = piece.blocks()[0]
         rel = np.asarray(run_offsets, dtype=np.int64) - piece.byte_offset
         first = rel // block
         count = (rel + run_bytes - 1) // block - first + 1
-        if (one := bool((count == 1).all())):  # each run lies in one block (short strided runs, block runs)
+        if bool((count == 1).all()):  # each run lies in one block (short strided runs, block runs)
             run, blocks = np.arange(len(rel)), first
         else:  # cut runs at block edges: one segment per (run, block) pair
             run = np.repeat(np.arange(len(rel)), count)
@@ -132,15 +132,11 @@ class ReadChecker:
         lo = np.maximum(rel[run], block_start)
         hi = np.minimum(rel[run] + run_bytes, block_end)
         at = run * run_bytes + (lo - rel[run])
-        if run_crcs is not None and one:
-            known = np.ones(len(run), dtype=bool)
-            raw = np.array(run_crcs, dtype=np.uint64) ^ np.uint64(_zeros_crc_of(run_bytes))
-        else:
-            raw = np.zeros(len(run), dtype=np.uint64)
-            known = np.zeros(len(run), dtype=bool)
-            if run_crcs is not None:
-                known = count[run] == 1  # the segment is its whole run
-                raw[known] = np.asarray(run_crcs, dtype=np.uint64)[run[known]] ^ np.uint64(_zeros_crc_of(run_bytes))
+        raw = np.zeros(len(run), dtype=np.uint64)
+        known = np.zeros(len(run), dtype=bool)
+        if run_crcs is not None:  # a segment that is its whole run has its raw CRC from the run's CRC-32C
+            known = count[run] == 1
+            raw[known] = (np.asarray(run_crcs, dtype=np.uint64) ^ np.uint64(_zeros_crc_of(run_bytes)))[run[known]]
         if (todo := np.flatnonzero(~known)).size:
             view = memoryview(data).cast("B")
             pairs = zip(at[todo].tolist(), (at + hi - lo)[todo].tolist())

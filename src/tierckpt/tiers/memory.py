@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import crc32c
 
 from ..backends.base import UNCONDITIONAL, ObjectWriter, Unconditional
-from ..backends.files import is_lock_name, is_temp_name, temp_name
-from ..backends.local import LocalBackend
+from ..backends.files import commit_if, is_lock_name, is_temp_name, temp_name
+from ..backends.local import LocalBackend, os_error
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..layout import COMMIT, CommitRecord, is_superseded
 from ..metadata import validate_generation
@@ -215,6 +215,16 @@ class MemoryTier(LocalBackend):
     async def commit(self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL) -> None:
         self._claim()
         await super().commit(key, data, expected=expected)
+
+    def commit_in_thread(self, key: str, data: bytes, expected: bytes | None) -> bool:
+        """:meth:`commit` in the calling thread, for a thread with no event loop of its own (a replica's
+        receiver); ``False`` when ``key`` no longer holds ``expected``."""
+        self._claim()
+        path = self.path_of(key)
+        try:
+            return commit_if(path, data, expected)[0]
+        except OSError as exc:
+            raise os_error(exc, f"committing {path}") from exc
 
     def receive(self, key: str) -> IncomingFile:
         """Start writing a replica of ``key`` (see :class:`IncomingFile`)."""

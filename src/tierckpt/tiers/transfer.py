@@ -14,7 +14,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..backends.files import commit_if
 from ..errors import CheckpointError
 from ..layout import COMMIT, CommitRecord
 from .manifest import Manifest
@@ -129,7 +128,6 @@ def adopt_commit(tier: MemoryTier, data: bytes) -> None:
             current = None
         if current is not None and CommitRecord.decode(current).seq >= record.seq:
             return
-        done, _ = commit_if(path, data, current)
-        if done:
+        if tier.commit_in_thread(COMMIT, data, current):
             return
         # someone committed meanwhile: compare again
