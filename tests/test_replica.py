@@ -215,7 +215,7 @@ def test_a_stuck_peer_times_out_and_the_level_stays_memory(tmp_path: Path) -> No
 
 
 # -- adopting a peer's COMMIT (pure, no process group) -------------------------------------------------------
-def test_a_peers_commit_is_adopted_only_when_newer_and_without_an_event_loop(tmp_path: Path) -> None:
+def test_a_peers_commit_is_adopted_only_when_newer_and_without_an_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A replica's ``COMMIT`` replaces an older record, never the same or a newer one; it is adopted
     synchronously (the receiving thread builds no event loop while training runs)."""
     import asyncio
@@ -226,22 +226,17 @@ def test_a_peers_commit_is_adopted_only_when_newer_and_without_an_event_loop(tmp
     from tierckpt.tiers.transfer import adopt_commit
 
     tier = NodeMemory(MemoryConfig(directory=str(tmp_path / "shm"), budget_bytes=1 << 20)).tier("s3://b/run")
-    tier._claim()
     older, newer = (CommitRecord(f"g-0000000{s}-0000000000000-{s:012x}", 1.0, seq=s).encode() for s in (4, 5))
 
     def current() -> bytes:
         return Path(tier.path_of(COMMIT)).read_bytes()
 
-    real_run = asyncio.run
-    asyncio.run = lambda *a, **k: pytest.fail("adopt_commit started an event loop")  # type: ignore[assignment]
-    try:
-        adopt_commit(tier, older)  # nothing committed yet: adopted
-        assert current() == older
-        adopt_commit(tier, newer)
-        assert current() == newer
-        adopt_commit(tier, older)  # an older record never replaces a newer one
-        assert current() == newer
-        adopt_commit(tier, newer)  # the same record: unchanged
-        assert current() == newer and tier.committed().seq == 5
-    finally:
-        asyncio.run = real_run  # type: ignore[assignment]
+    monkeypatch.setattr(asyncio, "run", lambda *a, **k: pytest.fail("adopt_commit started an event loop"))
+    adopt_commit(tier, older)  # nothing committed yet: adopted
+    assert current() == older
+    adopt_commit(tier, newer)
+    assert current() == newer
+    adopt_commit(tier, older)  # an older record never replaces a newer one
+    assert current() == newer
+    adopt_commit(tier, newer)  # the same record: unchanged
+    assert current() == newer and tier.committed().seq == 5
