@@ -12,10 +12,15 @@ one checkpoint generation, called by every rank in the same order:
 2. Sender, per target node in turn (reading the files it opened at step 1, so a newer commit that
    deletes the generation meanwhile does not cut its transfer): a header (the manifest, and
    ``COMMIT`` when it names this generation) -> the receiver admits the bytes under its budget and
-   answers go or refused -> the files in chunks -> the receiver's acknowledgement.
+   answers go or refused -> the files in chunks -> the receiver's acknowledgement -> the sender's
+   closing word (``bye``).
 3. Receiver, per source node in turn: each file to a temp file with its CRC-32C computed on the way;
    published only if it matches the sender's manifest; then the manifest (origin = the sender) and,
-   if newer than its own, ``COMMIT``; then the acknowledgement.
+   if newer than its own, ``COMMIT``; then the acknowledgement; then it waits for the sender's ``bye``.
+   Every exchange, a refused one included, ends with that ``bye``: the node that answers last stays
+   until its answer was taken, so a process that exits as soon as its own transfers are done never
+   tears its sockets down under an answer still on the wire (which would leave the sender's level at
+   ``memory``). A lost ``bye`` costs nothing: the receiver had published and recorded everything.
 4. The level of the generation becomes ``replicated`` only when every target acknowledged. Any error
    (a peer that dies closes its connections; one that hangs exceeds ``timeout_s`` per operation), a
    refusal or a CRC mismatch leaves it at ``memory`` with the reason. The level is recorded in the
@@ -59,7 +64,7 @@ log = logging.getLogger(__name__)
 _REPLY_BYTES = 4096
 _IN_FLIGHT = 2
 """Data chunks a sender keeps on the wire at once."""
-_TAG_HEADER, _TAG_REPLY, _TAG_DATA, _TAG_ACK = 1, 2, 3, 4
+_TAG_HEADER, _TAG_REPLY, _TAG_DATA, _TAG_ACK, _TAG_BYE = 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,6 +332,7 @@ class Replicator:
         self._send_bytes(json.dumps(header).encode(), dst, _TAG_HEADER)
         answer = self._answer(dst, _TAG_REPLY)
         if answer != "ok":
+            self._bye(dst)
             return answer
         in_flight: collections.deque[dist.Work] = collections.deque()
         for key, entry in job.manifest.files:
@@ -338,7 +344,17 @@ class Replicator:
         while in_flight:
             self._wait(in_flight.popleft())
         answer = self._answer(dst, _TAG_ACK)
+        self._bye(dst)
         return None if answer == "ok" else answer
+
+    def _bye(self, dst: int) -> None:
+        """Tell the peer its last answer was taken (it waits for this before it may exit). A failure here
+        changes no level: the answer is in hand; the peer is only marked unusable for later transfers."""
+        try:
+            self._send(torch.ones(1, dtype=torch.uint8), dst, _TAG_BYE)
+        except Exception as exc:  # noqa: BLE001 - the answer already arrived; later jobs skip this peer
+            self._broken[dst] = f"{type(exc).__name__}: {exc}"
+            log.info("closing the exchange with rank %d failed after its answer arrived: %s", dst, self._broken[dst])
 
     # -- the receiving side ------------------------------------------------------------------------------
     def _receive_loop(self, jobs: queue.Queue[_Job | None]) -> None:
@@ -371,6 +387,7 @@ class Replicator:
             refusal = str(exc)
         self._reply(refusal or "ok", src, _TAG_REPLY)
         if refusal:
+            self._await_bye(src)
             return
         sizes = [min(self._chunk, e.size - o) for _, e in manifest.files for o in range(0, e.size, self._chunk)]
         chunks = Chunks(sizes, bufs, lambda view: dist.irecv(view, src, group=self._pg, tag=_TAG_DATA), self._wait)
@@ -383,6 +400,12 @@ class Replicator:
             except (CheckpointError, OSError) as exc:
                 failures.append(f"recording {manifest.generation} of {tier.uri} failed: {exc}")
         self._reply("; ".join(failures) or "ok", src, _TAG_ACK)
+        self._await_bye(src)
+
+    def _await_bye(self, src: int) -> None:
+        """Wait until the sender took this node's last answer (its ``bye``): until then this process may
+        not exit (the exit drain waits for the generation's ``received``), or the answer could be lost."""
+        self._recv(torch.zeros(1, dtype=torch.uint8), src, _TAG_BYE)
 
     def _receive_file(self, tier: MemoryTier, key: str, entry: FileEntry, chunks: Chunks) -> str | None:
         """Receive one file into the tier; why it was not published (a local failure: the rest of the
