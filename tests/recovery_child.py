@@ -147,6 +147,8 @@ def main(spec: dict) -> None:
             counts = monitor.summary()
             record["bytes_read"] = counts.get("bytes_read", 0)
             record["bytes_read_memory"] = counts.get("bytes_read_memory", 0)
+            record["bytes_exchanged"] = counts.get("bytes_exchanged", 0)
+            record["bytes_packed"] = counts.get("bytes_packed", 0)
         except Exception as exc:  # noqa: BLE001 - reported to the test
             record["error"] = f"{type(exc).__name__}: {exc}"
             record["trace"] = traceback.format_exc()

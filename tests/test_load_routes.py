@@ -190,6 +190,8 @@ def _read_once(stats: list[dict]) -> None:
     assert sum(int(s.get("bytes_checked", 0)) for s in stats if s) == tensor_bytes  # and checked once
     # every byte reaches the other rank once (each delivery padded to 16 bytes in the exchange stream)
     assert tensor_bytes <= exchanged < tensor_bytes + 16 * 4 * num_tensors
+    # each unit goes to its reader and to the other rank: its bytes are packed into the send buffer once
+    assert sum(int(s.get("bytes_packed", 0)) for s in stats if s) == tensor_bytes
     assert all(s.get("units_direct", 0) == 0 for s in stats if s)
 
 

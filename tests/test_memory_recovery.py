@@ -129,6 +129,9 @@ def test_a_lost_node_is_rebuilt_from_its_peer_and_the_survivor_reshards(workdir:
                 loads=[{"uri": uri, "seed": 1, "verify": True}]).wait()
     assert_exact(fresh, uri)
     assert [r["loads"][uri]["bytes_read"] > 0 for r in fresh] == [False, False, True, True]  # node-1 reads it all
+    # What the fresh node's ranks need goes to them whole: read straight into the send buffer, never packed.
+    assert [r["loads"][uri]["bytes_exchanged"] > 0 for r in fresh] == [True, True, False, False]
+    assert [r["loads"][uri]["bytes_packed"] for r in fresh] == [0, 0, 0, 0]
     assert fresh[2]["loads"][uri]["level"]["level"] == "replicated"
     # The surviving node alone, 2 ranks, plain replicated tensors (DDP) instead of Shard(0) over 4.
     alone = Job(workdir, ["node-1", "node-1"], "replicate", loads=[{"uri": uri, "seed": 1}]).wait()

@@ -3,7 +3,9 @@
 Round by round, :class:`ReadStep` reads the units this rank is the reader of (straight into the target's
 memory when a unit is exactly one contiguous CPU part of one target, else into a round buffer),
 checks the CRC-32C of what it reads (:mod:`tierckpt.io.readcheck`), copies its own deliveries into
-place, and exchanges the rest with one all-to-all per round. Round *k + 1*'s reads are in flight on
+place, and exchanges the rest with one all-to-all per round. A unit that goes whole to one other rank
+is read straight into its place in the round's send buffer (no packing copy: at tmpfs speed, the
+packing copy into fresh pages cost as much as the read and the all-to-all). Round *k + 1*'s reads are in flight on
 the I/O loop while round *k* is delivered and exchanged, so storage and the network overlap, and at
 most two rounds' buffers are alive at once. With a node memory tier, a unit whose file this rank's
 node holds is read from the tier (:class:`~tierckpt.local_load.LocalReads`).
@@ -67,13 +69,25 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // EXCHANGE_ALIGN) * EXCHANGE_ALIGN
 
 
+def _whole_to_other(unit: ReadUnit, rank: int) -> bool:
+    """Whether all of ``unit`` goes, as read, to one rank other than ``rank``."""
+    return len(unit.deliveries) == 1 and unit.deliveries[0].rank != rank and unit.deliveries[0].box == unit.box
+
+
 @dataclass
 class _Round:
-    """One round's units, the buffers they are read into, and the reads in flight."""
+    """One round's units, the buffers they are read into, its send buffer, and the reads in flight."""
 
     indices: tuple[int, ...]
     buffers: dict[int, torch.Tensor]
     direct: set[int]
+    """Units read straight into their target."""
+    in_send: set[int]
+    """Units read straight into their place in :attr:`send`."""
+    send: torch.Tensor
+    send_sizes: list[int]
+    send_at: dict[tuple[int, int], int]
+    """(unit, delivery) -> byte offset in :attr:`send` of each delivery to another rank."""
     landed: concurrent.futures.Future
     """Done when the round's bytes are read (its checksums may still be being checked)."""
     reads: Any
@@ -114,10 +128,32 @@ class ReadStep:
             with torch.no_grad():
                 self._deliver_round(current, exchange)
 
+    def _send_layout(self, indices: tuple[int, ...]) -> tuple[list[int], dict[tuple[int, int], int]]:
+        """Bytes this rank sends each rank in a round, and where each delivery to another rank lies in
+        the round's send buffer: per destination, consecutive, each padded to :data:`EXCHANGE_ALIGN`, in
+        unit then delivery order (the order in which the receivers take them, see :meth:`_exchange`)."""
+        me, world = self.comm.rank, self.comm.world_size
+        sizes = [0] * world
+        placed: list[tuple[int, int, int, int]] = []
+        for i in indices:
+            unit = self.plan.units[i]
+            if unit.reader != me:
+                continue
+            size = itemsize(_dtype(unit))
+            for j, d in enumerate(unit.deliveries):
+                if d.rank != me:
+                    placed.append((i, j, d.rank, sizes[d.rank]))
+                    sizes[d.rank] += _padded(d.numel * size)
+        starts = np.cumsum([0] + sizes[:-1]).tolist()
+        return sizes, {(i, j): starts[r] + at for i, j, r, at in placed}
+
     def _start(self, indices: tuple[int, ...]) -> _Round:
         """Allocate this rank's buffers for a round and start reading into them."""
         buffers: dict[int, torch.Tensor] = {}
         direct: set[int] = set()
+        in_send: set[int] = set()
+        send_sizes, send_at = self._send_layout(indices)
+        send = torch.empty(sum(send_sizes), dtype=torch.uint8)
         reads: list[tuple[ReadUnit, memoryview]] = []
         checked: list[bool] = []
         for i in indices:
@@ -125,10 +161,14 @@ class ReadStep:
             if unit.reader != self.comm.rank:
                 continue
             buf = _direct_buffer(unit, self.targets, self.comm.rank)
-            if buf is None:
-                buf = torch.empty(unit.nbytes, dtype=torch.uint8)
-            else:
+            if buf is not None:
                 direct.add(i)
+            elif _whole_to_other(unit, self.comm.rank):
+                at = send_at[(i, 0)]
+                buf = send[at : at + unit.nbytes]
+                in_send.add(i)
+            else:
+                buf = torch.empty(unit.nbytes, dtype=torch.uint8)
             buffers[i] = buf
             reads.append((unit, memoryview(buf.numpy())))
             checked.append(self.checker is not None and self.checks[i] == self.comm.rank)
@@ -140,7 +180,8 @@ class ReadStep:
         )
         self.monitor.count("requests", sum(1 if len(g) > 1 else len(reads[g[0]][0].run_offsets) for g in groups))
         landed: concurrent.futures.Future = concurrent.futures.Future()
-        return _Round(indices, buffers, direct, landed, self.sched.submit(self._read(reads, groups, checked, landed)))
+        reading = self.sched.submit(self._read(reads, groups, checked, landed))
+        return _Round(indices, buffers, direct, in_send, send, send_sizes, send_at, landed, reading)
 
     async def _read(
         self, reads: list[tuple[ReadUnit, memoryview]], groups: list[list[int]], checked: list[bool],
@@ -209,29 +250,21 @@ class ReadStep:
     def _deliver_round(self, rnd: _Round, exchange: bool) -> None:
         me = self.comm.rank
         units = [(i, self.plan.units[i]) for i in rnd.indices]
-        send_sizes = [0] * self.comm.world_size
         for i, unit in units:
-            if unit.reader == me:
-                for d in unit.deliveries:
-                    if d.rank != me:
-                        send_sizes[d.rank] += _padded(d.numel * itemsize(_dtype(unit)))
-        send = torch.empty(sum(send_sizes), dtype=torch.uint8)
-        cursors = [sum(send_sizes[:r]) for r in range(self.comm.world_size)]
-        for i, unit in units:
-            if unit.reader != me or i in rnd.direct:
+            if unit.reader != me or i in rnd.direct or i in rnd.in_send:
                 continue
             source = rnd.buffers.pop(i).view(_dtype(unit)).view(unit.box.lengths)
-            for d in unit.deliveries:
+            for j, d in enumerate(unit.deliveries):
                 part = source[d.box.relative_to(unit.box).slices()]
                 if d.rank == me:
                     _deliver(self.targets[d.target], d, part)
                 else:
-                    nbytes = d.numel * part.element_size()
-                    at = cursors[d.rank]
-                    send[at : at + nbytes].view(part.dtype).view(d.box.lengths).copy_(part)
-                    cursors[d.rank] += _padded(nbytes)
+                    at, nbytes = rnd.send_at[(i, j)], d.numel * part.element_size()
+                    rnd.send[at : at + nbytes].view(part.dtype).view(d.box.lengths).copy_(part)
+                    self.monitor.count("bytes_packed", nbytes)
+        rnd.buffers.clear()
         if exchange:
-            self._exchange(units, send, send_sizes)
+            self._exchange(units, rnd.send, rnd.send_sizes)
 
     def _exchange(self, units: list[tuple[int, ReadUnit]], send: torch.Tensor, send_sizes: list[int]) -> None:
         me = self.comm.rank
