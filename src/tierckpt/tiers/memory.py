@@ -90,30 +90,93 @@ class _Stamp:
     mtime_ns: int
 
 
+class WrittenCrc:
+    """Size and CRC-32C of the bytes written to a file of the tier, recorded in its manifest.
+
+    Computed as the bytes pass — or, after :meth:`use_stated`, stated by their producer before the file
+    is published: a save's stream knows it from its pieces' checksums (see
+    :meth:`~tierckpt.backends.base.ObjectWriter.use_stated_crc32c`), so each byte is checksummed once.
+    Bytes that arrive from elsewhere (a peer's replica) are always checksummed here: that is the check.
+    """
+
+    def __init__(self, uri: str) -> None:
+        self._uri = uri
+        self.size = 0
+        self._crc: int | None = 0
+        """The CRC of the bytes so far; ``None`` once the producer states it instead."""
+        self._stated: int | None = None
+
+    def use_stated(self) -> bool:
+        """Stop checksumming (before any byte is written; ``False`` after: the CRC is computed here)."""
+        if self.size:
+            return False
+        self._crc = None
+        return True
+
+    def state(self, crc: int) -> None:
+        if self._crc is not None:
+            raise CheckpointError(f"{self._uri}: a CRC-32C was stated for bytes its writer checksums itself")
+        self._stated = crc
+
+    def add(self, data: bytes | memoryview) -> None:
+        """Count ``data`` and checksum it (unless stated), in the calling thread."""
+        if self._crc is not None:
+            self._crc = crc32c.crc32c(data, self._crc)
+        self.size += memoryview(data).nbytes
+
+    async def add_async(self, data: bytes | memoryview) -> None:
+        """:meth:`add`, with large checksums in a worker thread (off the event loop)."""
+        nbytes = memoryview(data).nbytes
+        if self._crc is not None and nbytes >= _THREAD_CRC_BYTES:
+            self._crc = await asyncio.to_thread(crc32c.crc32c, data, self._crc)
+            self.size += nbytes
+        else:
+            self.add(data)
+
+    @property
+    def computed(self) -> FileEntry | None:
+        """Size and CRC computed here; ``None`` when the producer states the CRC."""
+        return FileEntry(self.size, self._crc) if self._crc is not None else None
+
+    def entry(self) -> FileEntry:
+        """Size and CRC-32C of everything written; raises when a stated CRC never came."""
+        crc = self._crc if self._crc is not None else self._stated
+        if crc is None:
+            raise CheckpointError(
+                f"{self._uri}: its writer was to be told the CRC-32C of its bytes and was not; the file is discarded"
+            )
+        return FileEntry(self.size, crc)
+
+
 class _CrcWriter(ObjectWriter):
-    """Delegates to the local writer and computes the file's CRC-32C on the way."""
+    """Delegates to the local writer and records the file's CRC-32C (:class:`WrittenCrc`)."""
 
     def __init__(self, tier: MemoryTier, key: str, inner: ObjectWriter) -> None:
         self._uri = tier.uri_of(key)
         self._tier, self._key, self._inner = tier, key, inner
-        self._crc = 0
-        self._size = 0
+        self._written = WrittenCrc(self._uri)
+
+    def use_stated_crc32c(self) -> bool:
+        return self._written.use_stated()
+
+    def state_crc32c(self, crc32c: int) -> None:
+        self._written.state(crc32c)
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
-        nbytes = memoryview(data).nbytes
-        if nbytes >= _THREAD_CRC_BYTES:  # off the event loop, beside the write's own thread
-            _, self._crc = await asyncio.gather(self._inner.write(data), asyncio.to_thread(crc32c.crc32c, data, self._crc))
-        else:
-            await self._inner.write(data)
-            self._crc = crc32c.crc32c(data, self._crc)
-        self._size += nbytes
+        # The checksum (in its own thread when large) runs beside the write's thread.
+        await asyncio.gather(self._inner.write(data), self._written.add_async(data))
 
     async def close(self) -> None:
         self._check_open()
         self._done = True
+        try:
+            entry = self._written.entry()
+        except CheckpointError:
+            await self._inner.abort()
+            raise
         await self._inner.close()
-        self._tier._remember(self._key, FileEntry(self._size, self._crc))
+        self._tier._remember(self._key, entry)
 
     async def abort(self) -> None:
         self._done = True
@@ -121,7 +184,8 @@ class _CrcWriter(ObjectWriter):
 
 
 class IncomingFile:
-    """A file arriving in pieces (a replica): temp file, CRC on the way, checked and renamed by :meth:`finish`."""
+    """A file arriving in pieces: temp file, CRC on the way, renamed into place by :meth:`publish` (a file
+    this node produces) or checked and renamed by :meth:`finish` (a replica)."""
 
     def __init__(self, tier: MemoryTier, key: str) -> None:
         self._tier, self._key = tier, key
@@ -129,13 +193,19 @@ class IncomingFile:
         os.makedirs(os.path.dirname(self._path), exist_ok=True)
         self._tmp = os.path.join(os.path.dirname(self._path), temp_name(os.path.basename(self._path)))
         self._file = open(self._tmp, "wb")
-        self._crc = 0
-        self._size = 0
+        self._written = WrittenCrc(tier.uri_of(key))
+
+    def use_stated_crc32c(self) -> bool:
+        """Before the first write, for a file this node produces: :meth:`publish` records the CRC-32C its
+        producer states (:meth:`state_crc32c`) instead of one computed here (see :class:`WrittenCrc`)."""
+        return self._written.use_stated()
+
+    def state_crc32c(self, crc32c: int) -> None:
+        self._written.state(crc32c)
 
     def write(self, data: memoryview) -> None:
         self._file.write(data)
-        self._crc = crc32c.crc32c(data, self._crc)
-        self._size += data.nbytes
+        self._written.add(data)
 
     @property
     def tmp_path(self) -> str:
@@ -144,22 +214,31 @@ class IncomingFile:
 
     def publish(self) -> FileEntry:
         """Publish what was written (a file this node produced, so its own size and CRC-32C are the truth)."""
-        entry = FileEntry(self._size, self._crc)
-        self.finish(entry)
+        try:
+            entry = self._written.entry()
+        except CheckpointError:
+            self.abort()
+            raise
+        self._place(entry)
         return entry
 
     def finish(self, expected: FileEntry) -> None:
         """Publish the file if it has ``expected`` size and CRC-32C; else discard it and raise."""
-        self._file.close()
-        got = FileEntry(self._size, self._crc)
+        got = self._written.computed
         if got != expected:
-            os.unlink(self._tmp)
+            self.abort()
+            if got is None:
+                raise CheckpointError(f"{self._tier.uri}/{self._key}: a replica's CRC-32C must be computed where it arrives")
             raise CorruptCheckpointError(
                 f"replica of {self._tier.uri}/{self._key} arrived with {got.size} bytes and CRC-32C {got.crc32c:#010x}, "
                 f"its sender recorded {expected.size} bytes and {expected.crc32c:#010x}; it was discarded"
             )
+        self._place(got)
+
+    def _place(self, entry: FileEntry) -> None:
+        self._file.close()
         os.replace(self._tmp, self._path)
-        self._tier._remember(self._key, got)
+        self._tier._remember(self._key, entry)
 
     def abort(self) -> None:
         if not self._file.closed:
