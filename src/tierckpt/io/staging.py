@@ -189,8 +189,8 @@ class FileStream:
             # Before the close: a writer that took the file's CRC from the stream records it there.
             started = time.perf_counter()
             self._pieces, self.file_crc32c = await asyncio.to_thread(self._combine, runs)
-            if runs is not None:
-                writer.state_crc32c(self.file_crc32c)  # type: ignore[arg-type]
+            if self.file_crc32c is not None:
+                writer.state_crc32c(self.file_crc32c)
             self.checksum_s += time.perf_counter() - started
         except BaseException:
             if in_flight is not None:  # let the write in its thread end before the writer is aborted

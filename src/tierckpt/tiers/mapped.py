@@ -37,7 +37,8 @@ from ..errors import CheckpointError
 from .background import lower_priority
 from .config import MemoryTierFullError
 from .downlog import durable_copies, generation_of
-from .memory import SPARE_PREFIX, WrittenCrc
+from .memory import SPARE_PREFIX
+from .written import WrittenCrc
 
 if TYPE_CHECKING:
     from .link import MemoryLink
