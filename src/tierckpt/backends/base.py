@@ -88,6 +88,20 @@ class ObjectWriter(abc.ABC):
         if self._done:
             raise CheckpointError(f"writer for {self._uri} is already closed or aborted")
 
+    def use_stated_crc32c(self) -> bool:
+        """Take the object's CRC-32C from the caller instead of computing it over the bytes written.
+
+        Asked before the first write by a caller that knows the CRC-32C of everything it writes without
+        another pass (a save's :class:`~tierckpt.io.staging.FileStream` combines it from its pieces'
+        checksums). A writer that records the CRC (the node memory tier's) returns ``True``, skips its
+        own pass, and expects :meth:`state_crc32c` before :meth:`close`; the default returns ``False``.
+        """
+        return False
+
+    def state_crc32c(self, crc32c: int) -> None:
+        """The CRC-32C of all the bytes written, after :meth:`use_stated_crc32c` returned ``True``."""
+        raise CheckpointError(f"writer for {self._uri} takes no stated CRC-32C: it was not asked to")
+
     @abc.abstractmethod
     async def write(self, data: bytes | memoryview) -> None:
         """Append ``data`` to the object."""

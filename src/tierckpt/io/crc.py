@@ -15,6 +15,7 @@ CRC of ``n`` zero bytes (:func:`zeros_crc`).
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import crc32c
@@ -144,6 +145,29 @@ def raw_crc(data: memoryview | bytes) -> int:
 def zeros_crc(nbytes: np.ndarray) -> np.ndarray:
     """The CRC-32C of ``nbytes`` zero bytes, elementwise (what turns a raw CRC into a conventional one)."""
     return shift(np.full(np.shape(nbytes), _MASK, dtype=np.uint64), nbytes) ^ np.uint64(_MASK)
+
+
+def concat_crc(parts: Sequence[tuple[int, int]]) -> int:
+    """The CRC-32C of consecutive byte strings, given each one's ``(CRC-32C, length)``, in order.
+
+    ``crc(A + B) = shift(crc(A), len(B)) ^ crc(B)`` (conventional CRCs: the initial value's and the final
+    inversion's terms cancel), folded from the first part to the last. Each shift is four lookups in the
+    byte tables of its length (:class:`_ShiftTables`, memoized): a file's parts are its pieces and the
+    padding between them, whose lengths repeat within a save and across saves of the same state, so the
+    fold costs about a microsecond per part — against a pass over every byte to checksum them again.
+    """
+    lengths = np.unique(np.array([n for _, n in parts], dtype=np.uint64))
+    table, rows = _SHIFT_TABLES.rows(lengths)
+    flat = table.reshape(-1)
+    base = dict(zip(lengths.tolist(), (rows * 1024).tolist()))
+    crc = 0
+    for part_crc, nbytes in parts:
+        b = base[nbytes]
+        crc = (
+            flat.item(b + (crc & 0xFF)) ^ flat.item(b + 256 + ((crc >> 8) & 0xFF))
+            ^ flat.item(b + 512 + ((crc >> 16) & 0xFF)) ^ flat.item(b + 768 + (crc >> 24))
+        ) ^ part_crc
+    return crc
 
 
 def block_crcs(data: memoryview | bytes, block_bytes: int = BLOCK_BYTES) -> list[int]:

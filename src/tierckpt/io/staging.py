@@ -23,6 +23,12 @@ Lifecycle of one file (the saving rank):
    steps for the cores (measured: 1.5-4 ms of a 256 MiB snapshot's stall on 2 cores, see ``stage_into``).
 3. ``stream.finish()`` closes the writer (the file becomes visible atomically) and returns the
    per-piece checksums; on any failure the writer is aborted and nothing is left behind.
+
+A writer that records the whole file's CRC-32C (the node memory tier's) is told it instead of
+computing it (:meth:`~tierckpt.backends.base.ObjectWriter.use_stated_crc32c`): :class:`FileRuns` notes
+how the file splits into pieces and the bytes between them (alignment padding, checksummed as they
+pass: a few bytes each), and the file's CRC is combined from those and the pieces' own CRCs
+(:func:`~tierckpt.io.crc.concat_crc`), so every byte is checksummed once per save.
 """
 
 from __future__ import annotations
@@ -34,12 +40,13 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+import crc32c
 import torch
 
 from ..backends import Backend
 from ..backends.base import ObjectWriter
 from ..errors import CheckpointError
-from .crc import BlockAccumulator, PieceChecksums, finish_pieces
+from .crc import BlockAccumulator, PieceChecksums, concat_crc, finish_pieces
 from .scheduler import get_scheduler
 
 
@@ -56,11 +63,62 @@ _ABORT = Chunk(memoryview(b""))
 """Queued by :meth:`FileStream.abort_on_error`: the writer aborts when it reaches it."""
 
 
+class FileRuns:
+    """How the bytes of a file, as its chunks pass in order, split into runs: each piece's bytes (one
+    run per piece, whatever the chunks it spans) and the bytes between pieces, whose CRC-32C is computed
+    here. With the pieces' CRCs, :meth:`crc32c` gives the whole file's without reading it again."""
+
+    def __init__(self) -> None:
+        self._runs: list[list[int]] = []
+        """``[piece, crc, length]``: ``piece`` -1 for bytes between pieces (``crc`` theirs), else the piece's index."""
+        self._pieces: set[int] = set()
+
+    def add(self, chunk: Chunk) -> None:
+        """Note the next chunk of the file (its segments in file order, as every staging path makes them)."""
+        data = chunk.data.cast("B") if chunk.data.format != "B" else chunk.data
+        position = 0
+        for piece, start, length in chunk.segments:
+            if length == 0:
+                continue
+            if start < position:
+                raise CheckpointError(f"chunk segments overlap or are out of order at byte {start} of a chunk")
+            if start > position:
+                self._between(data[position:start])
+            last = self._runs[-1] if self._runs else None
+            if last is not None and last[0] == piece:
+                last[2] += length
+            elif piece in self._pieces:
+                raise CheckpointError(
+                    f"piece {piece} of the file was streamed in separate parts; the file's CRC-32C cannot be "
+                    "combined from the pieces' (each piece's bytes must be contiguous in the file)"
+                )
+            else:
+                self._pieces.add(piece)
+                self._runs.append([piece, 0, length])
+            position = start + length
+        if position < len(data):
+            self._between(data[position:])
+
+    def _between(self, data: memoryview) -> None:
+        last = self._runs[-1] if self._runs else None
+        if last is not None and last[0] == -1:
+            last[1] = crc32c.crc32c(data, last[1])
+            last[2] += len(data)
+        else:
+            self._runs.append([-1, crc32c.crc32c(data), len(data)])
+
+    def crc32c(self, pieces: list[PieceChecksums]) -> int:
+        """The CRC-32C of the whole file, given the checksums of its pieces (by index)."""
+        return concat_crc([(c if p < 0 else pieces[p].crc32c, n) for p, c, n in self._runs])
+
+
 class FileStream:
     """Writes chunks of one file in order on the I/O loop (see the module docstring)."""
 
     def __init__(self, backend: Backend, key: str, num_pieces: int, writer: ObjectWriter | None = None) -> None:
         self.checksums = [BlockAccumulator() for _ in range(num_pieces)]
+        self.file_crc32c: int | None = None
+        """The whole file's CRC-32C, when its writer took it from the stream (see the module docstring)."""
         self.bytes_written = 0
         self.checksum_s = 0.0
         """Seconds spent computing CRC-32C (overlaps the copy of the next chunk)."""
@@ -70,6 +128,7 @@ class FileStream:
         # Bound to the I/O loop on first use there (every put and get runs on it): no round trip now.
         self._queue: asyncio.Queue[Chunk | None] = asyncio.Queue()
         self._later: list[Chunk] = []
+        self._pieces: list[PieceChecksums] = []
         self._done = self._sched.submit(self._drain(backend, key, writer))
 
     def put(self, chunk: Chunk) -> None:
@@ -85,7 +144,7 @@ class FileStream:
         later, self._later = self._later, []
         self._sched.loop.call_soon_threadsafe(self._put_all, [*later, None])
         self._done.result()
-        return finish_pieces(self.checksums)
+        return self._pieces
 
     def _put_all(self, chunks: list[Chunk | None]) -> None:
         for chunk in chunks:
@@ -107,6 +166,7 @@ class FileStream:
         """Checksum each chunk while the previous one is being written, then write it (in order)."""
         writer = writer if writer is not None else await backend.open_writer(key)
         in_flight: asyncio.Task[None] | None = None
+        runs = FileRuns() if writer.use_stated_crc32c() else None
         try:
             while (chunk := await self._queue.get()) is not None:
                 if chunk is _ABORT:
@@ -115,6 +175,8 @@ class FileStream:
                     started = time.perf_counter()
                     for piece, start, length in chunk.segments:
                         self.checksums[piece].update(chunk.data[start : start + length])
+                    if runs is not None:
+                        runs.add(chunk)
                     self.checksum_s += time.perf_counter() - started
                     if in_flight is not None:
                         await in_flight
@@ -124,6 +186,12 @@ class FileStream:
                 in_flight = asyncio.ensure_future(self._write(writer, chunk))
             if in_flight is not None:
                 await in_flight
+            # Before the close: a writer that took the file's CRC from the stream records it there.
+            started = time.perf_counter()
+            self._pieces, self.file_crc32c = await asyncio.to_thread(self._combine, runs)
+            if self.file_crc32c is not None:
+                writer.state_crc32c(self.file_crc32c)
+            self.checksum_s += time.perf_counter() - started
         except BaseException:
             if in_flight is not None:  # let the write in its thread end before the writer is aborted
                 await asyncio.gather(in_flight, return_exceptions=True)
@@ -133,6 +201,12 @@ class FileStream:
         started = time.perf_counter()
         await writer.close()
         self.write_s += time.perf_counter() - started
+
+    def _combine(self, runs: FileRuns | None) -> tuple[list[PieceChecksums], int | None]:
+        """Each piece's checksums and, with ``runs``, the whole file's CRC-32C (combined, not re-read:
+        in a worker thread, off the I/O loop)."""
+        pieces = finish_pieces(self.checksums)
+        return pieces, (runs.crc32c(pieces) if runs is not None else None)
 
     async def _write(self, writer: ObjectWriter, chunk: Chunk) -> None:
         started = time.perf_counter()

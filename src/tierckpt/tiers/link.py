@@ -85,6 +85,13 @@ class _LinkWriter(ObjectWriter):
         self._below: ObjectWriter | None = None
         self._uri = link.memory_tier.uri_of(key)
 
+    def use_stated_crc32c(self) -> bool:
+        return self._incoming is not None and self._incoming.use_stated_crc32c()
+
+    def state_crc32c(self, crc32c: int) -> None:
+        if self._incoming is not None:  # else the file went to the chain below, which needs no CRC
+            self._incoming.state_crc32c(crc32c)
+
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
         view = memoryview(data).cast("B")

@@ -4,7 +4,8 @@ An ``async_save`` through a :class:`~.link.MemoryLink` asks :func:`open_mapped` 
 When the process holds a *spare* — a file of the tier, already allocated, mapped (``mmap``, shared)
 and touched, prepared in the background after the previous save — the snapshot copy writes into its
 pages: one copy from training memory to a node-durable copy, at memcpy speed. The file is then only
-checksummed (:class:`MappedFile`'s writes add the CRC-32C) and renamed into place on close, and written
+checksummed (:class:`MappedFile`'s writes add the CRC-32C, or the save's stream states it, combined
+from its pieces' checksums) and renamed into place on close, and written
 down like any file of the tier; the next spare is prepared then (not during the copy, whose memory
 bandwidth it would take). Without a spare (the first save, a spare evicted, a CUDA state) the
 usual path runs: the staging buffer, then a write into the tier; and a spare of the file's size is
@@ -28,7 +29,6 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import crc32c
 import torch
 
 from ..backends.base import ObjectWriter
@@ -37,15 +37,13 @@ from ..errors import CheckpointError
 from .background import lower_priority
 from .config import MemoryTierFullError
 from .downlog import durable_copies, generation_of
-from .manifest import FileEntry
 from .memory import SPARE_PREFIX
+from .written import WrittenCrc
 
 if TYPE_CHECKING:
     from .link import MemoryLink
 
 log = logging.getLogger(__name__)
-
-_THREAD_CRC_BYTES = 1 << 20
 
 
 def is_spare(key: str) -> bool:
@@ -71,34 +69,39 @@ class MappedFile(ObjectWriter):
     def __init__(self, link: MemoryLink, key: str, tmp: str, fd: int, buffer: torch.Tensor) -> None:
         self._link, self._key, self._tmp, self._fd = link, key, tmp, fd
         self.buffer = buffer
-        self._crc = 0
-        self._size = 0
+        self._written = WrittenCrc(f"{link.memory_tier.uri}/{key}")
 
     @property
     def _uri(self) -> str:  # type: ignore[override]
         """For messages only: resolving the path is not paid inside the snapshot call."""
         return self._link.memory_tier.uri_of(self._key)
 
+    def use_stated_crc32c(self) -> bool:
+        return self._written.use_stated()
+
+    def state_crc32c(self, crc32c: int) -> None:
+        self._written.state(crc32c)
+
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
-        view = memoryview(data).cast("B")
-        if view.nbytes >= _THREAD_CRC_BYTES:
-            self._crc = await asyncio.to_thread(crc32c.crc32c, view, self._crc)
-        else:
-            self._crc = crc32c.crc32c(view, self._crc)
-        self._size += view.nbytes
+        await self._written.add_async(memoryview(data).cast("B"))
 
     async def close(self) -> None:
         self._check_open()
         self._done = True
-        if self._size != self.buffer.numel():
+        size = self._written.size
+        try:
+            if size != self.buffer.numel():
+                raise CheckpointError(f"{self._uri}: {size} bytes streamed into a mapped file of {self.buffer.numel()}")
+            entry = self._written.entry()
+        except CheckpointError:
             await self.abort()
-            raise CheckpointError(f"{self._uri}: {self._size} bytes streamed into a mapped file of {self.buffer.numel()}")
+            raise
         tier = self._link.memory_tier
         await asyncio.to_thread(_publish, self._fd, self._tmp, tier.path_of(self._key))
-        tier._remember(self._key, FileEntry(self._size, self._crc))
+        tier._remember(self._key, entry)
         self._link._wrote(self._key)
-        prepare_in_background(self._link, self._size)  # the next save's, once this one's copy is done
+        prepare_in_background(self._link, size)  # the next save's, once this one's copy is done
 
     async def abort(self) -> None:
         self._done = True

@@ -11,9 +11,10 @@ replication, disk write-back and upload read from. On disk::
         manifests/<generation>/<origin>.json  size and CRC-32C of the files one origin (node) put there
 
 :class:`MemoryTier` is a :class:`~tierckpt.backends.local.LocalBackend` rooted in ``objects/``, so it
-passes the backend contract (atomic writes: temp file + rename); it also computes each file's
-CRC-32C while it is written, so sealing a generation (:meth:`MemoryTier.seal`) re-reads only files
-other processes wrote. :class:`NodeMemory` is the whole directory: the copies it holds and the
+passes the backend contract (atomic writes: temp file + rename); it also records each file's
+CRC-32C as it is written (:class:`~.written.WrittenCrc`: computed on the way, or stated by a save's
+stream, which has it from its pieces' checksums), so sealing a generation (:meth:`MemoryTier.seal`)
+re-reads only files other processes wrote. :class:`NodeMemory` is the whole directory: the copies it holds and the
 admission of a new checkpoint under the budget (the policy is the pure :mod:`.eviction`).
 
 Management methods (``seal``, ``held``, ``verify``, ``evict``, receiving files) are synchronous and
@@ -42,12 +43,11 @@ from ..metadata import validate_generation
 from .config import DIR_ENV, MemoryConfig
 from .eviction import Admission, TierCopy, copy_id, plan_admission
 from .manifest import FileEntry, Manifest
+from .written import WrittenCrc
 
 SPARE_PREFIX = "g-00000000-0000000000000-"
 """Generation names of the memory link's spare files (:mod:`.mapped`): commit sequence 0, always evictable."""
 _READ_CHUNK = 8 << 20
-_THREAD_CRC_BYTES = 1 << 20
-"""Writes at least this large compute their CRC-32C in a worker thread, not on the event loop."""
 
 
 def uri_digest(uri: str) -> str:
@@ -91,29 +91,34 @@ class _Stamp:
 
 
 class _CrcWriter(ObjectWriter):
-    """Delegates to the local writer and computes the file's CRC-32C on the way."""
+    """Delegates to the local writer and records the file's CRC-32C (:class:`WrittenCrc`)."""
 
     def __init__(self, tier: MemoryTier, key: str, inner: ObjectWriter) -> None:
         self._uri = tier.uri_of(key)
         self._tier, self._key, self._inner = tier, key, inner
-        self._crc = 0
-        self._size = 0
+        self._written = WrittenCrc(self._uri)
+
+    def use_stated_crc32c(self) -> bool:
+        return self._written.use_stated()
+
+    def state_crc32c(self, crc32c: int) -> None:
+        self._written.state(crc32c)
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
-        nbytes = memoryview(data).nbytes
-        if nbytes >= _THREAD_CRC_BYTES:  # off the event loop, beside the write's own thread
-            _, self._crc = await asyncio.gather(self._inner.write(data), asyncio.to_thread(crc32c.crc32c, data, self._crc))
-        else:
-            await self._inner.write(data)
-            self._crc = crc32c.crc32c(data, self._crc)
-        self._size += nbytes
+        # The checksum (in its own thread when large) runs beside the write's thread.
+        await asyncio.gather(self._inner.write(data), self._written.add_async(data))
 
     async def close(self) -> None:
         self._check_open()
         self._done = True
+        try:
+            entry = self._written.entry()
+        except CheckpointError:
+            await self._inner.abort()
+            raise
         await self._inner.close()
-        self._tier._remember(self._key, FileEntry(self._size, self._crc))
+        self._tier._remember(self._key, entry)
 
     async def abort(self) -> None:
         self._done = True
@@ -121,7 +126,8 @@ class _CrcWriter(ObjectWriter):
 
 
 class IncomingFile:
-    """A file arriving in pieces (a replica): temp file, CRC on the way, checked and renamed by :meth:`finish`."""
+    """A file arriving in pieces: temp file, CRC on the way, renamed into place by :meth:`publish` (a file
+    this node produces) or checked and renamed by :meth:`finish` (a replica)."""
 
     def __init__(self, tier: MemoryTier, key: str) -> None:
         self._tier, self._key = tier, key
@@ -129,13 +135,19 @@ class IncomingFile:
         os.makedirs(os.path.dirname(self._path), exist_ok=True)
         self._tmp = os.path.join(os.path.dirname(self._path), temp_name(os.path.basename(self._path)))
         self._file = open(self._tmp, "wb")
-        self._crc = 0
-        self._size = 0
+        self._written = WrittenCrc(tier.uri_of(key))
+
+    def use_stated_crc32c(self) -> bool:
+        """Before the first write, for a file this node produces: :meth:`publish` records the CRC-32C its
+        producer states (:meth:`state_crc32c`) instead of one computed here (see :class:`WrittenCrc`)."""
+        return self._written.use_stated()
+
+    def state_crc32c(self, crc32c: int) -> None:
+        self._written.state(crc32c)
 
     def write(self, data: memoryview) -> None:
         self._file.write(data)
-        self._crc = crc32c.crc32c(data, self._crc)
-        self._size += data.nbytes
+        self._written.add(data)
 
     @property
     def tmp_path(self) -> str:
@@ -144,22 +156,31 @@ class IncomingFile:
 
     def publish(self) -> FileEntry:
         """Publish what was written (a file this node produced, so its own size and CRC-32C are the truth)."""
-        entry = FileEntry(self._size, self._crc)
-        self.finish(entry)
+        try:
+            entry = self._written.entry()
+        except CheckpointError:
+            self.abort()
+            raise
+        self._place(entry)
         return entry
 
     def finish(self, expected: FileEntry) -> None:
         """Publish the file if it has ``expected`` size and CRC-32C; else discard it and raise."""
-        self._file.close()
-        got = FileEntry(self._size, self._crc)
+        got = self._written.computed
         if got != expected:
-            os.unlink(self._tmp)
+            self.abort()
+            if got is None:
+                raise CheckpointError(f"{self._tier.uri}/{self._key}: a replica's CRC-32C must be computed where it arrives")
             raise CorruptCheckpointError(
                 f"replica of {self._tier.uri}/{self._key} arrived with {got.size} bytes and CRC-32C {got.crc32c:#010x}, "
                 f"its sender recorded {expected.size} bytes and {expected.crc32c:#010x}; it was discarded"
             )
+        self._place(got)
+
+    def _place(self, entry: FileEntry) -> None:
+        self._file.close()
         os.replace(self._tmp, self._path)
-        self._tier._remember(self._key, got)
+        self._tier._remember(self._key, entry)
 
     def abort(self) -> None:
         if not self._file.closed:

@@ -1,0 +1,76 @@
+"""Size and CRC-32C of the bytes written to a file of the node memory tier (recorded in its manifest).
+
+The tier's writers (:class:`~.memory.MemoryTier`'s, the memory link's, :class:`~.mapped.MappedFile`)
+and replicas arriving from a peer (:class:`~.memory.IncomingFile`) count what they write here; a save's
+stream may state the CRC instead of having it computed again (:class:`WrittenCrc`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import crc32c
+
+from ..errors import CheckpointError
+from .manifest import FileEntry
+
+_THREAD_CRC_BYTES = 1 << 20
+"""Writes at least this large compute their CRC-32C in a worker thread, not on the event loop."""
+
+
+class WrittenCrc:
+    """Size and CRC-32C of the bytes written to a file of the tier, recorded in its manifest.
+
+    Computed as the bytes pass — or, after :meth:`use_stated`, stated by their producer before the file
+    is published: a save's stream knows it from its pieces' checksums (see
+    :meth:`~tierckpt.backends.base.ObjectWriter.use_stated_crc32c`), so each byte is checksummed once.
+    Bytes that arrive from elsewhere (a peer's replica) are always checksummed here: that is the check.
+    """
+
+    def __init__(self, uri: str) -> None:
+        self._uri = uri
+        self.size = 0
+        self._crc: int | None = 0
+        """The CRC of the bytes so far; ``None`` once the producer states it instead."""
+        self._stated: int | None = None
+
+    def use_stated(self) -> bool:
+        """Stop checksumming (before any byte is written; ``False`` after: the CRC is computed here)."""
+        if self.size:
+            return False
+        self._crc = None
+        return True
+
+    def state(self, crc: int) -> None:
+        if self._crc is not None:
+            raise CheckpointError(f"{self._uri}: a CRC-32C was stated for bytes its writer checksums itself")
+        self._stated = crc
+
+    def add(self, data: bytes | memoryview) -> None:
+        """Count ``data`` and checksum it (unless stated), in the calling thread."""
+        if self._crc is not None:
+            self._crc = crc32c.crc32c(data, self._crc)
+        self.size += memoryview(data).nbytes
+
+    async def add_async(self, data: bytes | memoryview) -> None:
+        """:meth:`add`, with large checksums in a worker thread (off the event loop)."""
+        nbytes = memoryview(data).nbytes
+        if self._crc is not None and nbytes >= _THREAD_CRC_BYTES:
+            self._crc = await asyncio.to_thread(crc32c.crc32c, data, self._crc)
+            self.size += nbytes
+        else:
+            self.add(data)
+
+    @property
+    def computed(self) -> FileEntry | None:
+        """Size and CRC computed here; ``None`` when the producer states the CRC."""
+        return FileEntry(self.size, self._crc) if self._crc is not None else None
+
+    def entry(self) -> FileEntry:
+        """Size and CRC-32C of everything written; raises when a stated CRC never came."""
+        crc = self._crc if self._crc is not None else self._stated
+        if crc is None:
+            raise CheckpointError(
+                f"{self._uri}: its writer was to be told the CRC-32C of its bytes and was not; the file is discarded"
+            )
+        return FileEntry(self.size, crc)
