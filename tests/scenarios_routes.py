@@ -78,3 +78,33 @@ def replicated_flips(path: str, count: int, seed: int) -> dict[str, float]:
         result = {**monitor.counters, "tried": len(flips), "caught": caught, "tensor_bytes": target.numel() * 4}
     dist.barrier()
     return result
+
+
+def large_exchange(path: str) -> dict[str, float]:
+    """Two ranks, each its own simulated node, save two 2 MiB tensors in row halves (``Shard(0)``) and
+    load them whole into plain tensors: each half is read once by one rank and sent whole to the other
+    (1 MiB deliveries, point to point). ``w``'s target is contiguous, so it is received in place; ``t``'s
+    is a transposed view, received into a buffer and copied. Returns the load's counters and the bytes
+    of ``w``."""
+    from torch.distributed.tensor import Shard
+
+    from scenarios import as_dtensor, reference
+
+    mesh = make_mesh((2,))  # on every rank of the pool: a mesh is built collectively
+    group = subgroup(2)
+    stats: dict[str, float] = {}
+    if group is not None:
+        w, t = reference("w", (512, 1024), torch.float32), reference("t", (512, 1024), torch.float32)
+        tierckpt.save(path, {"w": as_dtensor(w, mesh, [Shard(0)]), "t": as_dtensor(t, mesh, [Shard(0)])}, group=group)
+        targets = {"w": torch.zeros(512, 1024), "t": torch.zeros(1024, 512).t()}
+        os.environ[NODE_ID_ENV] = f"node-{dist.get_rank()}"
+        try:
+            monitor = tierckpt.Monitor()
+            tierckpt.load(path, targets, group=group, monitor=monitor)
+        finally:
+            os.environ.pop(NODE_ID_ENV, None)
+        assert torch.equal(targets["w"], w) and torch.equal(targets["t"], t)
+        assert not targets["t"].is_contiguous()
+        stats = {**monitor.counters, "w_bytes": w.nbytes}
+    dist.barrier()
+    return stats

@@ -204,3 +204,14 @@ def test_ddp_resume_on_two_simulated_nodes_reads_once_and_exchanges(dist_pool, t
 def test_ddp_resume_from_s3_reads_once_and_exchanges(dist_pool, s3_bucket_uri, s3_server):
     options = {"endpoint_url": s3_server, "key": "testing", "secret": "testing", "region": "us-east-1"}
     _read_once(dist_pool.run(scenarios_routes.ddp_resume, s3_bucket_uri, options, False))
+
+
+@pytest.mark.multiproc
+def test_large_deliveries_between_ranks_land_straight_in_their_targets(dist_pool, tmp_path):
+    stats = [s for s in dist_pool.run(scenarios_routes.large_exchange, str(tmp_path / "ckpt")) if s]
+    assert len(stats) == 2
+    w_bytes = stats[0]["w_bytes"]
+    # Every half of w and t is read by one rank and sent to the other; w's halves land in place.
+    assert sum(int(s.get("bytes_exchanged", 0)) for s in stats) == 2 * w_bytes
+    assert sum(int(s.get("bytes_received_in_place", 0)) for s in stats) == w_bytes
+    assert sum(int(s.get("bytes_read", 0)) for s in stats) == 2 * w_bytes

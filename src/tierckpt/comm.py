@@ -151,6 +151,23 @@ class Comm:
             raise CollectiveError(f"all_to_all failed on rank {self.rank}: {exc}") from exc
         return list(torch.split(out.cpu(), list(recv_sizes)))
 
+    def send_recv(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Point to point: each of ``sends`` (group rank, contiguous tensor) goes to its rank, each of
+        ``recvs`` (group rank, contiguous tensor) is filled by one message from its rank. Between two
+        ranks, messages are matched in the order both sides list them."""
+        ops = [dist.P2POp(dist.irecv, t, self._global(r), self.group) for r, t in recvs]
+        ops += [dist.P2POp(dist.isend, t, self._global(r), self.group) for r, t in sends]
+        if not ops:
+            return
+        try:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        except RuntimeError as exc:
+            raise CollectiveError(f"point-to-point exchange failed on rank {self.rank}: {exc}") from exc
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
     def _device(self) -> torch.device:
         if self.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())

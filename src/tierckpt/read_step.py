@@ -5,10 +5,12 @@ memory when a unit is exactly one contiguous CPU part of one target, else into a
 checks the CRC-32C of what it reads (:mod:`tierckpt.io.readcheck`), copies its own deliveries into
 place, and exchanges the rest with one all-to-all per round. A unit that goes whole to one other rank
 is read straight into its place in the round's send buffer (no packing copy: at tmpfs speed, the
-packing copy into fresh pages cost as much as the read and the all-to-all). Round *k + 1*'s reads are in flight on
-the I/O loop while round *k* is delivered and exchanged, so storage and the network overlap, and at
-most two rounds' buffers are alive at once. With a node memory tier, a unit whose file this rank's
-node holds is read from the tier (:class:`~tierckpt.local_load.LocalReads`).
+packing copy into fresh pages cost as much as the read and the all-to-all); over gloo, a round of large
+deliveries sends each as one message, received straight into its target (no copy out of a buffer).
+Round *k + 1*'s reads are in flight on the I/O loop while round *k* is delivered and exchanged, so
+storage and the network overlap, and at most two rounds' buffers are alive at once. With a node memory
+tier, a unit whose file this rank's node holds is read from the tier
+(:class:`~tierckpt.local_load.LocalReads`).
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ def _dtype(unit: ReadUnit) -> torch.dtype:
 
 EXCHANGE_ALIGN = 16
 """Each delivery starts at a multiple of this many bytes in the exchange stream, so any dtype can view it."""
+
+
+P2P_MIN_BYTES = 1 << 20
+"""Deliveries between ranks at least this large may each go as one message, straight into the target."""
 
 
 def _padded(nbytes: int) -> int:
@@ -264,9 +270,9 @@ class ReadStep:
                     self.monitor.count("bytes_packed", nbytes)
         rnd.buffers.clear()
         if exchange:
-            self._exchange(units, rnd.send, rnd.send_sizes)
+            self._exchange(units, rnd)
 
-    def _exchange(self, units: list[tuple[int, ReadUnit]], send: torch.Tensor, send_sizes: list[int]) -> None:
+    def _exchange(self, units: list[tuple[int, ReadUnit]], rnd: _Round) -> None:
         me = self.comm.rank
         recv_sizes = [0] * self.comm.world_size
         incoming = []
@@ -278,13 +284,58 @@ class ReadStep:
                     nbytes = d.numel * itemsize(_dtype(unit))
                     recv_sizes[unit.reader] += _padded(nbytes)
                     incoming.append((unit, d, nbytes))
-        received = self.comm.all_to_all_bytes(send, send_sizes, recv_sizes)
         self.monitor.count("bytes_exchanged", sum(recv_sizes))
+        if self._point_to_point(units):
+            self._exchange_into_targets(units, rnd, incoming)
+            return
+        received = self.comm.all_to_all_bytes(rnd.send, rnd.send_sizes, recv_sizes)
         cursors = [0] * self.comm.world_size
         for unit, d, nbytes in incoming:
             at = cursors[unit.reader]
             cursors[unit.reader] += _padded(nbytes)
             _deliver(self.targets[d.target], d, received[unit.reader][at : at + nbytes].view(_dtype(unit)))
+
+    def _point_to_point(self, units: list[tuple[int, ReadUnit]]) -> bool:
+        """Whether a round's deliveries between ranks go as one message each, straight into their targets,
+        instead of one all-to-all into a buffer copied out afterwards: over gloo (CPU), when every one is at
+        least :data:`P2P_MIN_BYTES` (a message each costs little beside its bytes). Decided from the
+        plan alone, so every rank decides alike."""
+        if self.comm.backend != "gloo":
+            return False
+        return all(
+            d.numel * itemsize(_dtype(unit)) >= P2P_MIN_BYTES
+            for _, unit in units for d in unit.deliveries if d.rank != unit.reader
+        )
+
+    def _exchange_into_targets(self, units: list[tuple[int, ReadUnit]], rnd: _Round, incoming: list) -> None:
+        """Each delivery between ranks as one message, in unit then delivery order on both sides (so
+        the messages of each pair of ranks match in order): sent from its place in the send buffer,
+        received straight into its target when that is one contiguous CPU part of the same dtype (else
+        into a buffer, then copied)."""
+        me = self.comm.rank
+        sends = [
+            (d.rank, rnd.send[rnd.send_at[(i, j)] : rnd.send_at[(i, j)] + d.numel * itemsize(_dtype(unit))])
+            for i, unit in units if unit.reader == me for j, d in enumerate(unit.deliveries) if d.rank != me
+        ]
+        recvs, copies = [], []
+        for unit, d, nbytes in incoming:
+            into = _contiguous_target(self.targets[d.target], d, _dtype(unit))
+            if into is None:
+                into = torch.empty(nbytes, dtype=torch.uint8)
+                copies.append((d, into, unit))
+            recvs.append((unit.reader, into))
+        self.comm.send_recv(sends, recvs)
+        for d, buf, unit in copies:
+            _deliver(self.targets[d.target], d, buf.view(_dtype(unit)))
+        self.monitor.count("bytes_received_in_place", sum(b.numel() for _, b in recvs) - sum(b.numel() for _, b, _ in copies))
+
+
+def _contiguous_target(entry: TensorEntry, delivery: Any, dtype: torch.dtype) -> torch.Tensor | None:
+    """The bytes of a delivery's target, when it is one contiguous CPU part of ``dtype``."""
+    target = _target_view(entry, delivery.target_box)[delivery.box.relative_to(delivery.target_box.box).slices()]
+    if target.device.type != "cpu" or target.dtype != dtype or not target.is_contiguous():
+        return None
+    return target.reshape(-1).view(torch.uint8)
 
 
 def _deliver(entry: TensorEntry, delivery: Any, part: torch.Tensor) -> None:
