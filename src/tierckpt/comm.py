@@ -110,7 +110,7 @@ class Comm:
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Raise on every rank if ``error`` is set on any rank; else return on every rank."""
-        self._raise_failures(error, self.all_gather_object(describe_error(error)), what)
+        self.raise_failures(error, self.all_gather_object(describe_error(error)), what)
 
     def run_agreed(self, fn: Callable[[], T], what: str) -> T:
         """Run ``fn`` on every rank; if it failed on any rank, raise on all of them (none is left waiting)."""
@@ -124,10 +124,12 @@ class Comm:
         result, error = _attempt(fn)
         kept, shared = result if result is not None else (None, None)
         gathered = self.all_gather_object((shared, describe_error(error)))
-        self._raise_failures(error, [message for _, message in gathered], what)
+        self.raise_failures(error, [message for _, message in gathered], what)
         return kept, [s for s, _ in gathered]  # type: ignore[return-value]
 
-    def _raise_failures(self, error: BaseException | None, messages: list[str | None], what: str) -> None:
+    def raise_failures(self, error: BaseException | None, messages: list[str | None], what: str) -> None:
+        """Raise on this rank if any rank failed (``messages[r]``: :func:`describe_error` of rank ``r``'s
+        ``error``, ``None`` if it did not fail); ``error`` is this rank's own, raised as it is alone."""
         failed = [(r, m) for r, m in enumerate(messages) if m is not None]
         if not failed:
             return
