@@ -24,7 +24,6 @@ group must have the memory tier on (as for saves).
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,8 +35,7 @@ from . import layout
 from .backends import Backend
 from .comm import Comm, describe_error
 from .errors import CheckpointError, CorruptCheckpointError
-from .io.scheduler import get_scheduler
-from .meta_read import WHOLE_PIECES_BYTES, Checkpoint
+from .meta_read import WHOLE_PIECES_BYTES, Checkpoint, read_commit
 from .metadata import MAX_HEADER_BYTES, MAX_TABLE_BYTES, decode_header, decode_tensors
 from .tiers.memory import MemoryTier
 
@@ -94,8 +92,6 @@ def read_from_tier(tier: MemoryTier, chain: Backend, *, leader: bool) -> TierRea
     gen = record.generation
     if record.checksum(layout.HEADER) is None or record.checksum(layout.TENSORS) is None:
         return TierRead(record.seq, why="its COMMIT records no checksums of the metadata")
-    # The chain's COMMIT (the tier's and the one below, on the I/O loop) is read while the documents are.
-    view = get_scheduler().submit(chain.get(layout.COMMIT)) if leader else None
     try:
         def document(key: str, limit: int) -> bytes:
             doc = _read(tier.path_of(layout.in_generation(gen, key)), limit, key, uri)
@@ -108,15 +104,12 @@ def read_from_tier(tier: MemoryTier, chain: Backend, *, leader: bool) -> TierRea
             raise CorruptCheckpointError(f"header of {gen!r} names generation {meta.generation!r}")
         recorded = record.checksum(layout.PIECES)
         pieces = document(layout.PIECES, MAX_TABLE_BYTES) if recorded and recorded.size <= WHOLE_PIECES_BYTES else None
-        if view is not None:
-            theirs = layout.CommitRecord.decode(view.result())
+        if leader:  # last: in parallel, the I/O loop's thread would hold the GIL the reads above need
+            theirs = read_commit(chain)
             if (theirs.seq, theirs.generation) != (record.seq, gen):
                 return TierRead(record.seq, why=f"the store's COMMIT names {theirs.generation!r} (seq {theirs.seq})")
     except Exception as exc:  # noqa: BLE001 - whatever failed, the fallback reads through the chain and reports it
         return TierRead(record.seq, why=f"{type(exc).__name__}: {exc}")
-    finally:
-        if view is not None:
-            concurrent.futures.wait([view])  # never left running behind the load
     ckpt = Checkpoint(meta=meta, tensors=tensors, record=record)
     return TierRead(record.seq, (record.seq, gen, crc32c.crc32c(data)), ckpt, pieces)
 
