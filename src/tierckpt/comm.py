@@ -79,7 +79,8 @@ class Comm:
         view[at : at + fits] = np.frombuffer(data, dtype=np.uint8, count=fits)
         device = self._device()
         out = torch.empty(slot * self.world_size, dtype=torch.uint8, device=device)
-        dist.all_gather_into_tensor(out, send.to(device), group=self.group)
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the older name
+        all_gather(out, send.to(device), group=self.group)
         return list(out.cpu().numpy().reshape(self.world_size, slot))
 
     def broadcast_object(self, obj: T | None, src: int = 0) -> T:
