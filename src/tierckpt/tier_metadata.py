@@ -119,10 +119,9 @@ class TierStart:
     """The agreed outcome of :func:`start_from_tiers`: the checkpoint and every rank's preparation."""
 
     ckpt: Checkpoint
-    pieces: bytes | None
-    """This rank's whole pieces table (the same bytes on every rank), or ``None`` on every rank."""
     kept: Any
-    """This rank's own part of the preparation."""
+    """This rank's own part of the preparation (it keeps the whole pieces table it was given, if any: the
+    same bytes on every rank, or none on every rank, as every rank read the same ``COMMIT``)."""
     shared: list[Any]
     """Every rank's shared part of the preparation, in rank order."""
 
@@ -146,7 +145,7 @@ def start_from_tiers(
     if len(tokens) == 1 and None not in tokens:
         comm.raise_failures(error, [message for _, _, _, message in gathered], what)
         assert read.ckpt is not None
-        return TierStart(read.ckpt, read.pieces, kept, [s for _, _, s, _ in gathered]), 0
+        return TierStart(read.ckpt, kept, [s for _, _, s, _ in gathered]), 0
     if read.why is not None:
         logger.debug("rank %d: the memory tier's copy of the metadata is not used: %s", comm.rank, read.why)
     seqs = [seq for seq, _, _, _ in gathered]
