@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -22,6 +23,12 @@ from . import errors
 from .errors import CheckpointError, CollectiveError
 
 logger = logging.getLogger("tierckpt")
+
+OBJECT_SLOT_BYTES = 64 << 10
+""":meth:`Comm.all_gather_object` gathers objects that pickle to less than this in one collective."""
+GATHER_SLOTS_BYTES = 4 << 20
+"""... with smaller slots in large groups, so that one rank receives at most this much in the first round."""
+_LENGTH = np.dtype("<i8")
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -41,14 +48,40 @@ class Comm:
         self.backend = dist.get_backend(group) if self.distributed else "none"
 
     def all_gather_object(self, obj: T) -> list[T]:
+        """Every rank's ``obj``, in rank order. Pickled, in one all-gather of a fixed slot per rank when
+        every rank's fits (:data:`OBJECT_SLOT_BYTES`), else a second one of the largest size: torch's
+        ``all_gather_object`` always takes two (the sizes, then the data), and the loader's and saver's
+        agreements are small."""
         if self.world_size == 1:
             return [obj]
-        out: list[Any] = [None] * self.world_size
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        slot = max(_LENGTH.itemsize + 1024, min(OBJECT_SLOT_BYTES, GATHER_SLOTS_BYTES // self.world_size))
         try:
-            dist.all_gather_object(out, obj, group=self.group)
+            first = self._gather_slots(data, slot, with_length=True)
+            sizes = [int(row[: _LENGTH.itemsize].view(_LENGTH)[0]) for row in first]
+            if max(sizes) <= slot - _LENGTH.itemsize:
+                return [pickle.loads(row[_LENGTH.itemsize : _LENGTH.itemsize + n]) for row, n in zip(first, sizes)]
+            second = self._gather_slots(data, max(sizes), with_length=False)
         except RuntimeError as exc:
             raise CollectiveError(f"all_gather_object failed on rank {self.rank}: {exc}") from exc
-        return out
+        return [pickle.loads(row[:n]) for row, n in zip(second, sizes)]
+
+    def _gather_slots(self, data: bytes, slot: int, *, with_length: bool) -> list[np.ndarray]:
+        """All-gather one slot of ``slot`` bytes per rank holding ``data`` (after its length, with
+        ``with_length``; cut off when it does not fit); every rank's slot, in rank order."""
+        send = torch.zeros(slot, dtype=torch.uint8)
+        view = send.numpy()
+        at = 0
+        if with_length:
+            view[: _LENGTH.itemsize].view(_LENGTH)[0] = len(data)
+            at = _LENGTH.itemsize
+        fits = min(len(data), slot - at)
+        view[at : at + fits] = np.frombuffer(data, dtype=np.uint8, count=fits)
+        device = self._device()
+        out = torch.empty(slot * self.world_size, dtype=torch.uint8, device=device)
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the older name
+        all_gather(out, send.to(device), group=self.group)
+        return list(out.cpu().numpy().reshape(self.world_size, slot))
 
     def broadcast_object(self, obj: T | None, src: int = 0) -> T:
         if self.world_size == 1:
@@ -110,7 +143,7 @@ class Comm:
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Raise on every rank if ``error`` is set on any rank; else return on every rank."""
-        self._raise_failures(error, self.all_gather_object(describe_error(error)), what)
+        self.raise_failures(error, self.all_gather_object(describe_error(error)), what)
 
     def run_agreed(self, fn: Callable[[], T], what: str) -> T:
         """Run ``fn`` on every rank; if it failed on any rank, raise on all of them (none is left waiting)."""
@@ -124,10 +157,12 @@ class Comm:
         result, error = _attempt(fn)
         kept, shared = result if result is not None else (None, None)
         gathered = self.all_gather_object((shared, describe_error(error)))
-        self._raise_failures(error, [message for _, message in gathered], what)
+        self.raise_failures(error, [message for _, message in gathered], what)
         return kept, [s for s, _ in gathered]  # type: ignore[return-value]
 
-    def _raise_failures(self, error: BaseException | None, messages: list[str | None], what: str) -> None:
+    def raise_failures(self, error: BaseException | None, messages: list[str | None], what: str) -> None:
+        """Raise on this rank if any rank failed (``messages[r]``: :func:`describe_error` of rank ``r``'s
+        ``error``, ``None`` if it did not fail); ``error`` is this rank's own, raised as it is alone."""
         failed = [(r, m) for r, m in enumerate(messages) if m is not None]
         if not failed:
             return

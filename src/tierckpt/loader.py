@@ -2,30 +2,34 @@
 
 Lifecycle (every rank of the loading group unless noted):
 
-1. Rank 0 reads ``COMMIT``, the header and the tensor table, checks them against the sizes and
-   CRC-32Cs that ``COMMIT`` records, and broadcasts them (a missing commit raises
+1. Rank 0 reads ``COMMIT``, the header and the tensor table (:mod:`tierckpt.meta_read`), checks them
+   against the sizes and CRC-32Cs that ``COMMIT`` records, and broadcasts them (a missing commit raises
    :class:`~tierckpt.errors.IncompleteCheckpointError` when data exists without one; a torch DCP
    directory is read in place by :mod:`tierckpt.dcp_format`, its pieces included).
 2. Each rank flattens its target state and checks it against the checkpoint: missing keys, shape and
    dtype mismatches (keys the state does not ask for are not loaded). Ranks all-gather their needs
    and findings; in strict mode any finding on any rank raises on every rank, before anything is read.
-3. Each rank reads the rows of the pieces table for the tensors the group needs and computes the
+   Meanwhile each rank reads a small pieces table whole (checked against ``COMMIT``).
+3. Each rank decodes the rows of the pieces table for the tensors the group needs and computes the
    same :class:`~tierckpt.planner.LoadPlan`. Each rank checks the sizes of the data files it will read,
-   so a truncated or missing file fails before any tensor is modified.
+   so a truncated or missing file fails before any tensor is modified, and fetches, checks and decodes
+   its objects (weights-only unless ``allow_pickle``), agreed in one collective.
 4. Round by round (:class:`~tierckpt.read_step.ReadStep`): readers fetch their units (straight into the target's memory when a unit is
    exactly one contiguous part of one local target), check the CRC-32C of every block they read whole
    (:mod:`tierckpt.io.readcheck`; ranks of one node reading the same bytes share that work), copy
    local deliveries, and exchange the rest with one all-to-all per round. After the last round the
    ranks combine the checksums of blocks read in parts.
-5. Objects are decoded (weights-only unless ``allow_pickle``) and put in place; optimizers and
-   stateful objects get their ``load_state_dict`` calls.
+5. Objects are put in place; optimizers and stateful objects get their ``load_state_dict`` calls; the
+   collective that agrees on it carries every rank's monitor summary.
 
-With a node memory tier in the store's chain, each rank also reports in step 2 what its node's tier
-holds of the generation, and every file is read from the cheapest place the group can reach
-(:mod:`tierckpt.local_load`): units go to a rank whose node holds their file
-(:func:`~tierckpt.planner.locality.assign_local_readers`), which reads them from its memory tier;
-the pieces table and objects files a rank's node lacks come from a node that holds them; only what no
-node holds is read through the chain. Every check above applies to bytes read from memory too.
+With a node memory tier in the store's chain, steps 1 and 2 are one collective: every rank reads the
+metadata from its own node's tier and prepares its state against it (:mod:`tierckpt.tier_metadata`),
+and the group keeps that only if every rank read the same checked commit (else step 1 runs as above).
+Each rank also reports in step 2 what its node's tier holds of the generation, and every file is read
+from the cheapest place the group can reach (:mod:`tierckpt.local_load`): units go to a rank whose node
+holds their file (:func:`~tierckpt.planner.locality.assign_local_readers`), which reads them from its
+memory tier; the pieces table and objects files a rank's node lacks come from a node that holds them;
+only what no node holds is read through the chain. Every check above applies to bytes read from memory too.
 
 Racing a save. A save that commits a newer generation deletes the one this load follows. When a
 step fails and ``COMMIT`` has moved since the load read it, the load starts again on the newer
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -45,21 +50,21 @@ from typing import Any
 import crc32c
 import torch.distributed as dist
 
-from . import dcp_format, layout
+from . import layout
 from .backends import Backend
 from .comm import Comm
 from .errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
-    IncompleteCheckpointError, StateMismatchError,
+    StateMismatchError,
 )
-from .io.rangefile import RangeFile
 from .io.readcheck import ReadChecker
 from .io.scheduler import get_scheduler
 from .local_load import LocalReads, held_files, rereaders
-from .metadata import (
-    MAX_HEADER_BYTES, MAX_TABLE_BYTES, CheckpointMeta, ObjectMeta, PieceMeta, TensorMeta, decode_header, decode_pieces,
-    decode_tensors, dtype_name,
+from .meta_read import (
+    RACE_RETRIES, WHOLE_PIECES_BYTES, Checkpoint, newer_commit, read_checkpoint, read_commit, read_document, read_pieces,
+    whole_pieces,
 )
+from .metadata import ObjectMeta, PieceMeta, decode_pieces, dtype_name
 from .monitor import Monitor
 from .objects_read import fetch_objects, wanted_objects
 from .node import node_id
@@ -69,7 +74,13 @@ from .planner.routes import store_kind
 from .read_step import ReadStep
 from .state import FlatState, flatten_state
 from .store import memory_tier_of, open_store, without_node_cache
+from .tier_metadata import TierStart, read_from_tier, start_from_tiers
 from .tiers.memory import MemoryTier
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES", "DEFAULT_ROUND_BYTES", "RACE_RETRIES", "WHOLE_PIECES_BYTES", "Checkpoint", "load",
+    "read_checkpoint", "read_commit", "read_document", "read_pieces",
+]
 
 logger = logging.getLogger("tierckpt")
 
@@ -78,111 +89,8 @@ DEFAULT_CHUNK_BYTES = 32 << 20
 DEFAULT_ROUND_BYTES = 256 << 20
 """``load(round_bytes=)``: a rank holds about this much of read, sent and received buffers per round
 (two rounds overlap; the planner has no default)."""
-RACE_RETRIES = 8
-"""How many times a load that lost its generation to a newer commit starts again on the newer one (each
-attempt fails only if a whole save cycle completes during it)."""
 PARALLEL_METADATA = 16
 """At most this many size checks of data files are in flight at once (one thread each)."""
-WHOLE_PIECES_BYTES = 8 << 20
-"""A pieces table up to this size is read whole and checked against its CRC-32C in ``COMMIT``; a larger
-one is read by row groups (only those a load needs), and ``verify`` checks its CRC."""
-
-
-@dataclass(frozen=True, slots=True)
-class Checkpoint:
-    """A committed checkpoint's header and tensor table, as read by rank 0."""
-
-    meta: CheckpointMeta
-    tensors: dict[str, TensorMeta]
-    pieces: dict[str, list[PieceMeta]] | None = None
-    """Every piece, when the format lists them with its metadata (a torch DCP directory); else ``None``."""
-    record: layout.CommitRecord | None = None
-    """The ``COMMIT`` record that named it (its checksums check the other metadata documents)."""
-
-
-def read_commit(backend: Backend) -> layout.CommitRecord:
-    """The decoded ``COMMIT`` record; a root with data but no ``COMMIT`` is incomplete."""
-    sched = get_scheduler()
-    try:
-        return layout.CommitRecord.decode(sched.run(backend.get(layout.COMMIT)))
-    except CheckpointNotFoundError:
-        if sched.run(backend.list("")):
-            raise IncompleteCheckpointError(
-                f"{backend.root_uri!r} holds checkpoint data but no COMMIT record: a save was interrupted or is "
-                "still running. Load an earlier checkpoint, or wait for the save to finish"
-            ) from None
-        raise CheckpointNotFoundError(f"no checkpoint at {backend.root_uri!r} (no COMMIT record)") from None
-
-
-def _newer_commit(backend: Backend, generation: str) -> layout.CommitRecord | None:
-    """The ``COMMIT`` record if it now names another generation than ``generation`` (else ``None``)."""
-    try:
-        record = read_commit(backend)
-    except CheckpointError:
-        return None
-    return record if record.generation != generation else None
-
-
-def _document(backend: Backend, record: layout.CommitRecord, key: str, limit: int) -> bytes:
-    """One metadata document of the committed generation (at most ``limit`` bytes), checked against
-    ``COMMIT``'s checksum."""
-    data = read_document(backend, layout.in_generation(record.generation, key), limit)
-    record.check_document(key, data, backend.root_uri)
-    return data
-
-
-def read_checkpoint(backend: Backend, *, accept_dcp: bool = False) -> Checkpoint:
-    """Follow ``COMMIT`` to the committed generation and read its header and tensor table (following a
-    newer ``COMMIT`` when a save deleted the generation meanwhile).
-
-    A torch DCP directory is read in place with ``accept_dcp`` (see :mod:`tierckpt.dcp_format`) and
-    refused, naming the format and the conversion, without it.
-    """
-    try:
-        record = read_commit(backend)
-    except (IncompleteCheckpointError, CheckpointNotFoundError):
-        if not dcp_format.is_dcp(backend):
-            raise
-        if not accept_dcp:
-            raise CheckpointError(dcp_format.refusal(backend.root_uri)) from None
-        meta, tensors, pieces = dcp_format.read_dcp(backend)
-        return Checkpoint(meta=meta, tensors=tensors, pieces=pieces)
-    attempt = 0
-    while True:
-        gen = record.generation
-        try:
-            # Both documents at once: on an object store each is two round trips (size, then read).
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                header = pool.submit(_document, backend, record, layout.HEADER, MAX_HEADER_BYTES)
-                table = pool.submit(_document, backend, record, layout.TENSORS, MAX_TABLE_BYTES)
-                meta = decode_header(header.result(), layout.HEADER)
-                tensors = decode_tensors(table.result())
-        except CheckpointNotFoundError as exc:
-            newer = _newer_commit(backend, gen)
-            if newer is not None and attempt < RACE_RETRIES:
-                record, attempt = newer, attempt + 1
-                continue
-            raise CorruptCheckpointError(
-                f"checkpoint {backend.root_uri!r} is committed as {gen!r} but its metadata is missing: {exc}"
-            ) from exc
-        if meta.generation != gen:
-            raise CorruptCheckpointError(f"header of {gen!r} names generation {meta.generation!r}")
-        return Checkpoint(meta=meta, tensors=tensors, record=record)
-
-
-def read_document(backend: Backend, key: str, limit: int) -> bytes:
-    """A whole metadata document, refused unread when the store says it is larger than ``limit``."""
-    sched = get_scheduler()
-    size = sched.run(backend.size(key))
-    if size > limit:
-        raise CorruptCheckpointError(
-            f"{key!r} of checkpoint {backend.root_uri!r} holds {size} bytes, more than such a document may "
-            f"({limit}); it is corrupt or crafted, so it is not read"
-        )
-    data = sched.run(backend.get(key))
-    if len(data) > limit:
-        raise CorruptCheckpointError(f"{key!r} of checkpoint {backend.root_uri!r} grew past {limit} bytes while being read")
-    return data
 
 
 def load(
@@ -219,23 +127,37 @@ def load(
     monitor = monitor or Monitor()
     backend = open_store(uri, dict(storage_options or {}))
     options = _Options(strict, allow_pickle, verify, check_crc, chunk_bytes, round_bytes, topology)
-    reader = _metadata_reader(comm, memory_tier_of(backend))
+    tier = memory_tier_of(backend)
+    start: TierStart | None = None
+    read: Checkpoint | None = None  # what rank 0 read from its tier, checked against the chain's COMMIT
+    reader = 0
+    if tier is not None:  # every rank reads the metadata from its node's memory tier (tier_metadata)
+        with monitor.phase("metadata"):
+            mine = read_from_tier(tier, backend, leader=comm.rank == 0)
+            start, reader = start_from_tiers(
+                comm, mine, lambda ckpt, pieces: _prepare(state, ckpt, comm.rank, tier, pieces),
+                "preparing the state to load",
+            )
+            read = mine.ckpt if comm.rank == 0 else None
     attempt = 0
     while True:
-        with monitor.phase("metadata"):
-            ckpt = _broadcast_checkpoint(comm, backend, accept_dcp=not verify, src=reader)
+        if start is None:
+            with monitor.phase("metadata"):
+                ckpt = _broadcast_checkpoint(comm, backend, accept_dcp=not verify, src=reader, have=read)
+        else:
+            ckpt = start.ckpt
         # torch DCP rewrites its files in place, which a node cache would serve stale.
         source = without_node_cache(backend) if ckpt.pieces is not None else backend
         try:
-            _load_generation(uri, state, comm, source, ckpt, options, monitor)
+            summaries = _load_generation(uri, state, comm, source, ckpt, options, monitor, start)
         except (CollectiveError, StateMismatchError):
             raise
         except CheckpointError as exc:
             if ckpt.pieces is not None:
                 raise  # a DCP directory has no commit to follow
-            # Every rank raised (failures are agreed); rank 0 tells whether a newer commit explains it.
+            # Every rank raised (failures are agreed); the reader tells whether a newer commit explains it.
             moved = comm.broadcast_object(
-                _newer_commit(backend, ckpt.meta.generation) is not None if comm.rank == reader else None, reader
+                newer_commit(backend, ckpt.meta.generation) is not None if comm.rank == reader else None, reader
             )
             if not moved:
                 raise
@@ -245,11 +167,11 @@ def load(
                     f"loaded (last: {exc}); saves to this URI outpace the load. Load a checkpoint that is not being "
                     "re-saved, or save with keep_previous=True"
                 ) from exc
-            attempt += 1
+            attempt, start, read = attempt + 1, None, None
             logger.info("load of %s: generation %s was replaced while loading; loading the newer commit",
                         uri, ckpt.meta.generation)
             continue
-        monitor.finish("load", uri, comm.rank, comm.all_gather_object(monitor.summary()))
+        monitor.finish("load", uri, comm.rank, summaries)
         return state
 
 
@@ -268,23 +190,38 @@ class _Options:
 
 def _load_generation(
     uri: str, state: dict[str, Any], comm: Comm, backend: Backend, ckpt: Checkpoint, opts: _Options, monitor: Monitor,
-) -> None:
-    """Steps 2-5 of the lifecycle for the generation ``ckpt`` names; fills every target."""
+    start: TierStart | None,
+) -> list[dict[str, float]]:
+    """Steps 2-5 of the lifecycle for the generation ``ckpt`` names; fills every target and returns every
+    rank's monitor summary. ``start``: step 2 already done with the metadata read from the memory tiers."""
     tier = memory_tier_of(backend) if ckpt.pieces is None else None
     with monitor.phase("metadata"):
-        saved_keys = set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}
-        # One collective agrees that every rank could prepare its state and carries what each needs
-        # and what its node's memory tier holds.
-        (flat, needs, wanted), gathered = comm.exchange_agreed(
-            lambda: _prepare(state, ckpt, saved_keys, comm.rank, tier), "preparing the state to load"
-        )
+        if start is not None:
+            (flat, needs, wanted, table), gathered = start.kept, start.shared
+        else:
+            # One collective agrees that every rank could prepare its state and carries what each needs
+            # and what its node's memory tier holds. Without a tier, each rank reads a small pieces table
+            # meanwhile (with one, a rank's node may lack it: it is read once the holders are known).
+            (flat, needs, wanted, table), gathered = comm.exchange_agreed(
+                lambda: _prepare(state, ckpt, comm.rank, tier, whole_pieces(backend, ckpt) if tier is None else None),
+                "preparing the state to load",
+            )
         _report(gathered, ckpt, opts.strict, uri)
         local = LocalReads.of(comm.rank, tier, [(g[4], g[5]) for g in gathered])
+        preread = all(g[7] for g in gathered)
         # Small files a rank needs and its node lacks come from a node that holds them (one collective, if any).
-        shared = local.share(comm, ckpt.meta.generation, [[layout.PIECES, *g[6]] for g in gathered]) if local.active else {}
+        shared = local.share(comm, ckpt.meta.generation, [[*([] if preread else [layout.PIECES]), *g[6]] for g in gathered]
+                             ) if local.active else {}
         all_needs = [g[0] for g in gathered]
         fqns = {n.fqn for rank_needs in all_needs for n in rank_needs}
-        pieces = comm.run_agreed(lambda: _local_pieces(backend, ckpt, fqns, local, shared), "reading the pieces table")
+        if preread:
+            # Every rank holds the same bytes, checked against COMMIT, and decodes them for the same tensors:
+            # the same pieces on every rank, or the same error raised on every rank (nothing to agree on).
+            pieces = decode_pieces(table, ckpt.tensors, fqns)
+        elif ckpt.pieces is not None:
+            pieces = read_pieces(backend, ckpt, fqns)  # listed with a torch DCP directory's metadata: nothing to read
+        else:
+            pieces = comm.run_agreed(lambda: _local_pieces(backend, ckpt, fqns, local, shared), "reading the pieces table")
     with monitor.phase("plan"):
         topo = opts.topology or _topology(backend, comm, [g[4] for g in gathered])
         nodes = list(topo.nodes)
@@ -299,15 +236,17 @@ def _load_generation(
             ))
         _log_routes(plan, topo, comm.rank, monitor)
     gen = ckpt.meta.generation
-    comm.run_agreed(lambda: _check_files(backend, ckpt, plan, comm.rank, local), "checking the data files")
+
+    def check_and_fetch() -> dict[str, Any]:
+        _check_files(backend, ckpt, plan, comm.rank, local)
+        # Objects are small: fetch, check and decode them before any tensor is modified.
+        return fetch_objects(backend, ckpt, flat, wanted, opts.allow_pickle, local, shared)
+
+    with monitor.phase("objects"):
+        values = comm.run_agreed(check_and_fetch, "checking the data files and loading objects")
     if opts.verify:
         with monitor.phase("verify"):
             comm.run_agreed(lambda: _verify_pieces(backend, gen, pieces, comm, local), "verifying checksums")
-    with monitor.phase("objects"):
-        # Objects are small: fetch, check and decode them before any tensor is modified.
-        values = comm.run_agreed(
-            lambda: fetch_objects(backend, ckpt, flat, wanted, opts.allow_pickle, local, shared), "loading objects"
-        )
     targets = [flat.tensors[n.fqn] for n in needs]
     # A torch DCP directory records no checksums (its pieces carry none): there is nothing to check.
     checker = ReadChecker(gen, pieces) if opts.check_crc and ckpt.pieces is None else None
@@ -322,35 +261,30 @@ def _load_generation(
         _, partials = comm.exchange_agreed(read, f"loading {uri!r}")
         if checker is not None:
             _settle_checksums(checker, backend, comm, partials, local)
-    with monitor.phase("apply"):
-        for key, value in values.items():
-            flat.objects[key].assign(value)
-        comm.run_agreed(lambda: [fn() for fn in flat.after_load], "applying loaded state")
+
+    def apply() -> tuple[None, dict[str, float]]:
+        with monitor.phase("apply"):
+            for key, value in values.items():
+                flat.objects[key].assign(value)
+            for fn in flat.after_load:
+                fn()
+        return None, monitor.summary()
+
+    # The agreement that every rank applied its state carries every rank's summary (the monitor's record).
+    return comm.exchange_agreed(apply, "applying loaded state")[1]
 
 
-def _metadata_reader(comm: Comm, tier: MemoryTier | None) -> int:
-    """The rank that reads ``COMMIT`` and the metadata for the group: rank 0, unless the store has a memory
-    tier and another rank's node holds a newer ``COMMIT`` in it (rank 0 runs on a replacement node, say,
-    while the remote is unreachable): then the lowest rank whose node holds the newest. One collective,
-    only with a memory tier."""
-    if tier is None or comm.world_size == 1:
-        return 0
-    try:
-        record = tier.committed()
-        seq = -1 if record is None else record.seq
-    except (CheckpointError, OSError):
-        seq = -1  # an unreadable COMMIT in the tier: a rank that can read one leads
-    seqs = comm.all_gather_object(seq)
-    return seqs.index(max(seqs)) if seqs[0] < max(seqs) else 0
-
-
-def _broadcast_checkpoint(comm: Comm, backend: Backend, accept_dcp: bool = False, src: int = 0) -> Checkpoint:
+def _broadcast_checkpoint(
+    comm: Comm, backend: Backend, accept_dcp: bool = False, src: int = 0, have: Checkpoint | None = None,
+) -> Checkpoint:
+    """Rank ``src`` reads the checkpoint's metadata through the chain (or sends ``have``, what it already
+    read and checked) and every rank returns it; a failure to read raises on every rank."""
     result: Checkpoint | None = None
     error: str | None = None
     exc_type: type[CheckpointError] = CheckpointError
     if comm.rank == src:
         try:
-            result = read_checkpoint(backend, accept_dcp=accept_dcp)
+            result = have if have is not None else read_checkpoint(backend, accept_dcp=accept_dcp)
         except CheckpointError as exc:
             if comm.world_size == 1:
                 raise
@@ -363,11 +297,13 @@ def _broadcast_checkpoint(comm: Comm, backend: Backend, accept_dcp: bool = False
 
 
 def _prepare(
-    state: Mapping[str, Any], ckpt: Checkpoint, saved_keys: set[str], rank: int, tier: MemoryTier | None,
-) -> tuple[tuple[FlatState, list[TargetPiece], dict[str, list[ObjectMeta]]], tuple[Any, ...]]:
-    """Flatten this rank's state for loading: ``(kept, shared)``. Shared: needs, findings, tensor and
-    object keys (what :func:`_report` reads), the node, what its memory tier holds (``None``: no tier)
-    and the objects files this rank reads."""
+    state: Mapping[str, Any], ckpt: Checkpoint, rank: int, tier: MemoryTier | None, table: bytes | None,
+) -> tuple[tuple[FlatState, list[TargetPiece], dict[str, list[ObjectMeta]], bytes | None], tuple[Any, ...]]:
+    """Flatten this rank's state for loading: ``(kept, shared)``. Kept: the flat state, its needs, its
+    objects and ``table`` (the whole pieces table, if read already). Shared: needs, findings, tensor and
+    object keys (what :func:`_report` reads), the node, what its memory tier holds (``None``: no tier),
+    the objects files this rank reads, and whether it holds the pieces table already."""
+    saved_keys = set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}
     flat = flatten_state(
         state, for_load=True, saved_keys=lambda p: any(k.startswith(p) for k in saved_keys),
         legacy_names=ckpt.meta.format_minor < 1,
@@ -376,7 +312,8 @@ def _prepare(
     wanted = wanted_objects(ckpt, flat, rank)
     held = held_files(tier, ckpt.meta, ckpt.record)
     files = sorted({o.file for metas in wanted.values() for o in metas}) if held is not None else []
-    return (flat, needs, wanted), (needs, findings, sorted(flat.tensors), sorted(flat.objects), node_id(), held, files)
+    shared = (needs, findings, sorted(flat.tensors), sorted(flat.objects), node_id(), held, files, table is not None)
+    return (flat, needs, wanted, table), shared
 
 
 def _local_pieces(
@@ -461,28 +398,6 @@ def _few(keys: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def read_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str] | None = None) -> dict[str, list[PieceMeta]]:
-    """The validated pieces of the tensors in ``fqns`` (all when ``None``).
-
-    The table is read whole and checked against its CRC-32C in ``COMMIT`` when all of it is wanted or
-    it is at most :data:`WHOLE_PIECES_BYTES`; otherwise only the table's footer and the row groups that
-    can hold ``fqns`` are fetched.
-    """
-    if ckpt.pieces is not None:
-        return {f: ckpt.pieces[f] for f in (ckpt.pieces if fqns is None else fqns) if f in ckpt.pieces}
-    key = layout.pieces_key(ckpt.meta.generation)
-    recorded = ckpt.record.checksum(layout.PIECES) if ckpt.record is not None else None
-    try:
-        if fqns is None or (recorded is not None and recorded.size <= WHOLE_PIECES_BYTES):
-            data = read_document(backend, key, MAX_TABLE_BYTES)
-            if ckpt.record is not None:
-                ckpt.record.check_document(layout.PIECES, data, backend.root_uri)
-            return decode_pieces(data, ckpt.tensors, fqns)
-        return decode_pieces(RangeFile(backend, key), ckpt.tensors, fqns)
-    except CheckpointNotFoundError as exc:
-        raise CorruptCheckpointError(f"checkpoint {backend.root_uri!r} has no pieces table: {exc}") from exc
-
-
 def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int, local: LocalReads) -> None:
     """Each data file this rank reads (from its memory tier or the chain) has the size the header lists,
     and holds every run read from it."""
@@ -491,11 +406,13 @@ def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int, 
         if u.reader == rank and len(u.run_offsets):
             ends[u.file] = max(ends.get(u.file, 0), int(u.run_offsets.max()) + u.run_bytes)
     files = sorted(ends)
-    # Every size at once: on an object store each check is a round trip.
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(files), PARALLEL_METADATA))) as pool:
-        sizes = list(pool.map(lambda file: _checked_size(local.source(file, backend), ckpt, file), files))
-    for file, size in zip(files, sizes):
-        end = ends[file]
+    sizes = {file: _checked_size(local.tier, ckpt, file) for file in files if local.here(file)}  # type: ignore[arg-type]
+    remote = [file for file in files if file not in sizes]
+    if remote:  # every size at once: on an object store each check is a round trip
+        with concurrent.futures.ThreadPoolExecutor(min(len(remote), PARALLEL_METADATA)) as pool:
+            sizes.update(zip(remote, pool.map(lambda file: _checked_size(backend, ckpt, file), remote)))
+    for file in files:
+        end, size = ends[file], sizes[file]
         if end > size:
             raise CorruptCheckpointError(
                 f"pieces of checkpoint {backend.root_uri!r} lie past the end of {file!r} (byte {end} of {size}): "
@@ -508,8 +425,11 @@ def _checked_size(backend: Backend, ckpt: Checkpoint, file: str) -> int:
     sizes = {f.key: f.size for f in ckpt.meta.files}
     key = layout.in_generation(ckpt.meta.generation, file)
     try:
-        actual = get_scheduler().run(backend.size(key))
-    except CheckpointNotFoundError:
+        if isinstance(backend, MemoryTier):  # a file on this node's tmpfs: one stat, without the I/O loop
+            actual = os.path.getsize(backend.path_of(key))
+        else:
+            actual = get_scheduler().run(backend.size(key))
+    except (CheckpointNotFoundError, FileNotFoundError):
         raise CorruptCheckpointError(f"file {key!r} of checkpoint {backend.root_uri!r} is missing") from None
     if file not in sizes or actual != sizes[file]:
         raise CorruptCheckpointError(

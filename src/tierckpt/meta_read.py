@@ -1,0 +1,164 @@
+"""Reading a committed checkpoint's metadata through a store: ``COMMIT``, the header, the tensor and
+pieces tables (used by the loader, ``verify``, ``convert`` and the CLI).
+
+Every document is bounded before it is read (a crafted size is refused unread) and checked against the
+size and CRC-32C that ``COMMIT`` records for it; a torch DCP directory (no ``COMMIT``) is read in place
+by :mod:`tierckpt.dcp_format` when the caller accepts one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+
+from . import dcp_format, layout
+from .backends import Backend
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from .io.rangefile import RangeFile
+from .io.scheduler import get_scheduler
+from .metadata import (
+    MAX_HEADER_BYTES, MAX_TABLE_BYTES, CheckpointMeta, PieceMeta, TensorMeta, decode_header, decode_pieces,
+    decode_tensors,
+)
+
+RACE_RETRIES = 8
+"""How many times a load that lost its generation to a newer commit starts again on the newer one (each
+attempt fails only if a whole save cycle completes during it)."""
+WHOLE_PIECES_BYTES = 8 << 20
+"""A pieces table up to this size is read whole and checked against its CRC-32C in ``COMMIT``; a larger
+one is read by row groups (only those a load needs), and ``verify`` checks its CRC."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A committed checkpoint's header and tensor table."""
+
+    meta: CheckpointMeta
+    tensors: dict[str, TensorMeta]
+    pieces: dict[str, list[PieceMeta]] | None = None
+    """Every piece, when the format lists them with its metadata (a torch DCP directory); else ``None``."""
+    record: layout.CommitRecord | None = None
+    """The ``COMMIT`` record that named it (its checksums check the other metadata documents)."""
+
+
+def read_commit(backend: Backend) -> layout.CommitRecord:
+    """The decoded ``COMMIT`` record; a root with data but no ``COMMIT`` is incomplete."""
+    sched = get_scheduler()
+    try:
+        return layout.CommitRecord.decode(sched.run(backend.get(layout.COMMIT)))
+    except CheckpointNotFoundError:
+        if sched.run(backend.list("")):
+            raise IncompleteCheckpointError(
+                f"{backend.root_uri!r} holds checkpoint data but no COMMIT record: a save was interrupted or is "
+                "still running. Load an earlier checkpoint, or wait for the save to finish"
+            ) from None
+        raise CheckpointNotFoundError(f"no checkpoint at {backend.root_uri!r} (no COMMIT record)") from None
+
+
+def newer_commit(backend: Backend, generation: str) -> layout.CommitRecord | None:
+    """The ``COMMIT`` record if it now names another generation than ``generation`` (else ``None``)."""
+    try:
+        record = read_commit(backend)
+    except CheckpointError:
+        return None
+    return record if record.generation != generation else None
+
+
+def _document(backend: Backend, record: layout.CommitRecord, key: str, limit: int) -> bytes:
+    """One metadata document of the committed generation (at most ``limit`` bytes), checked against
+    ``COMMIT``'s checksum."""
+    data = read_document(backend, layout.in_generation(record.generation, key), limit)
+    record.check_document(key, data, backend.root_uri)
+    return data
+
+
+def read_checkpoint(backend: Backend, *, accept_dcp: bool = False) -> Checkpoint:
+    """Follow ``COMMIT`` to the committed generation and read its header and tensor table (following a
+    newer ``COMMIT`` when a save deleted the generation meanwhile).
+
+    A torch DCP directory is read in place with ``accept_dcp`` (see :mod:`tierckpt.dcp_format`) and
+    refused, naming the format and the conversion, without it.
+    """
+    try:
+        record = read_commit(backend)
+    except (IncompleteCheckpointError, CheckpointNotFoundError):
+        if not dcp_format.is_dcp(backend):
+            raise
+        if not accept_dcp:
+            raise CheckpointError(dcp_format.refusal(backend.root_uri)) from None
+        meta, tensors, pieces = dcp_format.read_dcp(backend)
+        return Checkpoint(meta=meta, tensors=tensors, pieces=pieces)
+    attempt = 0
+    while True:
+        gen = record.generation
+        try:
+            # Both documents at once: on an object store each is two round trips (size, then read).
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                header = pool.submit(_document, backend, record, layout.HEADER, MAX_HEADER_BYTES)
+                table = pool.submit(_document, backend, record, layout.TENSORS, MAX_TABLE_BYTES)
+                meta = decode_header(header.result(), layout.HEADER)
+                tensors = decode_tensors(table.result())
+        except CheckpointNotFoundError as exc:
+            newer = newer_commit(backend, gen)
+            if newer is not None and attempt < RACE_RETRIES:
+                record, attempt = newer, attempt + 1
+                continue
+            raise CorruptCheckpointError(
+                f"checkpoint {backend.root_uri!r} is committed as {gen!r} but its metadata is missing: {exc}"
+            ) from exc
+        if meta.generation != gen:
+            raise CorruptCheckpointError(f"header of {gen!r} names generation {meta.generation!r}")
+        return Checkpoint(meta=meta, tensors=tensors, record=record)
+
+
+def read_document(backend: Backend, key: str, limit: int) -> bytes:
+    """A whole metadata document, refused unread when the store says it is larger than ``limit``."""
+    sched = get_scheduler()
+    size = sched.run(backend.size(key))
+    if size > limit:
+        raise CorruptCheckpointError(
+            f"{key!r} of checkpoint {backend.root_uri!r} holds {size} bytes, more than such a document may "
+            f"({limit}); it is corrupt or crafted, so it is not read"
+        )
+    data = sched.run(backend.get(key))
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{key!r} of checkpoint {backend.root_uri!r} grew past {limit} bytes while being read")
+    return data
+
+
+def whole_pieces(backend: Backend, ckpt: Checkpoint) -> bytes | None:
+    """The whole pieces table of ``ckpt``, checked against its CRC-32C in ``COMMIT``, when ``COMMIT``
+    records it at most :data:`WHOLE_PIECES_BYTES` long; ``None`` otherwise (a larger table is read by row
+    groups once the tensors a load needs are known; a table without a recorded checksum, or a torch DCP
+    directory's pieces, are read as before by :func:`read_pieces`)."""
+    recorded = ckpt.record.checksum(layout.PIECES) if ckpt.record is not None and ckpt.pieces is None else None
+    if recorded is None or recorded.size > WHOLE_PIECES_BYTES:
+        return None
+    try:
+        data = read_document(backend, layout.pieces_key(ckpt.meta.generation), MAX_TABLE_BYTES)
+    except CheckpointNotFoundError as exc:
+        raise CorruptCheckpointError(f"checkpoint {backend.root_uri!r} has no pieces table: {exc}") from exc
+    ckpt.record.check_document(layout.PIECES, data, backend.root_uri)  # type: ignore[union-attr]
+    return data
+
+
+def read_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str] | None = None) -> dict[str, list[PieceMeta]]:
+    """The validated pieces of the tensors in ``fqns`` (all when ``None``).
+
+    The table is read whole and checked against its CRC-32C in ``COMMIT`` when all of it is wanted or
+    it is at most :data:`WHOLE_PIECES_BYTES`; otherwise only the table's footer and the row groups that
+    can hold ``fqns`` are fetched.
+    """
+    if ckpt.pieces is not None:
+        return {f: ckpt.pieces[f] for f in (ckpt.pieces if fqns is None else fqns) if f in ckpt.pieces}
+    key = layout.pieces_key(ckpt.meta.generation)
+    recorded = ckpt.record.checksum(layout.PIECES) if ckpt.record is not None else None
+    try:
+        if fqns is None or (recorded is not None and recorded.size <= WHOLE_PIECES_BYTES):
+            data = read_document(backend, key, MAX_TABLE_BYTES)
+            if ckpt.record is not None:
+                ckpt.record.check_document(layout.PIECES, data, backend.root_uri)
+            return decode_pieces(data, ckpt.tensors, fqns)
+        return decode_pieces(RangeFile(backend, key), ckpt.tensors, fqns)
+    except CheckpointNotFoundError as exc:
+        raise CorruptCheckpointError(f"checkpoint {backend.root_uri!r} has no pieces table: {exc}") from exc

@@ -1,0 +1,71 @@
+"""Scenarios run on every rank of the test pool (real gloo ranks of one simulated node) for
+``test_tier_metadata.py``: loads whose metadata comes from the node memory tier, and the object gather."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "all_gather_object", "broadcast_object_list", "broadcast", "all_gather",
+               "monitored_barrier", "barrier", "all_to_all_single", "gather_object")
+
+
+def make() -> dict[str, torch.Tensor]:
+    """Replicated tensors: on one node the plan gives each rank its own to read."""
+    return {name: torch.full((64, 32), float(i)) + torch.arange(32.0) for i, name in enumerate("abcd")}
+
+
+def save(path: str, config: Any) -> None:
+    import tierckpt
+
+    tierckpt.save(path, make(), storage_options={"memory": config})
+
+
+def load_counting(path: str, config: Any) -> dict[str, Any]:
+    """Load on every rank, counting the collectives the load issues; whether it was bit-exact."""
+    import torch.distributed as dist
+
+    import tierckpt
+
+    counts: Counter[str] = Counter()
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    got = {name: torch.zeros(64, 32) for name in "abcd"}
+    for name in COLLECTIVES:
+        setattr(dist, name, counting(name))
+    try:
+        tierckpt.load(path, got, storage_options={"memory": config})
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return {"exact": all(torch.equal(got[n], make()[n]) for n in "abcd"), "collectives": dict(counts)}
+
+
+def load_error(path: str, config: Any) -> str:
+    """The message of the error every rank's load raises ("no error" if it returned)."""
+    import tierckpt
+
+    try:
+        tierckpt.load(path, {name: torch.zeros(64, 32) for name in "abcd"}, storage_options={"memory": config})
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def gather(sizes: list[int]) -> list[Any]:
+    """``Comm.all_gather_object`` of an object that pickles to about ``sizes[rank]`` bytes (``None`` for -1)."""
+    import torch.distributed as dist
+
+    from tierckpt.comm import Comm
+
+    rank = dist.get_rank()
+    size = sizes[rank]
+    return Comm().all_gather_object(None if size < 0 else (rank, bytes([rank]) * size))
