@@ -135,3 +135,20 @@ def dist_pool():
     pool = _WorkerPool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture
+def mapped_uses(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each async save through a memory tier found a spare mapped file to copy into (in order)."""
+    from tierckpt.tiers import link as link_module
+    from tierckpt.tiers import mapped
+
+    used: list[bool] = []
+
+    def spy(*args: object) -> object:
+        writer = mapped.open_mapped(*args)
+        used.append(writer is not None)
+        return writer
+
+    monkeypatch.setattr(link_module, "open_mapped", spy)
+    return used

@@ -27,7 +27,6 @@ from tierckpt.io.crc import concat_crc
 from tierckpt.io.staging import Chunk, FileStream
 from tierckpt.store import memory_tier_of, open_store
 from tierckpt.tiers import MemoryConfig, mapped
-from tierckpt.tiers import link as link_module
 from tierckpt.tiers import memory as memory_module
 from tierckpt.tiers.manifest import FileEntry
 from tierckpt.tiers.memory import MemoryTier, file_crc
@@ -41,20 +40,6 @@ def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> MemoryConfig:
     directory = tmp_path / "memory-tier"
     monkeypatch.setenv("TIERCKPT_MEMORY_DIR", str(directory))
     return MemoryConfig(directory=str(directory), budget_bytes=1 << 30, exit_wait_s=0)
-
-
-@pytest.fixture
-def mapped_uses(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Whether each async save through the tier found a spare mapped file to copy into."""
-    used: list[bool] = []
-
-    def spy(*args: Any) -> Any:
-        writer = mapped.open_mapped(*args)
-        used.append(writer is not None)
-        return writer
-
-    monkeypatch.setattr(link_module, "open_mapped", spy)
-    return used
 
 
 def wait_for_spare(home: str) -> None:
