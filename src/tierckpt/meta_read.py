@@ -96,8 +96,7 @@ def read_checkpoint(backend: Backend, *, accept_dcp: bool = False) -> Checkpoint
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 header = pool.submit(_document, backend, record, layout.HEADER, MAX_HEADER_BYTES)
                 table = pool.submit(_document, backend, record, layout.TENSORS, MAX_TABLE_BYTES)
-                meta = decode_header(header.result(), layout.HEADER)
-                tensors = decode_tensors(table.result())
+                return decoded_checkpoint(record, header.result(), table.result())
         except CheckpointNotFoundError as exc:
             newer = newer_commit(backend, gen)
             if newer is not None and attempt < RACE_RETRIES:
@@ -106,9 +105,15 @@ def read_checkpoint(backend: Backend, *, accept_dcp: bool = False) -> Checkpoint
             raise CorruptCheckpointError(
                 f"checkpoint {backend.root_uri!r} is committed as {gen!r} but its metadata is missing: {exc}"
             ) from exc
-        if meta.generation != gen:
-            raise CorruptCheckpointError(f"header of {gen!r} names generation {meta.generation!r}")
-        return Checkpoint(meta=meta, tensors=tensors, record=record)
+
+
+def decoded_checkpoint(record: layout.CommitRecord, header: bytes, tensors: bytes) -> Checkpoint:
+    """The checkpoint ``record`` names, from its header and tensor table (both already checked against
+    ``record``): the header must name the same generation."""
+    meta = decode_header(header, layout.HEADER)
+    if meta.generation != record.generation:
+        raise CorruptCheckpointError(f"header of {record.generation!r} names generation {meta.generation!r}")
+    return Checkpoint(meta=meta, tensors=decode_tensors(tensors), record=record)
 
 
 def read_document(backend: Backend, key: str, limit: int) -> bytes:
@@ -134,11 +139,17 @@ def whole_pieces(backend: Backend, ckpt: Checkpoint) -> bytes | None:
     recorded = ckpt.record.checksum(layout.PIECES) if ckpt.record is not None and ckpt.pieces is None else None
     if recorded is None or recorded.size > WHOLE_PIECES_BYTES:
         return None
+    return _pieces_document(backend, ckpt)
+
+
+def _pieces_document(backend: Backend, ckpt: Checkpoint) -> bytes:
+    """The whole pieces table, checked against ``COMMIT`` when it records the table's checksum."""
     try:
         data = read_document(backend, layout.pieces_key(ckpt.meta.generation), MAX_TABLE_BYTES)
     except CheckpointNotFoundError as exc:
         raise CorruptCheckpointError(f"checkpoint {backend.root_uri!r} has no pieces table: {exc}") from exc
-    ckpt.record.check_document(layout.PIECES, data, backend.root_uri)  # type: ignore[union-attr]
+    if ckpt.record is not None:
+        ckpt.record.check_document(layout.PIECES, data, backend.root_uri)
     return data
 
 
@@ -151,14 +162,10 @@ def read_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str] | None = None
     """
     if ckpt.pieces is not None:
         return {f: ckpt.pieces[f] for f in (ckpt.pieces if fqns is None else fqns) if f in ckpt.pieces}
-    key = layout.pieces_key(ckpt.meta.generation)
     recorded = ckpt.record.checksum(layout.PIECES) if ckpt.record is not None else None
+    if fqns is None or (recorded is not None and recorded.size <= WHOLE_PIECES_BYTES):
+        return decode_pieces(_pieces_document(backend, ckpt), ckpt.tensors, fqns)
     try:
-        if fqns is None or (recorded is not None and recorded.size <= WHOLE_PIECES_BYTES):
-            data = read_document(backend, key, MAX_TABLE_BYTES)
-            if ckpt.record is not None:
-                ckpt.record.check_document(layout.PIECES, data, backend.root_uri)
-            return decode_pieces(data, ckpt.tensors, fqns)
-        return decode_pieces(RangeFile(backend, key), ckpt.tensors, fqns)
+        return decode_pieces(RangeFile(backend, layout.pieces_key(ckpt.meta.generation)), ckpt.tensors, fqns)
     except CheckpointNotFoundError as exc:
         raise CorruptCheckpointError(f"checkpoint {backend.root_uri!r} has no pieces table: {exc}") from exc

@@ -33,7 +33,7 @@ from .local_load import LocalReads
 from .metadata import TensorMeta, itemsize
 from .monitor import Monitor
 from .planner import LoadPlan, ReadUnit
-from .planner.load_planner import COALESCE_GAP_BYTES
+from .planner.load_planner import COALESCE_GAP_BYTES, Delivery
 from .regions import FlatRange, StoredBox
 from .state import TensorEntry
 
@@ -46,6 +46,20 @@ def _target_view(entry: TensorEntry, stored: StoredBox) -> torch.Tensor:
     return entry.tensor
 
 
+def _delivery_target(entry: TensorEntry, delivery: Delivery) -> torch.Tensor:
+    """The part of a target that one delivery fills, shaped like the delivery's box."""
+    return _target_view(entry, delivery.target_box)[delivery.box.relative_to(delivery.target_box.box).slices()]
+
+
+def _contiguous_target(entry: TensorEntry, delivery: Delivery, dtype: torch.dtype) -> torch.Tensor | None:
+    """The bytes of a delivery's target, when it is one contiguous CPU part of ``dtype`` (bytes can land there
+    as read or received)."""
+    target = _delivery_target(entry, delivery)
+    if target.device.type != "cpu" or target.dtype != dtype or not target.is_contiguous():
+        return None
+    return target.reshape(-1).view(torch.uint8)
+
+
 def _direct_buffer(unit: ReadUnit, targets: list[TensorEntry], rank: int) -> torch.Tensor | None:
     """The target memory to read ``unit`` into when it is exactly one contiguous CPU part of one target."""
     if len(unit.deliveries) != 1:
@@ -53,10 +67,7 @@ def _direct_buffer(unit: ReadUnit, targets: list[TensorEntry], rank: int) -> tor
     d = unit.deliveries[0]
     if d.rank != rank or d.box != unit.box:
         return None
-    view = _target_view(targets[d.target], d.target_box)[d.box.relative_to(d.target_box.box).slices()]
-    if view.device.type != "cpu" or not view.is_contiguous():
-        return None
-    return view.reshape(-1).view(torch.uint8)
+    return _contiguous_target(targets[d.target], d, _dtype(unit))
 
 
 def _dtype(unit: ReadUnit) -> torch.dtype:
@@ -330,14 +341,5 @@ class ReadStep:
         self.monitor.count("bytes_received_in_place", sum(b.numel() for _, b in recvs) - sum(b.numel() for _, b, _ in copies))
 
 
-def _contiguous_target(entry: TensorEntry, delivery: Any, dtype: torch.dtype) -> torch.Tensor | None:
-    """The bytes of a delivery's target, when it is one contiguous CPU part of ``dtype``."""
-    target = _target_view(entry, delivery.target_box)[delivery.box.relative_to(delivery.target_box.box).slices()]
-    if target.device.type != "cpu" or target.dtype != dtype or not target.is_contiguous():
-        return None
-    return target.reshape(-1).view(torch.uint8)
-
-
-def _deliver(entry: TensorEntry, delivery: Any, part: torch.Tensor) -> None:
-    target = _target_view(entry, delivery.target_box)[delivery.box.relative_to(delivery.target_box.box).slices()]
-    target.copy_(part.reshape(delivery.box.lengths))
+def _deliver(entry: TensorEntry, delivery: Delivery, part: torch.Tensor) -> None:
+    _delivery_target(entry, delivery).copy_(part.reshape(delivery.box.lengths))

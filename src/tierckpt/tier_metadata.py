@@ -35,8 +35,8 @@ from . import layout
 from .backends import Backend
 from .comm import Comm, describe_error
 from .errors import CheckpointError, CorruptCheckpointError
-from .meta_read import WHOLE_PIECES_BYTES, Checkpoint, read_commit
-from .metadata import MAX_HEADER_BYTES, MAX_TABLE_BYTES, decode_header, decode_tensors
+from .meta_read import WHOLE_PIECES_BYTES, Checkpoint, decoded_checkpoint, read_commit
+from .metadata import MAX_HEADER_BYTES, MAX_TABLE_BYTES
 from .tiers.memory import MemoryTier
 
 logger = logging.getLogger("tierckpt")
@@ -98,10 +98,7 @@ def read_from_tier(tier: MemoryTier, chain: Backend, *, leader: bool) -> TierRea
             record.check_document(key, doc, uri)
             return doc
 
-        meta = decode_header(document(layout.HEADER, MAX_HEADER_BYTES), layout.HEADER)
-        tensors = decode_tensors(document(layout.TENSORS, MAX_TABLE_BYTES))
-        if meta.generation != gen:
-            raise CorruptCheckpointError(f"header of {gen!r} names generation {meta.generation!r}")
+        ckpt = decoded_checkpoint(record, document(layout.HEADER, MAX_HEADER_BYTES), document(layout.TENSORS, MAX_TABLE_BYTES))
         recorded = record.checksum(layout.PIECES)
         pieces = document(layout.PIECES, MAX_TABLE_BYTES) if recorded and recorded.size <= WHOLE_PIECES_BYTES else None
         if leader:  # last: in parallel, the I/O loop's thread would hold the GIL the reads above need
@@ -110,7 +107,6 @@ def read_from_tier(tier: MemoryTier, chain: Backend, *, leader: bool) -> TierRea
                 return TierRead(record.seq, why=f"the store's COMMIT names {theirs.generation!r} (seq {theirs.seq})")
     except Exception as exc:  # noqa: BLE001 - whatever failed, the fallback reads through the chain and reports it
         return TierRead(record.seq, why=f"{type(exc).__name__}: {exc}")
-    ckpt = Checkpoint(meta=meta, tensors=tensors, record=record)
     return TierRead(record.seq, (record.seq, gen, crc32c.crc32c(data)), ckpt, pieces)
 
 
