@@ -16,7 +16,8 @@ from tierckpt.tiers import (
     MemoryConfig, MemoryTier, MemoryTierFullError, NodeMemory, OnFull, TierCopy, copy_id, plan_admission,
 )
 from tierckpt.tiers.manifest import FileEntry, Manifest
-from tierckpt.tiers.memory import uri_digest
+from tierckpt.tiers import memory
+from tierckpt.tiers.memory import file_crc, uri_digest
 
 URI = "s3://bucket/run/step-100"
 
@@ -68,16 +69,20 @@ async def test_a_directory_of_another_uri_is_refused(tmp_path: Path) -> None:
         await tier.put("k", b"x")
 
 
-async def test_seal_records_each_files_crc(tmp_path: Path) -> None:
+async def test_seal_records_each_files_crc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = config(tmp_path)
     tier = MemoryTier(URI, cfg)
     generation, contents = await write_checkpoint(
         tier, 1, {"data/rank-00000.bin": 5000, "data/rank-00002.bin": 5 << 20, "meta/header.json": 10})
-    other = MemoryTier(URI, cfg)  # another process of the node: it computed no CRC, so it reads
-    await other.put(f"{generation}/data/rank-00001.bin", b"second rank")
+    await MemoryTier(URI, cfg).put(f"{generation}/data/rank-00001.bin", b"second rank")  # another writer, stamped too
     contents[f"{generation}/data/rank-00001.bin"] = b"second rank"
-    manifest = tier.seal(generation, origin="node-a")
-    assert set(tier._known) == set(contents) - {f"{generation}/data/rank-00001.bin"}  # CRCs from writing
+    unstamped = f"{generation}/data/rank-00003.bin"  # placed by no writer of the tier: read for its CRC
+    Path(tier.path_of(unstamped)).write_bytes(b"placed by hand")
+    contents[unstamped] = b"placed by hand"
+    read = []
+    monkeypatch.setattr(memory, "file_crc", lambda path: read.append(path) or file_crc(path))
+    manifest = MemoryTier(URI, cfg).seal(generation, origin="node-a")  # a fresh object, as a replication leader's
+    assert read == [tier.path_of(unstamped)]  # every other CRC comes from its writer's stamp
     assert dict(manifest.files) == {k: FileEntry(len(v), crc32c.crc32c(v)) for k, v in contents.items()}
     assert tier.held(generation) == dict(manifest.files)
     assert MemoryTier(URI, cfg).manifests(generation) == [manifest]

@@ -13,8 +13,9 @@ replication, disk write-back and upload read from. On disk::
 :class:`MemoryTier` is a :class:`~tierckpt.backends.local.LocalBackend` rooted in ``objects/``, so it
 passes the backend contract (atomic writes: temp file + rename); it also records each file's
 CRC-32C as it is written (:class:`~.written.WrittenCrc`: computed on the way, or stated by a save's
-stream, which has it from its pieces' checksums), so sealing a generation (:meth:`MemoryTier.seal`)
-re-reads only files other processes wrote. :class:`NodeMemory` is the whole directory: the copies it holds and the
+stream, which has it from its pieces' checksums) as a stamp on the file (:mod:`.stamps`), so sealing a
+generation (:meth:`MemoryTier.seal`), in whichever process of the node, re-reads only files no writer
+stamped. :class:`NodeMemory` is the whole directory: the copies it holds and the
 admission of a new checkpoint under the budget (the policy is the pure :mod:`.eviction`).
 
 Management methods (``seal``, ``held``, ``verify``, ``evict``, receiving files) are synchronous and
@@ -30,7 +31,6 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import crc32c
 
@@ -42,6 +42,7 @@ from ..layout import COMMIT, CommitRecord, is_superseded
 from ..metadata import validate_generation
 from .config import DIR_ENV, MemoryConfig
 from .eviction import Admission, TierCopy, copy_id, plan_admission
+from . import stamps
 from .manifest import FileEntry, Manifest
 from .written import WrittenCrc
 
@@ -79,15 +80,6 @@ def file_crc(path: str) -> FileEntry:
             crc = crc32c.crc32c(chunk, crc)
             size += len(chunk)
     return FileEntry(size, crc)
-
-
-@dataclass(frozen=True, slots=True)
-class _Stamp:
-    """A CRC computed while writing, valid while the file is the same inode with the same mtime."""
-
-    entry: FileEntry
-    inode: int
-    mtime_ns: int
 
 
 class _CrcWriter(ObjectWriter):
@@ -197,7 +189,6 @@ class MemoryTier(LocalBackend):
         self.uri = uri.rstrip("/")
         self.home = os.path.join(self.config.directory, uri_digest(uri))
         super().__init__(os.path.join(self.home, "objects"))
-        self._known: dict[str, _Stamp] = {}
         self._claimed = False
 
     def __repr__(self) -> str:
@@ -221,8 +212,7 @@ class MemoryTier(LocalBackend):
         self._claimed = True
 
     def _remember(self, key: str, entry: FileEntry) -> None:
-        st = os.stat(self.path_of(key))
-        self._known[key] = _Stamp(entry, st.st_ino, st.st_mtime_ns)
+        stamps.remember(self.path_of(key), entry)
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
         self._claim()
@@ -323,12 +313,7 @@ class MemoryTier(LocalBackend):
 
     def _entry(self, key: str) -> FileEntry:
         path = self.path_of(key)
-        stamp = self._known.get(key)
-        if stamp is not None:
-            st = os.stat(path)
-            if (st.st_ino, st.st_mtime_ns, st.st_size) == (stamp.inode, stamp.mtime_ns, stamp.entry.size):
-                return stamp.entry
-        return file_crc(path)
+        return stamps.recall(path) or file_crc(path)
 
     def record(self, manifest: Manifest) -> None:
         """Write ``manifest`` (atomically; it replaces an earlier one of the same origin)."""
@@ -357,9 +342,10 @@ class MemoryTier(LocalBackend):
         record = self.committed()
         if record is not None and record.generation == generation:
             os.unlink(self.path_of(COMMIT))
-        shutil.rmtree(os.path.join(self.root, validate_generation(generation)), ignore_errors=True)
+        files = os.path.join(self.root, validate_generation(generation))
+        shutil.rmtree(files, ignore_errors=True)
         shutil.rmtree(self._manifest_dir(generation), ignore_errors=True)
-        self._known = {k: v for k, v in self._known.items() if not k.startswith(f"{generation}/")}
+        stamps.forget_under(files)
 
     def copies(self) -> list[TierCopy]:
         """Each generation in this tier as a :class:`~.eviction.TierCopy` (sizes as on disk)."""
