@@ -29,6 +29,7 @@ from ..errors import (
     UnsupportedURIError,
 )
 from ..keys import validate_key
+from . import mapped_read
 from .base import UNCONDITIONAL, Unconditional
 
 _TEMP_SUFFIX = ".partial"
@@ -239,9 +240,13 @@ def _back_to_back(offsets: list[int], run_bytes: int) -> bool:
 
 def pread_runs(
     path: str, offsets: list[int], run_bytes: int, out: memoryview, digest: Callable[[memoryview], int] | None = None,
+    *, mapped: bool = False,
 ) -> list[int] | None:
     """Read runs packed into ``out``; with ``digest``, also ``digest(run)`` of each run right after
     its read, while its bytes are in the CPU cache (one pass over them, no second thread).
+
+    ``mapped``: runs in the page cache are copied through a mapping instead, their CRC-32C taken in the
+    copying pass (:mod:`.mapped_read`; the same bytes and digests, sooner).
 
     Runs separated by gaps are announced to the kernel span by span (:func:`read_ahead_spans`); runs
     back to back (a contiguous range read block by block) only mark the file sequential, so the
@@ -250,6 +255,10 @@ def pread_runs(
     digests: list[int] | None = [] if digest is not None else None
     fd = _open_regular(path)
     try:
+        if mapped:
+            done, got = mapped_read.read_runs(fd, offsets, run_bytes, out, digest)
+            if done:
+                return got
         if hasattr(os, "posix_fadvise"):  # Linux and most Unixes; elsewhere each pread reads alone
             if _back_to_back(offsets, run_bytes):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -299,13 +308,17 @@ def write_atomic(path: str, data: bytes | memoryview) -> None:
         raise
 
 
-def pread_into(path: str, start: int, out: memoryview) -> None:
+def pread_into(path: str, start: int, out: memoryview, *, mapped: bool = False) -> None:
+    """Fill ``out`` with the bytes from ``start`` (``mapped``: from the page cache through a mapping when
+    resident, :mod:`.mapped_read`)."""
     fd = _open_regular(path)
     try:
         end = start + len(out)
         size = os.fstat(fd).st_size
         if end > size:
             raise range_past_end(path, start, end, size)
+        if mapped and mapped_read.read_runs(fd, [start], len(out), out, None)[0]:
+            return
         done = 0
         while done < len(out):
             n = os.preadv(fd, [out[done:]], start + done)

@@ -23,6 +23,7 @@ and the memory tier.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -104,6 +105,8 @@ class LocalBackend(ReadsInto, Backend):
     """Objects are files under a local directory (``/data/ckpt`` or ``file:///data/ckpt``)."""
 
     capabilities = Capabilities(local_path=True)
+    mapped_reads = True
+    """Whether reads of resident page cache go through a mapping (:mod:`.mapped_read`)."""
 
     def __init__(self, root_uri: str) -> None:
         super().__init__(root_uri)
@@ -159,7 +162,7 @@ class LocalBackend(ReadsInto, Backend):
         path = self.path_of(key)
         check_range(path, start, end)
         try:
-            await asyncio.to_thread(pread_into, path, start, out)
+            await asyncio.to_thread(functools.partial(pread_into, path, start, out, mapped=self.mapped_reads))
         except OSError as exc:
             raise os_error(exc, f"reading [{start}, {end}) of {path}") from exc
 
@@ -193,7 +196,8 @@ class LocalBackend(ReadsInto, Backend):
         """Positional reads of every run in one worker thread: thousands of short runs cost microseconds each."""
         path = self.path_of(key)
         try:
-            return await asyncio.to_thread(pread_runs, path, list(offsets), run_bytes, out, digest)
+            return await asyncio.to_thread(
+                functools.partial(pread_runs, path, list(offsets), run_bytes, out, digest, mapped=self.mapped_reads))
         except OSError as exc:
             raise os_error(exc, f"reading {len(offsets)} runs of {path}") from exc
 

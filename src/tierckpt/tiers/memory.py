@@ -184,6 +184,10 @@ class IncomingFile:
 class MemoryTier(LocalBackend):
     """One checkpoint URI's files in the node memory tier (a backend rooted in its ``objects/``)."""
 
+    mapped_reads = False
+    """Reads take ``pread``: the tier evicts files under running readers, which a mapping would not
+    survive (``SIGBUS``), and tmpfs pages map 4 KiB at a time, so a mapping would gain nothing."""
+
     def __init__(self, uri: str, config: MemoryConfig | None = None) -> None:
         self.config = config if config is not None else MemoryConfig.from_env()
         self.uri = uri.rstrip("/")

@@ -1,0 +1,186 @@
+"""Mapped reads of resident page cache (tierckpt.backends.mapped_read, the native tierckpt._copycrc):
+the same bytes and CRC-32Cs as pread, the fallback whenever they do not apply, and loads that use them
+still catching every flipped bit."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scenarios_integrity import flip, piece_bits
+
+import tierckpt
+from tierckpt.backends import mapped_read
+from tierckpt.backends.files import pread_into, pread_runs
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.tiers import MemoryConfig, MemoryTier
+
+native = pytest.mark.skipif(not mapped_read.available(), reason="the native extension is not built for this machine")
+
+
+def test_the_native_extension_is_built_where_it_can_be() -> None:
+    """An x86-64 Linux install with a C compiler builds it (the extension is optional in setup.py, so a
+    failed build would otherwise only show as slower loads)."""
+    if platform.machine() != "x86_64" or platform.system() != "Linux":
+        pytest.skip("the extension is x86-64 Linux only")
+    from tierckpt import _copycrc
+
+    assert _copycrc.AVAILABLE == 1
+
+
+@native
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=70_000), seed=st.integers(0, 2**32 - 1))
+def test_the_native_crc_is_crc32c(data: bytes, seed: int) -> None:
+    from tierckpt import _copycrc
+
+    assert _copycrc.crc32c(data) == crc32c.crc32c(data)
+    assert _copycrc.crc32c(data, seed) == crc32c.crc32c(data, seed)
+
+
+@pytest.fixture
+def warm_file(tmp_path: Path) -> tuple[str, bytes]:
+    data = os.urandom((3 << 20) + 12345)
+    path = tmp_path / "data.bin"
+    path.write_bytes(data)  # written through the page cache: resident
+    return str(path), data
+
+
+def _runs(offsets: list[int], run_bytes: int, data: bytes) -> tuple[bytes, list[int]]:
+    runs = [data[o : o + run_bytes] for o in offsets]
+    return b"".join(runs), [crc32c.crc32c(r) for r in runs]
+
+
+@native
+@pytest.mark.parametrize("offsets,run_bytes", [
+    ([0], (3 << 20) + 12345),  # the whole file
+    ([7], 3 << 20),  # unaligned
+    (list(range(5, 3 << 20, 100_003)), 40_009),  # strided, odd lengths
+    ([2 << 20, 3, 1 << 20], 400_000),  # out of order
+])
+def test_mapped_runs_are_the_bytes_and_crcs_pread_gives(warm_file, offsets, run_bytes, monkeypatch) -> None:
+    path, data = warm_file
+    calls = []
+    real = mapped_read._copycrc.copy_runs
+    monkeypatch.setattr(mapped_read, "_copycrc", _Spy(real, calls))
+    expected, crcs = _runs(offsets, run_bytes, data)
+    out = bytearray(len(expected))
+    got = pread_runs(path, offsets, run_bytes, memoryview(out), crc32c.crc32c, mapped=True)
+    assert calls == ["copied"] and bytes(out) == expected and got == crcs
+    out = bytearray(len(expected))
+    assert pread_runs(path, offsets, run_bytes, memoryview(out), None, mapped=True) is None
+    assert bytes(out) == expected and calls == ["copied", "copied"]
+
+
+@native
+def test_pread_into_takes_the_mapping(warm_file, monkeypatch) -> None:
+    path, data = warm_file
+    calls = []
+    monkeypatch.setattr(mapped_read, "_copycrc", _Spy(mapped_read._copycrc.copy_runs, calls))
+    out = bytearray(2 << 20)
+    pread_into(path, 1000, memoryview(out), mapped=True)
+    assert bytes(out) == data[1000 : 1000 + (2 << 20)] and calls == ["copied"]
+
+
+@native
+def test_pages_not_in_the_page_cache_are_read_with_pread(warm_file, monkeypatch) -> None:
+    path, data = warm_file
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages leave the page cache
+        assert mapped_read.read_runs(fd, [0], 2 << 20, memoryview(bytearray(2 << 20)), crc32c.crc32c) == (False, None)
+    finally:
+        os.close(fd)
+    out = bytearray(2 << 20)  # the caller then reads with pread: same result
+    assert pread_runs(path, [0], 2 << 20, memoryview(out), crc32c.crc32c, mapped=True) == [crc32c.crc32c(data[: 2 << 20])]
+    assert bytes(out) == data[: 2 << 20]
+
+
+@native
+def test_what_the_mapping_does_not_serve(warm_file, monkeypatch) -> None:
+    path, data = warm_file
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        big = memoryview(bytearray(2 << 20))
+        assert mapped_read.read_runs(fd, [len(data) - 100], 2 << 20, big, None) == (False, None)  # past the end
+        assert mapped_read.read_runs(fd, [0], 1000, memoryview(bytearray(1000)), None) == (False, None)  # small
+        assert mapped_read.read_runs(fd, [0], 2 << 20, big, lambda v: 0) == (False, None)  # another digest
+        monkeypatch.setenv(mapped_read.ENV, "off")
+        assert mapped_read.read_runs(fd, [0], 2 << 20, big, None) == (False, None)
+    finally:
+        os.close(fd)
+    with pytest.raises(CorruptCheckpointError, match="ends before byte"):  # pread then names the short file
+        pread_runs(path, [len(data) - 100], 2 << 20, memoryview(bytearray(2 << 20)), crc32c.crc32c, mapped=True)
+
+
+@native
+def test_bad_arguments_are_refused(warm_file) -> None:
+    from tierckpt import _copycrc
+
+    fd = os.open(warm_file[0], os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match="len\\(offsets\\) \\* run_bytes"):
+            _copycrc.copy_runs(fd, np.array([0, 10], dtype=np.int64), 100, bytearray(150), True)
+        with pytest.raises(ValueError, match="negative offset"):
+            _copycrc.copy_runs(fd, np.array([-1], dtype=np.int64), 100, bytearray(100), True)
+        with pytest.raises(TypeError):
+            _copycrc.copy_runs(fd, np.array([0], dtype=np.int64), 100, b"x" * 100, True)  # read-only out
+        with pytest.raises(OSError):
+            _copycrc.copy_runs(-1, np.array([0], dtype=np.int64), 100, bytearray(100), True)
+    finally:
+        os.close(fd)
+
+
+@native
+def test_a_default_load_through_the_mapping_catches_flipped_bits(tmp_path, monkeypatch) -> None:
+    state = {"w": torch.arange(1 << 20, dtype=torch.float32).reshape(512, 2048)}  # 4 MiB: whole 1 MiB blocks
+    root = tmp_path / "ckpt"
+    tierckpt.save(str(root), state)
+    calls = []
+    monkeypatch.setattr(mapped_read, "_copycrc", _Spy(mapped_read._copycrc.copy_runs, calls))
+    target = {"w": torch.zeros(512, 2048)}
+    tierckpt.load(str(root), target)
+    assert torch.equal(target["w"], state["w"]) and calls  # served by the mapping
+    (file, first, length, fqn), = piece_bits(root)
+    for byte, bit in ((first, 0), (first + length // 2, 7), (first + length - 1, 3)):
+        flip(file, byte, bit)
+        calls.clear()
+        with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+            tierckpt.load(str(root), {"w": torch.zeros(512, 2048)})
+        assert calls  # the flipped copy came through the mapping, and its CRC caught it
+        flip(file, byte, bit)
+
+
+async def test_the_memory_tier_reads_with_pread(tmp_path, monkeypatch) -> None:
+    tier = MemoryTier("s3://bucket/run", MemoryConfig(directory=str(tmp_path / "shm"), budget_bytes=1 << 30))
+    data = os.urandom(2 << 20)
+    await tier.put("g/data/x.bin", data)
+    calls = []
+    if mapped_read._copycrc is not None:
+        monkeypatch.setattr(mapped_read, "_copycrc", _Spy(mapped_read._copycrc.copy_runs, calls))
+    out = bytearray(2 << 20)
+    assert await tier.read_runs("g/data/x.bin", [0], 2 << 20, memoryview(out), crc32c.crc32c) == [crc32c.crc32c(data)]
+    assert bytes(out) == data and calls == []
+
+
+class _Spy:
+    """Stands in for the native module, recording each copy that it served."""
+
+    AVAILABLE = 1
+
+    def __init__(self, copy_runs, calls: list[str]) -> None:
+        self._copy_runs, self._calls = copy_runs, calls
+
+    def copy_runs(self, *args):
+        got = self._copy_runs(*args)
+        if got is not None:
+            self._calls.append("copied")
+        return got
