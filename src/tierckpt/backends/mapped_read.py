@@ -7,7 +7,7 @@ instead and, when every page of the runs' span is resident, copies each run with
 from the same loads; a file system that keeps large folios in the page cache (XFS; ext4 on recent
 kernels) maps them with 2 MiB page-table entries, so the mapping itself is nearly free. Measured on the
 2-core test VM (512 MiB, warm, ext4 on Linux 6.18, one core): ``pread`` 64 ms, ``pread`` + CRC 84 ms,
-the fused copy + CRC 57 ms; a cold file read through a mapping took 220 ms against ``pread`` + CRC's
+the fused copy + CRC 57 ms (two ranks at once: the CRC hides entirely); a cold file read through a mapping took 220 ms against ``pread`` + CRC's
 190 ms, hence the residency check (``mincore``) and the fallback.
 
 :func:`read_runs` says whether it read; when it did not (no extension, a CPU without SSE4.2, fewer than
