@@ -142,6 +142,25 @@ def test_four_ranks_on_two_nodes_to_two_ranks_on_the_surviving_node(split_cols: 
     execute_from_nodes(moved, nodes, {"b": files}, {}, locality, refs, tensors, needs)
 
 
+def test_units_going_whole_to_another_rank_count_once_in_their_rounds() -> None:
+    """A replacement node's needs read by the surviving node's rank (read straight into the send buffer):
+    each unit costs its reader and its receiver its bytes once, so a round holds round_bytes of them."""
+    ref = reference((64, 1024), "float32")  # 256 KiB, saved as 4 row pieces by rank 0
+    refs = {"w": ref}
+    tensors, pieces, files = save_fake(refs, {"w": [(0, Box((16 * i, 0), (16, 1024))) for i in range(4)]})
+    needs = [[], [TargetPiece(fqn="w", region=Box.full((64, 1024)))]]  # rank 1, on the fresh node, needs it all
+    nodes = ["survivor", "fresh"]
+    plan = plan_load(tensors, pieces, needs, chunk_bytes=64 << 10, round_bytes=512 * MiB,
+                     topology=topology("object_store", "gloo", nodes))
+    holdings = [RankHoldings("survivor", held(files, sorted(files))), RankHoldings("fresh")]
+    locality = assign_local_readers(spans_of(plan), holdings)
+    assert locality.readers == (0,) * len(plan.units) and len(plan.units) == 4
+    moved = relocate(plan, locality.readers, round_bytes=128 << 10)
+    assert [len(r) for r in moved.rounds] == [2, 2]  # 64 KiB units, two per 128 KiB round (one each before)
+    check_rounds(moved, 128 << 10)
+    execute_from_nodes(moved, nodes, {"survivor": files, "fresh": {}}, {}, locality, refs, tensors, needs)
+
+
 def test_partly_held_checkpoint_mixes_local_and_remote_reads() -> None:
     refs, tensors, pieces, files = saved_by_four_ranks()
     nodes = ["a", "a", "b", "b"]

@@ -33,7 +33,7 @@ from .local_load import LocalReads
 from .metadata import TensorMeta, itemsize
 from .monitor import Monitor
 from .planner import LoadPlan, ReadUnit
-from .planner.load_planner import COALESCE_GAP_BYTES, Delivery
+from .planner.load_planner import COALESCE_GAP_BYTES, Delivery, whole_to_other
 from .regions import FlatRange, StoredBox
 from .state import TensorEntry
 
@@ -84,11 +84,6 @@ P2P_MIN_BYTES = 1 << 20
 
 def _padded(nbytes: int) -> int:
     return -(-nbytes // EXCHANGE_ALIGN) * EXCHANGE_ALIGN
-
-
-def _whole_to_other(unit: ReadUnit, rank: int) -> bool:
-    """Whether all of ``unit`` goes, as read, to one rank other than ``rank``."""
-    return len(unit.deliveries) == 1 and unit.deliveries[0].rank != rank and unit.deliveries[0].box == unit.box
 
 
 @dataclass
@@ -180,7 +175,7 @@ class ReadStep:
             buf = _direct_buffer(unit, self.targets, self.comm.rank)
             if buf is not None:
                 direct.add(i)
-            elif _whole_to_other(unit, self.comm.rank):
+            elif whole_to_other(unit.reader, unit.box, unit.deliveries):
                 at = send_at[(i, 0)]
                 buf = send[at : at + unit.nbytes]
                 in_send.add(i)

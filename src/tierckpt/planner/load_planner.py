@@ -334,6 +334,12 @@ def _choose_readers(drafts: list[dict], world: int, chunk_bytes: int) -> None:
         previous = (draft["file"], int(offsets[0]) + draft["run_bytes"], reader) if len(offsets) == 1 else None
 
 
+def whole_to_other(reader: int, box: Box, deliveries: Sequence[Delivery]) -> bool:
+    """Whether a unit goes, as read, whole to one rank other than its reader: the read step then reads it
+    straight into its place in the round's send buffer, so the reader holds its bytes once, not twice."""
+    return len(deliveries) == 1 and deliveries[0].rank != reader and deliveries[0].box == box
+
+
 def _assign_rounds(
     drafts: list[dict], world: int, round_bytes: int
 ) -> tuple[tuple[ReadUnit, ...], tuple[tuple[int, ...], ...], tuple[bool, ...]]:
@@ -345,7 +351,8 @@ def _assign_rounds(
         item = draft.pop("item")
         reader = draft["reader"]
         add = defaultdict(int)
-        add[reader] += draft["box"].numel * item
+        if not whole_to_other(reader, draft["box"], draft["deliveries"]):  # else read into the send buffer
+            add[reader] += draft["box"].numel * item
         crosses = False
         for d in draft["deliveries"]:
             if d.rank != reader:
