@@ -519,3 +519,49 @@ def test_deleting_a_step_through_the_root_drops_what_its_own_uri_has_pending(tmp
     for key in (data_key, "COMMIT"):
         with pytest.raises(CheckpointNotFoundError):
             sched.run(step.get(key))
+
+
+def test_node_cache_records_the_crc_stated_by_the_save(
+    s3_bucket_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save through the node cache states each data file's CRC-32C (combined from its pieces') to the
+    cache's writer, which records it in the catalogue without a second pass; the record equals a fresh
+    CRC of the cached file, the upload verifies against it, and the checkpoint loads back bit-exact."""
+    import crc32c
+
+    from tierckpt.tiers.written import WrittenCrc
+
+    stated: list[int] = []
+    state_crc, add_async = WrittenCrc.state, WrittenCrc.add_async
+    checksummed: list[int] = []
+
+    def stating(written: WrittenCrc, crc: int) -> None:
+        stated.append(crc)
+        state_crc(written, crc)
+
+    async def adding(written: WrittenCrc, data: bytes | memoryview) -> None:
+        if written.computed is not None:
+            checksummed.append(memoryview(data).nbytes)
+        await add_async(written, data)
+
+    monkeypatch.setattr(WrittenCrc, "state", stating)
+    monkeypatch.setattr(WrittenCrc, "add_async", adding)
+    config = make_config(tmp_path)
+    uri = f"{s3_bucket_uri}/step-1"
+    state = {"w": torch.randn(300, 1001, dtype=torch.float64), "b": torch.arange(7, dtype=torch.int8), "step": 1}
+    tierckpt.save(uri, state, storage_options={"cache": config, "memory": False})
+    wait(uri, timeout_s=60, config=config)
+
+    store = open_tiered(uri, config)
+    assert isinstance(store, TieredBackend)
+    data_keys = [k for k in store.catalog.keys_of_root(store.rh) if "/data/" in k]
+    assert data_keys and len(stated) == len(data_keys)
+    assert checksummed == []  # the writer checksummed nothing itself
+    for key in data_keys:
+        record = store.catalog.obj(store.rh, key)
+        assert record is not None and record.crc in stated, key
+        cached = Path(store.written.path_of(key)).read_bytes()
+        assert record.crc == crc32c.crc32c(cached) and record.size == len(cached), key
+    target = {"w": torch.zeros(300, 1001, dtype=torch.float64), "b": torch.zeros(7, dtype=torch.int8), "step": 0}
+    tierckpt.load(uri, target, storage_options={"cache": False})  # the remote copy
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"]) and target["step"] == 1

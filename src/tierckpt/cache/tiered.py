@@ -60,11 +60,12 @@ from ..backends.base import UNCONDITIONAL, Backend, ObjectWriter, ReadsInto, Unc
 from ..backends.files import discard, fsync_dir, open_temp, unlink, write_all
 from ..backends.local import LocalBackend
 from ..errors import (
-    CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError,
+    CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError,
 )
 from ..io.scheduled import ScheduledBackend
 from ..io.scheduler import get_scheduler
 from ..keys import validate_key
+from ..tiers.written import WrittenCrc
 from .config import CacheConfig
 from .durable import DurableMixin
 from .local_files import MemoryTier
@@ -98,14 +99,19 @@ class _TieredWriter(ObjectWriter):
     def __init__(self, store: TieredBackend, key: str, fd: int, tmp: str, tail: TailUpload | None) -> None:
         self._store, self._key, self._fd, self._tmp, self._tail = store, key, fd, tmp, tail
         self._uri = store.uri_of(key)
-        self._crc = 0
-        self._size = 0
+        self._written = WrittenCrc(self._uri)
+
+    def use_stated_crc32c(self) -> bool:
+        """A save's stream states the file's CRC-32C (combined from its pieces'): no second pass here."""
+        return self._written.use_stated()
+
+    def state_crc32c(self, crc32c: int) -> None:
+        self._written.state(crc32c)
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
         view = memoryview(data).cast("B")
-        self._crc = crc32c.crc32c(view, self._crc)
-        self._size += len(view)
+        await self._written.add_async(view)
         try:
             await asyncio.to_thread(write_all, self._fd, view)
         except OSError as exc:
@@ -115,12 +121,17 @@ class _TieredWriter(ObjectWriter):
 
     async def close(self) -> None:
         self._check_open()
+        try:
+            entry = self._written.entry()
+        except CheckpointError:
+            await self.abort()
+            raise
         self._done = True
         if self._tail is not None:
             self._tail.seal()
         try:
             await self._store._publish_written(
-                self._key, self._fd, self._tmp, self._size, self._crc, Op.PUT, None, self._tail
+                self._key, self._fd, self._tmp, entry.size, entry.crc32c, Op.PUT, None, self._tail
             )
         except BaseException:
             await self._store._drop_tail(self._key, self._tail)

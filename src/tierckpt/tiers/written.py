@@ -1,8 +1,9 @@
 """Size and CRC-32C of the bytes written to a file of the node memory tier (recorded in its manifest).
 
-The tier's writers (:class:`~.memory.MemoryTier`'s, the memory link's, :class:`~.mapped.MappedFile`)
-and replicas arriving from a peer (:class:`~.memory.IncomingFile`) count what they write here; a save's
-stream may state the CRC instead of having it computed again (:class:`WrittenCrc`).
+The tier's writers (:class:`~.memory.MemoryTier`'s, the memory link's, :class:`~.mapped.MappedFile`),
+replicas arriving from a peer (:class:`~.memory.IncomingFile`) and the node disk cache's writer
+(:mod:`tierckpt.cache.tiered`) count what they write here; a save's stream may state the CRC instead of
+having it computed again (:class:`WrittenCrc`).
 """
 
 from __future__ import annotations
