@@ -193,3 +193,63 @@ def test_shift_tables_stay_right_across_threads_and_a_full_cache() -> None:
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(one, range(8)))
+
+
+ALIGNED_ROW = 1024  # rows that never cross a block edge: every run lies inside one block
+ALIGNED_COLUMNS = [(0, 300), (300, 700), (700, 1024)]
+
+
+def _aligned_load(data: bytes, stored: bytes) -> tuple[list, list]:
+    """3 ranks' strided reads of 30 rows of ``ALIGNED_ROW`` bytes (7.5 blocks), two units each, run CRCs
+    from the read: the group's settle and every rank's reduced partials."""
+    rows = len(stored) // ALIGNED_ROW
+    piece = PieceMeta(
+        fqn="w", region=Box((0, 0), (rows, ALIGNED_ROW)), file="d0", byte_offset=OFFSET, byte_length=len(stored),
+        crc32c=crc32c.crc32c(stored), block_bytes=BLOCK, block_crc32c=tuple(block_crcs(stored, BLOCK)),
+    )
+    gathered = []
+    for a, b in ALIGNED_COLUMNS:
+        rank = ReadChecker("g", {"w": [piece]})
+        offsets = np.array([OFFSET + r * ALIGNED_ROW + a for r in range(rows)], dtype=np.int64)
+        view = memoryview(b"".join(data[r * ALIGNED_ROW + a : r * ALIGNED_ROW + b] for r in range(rows)))
+        run = b - a
+        crcs = [crc32c.crc32c(view[i * run : (i + 1) * run]) for i in range(rows)]
+        for lo, hi in ((0, 13), (13, rows)):  # the first unit ends inside block 3
+            rank.add(rank.check("w", "d0", offsets[lo:hi], run, view[lo * run : hi * run], crcs[lo:hi]))
+        gathered.append(rank.partials())
+    incomplete = ReadChecker("g", {"w": [piece]}).settle(gathered)
+    return incomplete, [{k: tuple(a.tolist() for a in v) for k, v in p.items()} for p in gathered]
+
+
+def test_native_fold_agrees_with_numpy_and_catches_every_flip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs inside blocks take the native per-block fold (``fold_runs``): the same reduced partials as the
+    numpy path, every block completed, and a flipped bit at every position of two rows (one in the short
+    last block) and at both ends of every run caught, naming its block — on both paths."""
+    from tierckpt.io import readcheck
+
+    if readcheck.fold_runs is None:
+        pytest.skip("the native extension is not built (tests/test_mapped_read.py says why)")
+    stored = random.Random(11).randbytes(30 * ALIGNED_ROW)
+    folds = []
+    native = readcheck.fold_runs
+    monkeypatch.setattr(readcheck, "fold_runs", lambda *a: folds.append(native(*a)) or folds[-1])
+    incomplete, folded = _aligned_load(stored, stored)
+    assert incomplete == [] and folds and all(f is not None for f in folds)
+    positions = [r * ALIGNED_ROW + c for r in (5, 29) for c in range(ALIGNED_ROW)]
+    positions += [r * ALIGNED_ROW + c for r in range(30) for a, b in ALIGNED_COLUMNS for c in (a, b - 1)]
+    for path in ("native", "numpy"):
+        if path == "numpy":
+            monkeypatch.setattr(readcheck, "fold_runs", None)
+            assert _aligned_load(stored, stored) == ([], folded)
+        missed = []
+        for n, pos in enumerate(sorted(set(positions))):
+            flipped = bytearray(stored)
+            flipped[pos] ^= 1 << (n % 8)
+            try:
+                _aligned_load(bytes(flipped), stored)
+            except CorruptCheckpointError as exc:
+                block = pos // BLOCK
+                assert f"at bytes {OFFSET + block * BLOCK}..{OFFSET + min((block + 1) * BLOCK, len(stored))}" in str(exc)
+            else:
+                missed.append(pos)
+        assert not missed, f"{path}: {len(missed)} flips loaded without an error, e.g. at bytes {missed[:5]}"

@@ -282,9 +282,126 @@ static PyObject *crc32c_of(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* Raw CRC arithmetic over GF(2) (bit-reflected, as CRC-32C computes): shifting a raw CRC by n zero
+ * bytes is a multiplication by x^(8n) mod P. Portable C: no CPU feature needed. */
+#define POLY 0x82F63B78u
+#define ONE 0x80000000u /* the polynomial 1 */
+static uint32_t x2n[64]; /* x^(2^k) mod P */
+
+static uint32_t mulmod(uint32_t a, uint32_t b) {
+    uint32_t product = 0;
+    for (int bit = 31; bit >= 0; bit--) {
+        product ^= (uint32_t)(-(int32_t)((a >> bit) & 1)) & b;
+        b = (b >> 1) ^ ((uint32_t)(-(int32_t)(b & 1)) & POLY);
+    }
+    return product;
+}
+
+static void init_powers(void) {
+    x2n[0] = ONE >> 1; /* x^1 */
+    for (int k = 1; k < 64; k++) x2n[k] = mulmod(x2n[k - 1], x2n[k - 1]);
+}
+
+static uint32_t x8n(uint64_t n) { /* x^(8n) mod P */
+    uint32_t out = ONE;
+    for (int k = 3; n; n >>= 1, k++)
+        if (n & 1) out = mulmod(x2n[k & 63], out);
+    return out;
+}
+
+/* fold_runs(offsets, run_bytes, crcs, block, length) -> (blocks, raw, covered) | None
+ *
+ * The runs [offsets[i], offsets[i] + run_bytes) of a piece of length bytes checksummed in blocks of
+ * block bytes (offsets: int64, relative to the piece, ascending, not overlapping; crcs: each run's
+ * CRC-32C) folded per block they touch: the block's index, the raw CRC of the block with every byte
+ * outside the runs taken as zero (the XOR of the runs' raw CRCs, each shifted to the block's end), and
+ * the bytes the runs cover — three native arrays (int64, uint64, int64) as bytes. A block the runs cover
+ * whole thus carries its own raw CRC. None when a run crosses a block edge or the runs are out of
+ * order (the caller cuts them in Python). One multiplication per run instead of numpy's table passes. */
+static PyObject *fold_runs(PyObject *self, PyObject *args) {
+    Py_buffer offsets;
+    Py_ssize_t run_bytes;
+    long long block, length;
+    PyObject *crc_list;
+    if (!PyArg_ParseTuple(args, "y*nOLL", &offsets, &run_bytes, &crc_list, &block, &length)) return NULL;
+    PyObject *result = NULL, *fast = NULL;
+    uint32_t *raw_runs = NULL;
+    int64_t *out_blocks = NULL, *out_covered = NULL;
+    uint64_t *out_raw = NULL;
+    Py_ssize_t count = offsets.len / (Py_ssize_t)sizeof(int64_t);
+    if (offsets.len % (Py_ssize_t)sizeof(int64_t) || run_bytes <= 0 || block <= 0 || length < 0) {
+        PyErr_SetString(PyExc_ValueError, "fold_runs: offsets int64, run_bytes and block positive");
+        goto done;
+    }
+    fast = PySequence_Fast(crc_list, "fold_runs: crcs must be a sequence");
+    if (!fast) goto done;
+    if (PySequence_Fast_GET_SIZE(fast) != count) {
+        PyErr_SetString(PyExc_ValueError, "fold_runs: one CRC per run");
+        goto done;
+    }
+    size_t n = count ? (size_t)count : 1;
+    raw_runs = malloc(sizeof(uint32_t) * n);
+    out_blocks = malloc(sizeof(int64_t) * n), out_covered = malloc(sizeof(int64_t) * n);
+    out_raw = malloc(sizeof(uint64_t) * n);
+    if (!raw_runs || !out_blocks || !out_covered || !out_raw) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint32_t to_raw = mulmod(0xFFFFFFFFu, x8n((uint64_t)run_bytes)) ^ 0xFFFFFFFFu; /* CRC of run_bytes zeros */
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        unsigned long v = PyLong_AsUnsignedLong(items[i]);
+        if (v == (unsigned long)-1 && PyErr_Occurred()) goto done;
+        raw_runs[i] = (uint32_t)v ^ to_raw;
+    }
+    const int64_t *at = (const int64_t *)offsets.buf;
+    Py_ssize_t folded = 0;
+    int ok = 1;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t current = -1, acc_end = 0, covered = 0;
+    uint32_t acc = 0, step = ONE;
+    int64_t step_bytes = 0;
+    for (Py_ssize_t i = 0; i <= count; i++) {
+        int64_t b = i < count ? at[i] / block : -1;
+        if (i < count && (at[i] < 0 || at[i] + run_bytes > length || (at[i] + run_bytes - 1) / block != b ||
+                          b < current || (b == current && at[i] < acc_end))) {
+            ok = 0;
+            break;
+        }
+        if (b != current && current >= 0) { /* the block is done: shift its fold to the block's end */
+            int64_t end = (current + 1) * block < length ? (current + 1) * block : length;
+            out_blocks[folded] = current, out_covered[folded] = covered;
+            out_raw[folded++] = mulmod(acc, x8n((uint64_t)(end - acc_end)));
+        }
+        if (i == count) break;
+        int64_t end = at[i] + run_bytes;
+        if (b != current) {
+            current = b, acc = raw_runs[i], covered = run_bytes;
+        } else {
+            if (end - acc_end != step_bytes) step_bytes = end - acc_end, step = x8n((uint64_t)step_bytes);
+            acc = mulmod(acc, step) ^ raw_runs[i], covered += run_bytes;
+        }
+        acc_end = end;
+    }
+    Py_END_ALLOW_THREADS
+    if (!ok) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    result = Py_BuildValue("(y#y#y#)", (const char *)out_blocks, (Py_ssize_t)(folded * sizeof(int64_t)),
+                           (const char *)out_raw, (Py_ssize_t)(folded * sizeof(uint64_t)),
+                           (const char *)out_covered, (Py_ssize_t)(folded * sizeof(int64_t)));
+done:
+    Py_XDECREF(fast);
+    free(raw_runs), free(out_blocks), free(out_covered), free(out_raw);
+    PyBuffer_Release(&offsets);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_runs", copy_runs, METH_VARARGS, "Copy resident runs of a file into a buffer, with each run's CRC-32C."},
     {"crc32c", crc32c_of, METH_VARARGS, "CRC-32C of a buffer, through the copying kernel (for tests)."},
+    {"fold_runs", fold_runs, METH_VARARGS, "Fold runs' CRC-32Cs into the raw CRCs of the blocks they lie in."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -294,6 +411,7 @@ PyMODINIT_FUNC PyInit__copycrc(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     int available = 0;
+    init_powers();
 #if HW
     __builtin_cpu_init();
     hardware = __builtin_cpu_supports("sse4.2") != 0;
