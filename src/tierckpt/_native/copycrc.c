@@ -1,5 +1,6 @@
 /* tierckpt._copycrc: copy runs of a file's resident page cache into a buffer, taking each run's CRC-32C
- * in the same pass (see tierckpt/backends/mapped_read.py, which decides when to use it).
+ * in the same pass (see tierckpt/backends/mapped_read.py, which decides when to use it); and fold runs'
+ * CRC-32Cs into per-block raw CRCs for the load's read check (fold_runs, tierckpt/io/readcheck.py).
  *
  * The file is mapped read-only; when the span is resident (mincore, sampled), each run is copied with
  * its CRC-32C computed from the same loads: one pass over the bytes instead of a kernel copy (pread) and
