@@ -30,6 +30,7 @@ import crc32c
 
 from . import layout
 from .backends import Backend
+from .backends.files import open_shared
 from .comm import Comm
 from .errors import CheckpointError
 from .metadata import CheckpointMeta
@@ -138,7 +139,7 @@ class LocalReads:
             assert self.tier is not None or not mine
             out = {}
             for name in mine:
-                with open(self.tier.path_of(layout.in_generation(generation, name)), "rb") as f:  # type: ignore[union-attr]
+                with open(open_shared(self.tier.path_of(layout.in_generation(generation, name))), "rb") as f:  # type: ignore[union-attr]
                     out[name] = f.read()
             return None, out
 

@@ -219,11 +219,43 @@ def _not_regular(path: str, mode: int) -> CorruptCheckpointError:
     )
 
 
-def _open_regular(path: str) -> int:
-    """Open ``path`` for reading, refusing anything but a regular file (a FIFO would block forever)."""
+def hold_shared(fd: int, path: str) -> None:
+    """Take a shared ``flock`` on ``fd`` (opened from ``path``) and check that ``path`` still names its file.
+
+    The node memory tier reuses a retired file's pages (:mod:`tierckpt.tiers.pagepool`) only after renaming
+    it away from its path and then taking its exclusive lock without waiting: a reader holding the shared
+    lock on a file its path still named reads bytes nobody overwrites until it closes the descriptor (or
+    the last ``mmap`` made from it). A file renamed away before the lock was taken is reported as gone
+    (:class:`FileNotFoundError`), as if it had been unlinked before the open."""
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    held = os.fstat(fd)
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        named = None
+    if named is None or (named.st_ino, named.st_dev) != (held.st_ino, held.st_dev):
+        raise FileNotFoundError(errno.ENOENT, "left its path while it was being opened", path)
+
+
+def open_shared(path: str) -> int:
+    """A descriptor of ``path`` for reading, holding its shared lock (:func:`hold_shared`)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        hold_shared(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_regular(path: str, shared: bool = False) -> int:
+    """Open ``path`` for reading, refusing anything but a regular file (a FIFO would block forever);
+    ``shared``: holding its shared lock (:func:`hold_shared`)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         mode = os.fstat(fd).st_mode
+        if stat.S_ISREG(mode) and shared:
+            hold_shared(fd, path)
     except BaseException:
         os.close(fd)
         raise
@@ -240,7 +272,7 @@ def _back_to_back(offsets: list[int], run_bytes: int) -> bool:
 
 def pread_runs(
     path: str, offsets: list[int], run_bytes: int, out: memoryview, digest: Callable[[memoryview], int] | None = None,
-    *, mapped: bool = False,
+    *, mapped: bool = False, shared: bool = False,
 ) -> list[int] | None:
     """Read runs packed into ``out``; with ``digest``, also ``digest(run)`` of each run right after
     its read, while its bytes are in the CPU cache (one pass over them, no second thread).
@@ -253,7 +285,7 @@ def pread_runs(
     kernel's own read-ahead runs ahead of them: asking for a range already in the page cache costs
     about 2.6 ms per 32 MiB on the 2-core test VM, more than checksumming it."""
     digests: list[int] | None = [] if digest is not None else None
-    fd = _open_regular(path)
+    fd = _open_regular(path, shared)
     try:
         if mapped:
             done, got = mapped_read.read_runs(fd, offsets, run_bytes, out, digest)
@@ -308,10 +340,10 @@ def write_atomic(path: str, data: bytes | memoryview) -> None:
         raise
 
 
-def pread_into(path: str, start: int, out: memoryview, *, mapped: bool = False) -> None:
+def pread_into(path: str, start: int, out: memoryview, *, mapped: bool = False, shared: bool = False) -> None:
     """Fill ``out`` with the bytes from ``start`` (``mapped``: from the page cache through a mapping when
-    resident, :mod:`.mapped_read`)."""
-    fd = _open_regular(path)
+    resident, :mod:`.mapped_read`; ``shared``: under the file's shared lock, :func:`hold_shared`)."""
+    fd = _open_regular(path, shared)
     try:
         end = start + len(out)
         size = os.fstat(fd).st_size
@@ -329,14 +361,14 @@ def pread_into(path: str, start: int, out: memoryview, *, mapped: bool = False) 
         os.close(fd)
 
 
-def read_whole(path: str) -> bytes:
-    with open(_open_regular(path), "rb") as f:
+def read_whole(path: str, shared: bool = False) -> bytes:
+    with open(_open_regular(path, shared), "rb") as f:
         return f.read()
 
 
-def pread_range(path: str, start: int, end: int) -> bytes:
+def pread_range(path: str, start: int, end: int, shared: bool = False) -> bytes:
     """Bytes ``[start, end)``, allocated only once the file is known to hold them."""
-    fd = _open_regular(path)
+    fd = _open_regular(path, shared)
     try:
         size = os.fstat(fd).st_size
     finally:
@@ -344,7 +376,7 @@ def pread_range(path: str, start: int, end: int) -> bytes:
     if end > size:
         raise range_past_end(path, start, end, size)
     buf = bytearray(end - start)
-    pread_into(path, start, memoryview(buf))
+    pread_into(path, start, memoryview(buf), shared=shared)
     return bytes(buf)
 
 

@@ -107,6 +107,9 @@ class LocalBackend(ReadsInto, Backend):
     capabilities = Capabilities(local_path=True)
     mapped_reads = True
     """Whether reads of resident page cache go through a mapping (:mod:`.mapped_read`)."""
+    shared_reads = False
+    """Whether reads hold each file's shared lock while they read it (:func:`.files.hold_shared`): the
+    node memory tier sets it, as it may reuse a retired file's pages."""
 
     def __init__(self, root_uri: str) -> None:
         super().__init__(root_uri)
@@ -146,7 +149,7 @@ class LocalBackend(ReadsInto, Backend):
     async def get(self, key: str) -> bytes:
         path = self.path_of(key)
         try:
-            return await asyncio.to_thread(read_whole, path)
+            return await asyncio.to_thread(read_whole, path, self.shared_reads)
         except OSError as exc:
             raise os_error(exc, f"reading {path}") from exc
 
@@ -154,7 +157,7 @@ class LocalBackend(ReadsInto, Backend):
         path = self.path_of(key)
         check_range(path, start, end)
         try:
-            return await asyncio.to_thread(pread_range, path, start, end)
+            return await asyncio.to_thread(pread_range, path, start, end, self.shared_reads)
         except OSError as exc:
             raise os_error(exc, f"reading [{start}, {end}) of {path}") from exc
 
@@ -162,7 +165,8 @@ class LocalBackend(ReadsInto, Backend):
         path = self.path_of(key)
         check_range(path, start, end)
         try:
-            await asyncio.to_thread(functools.partial(pread_into, path, start, out, mapped=self.mapped_reads))
+            await asyncio.to_thread(
+                functools.partial(pread_into, path, start, out, mapped=self.mapped_reads, shared=self.shared_reads))
         except OSError as exc:
             raise os_error(exc, f"reading [{start}, {end}) of {path}") from exc
 
@@ -196,8 +200,8 @@ class LocalBackend(ReadsInto, Backend):
         """Positional reads of every run in one worker thread: thousands of short runs cost microseconds each."""
         path = self.path_of(key)
         try:
-            return await asyncio.to_thread(
-                functools.partial(pread_runs, path, list(offsets), run_bytes, out, digest, mapped=self.mapped_reads))
+            return await asyncio.to_thread(functools.partial(
+                pread_runs, path, list(offsets), run_bytes, out, digest, mapped=self.mapped_reads, shared=self.shared_reads))
         except OSError as exc:
             raise os_error(exc, f"reading {len(offsets)} runs of {path}") from exc
 

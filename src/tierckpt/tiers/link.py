@@ -367,11 +367,16 @@ class MemoryLink(Backend):
             self._written.discard(what)
             self._readable.discard(what)
         else:
+            generation = generation_of(what) or (what.rstrip("/") if is_generation(what.rstrip("/")) else None)
+            if generation == what.rstrip("/"):  # a whole superseded one (the sweep) leaves its pages to the pool
+                await asyncio.to_thread(self.memory.retire, self.memory_tier, generation)
             await self.memory_tier.delete_prefix(what)
             self._written = {k for k in self._written if not k.startswith(what)}
             self._readable = {k for k in self._readable if not k.startswith(what)}
-            generation = generation_of(what) or (what.rstrip("/") if is_generation(what.rstrip("/")) else None)
-            for gen in [generation] if generation else self.memory_tier.generations() if not what else []:
+            if generation:
+                await asyncio.to_thread(self.memory_tier.evict, generation)
+                await asyncio.to_thread(self.down.forget, generation)
+            for gen in self.memory_tier.generations() if not what else []:
                 await asyncio.to_thread(self.memory_tier.evict, gen)
                 await asyncio.to_thread(self.down.forget, gen)
         if not exact:

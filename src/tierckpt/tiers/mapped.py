@@ -38,6 +38,7 @@ from .background import lower_priority
 from .config import MemoryTierFullError
 from .downlog import durable_copies, generation_of
 from .memory import SPARE_PREFIX
+from .pagepool import claim
 from .written import WrittenCrc
 
 if TYPE_CHECKING:
@@ -188,30 +189,44 @@ def _prepare(link: MemoryLink, nbytes: int) -> None:
 def _make(link: MemoryLink, nbytes: int) -> None:
     tier = link.memory_tier
     generation = f"{SPARE_PREFIX}{os.getpid():x}"
-    if sum(c.nbytes for c in link.memory.copies()) + nbytes > link.memory.config.budget_bytes:
-        return  # a spare only takes free room: it never evicts a checkpoint
-    try:
-        admission = link.memory.admit(tier.uri, generation, nbytes, lambda: durable_copies(link.memory))
-    except MemoryTierFullError:
-        return
-    if not admission.fits:
-        return
     path = tier.path_of(f"{generation}/data/spare.bin")
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        # A pooled file's bytes are in the budget already (the spare takes them over): no admission.
+        reused = claim(tier.root, nbytes, path)
+        if not reused and not _admitted(link, generation, nbytes):
+            _drop_dir(path)
+            return
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (0 if reused else os.O_CREAT | os.O_TRUNC), 0o600)
+    except OSError as exc:
+        log.info("no spare in the memory tier of %s: %s", tier.uri, exc)
+        return
+    try:
         os.ftruncate(fd, nbytes)
         # Not MAP_POPULATE: CPython holds the GIL through mmap(), and populating fresh tmpfs pages takes
         # about 1 ms per MiB, all that time stalling training's Python. fill_ faults the pages in at the
-        # same cost with the GIL released, and maps every page writable now, not during the next snapshot.
+        # same cost with the GIL released, and maps every page writable now, not during the next snapshot;
+        # a pooled file's pages are only mapped and written over (no allocation).
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
         buffer = torch.frombuffer(mapping, dtype=torch.uint8)
         buffer.fill_(0)
     except OSError as exc:
         log.info("no spare in the memory tier of %s: %s", tier.uri, exc)
+        _discard(fd, path)
+        _drop_dir(path)
         return
     with _LOCK:
         _SPARES[tier.home] = _Spare(path, fd, buffer)
+
+
+def _admitted(link: MemoryLink, generation: str, nbytes: int) -> bool:
+    """Whether a new spare of ``nbytes`` fits into free room (a spare never evicts a checkpoint)."""
+    if sum(c.nbytes for c in link.memory.copies()) + nbytes > link.memory.config.budget_bytes:
+        return False
+    try:
+        return link.memory.admit(link.memory_tier.uri, generation, nbytes, lambda: durable_copies(link.memory)).fits
+    except MemoryTierFullError:
+        return False
 
 
 def _drop_spares() -> None:

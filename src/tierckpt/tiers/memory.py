@@ -25,17 +25,18 @@ blocking: they run in background threads (replication) or through ``asyncio.to_t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import hashlib
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import crc32c
 
 from ..backends.base import UNCONDITIONAL, ObjectWriter, Unconditional
-from ..backends.files import commit_if, is_lock_name, is_temp_name, temp_name
+from ..backends.files import commit_if, is_lock_name, is_temp_name, open_shared, temp_name
 from ..backends.local import LocalBackend, os_error
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..layout import COMMIT, CommitRecord, is_superseded
@@ -44,10 +45,13 @@ from .config import DIR_ENV, MemoryConfig
 from .eviction import Admission, TierCopy, copy_id, plan_admission
 from . import stamps
 from .manifest import FileEntry, Manifest
+from .pagepool import POOL_GENERATION, claim, retire
 from .written import WrittenCrc
 
 SPARE_PREFIX = "g-00000000-0000000000000-"
-"""Generation names of the memory link's spare files (:mod:`.mapped`): commit sequence 0, always evictable."""
+"""Generation names of the memory link's spare files (:mod:`.mapped`) and of the page pool
+(:data:`~.pagepool.POOL_GENERATION`): commit sequence 0, always evictable."""
+assert POOL_GENERATION.startswith(SPARE_PREFIX)
 _READ_CHUNK = 8 << 20
 
 
@@ -72,10 +76,10 @@ def write_atomic(path: str, data: bytes) -> None:
 
 
 def file_crc(path: str) -> FileEntry:
-    """Size and CRC-32C of a file, read in chunks."""
+    """Size and CRC-32C of a file, read in chunks (under its shared lock: see :mod:`.pagepool`)."""
     crc = 0
     size = 0
-    with open(path, "rb", buffering=0) as f:
+    with open(open_shared(path), "rb", buffering=0) as f:
         while chunk := f.read(_READ_CHUNK):
             crc = crc32c.crc32c(chunk, crc)
             size += len(chunk)
@@ -119,14 +123,22 @@ class _CrcWriter(ObjectWriter):
 
 class IncomingFile:
     """A file arriving in pieces: temp file, CRC on the way, renamed into place by :meth:`publish` (a file
-    this node produces) or checked and renamed by :meth:`finish` (a replica)."""
+    this node produces) or checked and renamed by :meth:`finish` (a replica). With its ``size`` known, the
+    temp file is a pooled one of the tier when there is one (:func:`~.pagepool.claim`: its pages are
+    written over, not allocated), cut to that size."""
 
-    def __init__(self, tier: MemoryTier, key: str) -> None:
+    def __init__(self, tier: MemoryTier, key: str, size: int | None = None) -> None:
         self._tier, self._key = tier, key
         self._path = tier.path_of(key)
         os.makedirs(os.path.dirname(self._path), exist_ok=True)
         self._tmp = os.path.join(os.path.dirname(self._path), temp_name(os.path.basename(self._path)))
-        self._file = open(self._tmp, "wb")
+        self.reused = size is not None and claim(tier.root, size, self._tmp)
+        """Whether the temp file is a pooled one (written over from its start)."""
+        if self.reused:
+            self._file = open(self._tmp, "r+b")
+            self._file.truncate(size)
+        else:
+            self._file = open(self._tmp, "wb")
         self._written = WrittenCrc(tier.uri_of(key))
 
     def use_stated_crc32c(self) -> bool:
@@ -170,6 +182,8 @@ class IncomingFile:
         self._place(got)
 
     def _place(self, entry: FileEntry) -> None:
+        if self.reused:
+            self._file.truncate(entry.size)  # what was written is the whole file
         self._file.close()
         os.replace(self._tmp, self._path)
         self._tier._remember(self._key, entry)
@@ -187,6 +201,8 @@ class MemoryTier(LocalBackend):
     mapped_reads = False
     """Reads take ``pread``: the tier evicts files under running readers, which a mapping would not
     survive (``SIGBUS``), and tmpfs pages map 4 KiB at a time, so a mapping would gain nothing."""
+    shared_reads = True
+    """Reads hold each file's shared lock: the tier reuses a retired file's pages (:mod:`.pagepool`)."""
 
     def __init__(self, uri: str, config: MemoryConfig | None = None) -> None:
         self.config = config if config is not None else MemoryConfig.from_env()
@@ -241,10 +257,10 @@ class MemoryTier(LocalBackend):
         except OSError as exc:
             raise os_error(exc, f"committing {path}") from exc
 
-    def receive(self, key: str) -> IncomingFile:
-        """Start writing a replica of ``key`` (see :class:`IncomingFile`)."""
+    def receive(self, key: str, size: int | None = None) -> IncomingFile:
+        """Start writing a replica of ``key`` (of ``size`` bytes, when known: see :class:`IncomingFile`)."""
         self._claim()
-        return IncomingFile(self, key)
+        return IncomingFile(self, key, size)
 
     # -- generations and manifests --------------------------------------------------------------------
     def committed(self) -> CommitRecord | None:
@@ -414,10 +430,7 @@ class NodeMemory:
         beside the node's own files of it). ``durable_below`` may be a function: it is called (under
         the lock) only when something must be evicted."""
         incoming = copy_id(uri, generation)
-        os.makedirs(self.config.directory, exist_ok=True)
-        fd = os.open(os.path.join(self.config.directory, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with self._locked():
             tiers = {t.uri: t for t in self.tiers()}
             copies = [c for t in tiers.values() for c in t.copies()]
             fits = sum(c.nbytes for c in copies) + nbytes <= self.config.budget_bytes
@@ -429,5 +442,27 @@ class NodeMemory:
                 owner, _, gen = victim.rpartition("/")
                 tiers[owner].evict(gen)
             return admission
+
+    def retire(self, tier: MemoryTier, generation: str) -> int:
+        """Drop ``generation`` of ``tier`` (a deletion, not an admission): when the tier's ``COMMIT`` makes it
+        superseded, its data files nobody reads go to the tier's page pool (:mod:`.pagepool`) instead of
+        being unlinked. Returns the bytes pooled."""
+        with self._locked():
+            record = tier.committed()
+            pooled = 0
+            if record is not None and generation != record.generation and is_superseded(generation, record) \
+                    and not generation.startswith(SPARE_PREFIX):
+                pooled = retire(tier.root, generation)
+            tier.evict(generation)
+            return pooled
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The node-wide lock of admissions (a usage walk sees no file move under it)."""
+        os.makedirs(self.config.directory, exist_ok=True)
+        fd = os.open(os.path.join(self.config.directory, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
         finally:
             os.close(fd)

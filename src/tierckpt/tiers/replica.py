@@ -413,7 +413,7 @@ class Replicator:
         failure = None
         incoming: IncomingFile | None = None
         try:
-            incoming = tier.receive(key)
+            incoming = tier.receive(key, entry.size)
         except (CheckpointError, OSError) as exc:
             failure = f"cannot write {key}: {exc}"
         try:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ..backends.files import open_shared
 from ..errors import CheckpointError
 from ..layout import COMMIT, CommitRecord
 from .manifest import Manifest
@@ -26,11 +27,12 @@ def buffers(chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def open_files(tier: MemoryTier, manifest: Manifest) -> dict[str, int]:
-    """A descriptor of each file of ``manifest``, opened for reading (all or none)."""
+    """A descriptor of each file of ``manifest``, opened for reading (all or none), each holding its file's
+    shared lock until it is closed (so the page pool never reuses a file being sent: :mod:`.pagepool`)."""
     files: dict[str, int] = {}
     try:
         for key, _ in manifest.files:
-            files[key] = os.open(tier.path_of(key), os.O_RDONLY | os.O_CLOEXEC)
+            files[key] = open_shared(tier.path_of(key))
     except OSError:
         for fd in files.values():
             os.close(fd)

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 from ..backends.base import Unconditional
+from ..backends.files import open_shared
 from ..comm import describe_error
 from ..errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, StorageError, TransientStorageError
 from ..io.scheduled import set_background
@@ -383,7 +384,7 @@ def _running(job: _Job | None) -> bool:
 
 
 def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
+    with open(open_shared(path), "rb") as f:
         return f.read()
 
 
@@ -397,8 +398,9 @@ def _unmap(mapping: mmap.mmap, view: memoryview) -> None:
 
 
 def _map(path: str) -> mmap.mmap:
-    """The tier file at ``path`` mapped read-only (its pages already in memory: populated at once)."""
-    with open(path, "rb", buffering=0) as f:
+    """The tier file at ``path`` mapped read-only (its pages already in memory: populated at once), under
+    its shared lock (:mod:`.pagepool`), held by the mapping's own descriptor until it is closed."""
+    with open(open_shared(path), "rb", buffering=0) as f:
         return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
 
