@@ -1,0 +1,278 @@
+"""The memory tier's page pool: a superseded generation's data files written over instead of fresh pages,
+never while anyone (this or another process) still reads them."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import pytest
+import torch
+
+import tierckpt
+from tierckpt import cleanup
+from tierckpt.backends.files import hold_shared, open_shared
+from tierckpt.backends.local import LocalBackend
+from tierckpt.layout import COMMIT, CommitRecord, new_generation
+from tierckpt.tiers import MemoryConfig, MemoryTier, NodeMemory
+from tierckpt.tiers import mapped
+from tierckpt.tiers.link import MemoryLink
+from tierckpt.tiers.manifest import FileEntry
+from tierckpt.tiers.memory import SPARE_PREFIX
+from tierckpt.tiers.pagepool import MIN_BYTES, POOL_GENERATION, claim, pool_dir
+from tierckpt.tiers.writedown import _map
+
+URI = "s3://bucket/run/pool"
+MIB = 1 << 20
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A directory on tmpfs where the machine has one (block counts are then the pages held)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    directory = tempfile.mkdtemp(prefix="tierckpt-pool-", dir=base)
+    yield Path(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def config(shm: Path, budget: int = 1 << 30) -> MemoryConfig:
+    return MemoryConfig(directory=str(shm / "tier"), budget_bytes=budget, exit_wait_s=0)
+
+
+async def commit_generation(tier: MemoryTier, seq: int, files: dict[str, bytes]) -> str:
+    generation = new_generation(seq)
+    for name, data in files.items():
+        await tier.put(f"{generation}/{name}", data)
+    await tier.commit(COMMIT, CommitRecord(generation, time.time(), seq).encode())
+    return generation
+
+
+def pooled(tier: MemoryTier) -> list[os.stat_result]:
+    directory = pool_dir(tier.root)
+    return [os.stat(os.path.join(directory, n)) for n in sorted(os.listdir(directory))] if os.path.isdir(directory) else []
+
+
+def receive(tier: MemoryTier, key: str, data: bytes) -> bool:
+    """A replica of ``key`` arriving (as the replica receiver writes it); whether it reused a pooled file."""
+    incoming = tier.receive(key, len(data))
+    for i in range(0, len(data), 3 * MIB):
+        incoming.write(memoryview(data)[i: i + 3 * MIB])
+    incoming.finish(FileEntry(len(data), crc32c.crc32c(data)))
+    return incoming.reused
+
+
+async def test_a_retired_file_is_written_over_by_a_replica(shm: Path) -> None:
+    memory = NodeMemory(config(shm))
+    tier = memory.tier(URI)
+    old = await commit_generation(tier, 1, {"data/rank-00000.bin": os.urandom(6 * MIB), "meta/header.json": b"{}",
+                                            "data/small.bin": os.urandom(MIN_BYTES // 2)})
+    await commit_generation(tier, 2, {"data/rank-00000.bin": os.urandom(6 * MIB)})
+    inode = os.stat(tier.path_of(f"{old}/data/rank-00000.bin")).st_ino
+
+    assert memory.retire(tier, old) == 6 * MIB
+    assert old not in tier.generations()  # gone from the tier, its COMMIT-less files too
+    (entry,) = pooled(tier)
+    assert entry.st_ino == inode and entry.st_size == 6 * MIB
+    if str(shm).startswith("/dev/shm"):
+        assert entry.st_blocks * 512 >= 6 * MIB  # its pages are still allocated
+
+    third = new_generation(3)
+    data = os.urandom(5 * MIB + 123)
+    assert receive(tier, f"{third}/data/rank-00001.bin", data)
+    published = os.stat(tier.path_of(f"{third}/data/rank-00001.bin"))
+    assert published.st_ino == inode and published.st_size == len(data)  # the same file: no new pages
+    assert Path(tier.path_of(f"{third}/data/rank-00001.bin")).read_bytes() == data
+    assert pooled(tier) == []
+    # Nothing reusable left: the next replica gets a fresh file.
+    assert not receive(tier, f"{third}/data/rank-00002.bin", os.urandom(2 * MIB))
+
+
+async def test_only_superseded_generations_are_pooled_and_the_pool_is_bounded(shm: Path) -> None:
+    memory = NodeMemory(config(shm))
+    tier = memory.tier(URI)
+    first = await commit_generation(tier, 1, {"data/a.bin": os.urandom(2 * MIB), "data/b.bin": os.urandom(3 * MIB)})
+    second = await commit_generation(tier, 2, {"data/a.bin": os.urandom(4 * MIB)})
+    assert memory.retire(tier, second) == 0  # the committed generation: dropped, never reused
+    assert pooled(tier) == [] and second not in tier.generations()
+    third = await commit_generation(tier, 3, {"data/a.bin": os.urandom(2 * MIB)})
+    assert memory.retire(tier, first) == 5 * MIB
+    await commit_generation(tier, 4, {"data/a.bin": os.urandom(MIB)})
+    assert memory.retire(tier, third) == 0  # the pool holds as much as the generation retired had: full
+    assert sorted(s.st_size for s in pooled(tier)) == [2 * MIB, 3 * MIB]
+    # The closest size is claimed (a smaller file cannot hold it; a bigger one would free its tail).
+    dest = os.path.join(tier.root, ".claimed.tmp")
+    assert claim(tier.root, 2 * MIB + 1, dest) and os.path.getsize(dest) == 3 * MIB
+    assert not claim(tier.root, 3 * MIB, dest + "2")
+
+
+async def test_pooled_bytes_count_in_the_budget_and_go_first(shm: Path) -> None:
+    memory = NodeMemory(config(shm, budget=12 * MIB))
+    tier = memory.tier(URI)
+    old = await commit_generation(tier, 1, {"data/a.bin": os.urandom(4 * MIB)})
+    new = await commit_generation(tier, 2, {"data/a.bin": os.urandom(4 * MIB)})
+    memory.retire(tier, old)
+    pool = {c.copy_id: c for c in memory.copies()}[f"{URI}/{POOL_GENERATION}"]
+    assert pool.nbytes == 4 * MIB and pool.superseded
+    assert sum(c.nbytes for c in memory.copies()) == 8 * MIB
+    admission = memory.admit(URI, new_generation(3), 6 * MIB, durable_below=())
+    assert admission.fits and admission.evict == (f"{URI}/{POOL_GENERATION}",)
+    assert pooled(tier) == [] and tier.generations() == [new]
+
+
+async def test_listings_and_loads_never_see_the_pool(shm: Path) -> None:
+    cfg = config(shm)
+    below = LocalBackend(str(shm / "below"))
+    link = MemoryLink(below, cfg, URI)
+    tier = link.memory_tier
+    old = await commit_generation(tier, 1, {"data/a.bin": os.urandom(2 * MIB)})
+    await commit_generation(tier, 2, {"data/a.bin": os.urandom(2 * MIB)})
+    await link.delete_prefix(f"{old}/")  # the sweep after a commit
+    assert len(pooled(tier)) == 1 and POOL_GENERATION in tier.generations()
+    assert all(not k.startswith(SPARE_PREFIX) for k in await link.list(""))
+    assert not await link.exists(f"{POOL_GENERATION}/data/{os.listdir(pool_dir(tier.root))[0]}")
+    # A spare claims it: the pages of the old generation become the next snapshot's.
+    inode = pooled(tier)[0].st_ino
+    mapped._make(link, 2 * MIB - 4096)
+    try:
+        spare = mapped._SPARES[tier.home]
+        assert os.fstat(spare.fd).st_ino == inode and spare.buffer.numel() == 2 * MIB - 4096
+        assert os.path.getsize(spare.path) == 2 * MIB - 4096
+        assert pooled(tier) == []
+    finally:
+        mapped._drop_spares()
+
+
+def test_a_renamed_file_is_gone_for_a_reader_that_locks_after(shm: Path) -> None:
+    path, away = str(shm / "f"), str(shm / "g")
+    Path(path).write_bytes(b"x" * 10)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.rename(path, away)
+        with pytest.raises(FileNotFoundError, match="left its path"):
+            hold_shared(fd, path)
+    finally:
+        os.close(fd)
+
+
+async def test_a_mapping_keeps_its_lock_after_its_descriptor_closed(shm: Path) -> None:
+    memory = NodeMemory(config(shm))
+    tier = memory.tier(URI)
+    old = await commit_generation(tier, 1, {"data/a.bin": os.urandom(2 * MIB)})
+    await commit_generation(tier, 2, {"data/a.bin": os.urandom(2 * MIB)})
+    mapping = _map(tier.path_of(f"{old}/data/a.bin"))  # the write-down's read (its file object closed)
+    try:
+        assert memory.retire(tier, old) == 0 and pooled(tier) == []
+        assert len(bytes(mapping[:16])) == 16
+    finally:
+        mapping.close()
+
+
+def _hold_and_read(path: str, ready: Any, go: Any, out: Any) -> None:
+    """Another process of the node reading a tier file through the tier's reads."""
+    fd = open_shared(path)
+    ready.set()
+    go.wait(30)
+    size = os.fstat(fd).st_size
+    out.put(crc32c.crc32c(os.pread(fd, size, 0)))
+    os.close(fd)
+
+
+async def test_a_reader_in_another_process_blocks_reuse(shm: Path) -> None:
+    memory = NodeMemory(config(shm))
+    tier = memory.tier(URI)
+    data = os.urandom(4 * MIB)
+    old = await commit_generation(tier, 1, {"data/a.bin": data})
+    await commit_generation(tier, 2, {"data/a.bin": os.urandom(4 * MIB)})
+    ctx = mp.get_context("spawn")
+    ready, go, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    reader = ctx.Process(target=_hold_and_read, args=(tier.path_of(f"{old}/data/a.bin"), ready, go, out))
+    reader.start()
+    try:
+        assert ready.wait(60)
+        assert memory.retire(tier, old) == 0  # held: unlinked as before, not pooled
+        assert pooled(tier) == []
+        new, key = os.urandom(4 * MIB), f"{new_generation(3)}/data/a.bin"
+        assert not receive(tier, key, new)  # a fresh file
+        go.set()
+        assert out.get(timeout=60) == crc32c.crc32c(data)  # the reader's bytes are the old ones, intact
+        assert Path(tier.path_of(key)).read_bytes() == new
+    finally:
+        go.set()
+        reader.join(30)
+    assert reader.exitcode == 0
+
+
+def _retire_and_exit(directory: str, crash: bool) -> None:
+    """A process that fills a pool, then exits (``crash``: dies, its exit hooks never run)."""
+    import asyncio
+
+    memory = NodeMemory(MemoryConfig(directory=directory, budget_bytes=1 << 30))
+    tier = memory.tier(URI)
+    old = asyncio.run(commit_generation(tier, 1, {"data/a.bin": os.urandom(2 * MIB)}))
+    asyncio.run(commit_generation(tier, 2, {"data/a.bin": os.urandom(2 * MIB)}))
+    assert memory.retire(tier, old) == 2 * MIB
+    if crash:
+        os._exit(0)
+
+
+@pytest.mark.parametrize("crash", [False, True])
+async def test_a_pool_after_its_process_exits(shm: Path, crash: bool) -> None:
+    """Dropped at exit; after a crash, plain evictable garbage that no listing or load sees."""
+    cfg = config(shm)
+    proc = mp.get_context("spawn").Process(target=_retire_and_exit, args=(cfg.directory, crash))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+    memory = NodeMemory(cfg)
+    tier = memory.tier(URI)
+    committed = tier.committed()
+    assert committed is not None
+    copies = {c.copy_id: c for c in memory.copies()}
+    pool_id = f"{URI}/{POOL_GENERATION}"
+    assert os.path.exists(pool_dir(tier.root)) == crash and (pool_id in copies) == crash
+    if not crash:
+        return
+    assert copies[pool_id].superseded and copies[pool_id].nbytes == 2 * MIB
+    link = MemoryLink(LocalBackend(str(shm / "below")), cfg, URI)
+    assert all(not k.startswith(SPARE_PREFIX) for k in await link.list(""))
+    admission = memory.admit(URI, new_generation(3), (1 << 30) - 3 * MIB, durable_below=())
+    assert admission.fits and admission.evict == (pool_id,)
+    assert tier.generations() == [committed.generation]
+
+
+def test_async_saves_reuse_the_superseded_generation_pages(shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the saver: each sweep pools the superseded generation's file, the next spare claims it,
+    and every checkpoint loads bit-exact."""
+    claims: list[bool] = []
+
+    def spy(*args: Any) -> bool:
+        claims.append(claim(*args))
+        return claims[-1]
+
+    monkeypatch.setattr(mapped, "claim", spy)
+    uri = str(shm / "ckpt")
+    opts = {"memory": config(shm)}
+    for step in range(5):
+        state = {"w": torch.full((512, 1024), float(step)), "step": step}
+        tierckpt.async_save(uri, state, storage_options=opts).wait()
+        cleanup.wait_pending()  # the sweep of the superseded generation (after its grace)
+        mapped_spare_ready(shm)
+        target = {"w": torch.zeros(512, 1024), "step": -1}
+        tierckpt.load(uri, target, storage_options=opts)
+        assert torch.equal(target["w"], state["w"]) and target["step"] == step
+    assert any(claims), claims
+    mapped._drop_spares()
+
+
+def mapped_spare_ready(shm: Path, timeout_s: float = 30) -> None:
+    """Wait until no spare is being prepared (it is made in a background thread)."""
+    deadline = time.monotonic() + timeout_s
+    while mapped._PREPARING and time.monotonic() < deadline:
+        time.sleep(0.01)
