@@ -149,14 +149,23 @@ async def test_listings_and_loads_never_see_the_pool(shm: Path) -> None:
         mapped._drop_spares()
 
 
-def test_a_renamed_file_is_gone_for_a_reader_that_locks_after(shm: Path) -> None:
+def test_a_file_renamed_away_or_over_before_the_lock(shm: Path) -> None:
+    """A reader that opened a file before it was retired but locks it after reads nothing of it; a path
+    renamed over meanwhile (``COMMIT`` replaced) is opened again."""
     path, away = str(shm / "f"), str(shm / "g")
-    Path(path).write_bytes(b"x" * 10)
+    Path(path).write_bytes(b"old")
     fd = os.open(path, os.O_RDONLY)
     try:
         os.rename(path, away)
         with pytest.raises(FileNotFoundError, match="left its path"):
             hold_shared(fd, path)
+        Path(path).write_bytes(b"new")  # another file under the same path
+        assert not hold_shared(fd, path)
+    finally:
+        os.close(fd)
+    fd = open_shared(path)
+    try:
+        assert os.pread(fd, 16, 0) == b"new"
     finally:
         os.close(fd)
 

@@ -219,50 +219,50 @@ def _not_regular(path: str, mode: int) -> CorruptCheckpointError:
     )
 
 
-def hold_shared(fd: int, path: str) -> None:
-    """Take a shared ``flock`` on ``fd`` (opened from ``path``) and check that ``path`` still names its file.
+_REOPENS = 100
+"""How often a shared open retries when its path was renamed over meanwhile (``COMMIT`` replaced)."""
+
+
+def hold_shared(fd: int, path: str) -> bool:
+    """Take a shared ``flock`` on ``fd`` (opened from ``path``); whether ``path`` still names its file.
 
     The node memory tier reuses a retired file's pages (:mod:`tierckpt.tiers.pagepool`) only after renaming
     it away from its path and then taking its exclusive lock without waiting: a reader holding the shared
     lock on a file its path still named reads bytes nobody overwrites until it closes the descriptor (or
-    the last ``mmap`` made from it). A file renamed away before the lock was taken is reported as gone
-    (:class:`FileNotFoundError`), as if it had been unlinked before the open."""
+    the last ``mmap`` made from it). ``False``: the file left its path before the lock was taken (the
+    caller opens the path again). A path that names nothing raises :class:`FileNotFoundError`, as if the
+    file had been unlinked before the open."""
     fcntl.flock(fd, fcntl.LOCK_SH)
     held = os.fstat(fd)
     try:
         named = os.stat(path)
     except FileNotFoundError:
-        named = None
-    if named is None or (named.st_ino, named.st_dev) != (held.st_ino, held.st_dev):
-        raise FileNotFoundError(errno.ENOENT, "left its path while it was being opened", path)
+        raise FileNotFoundError(errno.ENOENT, "left its path while it was being opened", path) from None
+    return (named.st_ino, named.st_dev) == (held.st_ino, held.st_dev)
 
 
 def open_shared(path: str) -> int:
-    """A descriptor of ``path`` for reading, holding its shared lock (:func:`hold_shared`)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        hold_shared(fd, path)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    """A descriptor of the file ``path`` names, for reading, holding its shared lock (:func:`hold_shared`)."""
+    return _open_regular(path, shared=True)
 
 
 def _open_regular(path: str, shared: bool = False) -> int:
     """Open ``path`` for reading, refusing anything but a regular file (a FIFO would block forever);
-    ``shared``: holding its shared lock (:func:`hold_shared`)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISREG(mode) and shared:
-            hold_shared(fd, path)
-    except BaseException:
+    ``shared``: holding its shared lock (:func:`hold_shared`), opening again while the path was renamed
+    over between the open and the lock."""
+    for _ in range(_REOPENS):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise _not_regular(path, mode)
+            if not shared or hold_shared(fd, path):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
         os.close(fd)
-        raise
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise _not_regular(path, mode)
-    return fd
+    raise FileNotFoundError(errno.ENOENT, f"renamed over {_REOPENS} times while being opened", path)
 
 
 def _back_to_back(offsets: list[int], run_bytes: int) -> bool:

@@ -135,9 +135,13 @@ class IncomingFile:
         self.reused = size is not None and claim(tier.root, size, self._tmp)
         """Whether the temp file is a pooled one (written over from its start)."""
         if self.reused:
-            self._file = open(self._tmp, "r+b")
-            self._file.truncate(size)
-        else:
+            try:
+                self._file = open(self._tmp, "r+b")
+                self._file.truncate(size)
+            except OSError:
+                self.abort()  # a fresh file instead
+                self.reused = False
+        if not self.reused:
             self._file = open(self._tmp, "wb")
         self._written = WrittenCrc(tier.uri_of(key))
 
@@ -189,8 +193,9 @@ class IncomingFile:
         self._tier._remember(self._key, entry)
 
     def abort(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+        file = getattr(self, "_file", None)
+        if file is not None and not file.closed:
+            file.close()
         if os.path.exists(self._tmp):
             os.unlink(self._tmp)
 

@@ -133,13 +133,20 @@ def claim(root: str, nbytes: int, dest: str) -> bool:
     tier); ``False`` when there is none. The caller cuts it to its size and writes all of it."""
     if nbytes < MIN_BYTES:
         return False
-    for size, path in _pooled(pool_dir(root)):
+    try:
+        pooled = _pooled(pool_dir(root))
+    except OSError:
+        return False
+    for size, path in pooled:
         if size < nbytes:
             continue
         try:
             os.rename(path, dest)
         except FileNotFoundError:
             continue  # another process claimed it first
+        except OSError as exc:
+            log.debug("not claiming %s: %s", path, exc)
+            return False
         return True
     return False
 
