@@ -68,6 +68,11 @@ def receive(tier: MemoryTier, key: str, data: bytes) -> bool:
     return incoming.reused
 
 
+def test_the_pool_is_a_spare_generation() -> None:
+    """So every rule for spares holds for it: commit sequence 0, evicted first, out of listings."""
+    assert POOL_GENERATION.startswith(SPARE_PREFIX)
+
+
 async def test_a_retired_file_is_written_over_by_a_replica(shm: Path) -> None:
     memory = NodeMemory(config(shm))
     tier = memory.tier(URI)

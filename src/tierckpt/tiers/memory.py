@@ -45,13 +45,12 @@ from .config import DIR_ENV, MemoryConfig
 from .eviction import Admission, TierCopy, copy_id, plan_admission
 from . import stamps
 from .manifest import FileEntry, Manifest
-from .pagepool import POOL_GENERATION, claim, retire
+from .pagepool import claim, retire
 from .written import WrittenCrc
 
 SPARE_PREFIX = "g-00000000-0000000000000-"
 """Generation names of the memory link's spare files (:mod:`.mapped`) and of the page pool
 (:data:`~.pagepool.POOL_GENERATION`): commit sequence 0, always evictable."""
-assert POOL_GENERATION.startswith(SPARE_PREFIX)
 _READ_CHUNK = 8 << 20
 
 
