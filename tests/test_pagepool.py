@@ -290,3 +290,22 @@ def mapped_spare_ready(shm: Path, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while mapped._PREPARING and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+async def test_a_claimed_file_keeps_no_stamp_of_its_old_bytes(shm: Path) -> None:
+    """A pooled file carries the CRC-32C stamp of the bytes it was written with (:mod:`tierckpt.tiers.stamps`);
+    claimed, it is the same inode and may get the same size — the stamp goes at the claim, so a seal that
+    looked before the new bytes are published never takes the old CRC for the new bytes."""
+    from tierckpt.tiers import stamps
+
+    memory = NodeMemory(config(shm))
+    tier = memory.tier(URI)
+    data = os.urandom(4 * MIB)
+    old = await commit_generation(tier, 1, {"data/rank-00000.bin": data})
+    await commit_generation(tier, 2, {"data/rank-00000.bin": os.urandom(MIB)})
+    assert stamps.recall(tier.path_of(f"{old}/data/rank-00000.bin")) == FileEntry(len(data), crc32c.crc32c(data))
+    assert memory.retire(tier, old) == len(data)
+    dest = os.path.join(str(shm), "claimed.bin")
+    assert claim(tier.root, len(data), dest)
+    assert os.path.getsize(dest) == len(data)  # the old bytes, the old size, the old inode
+    assert stamps.recall(dest) is None

@@ -35,6 +35,7 @@ import threading
 import uuid
 
 from ..backends.files import is_temp_name, temp_name
+from . import stamps
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,7 @@ def claim(root: str, nbytes: int, dest: str) -> bool:
         except OSError as exc:
             log.debug("not claiming %s: %s", path, exc)
             return False
+        stamps.forget(dest)  # its CRC-32C stamp is the old bytes'
         return True
     return False
 

@@ -53,6 +53,17 @@ def recall(path: str) -> FileEntry | None:
     return FileEntry(size, crc)
 
 
+def forget(path: str) -> None:
+    """Remove ``path``'s stamp: its inode is about to be written over (a pooled file claimed for reuse:
+    same inode, maybe the same size, and a rewrite within one clock tick keeps the modification time)."""
+    try:
+        os.removexattr(path, _XATTR)
+    except OSError:
+        pass  # none, or a file system without user attributes (the table below)
+    with _LOCK:
+        _TABLE.pop(path, None)
+
+
 def forget_under(directory: str) -> None:
     """Drop this process's stamps of files under ``directory`` (removed; attributes go with their files)."""
     prefix = directory.rstrip(os.sep) + os.sep
