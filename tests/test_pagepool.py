@@ -18,7 +18,7 @@ import torch
 
 import tierckpt
 from tierckpt import cleanup
-from tierckpt.backends.files import hold_shared, open_shared
+from tierckpt.backends.file_open import hold_shared, open_shared
 from tierckpt.backends.local import LocalBackend
 from tierckpt.layout import COMMIT, CommitRecord, new_generation
 from tierckpt.tiers import MemoryConfig, MemoryTier, NodeMemory

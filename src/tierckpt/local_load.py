@@ -30,7 +30,7 @@ import crc32c
 
 from . import layout
 from .backends import Backend
-from .backends.files import open_shared
+from .backends.file_open import open_shared
 from .comm import Comm
 from .errors import CheckpointError
 from .metadata import CheckpointMeta

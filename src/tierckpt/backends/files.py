@@ -30,6 +30,7 @@ from ..errors import (
 )
 from ..keys import validate_key
 from . import mapped_read
+from .file_open import not_regular, open_regular
 from .base import UNCONDITIONAL, Unconditional
 
 _TEMP_SUFFIX = ".partial"
@@ -212,59 +213,6 @@ def read_ahead_spans(offsets: Sequence[int], run_bytes: int, max_gap: int = READ
     return spans
 
 
-def _not_regular(path: str, mode: int) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"{path} is not a regular file (mode {stat.filemode(mode)}); a checkpoint holds only regular files, "
-        "so this one was tampered with"
-    )
-
-
-_REOPENS = 100
-"""How often a shared open retries when its path was renamed over meanwhile (``COMMIT`` replaced)."""
-
-
-def hold_shared(fd: int, path: str) -> bool:
-    """Take a shared ``flock`` on ``fd`` (opened from ``path``); whether ``path`` still names its file.
-
-    The node memory tier reuses a retired file's pages (:mod:`tierckpt.tiers.pagepool`) only after renaming
-    it away from its path and then taking its exclusive lock without waiting: a reader holding the shared
-    lock on a file its path still named reads bytes nobody overwrites until it closes the descriptor (or
-    the last ``mmap`` made from it). ``False``: the file left its path before the lock was taken (the
-    caller opens the path again). A path that names nothing raises :class:`FileNotFoundError`, as if the
-    file had been unlinked before the open."""
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    held = os.fstat(fd)
-    try:
-        named = os.stat(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, "left its path while it was being opened", path) from None
-    return (named.st_ino, named.st_dev) == (held.st_ino, held.st_dev)
-
-
-def open_shared(path: str) -> int:
-    """A descriptor of the file ``path`` names, for reading, holding its shared lock (:func:`hold_shared`)."""
-    return _open_regular(path, shared=True)
-
-
-def _open_regular(path: str, shared: bool = False) -> int:
-    """Open ``path`` for reading, refusing anything but a regular file (a FIFO would block forever);
-    ``shared``: holding its shared lock (:func:`hold_shared`), opening again while the path was renamed
-    over between the open and the lock."""
-    for _ in range(_REOPENS):
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise _not_regular(path, mode)
-            if not shared or hold_shared(fd, path):
-                return fd
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
-    raise FileNotFoundError(errno.ENOENT, f"renamed over {_REOPENS} times while being opened", path)
-
-
 def _back_to_back(offsets: list[int], run_bytes: int) -> bool:
     """Whether the runs are one contiguous ascending range."""
     return bool(offsets) and offsets == list(range(offsets[0], offsets[0] + len(offsets) * run_bytes, run_bytes))
@@ -285,7 +233,7 @@ def pread_runs(
     kernel's own read-ahead runs ahead of them: asking for a range already in the page cache costs
     about 2.6 ms per 32 MiB on the 2-core test VM, more than checksumming it."""
     digests: list[int] | None = [] if digest is not None else None
-    fd = _open_regular(path, shared)
+    fd = open_regular(path, shared)
     try:
         if mapped:
             done, got = mapped_read.read_runs(fd, offsets, run_bytes, out, digest)
@@ -342,8 +290,8 @@ def write_atomic(path: str, data: bytes | memoryview) -> None:
 
 def pread_into(path: str, start: int, out: memoryview, *, mapped: bool = False, shared: bool = False) -> None:
     """Fill ``out`` with the bytes from ``start`` (``mapped``: from the page cache through a mapping when
-    resident, :mod:`.mapped_read`; ``shared``: under the file's shared lock, :func:`hold_shared`)."""
-    fd = _open_regular(path, shared)
+    resident, :mod:`.mapped_read`; ``shared``: under the file's shared lock, :func:`.file_open.hold_shared`)."""
+    fd = open_regular(path, shared)
     try:
         end = start + len(out)
         size = os.fstat(fd).st_size
@@ -362,13 +310,13 @@ def pread_into(path: str, start: int, out: memoryview, *, mapped: bool = False, 
 
 
 def read_whole(path: str, shared: bool = False) -> bytes:
-    with open(_open_regular(path, shared), "rb") as f:
+    with open(open_regular(path, shared), "rb") as f:
         return f.read()
 
 
 def pread_range(path: str, start: int, end: int, shared: bool = False) -> bytes:
     """Bytes ``[start, end)``, allocated only once the file is known to hold them."""
-    fd = _open_regular(path, shared)
+    fd = open_regular(path, shared)
     try:
         size = os.fstat(fd).st_size
     finally:
@@ -424,7 +372,7 @@ def file_size(path: str) -> int:
     if stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(21, "a directory", path)
     if not stat.S_ISREG(st.st_mode):
-        raise _not_regular(path, st.st_mode)
+        raise not_regular(path, st.st_mode)
     return st.st_size
 
 

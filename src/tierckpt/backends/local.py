@@ -108,7 +108,7 @@ class LocalBackend(ReadsInto, Backend):
     mapped_reads = True
     """Whether reads of resident page cache go through a mapping (:mod:`.mapped_read`)."""
     shared_reads = False
-    """Whether reads hold each file's shared lock while they read it (:func:`.files.hold_shared`): the
+    """Whether reads hold each file's shared lock while they read it (:func:`.file_open.hold_shared`): the
     node memory tier sets it, as it may reuse a retired file's pages."""
 
     def __init__(self, root_uri: str) -> None:

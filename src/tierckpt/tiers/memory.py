@@ -36,7 +36,8 @@ from collections.abc import Callable, Iterable, Iterator
 import crc32c
 
 from ..backends.base import UNCONDITIONAL, ObjectWriter, Unconditional
-from ..backends.files import commit_if, is_lock_name, is_temp_name, open_shared, temp_name
+from ..backends.file_open import open_shared
+from ..backends.files import commit_if, is_lock_name, is_temp_name, temp_name
 from ..backends.local import LocalBackend, os_error
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..layout import COMMIT, CommitRecord, is_superseded

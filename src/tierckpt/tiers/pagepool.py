@@ -8,7 +8,7 @@ into the tier's pool, and a spare or a replica of about the same size *claims* o
 temp name and cut to its size: the pages below that size stay allocated) instead of creating a file.
 
 **Nobody still reading a pooled file sees it change.** Every reader of the tier's files holds a shared
-``flock`` on the file for as long as it reads it (:func:`~tierckpt.backends.files.hold_shared`: the tier's
+``flock`` on the file for as long as it reads it (:func:`~tierckpt.backends.file_open.hold_shared`: the tier's
 own reads, the write-down, the replica sender, CRC checks, the loader's whole-file reads), taken after the
 open and followed by a check that the path still names the file. :func:`retire` first renames a file away
 from its path (new opens fail as after an unlink), then tries the exclusive lock without waiting: only a

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..backends.files import open_shared
+from ..backends.file_open import open_shared
 from ..errors import CheckpointError
 from ..layout import COMMIT, CommitRecord
 from .manifest import Manifest

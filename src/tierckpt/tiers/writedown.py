@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 from ..backends.base import Unconditional
-from ..backends.files import open_shared
+from ..backends.file_open import open_shared
 from ..comm import describe_error
 from ..errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, StorageError, TransientStorageError
 from ..io.scheduled import set_background
