@@ -181,19 +181,24 @@ def test_block_runs_cut_a_range_at_the_block_edges() -> None:
     assert checker.block_runs("w", "d0", OFFSET + BLOCK, BLOCK) == [(OFFSET + BLOCK, BLOCK, 1)]
 
 
-def test_shift_tables_stay_right_across_threads_and_a_full_cache() -> None:
-    """Shifts from 4 threads at once, more distinct ones than the cache keeps: each equals the raw CRC
-    of the bytes followed by that many zeros (small shifts), and shifting twice equals shifting by the sum."""
+def test_shift_tables_stay_right_across_threads_and_a_full_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shifts from 4 threads at once, more distinct ones than the cache keeps (cut to 256 tables here, so
+    it fills and starts afresh many times): each equals the raw CRC of the bytes followed by that many
+    zeros (small shifts), and shifting twice equals shifting by the sum."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tierckpt.io.crc import _MAX_SHIFT_TABLES, shift
+    from tierckpt.io import crc
+    from tierckpt.io.crc import shift
+
+    monkeypatch.setattr(crc, "_MAX_SHIFT_TABLES", 256)
+    monkeypatch.setattr(crc, "_SHIFT_TABLES", crc._ShiftTables())
 
     data = random.Random(5).randbytes(64)
     raw = np.full(8, raw_crc(data), dtype=np.uint64)
 
     def one(seed: int) -> bool:
         rng = np.random.default_rng(seed)
-        a = rng.integers(0, 1 << 30, size=_MAX_SHIFT_TABLES // 2 + 1).astype(np.uint64)
+        a = rng.integers(0, 1 << 30, size=crc._MAX_SHIFT_TABLES // 2 + 1).astype(np.uint64)
         small = np.arange(8, dtype=np.uint64) + np.uint64(seed)
         ok = all(int(v) == raw_crc(data + bytes(int(n))) for v, n in zip(shift(raw, small), small))
         twice = shift(shift(raw[:1].repeat(len(a)), a), a)
