@@ -256,3 +256,21 @@ def test_native_fold_agrees_with_numpy_and_catches_every_flip(monkeypatch: pytes
             assert _aligned_load(stored, stored) == ([], folded)
         missed = _flips_missed(stored, positions, lambda flipped: _aligned_load(flipped, stored))
         assert not missed, f"{path}: {len(missed)} flips loaded without an error, e.g. at bytes {missed[:5]}"
+
+
+def test_fold_runs_takes_any_integers_and_refuses_runs_out_of_order() -> None:
+    """The native fold reads run CRCs given as Python ints or numpy integers alike, and returns ``None``
+    (the caller's numpy path) for runs out of order, overlapping or crossing a block edge."""
+    from tierckpt.io import readcheck
+
+    if readcheck.fold_runs is None:
+        pytest.skip("the native extension is not built (tests/test_mapped_read.py says why)")
+    data = random.Random(2).randbytes(4 * BLOCK)
+    offsets = np.arange(8, dtype=np.int64) * 1024  # four runs in each of two blocks
+    crcs = [crc32c.crc32c(data[o : o + 300]) for o in offsets.tolist()]
+    folded = readcheck.fold_runs(offsets, 300, crcs, BLOCK, len(data))
+    assert folded is not None
+    assert readcheck.fold_runs(offsets, 300, np.array(crcs, dtype=np.uint32), BLOCK, len(data)) == folded
+    assert readcheck.fold_runs(offsets[::-1].copy(), 300, crcs[::-1], BLOCK, len(data)) is None
+    assert readcheck.fold_runs(np.array([0, 100], dtype=np.int64), 300, crcs[:2], BLOCK, len(data)) is None
+    assert readcheck.fold_runs(np.array([BLOCK - 10], dtype=np.int64), 300, crcs[:1], BLOCK, len(data)) is None

@@ -351,7 +351,7 @@ static PyObject *fold_runs(PyObject *self, PyObject *args) {
     uint32_t to_raw = mulmod(0xFFFFFFFFu, x8n((uint64_t)run_bytes)) ^ 0xFFFFFFFFu; /* CRC of run_bytes zeros */
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t i = 0; i < count; i++) {
-        unsigned long v = PyLong_AsUnsignedLong(items[i]);
+        unsigned long v = PyLong_AsUnsignedLongMask(items[i]); /* any integer, numpy's too */
         if (v == (unsigned long)-1 && PyErr_Occurred()) goto done;
         raw_runs[i] = (uint32_t)v ^ to_raw;
     }
