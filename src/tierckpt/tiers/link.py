@@ -368,13 +368,16 @@ class MemoryLink(Backend):
             self._readable.discard(what)
         else:
             generation = generation_of(what) or (what.rstrip("/") if is_generation(what.rstrip("/")) else None)
-            if generation == what.rstrip("/"):  # a whole superseded one (the sweep) leaves its pages to the pool
+            if generation is not None and generation == what.rstrip("/"):
+                # A whole generation (the sweep's superseded one): evicted, its unread pages to the pool.
                 await asyncio.to_thread(self.memory.retire, self.memory_tier, generation)
-            await self.memory_tier.delete_prefix(what)
+            else:
+                await self.memory_tier.delete_prefix(what)
+                if generation:
+                    await asyncio.to_thread(self.memory_tier.evict, generation)
             self._written = {k for k in self._written if not k.startswith(what)}
             self._readable = {k for k in self._readable if not k.startswith(what)}
             if generation:
-                await asyncio.to_thread(self.memory_tier.evict, generation)
                 await asyncio.to_thread(self.down.forget, generation)
             for gen in self.memory_tier.generations() if not what else []:
                 await asyncio.to_thread(self.memory_tier.evict, gen)
