@@ -30,7 +30,7 @@ from tierckpt.io.scheduler import get_scheduler
 from tierckpt.verify import verify
 
 S3_OPTIONS = {"key": "testing", "secret": "testing", "region": "us-east-1"}
-DATA_OPS = ("read_into", "read_runs")
+DATA_OPS = ("read_into", "read_runs", "read_segments")
 """Scheduler ops that move file bytes (ranged reads into buffers): data, chunk headers, objects."""
 
 

@@ -123,11 +123,12 @@ class ReadStep:
         # Units that ranks of one node read alike are checked by one of them (io.readcheck).
         self.checks = checking_ranks(plan.units, nodes) if checker is not None else []
         self.sched = get_scheduler()
-        # Neighbouring units of a file become one request where requests are dear (io.coalesce), of at
-        # most the size the load reads in one unit.
+        # Neighbouring units of a file (across padding nobody reads: ``taken``), of at most the size the
+        # load reads in one unit, become one request where requests are dear (io.coalesce) and one call
+        # (one thread hop) for a file on this node (see _start).
         self.coalesce = not backend.capabilities.local_path
         self.coalesce_bytes = max(1, min(chunk_bytes, DEFAULT_PART_BYTES))
-        self.taken = Taken((u.file, u.run_offsets, u.run_bytes) for u in plan.units) if self.coalesce else None
+        self.taken = Taken((u.file, u.run_offsets, u.run_bytes) for u in plan.units)
 
     def run(self) -> None:
         rounds = list(zip(self.plan.rounds, self.plan.exchanges))
@@ -186,11 +187,16 @@ class ReadStep:
             checked.append(self.checker is not None and self.checks[i] == self.comm.rank)
             self.monitor.count("bytes_read", unit.nbytes)
             self.monitor.count("bytes_checked", unit.nbytes if checked[-1] else 0)
+        # A file on this node (local disk, the node's memory tier): neighbouring units are read in one
+        # call, to save thread hops; elsewhere where requests are dear (io.coalesce), in one request.
+        local = [self.local.source(u.file, self.backend).capabilities.local_path for u, _ in reads]
         groups = coalesce(
-            [(u.file, int(u.run_offsets[0]), u.nbytes) if self.coalesce and len(u.run_offsets) == 1 else None for u, _ in reads],
+            [(u.file, int(u.run_offsets[0]), u.nbytes) if (self.coalesce or here) and len(u.run_offsets) == 1 else None
+             for (u, _), here in zip(reads, local)],
             self.coalesce_bytes, COALESCE_GAP_BYTES, self.taken,
         )
-        self.monitor.count("requests", sum(1 if len(g) > 1 else len(reads[g[0]][0].run_offsets) for g in groups))
+        self.monitor.count("requests", sum(
+            1 if len(g) > 1 and not local[g[0]] else sum(len(reads[j][0].run_offsets) for j in g) for g in groups))
         landed: concurrent.futures.Future = concurrent.futures.Future()
         reading = self.sched.submit(self._read(reads, groups, checked, landed))
         return _Round(indices, buffers, direct, in_send, send, send_sizes, send_at, landed, reading)
@@ -217,22 +223,32 @@ class ReadStep:
                 digest = RUN_DIGEST if checked[i] and unit.run_bytes <= DIGEST_RUN_BYTES else None
                 got = await backend.read_runs(key, unit.run_offsets.tolist(), unit.run_bytes, view, digest)
                 segments[i] = [(unit.run_offsets, unit.run_bytes, view, got)]
-            elif checked[i] and len(group) == 1 and backend.capabilities.local_path:
-                segments[i] = await _read_blocks(backend, key, unit, view)
+            elif backend.capabilities.local_path:
+                segments.update(await _read_local(backend, key, group))
             else:
                 await read_group(sched, backend, [
                     ReadRequest(key=key, start=int(reads[j][0].run_offsets[0]), out=reads[j][1]) for j in group
                 ])
 
-        async def _read_blocks(backend: Backend, key: str, unit: ReadUnit, view: memoryview) -> list:
-            """A contiguous unit from a local file, read block by block, each block's CRC taken while it
-            is in the CPU cache (:meth:`ReadChecker.block_runs`): no second pass over its bytes."""
-            out, at = [], 0
-            for first, run_bytes, count in checker.block_runs(unit.fqn, unit.file, int(unit.run_offsets[0]), unit.nbytes):
-                part = view[at : at + run_bytes * count]
-                offsets = [first + k * run_bytes for k in range(count)]
-                out.append((np.array(offsets, dtype=np.int64), run_bytes, part, await backend.read_runs(key, offsets, run_bytes, part, RUN_DIGEST)))
-                at += run_bytes * count
+        async def _read_local(backend: Backend, key: str, group: list[int]) -> dict[int, list]:
+            """Contiguous units of one local file, all in one call (:meth:`Backend.read_segments`); a unit
+            this rank checks is read block by block, each block's CRC taken while it is in the CPU cache
+            (:meth:`ReadChecker.block_runs`): no second pass over its bytes."""
+            parts: list[tuple[int, list[int], int, memoryview]] = []
+            for j in group:
+                unit, view = reads[j]
+                start = int(unit.run_offsets[0])
+                cuts = checker.block_runs(unit.fqn, unit.file, start, unit.nbytes) if checked[j] else [(start, unit.nbytes, 1)]
+                at = 0
+                for first, run_bytes, count in cuts:
+                    parts.append((j, [first + k * run_bytes for k in range(count)], run_bytes, view[at : at + run_bytes * count]))
+                    at += run_bytes * count
+            digest = RUN_DIGEST if any(checked[j] for j in group) else None
+            crcs = await backend.read_segments(key, [(offsets, n, out) for _, offsets, n, out in parts], digest)
+            out: dict[int, list] = {}
+            for (j, offsets, n, part), got in zip(parts, crcs):
+                if checked[j]:
+                    out.setdefault(j, []).append((np.array(offsets, dtype=np.int64), n, part, got))
             return out
 
         def check_unit(unit: ReadUnit, parts: list[tuple[Any, int, memoryview, list[int] | None]]) -> None:
@@ -241,7 +257,11 @@ class ReadStep:
 
         async def check(i: int, task: asyncio.Future, unit: ReadUnit, view: memoryview) -> None:
             await task
-            await asyncio.to_thread(check_unit, unit, segments.get(i, [(unit.run_offsets, unit.run_bytes, view, None)]))
+            parts = segments.get(i, [(unit.run_offsets, unit.run_bytes, view, None)])
+            if len(unit.run_offsets) == 1 and all(crcs is not None for *_, crcs in parts):
+                check_unit(unit, parts)  # block by block: compares the CRCs the read took, cheaper than a thread hop
+            else:  # folds many runs' CRCs or checksums the bytes: off the event loop
+                await asyncio.to_thread(check_unit, unit, parts)
 
         tasks = [asyncio.ensure_future(read(g)) for g in groups]
         task_of = {i: t for g, t in zip(groups, tasks) for i in g}

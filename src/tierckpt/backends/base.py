@@ -218,6 +218,16 @@ class Backend(abc.ABC):
         await asyncio.gather(*(one(i, o) for i, o in enumerate(offsets)))
         return digests
 
+    async def read_segments(
+        self, key: str, segments: Sequence[tuple[Sequence[int], int, memoryview]],
+        digest: Callable[[memoryview], int] | None = None,
+    ) -> list[list[int] | None]:
+        """:meth:`read_runs` of each ``(offsets, run_bytes, out)`` of ``segments``; each one's digests.
+
+        A load reads a file's neighbouring units at once this way. The default reads the segments one
+        after another; local files read them all in one worker thread with one open of the file."""
+        return [await self.read_runs(key, offsets, run_bytes, out, digest) for offsets, run_bytes, out in segments]
+
     async def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix``."""
         await asyncio.gather(*(self.delete(k) for k in await self.list(prefix)))

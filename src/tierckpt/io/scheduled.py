@@ -99,6 +99,15 @@ class ScheduledBackend(Backend):
             "read_runs", self.inner.read_runs, key, offsets, run_bytes, out, digest, nbytes=len(offsets) * run_bytes,
         )
 
+    async def read_segments(
+        self, key: str, segments: Sequence[tuple[Sequence[int], int, memoryview]],
+        digest: Callable[[memoryview], int] | None = None,
+    ) -> list[list[int] | None]:
+        return await self.call(
+            "read_segments", self.inner.read_segments, key, segments, digest,
+            nbytes=sum(len(offsets) * run_bytes for offsets, run_bytes, _ in segments),
+        )
+
     async def exists(self, key: str) -> bool:
         return await self.call("exists", self.inner.exists, key)
 

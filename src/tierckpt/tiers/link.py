@@ -332,6 +332,12 @@ class MemoryLink(Backend):
         return await self._read(validate_key(key), lambda: self.memory_tier.read_runs(key, offsets, run_bytes, out, digest),
                                 lambda: self.below.read_runs(key, offsets, run_bytes, out, digest))
 
+    async def read_segments(
+        self, key: str, segments: Any, digest: Callable[[memoryview], int] | None = None,
+    ) -> list[list[int] | None]:
+        return await self._read(validate_key(key), lambda: self.memory_tier.read_segments(key, segments, digest),
+                                lambda: self.below.read_segments(key, segments, digest))
+
     async def exists(self, key: str) -> bool:
         if validate_key(key) == COMMIT:
             return await self._get_or_none(COMMIT) is not None

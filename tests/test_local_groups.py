@@ -1,0 +1,88 @@
+"""A load of many small tensors from a local file reads neighbouring units in one call
+(``Backend.read_segments``): few thread hops, each byte read once, every block still checked."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from scenarios_integrity import flip, piece_bits
+
+import tierckpt
+from tierckpt.backends import files
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.monitor import Monitor
+from tierckpt.tiers import MemoryConfig
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    # 48 tensors of 20 KiB to 276 KiB: units that do not line up with the 1 MiB checksum blocks
+    return {f"layer{i}.w": torch.randn(5_000 + 1_000 * i, generator=g) for i in range(48)}
+
+
+def _zeros(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Segments per call of the local reads' one-call path."""
+    calls: list[int] = []
+    real = files.pread_segments
+
+    def spy(path: str, segments, *args, **kwargs):
+        calls.append(len(segments))
+        return real(path, segments, *args, **kwargs)
+
+    monkeypatch.setattr("tierckpt.backends.local.pread_segments", spy)
+    return calls
+
+
+@pytest.mark.parametrize("check_crc", [True, False])
+def test_small_units_of_a_local_file_are_read_in_one_call(tmp_path: Path, counted: list[int], check_crc: bool) -> None:
+    state = _state()
+    root = str(tmp_path / "ckpt")
+    tierckpt.save(root, state)
+    target, monitor = _zeros(state), Monitor()
+    tierckpt.load(root, target, check_crc=check_crc, monitor=monitor)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    nbytes = sum(v.numel() * 4 for v in state.values())
+    stats = monitor.ranks[0]
+    assert stats["bytes_read"] == nbytes and stats["bytes_checked"] == (nbytes if check_crc else 0)
+    assert len(counted) == 1 and counted[0] >= len(state)  # every unit in one call (blocks cut where checked)
+
+
+def test_a_flipped_bit_in_any_unit_of_a_grouped_read_is_caught(tmp_path: Path, counted: list[int]) -> None:
+    state = _state()
+    root = tmp_path / "ckpt"
+    tierckpt.save(str(root), state)
+    for file, first, length, fqn in piece_bits(root)[::7]:  # a piece at the start, middle and end of blocks
+        for byte in (first, first + length // 2, first + length - 1):
+            flip(file, byte, 5)
+            with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+                tierckpt.load(str(root), _zeros(state))
+            flip(file, byte, 5)
+    counted.clear()
+    target = _zeros(state)
+    tierckpt.load(str(root), target)
+    assert all(torch.equal(target[k], state[k]) for k in state) and len(counted) == 1
+
+
+def test_the_memory_tier_reads_small_units_in_one_call(
+    tmp_path: Path, counted: list[int], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A load served by the node memory tier (the remote moved away) groups the same way."""
+    state = _state()
+    root = str(tmp_path / "remote" / "ckpt")
+    monkeypatch.setenv("TIERCKPT_MEMORY_DIR", str(tmp_path / "shm"))
+    options = {"memory": MemoryConfig(directory=str(tmp_path / "shm"), budget_bytes=1 << 30, exit_wait_s=0)}
+    tierckpt.save(root, state, storage_options=options)
+    os.rename(tmp_path / "remote", tmp_path / "away")
+    counted.clear()
+    target = _zeros(state)
+    tierckpt.load(root, target, storage_options=options)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    assert len(counted) == 1 and counted[0] >= len(state)
