@@ -68,7 +68,8 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    """Bytes per element (``dtype.itemsize``: no tensor made; planners ask it for every piece)."""
+    return dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
