@@ -57,6 +57,7 @@ from .errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
     StateMismatchError,
 )
+from .gc_pause import gc_paused
 from .io.readcheck import ReadChecker
 from .io.scheduler import get_scheduler
 from .local_load import LocalReads, held_files, rereaders
@@ -93,6 +94,7 @@ PARALLEL_METADATA = 16
 """At most this many size checks of data files are in flight at once (one thread each)."""
 
 
+@gc_paused
 def load(
     uri: str,
     state: dict[str, Any],

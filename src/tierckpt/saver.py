@@ -49,6 +49,7 @@ import torch.distributed as dist
 from . import cleanup, layout
 from .backends import Backend
 from .comm import Comm, StoreCoordinator, describe_error
+from .gc_pause import gc_paused
 from .errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, TransientStorageError
 from .io.scheduler import get_scheduler
 from .io.staging import Chunk, FileStream, StagingBuffer, stage_into
@@ -631,6 +632,7 @@ def _raise_unreported() -> None:
 
 
 # -- public API ------------------------------------------------------------------------------------
+@gc_paused
 def save(
     uri: str,
     state: Mapping[str, Any],
@@ -671,6 +673,7 @@ def save(
     return meta
 
 
+@gc_paused
 def async_save(
     uri: str,
     state: Mapping[str, Any],
