@@ -115,6 +115,11 @@ class ObjectWriter(abc.ABC):
         """Discard everything written; the key is left as it was before ``open_writer``."""
 
 
+Segment = tuple[Sequence[int], int, memoryview]
+"""Runs of one object packed into a buffer: ``(run offsets, run bytes, out)``, as :meth:`Backend.read_runs`
+reads them; :meth:`Backend.read_segments` reads several."""
+
+
 class ReadsInto:
     """For backends whose read primitive fills a caller's buffer: ``get_range`` and ``read_into`` from
     ``_read_range(key, start, end, out)``, so reads into tensors never go through a bytes copy."""
@@ -219,8 +224,7 @@ class Backend(abc.ABC):
         return digests
 
     async def read_segments(
-        self, key: str, segments: Sequence[tuple[Sequence[int], int, memoryview]],
-        digest: Callable[[memoryview], int] | None = None,
+        self, key: str, segments: Sequence[Segment], digest: Callable[[memoryview], int] | None = None,
     ) -> list[list[int] | None]:
         """:meth:`read_runs` of each ``(offsets, run_bytes, out)`` of ``segments``; each one's digests.
 

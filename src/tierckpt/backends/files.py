@@ -31,7 +31,7 @@ from ..errors import (
 from ..keys import validate_key
 from . import mapped_read
 from .file_open import not_regular, open_regular
-from .base import UNCONDITIONAL, Unconditional
+from .base import UNCONDITIONAL, Segment, Unconditional
 
 _TEMP_SUFFIX = ".partial"
 _LOCK_SUFFIX = ".lock"
@@ -239,10 +239,6 @@ def pread_runs(
         os.close(fd)
 
 
-Segment = tuple[list[int], int, memoryview]
-"""Runs of one file packed into a buffer: ``(run offsets, run bytes, out)``, as :func:`pread_runs` reads them."""
-
-
 def pread_segments(
     path: str, segments: Sequence[Segment], digest: Callable[[memoryview], int] | None = None,
     *, mapped: bool = False, shared: bool = False,
@@ -258,8 +254,8 @@ def pread_segments(
 
 
 def _read_runs(
-    fd: int, path: str, offsets: list[int], run_bytes: int, out: memoryview, digest: Callable[[memoryview], int] | None,
-    mapped: bool,
+    fd: int, path: str, offsets: Sequence[int], run_bytes: int, out: memoryview,
+    digest: Callable[[memoryview], int] | None, mapped: bool,
 ) -> list[int] | None:
     """:func:`pread_runs` on the open file ``fd``."""
     if mapped:

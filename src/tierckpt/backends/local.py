@@ -30,7 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import CorruptCheckpointError
 from ..keys import validate_key
-from .base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, ReadsInto, Unconditional, commit_refused
+from .base import (
+    UNCONDITIONAL, Backend, Capabilities, ObjectWriter, ReadsInto, Segment, Unconditional, commit_refused,
+)
 from .files import (
     WRITEBACK_BATCH_BYTES,
     WRITEBACK_PAGE_BYTES,
@@ -207,8 +209,7 @@ class LocalBackend(ReadsInto, Backend):
             raise os_error(exc, f"reading {len(offsets)} runs of {path}") from exc
 
     async def read_segments(
-        self, key: str, segments: Sequence[tuple[Sequence[int], int, memoryview]],
-        digest: Callable[[memoryview], int] | None = None,
+        self, key: str, segments: Sequence[Segment], digest: Callable[[memoryview], int] | None = None,
     ) -> list[list[int] | None]:
         """All segments in one worker thread, with one open of the file (:func:`.files.pread_segments`)."""
         path = self.path_of(key)

@@ -19,7 +19,7 @@ import contextvars
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-from ..backends.base import UNCONDITIONAL, Backend, ObjectWriter, Unconditional
+from ..backends.base import UNCONDITIONAL, Backend, ObjectWriter, Segment, Unconditional
 from .scheduler import Priority, get_scheduler, retry_transient
 
 _T = TypeVar("_T")
@@ -100,8 +100,7 @@ class ScheduledBackend(Backend):
         )
 
     async def read_segments(
-        self, key: str, segments: Sequence[tuple[Sequence[int], int, memoryview]],
-        digest: Callable[[memoryview], int] | None = None,
+        self, key: str, segments: Sequence[Segment], digest: Callable[[memoryview], int] | None = None,
     ) -> list[list[int] | None]:
         return await self.call(
             "read_segments", self.inner.read_segments, key, segments, digest,

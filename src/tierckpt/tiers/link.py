@@ -30,10 +30,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..backends.base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Unconditional, commit_refused
+from ..backends.base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Segment, Unconditional, commit_refused
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError
 from ..keys import validate_key
 from ..layout import COMMIT, CommitRecord, is_generation
@@ -333,7 +333,7 @@ class MemoryLink(Backend):
                                 lambda: self.below.read_runs(key, offsets, run_bytes, out, digest))
 
     async def read_segments(
-        self, key: str, segments: Any, digest: Callable[[memoryview], int] | None = None,
+        self, key: str, segments: Sequence[Segment], digest: Callable[[memoryview], int] | None = None,
     ) -> list[list[int] | None]:
         return await self._read(validate_key(key), lambda: self.memory_tier.read_segments(key, segments, digest),
                                 lambda: self.below.read_segments(key, segments, digest))
