@@ -30,6 +30,7 @@ differs per rank belongs in an object entry.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,11 +106,17 @@ def clean_fqn(name: str) -> str:
     return name
 
 
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor, without importing DTensor's module (about 0.7 s, half of it sympy)
+    in a process that never did: no DTensor can exist there, and a load of plain tensors (an eval job, a
+    restart of a one-process job) would pay that import on its first call."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
 def tensor_entry(fqn: str, tensor: torch.Tensor) -> TensorEntry:
     """An entry for a tensor or DTensor: a DTensor holds its shard's box, a tensor the whole."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tensor, DTensor):
+    if is_dtensor(tensor):
         return _dtensor_entry(fqn, tensor)
     return TensorEntry(fqn=fqn, tensor=tensor, shape=tuple(tensor.shape), region=Box.full(tuple(tensor.shape)))
 
@@ -353,9 +360,7 @@ def _legacy_param_groups(
 
 
 def _state_tensor_entry(key: str, value: torch.Tensor, param: TensorEntry | None) -> TensorEntry:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor) or param is None:
+    if is_dtensor(value) or param is None:
         return tensor_entry(key, value)
     if isinstance(param.region, FlatRange) and value.dim() == 1 and value.numel() == param.region.numel:
         return TensorEntry(fqn=key, tensor=value, shape=param.shape, region=param.region)
