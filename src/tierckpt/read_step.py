@@ -26,7 +26,7 @@ import torch
 from . import layout
 from .backends import Backend
 from .comm import Comm
-from .io.coalesce import Taken, coalesce, read_group
+from .io.coalesce import GAPS_UNREAD, Taken, coalesce, read_group
 from .io.readcheck import DIGEST_RUN_BYTES, RUN_DIGEST, ReadChecker, checking_ranks
 from .io.scheduler import DEFAULT_PART_BYTES, ReadRequest, get_scheduler
 from .local_load import LocalReads
@@ -123,12 +123,12 @@ class ReadStep:
         # Units that ranks of one node read alike are checked by one of them (io.readcheck).
         self.checks = checking_ranks(plan.units, nodes) if checker is not None else []
         self.sched = get_scheduler()
-        # Neighbouring units of a file (across padding nobody reads: ``taken``), of at most the size the
-        # load reads in one unit, become one request where requests are dear (io.coalesce) and one call
-        # (one thread hop) for a file on this node (see _start).
+        # Neighbouring units of a file, of at most the size the load reads in one unit, become one request
+        # where requests are dear (io.coalesce: across padding nobody reads, ``taken``) and one call (one
+        # thread hop) for a file on this node, whose gaps are never read (see _start).
         self.coalesce = not backend.capabilities.local_path
         self.coalesce_bytes = max(1, min(chunk_bytes, DEFAULT_PART_BYTES))
-        self.taken = Taken((u.file, u.run_offsets, u.run_bytes) for u in plan.units)
+        self.taken = Taken((u.file, u.run_offsets, u.run_bytes) for u in plan.units) if self.coalesce else None
 
     def run(self) -> None:
         rounds = list(zip(self.plan.rounds, self.plan.exchanges))
@@ -190,11 +190,12 @@ class ReadStep:
         # A file on this node (local disk, the node's memory tier): neighbouring units are read in one
         # call, to save thread hops; elsewhere where requests are dear (io.coalesce), in one request.
         local = [self.local.source(u.file, self.backend).capabilities.local_path for u, _ in reads]
-        groups = coalesce(
-            [(u.file, int(u.run_offsets[0]), u.nbytes) if (self.coalesce or here) and len(u.run_offsets) == 1 else None
-             for (u, _), here in zip(reads, local)],
-            self.coalesce_bytes, COALESCE_GAP_BYTES, self.taken,
-        )
+        ranges = [(u.file, int(u.run_offsets[0]), u.nbytes) if len(u.run_offsets) == 1 else None for u, _ in reads]
+        grouped = [r is not None and here for r, here in zip(ranges, local)]  # contiguous units of local files
+        groups = [g for g in coalesce([r if here else None for r, here in zip(ranges, grouped)],
+                                      self.coalesce_bytes, self.coalesce_bytes, GAPS_UNREAD) if grouped[g[0]]]
+        groups += [g for g in coalesce([r if self.coalesce and not here else None for r, here in zip(ranges, grouped)],
+                                       self.coalesce_bytes, COALESCE_GAP_BYTES, self.taken) if not grouped[g[0]]]
         self.monitor.count("requests", sum(
             1 if len(g) > 1 and not local[g[0]] else sum(len(reads[j][0].run_offsets) for j in g) for g in groups))
         landed: concurrent.futures.Future = concurrent.futures.Future()

@@ -8,8 +8,9 @@ that aligns saved pieces: under 64 bytes by default), into one ranged read of at
 and scatters the bytes into each range's buffer. No byte another read of the plan covers is read
 through, so each byte is still read once per group.
 
-Local files gain nothing (a positional read costs microseconds and lands in place), so the loader
-groups reads only for stores without a local path.
+A local file's ranges are grouped too, gaps and all (:data:`GAPS_UNREAD`), not to save requests but
+thread hops: the group is read in one call, each range straight into its buffer
+(``Backend.read_segments``), the gaps never read.
 """
 
 from __future__ import annotations
@@ -53,8 +54,21 @@ class Taken:
         return i < 0 or int(ends[i]) <= start
 
 
+class _GapsUnread:
+    """A ``taken`` for groups whose gaps are never read (local files: each range lands apart, in place),
+    so any gap may lie inside a group."""
+
+    @staticmethod
+    def free(key: str, start: int, end: int) -> bool:
+        return True
+
+
+GAPS_UNREAD = _GapsUnread()
+
+
 def coalesce(
-    ranges: Sequence[tuple[str, int, int] | None], max_bytes: int, max_gap: int = 0, taken: Taken | None = None,
+    ranges: Sequence[tuple[str, int, int] | None], max_bytes: int, max_gap: int = 0,
+    taken: Taken | _GapsUnread | None = None,
 ) -> list[list[int]]:
     """Group ``ranges`` (``(key, start, nbytes)``, or ``None`` for a read that is never merged) into
     runs of ranges of one key, each spanning at most ``max_bytes`` (a longer range stays alone).
@@ -77,6 +91,7 @@ def coalesce(
             key, first = k, start
         end = start + nbytes
     return groups + alone
+
 
 
 async def read_group(sched: IOScheduler, backend: Backend, requests: Sequence[ReadRequest]) -> None:
