@@ -206,9 +206,10 @@ class ReadStep:
         self, reads: list[tuple[ReadUnit, memoryview]], groups: list[list[int]], checked: list[bool],
         landed: concurrent.futures.Future,
     ) -> None:
-        """Read a round's units, each group of ``reads`` in one request (then set ``landed``); the
-        checksums of each unit this rank checks (``checked``) are checked in a worker thread as soon as
-        it lands, overlapping the other reads."""
+        """Read a round's units, each group of ``reads`` in one request or call (then set ``landed``); the
+        checksums of each unit this rank checks (``checked``) are checked as soon as it lands, overlapping
+        the other reads: on the I/O loop when the read took every block's CRC (a compare), else in a
+        worker thread."""
         sched, checker = self.sched, self.checker
 
         # What each checked unit's check covers: (run offsets, run bytes, their bytes, each run's CRC-32C
