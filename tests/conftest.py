@@ -54,6 +54,31 @@ def s3_requests(s3_server: str) -> Iterator[list[tuple[str, str, str | None]]]:
     yield S3_REQUESTS
 
 
+def _atomic_conditional_puts() -> None:
+    """Make moto's conditional PUTs (``If-None-Match: *``, ``If-Match``) atomic, as S3's are.
+
+    moto checks the condition and then stores the object with nothing held between the two, and its
+    threaded server runs requests at once: two jobs committing the same checkpoint at the same instant
+    both passed the check and both "won" (once in a few dozen racing rounds). S3 itself decides a
+    conditional write atomically, which is what tierckpt's commit relies on; one lock around moto's PUT
+    handler gives the test server the same contract."""
+    import threading
+
+    from moto.s3.responses import S3Response
+
+    put = S3Response.put_object
+    if getattr(put, "atomic", False):
+        return
+    lock = threading.RLock()
+
+    def atomic_put(self, *args, **kwargs):
+        with lock:
+            return put(self, *args, **kwargs)
+
+    atomic_put.atomic = True
+    S3Response.put_object = atomic_put
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
     """A moto S3 server on 127.0.0.1 for the whole session; yields its endpoint URL.
@@ -64,6 +89,7 @@ def s3_server() -> Iterator[str]:
     """
     from moto.server import ThreadedMotoServer
 
+    _atomic_conditional_puts()
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
