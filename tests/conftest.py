@@ -58,10 +58,9 @@ def _atomic_conditional_puts() -> None:
     """Make moto's conditional PUTs (``If-None-Match: *``, ``If-Match``) atomic, as S3's are.
 
     moto checks the condition and then stores the object with nothing held between the two, and its
-    threaded server runs requests at once: two jobs committing the same checkpoint at the same instant
-    both passed the check and both "won" (once in a few dozen racing rounds). S3 itself decides a
-    conditional write atomically, which is what tierckpt's commit relies on; one lock around moto's PUT
-    handler gives the test server the same contract."""
+    threaded server runs requests at once, so two conditional PUTs arriving together could both pass
+    the check. S3 itself decides a conditional write atomically, which is what tierckpt's commit relies
+    on; one lock around moto's PUT handler gives the test server the same contract."""
     import threading
 
     from moto.s3.responses import S3Response

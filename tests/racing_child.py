@@ -3,8 +3,8 @@
 Commands (each prints one JSON object per line on stdout)::
 
     python tests/racing_child.py race URI ROLE ROUNDS GATE_DIR
-        two of these (ROLE 0 and 1) save to URI at the same moment in every round: both save a state
-        holding a gate object, whose state_dict() waits until the other job has reached it too, so
+        two of these (ROLE 0 and 1) save to URI at the same moment in every round: each save's read
+        of the base COMMIT waits until the other job has read it too (:class:`BaseReadBarrier`), so
         both saves start from the same COMMIT. Prints ``{"round", "role", "outcome", "generation"}``;
         ROLE 0 then checks the round (the winner's state loads bit-exactly and verifies, the
         root holds only the winner's generation) and prints ``{"round", "check"}``.
@@ -24,6 +24,7 @@ is what decides.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -82,20 +83,34 @@ def wait_for(path: Path, timeout_s: float = 60.0) -> None:
         time.sleep(0.002)
 
 
-class Gate:
-    """A stateful object whose state_dict() meets the other job's (a two-process barrier on files)."""
+class BaseReadBarrier:
+    """Makes both racing jobs read the base COMMIT before either goes on: the next read of COMMIT after
+    :meth:`arm` meets the other job's (a two-process barrier on files) once it has its answer.
 
-    def __init__(self, gates: Path, name: str, role: int) -> None:
-        self.gates, self.name, self.role = gates, name, role
+    The saver reads COMMIT on its I/O loop while the state is flattened, so a barrier anywhere in the
+    state would not hold a slow first read back: one job could read the other's fresh COMMIT and be a
+    later save instead of a racing one."""
 
-    def state_dict(self) -> dict[str, Any]:
-        if self.role >= 0:
-            (self.gates / f"{self.name}-{self.role}").touch()
-            wait_for(self.gates / f"{self.name}-{1 - self.role}")
-        return {}
+    def __init__(self, gates: Path, role: int) -> None:
+        self.gates, self.role, self.armed = gates, role, None
+        self.original = saver._read_commit
+        saver._read_commit = self.read_commit  # type: ignore[assignment]
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        pass
+    def arm(self, name: str) -> None:
+        self.armed = name
+
+    async def read_commit(self, *args: Any) -> bytes | None:
+        found = await self.original(*args)
+        name, self.armed = self.armed, None
+        if name is not None:
+            (self.gates / f"{name}-{self.role}").touch()
+            other = self.gates / f"{name}-{1 - self.role}"
+            deadline = time.monotonic() + 60
+            while not other.exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{other} did not appear within 60s")
+                await asyncio.sleep(0.002)
+        return found
 
 
 def generations(uri: str) -> list[str]:
@@ -104,9 +119,11 @@ def generations(uri: str) -> list[str]:
 
 
 def race(uri: str, role: int, rounds: int, gates: Path) -> None:
+    barrier = BaseReadBarrier(gates, role)
     for r in range(rounds):
         value = 1000 * (r + 1) + role
-        state = make_state(value) | {"gate": Gate(gates, f"round{r}", role)}
+        state = make_state(value)
+        barrier.arm(f"round{r}")
         try:
             meta = tierckpt.save(uri, state, storage_options=options(uri))
             emit(round=r, role=role, outcome="won", generation=meta.generation, value=value)
@@ -116,7 +133,7 @@ def race(uri: str, role: int, rounds: int, gates: Path) -> None:
         (gates / f"done{r}-{role}").touch()
         if role == 0:
             wait_for(gates / f"done{r}-1")
-            loaded = tierckpt.load(uri, empty_state() | {"gate": Gate(gates, "", -1)}, storage_options=options(uri))
+            loaded = tierckpt.load(uri, empty_state(), storage_options=options(uri))
             report = verify(uri, storage_options=options(uri))
             emit(round=r, check={"step": loaded["step"], "exact": matches(loaded), "verify_ok": report.ok,
                                  "committed": report.generation, "generations": generations(uri)})
