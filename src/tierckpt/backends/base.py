@@ -148,6 +148,13 @@ class Backend(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.root_uri!r})"
 
+    @property
+    def service(self) -> str:
+        """What answers this store's requests (``scheme://host``), for the I/O scheduler's outage marks
+        (:mod:`tierckpt.io.outages`): stores of one service are up or down together."""
+        scheme, sep, rest = self.root_uri.partition("://")
+        return f"{scheme}://{rest.split('/', 1)[0]}" if sep else "file://"
+
     # -- abstract primitives -------------------------------------------------------------------
     @abc.abstractmethod
     async def put(self, key: str, data: bytes | memoryview) -> None:

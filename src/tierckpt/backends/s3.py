@@ -228,8 +228,10 @@ class S3Backend(FsspecBackend):
         client_kwargs = dict(storage_options.pop("client_kwargs", {}))
         if region:
             client_kwargs.setdefault("region_name", region)
+        endpoint = s3_endpoint(endpoint_url)
+        self._service = f"s3://{self._bucket} at {endpoint or 'AWS'}"
         fs = _s3_filesystem(
-            endpoint_url=s3_endpoint(endpoint_url),
+            endpoint_url=endpoint,
             key=key,
             secret=secret,
             token=token,
@@ -238,6 +240,11 @@ class S3Backend(FsspecBackend):
             **storage_options,
         )
         self._bind(fs, rest.rstrip("/"))
+
+    @property
+    def service(self) -> str:
+        """The bucket at its endpoint: one bucket name may live on several endpoints (MinIO, AWS)."""
+        return self._service
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")

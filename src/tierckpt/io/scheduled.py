@@ -74,7 +74,7 @@ class ScheduledBackend(Backend):
         if foreign:
             return await retry_transient(lambda: fn(*args, **kwargs), attempts=retries)
         return await scheduler.slotted(self.queue, self.root_uri, op, fn, *args, priority=_PRIORITY.get(),
-                                             nbytes=nbytes, retries=retries, **kwargs)
+                                       nbytes=nbytes, retries=retries, service=self.inner.service, **kwargs)
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
         await self.call("put", self.inner.put, key, data, nbytes=memoryview(data).nbytes)

@@ -14,7 +14,8 @@ from :func:`tierckpt.store.open_store`, once, in their scheduling link
   both priorities wait for a slot, :attr:`Priority.FOREGROUND` (loads, synchronous saves) gets it
   before :attr:`Priority.BACKGROUND` (uploads), so an upload queue never stalls a load;
 * retries :class:`~tierckpt.errors.TransientStorageError` with exponential backoff and full
-  jitter (the backoff sleeps outside the slot), and nothing else;
+  jitter (the backoff sleeps outside the slot), and nothing else — once while the store's service is
+  marked down (:mod:`.outages`: a whole retry sequence failed and nothing answered since);
 * records a metric (:class:`IOMetrics`).
 
 :meth:`IOScheduler.read` fills caller-owned buffers from many ranges in parallel, splitting large
@@ -45,6 +46,7 @@ from typing import Any, TypeVar
 from ..backends.base import Backend
 from ..errors import CheckpointError, TransientStorageError
 from ..retry import retry_transient
+from .outages import Outages
 from .slots import IOMetrics, OpRecord, OpTotals, Priority, PrioritySemaphore
 
 __all__ = [
@@ -78,6 +80,7 @@ class IOScheduler:
             raise CheckpointError(f"max_concurrency must be at least 1, got {max_concurrency}")
         self.max_concurrency = max_concurrency
         self.metrics = IOMetrics()
+        self.outages = Outages()
         self._slots: weakref.WeakKeyDictionary[Any, PrioritySemaphore] = weakref.WeakKeyDictionary()
         self._named_slots: dict[str, PrioritySemaphore] = {}
         self._loop = asyncio.new_event_loop()
@@ -181,13 +184,15 @@ class IOScheduler:
         priority: Priority = Priority.FOREGROUND,
         nbytes: int = 0,
         retries: int = 5,
+        service: str | None = None,
         **kwargs: Any,
     ) -> _T:
         """``await fn(*args, **kwargs)`` under one of ``slot_owner``'s slots (one priority queue per owner),
         retrying transient errors, with a metric labelled ``label`` (the store's URI).
 
-        ``retries`` is the most attempts in all (1: no retry). The metric's key is ``args[0]`` when it is a
-        string (backend methods take the key first). :class:`~tierckpt.io.scheduled.ScheduledBackend`, the
+        ``retries`` is the most attempts in all (1: no retry); one while ``service`` (what answers the
+        store, :attr:`~tierckpt.backends.base.Backend.service`) is marked down in :attr:`outages`. The
+        metric's key is ``args[0]`` when it is a string (backend methods take the key first). :class:`~tierckpt.io.scheduled.ScheduledBackend`, the
         scheduling link of every chain, calls it for each operation of the store it wraps."""
         self._check_loop()
         if retries < 1:
@@ -208,9 +213,16 @@ class IOScheduler:
                 slots.release()
 
         try:
-            result = await retry_transient(once, attempts=retries)
+            result = await retry_transient(once, attempts=self.outages.attempts(service, retries))
             ok = True
+            self.outages.answered(service)
             return result
+        except TransientStorageError as exc:
+            self.outages.exhausted(service, attempt, str(exc))
+            raise
+        except CheckpointError:
+            self.outages.answered(service)  # a definite answer (not found, denied, refused): it is up
+            raise
         finally:
             self.metrics.record(
                 OpRecord(
