@@ -365,3 +365,30 @@ def test_scale_1000_tensors_64_ranks_is_fast():
     elapsed = time.perf_counter() - start
     assert plan.bytes_read == sum(t.nbytes for t in tensors.values())
     assert elapsed < 10, f"planning took {elapsed:.1f}s"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_a_whole_box_unit_is_what_the_general_path_plans(data):
+    """The unchanged layout's shortcut (one target takes a saved box whole) gives the draft the general
+    path (slabs, routes, runs) gives for that box: same box, runs, bytes and delivery."""
+    from tierckpt.planner import load_planner as lp
+    from tierckpt.regions import StoredBox
+
+    shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=0, max_size=3)))
+    offsets = tuple(data.draw(st.integers(0, n - 1)) for n in shape)
+    box = Box(offsets, tuple(data.draw(st.integers(1, n - o)) for n, o in zip(shape, offsets)))
+    item = data.draw(st.sampled_from([1, 2, 4, 8]))
+    base = data.draw(st.integers(0, 1 << 20))
+    meta = TensorMeta(fqn="t", dtype="float32", shape=shape)
+    need = (data.draw(st.integers(0, 3)), data.draw(st.integers(0, 9)), StoredBox(box, 0), box)
+    chunk = box.numel * item + data.draw(st.integers(0, 64))
+    general = lp._box_units(meta, box, "f", base, [need], item, chunk, topology("object_store", "gloo", ("",) * 4))
+    whole = lp._whole_box_unit(meta, box, "f", base, need, item)
+    assert len(general) == 1
+    assert whole.keys() == general[0].keys()
+    for key in whole:
+        if key == "run_offsets":
+            assert whole[key].dtype == general[0][key].dtype and whole[key].tolist() == general[0][key].tolist()
+        else:
+            assert whole[key] == general[0][key], key

@@ -210,19 +210,43 @@ def _plan_tensor(
     for si in sorted(needs_of):
         box, file, base = saved[si]
         needs = needs_of[si]
-        for slab in _slabs(box, _bounding([n[3] for n in needs]), item, chunk_bytes):
-            parts = [(r, i, t, b) for r, i, t, inter in needs if (b := inter.intersect(slab)) is not None]
-            if not parts:  # a slab between disjoint needs (e.g. rows 0 and 2 of a piece): nothing to read
-                continue
-            for unit_box, deliveries in _slab_units(parts, box, item, topo):
-                starts_el, run = box_runs(unit_box, box)
-                drafts.append(
-                    dict(
-                        fqn=meta.fqn, dtype=meta.dtype, box=unit_box, file=file,
-                        run_offsets=base + starts_el * item, run_bytes=run * item,
-                        reader=-1, deliveries=deliveries, item=item,
-                    )
+        if len(needs) == 1 and needs[0][3] == box and box.numel * item <= chunk_bytes:
+            drafts.append(_whole_box_unit(meta, box, file, base, needs[0], item))
+        else:
+            drafts.extend(_box_units(meta, box, file, base, needs, item, chunk_bytes, topo))
+
+
+def _whole_box_unit(meta: TensorMeta, box: Box, file: str, base: int, need: tuple[int, int, StoredBox, Box],
+                    item: int) -> dict:
+    """The draft of a saved box (at most ``chunk_bytes``) that one target takes whole: what
+    :func:`_box_units` gives for it — one slab, one run, read by the rank that needs it — without cutting
+    slabs and costing routes for each of a model's hundreds of small tensors (an unchanged layout)."""
+    rank, index, target, _ = need
+    return dict(
+        fqn=meta.fqn, dtype=meta.dtype, box=box, file=file,
+        run_offsets=np.array([base], dtype=np.int64), run_bytes=box.numel * item,
+        reader=-1, deliveries=(Delivery(rank=rank, target=index, target_box=target, box=box),), item=item,
+    )
+
+
+def _box_units(meta: TensorMeta, box: Box, file: str, base: int, needs: list[tuple[int, int, StoredBox, Box]],
+               item: int, chunk_bytes: int, topo: Topology) -> list[dict]:
+    """The drafts of the units that read what ``needs`` take of saved box ``box`` (at byte ``base`` of ``file``)."""
+    drafts = []
+    for slab in _slabs(box, _bounding([n[3] for n in needs]), item, chunk_bytes):
+        parts = [(r, i, t, b) for r, i, t, inter in needs if (b := inter.intersect(slab)) is not None]
+        if not parts:  # a slab between disjoint needs (e.g. rows 0 and 2 of a piece): nothing to read
+            continue
+        for unit_box, deliveries in _slab_units(parts, box, item, topo):
+            starts_el, run = box_runs(unit_box, box)
+            drafts.append(
+                dict(
+                    fqn=meta.fqn, dtype=meta.dtype, box=unit_box, file=file,
+                    run_offsets=base + starts_el * item, run_bytes=run * item,
+                    reader=-1, deliveries=deliveries, item=item,
                 )
+            )
+    return drafts
 
 
 def _slab_units(
