@@ -217,15 +217,118 @@ async def test_the_memory_tier_reads_through_the_mapping_under_the_shared_lock(t
 
 
 class _Spy:
-    """Stands in for the native module, recording each copy that it served."""
+    """Stands in for the native module, recording each copy that it served (``copied`` for runs into
+    one buffer, ``spans`` for a group's spans into their own)."""
 
     AVAILABLE = 1
 
     def __init__(self, copy_runs, calls: list[str]) -> None:
-        self._copy_runs, self._calls = copy_runs, calls
+        from tierckpt import _copycrc
+
+        self._copy_runs, self._copy_spans, self._calls = copy_runs, _copycrc.copy_spans, calls
 
     def copy_runs(self, *args):
         got = self._copy_runs(*args)
         if got is not None:
             self._calls.append("copied")
         return got
+
+    def copy_spans(self, *args):
+        got = self._copy_spans(*args)
+        if got is not None:
+            self._calls.append("spans")
+        return got
+
+
+# -- groups of single-run units, each into its own buffer (copy_spans) -----------------------------------
+@native
+@settings(max_examples=60, deadline=None)
+@given(spans=st.lists(st.tuples(st.integers(0, (3 << 20) + 12345), st.integers(0, 300_000)), min_size=1, max_size=12))
+def test_a_group_of_spans_is_the_bytes_and_crcs_pread_gives(tmp_path_factory, spans) -> None:
+    from tierckpt import _copycrc
+
+    path = tmp_path_factory.getbasetemp() / "spans.bin"
+    if not path.exists():
+        path.write_bytes(os.urandom((3 << 20) + 12345))
+    data = path.read_bytes()
+    spans = [(start, min(length, len(data) - start)) for start, length in spans]  # in the file; any order
+    outs = [bytearray(length) for _, length in spans]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = _copycrc.copy_spans(fd, np.array([s for s, _ in spans], dtype=np.int64),
+                                  np.array([n for _, n in spans], dtype=np.int64), [memoryview(o) for o in outs], True)
+        assert got == [crc32c.crc32c(data[s : s + n]) for s, n in spans]
+        assert [bytes(o) for o in outs] == [data[s : s + n] for s, n in spans]
+        assert _copycrc.copy_spans(fd, np.array([s for s, _ in spans], dtype=np.int64),
+                                   np.array([n for _, n in spans], dtype=np.int64), outs, False) == []
+    finally:
+        os.close(fd)
+
+
+@native
+def test_a_group_of_small_units_is_read_through_one_mapping(warm_file, monkeypatch) -> None:
+    """pread_segments copies single-run segments through one mapping (each below MIN_BYTES, together
+    above it); a segment of several runs, or a span past the end, sends the group back to pread."""
+    path, data = warm_file
+    calls = []
+    monkeypatch.setattr(mapped_read, "_copycrc", _Spy(mapped_read._copycrc.copy_runs, calls))
+    starts = [0, 300_000, 2 << 20, 700_001, len(data) - (256 << 10) - 3]
+    segments = [([s], 256 << 10, memoryview(bytearray(256 << 10))) for s in starts]
+    got = files.pread_segments(path, segments, crc32c.crc32c, mapped=True)
+    assert calls == ["spans"]
+    assert got == [[crc32c.crc32c(data[s : s + (256 << 10)])] for s in starts]
+    assert [bytes(out) for _, _, out in segments] == [data[s : s + (256 << 10)] for s in starts]
+    assert files.pread_segments(path, segments, None, mapped=True) == [None] * len(starts)
+    calls.clear()
+    two_runs = segments[:4] + [([0, 4096], 1 << 20, memoryview(bytearray(2 << 20)))]
+    got = files.pread_segments(path, two_runs, crc32c.crc32c, mapped=True)
+    assert "spans" not in calls and got[-1] == [crc32c.crc32c(data[: 1 << 20]), crc32c.crc32c(data[4096 : 4096 + (1 << 20)])]
+    past_end = segments[:4] + [([len(data) - 100], 256 << 10, memoryview(bytearray(256 << 10)))]
+    with pytest.raises(CorruptCheckpointError, match="ends before byte"):
+        files.pread_segments(path, past_end, crc32c.crc32c, mapped=True)
+
+
+@native
+def test_bad_span_arguments_are_refused(warm_file) -> None:
+    from tierckpt import _copycrc
+
+    fd = os.open(warm_file[0], os.O_RDONLY)
+    one = np.array([0], dtype=np.int64)
+    try:
+        with pytest.raises(ValueError, match="of one length"):
+            _copycrc.copy_spans(fd, np.array([0, 10], dtype=np.int64), one, [bytearray(1), bytearray(1)], True)
+        with pytest.raises(ValueError, match="one output buffer per span"):
+            _copycrc.copy_spans(fd, one, np.array([100], dtype=np.int64), [], True)
+        with pytest.raises(ValueError, match="another length"):
+            _copycrc.copy_spans(fd, one, np.array([100], dtype=np.int64), [bytearray(99)], True)
+        with pytest.raises(ValueError, match="negative"):
+            _copycrc.copy_spans(fd, np.array([-1], dtype=np.int64), np.array([100], dtype=np.int64), [bytearray(100)], True)
+        with pytest.raises(ValueError, match="past 2\\^63"):
+            _copycrc.copy_spans(fd, np.array([2**63 - 10], dtype=np.int64), np.array([100], dtype=np.int64), [bytearray(100)], True)
+        with pytest.raises(BufferError):
+            _copycrc.copy_spans(fd, one, np.array([100], dtype=np.int64), [b"x" * 100], True)  # read-only out
+        with pytest.raises(OSError):
+            _copycrc.copy_spans(-1, one, np.array([100], dtype=np.int64), [bytearray(100)], True)
+    finally:
+        os.close(fd)
+
+
+@native
+def test_a_default_load_of_small_tensors_through_one_mapping_catches_flipped_bits(tmp_path, monkeypatch) -> None:
+    state = {f"t{i}": torch.arange(i, i + (64 << 10), dtype=torch.float32) for i in range(8)}  # 8 x 256 KiB
+    root = tmp_path / "ckpt"
+    tierckpt.save(str(root), state)
+    calls = []
+    monkeypatch.setattr(mapped_read, "_copycrc", _Spy(mapped_read._copycrc.copy_runs, calls))
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    tierckpt.load(str(root), target)
+    assert all(torch.equal(target[k], v) for k, v in state.items()) and "spans" in calls
+    bits = piece_bits(root)
+    for file, first, length, fqn in (bits[0], bits[len(bits) // 2], bits[-1]):
+        for byte, bit in ((first, 0), (first + length - 1, 5)):
+            flip(file, byte, bit)
+            calls.clear()
+            with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+                tierckpt.load(str(root), {k: torch.zeros_like(v) for k, v in state.items()})
+            assert "spans" in calls  # the flipped copy came through the group's mapping, and its CRC caught it
+            flip(file, byte, bit)

@@ -245,9 +245,16 @@ def pread_segments(
 ) -> list[list[int] | None]:
     """:func:`pread_runs` of each segment, all with one open of the file (and one hold of its shared lock):
     a load's many small units of one file cost one call, not one thread hop each. Returns each segment's
-    digests."""
+    digests. ``mapped``: segments that are one run each (contiguous units) are copied through one mapping
+    of their extent, each run's CRC-32C in the copying pass, when their pages are resident
+    (:func:`.mapped_read.read_spans`)."""
     fd = open_regular(path, shared)
     try:
+        if mapped and all(len(offsets) == 1 and out.nbytes == run_bytes for offsets, run_bytes, out in segments):
+            done, got = mapped_read.read_spans(fd, [offsets[0] for offsets, _, _ in segments],
+                                               [out for _, _, out in segments], digest)
+            if done:
+                return [[crc] for crc in got] if got is not None else [None] * len(segments)
         return [_read_runs(fd, path, offsets, run_bytes, out, digest, mapped) for offsets, run_bytes, out in segments]
     finally:
         os.close(fd)

@@ -10,6 +10,10 @@ kernels) maps them with 2 MiB page-table entries, so the mapping itself is nearl
 the fused copy + CRC 57 ms (two ranks at once: the CRC hides entirely); a cold file read through a mapping took 220 ms against ``pread`` + CRC's
 190 ms, hence the residency check (``mincore``) and the fallback.
 
+A load's many small units of one file (a model's hundreds of small tensors) are read as a group
+(:func:`read_spans`): each below :data:`MIN_BYTES`, one mapping for the group's extent serves them all,
+each into its own buffer with its CRC-32C.
+
 :func:`read_runs` says whether it read; when it did not (no extension, a CPU without SSE4.2, fewer than
 :data:`MIN_BYTES`, a page not resident, the file shorter than the runs), the caller reads with ``pread``
 as before — the result is the same bytes and the same CRC-32Cs either way. ``TIERCKPT_MAPPED_READS=off``
@@ -56,6 +60,23 @@ def read_runs(
     if digest not in (None, crc32c.crc32c) or run_bytes * len(offsets) < MIN_BYTES or not available():
         return False, None
     got = _copycrc.copy_runs(fd, np.asarray(offsets, dtype=np.int64), run_bytes, out, digest is not None)
+    if got is None:
+        return False, None
+    return True, (got if digest is not None else None)
+
+
+def read_spans(
+    fd: int, starts: Sequence[int], outs: Sequence[memoryview], digest: Callable[[memoryview], int] | None,
+) -> tuple[bool, list[int] | None]:
+    """:func:`read_runs` for a group of single-run units of one file, each into its own buffer: copy
+    ``[starts[i], starts[i] + len(outs[i]))`` into ``outs[i]`` through one mapping of the group's extent
+    (small units together reach :data:`MIN_BYTES`; one mapping each would cost more than it saves).
+    ``(True, CRC-32C of each span or None)`` when done, ``(False, None)`` when the caller must read."""
+    lengths = [out.nbytes for out in outs]
+    if digest not in (None, crc32c.crc32c) or sum(lengths) < MIN_BYTES or not available():
+        return False, None
+    got = _copycrc.copy_spans(fd, np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64),
+                              outs, digest is not None)
     if got is None:
         return False, None
     return True, (got if digest is not None else None)
