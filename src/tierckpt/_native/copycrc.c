@@ -168,6 +168,26 @@ static void passed(struct dropper *d, size_t from, size_t n) {
     if (d->since >= DROP_BYTES) drop_passed(d);
 }
 
+/* What a copy returns: an OSError for errno failed; None when nothing was copied (the caller reads with
+ * pread); else the list of the count CRCs (crcs NULL: no CRCs asked, an empty list). */
+static PyObject *copy_result(int failed, int copied, const uint32_t *crcs, Py_ssize_t count) {
+    if (failed) {
+        errno = failed;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (!copied) return Py_NewRef(Py_None);
+    PyObject *result = PyList_New(crcs ? count : 0);
+    for (Py_ssize_t i = 0; result && crcs && i < count; i++) {
+        PyObject *value = PyLong_FromUnsignedLong(crcs[i]);
+        if (!value) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, i, value);
+    }
+    return result;
+}
+
 /* copy_runs(fd, offsets, run_bytes, out, crc) -> list[int] | None
  *
  * Copy the runs [offsets[i], offsets[i] + run_bytes) of the open file fd back to back into the writable
@@ -257,24 +277,7 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
         munmap(map, span);
     }
     Py_END_ALLOW_THREADS
-    if (failed) {
-        errno = failed;
-        PyErr_SetFromErrno(PyExc_OSError);
-        goto done;
-    }
-    if (!copied) {
-        result = Py_NewRef(Py_None);
-        goto done;
-    }
-    result = PyList_New(want_crc ? count : 0);
-    for (Py_ssize_t i = 0; result && want_crc && i < count; i++) {
-        PyObject *value = PyLong_FromUnsignedLong(crcs[i]);
-        if (!value) {
-            Py_CLEAR(result);
-            break;
-        }
-        PyList_SET_ITEM(result, i, value);
-    }
+    result = copy_result(failed, copied, want_crc ? crcs : NULL, count);
 #else
     PyErr_SetString(PyExc_RuntimeError, "copy_runs is built for x86-64 only");
 #endif
@@ -383,24 +386,7 @@ static PyObject *copy_spans(PyObject *self, PyObject *args) {
         }
         Py_END_ALLOW_THREADS
     }
-    if (failed) {
-        errno = failed;
-        PyErr_SetFromErrno(PyExc_OSError);
-        goto done;
-    }
-    if (!copied) {
-        result = Py_NewRef(Py_None);
-        goto done;
-    }
-    result = PyList_New(want_crc ? count : 0);
-    for (Py_ssize_t i = 0; result && want_crc && i < count; i++) {
-        PyObject *value = PyLong_FromUnsignedLong(crcs[i]);
-        if (!value) {
-            Py_CLEAR(result);
-            break;
-        }
-        PyList_SET_ITEM(result, i, value);
-    }
+    result = copy_result(failed, copied, want_crc ? crcs : NULL, count);
 #else
     PyErr_SetString(PyExc_RuntimeError, "copy_spans is built for x86-64 only");
 #endif
