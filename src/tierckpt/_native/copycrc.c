@@ -168,6 +168,16 @@ static void passed(struct dropper *d, size_t from, size_t n) {
     if (d->since >= DROP_BYTES) drop_passed(d);
 }
 
+/* Whether the open file fd holds bytes up to hi: 1 yes, 0 it is shorter, -1 fstat failed (OSError set). */
+static int file_covers(int fd, int64_t hi) {
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return st.st_size >= hi;
+}
+
 /* What a copy returns: an OSError for errno failed; None when nothing was copied (the caller reads with
  * pread); else the list of the count CRCs (crcs NULL: no CRCs asked, an empty list). */
 static PyObject *copy_result(int failed, int copied, const uint32_t *crcs, Py_ssize_t count) {
@@ -226,13 +236,9 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
         hi = at[i] > hi ? at[i] : hi;
     }
     hi += run_bytes;
-    struct stat st;
-    if (fstat(fd, &st) != 0) {
-        PyErr_SetFromErrno(PyExc_OSError);
-        goto done;
-    }
-    if (st.st_size < hi) {
-        result = Py_NewRef(Py_None);
+    int covers = file_covers(fd, hi);
+    if (covers <= 0) {
+        result = covers < 0 ? NULL : Py_NewRef(Py_None);
         goto done;
     }
     long page = sysconf(_SC_PAGESIZE);
@@ -347,13 +353,9 @@ static PyObject *copy_spans(PyObject *self, PyObject *args) {
     }
     int copied = 1, failed = 0;
     if (hi > lo) {  /* else every span is empty: nothing to map, every CRC is 0 */
-        struct stat st;
-        if (fstat(fd, &st) != 0) {
-            PyErr_SetFromErrno(PyExc_OSError);
-            goto done;
-        }
-        if (st.st_size < hi) {
-            result = Py_NewRef(Py_None);
+        int covers = file_covers(fd, hi);
+        if (covers <= 0) {
+            result = covers < 0 ? NULL : Py_NewRef(Py_None);
             goto done;
         }
         long page = sysconf(_SC_PAGESIZE);
