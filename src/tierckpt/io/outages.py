@@ -31,7 +31,7 @@ HOLD_S = 30.0
 
 
 class Outages:
-    """The services marked down, with what failed (see the module docstring)."""
+    """The services marked down, with when each was marked (see the module docstring)."""
 
     def __init__(self, hold_s: float = HOLD_S) -> None:
         self.hold_s = hold_s

@@ -192,8 +192,9 @@ class IOScheduler:
 
         ``retries`` is the most attempts in all (1: no retry); one while ``service`` (what answers the
         store, :attr:`~tierckpt.backends.base.Backend.service`) is marked down in :attr:`outages`. The
-        metric's key is ``args[0]`` when it is a string (backend methods take the key first). :class:`~tierckpt.io.scheduled.ScheduledBackend`, the
-        scheduling link of every chain, calls it for each operation of the store it wraps."""
+        metric's key is ``args[0]`` when it is a string (backend methods take the key first).
+        :class:`~tierckpt.io.scheduled.ScheduledBackend`, the scheduling link of every chain, calls it for
+        each operation of the store it wraps."""
         self._check_loop()
         if retries < 1:
             raise CheckpointError(f"retries must be at least 1 for {op_name} on {label}, got {retries}")
