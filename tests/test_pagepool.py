@@ -309,3 +309,63 @@ async def test_a_claimed_file_keeps_no_stamp_of_its_old_bytes(shm: Path) -> None
     assert claim(tier.root, len(data), dest)
     assert os.path.getsize(dest) == len(data)  # the old bytes, the old size, the old inode
     assert stamps.recall(dest) is None
+
+
+def _mapped_file(shm: Path, nbytes: int) -> tuple[int, Any, torch.Tensor]:
+    import mmap
+
+    fd = os.open(shm / "spare.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, nbytes)
+    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    return fd, mapping, torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def test_a_spare_is_populated_without_writing_it(shm: Path) -> None:
+    """``populate_writable`` allocates every page of a fresh tmpfs file (its blocks grow from 0 to its size)
+    and leaves its bytes as they are: zeros in a fresh file, the old bytes in a pooled one (the copy
+    writes over all of them)."""
+    if not mapped._MADVISE or os.statvfs(shm).f_bsize != 4096:
+        pytest.skip("needs libc's madvise and a tmpfs")
+    nbytes = 3 * MIB + 4096
+    fd, mapping, buffer = _mapped_file(shm, nbytes)
+    try:
+        assert os.fstat(fd).st_blocks == 0  # a sparse file: no page allocated yet
+        mapped.populate_writable(buffer)
+        assert os.fstat(fd).st_blocks * 512 >= nbytes
+        assert not bool(buffer.any())
+        buffer[::4096] = 7
+        mapped.populate_writable(buffer)  # pages that exist are mapped, never cleared
+        assert int(buffer[::4096].sum()) == 7 * (nbytes // 4096)
+    finally:
+        del buffer
+        mapping.close()
+        os.close(fd)
+
+
+def test_populating_a_spare_falls_back_or_fails_cleanly(shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel without ``MADV_POPULATE_WRITE`` (``EINVAL``): the pages are touched by writing zeros. Any
+    other refusal (no memory for the pages) is an ``OSError``, which makes no spare — touching the pages
+    would have been a ``SIGBUS``."""
+    import ctypes
+    import errno
+
+    def refusing(code: int) -> Any:
+        def madvise(address: int, length: int, advice: int) -> int:
+            assert advice == mapped.MADV_POPULATE_WRITE and length == 2 * MIB
+            ctypes.set_errno(code)
+            return -1
+        return madvise
+
+    fd, mapping, buffer = _mapped_file(shm, 2 * MIB)
+    try:
+        buffer[:] = 9
+        monkeypatch.setattr(mapped, "_MADVISE", refusing(errno.EINVAL))
+        mapped.populate_writable(buffer)
+        assert not bool(buffer.any())  # the fallback wrote zeros over every page
+        monkeypatch.setattr(mapped, "_MADVISE", refusing(errno.ENOMEM))
+        with pytest.raises(OSError, match="populating the memory tier's spare file"):
+            mapped.populate_writable(buffer)
+    finally:
+        del buffer
+        mapping.close()
+        os.close(fd)
