@@ -2,8 +2,8 @@
 
 An ``async_save`` through a :class:`~.link.MemoryLink` asks :func:`open_mapped` for its rank's data file.
 When the process holds a *spare* — a file of the tier, already allocated, mapped (``mmap``, shared)
-with every page writable (:func:`populate_writable`), prepared in the background after the previous save — the snapshot copy writes into its
-pages: one copy from training memory to a node-durable copy, at memcpy speed. The file is then only
+with every page writable (:func:`populate_writable`), prepared in the background after the previous
+save — the snapshot copy writes into its pages: one copy from training memory to a node-durable copy, at memcpy speed. The file is then only
 checksummed (:class:`MappedFile`'s writes add the CRC-32C, or the save's stream states it, combined
 from its pieces' checksums) and renamed into place on close, and written
 down like any file of the tier; the next spare is prepared then (not during the copy, whose memory
