@@ -12,7 +12,9 @@ two steps before a save, compared with the full state saved beside the test, ``e
   to ``level``; ``"kill_receiver": true`` on one makes that node's leader die when the first
   replica file of it arrives (a node lost during replication); or
 * ``loads``: a list of ``{"uri", "seed"}``: each is loaded and compared bit-exactly with what
-  ``seed`` saved (or the error is reported), and the level recorded in this node's tier is read.
+  ``seed`` saved (or the error is reported), and the level recorded in this node's tier is read; and/or
+* ``latest``: ``{"root", "seeds"}``: ``CheckpointManager(root).load_latest`` into a fresh state, the step it
+  returns compared with what ``seeds[step]`` saved.
 
 The process ends with ``os._exit`` (no exit drain, no collective teardown): a crash, as far as the
 memory tier is concerned.
@@ -158,6 +160,13 @@ def main(spec: dict) -> None:
         level = recorded_level(tier, committed.generation) if committed is not None else None
         record["level"] = None if level is None else {"level": level.level.value, "reason": level.reason}
         out["loads"][load["uri"]] = record
+    if "latest" in spec:
+        target = state(spec["layout"], None)
+        try:
+            step = tierckpt.CheckpointManager(spec["latest"]["root"]).load_latest(target)
+            out["latest"] = {"step": step, "differs": compare(target, spec["latest"]["seeds"][str(step)])}
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out["latest"] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
     with open(spec["result"], "w") as f:
         json.dump(out, f)
     if not any(save.get("kill_receiver") for save in spec.get("saves", [])):

@@ -71,3 +71,55 @@ def test_latest_ignores_a_step_without_commit(tmp_path):
 def test_invalid_settings():
     with pytest.raises(tierckpt.CheckpointError, match="positive"):
         CheckpointManager("/tmp/x", save_every=0)
+
+
+def _data_file(root, step: int):
+    (path,) = (root / layout.step_name(step)).glob("g-*/data/rank-00000.bin")
+    return path
+
+
+def _three_steps(root) -> CheckpointManager:
+    manager = CheckpointManager(str(root))
+    for step in (1, 2, 3):
+        manager.save(step, {"w": torch.full((64,), float(step)), "step": step})
+    return manager
+
+
+def test_load_latest_skips_a_step_whose_files_are_gone(tmp_path, caplog):
+    """The newest steps' data files are reachable nowhere (a node lost before they reached a peer or the
+    remote, here deleted): load_latest resumes from the newest step that loads, and says which it skipped."""
+    root = tmp_path / "run"
+    manager = _three_steps(root)
+    _data_file(root, 3).unlink()
+    _data_file(root, 2).unlink()
+    target = {"w": torch.zeros(64), "step": 0}
+    with caplog.at_level("WARNING", logger="tierckpt.manager"):
+        assert manager.load_latest(target) == 1
+    assert torch.equal(target["w"], torch.full((64,), 1.0)) and target["step"] == 1
+    assert "step 3 cannot be loaded" in caplog.text and "step 2 cannot be loaded" in caplog.text
+    assert "resumed from step 1, not the newest committed step 3" in caplog.text
+    with pytest.raises(tierckpt.MissingFileError, match="rank-00000.bin' of checkpoint .*step-00000003' is missing"):
+        manager.load_latest(target, fall_back=False)
+
+
+def test_load_latest_never_skips_a_corrupt_step(tmp_path):
+    """A flipped bit is not a reason to resume from an older step: the newest step's error is raised."""
+    root = tmp_path / "run"
+    manager = _three_steps(root)
+    path = _data_file(root, 3)
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0x01
+    path.write_bytes(bytes(data))
+    target = {"w": torch.zeros(64), "step": 0}
+    with pytest.raises(tierckpt.CorruptCheckpointError, match="checksum mismatch") as raised:
+        manager.load_latest(target)
+    assert not isinstance(raised.value, tierckpt.MissingFileError)
+
+
+def test_load_latest_raises_the_newest_error_when_no_step_loads(tmp_path):
+    root = tmp_path / "run"
+    manager = _three_steps(root)
+    for step in (1, 2, 3):
+        _data_file(root, step).unlink()
+    with pytest.raises(tierckpt.MissingFileError, match="step-00000003"):
+        manager.load_latest({"w": torch.zeros(64), "step": 0})

@@ -160,6 +160,24 @@ def test_a_node_lost_during_replication_keeps_the_previous_checkpoint(workdir: P
         assert "error" in r["loads"][new] or r["loads"][new]["differs"] == [], r["loads"][new]
 
 
+def test_the_manager_resumes_from_the_newest_step_whole_in_memory_after_a_node_loss(workdir: Path) -> None:
+    """Step 2 committed in both nodes' memory but never replicated (``TIERCKPT_REPLICAS=0``), then node-1
+    and the remote are lost: step 2's node-1 files are nowhere, so ``load_latest`` on the surviving node
+    skips it and resumes from step 1, whole in node-0's memory (its own files and node-1's replicas)."""
+    nodes = ["node-0", "node-0", "node-1", "node-1"]
+    first = Job(workdir, nodes, "shard", saves=[{"uri": uri_of(workdir, 1), "seed": 1, "level": "replicated"}]).wait()
+    assert all(r["saves"][uri_of(workdir, 1)]["ok"] for r in first), first
+    second = Job(workdir, nodes, "shard", extra_env={"TIERCKPT_REPLICAS": "0"},
+                 saves=[{"uri": uri_of(workdir, 2), "seed": 2, "level": "memory"}]).wait()
+    assert all(r["saves"][uri_of(workdir, 2)]["ok"] for r in second), second
+    lose(workdir, "node-1")
+    resumed = Job(workdir, ["node-0", "node-0"], "shard",
+                  latest={"root": str(workdir / "remote"), "seeds": {"1": 1, "2": 2}}).wait()
+    for r in resumed:
+        assert "error" not in r["latest"], r["latest"].get("trace")
+        assert r["latest"] == {"step": 1, "differs": []}, r["latest"]
+
+
 def test_one_node_says_why_replicated_is_not_available(workdir: Path) -> None:
     uri = uri_of(workdir, 1)
     saved = Job(workdir, ["node-0", "node-0"], "shard", saves=[{"uri": uri, "seed": 1, "level": "replicated"}]).wait()

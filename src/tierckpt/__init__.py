@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
-    IncompleteCheckpointError, StateMismatchError, StorageError, StoragePermissionError, TransientStorageError,
-    UnsupportedURIError,
+    IncompleteCheckpointError, MissingFileError, StateMismatchError, StorageError, StoragePermissionError,
+    TransientStorageError, UnsupportedURIError,
 )
 
 __version__ = "0.1.0"
@@ -34,7 +34,7 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "CheckpointBusyError", "CheckpointError", "CheckpointManager", "CheckpointNotFoundError", "CollectiveError", "CorruptCheckpointError", "FlatShardedTensor",
-    "IncompleteCheckpointError", "Monitor", "MultiSourceReader", "RNGState", "ResumableSampler", "ShardedTensor", "SaveHandle", "async_save", "StateMismatchError", "StorageError", "StoragePermissionError",
+    "IncompleteCheckpointError", "MissingFileError", "Monitor", "MultiSourceReader", "RNGState", "ResumableSampler", "ShardedTensor", "SaveHandle", "async_save", "StateMismatchError", "StorageError", "StoragePermissionError",
     "TransientStorageError", "UnsupportedURIError", "drop", "gc", "load", "open_tiered", "prefetch", "status", "sync", "wait", "prometheus_text", "straggler_report", "read_checkpoint", "save",
 ]
 

@@ -24,6 +24,11 @@ class CorruptCheckpointError(CheckpointError):
     """Stored bytes or metadata fail validation (checksum, size, decoding, out-of-bounds ranges)."""
 
 
+class MissingFileError(CorruptCheckpointError):
+    """A file that a committed checkpoint's metadata lists is in no store or tier the loading group reaches
+    (deleted, or held only by a node that was lost before its copies reached a peer or the remote)."""
+
+
 class StateMismatchError(CheckpointError, ValueError):
     """The state passed to ``load`` does not match the checkpoint (keys, shapes, dtypes)."""
 

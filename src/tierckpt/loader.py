@@ -55,7 +55,7 @@ from .backends import Backend
 from .comm import Comm
 from .errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
-    StateMismatchError,
+    MissingFileError, StateMismatchError,
 )
 from .gc_pause import gc_paused
 from .io.readcheck import ReadChecker
@@ -432,7 +432,7 @@ def _checked_size(backend: Backend, ckpt: Checkpoint, file: str) -> int:
         else:
             actual = get_scheduler().run(backend.size(key))
     except (CheckpointNotFoundError, FileNotFoundError):
-        raise CorruptCheckpointError(f"file {key!r} of checkpoint {backend.root_uri!r} is missing") from None
+        raise MissingFileError(f"file {key!r} of checkpoint {backend.root_uri!r} is missing") from None
     if file not in sizes or actual != sizes[file]:
         raise CorruptCheckpointError(
             f"file {key!r} of checkpoint {backend.root_uri!r} has {actual} bytes, the metadata says "

@@ -20,7 +20,9 @@ With the node memory tier on (``TIERCKPT_MEMORY=on`` or the storage option ``mem
 manager sees are those committed in any tier it can reach: the root's listing (when the remote answers)
 plus the checkpoints committed in this node's memory tier, so a restart after a crash resumes from memory
 even while the remote is down (``LATEST`` is then read where it can be, else the newest step wins).
-:meth:`levels` reports each durability level of a step.
+:meth:`levels` reports each durability level of a step. :meth:`load_latest` resumes from the newest
+step the group can load: one whose files are reachable nowhere (a node lost before its files reached a
+peer or the remote) is skipped, with a warning, for the next older one.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch.distributed as dist
 from . import layout
 from .backends import Backend
 from .comm import Comm
-from .errors import CheckpointError, CheckpointNotFoundError, TransientStorageError
+from .errors import CheckpointError, CheckpointNotFoundError, CollectiveError, MissingFileError, TransientStorageError
 from .io.scheduler import get_scheduler
 from .loader import load
 from .saver import SaveHandle, async_save, save
@@ -171,14 +173,48 @@ class CheckpointManager:
         backend = open_store(self.uri_of(step), self.storage_options)
         return bool(get_scheduler().run(backend.exists(layout.COMMIT)))
 
-    def load_latest(self, state: dict[str, Any], **options: Any) -> int | None:
-        """Load the newest committed step into ``state``; returns the step, or ``None`` if there is none."""
+    def load_latest(self, state: dict[str, Any], *, fall_back: bool = True, **options: Any) -> int | None:
+        """Load the newest committed step the group can load into ``state``; returns the step loaded, or
+        ``None`` if there is none.
+
+        The ranks first agree on the steps to try (each node may see others in its memory tier): the
+        newest any rank finds (:meth:`latest`), then, with ``fall_back``, every older step any rank finds.
+        A step some of whose files the group reaches nowhere (:class:`~tierckpt.errors.MissingFileError`:
+        with the node memory tier, a node lost before its files of the step reached a peer or the remote),
+        whose files only an unreachable remote holds (:class:`~tierckpt.errors.TransientStorageError`), or
+        that is gone (:class:`~tierckpt.errors.CheckpointNotFoundError`) fails before any tensor is modified; the next step is then tried, and a warning names each step
+        skipped and why — so a restart after a node loss resumes from the newest checkpoint that is whole
+        in the reachable tiers. Every other error (a checksum mismatch, a state that does not match) is
+        raised, as is the newest step's error when no step loads.
+        """
         self.wait()
-        step = self.latest()
-        if step is None:
+        comm = Comm(self.group)
+        found = comm.all_gather_object((self.latest(), self.steps() if fall_back else []))
+        newest = max((latest for latest, _ in found if latest is not None), default=None)
+        if newest is None:
             return None
-        load(self._found_uri(step), state, group=self.group, storage_options=self.storage_options, **options)
-        return step
+        older = sorted({s for _, steps in found for s in steps if s < newest}, reverse=True)
+        candidates = [newest, *older]
+        first: CheckpointError | None = None
+        for step in candidates:
+            try:
+                load(self._found_uri(step), state, group=self.group, storage_options=self.storage_options, **options)
+            except CollectiveError:
+                raise  # the group itself failed: no agreement can be reached
+            except CheckpointError as exc:
+                unreachable = isinstance(exc, (MissingFileError, CheckpointNotFoundError, TransientStorageError))
+                if step == candidates[-1]:
+                    raise (first or exc) if unreachable else exc
+                # The load's errors are agreed, but their types may differ between ranks: one decision for all.
+                if not all(comm.all_gather_object(unreachable)):
+                    raise
+                first = first or exc
+                log.warning("%s: step %d cannot be loaded (%s); trying the next older step", self.root_uri, step, exc)
+                continue
+            if step != newest:
+                log.warning("%s: resumed from step %d, not the newest committed step %d", self.root_uri, step, newest)
+            return step
+        return None  # not reached: the last candidate either loads or raises
 
     def _after_commit(self, step: int) -> None:
         if Comm(self.group).rank != 0:

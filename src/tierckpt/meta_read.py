@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 from . import dcp_format, layout
 from .backends import Backend
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from .errors import (
+    CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, MissingFileError,
+)
 from .io.rangefile import RangeFile
 from .io.scheduler import get_scheduler
 from .metadata import (
@@ -102,7 +104,7 @@ def read_checkpoint(backend: Backend, *, accept_dcp: bool = False) -> Checkpoint
             if newer is not None and attempt < RACE_RETRIES:
                 record, attempt = newer, attempt + 1
                 continue
-            raise CorruptCheckpointError(
+            raise MissingFileError(
                 f"checkpoint {backend.root_uri!r} is committed as {gen!r} but its metadata is missing: {exc}"
             ) from exc
 

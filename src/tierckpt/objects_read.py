@@ -17,7 +17,7 @@ import crc32c
 
 from . import layout
 from .backends import Backend
-from .errors import CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, MissingFileError
 from .io.scheduler import ReadRequest, get_scheduler
 from .local_load import LocalReads
 from .metadata import ObjectMeta
@@ -94,7 +94,7 @@ def read_objects(backend: Backend, gen: str, metas: set[ObjectMeta]) -> dict[Obj
             spans.append((meta.file, meta.byte_offset, [meta]))
             ends.append(end)
     sched = get_scheduler()
-    sizes = {file: sched.run(backend.size(layout.in_generation(gen, file))) for file, _, _ in spans}
+    sizes = {file: _size(backend, gen, file) for file, _, _ in spans}
     for (file, _, group), end in zip(spans, ends):
         if end > sizes[file]:  # checked before allocating: the header is untrusted input
             last = max(group, key=lambda o: o.byte_offset + o.byte_length)
@@ -119,6 +119,15 @@ def read_objects(backend: Backend, gen: str, metas: set[ObjectMeta]) -> dict[Obj
                 )
             out[meta] = data
     return out
+
+
+def _size(backend: Backend, gen: str, file: str) -> int:
+    """The size of an objects file the metadata lists: one that is not there is a :class:`MissingFileError`."""
+    key = layout.in_generation(gen, file)
+    try:
+        return get_scheduler().run(backend.size(key))
+    except CheckpointNotFoundError:
+        raise MissingFileError(f"file {key!r} of checkpoint {backend.root_uri!r} is missing") from None
 
 
 def _object_for_rank(options: list[ObjectMeta], rank: int, saved_world: int, key: str) -> ObjectMeta:
