@@ -14,7 +14,10 @@ two steps before a save, compared with the full state saved beside the test, ``e
 * ``loads``: a list of ``{"uri", "seed"}``: each is loaded and compared bit-exactly with what
   ``seed`` saved (or the error is reported), and the level recorded in this node's tier is read; and/or
 * ``latest``: ``{"root", "seeds"}``: ``CheckpointManager(root).load_latest`` into a fresh state, the step it
-  returns compared with what ``seeds[step]`` saved.
+  returns compared with what ``seeds[step]`` saved; or
+* ``manager``: ``{"root", "keep_last", "saves": [{"step", "seed"}]}``: synchronous ``CheckpointManager``
+  saves, each followed by a wait until this node records the step ``replicated``; the steps the manager
+  sees after each save are reported.
 
 The process ends with ``os._exit`` (no exit drain, no collective teardown): a crash, as far as the
 memory tier is concerned.
@@ -160,6 +163,15 @@ def main(spec: dict) -> None:
         level = recorded_level(tier, committed.generation) if committed is not None else None
         record["level"] = None if level is None else {"level": level.level.value, "reason": level.reason}
         out["loads"][load["uri"]] = record
+    if "manager" in spec:
+        manager = tierckpt.CheckpointManager(spec["manager"]["root"], keep_last=spec["manager"]["keep_last"])
+        out["manager"] = []
+        for save in spec["manager"]["saves"]:
+            manager.save(save["step"], state(spec["layout"], save["seed"]))
+            deadline = time.monotonic() + 60
+            while not (manager.levels(save["step"]) or {}).get("replicated") and time.monotonic() < deadline:
+                time.sleep(0.02)
+            out["manager"].append({"step": save["step"], "steps": manager.steps()})
     if "latest" in spec:
         target = state(spec["layout"], None)
         try:

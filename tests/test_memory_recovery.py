@@ -178,6 +178,16 @@ def test_the_manager_resumes_from_the_newest_step_whole_in_memory_after_a_node_l
         assert r["latest"] == {"step": 1, "differs": []}, r["latest"]
 
 
+def test_the_manager_keeps_the_newest_step_replicated_on_every_node(workdir: Path) -> None:
+    """``keep_last=1`` with the memory tier: each save keeps, beside the newest step, the newest one that
+    every node recorded ``replicated`` when it started (deleting it at the next commit would leave no step
+    whole in memory if a node were lost while the new one replicates)."""
+    saves = [{"step": step, "seed": step} for step in (1, 2, 3)]
+    done = Job(workdir, ["node-0", "node-1"], "shard",
+               manager={"root": str(workdir / "remote"), "keep_last": 1, "saves": saves}).wait()
+    assert [r["steps"] for r in done[0]["manager"]] == [[1], [1, 2], [2, 3]], done[0]["manager"]
+
+
 def test_one_node_says_why_replicated_is_not_available(workdir: Path) -> None:
     uri = uri_of(workdir, 1)
     saved = Job(workdir, ["node-0", "node-0"], "shard", saves=[{"uri": uri, "seed": 1, "level": "replicated"}]).wait()

@@ -13,6 +13,7 @@ Lifecycle of :meth:`CheckpointManager.save` (every rank of the group):
 3. Once that checkpoint is committed, rank 0 points ``LATEST`` at it and applies retention:
    keep the newest ``keep_last`` steps and every step divisible by ``keep_every``; the newest
    committed step is never deleted, and without ``keep_last`` nothing is (:func:`tierckpt.layout.retention`).
+   With the node memory tier on, the newest step every node records ``replicated`` is kept too.
    For an async save this happens when its handle is waited on (:meth:`wait`, the next :meth:`save`,
    or :meth:`load_latest`).
 
@@ -41,9 +42,14 @@ from .errors import CheckpointError, CheckpointNotFoundError, CollectiveError, M
 from .io.scheduler import get_scheduler
 from .loader import load
 from .saver import SaveHandle, async_save, save
-from .store import durability_of, memory_config_for, memory_keys_under, memory_levels, node_only_reason, open_store
+from .store import (
+    durability_of, memory_config_for, memory_keys_under, memory_levels, memory_tier_of, node_only_reason, open_store,
+)
+from .tiers.levels import Level, recorded_level
 
 LATEST = "LATEST"
+AWAITED_STEPS = 8
+"""How many of its newest saved steps the manager checks for ``replicated`` at each save."""
 log = logging.getLogger(__name__)
 
 
@@ -71,6 +77,12 @@ class CheckpointManager:
         self.group = group
         self.storage_options = dict(storage_options or {})
         self._pending: tuple[int, SaveHandle] | None = None
+        self._replicated: int | None = None
+        """The newest step of this manager's saves that every rank's node records ``replicated`` (memory
+        tier on): retention keeps it whatever ``keep_last`` says."""
+        self._awaiting: list[int] = []
+        """This manager's newest saved steps not yet known ``replicated`` on every node (at most
+        :data:`AWAITED_STEPS`)."""
 
     def uri_of(self, step: int) -> str:
         """Where a save of ``step`` goes: ``<root>/step-00000100``."""
@@ -102,14 +114,37 @@ class CheckpointManager:
         """Save ``state`` as ``step`` when it is due; returns whether a save was started."""
         if step % self.save_every and not force:
             return False
+        self._agree_replicated()
         self.wait()
         common = dict(group=self.group, storage_options=self.storage_options, **options)
+        self._awaiting = [*self._awaiting, step][-AWAITED_STEPS:]
         if self.use_async:
             self._pending = (step, async_save(self.uri_of(step), state, **common))
         else:
             save(self.uri_of(step), state, **common)
             self._after_commit(step)
         return True
+
+    def _agree_replicated(self) -> None:
+        """With the node memory tier on and ``keep_last`` set: agree, in one all-gather at the start of a
+        save (every rank is there), on the newest step of this manager's saves that every rank's node
+        records ``replicated``. Retention keeps that step: deleting the previous step as soon as a newer one
+        commits (``keep_last=1``) would leave no step whole in memory if a node were lost while the newer
+        one is replicated. A step whose replication failed or is still running is not counted."""
+        if not self._awaiting or self.keep_last is None or not self._memory_on():
+            return
+        mine = [step for step in self._awaiting if self._replicated_here(step)]
+        everywhere = set.intersection(*(set(steps) for steps in Comm(self.group).all_gather_object(mine)))
+        if everywhere:
+            self._replicated = max(everywhere)
+            self._awaiting = [step for step in self._awaiting if step > self._replicated]
+
+    def _replicated_here(self, step: int) -> bool:
+        """Whether this node's memory tier records this manager's save of ``step`` as ``replicated``."""
+        tier = memory_tier_of(open_store(self.uri_of(step), self.storage_options))
+        committed = tier.committed() if tier is not None else None
+        result = recorded_level(tier, committed.generation) if tier is not None and committed is not None else None
+        return result is not None and result.level is Level.REPLICATED
 
     def wait(self) -> None:
         """Block until an async save in flight is committed, then update ``LATEST`` and retention."""
@@ -235,6 +270,8 @@ class CheckpointManager:
         found = {s: names.get(s, layout.step_name(s)) for s in set(self.steps()) | {step}}
         # Steps are unique here, so no commit time is needed to order them (0.0).
         keep = layout.retention([(s, 0.0, n) for s, n in found.items()], self.keep_last, self.keep_every)
+        if self._replicated in found:
+            keep.add(found[self._replicated])  # the newest step whole in memory on every node (_agree_replicated)
         for name in sorted(n for n in found.values() if n not in keep):
             # The root's store also drops what the step's own URI still has pending in the node cache.
             sched.run(backend.delete_prefix(f"{name}/"))
