@@ -1,5 +1,7 @@
 """CheckpointManager: cadence, LATEST pointer, retention, async saves, local and S3."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -123,3 +125,21 @@ def test_load_latest_raises_the_newest_error_when_no_step_loads(tmp_path):
         _data_file(root, step).unlink()
     with pytest.raises(tierckpt.MissingFileError, match="step-00000003"):
         manager.load_latest({"w": torch.zeros(64), "step": 0})
+
+
+def test_an_unreadable_replication_record_does_not_fail_a_save(tmp_path):
+    """The manager reads each recent step's replication level at the start of a save (retention keeps the
+    newest replicated one): a damaged record counts as not replicated, the save goes on."""
+    from tierckpt.store import memory_tier_of, open_store
+    from tierckpt.tiers import MemoryConfig
+    from tierckpt.tiers.levels import level_path
+
+    config = MemoryConfig(directory=str(tmp_path / "shm"), budget_bytes=64 << 20, exit_wait_s=0)
+    manager = CheckpointManager(str(tmp_path / "run"), keep_last=1, storage_options={"memory": config})
+    manager.save(1, {"w": torch.ones(8)})
+    tier = memory_tier_of(open_store(manager.uri_of(1), manager.storage_options))
+    record = Path(level_path(tier, tier.committed().generation))
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text("{not json")
+    assert manager.save(2, {"w": torch.full((8,), 2.0)})
+    assert manager.steps() == [2] and manager._replicated is None

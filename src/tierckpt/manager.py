@@ -140,10 +140,15 @@ class CheckpointManager:
             self._awaiting = [step for step in self._awaiting if step > self._replicated]
 
     def _replicated_here(self, step: int) -> bool:
-        """Whether this node's memory tier records this manager's save of ``step`` as ``replicated``."""
-        tier = memory_tier_of(open_store(self.uri_of(step), self.storage_options))
-        committed = tier.committed() if tier is not None else None
-        result = recorded_level(tier, committed.generation) if tier is not None and committed is not None else None
+        """Whether this node's memory tier records this manager's save of ``step`` as ``replicated``; a
+        record that cannot be read counts as not (the rank must still reach the agreement)."""
+        try:
+            tier = memory_tier_of(open_store(self.uri_of(step), self.storage_options))
+            committed = tier.committed() if tier is not None else None
+            result = recorded_level(tier, committed.generation) if tier is not None and committed is not None else None
+        except (CheckpointError, OSError, ValueError, KeyError, TypeError) as exc:
+            log.debug("%s: the replication level of step %d is unreadable here (%s)", self.root_uri, step, exc)
+            return False
         return result is not None and result.level is Level.REPLICATED
 
     def wait(self) -> None:
