@@ -222,10 +222,11 @@ class CheckpointManager:
         A step some of whose files the group reaches nowhere (:class:`~tierckpt.errors.MissingFileError`:
         with the node memory tier, a node lost before its files of the step reached a peer or the remote),
         whose files only an unreachable remote holds (:class:`~tierckpt.errors.TransientStorageError`), or
-        that is gone (:class:`~tierckpt.errors.CheckpointNotFoundError`) fails before any tensor is modified; the next step is then tried, and a warning names each step
-        skipped and why — so a restart after a node loss resumes from the newest checkpoint that is whole
-        in the reachable tiers. Every other error (a checksum mismatch, a state that does not match) is
-        raised, as is the newest step's error when no step loads.
+        that is gone (:class:`~tierckpt.errors.CheckpointNotFoundError`) fails before any tensor is
+        modified; the next step is then tried, and a warning names each step skipped and why — so a
+        restart after a node loss resumes from the newest checkpoint that is whole in the reachable tiers.
+        Every other error (a checksum mismatch, a state that does not match) is raised, as is the newest
+        step's error when no step loads.
         """
         self.wait()
         comm = Comm(self.group)
