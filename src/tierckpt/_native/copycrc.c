@@ -168,14 +168,26 @@ static void passed(struct dropper *d, size_t from, size_t n) {
     if (d->since >= DROP_BYTES) drop_passed(d);
 }
 
-/* Whether the open file fd holds bytes up to hi: 1 yes, 0 it is shorter, -1 fstat failed (OSError set). */
-static int file_covers(int fd, int64_t hi) {
+/* The page-aligned window of a file that a copy of the bytes [lo, hi) maps. */
+struct window {
+    long page;
+    int64_t base;  /* lo rounded down to a page */
+    size_t size;   /* hi - base */
+};
+
+/* The window of [lo, hi) of the open file fd in w: 1, or 0 when the file is shorter than hi (nothing to
+ * map), or -1 when fstat failed (OSError set). */
+static int window_of(int fd, int64_t lo, int64_t hi, struct window *w) {
     struct stat st;
     if (fstat(fd, &st) != 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
-    return st.st_size >= hi;
+    if (st.st_size < hi) return 0;
+    w->page = sysconf(_SC_PAGESIZE);
+    w->base = lo - lo % w->page;
+    w->size = (size_t)(hi - w->base);
+    return 1;
 }
 
 /* What a copy returns: an OSError for errno failed; None when nothing was copied (the caller reads with
@@ -236,14 +248,12 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
         hi = at[i] > hi ? at[i] : hi;
     }
     hi += run_bytes;
-    int covers = file_covers(fd, hi);
+    struct window w;
+    int covers = window_of(fd, lo, hi, &w);
     if (covers <= 0) {
         result = covers < 0 ? NULL : Py_NewRef(Py_None);
         goto done;
     }
-    long page = sysconf(_SC_PAGESIZE);
-    int64_t base = lo - lo % page;
-    size_t span = (size_t)(hi - base);
     crcs = want_crc ? malloc(sizeof(uint32_t) * (size_t)count) : NULL;
     if (want_crc && !crcs) {
         PyErr_NoMemory();
@@ -251,36 +261,36 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
     }
     int copied = 0, failed = 0;
     Py_BEGIN_ALLOW_THREADS
-    unsigned char *map = mmap(NULL, span, PROT_READ, MAP_SHARED, fd, (off_t)base);
+    unsigned char *map = mmap(NULL, w.size, PROT_READ, MAP_SHARED, fd, (off_t)w.base);
     if (map == MAP_FAILED) {
         failed = errno;
     } else {
-        if (resident(map, span, (size_t)page)) {
+        if (resident(map, w.size, (size_t)w.page)) {
             unsigned char *dst = out.buf;
-            struct dropper drop = {map, (size_t)page, 0, 0, 0};
+            struct dropper drop = {map, (size_t)w.page, 0, 0, 0};
             Py_ssize_t i = 0;
             if (want_crc && run_bytes < 3 * LONG_BLOCK) {  /* short runs: three at a time */
                 for (; i + 3 <= count; i += 3, dst += 3 * run_bytes) {
                     uint32_t c[3] = {0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu};
                     unsigned char *d[3] = {dst, dst + run_bytes, dst + 2 * run_bytes};
-                    const unsigned char *p[3] = {map + (at[i] - base), map + (at[i + 1] - base), map + (at[i + 2] - base)};
+                    const unsigned char *p[3] = {map + (at[i] - w.base), map + (at[i + 1] - w.base), map + (at[i + 2] - w.base)};
                     copy_crc3(c, d, p, (size_t)run_bytes);
                     crcs[i] = ~c[0], crcs[i + 1] = ~c[1], crcs[i + 2] = ~c[2];
                     for (int k = 0; k < 3; k++)
-                        passed(&drop, (size_t)(at[i + k] - base), (size_t)run_bytes);
+                        passed(&drop, (size_t)(at[i + k] - w.base), (size_t)run_bytes);
                 }
             }
             for (; i < count; i++, dst += run_bytes) {
-                const unsigned char *src = map + (at[i] - base);
+                const unsigned char *src = map + (at[i] - w.base);
                 if (want_crc)
                     crcs[i] = ~copy_crc(0xFFFFFFFFu, dst, src, (size_t)run_bytes);
                 else
                     copy_plain(dst, src, (size_t)run_bytes);
-                passed(&drop, (size_t)(at[i] - base), (size_t)run_bytes);
+                passed(&drop, (size_t)(at[i] - w.base), (size_t)run_bytes);
             }
             copied = 1;
         }
-        munmap(map, span);
+        munmap(map, w.size);
     }
     Py_END_ALLOW_THREADS
     result = copy_result(failed, copied, want_crc ? crcs : NULL, count);
@@ -353,38 +363,36 @@ static PyObject *copy_spans(PyObject *self, PyObject *args) {
     }
     int copied = 1, failed = 0;
     if (hi > lo) {  /* else every span is empty: nothing to map, every CRC is 0 */
-        int covers = file_covers(fd, hi);
+        struct window w;
+        int covers = window_of(fd, lo, hi, &w);
         if (covers <= 0) {
             result = covers < 0 ? NULL : Py_NewRef(Py_None);
             goto done;
         }
-        long page = sysconf(_SC_PAGESIZE);
-        int64_t base = lo - lo % page;
-        size_t extent = (size_t)(hi - base);
         Py_BEGIN_ALLOW_THREADS
-        unsigned char *map = mmap(NULL, extent, PROT_READ, MAP_SHARED, fd, (off_t)base);
+        unsigned char *map = mmap(NULL, w.size, PROT_READ, MAP_SHARED, fd, (off_t)w.base);
         if (map == MAP_FAILED) {
             failed = errno;
         } else {
             for (Py_ssize_t i = 0; copied && i < count; i++) {
                 if (len[i] == 0) continue;
-                size_t from = (size_t)(at[i] - base) / (size_t)page * (size_t)page;
-                copied = resident(map + from, (size_t)(at[i] - base) + (size_t)len[i] - from, (size_t)page);
+                size_t from = (size_t)(at[i] - w.base) / (size_t)w.page * (size_t)w.page;
+                copied = resident(map + from, (size_t)(at[i] - w.base) + (size_t)len[i] - from, (size_t)w.page);
             }
             if (copied) {
-                struct dropper drop = {map, (size_t)page, 0, 0, 0};
+                struct dropper drop = {map, (size_t)w.page, 0, 0, 0};
                 for (Py_ssize_t i = 0; i < count; i++) {
                     if (len[i] == 0) continue;
                     unsigned char *dst = views[i].buf;
-                    const unsigned char *src = map + (at[i] - base);
+                    const unsigned char *src = map + (at[i] - w.base);
                     if (want_crc)
                         crcs[i] = ~copy_crc(0xFFFFFFFFu, dst, src, (size_t)len[i]);
                     else
                         copy_plain(dst, src, (size_t)len[i]);
-                    passed(&drop, (size_t)(at[i] - base), (size_t)len[i]);
+                    passed(&drop, (size_t)(at[i] - w.base), (size_t)len[i]);
                 }
             }
-            munmap(map, extent);
+            munmap(map, w.size);
         }
         Py_END_ALLOW_THREADS
     }
