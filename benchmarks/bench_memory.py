@@ -163,8 +163,14 @@ def recovery(gib: float, disk: str, memory_root: str, timeout_s: float) -> dict[
 
 
 # -- training-loop overhead ----------------------------------------------------------------------
-def train_ranks(rank: int, world: int, mode: str, steps: int, every: int, hidden: int, disk: str, memory_root: str) -> dict[str, float]:
-    """Seconds for ``steps`` training steps, checkpointing every ``every`` steps as ``mode`` says; and of
+MEMONLY = "memonly"
+TRAIN_MODES = ["none", "tierckpt", MEMONLY, "dcp"]
+
+
+def train_ranks(rank: int, world: int, mode: str, steps: int, every: int, hidden: int, disk: str, memory_root: str,
+                persist_every: int) -> dict[str, float]:
+    """Seconds for ``steps`` training steps, checkpointing every ``every`` steps as ``mode`` says (``memonly``:
+    tierckpt writing down only every ``persist_every``-th checkpoint, the others ``persist=False``); and of
     them, the seconds inside the checkpoint calls (``stall``) and waiting for the previous save (``wait``);
     and the CPU seconds the rank's process spent meanwhile, all its threads (``cpu``): on cores that
     training keeps busy, the background work of the saves costs the loop about what it costs in CPU."""
@@ -192,8 +198,9 @@ def train_ranks(rank: int, world: int, mode: str, steps: int, every: int, hidden
 
     def checkpoint(i: int) -> Any:
         state = {"model": model, "optim": optim}
-        if mode == "tierckpt":
-            return tierckpt.async_save(os.path.join(disk, "train-tierckpt"), state)
+        if mode in ("tierckpt", MEMONLY):
+            persist = mode == "tierckpt" or (i // every) % persist_every == 0
+            return tierckpt.async_save(os.path.join(disk, f"train-{mode}"), state, persist=persist)
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         msd, osd = get_state_dict(model, optim)
@@ -201,7 +208,7 @@ def train_ranks(rank: int, world: int, mode: str, steps: int, every: int, hidden
                               process_group=ckpt_group)
 
     def finish(handle: Any) -> None:
-        handle.wait() if mode == "tierckpt" else handle.result()
+        handle.wait() if mode != "dcp" else handle.result()
 
     for _ in range(3):  # warm-up: allocator, autograd, optimizer state, and one checkpoint
         step()
@@ -232,12 +239,11 @@ def train_ranks(rank: int, world: int, mode: str, steps: int, every: int, hidden
 
 
 def training(args: argparse.Namespace, disk: str, memory_root: str) -> dict[str, list[dict[str, float]]]:
-    out: dict[str, list[dict[str, float]]] = {"none": [], "tierckpt": [], "dcp": []}
+    out: dict[str, list[dict[str, float]]] = {mode: [] for mode in TRAIN_MODES}
     for r in range(args.repeats):
-        modes = ["none", "tierckpt", "dcp"] if r % 2 == 0 else ["dcp", "tierckpt", "none"]
-        for mode in modes:
+        for mode in TRAIN_MODES if r % 2 == 0 else TRAIN_MODES[::-1]:
             out[mode].append(C.run_ranks(train_ranks, 2, mode, args.steps, args.every, args.hidden, disk, memory_root,
-                                          timeout_s=args.timeout)[0])
+                                          args.persist_every, timeout_s=args.timeout)[0])
     return out
 
 
@@ -291,10 +297,11 @@ def training_section(args: argparse.Namespace, train: dict[str, list[dict[str, f
     base = med([r["seconds"] for r in train["none"]])
     saves = args.steps // args.every
     base_cpu = med([r["cpu"] for r in train["none"]])
-    rows = [[mode, C.runs([r["seconds"] for r in train[mode]]), f"{100 * (med([r['seconds'] for r in train[mode]]) / base - 1):+.1f} %",
+    names = {MEMONLY: f"tierckpt, 1 in {args.persist_every} written down"}
+    rows = [[names.get(mode, mode), C.runs([r["seconds"] for r in train[mode]]), f"{100 * (med([r['seconds'] for r in train[mode]]) / base - 1):+.1f} %",
              f"{1000 * med([r['stall'] for r in train[mode]]) / saves:.1f}", f"{1000 * med([r['wait'] for r in train[mode]]) / saves:.1f}",
              f"{1000 * (med([r['cpu'] for r in train[mode]]) - base_cpu) / saves:.0f}"]
-            for mode in ("none", "tierckpt", "dcp")]
+            for mode in TRAIN_MODES]
     return [f"Training loop, {args.steps} steps, a checkpoint every {args.every} (seconds, all repeats; overhead against "
             "no checkpoint; per checkpoint, rank 0's milliseconds inside the checkpoint call and waiting for the "
             "previous save, and the CPU milliseconds its process spent beyond the loop without checkpoints, all "
@@ -306,7 +313,7 @@ def report(args: argparse.Namespace, saves: list[dict[str, Any]], rec: dict[str,
     save_table, *memory_table = save_section(saves) or [None]
     sections = [
         f"`python benchmarks/bench_memory.py --gib {args.gib} --repeats {args.repeats} --steps {args.steps} "
-        f"--every {args.every} --hidden {args.hidden}` (2 ranks, each its own simulated node; medians of "
+        f"--every {args.every} --hidden {args.hidden} --persist-every {args.persist_every}` (2 ranks, each its own simulated node; medians of "
         f"{args.repeats}).\n\n{C.machine_info(disk)}",
         save_table, *recovery_section(rec), *training_section(args, train), *memory_table,
     ]
@@ -320,6 +327,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--persist-every", type=int, default=4,
+                    help="the training loop's memory-only mode writes down every N-th checkpoint (persist=False between)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds any one group of ranks may take")
     ap.add_argument("--parts", default="save,recovery,training",
                     help="comma-separated parts to run (save, recovery, training); recovery needs save")

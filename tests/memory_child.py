@@ -87,3 +87,18 @@ def ranks_disagree_on_the_tier(path: str, config: Any) -> str:
     except CheckpointError as exc:
         return str(exc)
     raise AssertionError("a save with the memory tier on for some ranks only succeeded")
+
+
+def ranks_disagree_on_persist(path: str, config: Any) -> str:
+    """Rank 0 saves with ``persist=False``, the others with ``persist=True``: every rank gets the same
+    error before anything is written; returns the error's message."""
+    import torch.distributed as dist
+
+    import tierckpt
+    from tierckpt.errors import CheckpointError
+
+    try:
+        tierckpt.save(path, {"w": torch.ones(8, 8)}, storage_options={"memory": config}, persist=dist.get_rank() != 0)
+    except CheckpointError as exc:
+        return str(exc)
+    raise AssertionError("a save with persist=False on some ranks only succeeded")

@@ -132,11 +132,12 @@ def main(spec: dict) -> None:
         started = time.monotonic()
         modules = spec["layout"] in ("fsdp2", "ddp")
         saved = model_state(spec["layout"], save["seed"], spec["expected"]) if modules else state(spec["layout"], save["seed"])
-        handle = tierckpt.async_save(save["uri"], saved)
+        handle = tierckpt.async_save(save["uri"], saved, persist=save.get("persist", True))
         try:
             for level in save["level"] if isinstance(save["level"], list) else [save["level"]]:
                 meta = handle.wait(level, timeout_s=60)
-            out["saves"][save["uri"]] = {"ok": True, "generation": meta.generation}
+            out["saves"][save["uri"]] = {"ok": True, "generation": meta.generation,
+                                         "at_uri": os.path.exists(os.path.join(save["uri"], "COMMIT"))}
         except Exception as exc:  # noqa: BLE001 - reported to the test
             out["saves"][save["uri"]] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         out["saves"][save["uri"]]["seconds"] = time.monotonic() - started

@@ -138,6 +138,18 @@ def test_a_lost_node_is_rebuilt_from_its_peer_and_the_survivor_reshards(workdir:
     assert_exact(alone, uri)
 
 
+def test_a_memory_only_checkpoint_is_replicated_and_recovers_after_a_node_loss(workdir: Path) -> None:
+    """``persist=False``: nothing reaches where the URI points, yet the checkpoint reaches ``replicated`` and
+    the surviving node alone (2 ranks, resharded to plain tensors) loads it bit-exact from its memory."""
+    uri = uri_of(workdir, 1)
+    saved = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "shard",
+                saves=[{"uri": uri, "seed": 1, "level": "replicated", "persist": False}]).wait()
+    assert all(r["saves"][uri]["ok"] and not r["saves"][uri]["at_uri"] for r in saved), saved
+    assert not Path(uri).exists()
+    lose(workdir, "node-0")
+    assert_exact(Job(workdir, ["node-1", "node-1"], "replicate", loads=[{"uri": uri, "seed": 1}]).wait(), uri)
+
+
 def test_a_node_lost_during_replication_keeps_the_previous_checkpoint(workdir: Path) -> None:
     old, new = uri_of(workdir, 1), uri_of(workdir, 2)
     job = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "shard", kill_rank=2, saves=[

@@ -13,7 +13,9 @@ Lifecycle of :meth:`CheckpointManager.save` (every rank of the group):
 3. Once that checkpoint is committed, rank 0 points ``LATEST`` at it and applies retention:
    keep the newest ``keep_last`` steps and every step divisible by ``keep_every``; the newest
    committed step is never deleted, and without ``keep_last`` nothing is (:func:`tierckpt.layout.retention`).
-   With the node memory tier on, the newest step every node records ``replicated`` is kept too.
+   With the node memory tier on, the newest step every node records ``replicated`` is kept too, and so
+   is the newest step committed where the root points (so that a node lost before a newer step is
+   written down still leaves one there).
    For an async save this happens when its handle is waited on (:meth:`wait`, the next :meth:`save`,
    or :meth:`load_latest`).
 
@@ -24,6 +26,11 @@ even while the remote is down (``LATEST`` is then read where it can be, else the
 :meth:`levels` reports each durability level of a step. :meth:`load_latest` resumes from the newest
 step the group can load: one whose files are reachable nowhere (a node lost before its files reached a
 peer or the remote) is skipped, with a warning, for the next older one.
+
+``persist_every`` (node memory tier on): every step the manager saves goes into node memory (and to the
+peers), but only steps that are a multiple of ``persist_every`` (or of ``keep_every``) are written where
+the root points; the others are saved with ``persist=False`` (:func:`tierckpt.save`). ``LATEST`` names
+the newest step written there; :meth:`latest` also sees the newer steps this node's memory holds.
 """
 
 from __future__ import annotations
@@ -66,9 +73,13 @@ class CheckpointManager:
         use_async: bool = False,
         group: dist.ProcessGroup | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        persist_every: int | None = None,
     ) -> None:
-        if save_every < 1 or (keep_last is not None and keep_last < 1) or (keep_every is not None and keep_every < 1):
-            raise CheckpointError("save_every, keep_last and keep_every must be positive integers (or None to keep all)")
+        if save_every < 1 or any(n is not None and n < 1 for n in (keep_last, keep_every, persist_every)):
+            raise CheckpointError(
+                "save_every, keep_last, keep_every and persist_every must be positive integers (or None: keep "
+                "all, persist all)"
+            )
         self.root_uri = root_uri.rstrip("/")
         self.save_every = save_every
         self.keep_last = keep_last
@@ -76,7 +87,14 @@ class CheckpointManager:
         self.use_async = use_async
         self.group = group
         self.storage_options = dict(storage_options or {})
-        self._pending: tuple[int, SaveHandle] | None = None
+        self.persist_every = persist_every
+        if persist_every is not None and not self._memory_on():
+            raise CheckpointError(
+                f"CheckpointManager({self.root_uri!r}, persist_every={persist_every}) keeps the steps between "
+                "persisted ones in the node memory tier, and it is off for this root: turn it on "
+                "(TIERCKPT_MEMORY=on or storage_options memory=True) or leave persist_every unset"
+            )
+        self._pending: tuple[int, SaveHandle, bool] | None = None
         self._replicated: int | None = None
         """The newest step of this manager's saves that every rank's node records ``replicated`` (memory
         tier on): retention keeps it whatever ``keep_last`` says."""
@@ -88,17 +106,29 @@ class CheckpointManager:
         """Where a save of ``step`` goes: ``<root>/step-00000100``."""
         return f"{self.root_uri}/{layout.step_name(step)}"
 
+    def persists(self, step: int) -> bool:
+        """Whether a save of ``step`` is written where the root points (see ``persist_every``)."""
+        every = self.persist_every
+        return every is None or step % every == 0 or (self.keep_every is not None and step % self.keep_every == 0)
+
     def _committed_names(self) -> dict[int, str]:
         """Committed step -> its directory (``step-00000100``, or ``step-100`` made by hand; padded wins), in
         the root's listing and in this node's memory tier (the listing may fail while the tier answers)."""
-        in_memory = memory_keys_under(self.root_uri, self.storage_options.get("memory"))
+        in_memory = self._memory_keys()
         try:
-            keys = get_scheduler().run(self._backend().list(""))
+            keys = self._listed()
         except TransientStorageError:
             if not in_memory:
                 raise
             keys = []
         return layout.by_step(layout.committed_children(sorted(set(keys) | set(in_memory))))
+
+    def _memory_keys(self) -> list[str]:
+        return memory_keys_under(self.root_uri, self.storage_options.get("memory"))
+
+    def _listed(self) -> list[str]:
+        """The root's listing: where the root points (through the node cache, when there is one)."""
+        return get_scheduler().run(self._backend().list(""))
 
     def _memory_on(self) -> bool:
         return memory_config_for(self.root_uri, self.storage_options.get("memory")) is not None
@@ -116,13 +146,14 @@ class CheckpointManager:
             return False
         self._agree_replicated()
         self.wait()
-        common = dict(group=self.group, storage_options=self.storage_options, **options)
+        persist = bool(options.pop("persist", self.persists(step)))
+        common = dict(group=self.group, storage_options=self.storage_options, persist=persist, **options)
         self._awaiting = [*self._awaiting, step][-AWAITED_STEPS:]
         if self.use_async:
-            self._pending = (step, async_save(self.uri_of(step), state, **common))
+            self._pending = (step, async_save(self.uri_of(step), state, **common), persist)
         else:
             save(self.uri_of(step), state, **common)
-            self._after_commit(step)
+            self._after_commit(step, persist)
         return True
 
     def _agree_replicated(self) -> None:
@@ -154,17 +185,18 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until an async save in flight is committed, then update ``LATEST`` and retention."""
         if self._pending is not None:
-            step, handle = self._pending
+            step, handle, persist = self._pending
             self._pending = None
             handle.wait()
-            self._after_commit(step)
+            self._after_commit(step, persist)
 
     def wait_durable(self, timeout_s: float | None = None) -> None:
         """Block until the save in flight is committed and every checkpoint and ``LATEST`` written through
-        this node are durable where the root points (on a remote behind the node cache: uploaded)."""
+        this node are durable where the root points (on a remote behind the node cache: uploaded); a step
+        saved to memory only (``persist_every``) is not waited for."""
         pending = self._pending
         self.wait()
-        if pending is not None:
+        if pending is not None and pending[2]:
             pending[1].wait_durable(timeout_s)
         durable = durability_of(self._backend())
         if durable is not None:
@@ -186,10 +218,13 @@ class CheckpointManager:
         return sorted(found)
 
     def latest(self) -> int | None:
-        """The newest committed step: ``LATEST`` if it names a committed step, else the newest found."""
+        """The newest committed step: ``LATEST`` if it names a committed step, else the newest found; with
+        the node memory tier on, a newer step committed in this node's memory wins (``LATEST`` names the
+        newest step written where the root points)."""
         pointed = self._pointed_step()
         if pointed is not None and self._committed(pointed):
-            return pointed
+            in_memory = layout.by_step(layout.committed_children(self._memory_keys()))
+            return max([pointed, *in_memory])
         steps = self.steps()
         return steps[-1] if steps else None
 
@@ -257,27 +292,33 @@ class CheckpointManager:
             return step
         return None  # not reached: the last candidate either loads or raises
 
-    def _after_commit(self, step: int) -> None:
+    def _after_commit(self, step: int, persisted: bool) -> None:
         if Comm(self.group).rank != 0:
             return
         backend = self._backend()
         sched = get_scheduler()
         try:
-            sched.run(backend.commit(LATEST, json.dumps({"step": step}).encode()))
+            if persisted:
+                sched.run(backend.commit(LATEST, json.dumps({"step": step}).encode()))
+            if self.keep_last is None:
+                return  # no keep_last: every checkpoint is kept
+            listed = self._listed()
         except TransientStorageError as exc:
             if not self._memory_on():
                 raise
             # The step is committed in node memory; without LATEST the newest committed step is the latest.
-            log.warning("%s: LATEST not updated to step %d (the store is unreachable: %s)", self.root_uri, step, exc)
+            log.warning("%s: LATEST and retention not updated after step %d (the store is unreachable: %s)",
+                        self.root_uri, step, exc)
             return
-        if self.keep_last is None:
-            return  # no keep_last: every checkpoint is kept
-        names = self._committed_names()
-        found = {s: names.get(s, layout.step_name(s)) for s in set(self.steps()) | {step}}
+        below = layout.by_step(layout.committed_children(listed))
+        names = layout.by_step(layout.committed_children(sorted(set(listed) | set(self._memory_keys()))))
+        found = {s: names.get(s, layout.step_name(s)) for s in set(names) | {step}}
         # Steps are unique here, so no commit time is needed to order them (0.0).
         keep = layout.retention([(s, 0.0, n) for s, n in found.items()], self.keep_last, self.keep_every)
         if self._replicated in found:
             keep.add(found[self._replicated])  # the newest step whole in memory on every node (_agree_replicated)
+        if below and self._memory_on():
+            keep.add(below[max(below)])  # the newest step where the root points, until a newer one is there
         for name in sorted(n for n in found.values() if n not in keep):
             # The root's store also drops what the step's own URI still has pending in the node cache.
             sched.run(backend.delete_prefix(f"{name}/"))

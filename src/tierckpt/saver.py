@@ -243,12 +243,14 @@ class _Prepared:
     """Return at node commit and upload behind (``async_save``); else wait until the store is durable."""
     replication: Replication
     """Peer replication of the generation once committed (a no-op without a memory tier or torch.distributed)."""
+    persist: bool
+    """Written down where the URI points; ``False``: held in the node memory tier (and on the peers) only."""
 
 
 def _prepare(
     uri: str, state: Mapping[str, Any], group: dist.ProcessGroup | None, storage_options: Mapping[str, Any] | None,
     tags: Mapping[str, str] | None, keep_previous: bool, align_bytes: int, monitor: Monitor,
-    collective_timeout_s: float | None, write_back: bool,
+    collective_timeout_s: float | None, write_back: bool, persist: bool,
 ) -> _Prepared:
     _raise_unreported()
     comm = Comm(group)
@@ -264,10 +266,13 @@ def _prepare(
         # One collective agrees that every rank could prepare its state and carries each rank's
         # plan-cache digest and object digests, and rank 0's name for the new generation.
         (flat, offers, encoded), agreement = comm.exchange_agreed(
-            lambda: _offer(state, base, memory_tier_of(backend) is not None), "preparing the state to save"
+            lambda: _offer(state, base, memory_tier_of(backend) is not None, persist), "preparing the state to save"
         )
         _check_tiers_agree(uri, [a[3] for a in agreement])
+        _check_persist(uri, [a[4] for a in agreement], memory_tier_of(backend) is not None)
         generation = agreement[0][2]
+        if not persist:
+            backend.keep_in_memory(generation)  # type: ignore[attr-defined]  # a MemoryLink (_check_persist)
         digests = [a[0] for a in agreement]
         plan_key = (_group_key(group), align_bytes)
         cached = _PROCESS.plans.get(plan_key)
@@ -286,16 +291,18 @@ def _prepare(
         uri=uri, comm=comm, backend=backend, flat=flat, encoded=encoded, plan=plan, owners=owners,
         generation=generation, started=started, monitor=monitor, tags=dict(tags or {}), keep_previous=keep_previous,
         base=base, write_back=write_back, replication=Replication(uri, tier, replicator, not_replicated),
+        persist=persist,
     )
 
 
 def _offer(
-    state: Mapping[str, Any], base: concurrent.futures.Future[bytes | None] | None, memory_tier: bool,
+    state: Mapping[str, Any], base: concurrent.futures.Future[bytes | None] | None, memory_tier: bool, persist: bool,
 ) -> tuple[tuple[FlatState, list[LocalPiece], dict[str, tuple[bytes, str]]],
-           tuple[str, dict[str, tuple[int, int]], str | None, bool]]:
+           tuple[str, dict[str, tuple[int, int]], str | None, bool, bool]]:
     """Flatten and encode this rank's state: ``(kept, shared)``, shared being the plan-cache digest of
     the offered pieces, ``(crc, size)`` of each encoded object, rank 0's generation proposal (named
-    after the base ``COMMIT``'s sequence) and whether this rank's chain has the node memory tier."""
+    after the base ``COMMIT``'s sequence), whether this rank's chain has the node memory tier and its
+    ``persist``."""
     flat = flatten_state(state, for_load=False)
     offers = [
         LocalPiece(fqn=e.fqn, dtype=dtype_name(e.tensor.dtype), shape=e.shape, region=e.region)
@@ -304,7 +311,7 @@ def _offer(
     encoded = {key: encode_object(entry.value) for key, entry in flat.objects.items()}
     digests = {key: (crc32c.crc32c(data), len(data)) for key, (data, _) in encoded.items()}
     proposal = None if base is None else layout.new_generation(layout.next_seq(base.result()))
-    return (flat, offers, encoded), (offers_digest([offers]), digests, proposal, memory_tier)
+    return (flat, offers, encoded), (offers_digest([offers]), digests, proposal, memory_tier, persist)
 
 
 def _check_tiers_agree(uri: str, memory_tier: list[bool]) -> None:
@@ -317,6 +324,24 @@ def _check_tiers_agree(uri: str, memory_tier: list[bool]) -> None:
         raise CheckpointError(
             f"ranks disagree on the node memory tier for {uri!r}: on for ranks {on}, off for ranks {off}; "
             "set TIERCKPT_MEMORY (or storage_options memory=) the same on every rank"
+        )
+
+
+def _check_persist(uri: str, persist: list[bool], memory_tier: bool) -> None:
+    """``persist=False`` needs the node memory tier, and every rank must pass the same ``persist``: a
+    checkpoint half written down would be committed below with files missing there. Raised on every rank
+    (the flags came with the agreement), before anything is written."""
+    if all(persist):
+        return
+    if not memory_tier:
+        raise CheckpointError(
+            f"save to {uri!r} with persist=False keeps the checkpoint in the node memory tier only, and {uri!r} "
+            "has none: turn it on (TIERCKPT_MEMORY=on or storage_options memory=True) or save with persist=True"
+        )
+    if any(persist):
+        raise CheckpointError(
+            f"ranks disagree on persist for {uri!r}: True for ranks {[r for r, f in enumerate(persist) if f]}, "
+            f"False for ranks {[r for r, f in enumerate(persist) if not f]}; pass the same value on every rank"
         )
 
 
@@ -617,7 +642,7 @@ def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None
                 "job's checkpoint is intact. Give concurrent jobs different URIs"
             ) from exc
     durable = durability_of(backend)
-    if durable is not None and not p.write_back:  # a synchronous save commits where the URI points
+    if durable is not None and not p.write_back and p.persist:  # a synchronous save commits where the URI points
         sched.run(durable.wait_durable(gen, None, through_outage=False))
 
 
@@ -645,6 +670,7 @@ def save(
     monitor: Monitor | None = None,
     collective_timeout_s: float | None = None,
     replicated: bool = False,
+    persist: bool = True,
 ) -> CheckpointMeta:
     """Save ``state`` to ``uri``; return once the checkpoint is committed (on every rank).
 
@@ -652,6 +678,11 @@ def save(
     in the background; ``replicated=True`` also waits for it and raises
     :class:`~tierckpt.tiers.replication.ReplicationError` naming the reason when this node's files did
     not reach the level ``replicated``.
+
+    ``persist=False`` (node memory tier on) keeps the checkpoint in the node memory tier and on the peers
+    only: nothing is written where the URI points until ``tierckpt sync URI`` (or :func:`tierckpt.sync`),
+    eviction may drop it once newer checkpoints need the room, and ``wait("remote")`` raises. For saving
+    to memory often and persisting every N-th checkpoint (:class:`CheckpointManager` ``persist_every``).
 
     ``keep_previous=True`` keeps the generation that the previous commit named (otherwise it and any
     other superseded generation under ``uri`` are deleted in the background once the new commit is
@@ -664,7 +695,7 @@ def save(
     if previous is not None and not previous.done():
         previous.wait()
     p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor, collective_timeout_s,
-                 write_back=False)
+                 write_back=False, persist=persist)
     with monitor.phase("stage"):
         stream = p.comm.run_agreed(lambda: _stream_direct(p), f"writing checkpoint {uri!r}")
     meta = _finish(p, stream, p.comm)
@@ -687,6 +718,7 @@ def async_save(
     if_busy: Literal["wait", "error"] = "wait",
     monitor: Monitor | None = None,
     collective_timeout_s: float | None = None,
+    persist: bool = True,
 ) -> SaveHandle:
     """Snapshot ``state`` and save it in the background; training may mutate it once this returns.
 
@@ -694,7 +726,7 @@ def async_save(
     (default: the rank's share of the checkpoint); a larger state streams through it, and the call
     returns once the last bytes are copied. One save per ``uri`` is in flight: with
     ``if_busy="wait"`` (default) a new one waits for the previous, with ``"error"`` it raises
-    :class:`CheckpointBusyError`.
+    :class:`CheckpointBusyError`. ``persist=False``: held in the node memory tier only (see :func:`save`).
     """
     monitor = monitor or Monitor()
     previous = _PROCESS.in_flight.get(uri)
@@ -703,7 +735,7 @@ def async_save(
             raise CheckpointBusyError(f"an async save to {uri!r} is still in flight; wait() for it or pass if_busy='wait'")
         previous.wait()
     p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor, collective_timeout_s,
-                 write_back=True)
+                 write_back=True, persist=persist)
     _PROCESS.staging_lock.acquire()  # the staging buffer serves one save at a time
     try:
         # No collective after the copy: each rank returns to training as soon as its own copy is done.

@@ -9,7 +9,9 @@ kept in the tier, one append-only log per generation::
 
 ``op`` is ``start`` (a process began copying ``key`` down), ``done`` (the chain below acknowledged it),
 ``error`` (an attempt failed transiently and the process retries; ``error`` says why) or ``failed`` (it
-failed for good). Each line is one ``write`` on an ``O_APPEND`` file,
+failed for good). Two ops name the whole generation (``key`` is the generation): ``memory-only`` (saved
+with ``persist=False``: kept in the node memory tier, and on the peers, and not written down until a
+``sync``) and ``persist`` (a ``sync`` took it down after all). Each line is one ``write`` on an ``O_APPEND`` file,
 so lines of concurrent processes never interleave. A key started by a process that is gone and never
 done is nobody's: ``sync`` (or the commit's write-down) copies it.
 """
@@ -27,6 +29,10 @@ from ..backends.base import Backend
 from ..layout import COMMIT, is_generation
 from .eviction import copy_id
 from .memory import MemoryTier, NodeMemory
+
+
+MEMORY_ONLY = "memory-only"
+PERSIST = "persist"
 
 
 def generation_of(key: str) -> str | None:
@@ -51,6 +57,8 @@ class DownState:
     """Keys a live process is copying right now -> its pid."""
     errors: dict[str, str] = field(default_factory=dict)
     """Keys whose last copy failed (and are not done) -> why."""
+    memory_only: bool = False
+    """Saved with ``persist=False`` and not synced since: nobody writes it down, eviction may drop it."""
 
 
 class DownLog:
@@ -99,6 +107,8 @@ class DownLog:
             elif op == "failed":  # for good: nobody copies it until a sync
                 out.errors[key] = str(event.get("error"))
                 started.pop(key, None)
+            elif op in (MEMORY_ONLY, PERSIST):
+                out.memory_only = op == MEMORY_ONLY
         out.busy = {k: p for k, p in started.items() if k not in out.done and pid_alive(p)}
         return out
 
@@ -124,16 +134,19 @@ class DownLog:
             keys.append(COMMIT)
         return keys
 
-    def held_below(self, generation: str) -> bool:
+    def held_below(self, generation: str, state: DownState | None = None) -> bool:
         """Whether the chain below holds every file of ``generation`` that the tier holds (and its COMMIT)."""
-        return not self.pending(generation)
+        return not self.pending(generation, state)
 
 
 def durable_copies(memory: NodeMemory, tiers: Iterable[MemoryTier] | None = None) -> set[str]:
     """Copy ids (see :func:`~.eviction.copy_id`) of every generation in the node's tier that the chain
-    below its link holds whole: what eviction may drop."""
+    below its link holds whole, or that was saved to be held in memory only: what eviction may drop."""
     out: set[str] = set()
     for tier in tiers if tiers is not None else memory.tiers():
         log = DownLog(tier)
-        out.update(copy_id(tier.uri, g) for g in tier.generations() if log.held_below(g))
+        for generation in tier.generations():
+            state = log.state(generation)
+            if state.memory_only or log.held_below(generation, state):
+                out.add(copy_id(tier.uri, generation))
     return out

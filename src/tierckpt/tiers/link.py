@@ -11,7 +11,10 @@ arrives). A generation that does not fit raises :class:`~.config.MemoryTierFullE
 it had written). Every file put into the tier is then copied down in the background (the
 *write-down*, logged in :mod:`.downlog`); a ``COMMIT`` is committed in the tier, and committed below
 only after every file it depends on (``after=``) is there, as a compare-and-swap against the base
-the saver gave (``expected=``). Other keys pass straight through to the chain below.
+the saver gave (``expected=``). Other keys pass straight through to the chain below. A generation
+the saver marked :meth:`~MemoryLink.keep_in_memory` (``persist=False``) is not written down at all:
+it stays in the tier (and on the peers) until ``sync`` takes it down, eviction may drop it, and it
+must fit (:class:`~.config.MemoryTierFullError` whatever ``on_full`` says).
 
 Reads take a generation's file from the tier when it is complete there and the generation is
 committed in the tier, sealed there (a manifest lists it, with its size checked), or written by this
@@ -34,12 +37,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..backends.base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Segment, Unconditional, commit_refused
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError
 from ..keys import validate_key
 from ..layout import COMMIT, CommitRecord, is_generation
 from ..node import node_id
-from .config import MemoryConfig
-from .downlog import DownLog, durable_copies, generation_of, write_back_of
+from .config import MemoryConfig, MemoryTierFullError
+from .downlog import MEMORY_ONLY, DownLog, durable_copies, generation_of, write_back_of
 from .linkstatus import LinkStatus, link_status
 from .mapped import MappedFile, is_spare, open_mapped, prepare_in_background
 from .memory import IncomingFile, MemoryTier, NodeMemory
@@ -157,6 +160,8 @@ class MemoryLink(Backend):
         """Keys of async saves that found no spare -> the size of the spare to make once they are written."""
         self.fallback: dict[str, str] = {}
         """Generations written to the chain below because the tier was full -> why."""
+        self.memory_only: set[str] = set()
+        """Generations this process saves with ``persist=False`` (:meth:`keep_in_memory`)."""
 
     def __repr__(self) -> str:
         return f"MemoryLink({self.below!r}, tier={self.memory_tier.home!r})"
@@ -177,6 +182,11 @@ class MemoryLink(Backend):
 
         def admit() -> bool:
             admission = self.memory.admit(self.memory_tier.uri, generation, nbytes, lambda: durable_copies(self.memory))
+            if not admission.fits and generation in self.memory_only:
+                raise MemoryTierFullError(
+                    f"{self.memory_tier.uri} {generation} was saved with persist=False (the node memory tier only) "
+                    f"and does not fit: {admission.reason}. Save it with persist=True, or raise the budget"
+                )
             if not admission.fits:
                 self.fallback[generation] = admission.reason or "the memory tier is full"
                 log.warning("%s %s goes to the next tier: %s", self.memory_tier.uri, generation, admission.reason)
@@ -187,10 +197,18 @@ class MemoryLink(Backend):
 
         return await asyncio.to_thread(admit)
 
+    def keep_in_memory(self, generation: str) -> None:
+        """Hold ``generation`` in the node memory tier (and on the peers) only: none of its files, nor its
+        ``COMMIT``, is written down until a ``sync``. Logged for the node's other processes, ``status`` and
+        eviction (which may drop it like a copy held below). Called by the saver before any file is written."""
+        self.memory_only.add(generation)
+        self.down.append(generation, MEMORY_ONLY, generation)
+
     def _wrote(self, key: str) -> None:
-        """``key`` is complete in the tier: remember it and start copying it down."""
+        """``key`` is complete in the tier: remember it and start copying it down (unless memory-only)."""
         self._written.add(key)
-        self.writedown.file(key)
+        if generation_of(key) not in self.memory_only:
+            self.writedown.file(key)
         wanted = self.spare_wanted.pop(key, None)
         if wanted is not None:
             prepare_in_background(self, wanted)
@@ -244,7 +262,18 @@ class MemoryLink(Backend):
                 raise commit_refused(self.uri_of(key), expected, current)
         tier_current = await asyncio.to_thread(self._tier_commit_bytes)
         await self.memory_tier.commit(COMMIT, data, expected=tier_current)
-        self.writedown.commit(data, record, expected, after)
+        if record.generation in self.memory_only:
+            await self.seal(record.generation)  # what the write-down of the commit does first
+        else:
+            self.writedown.commit(data, record, expected, after)
+
+    async def seal(self, generation: str) -> None:
+        """Record the manifest of the node's files of ``generation`` (all ranks wrote them before the commit),
+        so a restart and eviction see it whole."""
+        try:
+            await asyncio.to_thread(self.memory_tier.seal, generation, origin=self.origin)
+        except CheckpointError as exc:  # reads then go below for other processes' files; nothing is lost
+            log.warning("cannot seal %s %s in the memory tier: %s", self.memory_tier.uri, generation, exc)
 
     # -- reads -----------------------------------------------------------------------------------------
     def _tier_commit_bytes(self) -> bytes | None:
@@ -368,13 +397,15 @@ class MemoryLink(Backend):
         """Drop ``what`` (a key, or a prefix) from the tier now and from the chain below once no pending
         ``COMMIT`` write-down can still name it there."""
         await self.writedown.cancel(what, exact=exact)
+        generation = generation_of(what) or (what.rstrip("/") if is_generation(what.rstrip("/")) else None)
+        whole = not exact and generation is not None and generation == what.rstrip("/")
+        tier_only = whole and await asyncio.to_thread(self._newest_is_memory_only)
         if exact:
             await self.memory_tier.delete(what)
             self._written.discard(what)
             self._readable.discard(what)
         else:
-            generation = generation_of(what) or (what.rstrip("/") if is_generation(what.rstrip("/")) else None)
-            if generation is not None and generation == what.rstrip("/"):
+            if whole:
                 # A whole generation (the sweep's superseded one): evicted, its unread pages to the pool.
                 await asyncio.to_thread(self.memory.retire, self.memory_tier, generation)
             else:
@@ -390,9 +421,18 @@ class MemoryLink(Backend):
                 await asyncio.to_thread(self.down.forget, gen)
         if not exact:
             await self._delete_nested(what)
+        if tier_only:
+            return  # the chain below still serves its own newest commit, whichever generation that is
         await self.writedown.after_commits(
             (lambda: self.below.delete(what)) if exact else (lambda: self.below.delete_prefix(what))
         )
+
+    def _newest_is_memory_only(self) -> bool:
+        """Whether the tier's ``COMMIT`` names a generation saved with ``persist=False``: the chain below
+        then still holds an older commit, and a superseded generation (the sweep's) is dropped from the
+        tier only — deleting it below could take the files of the commit the chain below names."""
+        record = self.memory_tier.committed()
+        return record is not None and self.down.state(record.generation).memory_only
 
     async def _delete_nested(self, prefix: str) -> None:
         """Drop from the node's tier every URI rooted under ``prefix`` of this one (a root deleting a

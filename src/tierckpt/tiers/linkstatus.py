@@ -37,6 +37,9 @@ class LinkStatus(StoreStatus):
     """Whether the node disk cache holds the generation committed (``None``: the chain has no disk cache)."""
     written_down: bool = False
     """Whether the chain below the memory tier holds every file of the generation and its ``COMMIT``."""
+    memory_only: bool = False
+    """The generation was saved with ``persist=False``: held in memory (and on the peers) only, not written
+    down until ``tierckpt sync``."""
 
     @property
     def in_memory(self) -> bool:
@@ -45,7 +48,9 @@ class LinkStatus(StoreStatus):
     def levels(self) -> list[tuple[str, bool, str]]:
         """``(level, reached, detail)`` for memory, replicated, local and remote, in that order."""
         remote_detail = (
-            f"the remote's COMMIT names {self.remote_generation}" if self.remote_generation
+            f"held in memory only (saved with persist=False); `tierckpt sync {self.uri}` writes it down"
+            if self.memory_only and self.in_memory
+            else f"the remote's COMMIT names {self.remote_generation}" if self.remote_generation
             else f"the remote cannot be read: {self.remote_error}" if self.remote_error else "the remote has no COMMIT"
         )
         return [
@@ -55,7 +60,9 @@ class LinkStatus(StoreStatus):
              else self.replica_reason or "no replication recorded"),
             (Level.LOCAL.value, bool(self.node_disk),
              "no node disk cache in the chain" if self.node_disk is None
-             else "committed in the node disk cache" if self.node_disk else "not in the node disk cache yet"),
+             else "committed in the node disk cache" if self.node_disk
+             else "held in memory only (saved with persist=False)" if self.memory_only and self.in_memory
+             else "not in the node disk cache yet"),
             (Level.REMOTE.value, self.committed_on_remote,
              "committed on the remote" if self.committed_on_remote else remote_detail),
         ]
@@ -78,8 +85,10 @@ async def link_status(link: MemoryLink) -> LinkStatus:
         generation = below_generation
     pending: list[str] = []
     errors: list[str] = []
+    memory_only = False
     if memory_generation is not None:
         state = await asyncio.to_thread(down.state, memory_generation)
+        memory_only = state.memory_only
         pending = await asyncio.to_thread(down.pending, memory_generation, state)
         errors = [f"{k}: {why}" for k, why in sorted(state.errors.items())]
     written_down = generation is not None and (generation != memory_generation or not pending)
@@ -107,6 +116,7 @@ async def link_status(link: MemoryLink) -> LinkStatus:
         replica_reason=None if replica is None else replica.reason,
         node_disk=None if below is None else below.generation == generation,
         written_down=written_down,
+        memory_only=memory_only,
     )
 
 

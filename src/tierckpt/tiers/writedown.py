@@ -35,7 +35,7 @@ from ..io.scheduler import get_scheduler
 from ..layout import COMMIT, CommitRecord
 from ..retry import backoff_s
 from .config import DIR_ENV
-from .downlog import generation_of, write_back_of
+from .downlog import PERSIST, generation_of, write_back_of
 
 if TYPE_CHECKING:
     from .link import MemoryLink
@@ -177,10 +177,7 @@ class WriteDown:
         if job.dropped:
             return
         tier, generation = self.link.memory_tier, record.generation
-        try:
-            await asyncio.to_thread(tier.seal, generation, origin=self.link.origin)
-        except CheckpointError as exc:  # reads then go below for other processes' files; nothing is lost
-            log.warning("cannot seal %s %s in the memory tier: %s", tier.uri, generation, exc)
+        await self.link.seal(generation)
         need: dict[str, int | None] = dict.fromkeys(await asyncio.to_thread(tier.keys_of, generation))
         need.update(after or {})
         await self._ensure_below(generation, need, job)
@@ -257,6 +254,11 @@ class WriteDown:
         ``through_outage``, and :class:`TransientStorageError` at ``timeout_s``."""
         link = self.link
         name = None if generation is None else generation.rstrip("/").rpartition("/")[2]
+        if name is not None and (await asyncio.to_thread(link.down.state, name)).memory_only:
+            raise CheckpointError(
+                f"{link.memory_tier.uri} {name} was saved with persist=False: it is held in node memory (and on the "
+                f"peers) only and is not written down where its URI points. To write it down, run: {sync_command(link)}"
+            )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pause = _POLL_S
         while True:
@@ -312,6 +314,9 @@ class WriteDown:
             return
         generation = record.generation
         state = await asyncio.to_thread(down.state, generation)
+        if state.memory_only:  # saved with persist=False: a sync takes it down after all
+            await asyncio.to_thread(down.append, generation, PERSIST, generation)
+            self.link.memory_only.discard(generation)
         for key in await asyncio.to_thread(down.pending, generation, state):
             if key != COMMIT and key not in state.busy and not _running(self.files.get(key)):
                 self.file(key)
