@@ -160,3 +160,46 @@ def test_manager_persists_every_nth_step_and_keeps_the_newest_persisted(tmp_path
 def test_manager_persist_every_needs_the_memory_tier(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="persist_every.*TIERCKPT_MEMORY=on"):
         CheckpointManager(str(tmp_path / "run"), persist_every=4, storage_options={"memory": False})
+
+
+def test_persisted_after_memory_only_saves_to_one_uri_catches_the_uri_up(tmp_path: Path, memdir: Path) -> None:
+    """Persisted, memory-only, memory-only, persisted to one URI (a loop writing down every third save):
+    the last one's write-down replaces the older commit where the URI points; the memory-only generations
+    never reach it."""
+    path, opts = tmp_path / "ckpt", mem(memdir)
+    metas = []
+    for i, persist in enumerate([True, False, False, True]):
+        handle = tierckpt.async_save(str(path), state(i), storage_options=opts, persist=persist)
+        metas.append(handle.wait())
+        if persist:
+            handle.wait("remote", timeout_s=60)
+    wait_pending()
+    assert layout.CommitRecord.decode((path / layout.COMMIT).read_bytes()).generation == metas[3].generation
+    assert not (path / metas[1].generation).exists() and not (path / metas[2].generation).exists()
+    assert same(loaded(str(path), {"memory": False}), state(3))
+
+
+def test_a_failed_commit_write_down_keeps_the_generation_the_uri_still_names(
+    tmp_path: Path, memdir: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sweep of the superseded generation reaches where the URI points only after the newer COMMIT
+    is written down there: when that write-down failed for good, the older generation, still named by
+    the COMMIT there, stays whole (a leftover, never a COMMIT naming deleted files)."""
+    from tierckpt.errors import StorageError
+    from tierckpt.tiers.writedown import WriteDown
+
+    path, opts = tmp_path / "ckpt", mem(memdir)
+    first = tierckpt.save(str(path), state(1), storage_options=opts)
+
+    async def refused(*_: Any, **__: Any) -> None:
+        raise StorageError("injected: the store refuses this COMMIT for good")
+
+    monkeypatch.setattr(WriteDown, "commit_below", refused)
+    handle = tierckpt.async_save(str(path), state(2), storage_options=opts)
+    handle.wait()
+    with pytest.raises(StorageError, match="injected"):
+        handle.wait("remote", timeout_s=60)
+    wait_pending()
+    assert layout.CommitRecord.decode((path / layout.COMMIT).read_bytes()).generation == first.generation
+    assert same(loaded(str(path), {"memory": False}), state(1))
+    assert same(loaded(str(path), opts), state(2))  # the node's memory holds the newer one

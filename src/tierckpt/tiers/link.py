@@ -424,7 +424,8 @@ class MemoryLink(Backend):
         if tier_only:
             return  # the chain below still serves its own newest commit, whichever generation that is
         await self.writedown.after_commits(
-            (lambda: self.below.delete(what)) if exact else (lambda: self.below.delete_prefix(what))
+            (lambda: self.below.delete(what)) if exact else (lambda: self.below.delete_prefix(what)),
+            superseded=generation if whole else None,
         )
 
     def _newest_is_memory_only(self) -> bool:

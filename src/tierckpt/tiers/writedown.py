@@ -350,18 +350,31 @@ class WriteDown:
             for gen in [g for g in w.commits if not exact and hit(f"{g}/")]:
                 del w.commits[gen]
 
-    async def after_commits(self, step: Callable[[], Awaitable[None]]) -> None:
-        """Run ``step`` (a delete below) now, or after the pending ``COMMIT`` write-down when there is one."""
+    async def after_commits(self, step: Callable[[], Awaitable[None]], *, superseded: str | None = None) -> None:
+        """Run ``step`` (a delete below) now, or after the pending ``COMMIT`` write-down when there is one.
+
+        ``superseded``: the step deletes that generation because a newer commit superseded it (the sweep).
+        If the newest ``COMMIT`` write-down failed, the chain below may still name that generation, so
+        it is kept there (a leftover for ``tierckpt gc``) rather than deleted under its commit."""
         with _ACTIVE_LOCK:
             previous = _LAST_COMMIT.get(self.link.memory_tier.home)
-        if previous is None or previous.done():
+
+        async def run() -> None:
+            failed = previous is not None and not previous.future.cancelled() and previous.future.exception()
+            if superseded is not None and failed:
+                log.warning("%s: generation %s is kept below: the write-down of the newer COMMIT failed (%s)",
+                            self.link.memory_tier.uri, superseded, describe_error(failed))
+                return
             await step()
+
+        if previous is None or previous.done():
+            await run()
             return
 
         async def deferred() -> None:
             await asyncio.wait([asyncio.wrap_future(previous.future)])
             try:
-                await step()
+                await run()
             except CheckpointError as exc:
                 log.warning("a delete below %s after its write-down failed: %s", self.link.memory_tier.uri, exc)
 
