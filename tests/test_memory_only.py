@@ -69,6 +69,8 @@ def test_a_memory_only_save_reaches_the_uri_only_through_sync(tmp_path: Path, me
         handle.wait("remote", timeout_s=30)
     got = levels(str(path), opts)
     assert got["memory"][0] and not got["remote"][0] and "held in memory only" in got["remote"][1]
+    st = get_scheduler().run(open_store(str(path), opts).status())
+    assert st.memory_only and not st.written_down and st.pending_keys == ()  # nothing queued: nothing is "pending"
     assert tierckpt.sync(str(path), timeout_s=60, **opts) == [str(path)]
     on_disk = layout.CommitRecord.decode((path / layout.COMMIT).read_bytes())
     assert on_disk.generation == meta.generation

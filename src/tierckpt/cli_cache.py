@@ -78,7 +78,9 @@ def _add_sync(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "sync", help="finish uploads left pending in this node's cache (after a crash or restart)",
         description="Resume the uploads that this node's cache catalogue records as pending (left by a crashed, "
-        "killed or exited process) for URI, or for every store of the node, and wait until they are on the remote.",
+        "killed or exited process) for URI, or for every store of the node, and wait until they are on the remote. "
+        "With the node memory tier, it also writes down what the tier holds and the URI lacks: write-downs a process "
+        "left unfinished, and checkpoints saved to memory only (persist=False).",
     )
     p.add_argument("uri", nargs="?", default=None, help="only this store (default: every store of the node)")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (exit 1)")

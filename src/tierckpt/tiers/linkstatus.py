@@ -105,7 +105,7 @@ async def link_status(link: MemoryLink) -> LinkStatus:
         uri=link.memory_tier.uri,
         generation=generation,
         state=state_now,
-        pending_keys=tuple(pending) + (below.pending_keys if below is not None else ()),
+        pending_keys=(() if memory_only else tuple(pending)) + (below.pending_keys if below is not None else ()),
         pending_bytes=below.pending_bytes if below is not None else 0,
         errors=tuple(errors) + (below.errors if below is not None else ()),
         remote_generation=remote_generation,
