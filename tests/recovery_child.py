@@ -165,7 +165,8 @@ def main(spec: dict) -> None:
         record["level"] = None if level is None else {"level": level.level.value, "reason": level.reason}
         out["loads"][load["uri"]] = record
     if "manager" in spec:
-        manager = tierckpt.CheckpointManager(spec["manager"]["root"], keep_last=spec["manager"]["keep_last"])
+        manager = tierckpt.CheckpointManager(spec["manager"]["root"], keep_last=spec["manager"]["keep_last"],
+                                             persist_every=spec["manager"].get("persist_every"))
         out["manager"] = []
         for save in spec["manager"]["saves"]:
             manager.save(save["step"], state(spec["layout"], save["seed"]))

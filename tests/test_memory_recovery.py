@@ -200,6 +200,25 @@ def test_the_manager_keeps_the_newest_step_replicated_on_every_node(workdir: Pat
     assert [r["steps"] for r in done[0]["manager"]] == [[1], [1, 2], [2, 3]], done[0]["manager"]
 
 
+def test_the_manager_with_persist_every_resumes_from_memory_or_from_the_newest_persisted_step(workdir: Path) -> None:
+    """``persist_every=2``: step 3 lives in the nodes' memory only (replicated), step 2 also where the root
+    points. A node lost: the survivor alone resumes from step 3 (its own files and the lost node's
+    replicas). Every node's memory lost: a restart resumes from step 2, whole where the root points."""
+    root = workdir / "remote"
+    saves = [{"step": step, "seed": step} for step in (1, 2, 3)]
+    done = Job(workdir, ["node-0", "node-1"], "shard",
+               manager={"root": str(root), "keep_last": 1, "persist_every": 2, "saves": saves}).wait()
+    assert [r["steps"] for r in done[0]["manager"]] == [[1], [1, 2], [2, 3]], done[0]["manager"]
+    assert sorted(p.parent.name for p in root.glob("step-*/COMMIT")) == ["step-00000002"]
+    seeds = {"1": 1, "2": 2, "3": 3}
+    shutil.rmtree(workdir / "node-1")
+    alone = Job(workdir, ["node-0", "node-0"], "replicate", latest={"root": str(root), "seeds": seeds}).wait()
+    assert [r["latest"] for r in alone] == [{"step": 3, "differs": []}] * 2, alone
+    shutil.rmtree(workdir / "node-0")
+    fresh = Job(workdir, ["node-2", "node-3"], "shard", latest={"root": str(root), "seeds": seeds}).wait()
+    assert [r["latest"] for r in fresh] == [{"step": 2, "differs": []}] * 2, fresh
+
+
 def test_one_node_says_why_replicated_is_not_available(workdir: Path) -> None:
     uri = uri_of(workdir, 1)
     saved = Job(workdir, ["node-0", "node-0"], "shard", saves=[{"uri": uri, "seed": 1, "level": "replicated"}]).wait()

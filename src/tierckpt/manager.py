@@ -15,7 +15,8 @@ Lifecycle of :meth:`CheckpointManager.save` (every rank of the group):
    committed step is never deleted, and without ``keep_last`` nothing is (:func:`tierckpt.layout.retention`).
    With the node memory tier on, the newest step every node records ``replicated`` is kept too, and so
    is the newest step committed where the root points (so that a node lost before a newer step is
-   written down still leaves one there).
+   written down still leaves one there; :meth:`wait_durable` applies retention again once the newest
+   step is written down).
    For an async save this happens when its handle is waited on (:meth:`wait`, the next :meth:`save`,
    or :meth:`load_latest`).
 
@@ -201,6 +202,8 @@ class CheckpointManager:
         durable = durability_of(self._backend())
         if durable is not None:
             get_scheduler().run(durable.wait_durable(None, timeout_s))
+        if pending is not None and pending[2] and self._memory_on() and Comm(self.group).rank == 0:
+            self._retain(pending[0])  # the step kept until this one was written down may go now
 
     def durable_where_uri_points(self, step: int) -> bool:
         """Whether ``step`` is committed on the remote itself, not only in this node's cache (a write-back
@@ -293,22 +296,34 @@ class CheckpointManager:
         return None  # not reached: the last candidate either loads or raises
 
     def _after_commit(self, step: int, persisted: bool) -> None:
+        """Rank 0, once ``step`` is committed: point ``LATEST`` at it (when written where the root points),
+        then apply retention."""
         if Comm(self.group).rank != 0:
             return
-        backend = self._backend()
-        sched = get_scheduler()
         try:
             if persisted:
-                sched.run(backend.commit(LATEST, json.dumps({"step": step}).encode()))
-            if self.keep_last is None:
-                return  # no keep_last: every checkpoint is kept
-            listed = self._listed()
+                get_scheduler().run(self._backend().commit(LATEST, json.dumps({"step": step}).encode()))
         except TransientStorageError as exc:
             if not self._memory_on():
                 raise
             # The step is committed in node memory; without LATEST the newest committed step is the latest.
             log.warning("%s: LATEST and retention not updated after step %d (the store is unreachable: %s)",
                         self.root_uri, step, exc)
+            return
+        self._retain(step)
+
+    def _retain(self, step: int) -> None:
+        """Rank 0: delete the steps retention does not keep (``step`` is the newest saved)."""
+        if self.keep_last is None:
+            return  # no keep_last: every checkpoint is kept
+        backend = self._backend()
+        sched = get_scheduler()
+        try:
+            listed = self._listed()
+        except TransientStorageError as exc:
+            if not self._memory_on():
+                raise
+            log.warning("%s: retention not applied after step %d (the store is unreachable: %s)", self.root_uri, step, exc)
             return
         below = layout.by_step(layout.committed_children(listed))
         names = layout.by_step(layout.committed_children(sorted(set(listed) | set(self._memory_keys()))))
