@@ -205,3 +205,20 @@ def test_a_failed_commit_write_down_keeps_the_generation_the_uri_still_names(
     assert layout.CommitRecord.decode((path / layout.COMMIT).read_bytes()).generation == first.generation
     assert same(loaded(str(path), {"memory": False}), state(1))
     assert same(loaded(str(path), opts), state(2))  # the node's memory holds the newer one
+
+
+def test_a_missing_file_error_names_the_older_commit_where_the_uri_points(tmp_path: Path, memdir: Path) -> None:
+    """The newest generation is in this node's memory only and lost a file (as when a node is lost before
+    its files reached a peer or the URI): the error names the file, the older generation still committed
+    where the URI points, and how to load it — which then loads bit-exact."""
+    from tierckpt.errors import MissingFileError
+
+    path, opts = tmp_path / "ckpt", mem(memdir)
+    first = tierckpt.save(str(path), state(1), storage_options=opts)
+    second = tierckpt.save(str(path), state(2), storage_options=opts, persist=False)
+    tier = memory_tier_of(open_store(str(path), opts))
+    data = [k for k in tier.keys_of(second.generation) if "/data/" in k]
+    Path(tier.path_of(data[0])).unlink()
+    with pytest.raises(MissingFileError, match=f"{data[0]}.*older generation {first.generation}.*'memory': False"):
+        loaded(str(path), opts)
+    assert same(loaded(str(path), {"memory": False}), state(1))

@@ -40,10 +40,11 @@ committed checkpoint exactly — never an error caused by the race, never a mix 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +95,44 @@ PARALLEL_METADATA = 16
 """At most this many size checks of data files are in flight at once (one thread each)."""
 
 
+def _naming_an_older_commit(load_fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """A :class:`MissingFileError` of a checkpoint committed in the node memory tier also names, when the
+    chain below still commits an older generation (the newer one was never written down whole: saved with
+    ``persist=False``, or a node lost before its files went down), that generation and how to load it."""
+
+    @functools.wraps(load_fn)
+    def load(uri: str, state: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        try:
+            return load_fn(uri, state, **kwargs)
+        except MissingFileError as exc:
+            hint = _older_commit_below(uri, kwargs.get("storage_options"))
+            if hint is None:
+                raise
+            raise MissingFileError(f"{exc}. {hint}") from exc
+
+    return load
+
+
+def _older_commit_below(uri: str, storage_options: Mapping[str, Any] | None) -> str | None:
+    store = open_store(uri, dict(storage_options or {}))
+    tier = memory_tier_of(store)
+    mine = tier.committed() if tier is not None else None
+    if mine is None:
+        return None
+    try:
+        below = read_commit(store.below)  # type: ignore[attr-defined]  # a MemoryLink (it has a tier)
+    except CheckpointError:
+        return None
+    if below.seq >= mine.seq:
+        return None
+    return (
+        f"This node's memory tier commits generation {mine.generation} (commit {mine.seq}); where "
+        f"{uri!r} points, COMMIT still names the older generation {below.generation} (commit {below.seq}). To load "
+        "that one, pass storage_options={'memory': False}"
+    )
+
+
+@_naming_an_older_commit
 @gc_paused
 def load(
     uri: str,
