@@ -62,7 +62,12 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointManager:
-    """Saves, retains and finds the checkpoints of one training run (see the module docstring)."""
+    """Saves, retains and finds the checkpoints of one training run (see the module docstring).
+
+    ``save_every``: steps between saves; ``keep_last``/``keep_every``: retention (``None``: keep all);
+    ``use_async``: save with :func:`tierckpt.async_save`; ``persist_every`` (node memory tier on): write
+    only every N-th step where the root points, the others to node memory (and the peers) only.
+    """
 
     def __init__(
         self,
