@@ -157,6 +157,8 @@ def test_manager_persists_every_nth_step_and_keeps_the_newest_persisted(tmp_path
     shutil.rmtree(memdir)  # the node's memory is lost: the newest persisted step remains
     got = {"w": torch.zeros(64, 1024), "step": -1}
     assert manager.latest() == 4 and manager.load_latest(got) == 4 and same(got, state(4))
+    manager.save(7, state(7), force=True)  # a forced save (the last of a job) is written down
+    assert (root / layout.step_name(7) / layout.COMMIT).exists()
 
 
 def test_manager_persist_every_needs_the_memory_tier(tmp_path: Path) -> None:

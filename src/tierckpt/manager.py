@@ -29,8 +29,9 @@ step the group can load: one whose files are reachable nowhere (a node lost befo
 peer or the remote) is skipped, with a warning, for the next older one.
 
 ``persist_every`` (node memory tier on): every step the manager saves goes into node memory (and to the
-peers), but only steps that are a multiple of ``persist_every`` (or of ``keep_every``) are written where
-the root points; the others are saved with ``persist=False`` (:func:`tierckpt.save`). ``LATEST`` names
+peers), but only steps that are a multiple of ``persist_every`` (or of ``keep_every``), and forced saves
+(``force=True``, e.g. the last one before the job ends), are written where the root points; the others
+are saved with ``persist=False`` (:func:`tierckpt.save`); ``save(..., persist=...)`` overrides it. ``LATEST`` names
 the newest step written there; :meth:`latest` also sees the newer steps this node's memory holds.
 """
 
@@ -152,7 +153,7 @@ class CheckpointManager:
             return False
         self._agree_replicated()
         self.wait()
-        persist = bool(options.pop("persist", self.persists(step)))
+        persist = bool(options.pop("persist", force or self.persists(step)))  # a forced save (the last one) persists
         common = dict(group=self.group, storage_options=self.storage_options, persist=persist, **options)
         self._awaiting = [*self._awaiting, step][-AWAITED_STEPS:]
         if self.use_async:
