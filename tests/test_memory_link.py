@@ -300,6 +300,13 @@ def test_status_cli_shows_each_level(tmp_path: Path, memdir: Path, capsys: pytes
     doc = __import__("json").loads(capsys.readouterr().out)
     assert doc["memory_generation"] == meta.generation
     assert [lvl[:2] for lvl in doc["levels"]][:2] == [["memory", True], ["replicated", False]]
+    # Replicated: the line names where the replicas are.
+    write_atomic(level_path(tier, meta.generation), ReplicaResult(
+        uri=tier.uri, generation=meta.generation, level=Level.REPLICATED, peers=("node-b",), acknowledged=("node-b",),
+        reason=None).encode())
+    assert cli.main(["status", path]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert lines["replicated"].split()[1] == "yes" and "in the memory of node-b" in lines["replicated"]
 
 
 def test_manager_resumes_from_memory_with_the_remote_down(

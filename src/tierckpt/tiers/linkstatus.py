@@ -33,6 +33,8 @@ class LinkStatus(StoreStatus):
     replicated: bool = False
     replica_reason: str | None = None
     """Why the generation is not ``replicated`` (the replicator's record; ``None`` when it is)."""
+    replica_nodes: tuple[str, ...] = ()
+    """The peer nodes that acknowledged this node's files of the generation (where its replicas are)."""
     node_disk: bool | None = None
     """Whether the node disk cache holds the generation committed (``None``: the chain has no disk cache)."""
     written_down: bool = False
@@ -56,7 +58,7 @@ class LinkStatus(StoreStatus):
         return [
             (Level.MEMORY.value, self.in_memory,
              f"in {self.memory_directory}" if self.in_memory else "not in this node's memory tier"),
-            (Level.REPLICATED.value, self.replicated, "every peer acknowledged it" if self.replicated
+            (Level.REPLICATED.value, self.replicated, f"in the memory of {', '.join(self.replica_nodes) or 'every peer'}" if self.replicated
              else self.replica_reason or "no replication recorded"),
             (Level.LOCAL.value, bool(self.node_disk),
              "no node disk cache in the chain" if self.node_disk is None
@@ -114,6 +116,7 @@ async def link_status(link: MemoryLink) -> LinkStatus:
         memory_directory=tier.home,
         replicated=replica is not None and replica.level is Level.REPLICATED,
         replica_reason=None if replica is None else replica.reason,
+        replica_nodes=() if replica is None else replica.acknowledged,
         node_disk=None if below is None else below.generation == generation,
         written_down=written_down,
         memory_only=memory_only,
