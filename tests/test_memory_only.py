@@ -224,3 +224,30 @@ def test_a_missing_file_error_names_the_older_commit_where_the_uri_points(tmp_pa
     with pytest.raises(MissingFileError, match=f"{data[0]}.*older generation {first.generation}.*'memory': False"):
         loaded(str(path), opts)
     assert same(loaded(str(path), {"memory": False}), state(1))
+
+
+CHILD = """
+import sys, torch, tierckpt
+path, sync = sys.argv[1], sys.argv[2] == "sync"
+tierckpt.save(path, {"w": torch.ones(64, 64)}, storage_options={"memory": True}, persist=False)
+if sync:
+    tierckpt.sync(path, timeout_s=60, memory=True)
+"""
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_exit_says_when_the_newest_checkpoint_is_in_memory_only(tmp_path: Path, memdir: Path, sync: bool) -> None:
+    """A process that ends with its newest checkpoint of a URI in node memory only says so on stderr, with
+    the command that writes it down; once written down, nothing is said."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "ckpt"
+    env = {**os.environ, "TIERCKPT_MEMORY_DIR": str(memdir), "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", CHILD, str(path), "sync" if sync else "no"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    said = f"newest checkpoint of {path}" in done.stderr and f"tierckpt sync {path}" in done.stderr
+    assert said is not sync, done.stderr
+    assert (path / layout.COMMIT).exists() is sync

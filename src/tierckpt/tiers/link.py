@@ -264,6 +264,7 @@ class MemoryLink(Backend):
         await self.memory_tier.commit(COMMIT, data, expected=tier_current)
         if record.generation in self.memory_only:
             await self.seal(record.generation)  # what the write-down of the commit does first
+            self.writedown.held_in_memory(record.generation)
         else:
             self.writedown.commit(data, record, expected, after)
 

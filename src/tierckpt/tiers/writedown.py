@@ -52,6 +52,9 @@ CATCH_UP = object()
 
 _ACTIVE: weakref.WeakSet[WriteDown] = weakref.WeakSet()
 _ACTIVE_LOCK = threading.Lock()
+_MEMORY_ONLY: dict[str, tuple[MemoryLink, str]] = {}
+"""Tier home -> (link, generation) of this process's newest memory-only commit there (``persist=False``):
+the exit drain says when it is still the newest checkpoint of its URI and still in memory only."""
 _LAST_COMMIT: dict[str, _Job] = {}
 """Tier home -> this process's newest COMMIT write-down of it, whichever link made it: commits go down in
 the order they were made, even when each save opened its own store."""
@@ -96,6 +99,11 @@ class WriteDown:
             _LAST_COMMIT[home] = job
         job.future = get_scheduler().submit(self._commit(data, record, expected, after, previous, job))
         self.commits[record.generation] = job
+
+    def held_in_memory(self, generation: str) -> None:
+        """``generation`` was committed in the tier to stay there only (``persist=False``)."""
+        with _ACTIVE_LOCK:
+            _MEMORY_ONLY[self.link.memory_tier.home] = (self.link, generation)
 
     def _same_tier(self) -> list[WriteDown]:
         """This process's write-downs of the same tier (one per store opened on the URI)."""
@@ -435,7 +443,8 @@ def exit_wait_s() -> float:
 
 
 def drain(timeout_s: float) -> list[str]:
-    """Wait up to ``timeout_s`` for this process's write-downs; one line per URI left with some."""
+    """Wait up to ``timeout_s`` for this process's write-downs; one line per URI left with some, and one
+    per URI whose newest checkpoint this process committed in memory only (``persist=False``)."""
     with _ACTIVE_LOCK:
         active = list(_ACTIVE)
     jobs = [j for w in active for j in w.pending()]
@@ -453,6 +462,26 @@ def drain(timeout_s: float) -> list[str]:
             f"finish before exit ({why}); what they hold is committed in this node's memory only. Finish them: "
             f"{sync_command(w.link)}"
         )
+    return lines + _still_memory_only()
+
+
+def _still_memory_only() -> list[str]:
+    """One line per URI whose newest checkpoint this process committed with ``persist=False`` and nobody
+    has written down since: at exit it is only as durable as this node's memory (and its peers')."""
+    with _ACTIVE_LOCK:
+        held = list(_MEMORY_ONLY.values())
+    lines = []
+    for link, generation in held:
+        try:
+            record = link.memory_tier.committed()
+            if record is None or record.generation != generation or not link.down.state(generation).memory_only:
+                continue
+        except (CheckpointError, OSError, ValueError):
+            continue
+        lines.append(
+            f"tierckpt: the newest checkpoint of {link.memory_tier.uri} ({generation}) is held in node memory only "
+            f"(saved with persist=False), not where its URI points. To write it down: {sync_command(link)}"
+        )
     return lines
 
 
@@ -460,6 +489,7 @@ def _forget_after_fork() -> None:
     """A forked child has none of its parent's write-down tasks."""
     _ACTIVE.clear()
     _LAST_COMMIT.clear()
+    _MEMORY_ONLY.clear()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
