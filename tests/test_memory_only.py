@@ -28,6 +28,16 @@ NBYTES = 64 * 1024 * 4
 """The tensor bytes of :func:`state`."""
 
 
+@pytest.fixture(autouse=True)
+def _forget_memory_only_at_exit() -> Any:
+    """This test process's exit would name each memory-only checkpoint the tests left in their temporary
+    tiers (tested in a child process below): forget them after each test."""
+    from tierckpt.tiers import writedown
+
+    yield
+    writedown._MEMORY_ONLY.clear()
+
+
 @pytest.fixture
 def memdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     directory = tmp_path / "memory-tier"
