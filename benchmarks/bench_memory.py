@@ -19,7 +19,8 @@ the memory directories under ``/dev/shm``), so each node's files are replicated 
   else said) and from S3 (moto on loopback, node cache off); the ``tierckpt.load`` call alone, and with the
   import its first use pays in a fresh process (the loader and the store clients), reported side by side.
 * **training loop**: a small MLP + AdamW trained ``--steps`` steps on the 2 ranks (DDP), checkpointed every
-  ``--every`` steps — no checkpoint, tierckpt ``async_save`` with the memory tier, DCP ``async_save`` —
+  ``--every`` steps — no checkpoint, tierckpt ``async_save`` with the memory tier (every checkpoint
+  written down, and only one in ``--persist-every``, the others ``persist=False``), DCP ``async_save`` —
   as the percentage by which the loop is slower than without checkpoints.
 * **memory**: peak RSS above the state's and the bytes in the memory tier after the saves, per node.
 """
