@@ -107,23 +107,6 @@ def kill_on_first_replica_file() -> None:
     Replicator._receive_file = receive_file  # type: ignore[method-assign]
 
 
-COPIES: list[tuple[str, bool]] = []
-"""Each write-down copy this process started: (key, whether its generation's replication level was recorded)."""
-
-
-def record_write_down_order() -> None:
-    from tierckpt.tiers.levels import level_path
-    from tierckpt.tiers.writedown import WriteDown, generation_of
-
-    copy = WriteDown._copy
-
-    async def recorded(self: WriteDown, key: str) -> None:
-        COPIES.append((key, os.path.exists(level_path(self.link.memory_tier, generation_of(key) or ""))))
-        await copy(self, key)
-
-    WriteDown._copy = recorded  # type: ignore[method-assign]
-
-
 def run(spec: dict, env: dict[str, str]) -> None:
     """One rank: ``env`` is this rank's node; ends the process with ``os._exit``."""
     os.environ.update(env)
@@ -143,8 +126,6 @@ def main(spec: dict) -> None:
         timeout=datetime.timedelta(seconds=30),
     )
     out: dict = {"started": time.monotonic() - spec["launched"], "node": os.environ["TIERCKPT_NODE_ID"], "saves": {}, "loads": {}}
-    if spec.get("record_write_downs"):
-        record_write_down_order()
     for save in spec.get("saves", []):
         if save.get("kill_receiver") and rank == spec["kill_rank"]:
             kill_on_first_replica_file()
@@ -193,7 +174,6 @@ def main(spec: dict) -> None:
             while not (manager.levels(save["step"]) or {}).get("replicated") and time.monotonic() < deadline:
                 time.sleep(0.02)
             out["manager"].append({"step": save["step"], "steps": manager.steps()})
-    out["write_downs"] = COPIES
     if "latest" in spec:
         target = state(spec["layout"], None)
         try:

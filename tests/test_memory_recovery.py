@@ -117,19 +117,6 @@ def test_every_rank_reaches_remote_while_its_node_holds_peers_replicas(workdir: 
     assert (Path(uri) / "COMMIT").is_file()
 
 
-def test_an_async_save_is_replicated_before_it_is_written_down(workdir: Path) -> None:
-    """The replica to the peer and the write-down compete for the same cores; the peer copy, which makes the
-    checkpoint survive a node loss, goes first: every write-down copy starts after the node recorded the
-    generation's replication level. Both levels are reached."""
-    uri = uri_of(workdir, 1)
-    done = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "shard", record_write_downs=True,
-               saves=[{"uri": uri, "seed": 1, "level": ["replicated", "remote"]}]).wait()
-    assert all(r["saves"][uri]["ok"] for r in done), done
-    copies = [c for r in done for c in r["write_downs"]]
-    assert any("/data/" in key for key, _ in copies), copies
-    assert all(after for _, after in copies), copies
-
-
 def test_a_lost_node_is_rebuilt_from_its_peer_and_the_survivor_reshards(workdir: Path) -> None:
     uri = uri_of(workdir, 1)
     saved = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "shard",

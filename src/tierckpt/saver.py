@@ -287,9 +287,6 @@ def _prepare(
     # The replicator is built here, in the foreground every rank reaches together (first save only).
     tier = memory_tier_of(backend)
     replicator, not_replicated = replicator_for(tier, group, _group_key(group))
-    if write_back and replicator is not None and replicator.plan.replicas:
-        # An async save is copied to the peers first, then written down: `replicated` comes sooner.
-        backend.replicate_first(generation)  # type: ignore[attr-defined]  # a MemoryLink (it has a tier)
     return _Prepared(
         uri=uri, comm=comm, backend=backend, flat=flat, encoded=encoded, plan=plan, owners=owners,
         generation=generation, started=started, monitor=monitor, tags=dict(tags or {}), keep_previous=keep_previous,

@@ -162,8 +162,6 @@ class MemoryLink(Backend):
         """Generations written to the chain below because the tier was full -> why."""
         self.memory_only: set[str] = set()
         """Generations this process saves with ``persist=False`` (:meth:`keep_in_memory`)."""
-        self.replicated_first: set[str] = set()
-        """Generations whose write-down waits for their replication (:meth:`replicate_first`)."""
 
     def __repr__(self) -> str:
         return f"MemoryLink({self.below!r}, tier={self.memory_tier.home!r})"
@@ -205,12 +203,6 @@ class MemoryLink(Backend):
         eviction (which may drop it like a copy held below). Called by the saver before any file is written."""
         self.memory_only.add(generation)
         self.down.append(generation, MEMORY_ONLY, generation)
-
-    def replicate_first(self, generation: str) -> None:
-        """Write ``generation`` down only once its replication to the peer nodes has ended (its level is
-        recorded, either way): the two compete for the same cores and the peer copy is the one that makes
-        the checkpoint survive a node loss, so it goes first. Called by the saver of an async save."""
-        self.replicated_first.add(generation)
 
     def _wrote(self, key: str) -> None:
         """``key`` is complete in the tier: remember it and start copying it down (unless memory-only)."""

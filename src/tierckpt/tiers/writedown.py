@@ -36,7 +36,6 @@ from ..layout import COMMIT, CommitRecord
 from ..retry import backoff_s
 from .config import DIR_ENV
 from .downlog import PERSIST, generation_of, write_back_of
-from .levels import level_path
 
 if TYPE_CHECKING:
     from .link import MemoryLink
@@ -48,8 +47,6 @@ _POLL_S = 0.05
 _REMOTE_POLL_MAX_S = 1.0
 """A wait that is left with another node's ``COMMIT`` to find below asks the chain below (a remote GET
 each time) at intervals doubling from ``_POLL_S`` up to this."""
-REPLICATION_FIRST_MAX_S = 60.0
-"""The longest a write-down waits for its generation's replication to end before it starts anyway."""
 CATCH_UP = object()
 """``expected`` of a commit pushed by ``sync``: swap against what the chain below holds if it is older."""
 
@@ -145,20 +142,7 @@ class WriteDown:
 
     async def _file(self, key: str, job: _Job) -> None:
         set_background()
-        generation = generation_of(key) or ""
-        if generation in self.link.replicated_first:
-            await self._replication_ended(generation, job)
-        await self._retrying(key, generation, lambda: self._copy(key), job)
-
-    async def _replication_ended(self, generation: str, job: _Job) -> None:
-        """Wait until the node's leader recorded the replication level of ``generation`` (see
-        :meth:`~.link.MemoryLink.replicate_first`), at most :data:`REPLICATION_FIRST_MAX_S`."""
-        tier = self.link.memory_tier
-        deadline = time.monotonic() + REPLICATION_FIRST_MAX_S
-        while not job.dropped and time.monotonic() < deadline:
-            if await asyncio.to_thread(os.path.exists, level_path(tier, generation)):
-                return
-            await asyncio.sleep(_POLL_S)
+        await self._retrying(key, generation_of(key) or "", lambda: self._copy(key), job)
 
     async def _copy(self, key: str) -> None:
         below, path = self.link.below, self.link.memory_tier.path_of(key)
