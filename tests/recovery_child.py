@@ -107,6 +107,27 @@ def kill_on_first_replica_file() -> None:
     Replicator._receive_file = receive_file  # type: ignore[method-assign]
 
 
+COPIES: list[str] = []
+"""The keys this process's write-down copied to the URI's store."""
+
+
+def record_write_downs(delay_s: float) -> None:
+    """Record every write-down copy, each started ``delay_s`` late (a slow store: the replicas reach the
+    peers before their own node has written them down)."""
+    import asyncio
+
+    from tierckpt.tiers.writedown import WriteDown
+
+    copy = WriteDown._copy
+
+    async def recorded(self: WriteDown, key: str) -> None:
+        await asyncio.sleep(delay_s)
+        COPIES.append(key)
+        await copy(self, key)
+
+    WriteDown._copy = recorded  # type: ignore[method-assign]
+
+
 def run(spec: dict, env: dict[str, str]) -> None:
     """One rank: ``env`` is this rank's node; ends the process with ``os._exit``."""
     os.environ.update(env)
@@ -126,6 +147,8 @@ def main(spec: dict) -> None:
         timeout=datetime.timedelta(seconds=30),
     )
     out: dict = {"started": time.monotonic() - spec["launched"], "node": os.environ["TIERCKPT_NODE_ID"], "saves": {}, "loads": {}}
+    if "slow_write_down_s" in spec:
+        record_write_downs(spec["slow_write_down_s"])
     for save in spec.get("saves", []):
         if save.get("kill_receiver") and rank == spec["kill_rank"]:
             kill_on_first_replica_file()
@@ -174,6 +197,7 @@ def main(spec: dict) -> None:
             while not (manager.levels(save["step"]) or {}).get("replicated") and time.monotonic() < deadline:
                 time.sleep(0.02)
             out["manager"].append({"step": save["step"], "steps": manager.steps()})
+    out["write_downs"] = COPIES
     if "latest" in spec:
         target = state(spec["layout"], None)
         try:

@@ -117,6 +117,19 @@ def test_every_rank_reaches_remote_while_its_node_holds_peers_replicas(workdir: 
     assert (Path(uri) / "COMMIT").is_file()
 
 
+def test_each_file_is_written_down_once_when_replicas_arrive_first(workdir: Path) -> None:
+    """With a slow store, each node's replicas reach its peer before their own node has written them down;
+    the committing rank's write-down waits for them below and does not copy them a second time (it did:
+    twice the upload traffic)."""
+    uri = uri_of(workdir, 1)
+    done = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "shard", slow_write_down_s=1.0,
+               saves=[{"uri": uri, "seed": 1, "level": ["replicated", "remote"]}]).wait()
+    assert all(r["saves"][uri]["ok"] for r in done), done
+    copies = [key for r in done for key in r["write_downs"]]
+    assert sum("/data/" in key for key in copies) == 4, copies  # one data file per rank
+    assert len(copies) == len(set(copies)), sorted(copies)
+
+
 def test_a_lost_node_is_rebuilt_from_its_peer_and_the_survivor_reshards(workdir: Path) -> None:
     uri = uri_of(workdir, 1)
     saved = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "shard",

@@ -126,13 +126,18 @@ class DownLog:
         state = state if state is not None else self.state(generation)
         keys = [k for k in self.tier.keys_of(generation) if k not in state.done]
         if origin is not None:
-            mine = (origin, f"{origin}-recovered")
-            replicas = {k for m in self.tier.manifests(generation) if m.origin not in mine for k, _ in m.files}
+            replicas = self.replicas(generation, origin)
             keys = [k for k in keys if k not in replicas]
         record = self.tier.committed()
         if record is not None and record.generation == generation and COMMIT not in state.done:
             keys.append(COMMIT)
         return keys
+
+    def replicas(self, generation: str, origin: str) -> set[str]:
+        """Keys of ``generation`` in the tier that other nodes sent (their manifests list them): not files
+        of ``origin`` (this node), which is not the one to write them down."""
+        mine = (origin, f"{origin}-recovered")
+        return {k for m in self.tier.manifests(generation) if m.origin not in mine for k, _ in m.files}
 
     def held_below(self, generation: str, state: DownState | None = None) -> bool:
         """Whether the chain below holds every file of ``generation`` that the tier holds (and its COMMIT)."""

@@ -47,6 +47,11 @@ _POLL_S = 0.05
 _REMOTE_POLL_MAX_S = 1.0
 """A wait that is left with another node's ``COMMIT`` to find below asks the chain below (a remote GET
 each time) at intervals doubling from ``_POLL_S`` up to this."""
+_ENSURE_POLL_MAX_S = 0.4
+"""The longest interval between two checks of what the chain below holds while a COMMIT waits for it."""
+REPLICA_TAKEOVER_S = 30.0
+"""How long the write-down of a ``COMMIT`` waits for another node's files it holds replicas of to appear
+below before it copies them itself."""
 CATCH_UP = object()
 """``expected`` of a commit pushed by ``sync``: swap against what the chain below holds if it is older."""
 
@@ -192,12 +197,20 @@ class WriteDown:
         await self._retrying(COMMIT, generation, lambda: self.commit_below(data, record, expected, after), job)
 
     async def _ensure_below(self, generation: str, need: dict[str, int | None], job_of_commit: _Job) -> None:
-        """Wait until the chain below holds every key of ``need`` (key -> size, ``None``: unknown)."""
+        """Wait until the chain below holds every key of ``need`` (key -> size, ``None``: unknown).
+
+        A file of this node that no live process copies is copied here (its process is gone). A replica
+        another node sent is that node's to write down: it is copied here only if it is still not below
+        :data:`REPLICA_TAKEOVER_S` after the wait began (its node is likely lost)."""
         below, tier, down = self.link.below, self.link.memory_tier, self.link.down
         write_back = write_back_of(below) is not None  # its own commit waits for what other nodes write
         pending = set(need)
+        takeover_at = time.monotonic() + REPLICA_TAKEOVER_S
+        pause = _POLL_S / 2
         while pending and not job_of_commit.dropped:
             state = await asyncio.to_thread(down.state, generation)
+            replicas = () if time.monotonic() > takeover_at else await asyncio.to_thread(
+                down.replicas, generation, self.link.origin)
             for key in sorted(pending):
                 job = self.files.get(key)
                 if key in state.done:
@@ -207,8 +220,8 @@ class WriteDown:
                     pending.discard(key)
                 elif job is not None or key in state.busy:
                     continue
-                elif os.path.isfile(tier.path_of(key)):
-                    self.file(key)  # the node's process that wrote it is gone: copy it here
+                elif key not in replicas and os.path.isfile(tier.path_of(key)):
+                    self.file(key)  # the node's process that wrote it is gone (or its node): copy it here
                 elif write_back:
                     pending.discard(key)
                 else:
@@ -218,8 +231,9 @@ class WriteDown:
                         continue
                     if need[key] is None or size == need[key]:
                         pending.discard(key)
-            if pending:
-                await asyncio.sleep(_POLL_S)
+            if pending:  # other nodes' files may take a while: ask below less and less often
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, _ENSURE_POLL_MAX_S)
 
     async def commit_below(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
                             after: Mapping[str, int | None] | None) -> None:
