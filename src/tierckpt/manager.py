@@ -118,17 +118,19 @@ class CheckpointManager:
         every = self.persist_every
         return every is None or step % every == 0 or (self.keep_every is not None and step % self.keep_every == 0)
 
-    def _committed_names(self) -> dict[int, str]:
+    def _committed_names(self, listed: list[str] | None = None) -> dict[int, str]:
         """Committed step -> its directory (``step-00000100``, or ``step-100`` made by hand; padded wins), in
-        the root's listing and in this node's memory tier (the listing may fail while the tier answers)."""
+        the root's listing (``listed``: already read) and in this node's memory tier (the listing may fail
+        while the tier answers)."""
         in_memory = self._memory_keys()
-        try:
-            keys = self._listed()
-        except TransientStorageError:
-            if not in_memory:
-                raise
-            keys = []
-        return layout.by_step(layout.committed_children(sorted(set(keys) | set(in_memory))))
+        if listed is None:
+            try:
+                listed = self._listed()
+            except TransientStorageError:
+                if not in_memory:
+                    raise
+                listed = []
+        return layout.by_step(layout.committed_children(sorted(set(listed) | set(in_memory))))
 
     def _memory_keys(self) -> list[str]:
         return memory_keys_under(self.root_uri, self.storage_options.get("memory"))
@@ -332,7 +334,7 @@ class CheckpointManager:
             log.warning("%s: retention not applied after step %d (the store is unreachable: %s)", self.root_uri, step, exc)
             return
         below = layout.by_step(layout.committed_children(listed))
-        names = layout.by_step(layout.committed_children(sorted(set(listed) | set(self._memory_keys()))))
+        names = self._committed_names(listed)
         found = {s: names.get(s, layout.step_name(s)) for s in set(names) | {step}}
         # Steps are unique here, so no commit time is needed to order them (0.0).
         keep = layout.retention([(s, 0.0, n) for s, n in found.items()], self.keep_last, self.keep_every)

@@ -382,8 +382,9 @@ class WriteDown:
             previous = _LAST_COMMIT.get(self.link.memory_tier.home)
 
         async def run() -> None:
-            failed = previous is not None and not previous.future.cancelled() and previous.future.exception()
-            if superseded is not None and failed:
+            failed = superseded is not None and previous is not None and not previous.future.cancelled() \
+                and previous.future.exception()
+            if failed:
                 log.warning("%s: generation %s is kept below: the write-down of the newer COMMIT failed (%s)",
                             self.link.memory_tier.uri, superseded, describe_error(failed))
                 return
