@@ -177,3 +177,27 @@ def mapped_uses(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
     monkeypatch.setattr(link_module, "open_mapped", spy)
     return used
+
+
+# -- the fast tier ---------------------------------------------------------------------------------
+FAST_MODULES = frozenset({
+    "test_api", "test_backends_memory", "test_cache_records", "test_cli_more", "test_concurrency", "test_convert",
+    "test_hf_export", "test_import_graph", "test_layout", "test_load_planner", "test_locality", "test_mapped_read",
+    "test_memory_tier", "test_metadata", "test_metadata_crc", "test_monitor", "test_read_crc_runs", "test_regions",
+    "test_replication_wiring", "test_save_crc", "test_save_planner", "test_scheduler", "test_source_shape",
+    "test_units", "test_verify",
+})
+"""Test modules whose tests run in one process with no server: ``pytest -m fast`` runs them (under a minute).
+
+A test in one of them that takes seconds carries ``@pytest.mark.slow`` and stays out of the fast tier; the
+full suite (what CI runs) runs every test whatever its marks.
+"""
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests of :data:`FAST_MODULES` ``fast``, except the slow ones and any that spawn processes."""
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module is not None else ""
+        if module in FAST_MODULES and not any(item.get_closest_marker(name) for name in ("slow", "multiproc", "gpu")):
+            item.add_marker(pytest.mark.fast)

@@ -76,6 +76,7 @@ def test_three_ranks_partials_complete_every_block(stored, with_run_crcs) -> Non
     assert _load(stored, stored, with_run_crcs) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_run_crcs", [True, False], ids=["run-crcs-from-the-read", "crcs-in-the-check"])
 def test_a_flip_in_every_position_of_every_run_of_a_row_is_caught(stored, with_run_crcs) -> None:
     """Every byte of rows 4 (crosses the block edge at 4096) and 29 (the short last block), each with a
@@ -181,6 +182,7 @@ def test_block_runs_cut_a_range_at_the_block_edges() -> None:
     assert checker.block_runs("w", "d0", OFFSET + BLOCK, BLOCK) == [(OFFSET + BLOCK, BLOCK, 1)]
 
 
+@pytest.mark.slow
 def test_shift_tables_stay_right_across_threads_and_a_full_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """Shifts from 4 threads at once, more distinct ones than the cache keeps (cut to 256 tables here, so
     it fills and starts afresh many times): each equals the raw CRC of the bytes followed by that many
@@ -234,6 +236,7 @@ def _aligned_load(data: bytes, stored: bytes) -> tuple[list, list]:
     return incomplete, [{k: tuple(a.tolist() for a in v) for k, v in p.items()} for p in gathered]
 
 
+@pytest.mark.slow
 def test_native_fold_agrees_with_numpy_and_catches_every_flip(monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs inside blocks take the native per-block fold (``fold_runs``): the same reduced partials as the
     numpy path, every block completed, and a flipped bit at every position of two rows (one in the short
