@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from . import layout
 from .backends import Backend
-from .comm import Comm
+from .comm import Comm, same_uri
 from .errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
     MissingFileError, StateMismatchError,
@@ -245,7 +245,7 @@ def _load_generation(
             # meanwhile (with one, a rank's node may lack it: it is read once the holders are known).
             (flat, needs, wanted, table), gathered = comm.exchange_agreed(
                 lambda: _prepare(state, ckpt, comm.rank, tier, whole_pieces(backend, ckpt) if tier is None else None),
-                "preparing the state to load",
+                "preparing the state to load", same=("URI", same_uri(uri)),
             )
         _report(gathered, ckpt, opts.strict, uri)
         local = LocalReads.of(comm.rank, tier, [(g[4], g[5]) for g in gathered])

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from . import cleanup, layout
 from .backends import Backend
-from .comm import Comm, StoreCoordinator, describe_error
+from .comm import Comm, StoreCoordinator, describe_error, same_uri
 from .gc_pause import gc_paused
 from .errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, TransientStorageError
 from .io.scheduler import get_scheduler
@@ -266,7 +266,8 @@ def _prepare(
         # One collective agrees that every rank could prepare its state and carries each rank's
         # plan-cache digest and object digests, and rank 0's name for the new generation.
         (flat, offers, encoded), agreement = comm.exchange_agreed(
-            lambda: _offer(state, base, memory_tier_of(backend) is not None, persist), "preparing the state to save"
+            lambda: _offer(state, base, memory_tier_of(backend) is not None, persist), "preparing the state to save",
+            same=("URI", same_uri(uri)),
         )
         _check_tiers_agree(uri, [a[3] for a in agreement])
         _check_persist(uri, [a[4] for a in agreement], memory_tier_of(backend) is not None)
