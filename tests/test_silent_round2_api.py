@@ -129,6 +129,39 @@ def test_a_save_that_failed_during_an_outage_leaves_the_previous_checkpoint(
         proxy.close()
 
 
+def test_a_failed_save_after_an_async_save_leaves_the_async_save_pending(
+    s3_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An async save committed on this node (its COMMIT not uploaded yet), then a synchronous save that
+    fails: the node is back at the async save, still node-only (``ls`` says so) and still to be uploaded."""
+    import boto3
+
+    bucket = f"r2-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=bucket)
+    proxy = FaultProxy(s3_server)
+    try:
+        monkeypatch.setenv("TIERCKPT_S3_ENDPOINT_URL", proxy.endpoint)
+        monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(tmp_path / "node"))
+        uri = f"s3://{bucket}/run"
+        proxy.add_rule(Rule("503", method="PUT", path="/COMMIT", count=None))
+        pending = tierckpt.async_save(uri, {"w": torch.full((10,), 1.0)}).wait()
+        with pytest.raises(tierckpt.StorageError, match="was not committed"):
+            tierckpt.save(uri, {"w": torch.full((10,), 2.0)})
+        out = {"w": torch.zeros(10)}
+        tierckpt.load(uri, out)
+        assert torch.equal(out["w"], torch.full((10,), 1.0))
+        st = tierckpt.status(uri)
+        assert st.generation == pending.generation and not st.committed_on_remote
+        assert cli.main(["ls", uri]) == 0 and "node-only" in capsys.readouterr().out
+        proxy.clear()
+        tierckpt.sync(uri, timeout_s=60)
+        remote = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+        body = remote.get_object(Bucket=bucket, Key="run/COMMIT")["Body"].read()
+        assert layout.CommitRecord.decode(body).generation == pending.generation
+    finally:
+        proxy.close()
+
+
 # -- 11. papercuts ---------------------------------------------------------------------------------------
 def test_an_empty_uri_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

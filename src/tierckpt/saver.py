@@ -50,7 +50,7 @@ from . import cleanup, layout
 from .backends import Backend
 from .comm import Comm, StoreCoordinator, describe_error, same_uri
 from .gc_pause import gc_paused
-from .errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, TransientStorageError
+from .errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, StorageError, TransientStorageError
 from .io.scheduler import get_scheduler
 from .io.staging import Chunk, FileStream, StagingBuffer, stage_into
 from .metadata import (
@@ -62,7 +62,7 @@ from .planner import LocalPiece, SavePlan, plan_save
 from .planner.save_planner import offers_digest
 from .regions import Box, FlatRange, Region
 from .state import FlatState, TensorEntry, flatten_state
-from .store import drain_write_back, durability_of, exit_wait_s, memory_tier_of, open_store
+from .store import drain_write_back, durability_of, exit_wait_s, memory_tier_of, open_store, revocable_of
 from .tiers.replication import Replication, replicator_for, stop_replicators
 from .tiers.replication import exit_wait_s as replication_exit_wait_s
 
@@ -644,7 +644,27 @@ def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None
             ) from exc
     durable = durability_of(backend)
     if durable is not None and not p.write_back and p.persist:  # a synchronous save commits where the URI points
-        sched.run(durable.wait_durable(gen, None, through_outage=False))
+        try:
+            sched.run(durable.wait_durable(gen, None, through_outage=False))
+        except StorageError as exc:
+            _withdraw(p, record, base, exc)
+
+
+def _withdraw(p: _Prepared, record: bytes, base: bytes | None, failure: StorageError) -> None:
+    """Rank 0, a synchronous save whose commit did not reach where the URI points: take it back from the
+    node cache too (a failed save is loadable nowhere), then raise; return if the commit landed after all."""
+    revocable = revocable_of(p.backend)
+    if revocable is None:
+        raise failure
+    errors = get_scheduler().run(revocable.withdraw(p.generation, record, base))
+    if errors is None:
+        return
+    previous = layout.CommitRecord.decode(base).generation if base else None
+    raise StorageError(
+        f"saving {p.uri!r} failed: its upload did not complete ({'; '.join(errors[:2]) or failure}). The save was "
+        f"not committed, on this node's cache either, and the last committed checkpoint "
+        f"({previous or 'none'}) is unchanged. Fix the store and save again"
+    ) from failure
 
 
 def _raise_unreported() -> None:

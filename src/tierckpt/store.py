@@ -45,7 +45,8 @@ from .tiers.memory import MemoryTier, NodeMemory
 __all__ = [
     "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s",
     "memory_config_for", "memory_keys_under", "memory_levels", "memory_tier_of", "node_cache_over",
-    "node_only_reason", "open_cached_store", "open_store", "uploader_of", "without_node_cache",
+    "node_only_reason", "open_cached_store", "open_store", "Revocable", "revocable_of", "uploader_of",
+    "without_node_cache",
 ]
 
 LOCAL_SCHEMES = ("", "file", "memory")
@@ -74,6 +75,20 @@ class Durable(Protocol):
 
     async def sync(self, timeout_s: float | None = None) -> None:
         """Resume writes left pending by this or a dead process, then :meth:`wait_durable`."""
+
+
+@runtime_checkable
+class Revocable(Protocol):
+    """A write-back store that can take back a commit whose upload failed (the node cache)."""
+
+    async def withdraw(self, generation: str, record: bytes, base: bytes | None) -> list[str] | None:
+        """Make ``generation`` (committed on this node by ``record``) committed nowhere, this node's view of
+        COMMIT back to ``base``; why its uploads failed, or ``None`` when ``record`` reached the remote."""
+
+
+def revocable_of(store: Backend) -> Revocable | None:
+    """``store`` itself when it can take back a failed commit (:class:`Revocable`), else ``None``."""
+    return store if isinstance(store, Revocable) else None
 
 
 def cache_config_for(uri: str, cache: Any = None) -> CacheConfig | None:
