@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from . import cleanup, layout
 from .backends import Backend
+from .call_args import checked_uri
 from .comm import Comm, StoreCoordinator, describe_error, same_uri
 from .gc_pause import gc_paused
 from .errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, StorageError, TransientStorageError
@@ -124,6 +125,8 @@ def _group_key(group: dist.ProcessGroup | None) -> Any:
     return "WORLD" if group is None else id(group)
 
 
+IF_BUSY = ("wait", "error")
+"""What :func:`async_save` does when a save to the same URI is in flight (``if_busy``)."""
 LEVELS = ("memory", "replicated", "remote")
 """The durability levels :meth:`SaveHandle.wait` waits for."""
 
@@ -711,6 +714,7 @@ def save(
     read per-phase timings and byte counts afterwards. Every rank of the group must call it; a rank
     that does not arrive within ``collective_timeout_s`` (default: the group's timeout) is named in a :class:`CollectiveError`.
     """
+    uri = checked_uri("save", uri, state)
     monitor = monitor or Monitor()
     previous = _PROCESS.in_flight.get(uri)
     if previous is not None and not previous.done():
@@ -749,6 +753,12 @@ def async_save(
     ``if_busy="wait"`` (default) a new one waits for the previous, with ``"error"`` it raises
     :class:`CheckpointBusyError`. ``persist=False``: held in the node memory tier only (see :func:`save`).
     """
+    uri = checked_uri("async_save", uri, state)
+    if if_busy not in IF_BUSY:
+        raise CheckpointError(
+            f"async_save({uri!r}, if_busy={if_busy!r}): use {' or '.join(map(repr, IF_BUSY))} (wait for the save in "
+            "flight to the URI, or raise CheckpointBusyError)"
+        )
     monitor = monitor or Monitor()
     previous = _PROCESS.in_flight.get(uri)
     if previous is not None and not previous.done():
