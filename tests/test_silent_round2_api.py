@@ -265,3 +265,13 @@ def test_a_resharded_load_casts_too(tmp_path: Path) -> None:
     assert torch.equal(box.local.view(torch.int16), saved[2:6, 3:6].to(torch.bfloat16).view(torch.int16))
     tierckpt.load(str(tmp_path / "ck"), {"w": flat})
     assert torch.equal(flat.local.view(torch.int16), saved.reshape(-1)[7:17].half().view(torch.int16))
+
+
+def test_complex_into_real_is_refused_naming_both_dtypes(tmp_path: Path) -> None:
+    tierckpt.save(str(tmp_path / "ck"), {"z": torch.ones(3, dtype=torch.complex64)})
+    target = {"z": torch.zeros(3)}
+    with pytest.raises(StateMismatchError, match=r"'z'.*complex64.*float32.*imaginary"):
+        tierckpt.load(str(tmp_path / "ck"), target)
+    with pytest.warns(UserWarning, match="imaginary"):
+        tierckpt.load(str(tmp_path / "ck"), target, strict=False)
+    assert torch.equal(target["z"], torch.zeros(3))
