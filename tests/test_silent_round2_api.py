@@ -275,3 +275,23 @@ def test_complex_into_real_is_refused_naming_both_dtypes(tmp_path: Path) -> None
     with pytest.warns(UserWarning, match="imaginary"):
         tierckpt.load(str(tmp_path / "ck"), target, strict=False)
     assert torch.equal(target["z"], torch.zeros(3))
+
+
+def test_a_failed_save_through_the_node_memory_tier_is_not_loadable_either(
+    s3_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same with the node memory tier on top of the node cache: a checkpoint saved to memory only
+    (``persist=False``) before the failed save is this node's commit again; nothing of the failed one stays."""
+    monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(tmp_path / "node"))
+    monkeypatch.setenv("TIERCKPT_MEMORY_DIR", str(tmp_path / "memory"))
+    uri, options = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run", {"memory": True}
+    kept = tierckpt.save(uri, {"w": torch.full((10,), 1.0)}, storage_options=options, persist=False)
+    with pytest.raises(tierckpt.StorageError, match="was not committed"):
+        tierckpt.save(uri, {"w": torch.full((10,), 2.0)}, storage_options=options)
+    out = {"w": torch.zeros(10)}
+    tierckpt.load(uri, out, storage_options=options)
+    assert torch.equal(out["w"], torch.full((10,), 1.0))
+    assert tierckpt.status(uri, storage_options=options).generation == kept.generation
+    assert not tierckpt.status(uri, storage_options={"memory": False}).pending_keys
+    with pytest.raises(tierckpt.CheckpointNotFoundError, match="does not exist"):
+        tierckpt.load(uri, {"w": torch.zeros(10)}, storage_options={"memory": False})

@@ -142,11 +142,13 @@ class DurableMixin:
         if mine:
             errors += [f"{self.uri_of(key)}: {commit.error}"] if commit.error else []  # type: ignore[union-attr]
             order = commit.order  # type: ignore[union-attr]
-            if base is not None and order is not None and order.base != base:  # base was committed here only
+            previous = layout.CommitRecord.decode(base).generation if base is not None else None
+            known = previous is not None and self.catalog.generation_state(self.rh, previous) is not None
+            if known and order is not None and order.base != base:  # base was committed here only
                 restored = CommitOrder(cas=order.cas, base=order.base, after=None)
-                await self._write_whole(key, base, Op.COMMIT, layout.CommitRecord.decode(base).generation, restored)
-            elif base is not None:
-                await self._store_fetched(key, base)  # the remote's, for reads while it is unreachable
+                await self._write_whole(key, base, Op.COMMIT, previous, restored)  # type: ignore[arg-type]
+            elif base is not None and order is not None and order.base == base:  # the remote's
+                await self._store_fetched(key, base)  # for reads while the remote is unreachable
         return errors
 
     async def _stop_uploads(self, keys: set[str]) -> None:
