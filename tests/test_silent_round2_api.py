@@ -61,6 +61,36 @@ def load_rank_dependent_uri(root: str) -> tuple[str, bool] | None:
     return "returned", bool((state["w"] == -1.0).all())
 
 
+def save_relative_path_from_rank_dependent_cwd(root: str) -> str | None:
+    """Ranks 0 and 1 save to one relative path, each from its own working directory; the error each raised."""
+    import torch.distributed as dist
+
+    group = subgroup(2)
+    if group is None:
+        return None
+    rank = dist.get_rank(group)
+    cwd = os.getcwd()
+    os.makedirs(f"{root}/cwd{rank}", exist_ok=True)
+    os.chdir(f"{root}/cwd{rank}")
+    try:
+        tierckpt.save("ckpt", {"w": torch.ones(2)}, group=group)
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        os.chdir(cwd)
+    return "returned"
+
+
+@pytest.mark.multiproc
+def test_one_relative_path_from_different_directories_is_refused(dist_pool: Any, tmp_path: Path) -> None:
+    messages = [m for m in dist_pool.run(save_relative_path_from_rank_dependent_cwd, str(tmp_path)) if m is not None]
+    assert len(messages) == 2
+    for message in messages:
+        assert "ranks disagree on the URI" in message, message
+        assert f"{tmp_path}/cwd0/ckpt" in message and f"{tmp_path}/cwd1/ckpt" in message, message
+    assert _files_under(tmp_path) == []
+
+
 @pytest.mark.multiproc
 def test_ranks_saving_to_different_uris_all_raise_and_nothing_is_written(dist_pool: Any, tmp_path: Path) -> None:
     root = tmp_path / "run"

@@ -236,12 +236,6 @@ def check_same_on_every_rank(name: str, values: Sequence[Any], what: str) -> Non
     )
 
 
-def same_uri(uri: str) -> str:
-    """What ranks compare to tell that they address one checkpoint: the URI as passed, without a trailing
-    slash (``s3://b/run/`` and ``s3://b/run`` are one checkpoint)."""
-    return uri.rstrip("/") or uri
-
-
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[:8]}" + (" ..." if len(ranks) > 8 else "")
 

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from . import layout
 from .backends import Backend
 from .call_args import checked_uri
-from .comm import Comm, same_uri
+from .comm import Comm
 from .errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
     MissingFileError, StateMismatchError,
@@ -77,7 +77,7 @@ from .planner.locality import assign_local_readers, relocate, spans_of
 from .planner.routes import store_kind
 from .read_step import ReadStep
 from .state import FlatState, flatten_state
-from .store import memory_tier_of, open_store, without_node_cache
+from .store import identity_of, memory_tier_of, open_store, without_node_cache
 from .tier_metadata import TierStart, read_from_tier, start_from_tiers
 from .tiers.memory import MemoryTier
 
@@ -248,7 +248,7 @@ def _load_generation(
             # meanwhile (with one, a rank's node may lack it: it is read once the holders are known).
             (flat, needs, wanted, table), gathered = comm.exchange_agreed(
                 lambda: _prepare(state, ckpt, comm.rank, tier, whole_pieces(backend, ckpt) if tier is None else None),
-                "preparing the state to load", same=("URI", same_uri(uri)),
+                "preparing the state to load", same=("URI", identity_of(uri, backend)),
             )
         _report(gathered, ckpt, opts.strict, uri)
         local = LocalReads.of(comm.rank, tier, [(g[4], g[5]) for g in gathered])

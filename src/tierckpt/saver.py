@@ -49,7 +49,7 @@ import torch.distributed as dist
 from . import cleanup, layout
 from .backends import Backend
 from .call_args import checked_uri
-from .comm import Comm, StoreCoordinator, describe_error, same_uri
+from .comm import Comm, StoreCoordinator, describe_error
 from .gc_pause import gc_paused
 from .errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, StorageError, TransientStorageError
 from .io.scheduler import get_scheduler
@@ -63,7 +63,9 @@ from .planner import LocalPiece, SavePlan, plan_save
 from .planner.save_planner import offers_digest
 from .regions import Box, FlatRange, Region
 from .state import FlatState, TensorEntry, flatten_state
-from .store import drain_write_back, durability_of, exit_wait_s, memory_tier_of, open_store, revocable_of
+from .store import (
+    drain_write_back, durability_of, exit_wait_s, identity_of, memory_tier_of, open_store, revocable_of,
+)
 from .tiers.replication import Replication, replicator_for, stop_replicators
 from .tiers.replication import exit_wait_s as replication_exit_wait_s
 
@@ -270,7 +272,7 @@ def _prepare(
         # plan-cache digest and object digests, and rank 0's name for the new generation.
         (flat, offers, encoded), agreement = comm.exchange_agreed(
             lambda: _offer(state, base, memory_tier_of(backend) is not None, persist), "preparing the state to save",
-            same=("URI", same_uri(uri)),
+            same=("URI", identity_of(uri, backend)),
         )
         _check_tiers_agree(uri, [a[3] for a in agreement])
         _check_persist(uri, [a[4] for a in agreement], memory_tier_of(backend) is not None)
@@ -665,7 +667,7 @@ def _withdraw(p: _Prepared, record: bytes, base: bytes | None, failure: StorageE
     previous = layout.CommitRecord.decode(base).generation if base else None
     raise StorageError(
         f"saving {p.uri!r} failed: its upload did not complete ({'; '.join(errors[:2]) or failure}). The save was "
-        f"not committed, on this node's cache either, and the last committed checkpoint "
+        f"not committed anywhere (this node's cache and memory tier included); the last committed checkpoint "
         f"({previous or 'none'}) is unchanged. Fix the store and save again"
     ) from failure
 
