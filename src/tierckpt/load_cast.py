@@ -17,6 +17,7 @@ from .errors import StateMismatchError
 from .state import FlatState, TensorEntry
 
 SHOWN_KEYS = 4
+"""The meta-device error names at most this many keys."""
 
 
 def castable(saved: torch.dtype, target: torch.dtype) -> bool:
