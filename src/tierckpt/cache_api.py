@@ -17,13 +17,14 @@ import fnmatch
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 
 from . import layout
 from .backends import Backend
+from .call_args import merged_options
 from .cache.config import CacheConfig
 from .cache.status import StoreStatus
 from .cache.tiered import TieredBackend
@@ -36,9 +37,13 @@ from .tiers.downlog import DownLog
 from .tiers.link import MemoryLink, tier_uri
 from .tiers.memory import MemoryTier, NodeMemory
 
-def open_tiered(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> Backend:
-    """The store for ``uri`` (:func:`~tierckpt.store.open_store`), with ``config`` as its node cache."""
-    options = dict(storage_options)
+def open_tiered(uri: str, config: CacheConfig | None = None, *, storage_options: Mapping[str, Any] | None = None,
+                **options_kw: Any) -> Backend:
+    """The store for ``uri`` (:func:`~tierckpt.store.open_store`), with ``config`` as its node cache.
+
+    Every function of this module takes the storage options as ``storage_options=`` (as ``save``/``load``
+    do) or, as before, as keyword arguments."""
+    options = merged_options("open_tiered", storage_options, options_kw)
     if config is not None:
         options["cache"] = config
     return open_store(uri, options)
@@ -74,30 +79,34 @@ def _durable(uri: str, config: CacheConfig | None, storage_options: dict[str, An
     return MemoryLink(chain, memory, uri) if memory is not None else chain
 
 
-def status(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> StoreStatus:
+def status(uri: str, config: CacheConfig | None = None, *, storage_options: Mapping[str, Any] | None = None,
+           **options_kw: Any) -> StoreStatus:
     """Where the checkpoint at ``uri`` stands on this node and on the remote: the generation committed
     on each, what is still pending upload, and the upload errors; with the node memory tier (see
     :func:`_memory_for`) a :class:`~tierckpt.tiers.linkstatus.LinkStatus`, which adds each level."""
-    return get_scheduler().run(_durable(uri, config, storage_options).status())
+    return get_scheduler().run(_durable(uri, config, merged_options("status", storage_options, options_kw)).status())
 
 
-def wait(uri: str, timeout_s: float | None = None, config: CacheConfig | None = None, **storage_options: Any) -> None:
+def wait(uri: str, timeout_s: float | None = None, config: CacheConfig | None = None, *,
+         storage_options: Mapping[str, Any] | None = None, **options_kw: Any) -> None:
     """Block until everything written to ``uri`` through the node cache is on the remote (COMMIT last).
 
     Raises :class:`~tierckpt.errors.TransientStorageError` on timeout and
     :class:`~tierckpt.errors.StorageError` when an upload failed (fix the remote, then :func:`sync`).
     """
-    get_scheduler().run(_durable(uri, config, storage_options).wait_durable(None, timeout_s))
+    options = merged_options("wait", storage_options, options_kw)
+    get_scheduler().run(_durable(uri, config, options).wait_durable(None, timeout_s))
 
 
-def sync(uri: str | None = None, config: CacheConfig | None = None, timeout_s: float | None = None,
-         **storage_options: Any) -> list[str]:
+def sync(uri: str | None = None, config: CacheConfig | None = None, timeout_s: float | None = None, *,
+         storage_options: Mapping[str, Any] | None = None, **options_kw: Any) -> list[str]:
     """Resume the uploads the catalogue records as pending and the write-downs the node memory tier
     holds (for ``uri``, or every store of the node) and wait for them; returns the URIs synced. A
     restarted process calls this after a crash.
 
     ``storage_options`` open every remote (credentials are never stored in the catalogue).
     """
+    options = merged_options("sync", storage_options, options_kw)
     config = config or CacheConfig.from_env()
     if uri is not None:
         uris = [uri]
@@ -109,7 +118,7 @@ def sync(uri: str | None = None, config: CacheConfig | None = None, timeout_s: f
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     for u in uris:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        sched.run(_durable(u, config, storage_options).sync(left), left)
+        sched.run(_durable(u, config, options).sync(left), left)
     return uris
 
 
@@ -124,10 +133,11 @@ def _memory_only() -> list[str]:
     return out
 
 
-def drop(uri: str, config: CacheConfig | None = None, **storage_options: Any) -> list[str]:
+def drop(uri: str, config: CacheConfig | None = None, *, storage_options: Mapping[str, Any] | None = None,
+         **options_kw: Any) -> list[str]:
     """Discard the uploads pending from this node to ``uri`` (a mistyped bucket, a store given up on);
     returns the keys dropped. What they held stays readable in the node cache until evicted."""
-    return get_scheduler().run(_tiered(uri, config, storage_options).drop_pending())
+    return get_scheduler().run(_tiered(uri, config, merged_options("drop", storage_options, options_kw)).drop_pending())
 
 
 class PrefetchHandle:
@@ -161,8 +171,8 @@ class PrefetchHandle:
         return self._future.cancel()
 
 
-def prefetch(uri: str, only: Sequence[str] | None = None, progress: bool = True, config: CacheConfig | None = None,
-             **storage_options: Any) -> PrefetchHandle:
+def prefetch(uri: str, only: Sequence[str] | None = None, progress: bool = True, config: CacheConfig | None = None, *,
+             storage_options: Mapping[str, Any] | None = None, **options_kw: Any) -> PrefetchHandle:
     """Pull the committed checkpoint at ``uri`` into the node cache in the background.
 
     With ``only`` (fqn glob patterns such as ``"model.layers.0.*"``) only the metadata, the object
@@ -170,7 +180,9 @@ def prefetch(uri: str, only: Sequence[str] | None = None, progress: bool = True,
     before this returns; the data is fetched at background priority: call ``result()`` on the returned
     handle to wait for it (a process that exits first has fetched only the metadata).
     """
-    backend = _tiered(uri, config, storage_options)
+    if isinstance(only, str):
+        only = [only]
+    backend = _tiered(uri, config, merged_options("prefetch", storage_options, options_kw))
     sched = get_scheduler()
     ckpt = read_checkpoint(backend)
     gen = ckpt.meta.generation
@@ -186,6 +198,13 @@ def prefetch(uri: str, only: Sequence[str] | None = None, progress: bool = True,
         ranges += [(layout.in_generation(gen, f.key), 0, f.size) for f in ckpt.meta.files]
     else:
         fqns = [f for f in ckpt.tensors if any(fnmatch.fnmatchcase(f, p) for p in only)]
+        if not fqns:
+            names = sorted(ckpt.tensors)
+            raise CheckpointError(
+                f"prefetch {uri!r}: only={list(only)} matched no tensor of the checkpoint (nothing fetched); its "
+                f"tensors include {', '.join(map(repr, names[:5]))}{' ...' if len(names) > 5 else ''}. Patterns are "
+                "globs matched against whole names, e.g. 'model.layers.0.*'"
+            )
         pieces = read_pieces(backend, ckpt, set(fqns))
         ranges += [(layout.in_generation(gen, p.file), p.byte_offset, p.byte_offset + p.byte_length)
                    for plist in pieces.values() for p in plist]
@@ -222,7 +241,8 @@ class GcResult:
 
 
 def gc(root: str, keep_last: int | None = None, keep_every: int | None = None, *, dry_run: bool = False,
-       config: CacheConfig | None = None, **storage_options: Any) -> GcResult:
+       config: CacheConfig | None = None, storage_options: Mapping[str, Any] | None = None,
+       **options_kw: Any) -> GcResult:
     """Retention over ``root``: a directory whose children are checkpoints (``<root>/step-100/COMMIT``).
 
     Needs an explicit policy: keeps the ``keep_last`` newest committed checkpoints and those whose
@@ -240,9 +260,10 @@ def gc(root: str, keep_last: int | None = None, keep_every: int | None = None, *
         )
     if keep_last is not None and keep_last < 1:
         raise CheckpointError(f"gc({root!r}): keep_last must be at least 1 (the newest checkpoint is never deleted)")
+    storage_options = merged_options("gc", storage_options, options_kw)
     sched = get_scheduler()
     base = root.rstrip("/")
-    parent = open_tiered(base, config, **storage_options)
+    parent = open_tiered(base, config, storage_options=storage_options)
     names = layout.committed_children(sched.run(parent.list("")))
     stores = {n: _tiered(f"{base}/{n}", config, storage_options) for n in names}
     order: list[tuple[int, float, str]] = []

@@ -151,14 +151,21 @@ class Comm:
         self.agree(error, what)
         return result  # type: ignore[return-value]
 
-    def exchange_agreed(self, fn: Callable[[], tuple[K, S]], what: str) -> tuple[K, list[S]]:
+    def exchange_agreed(
+        self, fn: Callable[[], tuple[K, S]], what: str, same: tuple[str, Any] | None = None,
+    ) -> tuple[K, list[S]]:
         """Run ``fn`` -> ``(kept, shared)`` on every rank; return this rank's ``kept`` and every rank's
-        ``shared``, all-gathered in the same collective that agrees on failures (raised on every rank)."""
+        ``shared``, all-gathered in the same collective that agrees on failures (raised on every rank).
+
+        ``same``: ``(name, value)`` that every rank must pass equal (the URI of a save or load), carried by
+        the same collective and checked first, since a disagreement explains any other failure."""
         result, error = _attempt(fn)
         kept, shared = result if result is not None else (None, None)
-        gathered = self.all_gather_object((shared, describe_error(error)))
-        self.raise_failures(error, [message for _, message in gathered], what)
-        return kept, [s for s, _ in gathered]  # type: ignore[return-value]
+        gathered = self.all_gather_object((shared, describe_error(error), None if same is None else same[1]))
+        if same is not None:
+            check_same_on_every_rank(same[0], [value for _, _, value in gathered], what)
+        self.raise_failures(error, [message for _, message, _ in gathered], what)
+        return kept, [s for s, _, _ in gathered]  # type: ignore[return-value]
 
     def raise_failures(self, error: BaseException | None, messages: list[str | None], what: str) -> None:
         """Raise on this rank if any rank failed (``messages[r]``: :func:`describe_error` of rank ``r``'s
@@ -207,6 +214,30 @@ class Comm:
         if self.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+SHOWN_VALUES = 4
+"""A disagreement names at most this many distinct values (a rank-dependent path gives one per rank)."""
+
+
+def check_same_on_every_rank(name: str, values: Sequence[Any], what: str) -> None:
+    """Raise on every rank (each holds the same all-gathered ``values``, rank ``r``'s at ``values[r]``)
+    when the ranks passed different values of ``name`` to ``what``; the message names them and their ranks."""
+    distinct = list(dict.fromkeys(values))
+    if len(distinct) <= 1:
+        return
+    shown = "; ".join(
+        f"{value!r} on {_ranks([r for r, v in enumerate(values) if v == value])}" for value in distinct[:SHOWN_VALUES]
+    )
+    more = f"; and {len(distinct) - SHOWN_VALUES} other value(s)" if len(distinct) > SHOWN_VALUES else ""
+    raise CheckpointError(
+        f"{what}: ranks disagree on the {name}: {shown}{more}. Every rank of the group must pass the same {name} "
+        "(a rank-dependent path is the usual cause); nothing was read or written"
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[:8]}" + (" ..." if len(ranks) > 8 else "")
 
 
 def _attempt(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:

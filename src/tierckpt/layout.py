@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import re
 import time
@@ -40,7 +41,7 @@ from typing import NamedTuple
 
 import crc32c
 
-from .errors import CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
 
 FORMAT_NAME = "tierckpt"
 """Stamped in ``COMMIT`` and ``meta/header.json``; readers reject documents naming another format."""
@@ -91,8 +92,18 @@ def step_of(name: str) -> int | None:
 
 
 def step_name(step: int) -> str:
-    """The directory name :class:`~tierckpt.CheckpointManager` gives a step: ``step-00000100``."""
-    return f"step-{step:08d}"
+    """The directory name :class:`~tierckpt.CheckpointManager` gives a step: ``step-00000100``; a step is
+    a non-negative integer (``step--0000001`` would be read back as no step at all)."""
+    try:
+        number = -1 if isinstance(step, bool) else operator.index(step)
+    except TypeError:
+        number = -1
+    if number < 0:
+        raise CheckpointError(
+            f"step {step!r} is not a training step: steps are non-negative integers (0, 1, 2, ...); pass the "
+            "step counter of the training loop"
+        )
+    return f"step-{number:08d}"
 
 
 _GENERATION = re.compile(r"g-[0-9A-Za-z_-]{1,64}")

@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from . import layout
 from .backends import Backend
+from .call_args import checked_uri
 from .comm import Comm
 from .errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
@@ -61,6 +62,7 @@ from .errors import (
 from .gc_pause import gc_paused
 from .io.readcheck import ReadChecker
 from .io.scheduler import get_scheduler
+from .load_cast import castable, read_then_cast, refuse_meta_tensors
 from .local_load import LocalReads, held_files, rereaders
 from .meta_read import (
     RACE_RETRIES, WHOLE_PIECES_BYTES, Checkpoint, newer_commit, read_checkpoint, read_commit, read_document, read_pieces,
@@ -75,7 +77,7 @@ from .planner.locality import assign_local_readers, relocate, spans_of
 from .planner.routes import store_kind
 from .read_step import ReadStep
 from .state import FlatState, flatten_state
-from .store import memory_tier_of, open_store, without_node_cache
+from .store import identity_of, memory_tier_of, open_store, without_node_cache
 from .tier_metadata import TierStart, read_from_tier, start_from_tiers
 from .tiers.memory import MemoryTier
 
@@ -163,6 +165,7 @@ def load(
     of the group must call it; a rank
     that does not arrive within ``collective_timeout_s`` (default: the group's timeout) is named in a :class:`CollectiveError`.
     """
+    uri = checked_uri("load", uri, state)
     comm = Comm(group)
     comm.check_in(f"load from {uri!r}", collective_timeout_s)
     monitor = monitor or Monitor()
@@ -245,7 +248,7 @@ def _load_generation(
             # meanwhile (with one, a rank's node may lack it: it is read once the holders are known).
             (flat, needs, wanted, table), gathered = comm.exchange_agreed(
                 lambda: _prepare(state, ckpt, comm.rank, tier, whole_pieces(backend, ckpt) if tier is None else None),
-                "preparing the state to load",
+                "preparing the state to load", same=("URI", identity_of(uri, backend)),
             )
         _report(gathered, ckpt, opts.strict, uri)
         local = LocalReads.of(comm.rank, tier, [(g[4], g[5]) for g in gathered])
@@ -349,6 +352,7 @@ def _prepare(
         state, for_load=True, saved_keys=lambda p: any(k.startswith(p) for k in saved_keys),
         legacy_names=ckpt.meta.format_minor < 1,
     )
+    refuse_meta_tensors(flat)
     needs, findings = _match(flat, ckpt)
     wanted = wanted_objects(ckpt, flat, rank)
     held = held_files(tier, ckpt.meta, ckpt.record)
@@ -402,9 +406,12 @@ def _match(flat: FlatState, ckpt: Checkpoint) -> tuple[list[TargetPiece], list[t
         dtype = dtype_name(entry.tensor.dtype)
         if saved.shape != entry.shape:
             findings.append(("shape", f"{fqn!r}: checkpoint has shape {list(saved.shape)}, the state has {list(entry.shape)}"))
-        elif saved.dtype != dtype:
-            findings.append(("dtype", f"{fqn!r}: checkpoint has dtype {saved.dtype}, the state has {dtype}"))
+        elif saved.dtype != dtype and not castable(saved.torch_dtype, entry.tensor.dtype):
+            findings.append(("dtype", f"{fqn!r}: checkpoint has dtype {saved.dtype}, the state has {dtype}, and "
+                                      "casting would drop the imaginary part"))
         else:
+            if saved.dtype != dtype:
+                read_then_cast(flat, entry, saved.torch_dtype)
             needs.append(TargetPiece(fqn=fqn, region=entry.region))
     saved_objects = {o.key for o in ckpt.meta.objects}
     findings.extend(("missing", key) for key in flat.objects if key not in saved_objects)

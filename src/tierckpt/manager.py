@@ -150,7 +150,8 @@ class CheckpointManager:
         return open_store(self.root_uri, self.storage_options)
 
     def save(self, step: int, state: Mapping[str, Any], *, force: bool = False, **options: Any) -> bool:
-        """Save ``state`` as ``step`` when it is due; returns whether a save was started."""
+        """Save ``state`` as ``step`` (a non-negative integer) when it is due; returns whether a save was started."""
+        self.uri_of(step)  # refuses what is not a step before anything else
         if step % self.save_every and not force:
             return False
         self._agree_replicated()

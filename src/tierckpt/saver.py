@@ -48,9 +48,10 @@ import torch.distributed as dist
 
 from . import cleanup, layout
 from .backends import Backend
+from .call_args import checked_uri
 from .comm import Comm, StoreCoordinator, describe_error
 from .gc_pause import gc_paused
-from .errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, TransientStorageError
+from .errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, StorageError, TransientStorageError
 from .io.scheduler import get_scheduler
 from .io.staging import Chunk, FileStream, StagingBuffer, stage_into
 from .metadata import (
@@ -62,7 +63,9 @@ from .planner import LocalPiece, SavePlan, plan_save
 from .planner.save_planner import offers_digest
 from .regions import Box, FlatRange, Region
 from .state import FlatState, TensorEntry, flatten_state
-from .store import drain_write_back, durability_of, exit_wait_s, memory_tier_of, open_store
+from .store import (
+    drain_write_back, durability_of, exit_wait_s, identity_of, memory_tier_of, open_store, revocable_of,
+)
 from .tiers.replication import Replication, replicator_for, stop_replicators
 from .tiers.replication import exit_wait_s as replication_exit_wait_s
 
@@ -124,6 +127,8 @@ def _group_key(group: dist.ProcessGroup | None) -> Any:
     return "WORLD" if group is None else id(group)
 
 
+IF_BUSY = ("wait", "error")
+"""What :func:`async_save` does when a save to the same URI is in flight (``if_busy``)."""
 LEVELS = ("memory", "replicated", "remote")
 """The durability levels :meth:`SaveHandle.wait` waits for."""
 
@@ -266,7 +271,8 @@ def _prepare(
         # One collective agrees that every rank could prepare its state and carries each rank's
         # plan-cache digest and object digests, and rank 0's name for the new generation.
         (flat, offers, encoded), agreement = comm.exchange_agreed(
-            lambda: _offer(state, base, memory_tier_of(backend) is not None, persist), "preparing the state to save"
+            lambda: _offer(state, base, memory_tier_of(backend) is not None, persist), "preparing the state to save",
+            same=("URI", identity_of(uri, backend)),
         )
         _check_tiers_agree(uri, [a[3] for a in agreement])
         _check_persist(uri, [a[4] for a in agreement], memory_tier_of(backend) is not None)
@@ -643,7 +649,27 @@ def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None
             ) from exc
     durable = durability_of(backend)
     if durable is not None and not p.write_back and p.persist:  # a synchronous save commits where the URI points
-        sched.run(durable.wait_durable(gen, None, through_outage=False))
+        try:
+            sched.run(durable.wait_durable(gen, None, through_outage=False))
+        except StorageError as exc:
+            _withdraw(p, record, base, exc)
+
+
+def _withdraw(p: _Prepared, record: bytes, base: bytes | None, failure: StorageError) -> None:
+    """Rank 0, a synchronous save whose commit did not reach where the URI points: take it back from the
+    node cache too (a failed save is loadable nowhere), then raise; return if the commit landed after all."""
+    revocable = revocable_of(p.backend)
+    if revocable is None:
+        raise failure
+    errors = get_scheduler().run(revocable.withdraw(p.generation, record, base))
+    if errors is None:
+        return
+    previous = layout.CommitRecord.decode(base).generation if base else None
+    raise StorageError(
+        f"saving {p.uri!r} failed: its upload did not complete ({'; '.join(errors[:2]) or failure}). The save was "
+        f"not committed anywhere (this node's cache and memory tier included); the last committed checkpoint "
+        f"({previous or 'none'}) is unchanged. Fix the store and save again"
+    ) from failure
 
 
 def _raise_unreported() -> None:
@@ -690,6 +716,7 @@ def save(
     read per-phase timings and byte counts afterwards. Every rank of the group must call it; a rank
     that does not arrive within ``collective_timeout_s`` (default: the group's timeout) is named in a :class:`CollectiveError`.
     """
+    uri = checked_uri("save", uri, state)
     monitor = monitor or Monitor()
     previous = _PROCESS.in_flight.get(uri)
     if previous is not None and not previous.done():
@@ -728,6 +755,12 @@ def async_save(
     ``if_busy="wait"`` (default) a new one waits for the previous, with ``"error"`` it raises
     :class:`CheckpointBusyError`. ``persist=False``: held in the node memory tier only (see :func:`save`).
     """
+    uri = checked_uri("async_save", uri, state)
+    if if_busy not in IF_BUSY:
+        raise CheckpointError(
+            f"async_save({uri!r}, if_busy={if_busy!r}): use {' or '.join(map(repr, IF_BUSY))} (wait for the save in "
+            "flight to the URI, or raise CheckpointBusyError)"
+        )
     monitor = monitor or Monitor()
     previous = _PROCESS.in_flight.get(uri)
     if previous is not None and not previous.done():

@@ -28,7 +28,7 @@ import os
 import time
 from typing import Any, Protocol, runtime_checkable
 
-from .backends import Backend, open_plain_backend, split_uri
+from .backends import Backend, LocalBackend, open_plain_backend, split_uri
 from .cache.config import CacheConfig
 from .cache.status import StoreStatus
 from .cache.tiered import TieredBackend
@@ -43,9 +43,10 @@ from .tiers.linkstatus import LinkStatus
 from .tiers.memory import MemoryTier, NodeMemory
 
 __all__ = [
-    "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s",
+    "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s", "identity_of",
     "memory_config_for", "memory_keys_under", "memory_levels", "memory_tier_of", "node_cache_over",
-    "node_only_reason", "open_cached_store", "open_store", "uploader_of", "without_node_cache",
+    "node_only_reason", "open_cached_store", "open_store", "Revocable", "revocable_of", "uploader_of",
+    "without_node_cache",
 ]
 
 LOCAL_SCHEMES = ("", "file", "memory")
@@ -74,6 +75,20 @@ class Durable(Protocol):
 
     async def sync(self, timeout_s: float | None = None) -> None:
         """Resume writes left pending by this or a dead process, then :meth:`wait_durable`."""
+
+
+@runtime_checkable
+class Revocable(Protocol):
+    """A write-back store that can take back a commit whose upload failed (the node cache)."""
+
+    async def withdraw(self, generation: str, record: bytes, base: bytes | None) -> list[str] | None:
+        """Make ``generation`` (committed on this node by ``record``) committed nowhere, this node's view of
+        COMMIT back to ``base``; why its uploads failed, or ``None`` when ``record`` reached the remote."""
+
+
+def revocable_of(store: Backend) -> Revocable | None:
+    """``store`` itself when it can take back a failed commit (:class:`Revocable`), else ``None``."""
+    return store if isinstance(store, Revocable) else None
 
 
 def cache_config_for(uri: str, cache: Any = None) -> CacheConfig | None:
@@ -171,6 +186,22 @@ def uploader_of(config: CacheConfig) -> Uploader:
         uploader = _UPLOADERS[directory] = Uploader(config.directory, config.upload_concurrency, config.exit_wait_s)
     uploader.exit_wait_s = max(uploader.exit_wait_s, config.exit_wait_s)
     return uploader
+
+
+def identity_of(uri: str, store: Backend) -> str:
+    """How ranks tell that they address one checkpoint (compared before a save or load writes or reads):
+    the URI without a trailing slash and, when it differs, where the chain ends: a local root's absolute
+    path (a relative path is relative to each process's working directory), a remote's bucket at its
+    endpoint (ranks given different endpoints would write different stores)."""
+    while True:  # down the chain: memory link, node cache, scheduling link, to the URI's own backend
+        below = getattr(store, "below", None) or getattr(store, "remote", None) or getattr(store, "inner", None)
+        if not isinstance(below, Backend):
+            break
+        store = below
+    name = uri.rstrip("/") or uri
+    if not isinstance(store, LocalBackend):
+        return f"{name} ({store.service})"
+    return name if store.root == name else f"{name} (at {store.root})"
 
 
 def without_node_cache(store: Backend) -> Backend:

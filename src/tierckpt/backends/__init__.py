@@ -31,6 +31,7 @@ from .fsspec_backend import FsspecBackend
 from .s3 import S3Backend
 from .local import LocalBackend
 from .memory import MemoryBackend
+from .options import check_options
 
 __all__ = [
     "Backend",
@@ -40,6 +41,7 @@ __all__ = [
     "MemoryBackend",
     "ObjectWriter",
     "S3Backend",
+    "check_options",
     "open_backend",
     "open_plain_backend",
     "split_uri",
@@ -53,12 +55,17 @@ _SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):(?!//)(.*)$",
 
 
 def validate_uri(uri: str) -> str:
-    """``uri`` unchanged, unless it is a scheme without ``//`` (``s3:/bucket/x``, ``s3:bucket/x``).
+    """``uri`` unchanged, unless it is empty or a scheme without ``//`` (``s3:/bucket/x``, ``s3:bucket/x``).
 
     Such a string is a mistyped URI far more often than a local directory whose name holds a colon,
     and taking it for a path would silently write ``./s3:/bucket/x`` on local disk. ``file:/path``
     (one slash, RFC 8089) stays a valid local path; a local name with a colon is written ``./name``.
     """
+    if not uri.strip():
+        raise UnsupportedURIError(
+            f"an empty URI ({uri!r}) names no checkpoint (it would be written into the working directory): pass a "
+            "directory path, e.g. './ckpt/step-100', or a URI such as 's3://bucket/run/step-100'"
+        )
     match = _SCHEME_WITHOUT_SLASHES.match(uri)
     if match is None or (match.group(1).lower() == "file" and match.group(2).startswith("/")):
         return uri
@@ -91,11 +98,11 @@ def open_backend(uri: str, **options: Any) -> Backend:
         )
     scheme, _ = split_uri(uri)
     if scheme in ("", "file"):
-        return LocalBackend(uri, **options)
+        return LocalBackend(uri, **check_options(LocalBackend, uri, options))
     if scheme == "memory":
-        return MemoryBackend(uri, **options)
+        return MemoryBackend(uri, **check_options(MemoryBackend, uri, options))
     if scheme in ("s3", "s3a"):
-        return S3Backend(uri, **options)
+        return S3Backend(uri, **check_options(S3Backend, uri, options))
     try:
         fsspec.get_filesystem_class(scheme)
     except (ImportError, ValueError) as exc:

@@ -14,7 +14,7 @@ from ..comm import describe_error
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError
 from ..io.scheduler import get_scheduler
 from .catalog import generation_path, pid_alive
-from .records import Op, PendingOp
+from .records import CommitOrder, Op, PendingOp
 from .status import Durability, StoreStatus
 
 
@@ -113,6 +113,58 @@ class DurableMixin:
             return layout.CommitRecord.decode(data).generation, None
         except CorruptCheckpointError as exc:
             return None, describe_error(exc)
+
+    async def withdraw(self, generation: str, record: bytes, base: bytes | None) -> list[str] | None:
+        """Take back a commit whose upload failed (a synchronous save that raises), so that the generation it
+        names is committed nowhere, this node included: this process's uploads of ``generation`` and of
+        ``COMMIT`` stop, their pending ops and cached copies are dropped, and this node's view of ``COMMIT``
+        is ``base`` again (the commit the save started from: pending again if it was pending here, else the
+        remote's). Returns why the uploads failed; ``None`` when the remote holds ``record`` after all (the
+        commit's upload landed: the save succeeded, nothing is taken back)."""
+        key = layout.COMMIT
+        name = generation.rstrip("/").rpartition("/")[2]
+        ours = {k: r for k, r in self._relevant(generation).items() if k != key}
+        commit = self.catalog.pending(self.rh, key)
+        mine = commit is not None and commit.op == Op.COMMIT and commit.gen == name
+        await self._stop_uploads({*ours, *([key] if mine else [])})
+        try:
+            landed = await self.link.call("get", self.remote.get, key, retries=2) == record
+        except CheckpointError:
+            landed = False
+        if landed and mine:
+            self.catalog.finish(self.rh, key, commit.ver)  # type: ignore[union-attr]
+            return None
+        errors = [f"{self.uri_of(k)}: {r.error}" for k, r in sorted(ours.items()) if r.error]
+        for k in [*ours, *([key] if mine else [])]:
+            self._memory.drop(k)
+            self._unlink_dropped(k, self.catalog.record_delete(self.rh, k, deferred=False))
+        self.catalog.forget_generations(self.rh, name)
+        if mine:
+            errors += [f"{self.uri_of(key)}: {commit.error}"] if commit.error else []  # type: ignore[union-attr]
+            order = commit.order  # type: ignore[union-attr]
+            previous = layout.CommitRecord.decode(base).generation if base is not None else None
+            known = previous is not None and self.catalog.generation_state(self.rh, previous) is not None
+            if known and order is not None and order.base != base:  # base was committed here only
+                restored = CommitOrder(cas=order.cas, base=order.base, after=None)
+                await self._write_whole(key, base, Op.COMMIT, previous, restored)  # type: ignore[arg-type]
+            elif base is not None and order is not None and order.base == base:  # the remote's
+                await self._store_fetched(key, base)  # for reads while the remote is unreachable
+        return errors
+
+    async def _stop_uploads(self, keys: set[str]) -> None:
+        """Stop this process's upload tasks (and uploads that follow a write) of ``keys``; they stay pending."""
+
+        async def cancel() -> None:
+            for key in keys:
+                tail = self.uploader.tails.get((self.rh, key))
+                if tail is not None:
+                    await self._drop_tail(key, tail)
+            tasks = [t for (rh, k), t in list(self.uploader.tasks.items()) if rh == self.rh and k in keys]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        await asyncio.wrap_future(get_scheduler().submit(cancel()))
 
     async def drop_pending(self) -> list[str]:
         """Discard every upload still pending to this store (e.g. to a mistyped bucket): the objects stay

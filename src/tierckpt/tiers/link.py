@@ -46,6 +46,7 @@ from .downlog import MEMORY_ONLY, DownLog, durable_copies, generation_of, write_
 from .linkstatus import LinkStatus, link_status
 from .mapped import MappedFile, is_spare, open_mapped, prepare_in_background
 from .memory import IncomingFile, MemoryTier, NodeMemory
+from .withdraw import withdraw
 from .writedown import WriteDown, drop_tier
 
 log = logging.getLogger(__name__)
@@ -454,6 +455,10 @@ class MemoryLink(Backend):
         durable = write_back_of(self.below)
         if durable is not None:
             await durable.wait_durable(generation, timeout_s, through_outage=through_outage)
+
+    async def withdraw(self, generation: str, record: bytes, base: bytes | None) -> list[str] | None:
+        """Take back a commit that was not written down (:class:`tierckpt.store.Revocable`; :mod:`.withdraw`)."""
+        return await withdraw(self, generation, record, base)
 
     async def status(self) -> LinkStatus:
         """Each level of the newest checkpoint (see :class:`~.linkstatus.LinkStatus`)."""
