@@ -43,6 +43,7 @@ import concurrent.futures
 import functools
 import logging
 import os
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -421,6 +422,8 @@ def _report(gathered: list[Any], ckpt: Checkpoint, strict: bool, uri: str) -> No
     missing = [m for kind, m in findings if kind == "missing"]
     if missing:
         lines.append(f"missing from the checkpoint: {_few(missing)}")
+        if any(_UNNAMED_PARAM.search(m) for m in missing):
+            lines.append(UNNAMED_HINT)
     if logger.isEnabledFor(logging.DEBUG):
         wanted = {k for g in gathered for k in g[2]} | {k for g in gathered for k in g[3]}
         unasked = sorted((set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}) - wanted)
@@ -432,6 +435,14 @@ def _report(gathered: list[Any], ckpt: Checkpoint, strict: bool, uri: str) -> No
     if strict:
         raise StateMismatchError(message + ". Fix the state, or pass strict=False to load what matches")
     warnings.warn(message + " (strict=False: loading what matches)", stacklevel=3)
+
+
+_UNNAMED_PARAM = re.compile(r"\.param_group\d+\.param\d+\.")
+UNNAMED_HINT = (
+    "an optimizer's parameters have no names here (param_group<i>.param<j>), while checkpoints name them by "
+    "their module's fqn: put the model in the same call ({'model': model, 'optim': optim}), or pair them "
+    "({'optim': (model, optim)}) to load the optimizer without the model"
+)
 
 
 def _few(keys: list[str], limit: int = 8) -> str:
