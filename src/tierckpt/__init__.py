@@ -25,6 +25,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("drop", "gc", "open_tiered", "prefetch", "status", "sync", "wait"), ".cache_api"),
     **dict.fromkeys(("load", "read_checkpoint"), ".loader"),
     "CheckpointManager": ".manager",
+    "read_state": ".nested",
     **dict.fromkeys(("Monitor", "prometheus_text", "straggler_report"), ".monitor"),
     **dict.fromkeys(("SaveHandle", "async_save", "save"), ".saver"),
     **dict.fromkeys(("FlatShardedTensor", "ShardedTensor"), ".sharded"),
@@ -35,7 +36,7 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "CheckpointBusyError", "CheckpointError", "CheckpointManager", "CheckpointNotFoundError", "CollectiveError", "CorruptCheckpointError", "FlatShardedTensor",
     "IncompleteCheckpointError", "MissingFileError", "Monitor", "MultiSourceReader", "RNGState", "ResumableSampler", "ShardedTensor", "SaveHandle", "async_save", "StateMismatchError", "StorageError", "StoragePermissionError",
-    "TransientStorageError", "UnsupportedURIError", "drop", "gc", "load", "open_tiered", "prefetch", "status", "sync", "wait", "prometheus_text", "straggler_report", "read_checkpoint", "save",
+    "TransientStorageError", "UnsupportedURIError", "drop", "gc", "load", "open_tiered", "prefetch", "status", "sync", "wait", "prometheus_text", "straggler_report", "read_checkpoint", "read_state", "save",
 ]
 
 
@@ -64,6 +65,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from .loader import load, read_checkpoint
     from .manager import CheckpointManager
     from .monitor import Monitor, prometheus_text, straggler_report
+    from .nested import read_state
     from .saver import SaveHandle, async_save, save
     from .sharded import FlatShardedTensor, ShardedTensor
     from .training_state import MultiSourceReader, ResumableSampler, RNGState

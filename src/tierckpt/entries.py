@@ -52,6 +52,11 @@ class FlatState:
     frameworks: set[str] = field(default_factory=set)
     after_load: list[Callable[[], None]] = field(default_factory=list)
     """Run after every entry is filled (optimizer hyperparameters, ``load_state_dict`` calls)."""
+    structure: dict[str, list[str]] = field(default_factory=dict)
+    """How keys split back into the nested state, where splitting at every dot would not do: node path
+    (``""``: the state itself) -> ``[]`` when the rest of a key under it is one name (a module's fqns,
+    an optimizer's flattened keys, a dict of dotted names), else its child names that hold dots
+    (:mod:`tierckpt.nested`). Saved in the header."""
 
     def add_tensor(self, entry: TensorEntry) -> None:
         self._check_new(entry.fqn)

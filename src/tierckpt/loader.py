@@ -102,7 +102,11 @@ def _naming_an_older_commit(load_fn: Callable[..., dict[str, Any]]) -> Callable[
     ``persist=False``, or a node lost before its files went down), that generation and how to load it."""
 
     @functools.wraps(load_fn)
-    def load(uri: str, state: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    def load(uri: str, state: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+        if state is None:  # template-free: the saved state as a nested dict (tierckpt.nested)
+            from .nested import read_state
+
+            return read_state(uri, **kwargs)
         try:
             return load_fn(uri, state, **kwargs)
         except MissingFileError as exc:
@@ -152,6 +156,9 @@ def load(
     collective_timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Load the checkpoint at ``uri`` into ``state`` in place (resharding as needed) and return it.
+
+    Without ``state``, return the saved state as a nested dict of full CPU tensors and decoded
+    objects (:func:`tierckpt.nested.read_state`), for tools that have no state to fill.
 
     Tensors, modules and optimizers are filled in place; other values are replaced in their dicts.
     ``strict=False`` loads what matches and warns about the rest. Every byte read is checked against

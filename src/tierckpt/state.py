@@ -165,9 +165,11 @@ def flatten_state(
         raise CheckpointError(f"state must be a mapping of names to values, got {type(state).__name__}")
     flat = FlatState()
     params: dict[int, ParamRef] = {}
+    _record_node(flat, "", state)
     # Modules first, so optimizers can name their parameters by fqn.
     for key, value in state.items():
         if isinstance(value, nn.Module):
+            flat.structure[_key(key)] = []
             module_entries(_key(key), value, flat, params)
     for key, value in state.items():
         if is_pairing(value):
@@ -181,6 +183,7 @@ def flatten_state(
             continue
         optim = value[1] if is_pairing(value) else value
         if isinstance(optim, torch.optim.Optimizer):
+            flat.structure[_key(key)] = []
             if holds_state_elsewhere(optim):
                 wrapper_entries(_key(key), optim, flat, for_load=for_load, walk=walk, saved_keys=saved_keys)
             else:
@@ -216,6 +219,14 @@ def _key(key: Any) -> str:
 
 
 
+def _record_node(flat: FlatState, path: str, mapping: Mapping[Any, Any]) -> None:
+    """Record how the keys under a dict node split (:attr:`FlatState.structure`), when some name holds a dot."""
+    dotted = [str(k) for k in mapping if "." in str(k)]
+    if dotted:
+        nested = any(isinstance(v, (dict, nn.Module, torch.optim.Optimizer)) or is_pairing(v) for v in mapping.values())
+        flat.structure[path] = dotted if nested else []
+
+
 def _is_named_optimizer_state(value: Any) -> bool:
     """An optimizer state dict from torch's ``get_state_dict`` (not flattened)."""
     return isinstance(value, dict) and set(value) == {"state", "param_groups"} and named_groups(value["param_groups"])
@@ -225,6 +236,7 @@ def _walk(path: str, value: Any, container: Any, slot: Any, flat: FlatState, for
     if not legacy_names and _is_named_optimizer_state(value):
         # Stored under torch's flattened names, as a native optimizer's are; on load each
         # parameter's copy of a setting goes back into its group.
+        flat.structure[path] = []
         _walk(f"{path}.state", value["state"], value, "state", flat, for_load, legacy_names)
         for key, group, setting in param_group_items(path, value["param_groups"]):
             flat.add_object(ObjectEntry(key=key, value=group[setting], container=group, slot=setting))
@@ -238,6 +250,7 @@ def _walk(path: str, value: Any, container: Any, slot: Any, flat: FlatState, for
         if for_load:
             flat.after_load.append(lambda: value.load_resharded(holder["states"]))
     elif isinstance(value, dict):
+        _record_node(flat, path, value)
         for k, v in value.items():
             _walk(f"{path}.{k}", v, value, k, flat, for_load, legacy_names)
     elif _is_stateful(value):
