@@ -222,3 +222,35 @@ def test_state_saved_on_2_ranks_reads_whole_in_one_process(dist_pool, tmp_path: 
     assert all(dist_pool.run(save_nested_on_2, str(tmp_path)))
     got = tierckpt.read_state(str(tmp_path / "c"))
     assert_same(torch.load(tmp_path / "expected.pt", weights_only=True), got)
+
+
+# -- 5. other trainers' step names --------------------------------------------------------------------------
+HF_NAMES = ["checkpoint-100", "checkpoint-200", "checkpoint-300"]
+LIGHTNING_NAMES = ["epoch=0-step=100.ckpt", "epoch=1-step=200-v1.ckpt", "epoch=2-step=300.ckpt"]
+
+
+@pytest.mark.parametrize("names", [HF_NAMES, LIGHTNING_NAMES], ids=["huggingface", "lightning"])
+def test_other_trainers_step_names_are_steps_to_ls_gc_and_the_manager(tmp_path: Path, names: list[str], capsys) -> None:
+    import json
+
+    from tierckpt import cli
+
+    for i, name in enumerate(names):
+        tierckpt.save(str(tmp_path / name), {"x": torch.full((2,), float(i))})
+    manager = tierckpt.CheckpointManager(str(tmp_path))
+    assert manager.steps() == [100, 200, 300] and manager.latest() == 300
+    state = {"x": torch.zeros(2)}
+    assert manager.load_latest(state) == 300 and torch.equal(state["x"], torch.full((2,), 2.0))
+    assert cli.main(["ls", str(tmp_path), "--json"]) == cli.EXIT_OK
+    rows = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert [(r["path"], r["step"], r["latest"]) for r in rows] == [(n, s, s == 300) for n, s in zip(names, [100, 200, 300])]
+    assert cli.main(["gc", str(tmp_path), "--keep-last", "1"]) == cli.EXIT_OK
+    capsys.readouterr()
+    assert sorted(p.name for p in tmp_path.iterdir() if (p / "COMMIT").exists()) == [names[-1]]
+
+
+def test_names_that_are_not_steps() -> None:
+    from tierckpt.layout import step_of
+
+    assert [step_of(n) for n in ("last.ckpt", "checkpoint-", "mystep=4", "epoch=1-step=x.ckpt", "ckpt100", "step-1a")] == [None] * 6
+    assert [step_of(n) for n in ("run/checkpoint-7", "epoch=3-step=42-val_loss=0.12.ckpt", "step=9")] == [7, 42, 9]
