@@ -23,9 +23,8 @@ __version__ = "0.1.0"
 
 _LAZY: dict[str, str] = {
     **dict.fromkeys(("drop", "gc", "open_tiered", "prefetch", "status", "sync", "wait"), ".cache_api"),
-    **dict.fromkeys(("load", "read_checkpoint"), ".loader"),
+    **dict.fromkeys(("load", "read_checkpoint", "read_state"), ".loader"),
     "CheckpointManager": ".manager",
-    "read_state": ".nested",
     **dict.fromkeys(("Monitor", "prometheus_text", "straggler_report"), ".monitor"),
     **dict.fromkeys(("SaveHandle", "async_save", "save"), ".saver"),
     **dict.fromkeys(("FlatShardedTensor", "ShardedTensor"), ".sharded"),
@@ -62,10 +61,9 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from .cache_api import drop, gc, open_tiered, prefetch, status, sync, wait
-    from .loader import load, read_checkpoint
+    from .loader import load, read_checkpoint, read_state
     from .manager import CheckpointManager
     from .monitor import Monitor, prometheus_text, straggler_report
-    from .nested import read_state
     from .saver import SaveHandle, async_save, save
     from .sharded import FlatShardedTensor, ShardedTensor
     from .training_state import MultiSourceReader, ResumableSampler, RNGState

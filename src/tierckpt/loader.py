@@ -69,6 +69,7 @@ from .meta_read import (
 )
 from .metadata import ObjectMeta, PieceMeta, decode_pieces, dtype_name
 from .monitor import Monitor
+from .nested import nest, template_of
 from .objects_read import fetch_objects, wanted_objects
 from .node import node_id
 from .planner import LoadPlan, TargetPiece, Topology, plan_load, topology as route_topology
@@ -82,7 +83,7 @@ from .tiers.memory import MemoryTier
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES", "DEFAULT_ROUND_BYTES", "RACE_RETRIES", "WHOLE_PIECES_BYTES", "Checkpoint", "load",
-    "read_checkpoint", "read_commit", "read_document", "read_pieces",
+    "read_checkpoint", "read_commit", "read_document", "read_pieces", "read_state",
 ]
 
 logger = logging.getLogger("tierckpt")
@@ -103,9 +104,7 @@ def _naming_an_older_commit(load_fn: Callable[..., dict[str, Any]]) -> Callable[
 
     @functools.wraps(load_fn)
     def load(uri: str, state: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
-        if state is None:  # template-free: the saved state as a nested dict (tierckpt.nested)
-            from .nested import read_state
-
+        if state is None:  # template-free: the saved state as a nested dict
             return read_state(uri, **kwargs)
         try:
             return load_fn(uri, state, **kwargs)
@@ -158,7 +157,7 @@ def load(
     """Load the checkpoint at ``uri`` into ``state`` in place (resharding as needed) and return it.
 
     Without ``state``, return the saved state as a nested dict of full CPU tensors and decoded
-    objects (:func:`tierckpt.nested.read_state`), for tools that have no state to fill.
+    objects (:func:`read_state`), for tools that have no state to fill.
 
     Tensors, modules and optimizers are filled in place; other values are replaced in their dicts.
     ``strict=False`` loads what matches and warns about the rest. Every byte read is checked against
@@ -222,6 +221,20 @@ def load(
             continue
         monitor.finish("load", uri, comm.rank, summaries)
         return state
+
+
+def read_state(uri: str, *, storage_options: Mapping[str, Any] | None = None, **options: Any) -> dict[str, Any]:
+    """The checkpoint at ``uri`` as a nested dict of full CPU tensors and decoded objects, nested as it
+    was saved (:mod:`tierckpt.nested`): a template-free load, for tools that have no state to fill.
+
+    A collective like :func:`load`, whose other arguments it takes (``group``, ``allow_pickle``,
+    ``verify``...): in a process group every rank calls it and gets the whole state.
+    """
+    backend = open_store(uri, dict(storage_options or {}))
+    ckpt = read_checkpoint(backend, accept_dcp=not options.get("verify", False))
+    flat = template_of(ckpt)
+    load(uri, flat, storage_options=storage_options, **options)
+    return nest(flat, ckpt.meta.structure)
 
 
 @dataclass(frozen=True, slots=True)

@@ -157,7 +157,7 @@ class CheckpointMeta:
     timings: dict[str, float] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
     structure: dict[str, list[str]] = field(default_factory=dict)
-    """How the saved keys nest (see :attr:`tierckpt.state.FlatState.structure`); empty in checkpoints
+    """How the saved keys nest (see :attr:`tierckpt.entries.FlatState.structure`); empty in checkpoints
     saved before it was recorded, and in torch DCP directories."""
 
 

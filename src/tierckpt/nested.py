@@ -2,15 +2,15 @@
 
 ``tierckpt.load`` fills a state the caller built (modules, optimizers, tensors of the right shapes).
 A tool that has none — a trainer's ``load_checkpoint(path)``, an exporter, a notebook — calls
-:func:`read_state` (or ``tierckpt.load(uri)`` without a state) and gets what was saved: every tensor
-whole, on CPU (assembled from every rank's shards, DTensors included), every object decoded, nested
+:func:`tierckpt.loader.read_state` (or ``tierckpt.load(uri)`` without a state) and gets what was
+saved (loaded into :func:`template_of` the checkpoint, then :func:`nest`-ed): every tensor whole, on CPU (assembled from every rank's shards, DTensors included), every object decoded, nested
 as the saved state was. A module comes back as its ``state_dict`` (``{"model": {"layers.0.weight":
 ...}}``), an optimizer as torch's flattened optimizer state dict (``{"optim": {"state.<fqn>.exp_avg":
 ..., "param_groups.<fqn>.lr": ...}}``, what ``set_optimizer_state_dict`` with
 ``StateDictOptions(flatten_optimizer_state_dict=True)`` takes), a stateful object as its state dict.
 
 The nesting comes from the structure the save recorded in the header
-(:attr:`tierckpt.state.FlatState.structure`): a key splits at every dot, except under a node recorded
+(:attr:`tierckpt.entries.FlatState.structure`): a key splits at every dot, except under a node recorded
 as one level (a module, an optimizer, a dict of dotted names) and at a recorded dotted name. Dict keys
 come back as strings; empty dicts are not saved, so they do not come back. A checkpoint saved before
 the structure was recorded, and a torch DCP directory, record none: their state comes back flat,
@@ -24,36 +24,22 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .errors import CheckpointError
-from .loader import load, read_checkpoint
-from .store import open_store
+from .meta_read import Checkpoint
 
-__all__ = ["nest", "read_state"]
+__all__ = ["nest", "template_of"]
 
 
-def read_state(
-    uri: str, *, group: dist.ProcessGroup | None = None, allow_pickle: bool = False,
-    storage_options: Mapping[str, Any] | None = None, **load_options: Any,
-) -> dict[str, Any]:
-    """The checkpoint at ``uri`` as a nested dict of full CPU tensors and decoded objects (see the module docstring).
-
-    A collective over ``group`` like :func:`tierckpt.load` (in a process group every rank calls it,
-    and every rank gets the whole state); objects that need full unpickling raise unless
-    ``allow_pickle``. Every byte is checked against its CRC-32C as for a load; ``load_options`` are
-    :func:`tierckpt.load`'s (``verify``, ``monitor``...).
-    """
-    backend = open_store(uri, dict(storage_options or {}))
-    ckpt = read_checkpoint(backend, accept_dcp=not load_options.get("verify", False))
+def template_of(ckpt: Checkpoint) -> dict[str, Any]:
+    """A flat state to load ``ckpt`` into: an empty full CPU tensor per saved tensor, ``None`` per object key."""
     flat: dict[str, Any] = {fqn: torch.empty(t.shape, dtype=t.torch_dtype) for fqn, t in ckpt.tensors.items()}
     flat.update({o.key: None for o in ckpt.meta.objects})
-    load(uri, flat, group=group, allow_pickle=allow_pickle, storage_options=storage_options, **load_options)
-    return nest(flat, ckpt.meta.structure)
+    return flat
 
 
 def nest(flat: Mapping[str, Any], structure: Mapping[str, list[str]]) -> dict[str, Any]:
-    """``{dotted key: value}`` nested by a recorded structure (:attr:`tierckpt.state.FlatState.structure`);
+    """``{dotted key: value}`` nested by a recorded structure (:attr:`tierckpt.entries.FlatState.structure`);
     an empty structure (none recorded) leaves the keys flat."""
     if not structure:
         return dict(flat)
