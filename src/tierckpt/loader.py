@@ -43,8 +43,6 @@ import concurrent.futures
 import functools
 import logging
 import os
-import re
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +65,8 @@ from .meta_read import (
     RACE_RETRIES, WHOLE_PIECES_BYTES, Checkpoint, newer_commit, read_checkpoint, read_commit, read_document, read_pieces,
     whole_pieces,
 )
-from .metadata import ObjectMeta, PieceMeta, decode_pieces, dtype_name
+from .metadata import ObjectMeta, PieceMeta, decode_pieces
+from .load_match import match, report
 from .monitor import Monitor
 from .nested import nest, template_of
 from .objects_read import fetch_objects, wanted_objects
@@ -268,7 +267,7 @@ def _load_generation(
                 lambda: _prepare(state, ckpt, comm.rank, tier, whole_pieces(backend, ckpt) if tier is None else None),
                 "preparing the state to load",
             )
-        _report(gathered, ckpt, opts.strict, uri)
+        report(gathered, ckpt, opts.strict, uri)
         local = LocalReads.of(comm.rank, tier, [(g[4], g[5]) for g in gathered])
         preread = all(g[7] for g in gathered)
         # Small files a rank needs and its node lacks come from a node that holds them (one collective, if any).
@@ -370,7 +369,7 @@ def _prepare(
         state, for_load=True, saved_keys=lambda p: any(k.startswith(p) for k in saved_keys),
         legacy_names=ckpt.meta.format_minor < 1,
     )
-    needs, findings = _match(flat, ckpt)
+    needs, findings = match(flat, ckpt)
     wanted = wanted_objects(ckpt, flat, rank)
     held = held_files(tier, ckpt.meta, ckpt.record)
     files = sorted({o.file for metas in wanted.values() for o in metas}) if held is not None else []
@@ -408,66 +407,6 @@ def _log_routes(plan: LoadPlan, topo: Topology, rank: int, monitor: Monitor) -> 
             "load plan: %d units; %d bytes read directly, %d read once and exchanged (store %s, %s exchange, %d node(s))",
             len(plan.units), by_route["direct"], by_route["exchange"], topo.store.kind, topo.exchange.kind, topo.num_nodes,
         )
-
-
-def _match(flat: FlatState, ckpt: Checkpoint) -> tuple[list[TargetPiece], list[tuple[str, str]]]:
-    """This rank's needs, and findings ``(kind, message)`` about keys, shapes and dtypes."""
-    needs: list[TargetPiece] = []
-    findings: list[tuple[str, str]] = []
-    for fqn, entry in flat.tensors.items():
-        saved = ckpt.tensors.get(fqn)
-        if saved is None:
-            kind = "object" if any(o.key == fqn for o in ckpt.meta.objects) else "missing"
-            findings.append((kind, fqn))
-            continue
-        dtype = dtype_name(entry.tensor.dtype)
-        if saved.shape != entry.shape:
-            findings.append(("shape", f"{fqn!r}: checkpoint has shape {list(saved.shape)}, the state has {list(entry.shape)}"))
-        elif saved.dtype != dtype:
-            findings.append(("dtype", f"{fqn!r}: checkpoint has dtype {saved.dtype}, the state has {dtype}"))
-        else:
-            needs.append(TargetPiece(fqn=fqn, region=entry.region))
-    saved_objects = {o.key for o in ckpt.meta.objects}
-    findings.extend(("missing", key) for key in flat.objects if key not in saved_objects)
-    return needs, findings
-
-
-def _report(gathered: list[Any], ckpt: Checkpoint, strict: bool, uri: str) -> None:
-    """Strict: every requested key is in the checkpoint with its shape and dtype. Keys the checkpoint
-    has and the state did not ask for are not loaded, and only logged (at debug level)."""
-    findings = sorted({f for g in gathered for f in g[1]})
-    lines = [f"shape mismatch {m}" for kind, m in findings if kind == "shape"]
-    lines.extend(f"dtype mismatch {m}" for kind, m in findings if kind == "dtype")
-    lines.extend(f"{m!r} is a tensor in the state but an object in the checkpoint" for kind, m in findings if kind == "object")
-    missing = [m for kind, m in findings if kind == "missing"]
-    if missing:
-        lines.append(f"missing from the checkpoint: {_few(missing)}")
-        if any(_UNNAMED_PARAM.search(m) for m in missing):
-            lines.append(UNNAMED_HINT)
-    if logger.isEnabledFor(logging.DEBUG):
-        wanted = {k for g in gathered for k in g[2]} | {k for g in gathered for k in g[3]}
-        unasked = sorted((set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}) - wanted)
-        if unasked:
-            logger.debug("checkpoint %r: %d key(s) not requested, not loaded: %s", uri, len(unasked), _few(unasked))
-    if not lines:
-        return
-    message = f"state does not match checkpoint {uri!r}: " + "; ".join(lines)
-    if strict:
-        raise StateMismatchError(message + ". Fix the state, or pass strict=False to load what matches")
-    warnings.warn(message + " (strict=False: loading what matches)", stacklevel=3)
-
-
-_UNNAMED_PARAM = re.compile(r"\.param_group\d+\.param\d+\.")
-UNNAMED_HINT = (
-    "an optimizer's parameters have no names here (param_group<i>.param<j>), while checkpoints name them by "
-    "their module's fqn: put the model in the same call ({'model': model, 'optim': optim}), or pair them "
-    "({'optim': (model, optim)}) to load the optimizer without the model"
-)
-
-
-def _few(keys: list[str], limit: int = 8) -> str:
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
 def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int, local: LocalReads) -> None:

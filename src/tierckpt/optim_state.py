@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .entries import FlatState, ObjectEntry, ParamRef, TensorEntry, clean_fqn, is_dtensor, tensor_entry
-from .errors import CheckpointError, StateMismatchError
+from .errors import StateMismatchError
 from .regions import FlatRange
 
 Walk = Callable[[str, Any, Any, Any], None]
