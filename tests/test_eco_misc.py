@@ -254,3 +254,21 @@ def test_names_that_are_not_steps() -> None:
 
     assert [step_of(n) for n in ("last.ckpt", "checkpoint-", "mystep=4", "epoch=1-step=x.ckpt", "ckpt100", "step-1a")] == [None] * 6
     assert [step_of(n) for n in ("run/checkpoint-7", "epoch=3-step=42-val_loss=0.12.ckpt", "step=9")] == [7, 42, 9]
+
+
+def test_malformed_structure_in_the_header_is_corruption(tmp_path: Path) -> None:
+    import json
+
+    from tamper import reseal
+    from tierckpt import layout
+
+    uri = str(tmp_path / "c")
+    tierckpt.save(uri, {"model": torch.nn.Linear(2, 2)})
+    header = Path(uri) / layout.header_key(read_checkpoint(open_backend(uri)).meta.generation)
+    doc = json.loads(header.read_text())
+    assert doc["structure"] == {"model": []}
+    doc["structure"] = {"model": 5}
+    header.write_text(json.dumps(doc))
+    reseal(header.parents[2])
+    with pytest.raises(tierckpt.CorruptCheckpointError, match="field 'structure' is malformed"):
+        tierckpt.read_state(uri)
