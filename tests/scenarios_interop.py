@@ -61,7 +61,8 @@ def tierckpt_cli(*args: str) -> None:
 
 
 def fsdp2_native_to_dcp(root: str) -> bool:
-    """FSDP2 x2: native tierckpt save -> ``convert --to dcp`` -> ``dcp.load`` + ``set_state_dict`` under FSDP2 x2."""
+    """FSDP2 x2: native tierckpt save -> ``convert --to dcp --flatten-optimizer`` -> ``dcp.load`` + ``set_state_dict``
+    (flattened) under FSDP2 x2. The default (indexed) output: tests/test_eco_dcp.py."""
     mesh = make_mesh((2,))
     group = subgroup(2)
     if group is not None:
@@ -70,7 +71,7 @@ def fsdp2_native_to_dcp(root: str) -> bool:
         expected = full(model, optim)
         tierckpt.save(f"{root}/ckpt", {"model": model, "optim": optim}, group=group)
         if dist.get_rank() == 0:
-            tierckpt_cli("convert", f"{root}/ckpt", f"{root}/dcp", "--to", "dcp")
+            tierckpt_cli("convert", f"{root}/ckpt", f"{root}/dcp", "--to", "dcp", "--flatten-optimizer")
         dist.barrier(group)
         model, optim = build(1, fresh=True, mesh=mesh)
         msd, osd = get_state_dict(model, optim, options=flat_options())

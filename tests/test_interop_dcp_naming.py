@@ -233,13 +233,14 @@ def test_format_1_0_checkpoint_loads_natively(tmp_path: Path) -> None:
 def test_format_1_0_checkpoint_converts_to_dcp_under_torch_names(tmp_path: Path) -> None:
     model, optim, expected = _trained()
     write_format_1_0(str(tmp_path / "old"), model, optim)
-    convert.to_dcp(str(tmp_path / "old"), tmp_path / "dcp")
-    model, optim = build(1, fresh=True)
-    msd, osd = get_state_dict(model, optim, options=flat_options())
-    with convert._quiet_dcp():
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=flat_options())
-    assert_same(expected, full(model, optim))
+    for flatten in (False, True):  # torch's default get_state_dict names, and the flattened ones
+        convert.to_dcp(str(tmp_path / "old"), tmp_path / f"dcp{flatten}", flatten_optimizer=flatten)
+        model, optim = build(1, fresh=True)
+        msd, osd = get_state_dict(model, optim, options=flat_options(flatten))
+        with convert._quiet_dcp():
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / f"dcp{flatten}"), no_dist=True)
+        set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=flat_options(flatten))
+        assert_same(expected, full(model, optim))
 
 
 # -- FSDP2 on 2 gloo ranks -----------------------------------------------------------------------

@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 
 _LAZY: dict[str, str] = {
     **dict.fromkeys(("drop", "gc", "open_tiered", "prefetch", "status", "sync", "wait"), ".cache_api"),
-    **dict.fromkeys(("load", "read_checkpoint"), ".loader"),
+    **dict.fromkeys(("load", "read_checkpoint", "read_state"), ".loader"),
     "CheckpointManager": ".manager",
     **dict.fromkeys(("Monitor", "prometheus_text", "straggler_report"), ".monitor"),
     **dict.fromkeys(("SaveHandle", "async_save", "save"), ".saver"),
@@ -35,7 +35,7 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "CheckpointBusyError", "CheckpointError", "CheckpointManager", "CheckpointNotFoundError", "CollectiveError", "CorruptCheckpointError", "FlatShardedTensor",
     "IncompleteCheckpointError", "MissingFileError", "Monitor", "MultiSourceReader", "RNGState", "ResumableSampler", "ShardedTensor", "SaveHandle", "async_save", "StateMismatchError", "StorageError", "StoragePermissionError",
-    "TransientStorageError", "UnsupportedURIError", "drop", "gc", "load", "open_tiered", "prefetch", "status", "sync", "wait", "prometheus_text", "straggler_report", "read_checkpoint", "save",
+    "TransientStorageError", "UnsupportedURIError", "drop", "gc", "load", "open_tiered", "prefetch", "status", "sync", "wait", "prometheus_text", "straggler_report", "read_checkpoint", "read_state", "save",
 ]
 
 
@@ -61,7 +61,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from .cache_api import drop, gc, open_tiered, prefetch, status, sync, wait
-    from .loader import load, read_checkpoint
+    from .loader import load, read_checkpoint, read_state
     from .manager import CheckpointManager
     from .monitor import Monitor, prometheus_text, straggler_report
     from .saver import SaveHandle, async_save, save

@@ -517,7 +517,9 @@ def _add_convert(subparsers: Any) -> None:
         "  safetensors -> tierckpt  holds the whole model in memory; restores lm_head.weight when config.json ties it.\n"
         "  dcp -> tierckpt          holds the whole model in memory. DCP metadata is a pickle: importing a DCP\n"
         "                           checkpoint unpickles it, so convert only DCP checkpoints you trust.\n"
-        "  tierckpt -> dcp          holds the whole model in memory (full CPU tensors); objects included.",
+        "  tierckpt -> dcp          holds the whole model in memory (full CPU tensors); objects included. Optimizer\n"
+        "                           param groups are written by group number (optim.param_groups.0.lr), as torch's\n"
+        "                           default get_state_dict names them; --flatten-optimizer writes them by parameter.",
     )
     p.add_argument("src", help="source checkpoint (a tierckpt URI, a DCP directory, or a safetensors file or folder)")
     p.add_argument("out", help="output (a directory for safetensors and DCP, a URI for tierckpt)")
@@ -527,6 +529,7 @@ def _add_convert(subparsers: Any) -> None:
     p.add_argument("--prefix", default="", help="safetensors: export only tensors whose fqn starts with P, with P stripped (e.g. 'model.'); import: prepend P")
     p.add_argument("--config", metavar="DIR", help="to safetensors: copy config.json (and generation_config.json) from DIR, a folder with the model's Hugging Face config")
     p.add_argument("--allow-pickle", action="store_true", help="to dcp: include objects that need full unpickling (trusted checkpoints only)")
+    p.add_argument("--flatten-optimizer", action="store_true", help="to dcp: optimizer param group settings by parameter (optim.param_groups.<fqn>.lr), for get_state_dict with StateDictOptions(flatten_optimizer_state_dict=True); default: by group number, as get_state_dict's default")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(handler=cmd_convert)
 
@@ -548,6 +551,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         supported = ", ".join(f"{a} -> {b}" for a, b in sorted(CONVERSIONS))
         print(f"tierckpt convert: error: cannot convert {pair[0]} to {pair[1]}; supported: {supported}", file=sys.stderr)
         return EXIT_USAGE
+    if args.flatten_optimizer and pair[1] != "dcp":
+        print("tierckpt convert: error: --flatten-optimizer is for --to dcp (it names the optimizer's param group settings)", file=sys.stderr)
+        return EXIT_USAGE
     if args.config is not None and pair[1] != "safetensors":
         print("tierckpt convert: error: --config is for --to safetensors (it writes config.json next to the weights)", file=sys.stderr)
         return EXIT_USAGE
@@ -556,7 +562,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             warnings.simplefilter("ignore")  # the report's warnings are printed below, one line each
             report = convert.to_safetensors(args.src, args.out, max_shard_bytes=args.max_shard_bytes, prefix=args.prefix, config_dir=args.config)
     elif pair == ("tierckpt", "dcp"):
-        report = convert.to_dcp(args.src, args.out, allow_pickle=args.allow_pickle)
+        report = convert.to_dcp(args.src, args.out, allow_pickle=args.allow_pickle, flatten_optimizer=args.flatten_optimizer)
     elif pair == ("dcp", "tierckpt"):
         report = convert.from_dcp(args.src, args.out)
     else:

@@ -39,7 +39,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import struct
 import warnings
 from collections.abc import Collection, Iterator, Mapping
@@ -56,11 +55,11 @@ from .io.scheduler import ReadRequest, get_scheduler
 from .loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES, Checkpoint, load, read_checkpoint, read_pieces
 from .objects_read import read_objects
 from .objects import decode_object
+from .optim_groups import flat_to_indexed, indexed_to_flat, rename_legacy_optimizers
 from .metadata import PieceMeta, TensorMeta
 from .planner import TargetPiece, plan_load
 from .regions import Box
 from .saver import save
-from .state import named_groups, param_group_items
 from .store import open_store, without_node_cache
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -388,7 +387,7 @@ def from_dcp(src: str | os.PathLike[str], uri: str, *, storage_options: Mapping[
 
     Keys are kept, except that an optimizer state dict saved unflattened (settings by group number,
     ``optim.param_groups.0.lr``) is stored as tierckpt stores one: by parameter (see
-    :func:`_name_indexed_param_groups`). Unpickles the DCP metadata and byte entries: only for DCP
+    :func:`tierckpt.optim_groups.indexed_to_flat`). Unpickles the DCP metadata and byte entries: only for DCP
     checkpoints you trust.
     """
     import torch.distributed.checkpoint as dcp
@@ -407,7 +406,7 @@ def from_dcp(src: str | os.PathLike[str], uri: str, *, storage_options: Mapping[
             state[key] = None  # a bytes entry: DCP replaces the placeholder with the loaded object
     with _quiet_dcp():
         dcp.load(state, checkpoint_id=str(src), no_dist=True)
-    _name_indexed_param_groups(state)
+    indexed_to_flat(state)
     save(uri, state, storage_options=storage_options)
     tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
     report = ConvertReport(source=str(src), output=uri, to="tierckpt", files=[uri])
@@ -421,13 +420,17 @@ def to_dcp(
     out_dir: str | os.PathLike[str],
     *,
     allow_pickle: bool = False,
+    flatten_optimizer: bool = False,
     storage_options: Mapping[str, Any] | None = None,
 ) -> ConvertReport:
     """Load the checkpoint at ``uri`` into full CPU tensors (one process) and save it with DCP.
 
     Objects are included by key (a per-rank object takes rank 0's value, as a one-process load does);
-    objects that need full unpickling are skipped unless ``allow_pickle``. Optimizer state comes out
-    under torch's flattened ``get_state_dict`` names, also from a format 1.0 checkpoint.
+    objects that need full unpickling are skipped unless ``allow_pickle``. Optimizer param groups come
+    out as torch's default ``get_state_dict(model, optim)`` names them, by group number
+    (``optim.param_groups.0.lr``, see :func:`tierckpt.optim_groups.flat_to_indexed`), so ``dcp.load``
+    into that dict reads them; ``flatten_optimizer`` keeps them by parameter, for
+    ``StateDictOptions(flatten_optimizer_state_dict=True)``. Also from a format 1.0 checkpoint.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -438,7 +441,9 @@ def to_dcp(
     state.update({o.key: None for o in ckpt.meta.objects if o.key not in skipped})
     load(uri, state, strict=not skipped, allow_pickle=allow_pickle, storage_options=storage_options)
     if ckpt.meta.format_minor < 1:
-        _rename_legacy_optimizers(state)
+        rename_legacy_optimizers(state)
+    if not flatten_optimizer:
+        flat_to_indexed(state, [k for k in state if k not in ckpt.tensors])
     with _quiet_dcp():
         dcp.save(state, checkpoint_id=str(out_dir), no_dist=True)
     report = ConvertReport(source=uri, output=str(out_dir), to="dcp", files=sorted(os.listdir(out_dir)))
@@ -458,52 +463,6 @@ def _check_one_process(what: str) -> None:
             f"{what} runs in one process, but this one is rank {dist.get_rank()} of a process group of "
             f"{dist.get_world_size()}; run the `tierckpt {what}` command in a process of its own"
         )
-
-
-_INDEXED_SETTING = re.compile(r"^(?P<group>(?P<prefix>.+)\.param_groups\.(?P<index>\d+))\.(?P<setting>.+)$")
-
-
-def _name_indexed_param_groups(state: dict[str, Any]) -> None:
-    """Rewrite DCP's list-indexed param groups in place, as tierckpt stores an optimizer state dict.
-
-    ``dcp.save`` of an unflattened ``get_state_dict`` optimizer state names the settings
-    ``optim.param_groups.0.lr`` (with ``optim.param_groups.0.params`` listing the fqns); tierckpt
-    stores torch's flattened names, ``optim.param_groups.<fqn>.lr``. Groups of numbered parameters
-    (a plain ``Optimizer.state_dict()``) become one ``optim.param_groups`` list, as saving that dict does.
-    """
-    heads = {key.removesuffix(".params") for key in state if key.endswith(".params")}
-    found: dict[str, dict[int, dict[str, Any]]] = {}
-    for key in list(state):
-        m = _INDEXED_SETTING.match(key)
-        if m and m["group"] in heads:
-            found.setdefault(m["prefix"], {}).setdefault(int(m["index"]), {})[m["setting"]] = state.pop(key)
-    for prefix, indexed in found.items():
-        groups = [indexed[i] for i in sorted(indexed)]
-        if named_groups(groups):
-            state.update((key, group[setting]) for key, group, setting in param_group_items(prefix, groups))
-        else:
-            state[f"{prefix}.param_groups"] = groups
-
-
-def _rename_legacy_optimizers(state: dict[str, Any]) -> None:
-    """Rename a format 1.0 checkpoint's optimizer keys in place to torch's (what a save writes now).
-
-    1.0 named each parameter ``<module key>.<fqn>`` and stored the param groups as one
-    ``<optim>.param_groups`` list. When every parameter of an optimizer is a tensor under one module
-    key, the key is dropped (``optim.state.<fqn>.<name>``), as a save does now; the groups' settings
-    become ``<optim>.param_groups.<param>.<setting>``.
-    """
-    for key in [k for k in state if k.endswith(".param_groups") and named_groups(state[k])]:
-        prefix, groups = key.removesuffix(".param_groups"), state.pop(key)
-        names = [n for g in groups for n in g["params"]]
-        heads = {n.split(".", 1)[0] for n in names}
-        if len(heads) == 1 and all("." in n and isinstance(state.get(n), torch.Tensor) for n in names):
-            module = heads.pop()
-            old_state = f"{prefix}.state.{module}."
-            moved = {f"{prefix}.state.{k.removeprefix(old_state)}": state.pop(k) for k in list(state) if k.startswith(old_state)}
-            state.update(moved)
-            groups = [{**g, "params": [n.removeprefix(f"{module}.") for n in g["params"]]} for g in groups]
-        state.update((k, group[setting]) for k, group, setting in param_group_items(prefix, groups))
 
 
 @contextlib.contextmanager

@@ -58,7 +58,8 @@ from .io.scheduler import ReadRequest, get_scheduler
 from .metadata import (
     CheckpointMeta, FileMeta, ObjectMeta, PieceMeta, TensorMeta, _int, _shape, dtype_name, itemsize,
 )
-from .objects import codec_of
+from .objects import codec_of, decode_object
+from .optim_groups import indexed_aliases
 from .store import without_node_cache
 from .regions import Box
 
@@ -303,7 +304,12 @@ def _read_ranges(backend: Backend, ranges: list[tuple[str, int, int]]) -> list[b
 
 # -- objects ---------------------------------------------------------------------------------------------
 def _objects(backend: Backend, segments: dict[str, _Segment]) -> tuple[ObjectMeta, ...]:
-    """Object entries; their bytes are read in merged runs (DCP writes them back to back) for CRC and codec."""
+    """Object entries; their bytes are read in merged runs (DCP writes them back to back) for CRC and codec.
+
+    An optimizer saved with torch's default (indexed) ``get_state_dict`` has its param group settings
+    once per group (``optim.param_groups.0.lr``); each also gets an entry under every parameter's
+    flattened name (``optim.param_groups.<fqn>.lr``, the same bytes), so a module and optimizer load in
+    place whichever convention saved them (:func:`tierckpt.optim_groups.indexed_aliases`)."""
     ordered = sorted(segments.items(), key=lambda kv: (kv[1].file, kv[1].offset))
     runs: list[list[Any]] = []  # [file, start, end]
     run_of: list[int] = []
@@ -315,14 +321,26 @@ def _objects(backend: Backend, segments: dict[str, _Segment]) -> tuple[ObjectMet
         run_of.append(len(runs) - 1)
     datas = _read_ranges(backend, [(f, s, e) for f, s, e in runs])
     out = []
+    data_of: dict[str, bytes] = {}
     for (key, seg), run in zip(ordered, run_of):
         start = seg.offset - runs[run][1]
-        data = datas[run][start : start + seg.length]
+        data_of[key] = data = datas[run][start : start + seg.length]
         out.append(ObjectMeta(
             key=key, rank=None, file=seg.file, byte_offset=seg.offset, byte_length=seg.length,
             crc32c=crc32c.crc32c(data), codec=codec_of(data),
         ))
+    out += indexed_aliases(out, lambda meta: _group_params(meta, data_of[meta.key]))
     return tuple(sorted(out, key=lambda o: o.key))
+
+
+def _group_params(meta: ObjectMeta, data: bytes) -> Any:
+    """The decoded ``params`` list of an indexed param group; ``None`` when it needs full unpickling."""
+    if meta.codec != "torch":
+        return None
+    try:
+        return decode_object(data, meta.codec, meta.key, allow_pickle=False)
+    except CheckpointError:
+        return None
 
 
 # -- tensor chunks: where the raw bytes are inside each torch.save archive -------------------------------

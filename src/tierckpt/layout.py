@@ -77,7 +77,12 @@ def objects_file(rank: int) -> str:
     return f"objects/rank-{rank:05d}.bin"
 
 
-_STEP_NAME = re.compile(r"step-([0-9]+)")
+_STEP_NAMES = (
+    re.compile(r"(?:step|checkpoint)-([0-9]+)"),
+    re.compile(r"(?:[^/]*-)?step=([0-9]+)(?:-[^/]*?)?(?:\.ckpt)?"),
+)
+"""tierckpt's and Hugging Face's names (``step-100``, ``checkpoint-100``), and Lightning's (``step=100``
+as a ``-``-separated field, ``.ckpt`` optional: ``epoch=2-step=100.ckpt``, ``epoch=2-step=100-v1.ckpt``)."""
 
 
 def step_of(name: str) -> int | None:
@@ -85,10 +90,17 @@ def step_of(name: str) -> int | None:
 
     The one rule for step names, shared by :class:`~tierckpt.CheckpointManager`, ``tierckpt ls`` and
     ``tierckpt gc``: the last part of ``name`` is ``step-`` followed by decimal digits, with or
-    without zero padding (``run/step-100`` -> 100; ``ckpt100``, ``step-1a`` -> ``None``).
+    without zero padding (``run/step-100`` -> 100; ``ckpt100``, ``step-1a`` -> ``None``); or what other
+    trainers write: Hugging Face's ``checkpoint-100``, Lightning's ``epoch=2-step=100.ckpt`` (``step=N``
+    as a field of a ``-``-separated name, with or without ``.ckpt``, other fields such as ``-v1`` or
+    ``-val_loss=0.12`` around it) -> 100.
     """
-    match = _STEP_NAME.fullmatch(name.rpartition("/")[2])
-    return int(match.group(1)) if match else None
+    last = name.rpartition("/")[2]
+    for pattern in _STEP_NAMES:
+        match = pattern.fullmatch(last)
+        if match:
+            return int(match.group(1))
+    return None
 
 
 def step_name(step: int) -> str:

@@ -43,7 +43,6 @@ import concurrent.futures
 import functools
 import logging
 import os
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -62,14 +61,16 @@ from .errors import (
 from .gc_pause import gc_paused
 from .io.readcheck import ReadChecker
 from .io.scheduler import get_scheduler
-from .load_cast import castable, read_then_cast, refuse_meta_tensors
+from .load_cast import refuse_meta_tensors
 from .local_load import LocalReads, held_files, rereaders
 from .meta_read import (
     RACE_RETRIES, WHOLE_PIECES_BYTES, Checkpoint, newer_commit, read_checkpoint, read_commit, read_document, read_pieces,
     whole_pieces,
 )
-from .metadata import ObjectMeta, PieceMeta, decode_pieces, dtype_name
+from .metadata import ObjectMeta, PieceMeta, decode_pieces
+from .load_match import match, report
 from .monitor import Monitor
+from .nested import nest, template_of
 from .objects_read import fetch_objects, wanted_objects
 from .node import node_id
 from .planner import LoadPlan, TargetPiece, Topology, plan_load, topology as route_topology
@@ -83,7 +84,7 @@ from .tiers.memory import MemoryTier
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES", "DEFAULT_ROUND_BYTES", "RACE_RETRIES", "WHOLE_PIECES_BYTES", "Checkpoint", "load",
-    "read_checkpoint", "read_commit", "read_document", "read_pieces",
+    "read_checkpoint", "read_commit", "read_document", "read_pieces", "read_state",
 ]
 
 logger = logging.getLogger("tierckpt")
@@ -103,7 +104,9 @@ def _naming_an_older_commit(load_fn: Callable[..., dict[str, Any]]) -> Callable[
     ``persist=False``, or a node lost before its files went down), that generation and how to load it."""
 
     @functools.wraps(load_fn)
-    def load(uri: str, state: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    def load(uri: str, state: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+        if state is None:  # template-free: the saved state as a nested dict
+            return read_state(uri, **kwargs)
         try:
             return load_fn(uri, state, **kwargs)
         except MissingFileError as exc:
@@ -153,6 +156,9 @@ def load(
     collective_timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Load the checkpoint at ``uri`` into ``state`` in place (resharding as needed) and return it.
+
+    Without ``state``, return the saved state as a nested dict of full CPU tensors and decoded
+    objects (:func:`read_state`), for tools that have no state to fill.
 
     Tensors, modules and optimizers are filled in place; other values are replaced in their dicts.
     ``strict=False`` loads what matches and warns about the rest. Every byte read is checked against
@@ -219,6 +225,20 @@ def load(
         return state
 
 
+def read_state(uri: str, *, storage_options: Mapping[str, Any] | None = None, **options: Any) -> dict[str, Any]:
+    """The checkpoint at ``uri`` as a nested dict of full CPU tensors and decoded objects, nested as it
+    was saved (:mod:`tierckpt.nested`): a template-free load, for tools that have no state to fill.
+
+    A collective like :func:`load`, whose other arguments it takes (``group``, ``allow_pickle``,
+    ``verify``...): in a process group every rank calls it and gets the whole state.
+    """
+    backend = open_store(uri, dict(storage_options or {}))
+    ckpt = read_checkpoint(backend, accept_dcp=not options.get("verify", False))
+    flat = template_of(ckpt)
+    load(uri, flat, storage_options=storage_options, **options)
+    return nest(flat, ckpt.meta.structure)
+
+
 @dataclass(frozen=True, slots=True)
 class _Options:
     """The tuning and checking arguments of :func:`load`."""
@@ -250,7 +270,7 @@ def _load_generation(
                 lambda: _prepare(state, ckpt, comm.rank, tier, whole_pieces(backend, ckpt) if tier is None else None),
                 "preparing the state to load", same=("URI", identity_of(uri, backend)),
             )
-        _report(gathered, ckpt, opts.strict, uri)
+        report(gathered, ckpt, opts.strict, uri)
         local = LocalReads.of(comm.rank, tier, [(g[4], g[5]) for g in gathered])
         preread = all(g[7] for g in gathered)
         # Small files a rank needs and its node lacks come from a node that holds them (one collective, if any).
@@ -353,7 +373,7 @@ def _prepare(
         legacy_names=ckpt.meta.format_minor < 1,
     )
     refuse_meta_tensors(flat)
-    needs, findings = _match(flat, ckpt)
+    needs, findings = match(flat, ckpt)
     wanted = wanted_objects(ckpt, flat, rank)
     held = held_files(tier, ckpt.meta, ckpt.record)
     files = sorted({o.file for metas in wanted.values() for o in metas}) if held is not None else []
@@ -391,59 +411,6 @@ def _log_routes(plan: LoadPlan, topo: Topology, rank: int, monitor: Monitor) -> 
             "load plan: %d units; %d bytes read directly, %d read once and exchanged (store %s, %s exchange, %d node(s))",
             len(plan.units), by_route["direct"], by_route["exchange"], topo.store.kind, topo.exchange.kind, topo.num_nodes,
         )
-
-
-def _match(flat: FlatState, ckpt: Checkpoint) -> tuple[list[TargetPiece], list[tuple[str, str]]]:
-    """This rank's needs, and findings ``(kind, message)`` about keys, shapes and dtypes."""
-    needs: list[TargetPiece] = []
-    findings: list[tuple[str, str]] = []
-    for fqn, entry in flat.tensors.items():
-        saved = ckpt.tensors.get(fqn)
-        if saved is None:
-            kind = "object" if any(o.key == fqn for o in ckpt.meta.objects) else "missing"
-            findings.append((kind, fqn))
-            continue
-        dtype = dtype_name(entry.tensor.dtype)
-        if saved.shape != entry.shape:
-            findings.append(("shape", f"{fqn!r}: checkpoint has shape {list(saved.shape)}, the state has {list(entry.shape)}"))
-        elif saved.dtype != dtype and not castable(saved.torch_dtype, entry.tensor.dtype):
-            findings.append(("dtype", f"{fqn!r}: checkpoint has dtype {saved.dtype}, the state has {dtype}, and "
-                                      "casting would drop the imaginary part"))
-        else:
-            if saved.dtype != dtype:
-                read_then_cast(flat, entry, saved.torch_dtype)
-            needs.append(TargetPiece(fqn=fqn, region=entry.region))
-    saved_objects = {o.key for o in ckpt.meta.objects}
-    findings.extend(("missing", key) for key in flat.objects if key not in saved_objects)
-    return needs, findings
-
-
-def _report(gathered: list[Any], ckpt: Checkpoint, strict: bool, uri: str) -> None:
-    """Strict: every requested key is in the checkpoint with its shape and dtype. Keys the checkpoint
-    has and the state did not ask for are not loaded, and only logged (at debug level)."""
-    findings = sorted({f for g in gathered for f in g[1]})
-    lines = [f"shape mismatch {m}" for kind, m in findings if kind == "shape"]
-    lines.extend(f"dtype mismatch {m}" for kind, m in findings if kind == "dtype")
-    lines.extend(f"{m!r} is a tensor in the state but an object in the checkpoint" for kind, m in findings if kind == "object")
-    missing = [m for kind, m in findings if kind == "missing"]
-    if missing:
-        lines.append(f"missing from the checkpoint: {_few(missing)}")
-    if logger.isEnabledFor(logging.DEBUG):
-        wanted = {k for g in gathered for k in g[2]} | {k for g in gathered for k in g[3]}
-        unasked = sorted((set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}) - wanted)
-        if unasked:
-            logger.debug("checkpoint %r: %d key(s) not requested, not loaded: %s", uri, len(unasked), _few(unasked))
-    if not lines:
-        return
-    message = f"state does not match checkpoint {uri!r}: " + "; ".join(lines)
-    if strict:
-        raise StateMismatchError(message + ". Fix the state, or pass strict=False to load what matches")
-    warnings.warn(message + " (strict=False: loading what matches)", stacklevel=3)
-
-
-def _few(keys: list[str], limit: int = 8) -> str:
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
 def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int, local: LocalReads) -> None:

@@ -156,6 +156,9 @@ class CheckpointMeta:
     tensor_bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
+    structure: dict[str, list[str]] = field(default_factory=dict)
+    """How the saved keys nest (see :attr:`tierckpt.entries.FlatState.structure`); empty in checkpoints
+    saved before it was recorded, and in torch DCP directories."""
 
 
 # -- header (JSON) ---------------------------------------------------------------------------------
@@ -219,6 +222,9 @@ def decode_header(data: bytes, name: str = "meta/header.json") -> CheckpointMeta
         tensor_bytes=field("tensor_bytes", lambda v: _int(v, "tensor_bytes")),
         timings=field("timings", lambda v: {_str(k, "timing name"): _float(x, "timing") for k, x in _dict(v).items()}, {}),
         tags=field("tags", lambda v: {_str(k, "tag"): _str(_scalar_text(x), "tag value") for k, x in _dict(v).items()}, {}),
+        structure=field("structure", lambda v: {
+            _str(k, "structure node"): [_str(x, "structure name") for x in _list(names)] for k, names in _dict(v).items()
+        }, {}),
     )
 
 

@@ -486,6 +486,7 @@ def _commit_gathered(p: _Prepared, gathered: Any, world_size: int) -> tuple[tupl
         tensor_bytes=sum(t.nbytes for t in p.plan.tensors),
         timings={f"rank{r}.{k}": v for r, rec in enumerate(records) for k, v in rec[3].items()},
         tags=p.tags,
+        structure=p.flat.structure,
     )
     try:
         _commit(p, meta, [piece for r in records for piece in r[0]])

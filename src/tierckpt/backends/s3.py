@@ -30,6 +30,8 @@ forked child instead of reusing the parent's.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import os
 import threading
 from collections.abc import Mapping
@@ -264,9 +266,8 @@ class S3Backend(FsspecBackend):
         return _MultipartWriter(self, key)
 
     async def get(self, key: str) -> bytes:
-        # One GET: without max_concurrency=1 s3fs first stats the object to plan parallel parts.
         what = f"read {self.uri_of(key)}"
-        return await self._call(what, "cat_file", self._path(key), max_concurrency=1)
+        return await self._call(what, "cat_file", self._path(key), **_one_get(type(self.fs)))
 
     async def commit(
         self, key: str, data: bytes | memoryview, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
@@ -303,3 +304,12 @@ class S3Backend(FsspecBackend):
             return await self._on_fs_loop(f"read {uri}", fetch)
         except CheckpointNotFoundError:
             return None, None
+
+
+@functools.cache
+def _one_get(fs_type: type) -> dict[str, Any]:
+    """``cat_file`` arguments for a whole object in one GET. s3fs from 2026.9 reads large objects in
+    parallel parts, statting the object first, unless ``max_concurrency=1``; earlier versions (which
+    do one GET already) do not take the argument."""
+    accepts = "max_concurrency" in inspect.signature(fs_type._cat_file).parameters
+    return {"max_concurrency": 1} if accepts else {}

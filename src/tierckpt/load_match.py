@@ -1,0 +1,85 @@
+"""Step 2 of a load: the state checked against the checkpoint (keys, shapes, dtypes), and the report.
+
+Each rank matches its flattened state (:func:`match`: its needs and findings); the findings of every
+rank are reported together (:func:`report`): in strict mode any finding raises
+:class:`~tierckpt.errors.StateMismatchError` on every rank before anything is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from typing import Any
+
+from .errors import StateMismatchError
+from .load_cast import castable, read_then_cast
+from .meta_read import Checkpoint
+from .metadata import dtype_name
+from .planner import TargetPiece
+from .state import FlatState
+
+logger = logging.getLogger("tierckpt")
+
+
+def match(flat: FlatState, ckpt: Checkpoint) -> tuple[list[TargetPiece], list[tuple[str, str]]]:
+    """This rank's needs, and findings ``(kind, message)`` about keys, shapes and dtypes."""
+    needs: list[TargetPiece] = []
+    findings: list[tuple[str, str]] = []
+    for fqn, entry in flat.tensors.items():
+        saved = ckpt.tensors.get(fqn)
+        if saved is None:
+            kind = "object" if any(o.key == fqn for o in ckpt.meta.objects) else "missing"
+            findings.append((kind, fqn))
+            continue
+        dtype = dtype_name(entry.tensor.dtype)
+        if saved.shape != entry.shape:
+            findings.append(("shape", f"{fqn!r}: checkpoint has shape {list(saved.shape)}, the state has {list(entry.shape)}"))
+        elif saved.dtype != dtype and not castable(saved.torch_dtype, entry.tensor.dtype):
+            findings.append(("dtype", f"{fqn!r}: checkpoint has dtype {saved.dtype}, the state has {dtype}, and "
+                                      "casting would drop the imaginary part"))
+        else:
+            if saved.dtype != dtype:
+                read_then_cast(flat, entry, saved.torch_dtype)
+            needs.append(TargetPiece(fqn=fqn, region=entry.region))
+    saved_objects = {o.key for o in ckpt.meta.objects}
+    findings.extend(("missing", key) for key in flat.objects if key not in saved_objects)
+    return needs, findings
+
+
+def report(gathered: list[Any], ckpt: Checkpoint, strict: bool, uri: str) -> None:
+    """Strict: every requested key is in the checkpoint with its shape and dtype. Keys the checkpoint
+    has and the state did not ask for are not loaded, and only logged (at debug level)."""
+    findings = sorted({f for g in gathered for f in g[1]})
+    lines = [f"shape mismatch {m}" for kind, m in findings if kind == "shape"]
+    lines.extend(f"dtype mismatch {m}" for kind, m in findings if kind == "dtype")
+    lines.extend(f"{m!r} is a tensor in the state but an object in the checkpoint" for kind, m in findings if kind == "object")
+    missing = [m for kind, m in findings if kind == "missing"]
+    if missing:
+        lines.append(f"missing from the checkpoint: {_few(missing)}")
+        if any(_UNNAMED_PARAM.search(m) for m in missing):
+            lines.append(UNNAMED_HINT)
+    if logger.isEnabledFor(logging.DEBUG):
+        wanted = {k for g in gathered for k in g[2]} | {k for g in gathered for k in g[3]}
+        unasked = sorted((set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}) - wanted)
+        if unasked:
+            logger.debug("checkpoint %r: %d key(s) not requested, not loaded: %s", uri, len(unasked), _few(unasked))
+    if not lines:
+        return
+    message = f"state does not match checkpoint {uri!r}: " + "; ".join(lines)
+    if strict:
+        raise StateMismatchError(message + ". Fix the state, or pass strict=False to load what matches")
+    warnings.warn(message + " (strict=False: loading what matches)", stacklevel=3)
+
+
+_UNNAMED_PARAM = re.compile(r"\.param_group\d+\.param\d+\.")
+UNNAMED_HINT = (
+    "an optimizer's parameters have no names here (param_group<i>.param<j>), while checkpoints name them by "
+    "their module's fqn: put the model in the same call ({'model': model, 'optim': optim}), or pair them "
+    "({'optim': (model, optim)}) to load the optimizer without the model"
+)
+
+
+def _few(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
