@@ -30,6 +30,7 @@ from ..backends.base import Unconditional
 from ..backends.file_open import open_shared
 from ..comm import describe_error
 from ..errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, StorageError, TransientStorageError
+from ..io.calls import Waiting
 from ..io.scheduled import set_background
 from ..io.scheduler import get_scheduler
 from ..layout import COMMIT, CommitRecord
@@ -283,7 +284,10 @@ class WriteDown:
             )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pause = _POLL_S
+        waiting = Waiting()  # a long wait says on stderr what it waits for
         while True:
+            waiting.note(lambda: f"the write-down of {link.memory_tier.uri} from the node memory tier"
+                         + (f" (failing, retried: {min(self.failures.values())[0]})" if self.failures else ""))
             mine = [k for k in self.files if name is None or generation_of(k) == name]
             jobs = [self.files[k].future for k in mine]
             if commit:
