@@ -145,9 +145,16 @@ class IOScheduler:
                 "raise the timeout or check the storage endpoint"
             ) from exc
 
-    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
-        """Start ``coro`` on the I/O loop; cancelling the returned future cancels the coroutine."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+    def submit(self, coro: Coroutine[Any, Any, _T], *, background: bool = False) -> concurrent.futures.Future[_T]:
+        """Start ``coro`` on the I/O loop; cancelling the returned future cancels the coroutine.
+
+        Started inside an operation with a deadline (:mod:`tierckpt.deadline`), it is part of that operation:
+        cancelled at the deadline, its future then raising :class:`~tierckpt.errors.DeadlineExceededError`
+        — unless ``background`` (a write-down, a sweep: work that outlives the operation)."""
+        bound = None if background else deadline.current()
+        if bound is None:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return asyncio.run_coroutine_threadsafe(self._with_timeout(coro, max(0.0, bound.remaining()), bound), self._loop)
 
     def close(self) -> None:
         """Stop the loop and its thread (pending work is cancelled). For tests and shutdown."""

@@ -93,7 +93,7 @@ class WriteDown:
     # -- starting --------------------------------------------------------------------------------------
     def file(self, key: str) -> _Job:
         job = self.files[key] = _Job()
-        job.future = get_scheduler().submit(self._file(key, job))
+        job.future = get_scheduler().submit(self._file(key, job), background=True)
         return job
 
     def commit(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
@@ -103,7 +103,7 @@ class WriteDown:
         with _ACTIVE_LOCK:
             previous = _LAST_COMMIT.get(home)
             _LAST_COMMIT[home] = job
-        job.future = get_scheduler().submit(self._commit(data, record, expected, after, previous, job))
+        job.future = get_scheduler().submit(self._commit(data, record, expected, after, previous, job), background=True)
         self.commits[record.generation] = job
 
     def held_in_memory(self, generation: str) -> None:
@@ -405,7 +405,7 @@ class WriteDown:
             except CheckpointError as exc:
                 log.warning("a delete below %s after its write-down failed: %s", self.link.memory_tier.uri, exc)
 
-        self.deferred.append(get_scheduler().submit(deferred()))
+        self.deferred.append(get_scheduler().submit(deferred(), background=True))
 
 
 async def drop_tier(home: str) -> None:
