@@ -161,3 +161,6 @@ def process_left(wait_s: float) -> float:
     if _PROCESS is None:
         return wait_s
     return max(0.0, min(wait_s, _PROCESS.remaining()))
+
+
+os.register_at_fork(after_in_child=lambda: bound_process(None))  # a forked child is not the parent's command

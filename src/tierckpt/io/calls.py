@@ -47,11 +47,13 @@ class CallsInFlight:
         self._noted: dict[str, float] = {}
         """Service -> when a note about it was last printed (monotonic seconds)."""
 
-    def start(self, what: str, service: str, attempts: int) -> Call:
-        """Register a call starting now (on the loop); :meth:`end` it whatever its outcome."""
+    def start(self, what: str, service: str, attempts: int, *, noted: bool = True) -> Call:
+        """Register a call starting now (on the loop); :meth:`end` it whatever its outcome. ``noted=False``
+        (background work: an upload, whose waiters say what they wait for themselves): no notes."""
         call = Call(what, service, attempts, time.monotonic())
         self._calls[id(call)] = call
-        call.timer = asyncio.get_running_loop().call_later(NOTE_AFTER_S, self._note, call)
+        if noted:
+            call.timer = asyncio.get_running_loop().call_later(NOTE_AFTER_S, self._note, call)
         return call
 
     def end(self, call: Call, *, cancelled: bool = False) -> None:

@@ -261,7 +261,7 @@ class IOScheduler:
             finally:
                 slots.release()
 
-        call = self.calls.start(what, service or label, attempts)
+        call = self.calls.start(what, service or label, attempts, noted=priority is Priority.FOREGROUND)
         cancelled = False
         try:
             result = await retry_transient(once, attempts=attempts)
