@@ -210,3 +210,42 @@ def test_load_latest_after_a_node_loss_with_s3_unreachable(tmp_path: Path) -> No
     for r in resumed:
         assert "error" not in r["latest"], r["latest"].get("trace")
         assert r["latest"] == {"step": 1, "differs": []}, r["latest"]
+
+
+# -- the deadline itself, in this process ---------------------------------------------------------------------
+def test_a_deadline_ends_the_waits_and_foreground_work_of_its_operation_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside ``deadline.operation``, a wait on the I/O loop and the work the operation submits end at its
+    deadline with ``DeadlineExceededError`` naming the operation, the target and the setting; work submitted
+    as background (write-downs, sweeps) and operations outside it are not cut."""
+    import asyncio
+    import time
+
+    from tierckpt import deadline
+    from tierckpt.errors import DeadlineExceededError, TransientStorageError
+    from tierckpt.io.scheduler import get_scheduler
+    from tierckpt.retry import retry_transient
+
+    sched = get_scheduler()
+    monkeypatch.delenv(deadline.ENV, raising=False)
+    with deadline.operation("load", "s3://b/ckpt", 0.3, "TIERCKPT_TIMEOUT_S"):
+        with pytest.raises(DeadlineExceededError, match=r"load s3://b/ckpt did not finish within 0.3 s \(TIERCKPT_TIMEOUT_S\)"):
+            sched.run(asyncio.sleep(30))
+        foreground = sched.submit(asyncio.sleep(30, "fg"))
+        background = sched.submit(asyncio.sleep(0.6, "bg"), background=True)
+        with pytest.raises(DeadlineExceededError):
+            foreground.result(timeout=BOUND_S)
+        assert background.result(timeout=BOUND_S) == "bg", "background work outlives the operation"
+
+        attempts = 0
+
+        async def failing() -> None:
+            nonlocal attempts
+            attempts += 1
+            raise TransientStorageError("503 SlowDown")
+
+    with deadline.operation("save", "s3://b/ckpt", 0.05, "TIERCKPT_TIMEOUT_S"):
+        time.sleep(0.06)  # the deadline has passed: no retry backs off past it
+        with pytest.raises(DeadlineExceededError, match="503 SlowDown"):
+            sched.run(retry_transient(failing, attempts=5), timeout_s=BOUND_S)  # run's own timeout is not the deadline
+    assert attempts == 1
+    assert sched.run(asyncio.sleep(0.01, "outside")) == "outside"  # no deadline outside an operation

@@ -14,8 +14,8 @@ Background work (uploads, write-downs, sweeps) outlives the operation that start
 deadline (:func:`tierckpt.io.scheduled.set_background` drops it); the exit drain that waits for it is
 bounded by the process's deadline when a CLI command set one (``--timeout`` bounds the whole process).
 
-Settings: ``TIERCKPT_TIMEOUT_S`` (seconds) is the deadline of every ``save``, ``load`` and CLI command of
-the process that sets none of its own; a CLI command's ``--timeout`` is its own. Unset, a library
+Settings: ``TIERCKPT_TIMEOUT_S`` (seconds) is the deadline of every ``save``, ``load``, ``verify``,
+``SaveHandle.wait_durable`` and CLI command of the process that sets none of its own; a CLI command's ``--timeout`` is its own. Unset, a library
 operation has no overall deadline (each request is still bounded: ``timeout_s``, plus time to move
 its bytes at :data:`tierckpt.io.scheduler.MIN_BYTES_PER_S`), and ``ls``, ``status``, ``inspect`` and
 ``stats`` stop after :data:`CLI_DEFAULT_S`.
