@@ -47,7 +47,10 @@ import torch.distributed as dist
 from . import layout
 from .backends import Backend
 from .comm import Comm
-from .errors import CheckpointError, CheckpointNotFoundError, CollectiveError, MissingFileError, TransientStorageError
+from .errors import (
+    CheckpointError, CheckpointNotFoundError, CollectiveError, MissingFileError, StorageUnreachableError,
+    TransientStorageError,
+)
 from .io.scheduler import get_scheduler
 from .loader import load
 from .saver import SaveHandle, async_save, save
@@ -265,6 +268,11 @@ class CheckpointManager:
 
         The ranks first agree on the steps to try (each node may see others in its memory tier): the
         newest any rank finds (:meth:`latest`), then, with ``fall_back``, every older step any rank finds.
+        Every rank takes part even when it cannot look: a rank whose listing fails (the remote unreachable,
+        nothing in its node's memory — a fresh node that replaced a lost one) contributes "unknown", and
+        the steps the others find in the tiers they reach are loaded (the group's load reads what the fresh
+        node lacks from its peers). Only when no rank finds a step and some could not look is
+        :class:`~tierckpt.errors.StorageUnreachableError` raised, on every rank.
         A step some of whose files the group reaches nowhere (:class:`~tierckpt.errors.MissingFileError`:
         with the node memory tier, a node lost before its files of the step reached a peer or the remote),
         whose files only an unreachable remote holds (:class:`~tierckpt.errors.TransientStorageError`), or
@@ -281,13 +289,13 @@ class CheckpointManager:
         unknown = [error for _, _, error in found if error is not None]
         if newest is None:
             if unknown:  # no rank found a step, and some could not look: not "there is none"
-                raise TransientStorageError(
+                raise StorageUnreachableError(
                     f"{self.root_uri}: no rank finds a committed step in a tier it reaches, and {len(unknown)} "
                     f"rank(s) could not list the root ({unknown[0]}); check the store's endpoint, then retry"
                 )
             return None
         names = {step: name for _, steps, _ in reversed(found) for step, name in steps.items()}
-        older = sorted({s for s in names if s < newest}, reverse=True)
+        older = sorted({s for s in names if s < newest}, reverse=True) if fall_back else []
         candidates = [newest, *older]
         first: CheckpointError | None = None
         for step in candidates:
