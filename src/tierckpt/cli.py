@@ -449,7 +449,8 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str
     """One row of ``ls``: a committed checkpoint's header facts, or what an uncommitted one left.
 
     ``status``: ``committed`` (where the URI points), ``node-only`` (committed in this node's cache, not on
-    the remote: ``node_only`` says why), ``incomplete`` or ``corrupt``."""
+    the remote: ``node_only`` says why), ``incomplete``, ``corrupt`` or ``unreachable`` (its metadata could
+    not be read: the store did not answer; ``error`` says which)."""
     from .store import memory_levels, node_only_reason, open_store
     from .loader import read_checkpoint
 
@@ -469,6 +470,8 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str
     store = open_store(entry["uri"])
     try:
         meta = read_checkpoint(store).meta
+    except StorageUnreachableError as exc:  # the store did not answer: nothing is known about its metadata
+        return {**entry, "status": "unreachable", "error": str(exc)}
     except CheckpointError as exc:
         return {**entry, "status": "corrupt", "error": str(exc)}
     gens = gens - {meta.generation}
