@@ -7,13 +7,16 @@
     proxy.add_rule(Rule("reset", query="partNumber", count=1))   # reset one part upload
     proxy.add_rule(Rule("delay", method="GET", count=1, seconds=3))  # answer after 3 s (past a timeout)
     proxy.add_rule(Rule("slow", method="GET", count=1, seconds=0.5)) # dribble the body over 0.5 s
+    proxy.add_rule(Rule("tarpit", count=None))                    # read the request, never answer
+    proxy.add_rule(Rule("dribble", method="GET", count=None, seconds=1.5, chunk=2048))  # 2 KiB every 1.5 s
     ... proxy.endpoint ...
     proxy.hits["503"], proxy.requests, proxy.close()
 
 Each request goes to the first matching rule that has uses left (``count``; ``None``: forever);
 a request no rule takes is forwarded as is. Rules match on method, a substring of the path and a
 substring of the query string. Counters: ``requests`` (all), ``forwarded``, and ``hits[kind]``.
-Every sleep is bounded by the rule's ``seconds``, and the server's threads are daemons.
+Every sleep is bounded by the rule's ``seconds`` (a tarpit's and a dribble's end when the client goes away
+or the proxy is closed), and the server's threads are daemons.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te
 class Rule:
     """One kind of fault: ``503`` (SlowDown), ``500`` (InternalError), ``reset`` (TCP RST before any
     response), ``delay`` (sleep ``seconds`` then forward), ``slow`` (forward, body dribbled over
-    ``seconds``)."""
+    ``seconds``), ``tarpit`` (read the request, answer nothing until the proxy closes), ``dribble``
+    (forward; the answer's headers at once, then ``chunk`` bytes of its body every ``seconds``)."""
 
     kind: str
     method: str | None = None
@@ -47,6 +51,7 @@ class Rule:
     query: str | None = None
     count: int | None = 1
     seconds: float = 0.0
+    chunk: int = 2048
 
     def matches(self, method: str, path: str, query: str) -> bool:
         return (
@@ -70,6 +75,8 @@ class FaultProxy:
         self.forwarded = 0
         self.log: list[tuple[str, str, str]] = []  # (method, path?query, outcome)
         self._lock = threading.Lock()
+        self._closed = threading.Event()
+        """Set by :meth:`close`: tarpits and dribbles stop."""
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -106,6 +113,7 @@ class FaultProxy:
             self.log.clear()
 
     def close(self) -> None:
+        self._closed.set()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5)
@@ -146,6 +154,10 @@ class FaultProxy:
             h.close_connection = True
             sock.close()  # RST: the client sees a connection reset
             return
+        if rule is not None and rule.kind == "tarpit":
+            self._closed.wait()  # the connection stays open, silent, until the proxy closes
+            h.close_connection = True
+            return
         if rule is not None and rule.kind == "delay":
             time.sleep(rule.seconds)
         status, headers, data = self._forward(h.command, h.path, h.headers.items(), body)
@@ -159,7 +171,13 @@ class FaultProxy:
             h.end_headers()
             if h.command == "HEAD" or not data:
                 return
-            if rule is not None and rule.kind == "slow":
+            if rule is not None and rule.kind == "dribble":
+                for i in range(0, len(data), rule.chunk):
+                    h.wfile.write(data[i : i + rule.chunk])
+                    h.wfile.flush()
+                    if self._closed.wait(rule.seconds):
+                        break
+            elif rule is not None and rule.kind == "slow":
                 pieces = 10
                 step = max(1, -(-len(data) // pieces))
                 for i in range(0, len(data), step):

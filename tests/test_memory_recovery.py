@@ -29,7 +29,10 @@ _CTX.set_forkserver_preload(["torch", "torch.distributed.tensor", "tierckpt", "s
 class Job:
     """One launch of ranks placed on simulated nodes (``nodes[r]``: rank ``r``'s node)."""
 
-    def __init__(self, workdir: Path, nodes: list[str], layout: str, extra_env: dict[str, str] | None = None, **spec: object) -> None:
+    def __init__(self, workdir: Path, nodes: list[str], layout: str, extra_env: dict[str, str] | None = None,
+                 node_caches: bool = False, **spec: object) -> None:
+        """``node_caches``: each node has its own node-cache directory too (``TIERCKPT_CACHE_DIR`` under the
+        node's directory, lost with it), as separate machines do; else the ranks share the default one."""
         self.workdir, self.nodes = workdir, nodes
         port = free_port()
         self.results = [workdir / f"result-{i}-{port}.json" for i in range(len(nodes))]
@@ -39,6 +42,8 @@ class Job:
                 "TIERCKPT_NODE_ID": node, "TIERCKPT_MEMORY_DIR": str(workdir / node / "shm"), "TIERCKPT_MEMORY": "on",
                 "TIERCKPT_MEMORY_BYTES": "256M", "OMP_NUM_THREADS": "1", **(extra_env or {}),
             }
+            if node_caches:
+                env["TIERCKPT_CACHE_DIR"] = str(workdir / node / "cache")
             body = {"launched": time.monotonic(), "rank": rank, "world": len(nodes), "port": port, "layout": layout, "result": str(self.results[rank]), **spec}
             proc = _CTX.Process(target=recovery_child.run, args=(body, env), daemon=True)
             proc.start()

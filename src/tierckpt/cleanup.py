@@ -89,7 +89,7 @@ def sweep_after_commit(
         before = _pending.get(uri)
         sweep = _sweep(backend, uri, committed, previous, before, find_leftovers, due)
         try:
-            future = get_scheduler().submit(sweep)
+            future = get_scheduler().submit(sweep, background=True)
         except Exception as exc:  # noqa: BLE001 - the commit stands; a leftover is only space
             sweep.close()
             logger.warning("could not start removing superseded generations of %s (%s); the next save to it or "

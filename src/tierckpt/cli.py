@@ -22,6 +22,8 @@ Exit codes:
 4  incomplete checkpoint: data without a COMMIT record (interrupted or running save)
 5  corrupt checkpoint: metadata or data fails validation
 6  ``demo``: the resumed losses diverged from the uninterrupted run
+7  the store cannot be reached: connection refused or timed out, or the command's deadline passed
+   (``--timeout``, ``TIERCKPT_TIMEOUT_S``); the message names the endpoint and what to check
 == ===========================================================================
 
 Errors print one line to stderr. To add a command, write ``_add_<name>(subparsers)`` that registers
@@ -41,8 +43,10 @@ from typing import TYPE_CHECKING, Any
 
 # Only light modules here: ``tierckpt --version`` must not pay for torch. Each command imports what it uses.
 from . import __version__, layout
+from .cli_deadline import add_timeout, bounded
 from .errors import (
-    CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, UnsupportedURIError,
+    CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, StorageUnreachableError,
+    UnsupportedURIError,
 )
 from .layout import Found
 from .monitor import ranks_from_timings, straggler_report
@@ -59,10 +63,12 @@ EXIT_NOT_FOUND = 3
 EXIT_INCOMPLETE = 4
 EXIT_CORRUPT = 5
 EXIT_DIVERGED = 6
+EXIT_UNREACHABLE = 7
 
 #: Most specific first: the first matching class decides the exit code.
 ERROR_EXIT_CODES: tuple[tuple[type[CheckpointError], int], ...] = (
     (UnsupportedURIError, EXIT_USAGE),
+    (StorageUnreachableError, EXIT_UNREACHABLE),
     (CheckpointNotFoundError, EXIT_NOT_FOUND),
     (IncompleteCheckpointError, EXIT_INCOMPLETE),
     (CorruptCheckpointError, EXIT_CORRUPT),
@@ -111,6 +117,7 @@ def _add_inspect(subparsers: Any) -> None:
     p.add_argument("uri", help="checkpoint root (or torch DCP directory): a path, file://, memory://, s3://, or any fsspec URI")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--pieces", action="store_true", help="also list every saved piece of every tensor")
+    add_timeout(p, "inspect")
     p.set_defaults(handler=cmd_inspect)
 
 
@@ -252,6 +259,7 @@ def _add_verify(subparsers: Any) -> None:
     p.add_argument("uri", help="checkpoint root: a path, file://, memory://, s3://, or any fsspec URI")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
+    add_timeout(p, "verify")
     p.set_defaults(handler=cmd_verify)
 
 
@@ -278,6 +286,7 @@ def _add_stats(subparsers: Any) -> None:
     )
     p.add_argument("uri", help="checkpoint root: a path, file://, memory://, s3://, or any fsspec URI")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    add_timeout(p, "stats")
     p.set_defaults(handler=cmd_stats)
 
 
@@ -382,6 +391,7 @@ def _add_ls(subparsers: Any) -> None:
     )
     p.add_argument("root", help="a checkpoint or a directory of checkpoints: a path or URI")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    add_timeout(p, "ls")
     p.set_defaults(handler=cmd_ls)
 
 
@@ -439,7 +449,8 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str
     """One row of ``ls``: a committed checkpoint's header facts, or what an uncommitted one left.
 
     ``status``: ``committed`` (where the URI points), ``node-only`` (committed in this node's cache, not on
-    the remote: ``node_only`` says why), ``incomplete`` or ``corrupt``."""
+    the remote: ``node_only`` says why), ``incomplete``, ``corrupt`` or ``unreachable`` (its metadata could
+    not be read: the store did not answer; ``error`` says which)."""
     from .store import memory_levels, node_only_reason, open_store
     from .loader import read_checkpoint
 
@@ -459,6 +470,8 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str
     store = open_store(entry["uri"])
     try:
         meta = read_checkpoint(store).meta
+    except StorageUnreachableError as exc:  # the store did not answer: nothing is known about its metadata
+        return {**entry, "status": "unreachable", "error": str(exc)}
     except CheckpointError as exc:
         return {**entry, "status": "corrupt", "error": str(exc)}
     gens = gens - {meta.generation}
@@ -588,7 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tierckpt", description="PyTorch checkpointing with load-time resharding.",
         epilog="exit codes: 0 ok, 1 other error, 2 usage or unsupported URI, 3 not found, 4 incomplete, "
-        "5 corrupt, 6 demo losses diverged",
+        "5 corrupt, 6 demo losses diverged, 7 store unreachable or --timeout passed",
     )
     parser.add_argument("--version", action="version", version=VERSION_TEXT)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -614,7 +627,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits for --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
-        return args.handler(args)
+        with bounded(args):  # --timeout bounds the whole process, the exit drain included
+            return args.handler(args)
     except CheckpointError as exc:
         print(f"tierckpt {args.command}: error: {exc}", file=sys.stderr)
         return exit_code(exc)

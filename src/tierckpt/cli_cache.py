@@ -12,7 +12,8 @@ import json
 from typing import Any
 
 from . import cache_api as cache
-from .errors import CheckpointError, CheckpointNotFoundError
+from .cli_deadline import add_timeout
+from .errors import CheckpointError, CheckpointNotFoundError, StorageUnreachableError
 from .tiers.linkstatus import LinkStatus
 
 
@@ -27,6 +28,7 @@ def _add_status(subparsers: Any) -> None:
     )
     p.add_argument("uri", help="checkpoint root, e.g. s3://bucket/run1/step-00001000")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    add_timeout(p, "status")
     p.set_defaults(handler=cmd_status)
 
 
@@ -34,6 +36,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Print what is committed on this node and on the remote; exit 1 when an upload failed."""
     st = cache.status(args.uri)
     if st.state is None and not st.pending_keys and st.remote_generation is None:
+        if st.remote_unreachable:  # nothing here, and the remote did not answer: unknown, not "none"
+            raise StorageUnreachableError(
+                f"cannot tell where {args.uri!r} stands: nothing is committed or pending on this node, and the "
+                f"remote did not answer: {st.remote_error}"
+            )
         raise CheckpointNotFoundError(f"no checkpoint at {args.uri!r}: nothing committed, and nothing pending upload from this node")
     levels = st.levels() if isinstance(st, LinkStatus) else []  # with the node memory tier: each level
     doc = dataclasses.asdict(st) | {
@@ -60,15 +67,16 @@ def _add_wait(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "wait", help="block until a checkpoint is durable on the remote store",
         description="Block until everything written to URI through this node's cache is on the remote store, "
-        "COMMIT last. Exits 1 when an upload failed or --timeout passed.",
+        "COMMIT last. Exits 1 when an upload failed, 7 when --timeout passed.",
     )
     p.add_argument("uri", help="checkpoint root")
-    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="give up after this many seconds, the whole process included (exit 7)")
     p.set_defaults(handler=cmd_wait)
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
-    cache.wait(args.uri, timeout_s=args.timeout)
+    cache.wait(args.uri)  # --timeout is the command's deadline (tierckpt.cli_deadline)
     print(f"{args.uri}: durable on the remote")
     return 0
 
@@ -83,7 +91,8 @@ def _add_sync(subparsers: Any) -> None:
         "left unfinished, and checkpoints saved to memory only (persist=False).",
     )
     p.add_argument("uri", nargs="?", default=None, help="only this store (default: every store of the node)")
-    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (exit 1)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="give up after this many seconds, uploads waited for at exit included (exit 7)")
     p.add_argument("--drop", action="store_true",
                    help="discard the pending uploads of URI instead (e.g. to a mistyped bucket); they never reach it")
     p.set_defaults(handler=cmd_sync)
@@ -96,7 +105,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
         dropped = cache.drop(args.uri)
         print(f"{args.uri}: dropped {len(dropped)} pending upload(s)" + "".join(f"\n  {k}" for k in dropped))
         return 0
-    synced = cache.sync(args.uri, timeout_s=args.timeout)
+    synced = cache.sync(args.uri)  # --timeout is the command's deadline (tierckpt.cli_deadline)
     print(f"synced {len(synced)} store(s)" + "".join(f"\n  {u}" for u in synced))
     return 0
 
@@ -111,6 +120,7 @@ def _add_prefetch(subparsers: Any) -> None:
     p.add_argument("uri", help="checkpoint root, e.g. s3://bucket/run1/step-00001000")
     p.add_argument("--only", nargs="+", metavar="PATTERN", default=None, help="fqn glob patterns, e.g. 'model.*'")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_timeout(p, "prefetch")
     p.set_defaults(handler=cmd_prefetch)
 
 
@@ -136,6 +146,7 @@ def _add_gc(subparsers: Any) -> None:
                    help="keep every checkpoint whose step is a multiple of K")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    add_timeout(p, "gc")
     p.set_defaults(handler=cmd_gc)
 
 

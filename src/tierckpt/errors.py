@@ -55,3 +55,13 @@ class CheckpointBusyError(CheckpointError):
 
 class CollectiveError(CheckpointError):
     """A torch.distributed collective failed or timed out; the message names the ranks involved."""
+
+
+class StorageUnreachableError(TransientStorageError):
+    """A store's endpoint could not be reached or gave no complete answer in time (connection refused or
+    reset, a request timed out); the message names the endpoint and what to check. ``tierckpt`` exits 7."""
+
+
+class DeadlineExceededError(StorageUnreachableError, TimeoutError):
+    """An operation did not finish within its overall deadline (:mod:`tierckpt.deadline`); the message
+    names the operation, its URI, what it was waiting for and the setting that sets the deadline."""

@@ -58,6 +58,7 @@ from .errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
     MissingFileError, StateMismatchError,
 )
+from .deadline import bounded, carried
 from .gc_pause import gc_paused
 from .io.readcheck import ReadChecker
 from .io.scheduler import get_scheduler
@@ -138,6 +139,7 @@ def _older_commit_below(uri: str, storage_options: Mapping[str, Any] | None) -> 
 
 
 @_naming_an_older_commit
+@bounded("load")
 @gc_paused
 def load(
     uri: str,
@@ -425,7 +427,7 @@ def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int, 
     remote = [file for file in files if file not in sizes]
     if remote:  # every size at once: on an object store each check is a round trip
         with concurrent.futures.ThreadPoolExecutor(min(len(remote), PARALLEL_METADATA)) as pool:
-            sizes.update(zip(remote, pool.map(lambda file: _checked_size(backend, ckpt, file), remote)))
+            sizes.update(zip(remote, pool.map(carried(lambda file: _checked_size(backend, ckpt, file)), remote)))
     for file in files:
         end, size = ends[file], sizes[file]
         if end > size:

@@ -47,7 +47,10 @@ import torch.distributed as dist
 from . import layout
 from .backends import Backend
 from .comm import Comm
-from .errors import CheckpointError, CheckpointNotFoundError, CollectiveError, MissingFileError, TransientStorageError
+from .errors import (
+    CheckpointError, CheckpointNotFoundError, CollectiveError, MissingFileError, StorageUnreachableError,
+    TransientStorageError,
+)
 from .io.scheduler import get_scheduler
 from .loader import load
 from .saver import SaveHandle, async_save, save
@@ -266,6 +269,11 @@ class CheckpointManager:
 
         The ranks first agree on the steps to try (each node may see others in its memory tier): the
         newest any rank finds (:meth:`latest`), then, with ``fall_back``, every older step any rank finds.
+        Every rank takes part even when it cannot look: a rank whose listing fails (the remote unreachable,
+        nothing in its node's memory — a fresh node that replaced a lost one) contributes "unknown", and
+        the steps the others find in the tiers they reach are loaded (the group's load reads what the fresh
+        node lacks from its peers). Only when no rank finds a step and some could not look is
+        :class:`~tierckpt.errors.StorageUnreachableError` raised, on every rank.
         A step some of whose files the group reaches nowhere (:class:`~tierckpt.errors.MissingFileError`:
         with the node memory tier, a node lost before its files of the step reached a peer or the remote),
         whose files only an unreachable remote holds (:class:`~tierckpt.errors.TransientStorageError`), or
@@ -277,16 +285,24 @@ class CheckpointManager:
         """
         self.wait()
         comm = Comm(self.group)
-        found = comm.all_gather_object((self.latest(), self.steps() if fall_back else []))
-        newest = max((latest for latest, _ in found if latest is not None), default=None)
+        found = comm.all_gather_object(self._found_here(fall_back))  # every rank takes part, even one that sees nothing
+        newest = max((latest for latest, _, _ in found if latest is not None), default=None)
+        unknown = [error for _, _, error in found if error is not None]
         if newest is None:
+            if unknown:  # no rank found a step, and some could not look: not "there is none"
+                raise StorageUnreachableError(
+                    f"{self.root_uri}: no rank finds a committed step in a tier it reaches, and {len(unknown)} "
+                    f"rank(s) could not list the root ({unknown[0]}); check the store's endpoint, then retry"
+                )
             return None
-        older = sorted({s for _, steps in found for s in steps if s < newest}, reverse=True)
+        names = {step: name for _, steps, _ in reversed(found) for step, name in steps.items()}
+        older = sorted({s for s in names if s < newest}, reverse=True) if fall_back else []
         candidates = [newest, *older]
         first: CheckpointError | None = None
         for step in candidates:
             try:
-                load(self._found_uri(step), state, group=self.group, storage_options=self.storage_options, **options)
+                uri = f"{self.root_uri}/{names.get(step, layout.step_name(step))}"
+                load(uri, state, group=self.group, storage_options=self.storage_options, **options)
             except CollectiveError:
                 raise  # the group itself failed: no agreement can be reached
             except CheckpointError as exc:
@@ -303,6 +319,23 @@ class CheckpointManager:
                 log.warning("%s: resumed from step %d, not the newest committed step %d", self.root_uri, step, newest)
             return step
         return None  # not reached: the last candidate either loads or raises
+
+    def _found_here(self, fall_back: bool) -> tuple[int | None, dict[int, str], str | None]:
+        """What this rank contributes to :meth:`load_latest`'s agreement: the newest step it finds, the
+        steps it finds (step -> directory; only the newest without ``fall_back``), and why it could not
+        look (``None``: it could). A rank whose root listing fails (the remote unreachable and nothing in
+        this node's memory tier, e.g. a fresh node replacing a lost one) contributes "unknown", not an
+        exception, so the ranks that do find steps still agree with it."""
+        try:
+            latest = self.latest()
+            names = self._committed_names() if latest is not None else {}
+        except TransientStorageError as exc:
+            return None, {}, str(exc)
+        if latest is not None and latest not in names:
+            names[latest] = layout.step_name(latest)
+        if not fall_back:
+            names = {latest: names[latest]} if latest is not None else {}
+        return latest, names, None
 
     def _after_commit(self, step: int, persisted: bool) -> None:
         """Rank 0, once ``step`` is committed: point ``LATEST`` at it (when written where the root points),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from . import dcp_format, layout
 from .backends import Backend
+from .deadline import carried
 from .errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, MissingFileError,
 )
@@ -96,8 +97,9 @@ def read_checkpoint(backend: Backend, *, accept_dcp: bool = False) -> Checkpoint
         try:
             # Both documents at once: on an object store each is two round trips (size, then read).
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                header = pool.submit(_document, backend, record, layout.HEADER, MAX_HEADER_BYTES)
-                table = pool.submit(_document, backend, record, layout.TENSORS, MAX_TABLE_BYTES)
+                read = carried(_document)  # with the operation's deadline
+                header = pool.submit(read, backend, record, layout.HEADER, MAX_HEADER_BYTES)
+                table = pool.submit(read, backend, record, layout.TENSORS, MAX_TABLE_BYTES)
                 return decoded_checkpoint(record, header.result(), table.result())
         except CheckpointNotFoundError as exc:
             newer = newer_commit(backend, gen)

@@ -11,6 +11,7 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from . import deadline
 from .errors import CheckpointError, TransientStorageError
 
 _T = TypeVar("_T")
@@ -28,12 +29,18 @@ async def retry_transient(fn: Callable[[], Awaitable[_T]], *, attempts: int = 5)
     """``await fn()``, retrying :class:`TransientStorageError` with exponential backoff and full jitter.
 
     Usable on any event loop; :meth:`tierckpt.io.scheduler.IOScheduler.call` adds slots and metrics on top.
+    A retry whose backoff would end past the operation's deadline (:mod:`tierckpt.deadline`) is not made:
+    :class:`~tierckpt.errors.DeadlineExceededError` is raised instead, from the last error.
     """
     for attempt in range(1, attempts + 1):
         try:
             return await fn()
-        except TransientStorageError:
+        except TransientStorageError as exc:
             if attempt >= attempts:
                 raise
-        await asyncio.sleep(backoff_s(attempt))
+            pause = backoff_s(attempt)
+            bound = deadline.current()
+            if bound is not None and bound.remaining() <= pause:
+                raise bound.exceeded(str(exc)) from exc  # no backoff that ends past the operation's deadline
+        await asyncio.sleep(pause)
     raise CheckpointError(f"attempts must be at least 1, got {attempts}")

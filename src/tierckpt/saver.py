@@ -63,6 +63,8 @@ from .planner import LocalPiece, SavePlan, plan_save
 from .planner.save_planner import offers_digest
 from .regions import Box, FlatRange, Region
 from .state import FlatState, TensorEntry, flatten_state
+from .deadline import bounded, operation, process_left
+from .deadline import current as current_deadline
 from .store import (
     drain_write_back, durability_of, exit_wait_s, identity_of, memory_tier_of, open_store, revocable_of,
 )
@@ -102,17 +104,17 @@ def _drain_at_exit() -> None:
     earlier-registered hook of the same list, which runs after this one) and the I/O loop still runs.
     """
     handles = [h for h in _PROCESS.in_flight.values() if not h.done()]
-    deadline = time.monotonic() + exit_wait_s()
+    deadline = time.monotonic() + process_left(exit_wait_s())  # a CLI command's --timeout bounds the drain too
     for handle in handles:
         try:
             handle.wait(timeout_s=max(0.0, deadline - time.monotonic()))
         except BaseException as exc:  # noqa: BLE001 - reported, exit goes on
             sys.stderr.write(f"tierckpt: the async save to {handle.uri} did not commit before exit: {describe_error(exc)}\n")
-    for uri in cleanup.wait_pending(cleanup.EXIT_WAIT_S, exiting=True):
+    for uri in cleanup.wait_pending(process_left(cleanup.EXIT_WAIT_S), exiting=True):
         sys.stderr.write(f"tierckpt: removing superseded generations of {uri} was cut short by the exit; the next "
                          f"save to it or `tierckpt gc {uri} --keep-last 1` removes them\n")
     # Replication started with each commit above: its wait counts from there, within its own limit.
-    replication_deadline = max(deadline, time.monotonic() + replication_exit_wait_s())
+    replication_deadline = max(deadline, time.monotonic() + process_left(replication_exit_wait_s()))
     for line in stop_replicators(max(0.0, replication_deadline - time.monotonic()), "the process exited"):
         sys.stderr.write(line + "\n")
     for line in drain_write_back(max(0.0, deadline - time.monotonic())):
@@ -187,9 +189,16 @@ class SaveHandle:
         return meta
 
     def _committed(self, timeout_s: float | None) -> CheckpointMeta:
+        bound = current_deadline()  # an operation's deadline (wait_durable's) ends this wait too
+        if bound is not None and (timeout_s is None or bound.remaining() < timeout_s):
+            timeout_s = max(0.0, bound.remaining())
+        else:
+            bound = None
         try:
             return self._future.result(timeout_s)
         except concurrent.futures.TimeoutError:
+            if bound is not None:
+                raise bound.exceeded(f"the async save to {self.uri} to commit") from None
             raise CheckpointBusyError(f"async save to {self.uri!r} is still running after {timeout_s}s") from None
         except BaseException:
             self._reported = True
@@ -203,12 +212,15 @@ class SaveHandle:
         """Block until committed and durable where the URI points: on a write-back store (the node
         cache in front of a remote) until every object of the checkpoint is uploaded, ``COMMIT`` last.
         Raises :class:`~tierckpt.errors.StorageError` when an upload failed (the message names the
-        ``tierckpt sync`` command that retries it)."""
-        meta = self._committed(timeout_s)
-        durable = durability_of(self.store)
-        if durable is not None:
-            get_scheduler().run(durable.wait_durable(meta.generation, timeout_s))
-            self._record_uploads(meta.generation)
+        ``tierckpt sync`` command that retries it). Without ``timeout_s`` it waits as long as the uploads
+        take (``TIERCKPT_TIMEOUT_S`` bounds it), saying on stderr what it waits for once it has waited a
+        few seconds, then at growing intervals."""
+        with operation("wait_durable", self.uri):
+            meta = self._committed(timeout_s)
+            durable = durability_of(self.store)
+            if durable is not None:
+                get_scheduler().run(durable.wait_durable(meta.generation, timeout_s))
+                self._record_uploads(meta.generation)
         return meta
 
     def _record_uploads(self, generation: str) -> None:
@@ -684,6 +696,7 @@ def _raise_unreported() -> None:
 
 
 # -- public API ------------------------------------------------------------------------------------
+@bounded("save")
 @gc_paused
 def save(
     uri: str,

@@ -32,6 +32,7 @@ import crc32c
 
 from . import layout
 from .backends import Backend
+from .deadline import bounded
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .io.crc import combine_blocks
 from .io.scheduler import ReadRequest, get_scheduler
@@ -105,6 +106,7 @@ class VerifyReport:
         return "\n".join(lines)
 
 
+@bounded("verify")
 def verify(
     uri: str,
     *,

@@ -155,6 +155,12 @@ class Backend(abc.ABC):
         scheme, sep, rest = self.root_uri.partition("://")
         return f"{scheme}://{rest.split('/', 1)[0]}" if sep else "file://"
 
+    @property
+    def request_timeout_s(self) -> float | None:
+        """How long one request may go without an answer (``None``: no limit, e.g. a local file system);
+        the I/O scheduler bounds each attempt of a call by it plus the time to move its bytes."""
+        return None
+
     # -- abstract primitives -------------------------------------------------------------------
     @abc.abstractmethod
     async def put(self, key: str, data: bytes | memoryview) -> None:

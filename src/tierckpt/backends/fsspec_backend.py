@@ -38,6 +38,7 @@ from ..errors import (
     CheckpointNotFoundError,
     StorageError,
     StoragePermissionError,
+    StorageUnreachableError,
     TransientStorageError,
     UnsupportedURIError,
 )
@@ -134,9 +135,12 @@ def _one_line(exc: BaseException) -> str:
 
 
 def translate_error(
-    exc: Exception, what: str, bucket: str | None = None
+    exc: Exception, what: str, bucket: str | None = None, service: str | None = None
 ) -> CheckpointError | None:
-    """Map a provider exception raised while doing ``what`` to a tierckpt error (None: not ours)."""
+    """Map a provider exception raised while doing ``what`` to a tierckpt error (None: not ours).
+
+    A connection that fails or times out is a :class:`~tierckpt.errors.StorageUnreachableError` naming
+    ``service`` (what answers the store: ``s3://bucket at http://host:port``) and what to check."""
     if isinstance(exc, CheckpointError):
         return None
     cause = _one_line(exc)
@@ -151,7 +155,11 @@ def translate_error(
         return TransientStorageError(f"{what}: transient failure ({cause})")
     transient_types, credential_types, provider_types = _provider_types()
     if any(isinstance(e, transient_types) for e in _chain(exc)):
-        return TransientStorageError(f"{what}: connection failed or timed out ({cause})")
+        where = f"cannot reach {service}: " if service else ""
+        return StorageUnreachableError(
+            f"{what}: {where}connection failed or timed out ({cause}); check the endpoint (the storage option "
+            "endpoint_url or TIERCKPT_S3_ENDPOINT_URL for S3), the network, and that the store is up"
+        )
     if isinstance(exc, credential_types):
         return StoragePermissionError(
             f"{what}: no usable credentials ({cause}); set AWS_ACCESS_KEY_ID and "
@@ -237,7 +245,7 @@ class FsspecBackend(Backend):
 
     # -- running file system calls ----------------------------------------------------------------
     def _translated(self, exc: Exception, what: str) -> CheckpointError | None:
-        return translate_error(exc, what, self._bucket)
+        return translate_error(exc, what, self._bucket, self.service)
 
     async def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``fs.<method>`` (its coroutine ``_<method>`` when async) and translate errors."""

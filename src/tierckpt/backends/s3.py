@@ -220,6 +220,7 @@ class S3Backend(FsspecBackend):
                 f"part_size={part_size} for {root_uri}: S3 multipart parts must be at least 5 MiB"
             )
         self.part_size = part_size
+        self._timeout_s = timeout_s
         self.parts_in_flight = max(1, parts_in_flight)
         config_kwargs = {
             "connect_timeout": timeout_s,
@@ -242,6 +243,11 @@ class S3Backend(FsspecBackend):
             **storage_options,
         )
         self._bind(fs, rest.rstrip("/"))
+
+    @property
+    def request_timeout_s(self) -> float:
+        """The ``timeout_s`` option: botocore's connect and read timeouts."""
+        return self._timeout_s
 
     @property
     def service(self) -> str:

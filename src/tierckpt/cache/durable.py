@@ -12,6 +12,7 @@ import time
 from .. import layout
 from ..comm import describe_error
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError
+from ..io.calls import Waiting
 from ..io.scheduler import get_scheduler
 from .catalog import generation_path, pid_alive
 from .records import CommitOrder, Op, PendingOp
@@ -39,10 +40,12 @@ class DurableMixin:
         also as soon as an upload failed transiently (it goes on retrying in the background)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         adopted = False
+        waiting = Waiting()  # a long wait (the remote down) says on stderr what it waits for
         while True:
             pending = self._relevant(generation)
             if not pending:
                 return
+            waiting.note(lambda: self._waiting_for(pending))
             failed = {k: r.error for k, r in pending.items()
                       if r.error and not (through_outage and r.retrying)}
             if failed:
@@ -62,6 +65,11 @@ class DurableMixin:
                 )
             await asyncio.sleep(self.config.poll_s)
 
+    def _waiting_for(self, pending: dict[str, PendingOp]) -> str:
+        key, rec = sorted(pending.items())[0]
+        error = f", which failed: {rec.error}; retrying" if rec.error else ""
+        return f"{len(pending)} upload(s) to {self.root_uri} to reach the remote (e.g. {key}{error})"
+
     async def sync(self, timeout_s: float | None = None) -> None:
         """Resume every pending op of this store (left by this or a dead process), then wait for them."""
         me = os.getpid()
@@ -76,7 +84,7 @@ class DurableMixin:
         pending = self.catalog.pending_under(self.rh)
         generation: str | None = None
         state: Durability | None = None
-        remote_generation, remote_error = await self._remote_generation()
+        remote_generation, remote_error, unreachable = await self._remote_generation()
         commit = pending.get(layout.COMMIT)
         if commit is not None and commit.op == Op.COMMIT:
             generation = commit.gen
@@ -99,20 +107,22 @@ class DurableMixin:
             errors=tuple(f"{k}: {r.error}" for k, r in sorted(pending.items()) if r.error),
             remote_generation=remote_generation,
             remote_error=remote_error,
+            remote_unreachable=unreachable,
         )
 
-    async def _remote_generation(self) -> tuple[str | None, str | None]:
-        """The generation the remote's own COMMIT names, and why it could not be read (else ``None``)."""
+    async def _remote_generation(self) -> tuple[str | None, str | None, bool]:
+        """The generation the remote's own COMMIT names, why it could not be read (else ``None``), and
+        whether that is because the store did not answer."""
         try:
             data = await self.link.call("get", self.remote.get, layout.COMMIT, retries=2)
         except CheckpointNotFoundError as exc:
-            return None, (str(exc) if "bucket" in str(exc) else None)
+            return None, (str(exc) if "bucket" in str(exc) else None), False
         except CheckpointError as exc:
-            return None, describe_error(exc)
+            return None, describe_error(exc), isinstance(exc, TransientStorageError)
         try:
-            return layout.CommitRecord.decode(data).generation, None
+            return layout.CommitRecord.decode(data).generation, None, False
         except CorruptCheckpointError as exc:
-            return None, describe_error(exc)
+            return None, describe_error(exc), False
 
     async def withdraw(self, generation: str, record: bytes, base: bytes | None) -> list[str] | None:
         """Take back a commit whose upload failed (a synchronous save that raises), so that the generation it

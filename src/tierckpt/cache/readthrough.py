@@ -243,8 +243,10 @@ class ReadThroughMixin:
         except StorageError as exc:
             if not _offline(exc):
                 raise
+            keys = set(self.catalog.cached_keys(self.rh, prefix))
+            if not keys and not any(r.op != Op.DELETE for r in pending.values()):
+                raise  # the node holds nothing there: an empty listing would say "there is nothing", not "unreachable"
             logger.warning("remote unreachable (%s); listing %s from the node cache", exc, self.root_uri)
-            keys = self.catalog.cached_keys(self.rh, prefix)
         keys |= {k for k, r in pending.items() if r.op != Op.DELETE}
         keys -= {k for k, r in pending.items() if r.op == Op.DELETE}
         return sorted(keys)

@@ -39,6 +39,9 @@ class StoreStatus:
     """The generation the remote's own COMMIT names (``None``: none, or the remote could not be read)."""
     remote_error: str | None = None
     """Why the remote's COMMIT could not be read (an outage, a missing bucket), else ``None``."""
+    remote_unreachable: bool = False
+    """Whether that is because the store did not answer (connection refused or timed out, 5xx throughout):
+    then "nothing committed" is unknown, not known (``tierckpt status`` exits 7)."""
 
     @property
     def durable(self) -> bool:

@@ -19,6 +19,7 @@ import contextvars
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
+from .. import deadline
 from ..backends.base import UNCONDITIONAL, Backend, ObjectWriter, Segment, Unconditional
 from .scheduler import Priority, get_scheduler, retry_transient
 
@@ -38,8 +39,11 @@ def background() -> Iterator[None]:
 
 
 def set_background() -> None:
-    """Make the rest of the current task background work (an upload task's first statement)."""
+    """Make the rest of the current task background work (an upload task's first statement): it queues
+    behind foreground calls, and it has no deadline (it outlives the operation that started it;
+    :mod:`tierckpt.deadline`)."""
     _PRIORITY.set(Priority.BACKGROUND)
+    deadline.drop()
 
 
 class ScheduledBackend(Backend):
@@ -74,7 +78,8 @@ class ScheduledBackend(Backend):
         if foreign:
             return await retry_transient(lambda: fn(*args, **kwargs), attempts=retries)
         return await scheduler.slotted(self.queue, self.root_uri, op, fn, *args, priority=_PRIORITY.get(),
-                                       nbytes=nbytes, retries=retries, service=self.inner.service, **kwargs)
+                                       nbytes=nbytes, retries=retries, service=self.inner.service,
+                                       request_timeout_s=self.inner.request_timeout_s, **kwargs)
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
         await self.call("put", self.inner.put, key, data, nbytes=memoryview(data).nbytes)

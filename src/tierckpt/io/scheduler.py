@@ -43,9 +43,11 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .. import deadline
 from ..backends.base import Backend
-from ..errors import CheckpointError, TransientStorageError
+from ..errors import CheckpointError, StorageUnreachableError, TransientStorageError
 from ..retry import retry_transient
+from .calls import CallsInFlight
 from .outages import Outages
 from .slots import IOMetrics, OpRecord, OpTotals, Priority, PrioritySemaphore
 
@@ -58,6 +60,10 @@ _T = TypeVar("_T")
 
 DEFAULT_MAX_CONCURRENCY = 16
 DEFAULT_PART_BYTES = 32 * 2**20
+MIN_BYTES_PER_S = 2**20
+"""The slowest transfer rate an attempt of a call to a store with a request timeout may have: an attempt
+that moves ``n`` bytes must end within the store's ``request_timeout_s + n / MIN_BYTES_PER_S`` (an
+endpoint that answers a few bytes at a time passes every per-read timeout, never this)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +87,7 @@ class IOScheduler:
         self.max_concurrency = max_concurrency
         self.metrics = IOMetrics()
         self.outages = Outages()
+        self.calls = CallsInFlight()
         self._slots: weakref.WeakKeyDictionary[Any, PrioritySemaphore] = weakref.WeakKeyDictionary()
         self._named_slots: dict[str, PrioritySemaphore] = {}
         self._loop = asyncio.new_event_loop()
@@ -109,31 +116,45 @@ class IOScheduler:
                 "IOScheduler.run() was called from the I/O loop thread, which would deadlock; "
                 "await the coroutine instead"
             )
-        future = asyncio.run_coroutine_threadsafe(self._with_timeout(coro, timeout_s), self._loop)
+        bound = deadline.current()  # the operation's overall deadline ends the wait too, when it comes first
+        if bound is not None and (timeout_s is None or bound.remaining() < timeout_s):
+            timeout_s = max(0.0, bound.remaining())
+        else:
+            bound = None
+        future = asyncio.run_coroutine_threadsafe(self._with_timeout(coro, timeout_s, bound), self._loop)
         try:
             return future.result()
         except BaseException:
             future.cancel()  # e.g. KeyboardInterrupt in the caller: stop the work too
             raise
 
-    @staticmethod
-    async def _with_timeout(coro: Coroutine[Any, Any, _T], timeout_s: float | None) -> _T:
-        deadline = asyncio.timeout(timeout_s)
+    async def _with_timeout(self, coro: Coroutine[Any, Any, _T], timeout_s: float | None,
+                            bound: deadline.Deadline | None) -> _T:
+        limit = asyncio.timeout(timeout_s)
         try:
-            async with deadline:
+            async with limit:
                 return await coro
         except TimeoutError as exc:
-            if not deadline.expired():
+            if not limit.expired():
                 raise
+            if bound is not None:
+                raise bound.exceeded(self.calls.oldest()) from exc
             name = getattr(coro, "__qualname__", repr(coro))
             raise TransientStorageError(
                 f"I/O operation {name} did not finish within {timeout_s} s and was cancelled; "
                 "raise the timeout or check the storage endpoint"
             ) from exc
 
-    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
-        """Start ``coro`` on the I/O loop; cancelling the returned future cancels the coroutine."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+    def submit(self, coro: Coroutine[Any, Any, _T], *, background: bool = False) -> concurrent.futures.Future[_T]:
+        """Start ``coro`` on the I/O loop; cancelling the returned future cancels the coroutine.
+
+        Started inside an operation with a deadline (:mod:`tierckpt.deadline`), it is part of that operation:
+        cancelled at the deadline, its future then raising :class:`~tierckpt.errors.DeadlineExceededError`
+        — unless ``background`` (a write-down, a sweep: work that outlives the operation)."""
+        bound = None if background else deadline.current()
+        if bound is None:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return asyncio.run_coroutine_threadsafe(self._with_timeout(coro, max(0.0, bound.remaining()), bound), self._loop)
 
     def close(self) -> None:
         """Stop the loop and its thread (pending work is cancelled). For tests and shutdown."""
@@ -185,6 +206,7 @@ class IOScheduler:
         nbytes: int = 0,
         retries: int = 5,
         service: str | None = None,
+        request_timeout_s: float | None = None,
         **kwargs: Any,
     ) -> _T:
         """``await fn(*args, **kwargs)`` under one of ``slot_owner``'s slots (one priority queue per owner),
@@ -194,7 +216,12 @@ class IOScheduler:
         store, :attr:`~tierckpt.backends.base.Backend.service`) is marked down in :attr:`outages`. The
         metric's key is ``args[0]`` when it is a string (backend methods take the key first).
         :class:`~tierckpt.io.scheduled.ScheduledBackend`, the scheduling link of every chain, calls it for
-        each operation of the store it wraps."""
+        each operation of the store it wraps.
+
+        ``request_timeout_s`` (the store's, e.g. S3's ``timeout_s``) bounds each attempt as a whole: it must
+        end within ``request_timeout_s + nbytes / MIN_BYTES_PER_S`` or it fails as
+        :class:`~tierckpt.errors.StorageUnreachableError` (and is retried). A call still unanswered after a
+        few seconds says so on stderr (:mod:`.calls`)."""
         self._check_loop()
         if retries < 1:
             raise CheckpointError(f"retries must be at least 1 for {op_name} on {label}, got {retries}")
@@ -204,17 +231,40 @@ class IOScheduler:
         attempt = 0
         ok = False
 
+        attempts = self.outages.attempts(service, retries)
+        what = f"{op_name} {label.rstrip('/')}/{key}" if key else f"{op_name} {label}"
+        limit = None if request_timeout_s is None else request_timeout_s + nbytes / MIN_BYTES_PER_S
+
         async def once() -> _T:
             nonlocal attempt
             attempt += 1
+            call.attempt = attempt
             await slots.acquire(priority)
             try:
-                return await fn(*args, **kwargs)
+                if limit is None:
+                    return await fn(*args, **kwargs)
+                timer = asyncio.timeout(limit)
+                try:
+                    async with timer:
+                        return await fn(*args, **kwargs)
+                except TimeoutError as exc:
+                    if not timer.expired():
+                        raise
+                    raise StorageUnreachableError(
+                        f"{what}: {service or label} gave no complete answer within {limit:.0f} s (the request "
+                        f"timeout, {request_timeout_s:g} s, plus {nbytes} bytes at {MIN_BYTES_PER_S // 2**20} MiB/s); "
+                        "check the endpoint and the network, or raise the storage option timeout_s"
+                    ) from exc
+            except TransientStorageError as exc:
+                call.last_error = str(exc)
+                raise
             finally:
                 slots.release()
 
+        call = self.calls.start(what, service or label, attempts, noted=priority is Priority.FOREGROUND)
+        cancelled = False
         try:
-            result = await retry_transient(once, attempts=self.outages.attempts(service, retries))
+            result = await retry_transient(once, attempts=attempts)
             ok = True
             self.outages.answered(service)
             return result
@@ -224,7 +274,11 @@ class IOScheduler:
         except CheckpointError:
             self.outages.answered(service)  # a definite answer (not found, denied, refused): it is up
             raise
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
+            self.calls.end(call, cancelled=cancelled)
             self.metrics.record(
                 OpRecord(
                     op=op_name,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..cache.status import Durability, StoreStatus
 from ..comm import describe_error
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError
 from ..layout import COMMIT, CommitRecord, seq_of
 from .downlog import write_back_of
 from .levels import Level, recorded_level
@@ -79,8 +79,9 @@ async def link_status(link: MemoryLink) -> LinkStatus:
     below: StoreStatus | None = await durable.status() if durable is not None else None
     if below is not None:
         below_generation, remote_generation, remote_error = below.generation, below.remote_generation, below.remote_error
+        unreachable = below.remote_unreachable
     else:
-        below_generation, remote_error = await _commit_of(link)
+        below_generation, remote_error, unreachable = await _commit_of(link)
         remote_generation = below_generation
     generation = memory_generation
     if below_generation is not None and (generation is None or (seq_of(below_generation) or 0) > (seq_of(generation) or 0)):
@@ -112,6 +113,7 @@ async def link_status(link: MemoryLink) -> LinkStatus:
         errors=tuple(errors) + (below.errors if below is not None else ()),
         remote_generation=remote_generation,
         remote_error=remote_error,
+        remote_unreachable=unreachable,
         memory_generation=memory_generation,
         memory_directory=tier.home,
         replicated=replica is not None and replica.level is Level.REPLICATED,
@@ -123,11 +125,12 @@ async def link_status(link: MemoryLink) -> LinkStatus:
     )
 
 
-async def _commit_of(link: MemoryLink) -> tuple[str | None, str | None]:
-    """The generation the chain below's ``COMMIT`` names, and why it could not be read."""
+async def _commit_of(link: MemoryLink) -> tuple[str | None, str | None, bool]:
+    """The generation the chain below's ``COMMIT`` names, why it could not be read, and whether that is
+    because the store did not answer."""
     try:
-        return CommitRecord.decode(await link.below.get(COMMIT)).generation, None
+        return CommitRecord.decode(await link.below.get(COMMIT)).generation, None, False
     except CheckpointNotFoundError:
-        return None, None
+        return None, None, False
     except (CorruptCheckpointError, CheckpointError) as exc:
-        return None, describe_error(exc)
+        return None, describe_error(exc), isinstance(exc, TransientStorageError)

@@ -30,6 +30,7 @@ from ..backends.base import Unconditional
 from ..backends.file_open import open_shared
 from ..comm import describe_error
 from ..errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, StorageError, TransientStorageError
+from ..io.calls import Waiting
 from ..io.scheduled import set_background
 from ..io.scheduler import get_scheduler
 from ..layout import COMMIT, CommitRecord
@@ -92,7 +93,7 @@ class WriteDown:
     # -- starting --------------------------------------------------------------------------------------
     def file(self, key: str) -> _Job:
         job = self.files[key] = _Job()
-        job.future = get_scheduler().submit(self._file(key, job))
+        job.future = get_scheduler().submit(self._file(key, job), background=True)
         return job
 
     def commit(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
@@ -102,7 +103,7 @@ class WriteDown:
         with _ACTIVE_LOCK:
             previous = _LAST_COMMIT.get(home)
             _LAST_COMMIT[home] = job
-        job.future = get_scheduler().submit(self._commit(data, record, expected, after, previous, job))
+        job.future = get_scheduler().submit(self._commit(data, record, expected, after, previous, job), background=True)
         self.commits[record.generation] = job
 
     def held_in_memory(self, generation: str) -> None:
@@ -283,7 +284,10 @@ class WriteDown:
             )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pause = _POLL_S
+        waiting = Waiting()  # a long wait says on stderr what it waits for
         while True:
+            waiting.note(lambda: f"the write-down of {link.memory_tier.uri} from the node memory tier"
+                         + (f" (failing, retried: {min(self.failures.values())[0]})" if self.failures else ""))
             mine = [k for k in self.files if name is None or generation_of(k) == name]
             jobs = [self.files[k].future for k in mine]
             if commit:
@@ -401,7 +405,7 @@ class WriteDown:
             except CheckpointError as exc:
                 log.warning("a delete below %s after its write-down failed: %s", self.link.memory_tier.uri, exc)
 
-        self.deferred.append(get_scheduler().submit(deferred()))
+        self.deferred.append(get_scheduler().submit(deferred(), background=True))
 
 
 async def drop_tier(home: str) -> None:
