@@ -55,3 +55,8 @@ class CheckpointBusyError(CheckpointError):
 
 class CollectiveError(CheckpointError):
     """A torch.distributed collective failed or timed out; the message names the ranks involved."""
+
+
+class OversizedFileError(CorruptCheckpointError):
+    """A file of a checkpoint or of a node tier is larger than such a file can legitimately be; it is
+    refused unread (its size is checked before reading), naming the file, its size and the cap."""

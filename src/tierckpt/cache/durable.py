@@ -11,6 +11,7 @@ import time
 
 from .. import layout
 from ..comm import describe_error
+from ..bounded import MAX_RECORD_BYTES
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError
 from ..io.scheduler import get_scheduler
 from .catalog import generation_path, pid_alive
@@ -82,7 +83,7 @@ class DurableMixin:
             generation = commit.gen
         else:
             try:
-                generation = layout.CommitRecord.decode(await self.get(layout.COMMIT)).generation
+                generation = layout.CommitRecord.decode(await self.get_capped(layout.COMMIT, MAX_RECORD_BYTES)).generation
             except (CheckpointNotFoundError, TransientStorageError):
                 generation = None
         if generation is not None:
@@ -104,7 +105,7 @@ class DurableMixin:
     async def _remote_generation(self) -> tuple[str | None, str | None]:
         """The generation the remote's own COMMIT names, and why it could not be read (else ``None``)."""
         try:
-            data = await self.link.call("get", self.remote.get, layout.COMMIT, retries=2)
+            data = await self.link.call("get", self.remote.get_capped, layout.COMMIT, MAX_RECORD_BYTES, retries=2)
         except CheckpointNotFoundError as exc:
             return None, (str(exc) if "bucket" in str(exc) else None)
         except CheckpointError as exc:

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..bounded import MAX_TIER_RECORD_BYTES, read_capped
 from ..cache.catalog import pid_alive
 from ..backends.base import Backend
 from ..layout import COMMIT, is_generation
@@ -86,8 +87,7 @@ class DownLog:
         out = DownState()
         started: dict[str, int] = {}
         try:
-            with open(self.path(generation), "rb") as f:
-                lines = f.read().splitlines()
+            lines = read_capped(self.path(generation), MAX_TIER_RECORD_BYTES).splitlines()
         except FileNotFoundError:
             return out
         for raw in lines:

@@ -36,6 +36,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..bounded import MAX_RECORD_BYTES, oversized, read_capped
 from ..backends.base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Segment, Unconditional, commit_refused
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError
 from ..keys import validate_key
@@ -279,8 +280,7 @@ class MemoryLink(Backend):
     # -- reads -----------------------------------------------------------------------------------------
     def _tier_commit_bytes(self) -> bytes | None:
         try:
-            with open(self.memory_tier.path_of(COMMIT), "rb") as f:
-                return f.read()
+            return read_capped(self.memory_tier.path_of(COMMIT), MAX_RECORD_BYTES)
         except FileNotFoundError:
             return None
 
@@ -323,7 +323,7 @@ class MemoryLink(Backend):
     async def _commit_view(self) -> bytes:
         """The newer ``COMMIT`` of the tier and the chain below (the tier's while below is unreachable);
         both read at once (an async save's call waits for this on rank 0)."""
-        below = asyncio.ensure_future(self.below.get(COMMIT))
+        below = asyncio.ensure_future(self.below.get_capped(COMMIT, MAX_RECORD_BYTES))
         try:
             mine = await asyncio.to_thread(self._tier_commit_bytes)
         except BaseException:
@@ -372,6 +372,15 @@ class MemoryLink(Backend):
         if validate_key(key) == COMMIT:
             return await self._get_or_none(COMMIT) is not None
         return await asyncio.to_thread(self._in_tier, key) or await self.below.exists(key)
+
+    async def get_capped(self, key: str, cap: int) -> bytes:
+        """``COMMIT`` in one read (this link reads it capped); anything else as the base does."""
+        if validate_key(key) != COMMIT:
+            return await super().get_capped(key, cap)
+        data = await self.get(COMMIT)
+        if len(data) > cap:
+            raise oversized(self.uri_of(key), len(data), cap)
+        return data
 
     async def size(self, key: str) -> int:
         if validate_key(key) == COMMIT:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..cache.status import Durability, StoreStatus
 from ..comm import describe_error
+from ..bounded import MAX_RECORD_BYTES
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..layout import COMMIT, CommitRecord, seq_of
 from .downlog import write_back_of
@@ -126,7 +127,7 @@ async def link_status(link: MemoryLink) -> LinkStatus:
 async def _commit_of(link: MemoryLink) -> tuple[str | None, str | None]:
     """The generation the chain below's ``COMMIT`` names, and why it could not be read."""
     try:
-        return CommitRecord.decode(await link.below.get(COMMIT)).generation, None
+        return CommitRecord.decode(await link.below.get_capped(COMMIT, MAX_RECORD_BYTES)).generation, None
     except CheckpointNotFoundError:
         return None, None
     except (CorruptCheckpointError, CheckpointError) as exc:

@@ -39,6 +39,7 @@ from ..backends.base import UNCONDITIONAL, ObjectWriter, Unconditional
 from ..backends.file_open import open_shared
 from ..backends.files import commit_if, is_lock_name, is_temp_name, temp_name
 from ..backends.local import LocalBackend, os_error
+from ..bounded import MAX_RECORD_BYTES, MAX_TIER_RECORD_BYTES, MAX_URI_FILE_BYTES, read_capped
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..layout import COMMIT, CommitRecord, is_superseded
 from ..metadata import validate_generation
@@ -227,8 +228,7 @@ class MemoryTier(LocalBackend):
         path = os.path.join(self.home, "URI")
         if not os.path.exists(path):
             write_atomic(path, self.uri.encode())
-        with open(path, "rb") as f:
-            found = f.read().decode(errors="replace")
+        found = read_capped(path, MAX_URI_FILE_BYTES).decode(errors="replace")
         if found != self.uri:
             raise CheckpointError(
                 f"the memory tier directory {self.home} belongs to {found!r}, not {self.uri!r}; remove it "
@@ -271,8 +271,7 @@ class MemoryTier(LocalBackend):
     def committed(self) -> CommitRecord | None:
         """The record ``COMMIT`` holds in this tier (``None``: none)."""
         try:
-            with open(self.path_of(COMMIT), "rb") as f:
-                return CommitRecord.decode(f.read())
+            return CommitRecord.decode(read_capped(self.path_of(COMMIT), MAX_RECORD_BYTES))
         except FileNotFoundError:
             return None
 
@@ -305,8 +304,7 @@ class MemoryTier(LocalBackend):
         for name in sorted(os.listdir(directory)):
             if name.endswith(".json") and not is_temp_name(name):
                 path = os.path.join(directory, name)
-                with open(path, "rb") as f:
-                    out.append(Manifest.decode(f.read(), path))
+                out.append(Manifest.decode(read_capped(path, MAX_TIER_RECORD_BYTES), path))
         return sorted(out, key=lambda m: m.origin)
 
     def held(self, generation: str) -> dict[str, FileEntry]:
@@ -420,8 +418,7 @@ class NodeMemory:
         for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
             path = os.path.join(base, name, "URI")
             if os.path.isfile(path):
-                with open(path, "rb") as f:
-                    out.append(self.tier(f.read().decode(errors="replace")))
+                out.append(self.tier(read_capped(path, MAX_URI_FILE_BYTES).decode(errors="replace")))
         return out
 
     def copies(self) -> list[TierCopy]:

@@ -1,0 +1,165 @@
+"""Issue 31, round 2 of "nothing silent": bounds on memory and space, folders that are not checkpoints,
+and an unusable node cache.
+
+* Every file read whole from a checkpoint or a tier has a size cap checked before reading; a pieces or
+  tensors table's row count is checked against the header before decoding (sparse files stand in for
+  huge ones: nothing here allocates gigabytes, and each child runs under an address-space limit so a
+  regression fails with ``MemoryError`` instead of exhausting the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import tierckpt
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.metadata import decode_tensors
+
+from tamper import reseal
+
+HUGE = 3 << 30
+"""The size of the sparse files standing in for huge ones."""
+RSS_BUDGET_MB = 300
+"""How much a refused read may raise the peak resident size above the child's baseline."""
+
+_CHILD = textwrap.dedent("""
+    import json, os, resource, sys, traceback
+    import torch, tierckpt
+    from tierckpt.cli import main as cli
+
+    def vm_bytes():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+
+    def peak_mb():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    spec = json.loads(sys.argv[1])
+    tierckpt.load  # imports done before the baseline
+    import tierckpt.loader, tierckpt.verify, tierckpt.saver  # noqa: F401
+    limit = vm_bytes() + (2 << 30)  # a regression fails with MemoryError, never exhausts the machine
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    base = peak_mb()
+    out = []
+    for op in spec["ops"]:
+        kind, arg = op
+        try:
+            if kind == "load":
+                tierckpt.load(arg, {"w": torch.zeros(64)})
+                result = {"error": None}
+            elif kind == "save":
+                tierckpt.save(arg, {"w": torch.ones(64)})
+                result = {"error": None}
+            else:
+                import io, contextlib
+                err = io.StringIO()
+                with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):
+                    code = cli(arg)
+                result = {"error": "cli", "code": code, "message": err.getvalue()}
+        except BaseException as exc:
+            result = {"error": type(exc).__name__, "message": str(exc)}
+        result["op"] = kind
+        result["rss_mb"] = peak_mb() - base
+        out.append(result)
+    print(json.dumps(out))
+""")
+
+
+def _run_child(ops: list[list[Any]], env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Run ``ops`` in a fresh interpreter under an address-space limit; each op's outcome and the peak
+    resident size above the child's baseline after it."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps({"ops": ops})], capture_output=True, text=True,
+                          timeout=240, env=full_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _save(root: Path) -> tuple[str, str]:
+    uri = str(root / "ckpt")
+    tierckpt.save(uri, {"w": torch.arange(64, dtype=torch.float32)})
+    gen = json.loads((root / "ckpt" / "COMMIT").read_text())["generation"]
+    return uri, gen
+
+
+def _assert_refused(results: list[dict[str, Any]], names: str, size: int) -> None:
+    for r in results:
+        assert r["error"] is not None, r
+        message = r["message"]
+        if r["error"] == "cli":
+            assert r["code"] == 5, r  # corrupt
+        else:
+            assert r["error"] == "OversizedFileError", r
+        assert names in message and str(size) in message and "not a tierckpt checkpoint" in message, r
+        assert r["rss_mb"] < RSS_BUDGET_MB, r
+
+
+def test_a_huge_commit_is_refused_unread_by_load_verify_inspect_and_ls(tmp_path: Path) -> None:
+    uri, _ = _save(tmp_path)
+    commit = tmp_path / "ckpt" / "COMMIT"
+    os.truncate(commit, HUGE)
+    results = _run_child([["load", uri], ["cli", ["verify", uri]], ["cli", ["inspect", uri]]])
+    _assert_refused(results, str(commit), HUGE)
+    (ls,) = _run_child([["cli", ["ls", "--json", str(tmp_path)]]])
+    assert ls["code"] == 0 and ls["rss_mb"] < RSS_BUDGET_MB, ls
+
+
+def test_a_huge_memory_tier_uri_file_is_refused_unread_by_a_save(tmp_path: Path) -> None:
+    from tierckpt.tiers.config import MemoryConfig
+    from tierckpt.tiers.memory import MemoryTier
+
+    uri = str(tmp_path / "ckpt")
+    memory = tmp_path / "mem"
+    tier = MemoryTier(uri, MemoryConfig(directory=str(memory), budget_bytes=1 << 30))
+    os.makedirs(tier.home)
+    uri_file = os.path.join(tier.home, "URI")
+    with open(uri_file, "wb") as f:
+        f.write(uri.encode())
+    os.truncate(uri_file, HUGE)
+    env = {"TIERCKPT_MEMORY": "on", "TIERCKPT_MEMORY_DIR": str(memory), "TIERCKPT_MEMORY_BYTES": "1G"}
+    _assert_refused(_run_child([["save", uri]], env), uri_file, HUGE)
+
+
+def _explode_pieces(path: Path, rows: int) -> None:
+    """Rewrite the pieces table as ``rows`` copies of its first row (a few MB, zstd), in batches."""
+    table = pq.read_table(path)
+    batch = 100_000
+    one = table.slice(0, 1)
+    block = pa.concat_tables([one] * batch).combine_chunks()
+    with pq.ParquetWriter(path, table.schema, compression="zstd") as writer:
+        for _ in range(rows // batch):
+            writer.write_table(block, row_group_size=batch)
+
+
+def test_a_pieces_table_with_millions_of_rows_is_refused_before_decoding(tmp_path: Path) -> None:
+    uri, gen = _save(tmp_path)
+    pieces = tmp_path / "ckpt" / gen / "meta" / "pieces.parquet"
+    _explode_pieces(pieces, 3_000_000)
+    reseal(tmp_path / "ckpt")
+    assert pieces.stat().st_size < 16 << 20 and pq.ParquetFile(pieces).metadata.num_rows == 3_000_000
+    results = _run_child([["load", uri], ["cli", ["verify", uri]], ["cli", ["inspect", uri]]])
+    for r in results:
+        assert r["error"] in ("CorruptCheckpointError", "cli"), r
+        assert r.get("code", 5) == 5, r
+        assert "pieces table holds 3000000 rows" in r["message"] and "declares 1" in r["message"], r
+        assert r["rss_mb"] < RSS_BUDGET_MB, r
+
+
+def test_a_tensors_table_row_count_is_checked_against_the_header(tmp_path: Path) -> None:
+    _, gen = _save(tmp_path)
+    data = (tmp_path / "ckpt" / gen / "meta" / "tensors.parquet").read_bytes()
+    assert list(decode_tensors(data, 1)) == ["w"]
+    with pytest.raises(CorruptCheckpointError, match="tensors table holds 1 rows, the checkpoint header declares 5"):
+        decode_tensors(data, 5)
