@@ -163,3 +163,73 @@ def test_a_tensors_table_row_count_is_checked_against_the_header(tmp_path: Path)
     assert list(decode_tensors(data, 1)) == ["w"]
     with pytest.raises(CorruptCheckpointError, match="tensors table holds 1 rows, the checkpoint header declares 5"):
         decode_tensors(data, 5)
+
+
+# -- case 10: a folder that is not a tierckpt checkpoint says what it is ------------------------------------
+def _folder(root: Path, files: list[str]) -> str:
+    for name in files:
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+    root.mkdir(parents=True, exist_ok=True)
+    return str(root)
+
+
+FOREIGN = {
+    "safetensors export": (["model.safetensors"],
+                           ["holds safetensors files (model.safetensors)", "tierckpt convert --from safetensors --to tierckpt"]),
+    "save_pretrained": (["config.json", "model.safetensors", "tokenizer.json"],
+                        ["Hugging Face save_pretrained folder", "tierckpt convert --from safetensors --to tierckpt"]),
+    "deepspeed": (["latest", "global_step10/mp_rank_00_model_states.pt", "global_step10/zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+                  ["DeepSpeed checkpoint folder", "zero_to_fp32.py", "tierckpt.save"]),
+    "other": (["notes.txt", "run/log.txt"], ["holds other files (notes.txt, run/log.txt)", "Check the path"]),
+    "empty": ([], ["nothing is stored under it", "check the path"]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FOREIGN))
+def test_a_folder_that_is_not_a_checkpoint_says_what_it_is(tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from tierckpt.cli import main as cli_main
+    from tierckpt.errors import CheckpointNotFoundError
+
+    files, expected = FOREIGN[kind]
+    uri = _folder(tmp_path / kind, files)
+    with pytest.raises(CheckpointNotFoundError) as caught:
+        tierckpt.load(uri, {"w": torch.zeros(2)})
+    message = str(caught.value)
+    assert all(part in message for part in expected) and "interrupted" not in message, message
+    for command in ("verify", "inspect"):
+        assert cli_main([command, uri]) == 3
+        err = capsys.readouterr().err
+        assert all(part in err for part in expected) and "interrupted" not in err, err
+
+
+def test_a_checkpoint_manager_root_names_a_step_and_load_latest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tierckpt.cli import main as cli_main
+    from tierckpt.errors import NotACheckpointError
+
+    root = str(tmp_path / "run")
+    manager = tierckpt.CheckpointManager(root)
+    for step in (10, 20):
+        manager.save(step, {"w": torch.full((2,), float(step))})
+    latest = manager.uri_of(20)
+    with pytest.raises(NotACheckpointError) as caught:
+        tierckpt.load(root, {"w": torch.zeros(2)})
+    message = str(caught.value)
+    assert "is a CheckpointManager root" in message and f"tierckpt.load('{latest}', state)" in message, message
+    assert f"CheckpointManager('{root}').load_latest(state)" in message and "interrupted" not in message, message
+    assert cli_main(["verify", root]) == 3 and "CheckpointManager root" in capsys.readouterr().err
+    target = {"w": torch.zeros(2)}
+    tierckpt.load(latest, target)  # the step the message names loads
+    assert torch.equal(target["w"], torch.full((2,), 20.0))
+
+
+def test_uncommitted_generation_files_are_still_an_interrupted_save(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tierckpt.cli import main as cli_main
+    from tierckpt.errors import IncompleteCheckpointError
+
+    uri, _ = _save(tmp_path)
+    os.unlink(tmp_path / "ckpt" / "COMMIT")
+    with pytest.raises(IncompleteCheckpointError, match="a save was interrupted or is still running"):
+        tierckpt.load(uri, {"w": torch.zeros(64)})
+    assert cli_main(["verify", uri]) == 4 and "a save was interrupted" in capsys.readouterr().err

@@ -60,3 +60,8 @@ class CollectiveError(CheckpointError):
 class OversizedFileError(CorruptCheckpointError):
     """A file of a checkpoint or of a node tier is larger than such a file can legitimately be; it is
     refused unread (its size is checked before reading), naming the file, its size and the cap."""
+
+
+class NotACheckpointError(CheckpointNotFoundError):
+    """A URI has no ``COMMIT`` record and no tierckpt data: it is something else (a CheckpointManager
+    root, a safetensors or DeepSpeed folder...); the message says what it looks like and what to do."""

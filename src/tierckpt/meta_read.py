@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from . import dcp_format, layout
 from .backends import Backend
 from .bounded import MAX_RECORD_BYTES
+from .foreign import missing_commit_error
 from .errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, MissingFileError,
 )
@@ -45,17 +46,13 @@ class Checkpoint:
 
 
 def read_commit(backend: Backend) -> layout.CommitRecord:
-    """The decoded ``COMMIT`` record; a root with data but no ``COMMIT`` is incomplete."""
+    """The decoded ``COMMIT`` record. Without one: an interrupted save if the root holds uncommitted
+    generations, else an error saying what the root is (:func:`tierckpt.foreign.missing_commit_error`)."""
     sched = get_scheduler()
     try:
         return layout.CommitRecord.decode(sched.run(backend.get_capped(layout.COMMIT, MAX_RECORD_BYTES)))
     except CheckpointNotFoundError:
-        if sched.run(backend.list("")):
-            raise IncompleteCheckpointError(
-                f"{backend.root_uri!r} holds checkpoint data but no COMMIT record: a save was interrupted or is "
-                "still running. Load an earlier checkpoint, or wait for the save to finish"
-            ) from None
-        raise CheckpointNotFoundError(f"no checkpoint at {backend.root_uri!r} (no COMMIT record)") from None
+        raise missing_commit_error(backend.root_uri, sched.run(backend.list(""))) from None
 
 
 def newer_commit(backend: Backend, generation: str) -> layout.CommitRecord | None:
