@@ -233,3 +233,81 @@ def test_uncommitted_generation_files_are_still_an_interrupted_save(tmp_path: Pa
     with pytest.raises(IncompleteCheckpointError, match="a save was interrupted or is still running"):
         tierckpt.load(uri, {"w": torch.zeros(64)})
     assert cli_main(["verify", uri]) == 4 and "a save was interrupted" in capsys.readouterr().err
+
+
+# -- case 7: a full memory tier file system ---------------------------------------------------------------
+TMPFS_BYTES = 8 << 20
+TENSOR_NUMEL = 3 << 18
+"""3 MiB of float32 per save."""
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    """An 8 MiB tmpfs (a real file system that really fills up), unmounted afterwards."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES}", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _memory(mount: Path, budget: int, on_full: str) -> Any:
+    from tierckpt.tiers.config import MemoryConfig, OnFull
+
+    return MemoryConfig(directory=str(mount / "tier"), budget_bytes=budget, on_full=OnFull(on_full))
+
+
+def _fill(mount: Path, leave: int) -> None:
+    """Leave only ``leave`` bytes free on the tmpfs (another user of the node's tmpfs)."""
+    with open(mount / "filler", "wb") as f:
+        f.write(b"\0" * (TMPFS_BYTES - leave))
+
+
+def test_a_full_tier_file_system_with_fallback_saves_to_the_next_tier(small_tmpfs: Path, tmp_path: Path) -> None:
+    _fill(small_tmpfs, 2 << 20)  # the budget (7 MiB) admits a 3 MiB file; the file system refuses it
+    memory = _memory(small_tmpfs, 7 << 20, "fallback")
+    uri = str(tmp_path / "remote" / "ckpt")
+    for i in range(3):
+        state = {"w": torch.arange(TENSOR_NUMEL, dtype=torch.float32) + i}
+        tierckpt.save(uri, state, storage_options={"memory": memory})
+        for options in ({"memory": memory}, {"memory": False}):  # the next tier holds it on its own
+            target = {"w": torch.zeros(TENSOR_NUMEL)}
+            tierckpt.load(uri, target, storage_options=options)
+            assert torch.equal(target["w"], state["w"]), (i, options)
+
+
+def test_a_full_tier_file_system_without_fallback_names_the_tier_and_the_settings(small_tmpfs: Path, tmp_path: Path) -> None:
+    from tierckpt.tiers.config import MemoryTierFullError
+
+    _fill(small_tmpfs, 2 << 20)
+    memory = _memory(small_tmpfs, 7 << 20, "error")
+    uri = str(tmp_path / "remote" / "ckpt")
+    with pytest.raises(MemoryTierFullError) as caught:
+        tierckpt.save(uri, {"w": torch.ones(TENSOR_NUMEL)}, storage_options={"memory": memory})
+    message = str(caught.value)
+    for part in (f"node memory tier {small_tmpfs / 'tier'} ran out of space", "No space left on device",
+                 f"its file system holds {TMPFS_BYTES} bytes", f"TIERCKPT_MEMORY_BYTES is {7 << 20} bytes",
+                 "TIERCKPT_MEMORY_FULL=fallback", "storage_options={'memory': False}"):
+        assert part in message, message
+    from tierckpt.backends.files import is_temp_name
+
+    assert not [p for p in (small_tmpfs / "tier").rglob("*") if p.is_file() and is_temp_name(p.name)], \
+        "a refused write leaves no temp file in the tier"
+
+
+def test_a_budget_larger_than_the_file_system_is_clamped_with_a_warning(small_tmpfs: Path, tmp_path: Path) -> None:
+    with pytest.warns(RuntimeWarning, match=f"larger than the file system that holds .* \\({TMPFS_BYTES} bytes\\)"):
+        memory = _memory(small_tmpfs, 1 << 30, "error")
+    assert memory.budget_bytes == TMPFS_BYTES
+    uri = str(tmp_path / "remote" / "ckpt")
+    for i in range(3):  # 9 MiB in all through an 8 MiB tier: older copies are evicted once written down
+        state = {"w": torch.arange(TENSOR_NUMEL, dtype=torch.float32) * i}
+        tierckpt.save(uri, state, storage_options={"memory": memory})
+        target = {"w": torch.zeros(TENSOR_NUMEL)}
+        tierckpt.load(uri, target, storage_options={"memory": memory})
+        assert torch.equal(target["w"], state["w"])

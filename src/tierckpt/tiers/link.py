@@ -42,11 +42,12 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..keys import validate_key
 from ..layout import COMMIT, CommitRecord, is_generation
 from ..node import node_id
-from .config import MemoryConfig, MemoryTierFullError
+from .config import MemoryConfig, MemoryTierFullError, OnFull
 from .downlog import MEMORY_ONLY, DownLog, durable_copies, generation_of, write_back_of
 from .linkstatus import LinkStatus, link_status
 from .mapped import MappedFile, is_spare, open_mapped, prepare_in_background
 from .memory import IncomingFile, MemoryTier, NodeMemory
+from .nospace import is_no_space, no_space_error
 from .writedown import WriteDown, drop_tier
 
 log = logging.getLogger(__name__)
@@ -101,19 +102,28 @@ class _LinkWriter(ObjectWriter):
         view = memoryview(data).cast("B")
         if self._below is None and not await self._link._admit(self._generation, view.nbytes):
             await self._move_below()
-        if self._below is not None:
-            await self._below.write(view)
-        else:
-            await asyncio.to_thread(self._incoming.write, view)  # type: ignore[union-attr]
+        if self._below is None:
+            try:
+                await asyncio.to_thread(self._incoming.write, view)  # type: ignore[union-attr]
+                return
+            except OSError as exc:
+                if not self._link.fall_back(self._generation, self._uri, exc):
+                    raise
+                await self._move_below()
+        assert self._below is not None
+        await self._below.write(view)
 
     async def _move_below(self) -> None:
-        """The tier is full (fallback): continue in the chain below, starting with what was written."""
+        """The tier is full (fallback): continue in the chain below, starting with what was written (the
+        writes that completed: one the file system refused left an unknown part of itself)."""
         incoming = self._incoming
         assert incoming is not None
         self._below = await self._link.below.open_writer(self._key)
+        left = incoming.size
         with open(incoming.tmp_path, "rb", buffering=0) as f:
-            while chunk := await asyncio.to_thread(f.read, _COPY_CHUNK):
+            while left and (chunk := await asyncio.to_thread(f.read, min(_COPY_CHUNK, left))):
                 await self._below.write(chunk)
+                left -= len(chunk)
         await asyncio.to_thread(incoming.abort)
         self._incoming = None
 
@@ -198,6 +208,20 @@ class MemoryLink(Backend):
 
         return await asyncio.to_thread(admit)
 
+    def fall_back(self, generation: str, what: str, exc: BaseException) -> bool:
+        """The tier's file system refused to write ``what`` of ``generation`` (``exc``). ``False``: it is not
+        a lack of space (raise ``exc``). With ``TIERCKPT_MEMORY_FULL=fallback`` the generation goes to the
+        chain below from now on (``True``); otherwise, or when it must stay in memory (``persist=False``),
+        :class:`~.config.MemoryTierFullError` names the tier, its size and the settings."""
+        if not is_no_space(exc):
+            return False
+        error = no_space_error(self.memory.config, what, exc)
+        if self.memory.config.on_full is not OnFull.FALLBACK or generation in self.memory_only:
+            raise error from exc
+        self.fallback[generation] = str(error)
+        log.warning("%s %s goes to the next tier: %s", self.memory_tier.uri, generation, error)
+        return True
+
     def keep_in_memory(self, generation: str) -> None:
         """Hold ``generation`` in the node memory tier (and on the peers) only: none of its files, nor its
         ``COMMIT``, is written down until a ``sync``. Logged for the node's other processes, ``status`` and
@@ -220,7 +244,13 @@ class MemoryLink(Backend):
         if generation is None or not await self._admit(generation, memoryview(data).nbytes):
             await self.below.put(key, data)
             return
-        await self.memory_tier.put(key, data)
+        try:
+            await self.memory_tier.put(key, data)
+        except (OSError, CheckpointError) as exc:
+            if not self.fall_back(generation, self.memory_tier.uri_of(key), exc):
+                raise
+            await self.below.put(key, data)
+            return
         self._wrote(key)
 
     async def open_writer(self, key: str) -> ObjectWriter:

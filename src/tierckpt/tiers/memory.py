@@ -137,14 +137,16 @@ class IncomingFile:
         """Whether the temp file is a pooled one (written over from its start)."""
         if self.reused:
             try:
-                self._file = open(self._tmp, "r+b")
+                self._file = open(self._tmp, "r+b", buffering=0)
                 self._file.truncate(size)
             except OSError:
                 self.abort()  # a fresh file instead
                 self.reused = False
         if not self.reused:
-            self._file = open(self._tmp, "wb")
+            self._file = open(self._tmp, "wb", buffering=0)  # unbuffered: a failed write leaves nothing pending
         self._written = WrittenCrc(tier.uri_of(key))
+        self.size = 0
+        """Bytes written by the writes that completed (a write the file system refused is not counted)."""
 
     def use_stated_crc32c(self) -> bool:
         """Before the first write, for a file this node produces: :meth:`publish` records the CRC-32C its
@@ -155,8 +157,12 @@ class IncomingFile:
         self._written.state(crc32c)
 
     def write(self, data: memoryview) -> None:
-        self._file.write(data)
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < view.nbytes:
+            done += self._file.write(view[done:])
         self._written.add(data)
+        self.size += view.nbytes
 
     @property
     def tmp_path(self) -> str:
