@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt.errors import CorruptCheckpointError
+from tierckpt.errors import CheckpointError, CorruptCheckpointError
 from tierckpt.metadata import decode_tensors
 
 from tamper import reseal
@@ -241,13 +241,11 @@ TENSOR_NUMEL = 3 << 18
 """3 MiB of float32 per save."""
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path):
-    """An 8 MiB tmpfs (a real file system that really fills up), unmounted afterwards."""
-    mount = tmp_path / "tmpfs"
+def _mounted(mount: Path, options: str):
+    """A tmpfs at ``mount`` with ``options`` (a real file system that really fills up, or is read-only),
+    unmounted afterwards; skips where mounting is refused."""
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES}", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
     try:
@@ -256,10 +254,29 @@ def small_tmpfs(tmp_path: Path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    """An 8 MiB tmpfs."""
+    yield from _mounted(tmp_path / "tmpfs", f"size={TMPFS_BYTES}")
+
+
+@pytest.fixture
+def readonly_tmpfs(tmp_path: Path):
+    """A read-only tmpfs (writes fail with EROFS, errno 30)."""
+    yield from _mounted(tmp_path / "rofs", "ro,size=1m")
+
+
 def _memory(mount: Path, budget: int, on_full: str) -> Any:
     from tierckpt.tiers.config import MemoryConfig, OnFull
 
     return MemoryConfig(directory=str(mount / "tier"), budget_bytes=budget, on_full=OnFull(on_full))
+
+
+def _fill_up(mount: Path, leave: int) -> None:
+    """Leave about ``leave`` bytes free on the tmpfs at ``mount``, whatever it holds already."""
+    st = os.statvfs(mount)
+    with open(mount / "filler", "wb") as f:
+        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
 
 
 def _fill(mount: Path, leave: int) -> None:
@@ -311,3 +328,41 @@ def test_a_budget_larger_than_the_file_system_is_clamped_with_a_warning(small_tm
         target = {"w": torch.zeros(TENSOR_NUMEL)}
         tierckpt.load(uri, target, storage_options={"memory": memory})
         assert torch.equal(target["w"], state["w"])
+
+
+# -- case 13: an unusable node cache ----------------------------------------------------------------------
+def _assert_names_the_cache(exc: BaseException, directory: Path, reason: str) -> None:
+    message = str(exc)
+    for part in (f"the node cache {directory} cannot be used", reason, "TIERCKPT_CACHE_DIR",
+                 "storage_options={'cache': False}"):
+        assert part in message, message
+    from tierckpt.errors import NodeCacheError
+
+    assert isinstance(exc, NodeCacheError), repr(exc)
+
+
+def test_a_read_only_cache_dir_names_the_cache_and_cache_false(readonly_tmpfs: Path, s3_bucket_uri: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = readonly_tmpfs / "cache"
+    monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(cache))
+    uri = f"{s3_bucket_uri}/ro"
+    state = {"w": torch.arange(64, dtype=torch.float32)}
+    with pytest.raises(CheckpointError) as caught:
+        tierckpt.save(uri, state)
+    _assert_names_the_cache(caught.value, cache, "Read-only file system")
+    tierckpt.save(uri, state, storage_options={"cache": False})  # the way out the message names
+    target = {"w": torch.zeros(64)}
+    tierckpt.load(uri, target, storage_options={"cache": False})
+    assert torch.equal(target["w"], state["w"])
+
+
+def test_a_full_cache_disk_names_the_cache_and_cache_false(small_tmpfs: Path, s3_bucket_uri: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = small_tmpfs / "cache"
+    monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(cache))
+    uri = f"{s3_bucket_uri}/full"
+    tierckpt.save(uri, {"w": torch.zeros(16)})  # the catalogue and its directories exist
+    _fill_up(small_tmpfs, 1 << 20)
+    with pytest.raises(CheckpointError) as caught:
+        tierckpt.save(uri, {"w": torch.ones(TENSOR_NUMEL)})
+    _assert_names_the_cache(caught.value, cache, "No space left on device")

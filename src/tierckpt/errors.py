@@ -65,3 +65,8 @@ class OversizedFileError(CorruptCheckpointError):
 class NotACheckpointError(CheckpointNotFoundError):
     """A URI has no ``COMMIT`` record and no tierckpt data: it is something else (a CheckpointManager
     root, a safetensors or DeepSpeed folder...); the message says what it looks like and what to do."""
+
+
+class NodeCacheError(StorageError):
+    """The node cache directory cannot be used (not writable, read-only, full); the message names the
+    directory, ``TIERCKPT_CACHE_DIR`` and how to go without the cache (``storage_options={"cache": False}``)."""
