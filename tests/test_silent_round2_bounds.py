@@ -366,3 +366,30 @@ def test_a_full_cache_disk_names_the_cache_and_cache_false(small_tmpfs: Path, s3
     with pytest.raises(CheckpointError) as caught:
         tierckpt.save(uri, {"w": torch.ones(TENSOR_NUMEL)})
     _assert_names_the_cache(caught.value, cache, "No space left on device")
+
+
+def _status_on(node_dir: Path, node: str, uri: str) -> dict[str, Any]:
+    """``tierckpt status --json URI`` run as a process of simulated node ``node`` (its own memory tier)."""
+    env = {**os.environ, "TIERCKPT_NODE_ID": node, "TIERCKPT_MEMORY_DIR": str(node_dir / "shm"), "TIERCKPT_MEMORY": "on",
+           "TIERCKPT_MEMORY_BYTES": "256M"}
+    done = subprocess.run([sys.executable, "-m", "tierckpt", "status", "--json", uri], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.multiproc
+def test_status_on_every_node_reflects_a_commit_another_node_wrote_down(tmp_path: Path) -> None:
+    """Two simulated nodes save with ``wait("remote")``; node-0 writes the COMMIT down, so node-1's own log
+    never records it: its ``status`` must still say the checkpoint is on the remote, nothing pending."""
+    from test_memory_recovery import Job
+
+    uri = str(tmp_path / "remote" / "step-1")
+    saved = Job(tmp_path, ["node-0", "node-1"], "shard", saves=[{"uri": uri, "seed": 1, "level": ["replicated", "remote"]}]).wait()
+    assert all(r["saves"][uri]["ok"] for r in saved), saved
+    generation = json.loads((Path(uri) / "COMMIT").read_text())["generation"]
+    for node in ("node-0", "node-1"):
+        st = _status_on(tmp_path / node, node, uri)
+        assert st["generation"] == st["remote_generation"] == generation, (node, st)
+        assert st["state"] == "remote" and st["pending_keys"] == [] and st["durable"], (node, st)
+        assert dict((level, reached) for level, reached, _ in st["levels"])["remote"], (node, st)

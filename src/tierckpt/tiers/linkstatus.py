@@ -94,6 +94,11 @@ async def link_status(link: MemoryLink) -> LinkStatus:
         memory_only = state.memory_only
         pending = await asyncio.to_thread(down.pending, memory_generation, state)
         errors = [f"{k}: {why}" for k, why in sorted(state.errors.items())]
+        if pending and memory_generation == below_generation:
+            # Committed below, so every file of it is there: its COMMIT and the files this node does not
+            # write down itself (replicas it holds, or what a sync of another process or node wrote) were
+            # written down by another node, which this node's log never records.
+            pending, errors = [], []
     written_down = generation is not None and (generation != memory_generation or not pending)
     if generation is None:
         state_now: Durability | None = Durability.STAGED if pending else None
