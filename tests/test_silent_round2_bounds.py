@@ -5,6 +5,12 @@ and an unusable node cache.
   tensors table's row count is checked against the header before decoding (sparse files stand in for
   huge ones: nothing here allocates gigabytes, and each child runs under an address-space limit so a
   regression fails with ``MemoryError`` instead of exhausting the machine).
+* A folder that is not a tierckpt checkpoint says what it is and what to do; "a save was interrupted" is
+  kept for uncommitted generation files.
+* A memory tier whose file system is full (a real tmpfs) raises a clear error, or with ``fallback`` saves
+  to the next tier; a budget larger than the file system is clamped with a warning.
+* A read-only or full node cache directory names itself, ``TIERCKPT_CACHE_DIR`` and ``cache=False``; after
+  a multi-node save, ``status`` on every node reflects the commit another node wrote down.
 """
 
 from __future__ import annotations
