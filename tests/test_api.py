@@ -450,7 +450,8 @@ def test_a_load_of_a_few_tensors_fetches_only_their_row_groups(tmp_path):
     path = tmp_path / "c" / pieces_key(generation)
     path.parent.mkdir(parents=True)
     path.write_bytes(table)
-    ckpt = Checkpoint(meta=CheckpointMeta(generation=generation, world_size=1, created_unix=0.0), tensors=tensors)
+    meta = CheckpointMeta(generation=generation, world_size=1, created_unix=0.0, num_tensors=len(names), num_pieces=len(names))
+    ckpt = Checkpoint(meta=meta, tensors=tensors)
     backend = open_backend(str(tmp_path / "c"))
 
     fetched = []

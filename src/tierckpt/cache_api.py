@@ -25,6 +25,7 @@ from typing import Any
 from . import layout
 from .backends import Backend
 from .call_args import merged_options
+from .bounded import MAX_RECORD_BYTES
 from .cache.config import CacheConfig
 from .cache.status import StoreStatus
 from .cache.tiered import TieredBackend
@@ -269,7 +270,7 @@ def gc(root: str, keep_last: int | None = None, keep_every: int | None = None, *
     order: list[tuple[int, float, str]] = []
     for n in names:
         try:
-            committed = layout.CommitRecord.decode(sched.run(stores[n].get(layout.COMMIT))).committed_unix
+            committed = layout.CommitRecord.decode(sched.run(stores[n].get_capped(layout.COMMIT, MAX_RECORD_BYTES))).committed_unix
         except CheckpointNotFoundError:
             continue
         step = layout.step_of(n)
@@ -291,7 +292,7 @@ def _remove_leftovers(store: Backend, dry_run: bool) -> list[str]:
     """Delete (unless ``dry_run``) the generations of ``store`` that can never be committed; their names."""
     sched = get_scheduler()
     try:
-        record = layout.CommitRecord.decode(sched.run(store.get(layout.COMMIT)))
+        record = layout.CommitRecord.decode(sched.run(store.get_capped(layout.COMMIT, MAX_RECORD_BYTES)))
     except CheckpointNotFoundError:
         return []
     superseded = layout.superseded_generations(sched.run(store.list("")), record)

@@ -44,6 +44,7 @@ import time
 
 from . import layout
 from .backends import Backend
+from .bounded import MAX_RECORD_BYTES
 from .comm import describe_error
 from .io.scheduled import set_background
 from .io.scheduler import get_scheduler
@@ -144,7 +145,7 @@ async def _current_commit(backend: Backend, uri: str) -> layout.CommitRecord | N
     against it, not against the record the sweep was started for: between the commit and the sweep the URI
     may have been deleted and saved afresh, restarting the commit sequences."""
     try:
-        return layout.CommitRecord.decode(await backend.get(layout.COMMIT))
+        return layout.CommitRecord.decode(await backend.get_capped(layout.COMMIT, MAX_RECORD_BYTES))
     except Exception as exc:  # noqa: BLE001 - nothing is deleted without a readable COMMIT
         logger.debug("not removing superseded generations of %s: its COMMIT cannot be read (%s)", uri,
                      describe_error(exc))

@@ -65,3 +65,18 @@ class StorageUnreachableError(TransientStorageError):
 class DeadlineExceededError(StorageUnreachableError, TimeoutError):
     """An operation did not finish within its overall deadline (:mod:`tierckpt.deadline`); the message
     names the operation, its URI, what it was waiting for and the setting that sets the deadline."""
+
+
+class OversizedFileError(CorruptCheckpointError):
+    """A file of a checkpoint or of a node tier is larger than such a file can legitimately be; it is
+    refused unread (its size is checked before reading), naming the file, its size and the cap."""
+
+
+class NotACheckpointError(CheckpointNotFoundError):
+    """A URI has no ``COMMIT`` record and no tierckpt data: it is something else (a CheckpointManager
+    root, a safetensors or DeepSpeed folder...); the message says what it looks like and what to do."""
+
+
+class NodeCacheError(StorageError):
+    """The node cache directory cannot be used (not writable, read-only, full); the message names the
+    directory, ``TIERCKPT_CACHE_DIR`` and how to go without the cache (``storage_options={"cache": False}``)."""

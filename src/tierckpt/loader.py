@@ -283,7 +283,7 @@ def _load_generation(
         if preread:
             # Every rank holds the same bytes, checked against COMMIT, and decodes them for the same tensors:
             # the same pieces on every rank, or the same error raised on every rank (nothing to agree on).
-            pieces = decode_pieces(table, ckpt.tensors, fqns)
+            pieces = decode_pieces(table, ckpt.tensors, fqns, ckpt.meta.num_pieces)
         elif ckpt.pieces is not None:
             pieces = read_pieces(backend, ckpt, fqns)  # listed with a torch DCP directory's metadata: nothing to read
         else:
@@ -392,7 +392,7 @@ def _local_pieces(
         return read_pieces(local.source(layout.PIECES, backend), ckpt, fqns)
     if ckpt.record is not None:
         ckpt.record.check_document(layout.PIECES, data, backend.root_uri)
-    return decode_pieces(data, ckpt.tensors, fqns)
+    return decode_pieces(data, ckpt.tensors, fqns, ckpt.meta.num_pieces)
 
 
 def _topology(backend: Backend, comm: Comm, nodes: list[str]) -> Topology:

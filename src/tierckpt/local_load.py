@@ -31,6 +31,7 @@ import crc32c
 from . import layout
 from .backends import Backend
 from .backends.file_open import open_shared
+from .bounded import read_fd_capped
 from .comm import Comm
 from .errors import CheckpointError
 from .metadata import CheckpointMeta
@@ -139,8 +140,12 @@ class LocalReads:
             assert self.tier is not None or not mine
             out = {}
             for name in mine:
-                with open(open_shared(self.tier.path_of(layout.in_generation(generation, name))), "rb") as f:  # type: ignore[union-attr]
-                    out[name] = f.read()
+                path = self.tier.path_of(layout.in_generation(generation, name))  # type: ignore[union-attr]
+                fd = open_shared(path)
+                try:  # no more than its holder's manifest records (checked below)
+                    out[name] = read_fd_capped(fd, self.entries[name].size, path)
+                finally:
+                    os.close(fd)
             return None, out
 
         _, gathered = comm.exchange_agreed(read, "sharing checkpoint files held in peer nodes' memory")

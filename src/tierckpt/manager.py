@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from . import layout
 from .backends import Backend
+from .bounded import MAX_RECORD_BYTES
 from .comm import Comm
 from .errors import (
     CheckpointError, CheckpointNotFoundError, CollectiveError, MissingFileError, StorageUnreachableError,
@@ -245,7 +246,7 @@ class CheckpointManager:
 
     def _pointed_step(self) -> int | None:
         try:
-            return int(json.loads(get_scheduler().run(self._backend().get(LATEST)))["step"])
+            return int(json.loads(get_scheduler().run(self._backend().get_capped(LATEST, MAX_RECORD_BYTES)))["step"])
         except (CheckpointNotFoundError, ValueError, KeyError, TypeError):
             return None
         except TransientStorageError:

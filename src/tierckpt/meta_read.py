@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from . import dcp_format, layout
 from .backends import Backend
 from .deadline import carried
+from .bounded import MAX_RECORD_BYTES
+from .foreign import missing_commit_error
 from .errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, MissingFileError,
 )
@@ -45,17 +47,13 @@ class Checkpoint:
 
 
 def read_commit(backend: Backend) -> layout.CommitRecord:
-    """The decoded ``COMMIT`` record; a root with data but no ``COMMIT`` is incomplete."""
+    """The decoded ``COMMIT`` record. Without one: an interrupted save if the root holds uncommitted
+    generations, else an error saying what the root is (:func:`tierckpt.foreign.missing_commit_error`)."""
     sched = get_scheduler()
     try:
-        return layout.CommitRecord.decode(sched.run(backend.get(layout.COMMIT)))
+        return layout.CommitRecord.decode(sched.run(backend.get_capped(layout.COMMIT, MAX_RECORD_BYTES)))
     except CheckpointNotFoundError:
-        if sched.run(backend.list("")):
-            raise IncompleteCheckpointError(
-                f"{backend.root_uri!r} holds checkpoint data but no COMMIT record: a save was interrupted or is "
-                "still running. Load an earlier checkpoint, or wait for the save to finish"
-            ) from None
-        raise CheckpointNotFoundError(f"no checkpoint at {backend.root_uri!r} (no COMMIT record)") from None
+        raise missing_commit_error(backend.root_uri, sched.run(backend.list(""))) from None
 
 
 def newer_commit(backend: Backend, generation: str) -> layout.CommitRecord | None:
@@ -70,7 +68,7 @@ def newer_commit(backend: Backend, generation: str) -> layout.CommitRecord | Non
 def _document(backend: Backend, record: layout.CommitRecord, key: str, limit: int) -> bytes:
     """One metadata document of the committed generation (at most ``limit`` bytes), checked against
     ``COMMIT``'s checksum."""
-    data = read_document(backend, layout.in_generation(record.generation, key), limit)
+    data = read_document(backend, layout.in_generation(record.generation, key), _cap(record, key, limit))
     record.check_document(key, data, backend.root_uri)
     return data
 
@@ -117,22 +115,19 @@ def decoded_checkpoint(record: layout.CommitRecord, header: bytes, tensors: byte
     meta = decode_header(header, layout.HEADER)
     if meta.generation != record.generation:
         raise CorruptCheckpointError(f"header of {record.generation!r} names generation {meta.generation!r}")
-    return Checkpoint(meta=meta, tensors=decode_tensors(tensors), record=record)
+    return Checkpoint(meta=meta, tensors=decode_tensors(tensors, meta.num_tensors), record=record)
+
+
+def _cap(record: layout.CommitRecord | None, key: str, limit: int) -> int:
+    """The most bytes document ``key`` may hold: what ``record`` (``COMMIT``) records for it, else ``limit``."""
+    recorded = record.checksum(key) if record is not None else None
+    return limit if recorded is None else min(limit, recorded.size)
 
 
 def read_document(backend: Backend, key: str, limit: int) -> bytes:
-    """A whole metadata document, refused unread when the store says it is larger than ``limit``."""
-    sched = get_scheduler()
-    size = sched.run(backend.size(key))
-    if size > limit:
-        raise CorruptCheckpointError(
-            f"{key!r} of checkpoint {backend.root_uri!r} holds {size} bytes, more than such a document may "
-            f"({limit}); it is corrupt or crafted, so it is not read"
-        )
-    data = sched.run(backend.get(key))
-    if len(data) > limit:
-        raise CorruptCheckpointError(f"{key!r} of checkpoint {backend.root_uri!r} grew past {limit} bytes while being read")
-    return data
+    """A whole metadata document, refused unread (:class:`~tierckpt.errors.OversizedFileError`) when the
+    store says it is larger than ``limit``."""
+    return get_scheduler().run(backend.get_capped(key, limit))
 
 
 def whole_pieces(backend: Backend, ckpt: Checkpoint) -> bytes | None:
@@ -149,7 +144,7 @@ def whole_pieces(backend: Backend, ckpt: Checkpoint) -> bytes | None:
 def _pieces_document(backend: Backend, ckpt: Checkpoint) -> bytes:
     """The whole pieces table, checked against ``COMMIT`` when it records the table's checksum."""
     try:
-        data = read_document(backend, layout.pieces_key(ckpt.meta.generation), MAX_TABLE_BYTES)
+        data = read_document(backend, layout.pieces_key(ckpt.meta.generation), _cap(ckpt.record, layout.PIECES, MAX_TABLE_BYTES))
     except CheckpointNotFoundError as exc:
         raise CorruptCheckpointError(f"checkpoint {backend.root_uri!r} has no pieces table: {exc}") from exc
     if ckpt.record is not None:
@@ -168,8 +163,9 @@ def read_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str] | None = None
         return {f: ckpt.pieces[f] for f in (ckpt.pieces if fqns is None else fqns) if f in ckpt.pieces}
     recorded = ckpt.record.checksum(layout.PIECES) if ckpt.record is not None else None
     if fqns is None or (recorded is not None and recorded.size <= WHOLE_PIECES_BYTES):
-        return decode_pieces(_pieces_document(backend, ckpt), ckpt.tensors, fqns)
+        return decode_pieces(_pieces_document(backend, ckpt), ckpt.tensors, fqns, ckpt.meta.num_pieces)
     try:
-        return decode_pieces(RangeFile(backend, layout.pieces_key(ckpt.meta.generation)), ckpt.tensors, fqns)
+        return decode_pieces(RangeFile(backend, layout.pieces_key(ckpt.meta.generation)), ckpt.tensors, fqns,
+                             ckpt.meta.num_pieces)
     except CheckpointNotFoundError as exc:
         raise CorruptCheckpointError(f"checkpoint {backend.root_uri!r} has no pieces table: {exc}") from exc

@@ -318,9 +318,10 @@ def encode_tensors(tensors: Iterable[TensorMeta]) -> bytes:
     return _to_parquet(table, 1 << 16)
 
 
-def decode_tensors(source: Any) -> dict[str, TensorMeta]:
-    """All tensors of a checkpoint by fqn; ``source`` is bytes, a path, or a file object."""
-    table = _read_table(source, "tensors")
+def decode_tensors(source: Any, rows: int | None = None) -> dict[str, TensorMeta]:
+    """All tensors of a checkpoint by fqn; ``source`` is bytes, a path, or a file object. ``rows``: the
+    count the header declares (``num_tensors``), checked against the table's footer before decoding."""
+    table = _read_table(source, "tensors", rows)
     if table.schema.remove_metadata() != _TENSOR_SCHEMA:
         raise CorruptCheckpointError("the tensors table has an unexpected schema")
     out: dict[str, TensorMeta] = {}
@@ -372,14 +373,16 @@ def encode_pieces(pieces: Iterable[PieceMeta]) -> bytes:
 
 
 def decode_pieces(
-    source: Any, tensors: dict[str, TensorMeta], fqns: Iterable[str] | None = None
+    source: Any, tensors: dict[str, TensorMeta], fqns: Iterable[str] | None = None, rows: int | None = None,
 ) -> dict[str, list[PieceMeta]]:
     """Pieces of the tensors in ``fqns`` (all when ``None``), validated against ``tensors``.
 
-    Only row groups whose fqn range can hold a wanted fqn are read.
+    Only row groups whose fqn range can hold a wanted fqn are read. ``rows``: the count the header
+    declares (``num_pieces``), checked against the table's footer before any row is decoded.
     """
     try:
         pf = pq.ParquetFile(pa.BufferReader(source) if isinstance(source, bytes) else source)
+        _check_rows(pf, rows, "pieces")
         wanted = None if fqns is None else sorted(set(fqns))
         groups = list(range(pf.num_row_groups))
         schema = _pieces_schema(pf.schema_arrow)
@@ -480,12 +483,24 @@ def _column(table: pa.Table, name: str, what: str) -> list[Any]:
         raise CorruptCheckpointError(f"the {what} table's column {name!r} cannot be decoded: {exc}") from exc
 
 
-def _read_table(source: Any, what: str) -> pa.Table:
+def _check_rows(pf: pq.ParquetFile, rows: int | None, what: str) -> None:
+    """Refuse a table whose footer counts other than the ``rows`` its header declares, before decoding:
+    a few MB of a crafted table can expand to millions of rows (gigabytes once decoded)."""
+    found = pf.metadata.num_rows
+    if rows is not None and found != rows:
+        raise CorruptCheckpointError(
+            f"the {what} table holds {found} rows, the checkpoint header declares {rows}: the checkpoint is "
+            "corrupt or not a tierckpt checkpoint; it is not decoded"
+        )
+
+
+def _read_table(source: Any, what: str, rows: int | None = None) -> pa.Table:
     try:
         # ParquetFile, not read_table: read_table goes through pyarrow.dataset, whose first import (with
         # pyarrow.compute) costs 0.05-0.1 s inside a fresh process's first load.
-        return pq.ParquetFile(pa.BufferReader(source) if isinstance(source, bytes) else source).read(
-            use_threads=_threads(source))
+        pf = pq.ParquetFile(pa.BufferReader(source) if isinstance(source, bytes) else source)
+        _check_rows(pf, rows, what)
+        return pf.read(use_threads=_threads(source))
     except CheckpointError:
         raise  # the store failed (transient, not found...), not the table
     except (pa.ArrowException, OSError, ValueError) as exc:

@@ -51,6 +51,7 @@ from .backends import Backend
 from .call_args import checked_uri
 from .comm import Comm, StoreCoordinator, describe_error
 from .gc_pause import gc_paused
+from .bounded import MAX_RECORD_BYTES
 from .errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, StorageError, TransientStorageError
 from .io.scheduler import get_scheduler
 from .io.staging import Chunk, FileStream, StagingBuffer, stage_into
@@ -617,7 +618,7 @@ async def _read_commit(backend: Backend, offline_ok: bool = False) -> bytes | No
     an unreachable remote that this node knows nothing of counts as none; the store's upload is a
     compare-and-swap against that, so a remote that does hold a commit refuses it later, loudly."""
     try:
-        return await backend.get(layout.COMMIT)
+        return await backend.get_capped(layout.COMMIT, MAX_RECORD_BYTES)
     except CheckpointNotFoundError:
         return None
     except TransientStorageError:

@@ -33,6 +33,7 @@ import crc32c
 
 from . import layout
 from .backends import Backend
+from .bounded import MAX_RECORD_BYTES
 from .comm import Comm, describe_error
 from .errors import CheckpointError, CorruptCheckpointError
 from .meta_read import WHOLE_PIECES_BYTES, Checkpoint, decoded_checkpoint, read_commit
@@ -41,7 +42,7 @@ from .tiers.memory import MemoryTier
 
 logger = logging.getLogger("tierckpt")
 
-MAX_COMMIT_BYTES = 1 << 20
+MAX_COMMIT_BYTES = MAX_RECORD_BYTES
 """A ``COMMIT`` in the tier larger than this is not read here (the fallback reads it through the chain)."""
 
 

@@ -29,6 +29,7 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ..bounded import oversized
 from ..errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError
 
 
@@ -173,6 +174,18 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def get(self, key: str) -> bytes:
         """Read a whole object. Missing key: :class:`~tierckpt.errors.CheckpointNotFoundError`."""
+
+    async def get_capped(self, key: str, cap: int) -> bytes:
+        """:meth:`get`, refused unread (:class:`~tierckpt.errors.OversizedFileError`) when the object is
+        larger than ``cap``: its size is asked first. Stores that can do it in one request override it."""
+        where = f"{self.root_uri.rstrip('/')}/{key}"
+        size = await self.size(key)
+        if size > cap:
+            raise oversized(where, size, cap)
+        data = await self.get(key)
+        if len(data) > cap:  # replaced by a larger object in between
+            raise oversized(where, len(data), cap)
+        return data
 
     @abc.abstractmethod
     async def get_range(self, key: str, start: int, end: int) -> bytes:

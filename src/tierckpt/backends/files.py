@@ -28,6 +28,7 @@ from ..errors import (
     StoragePermissionError,
     UnsupportedURIError,
 )
+from ..bounded import MAX_RECORD_BYTES, read_fd_capped
 from ..keys import validate_key
 from . import mapped_read
 from .file_open import not_regular, open_regular
@@ -343,6 +344,15 @@ def read_whole(path: str, shared: bool = False) -> bytes:
         return f.read()
 
 
+def read_whole_capped(path: str, cap: int, shared: bool = False) -> bytes:
+    """:func:`read_whole`, refused unread when the file is larger than ``cap`` (see :mod:`tierckpt.bounded`)."""
+    fd = open_regular(path, shared)
+    try:
+        return read_fd_capped(fd, cap, path)
+    finally:
+        os.close(fd)
+
+
 def pread_range(path: str, start: int, end: int, shared: bool = False) -> bytes:
     """Bytes ``[start, end)``, allocated only once the file is known to hold them."""
     fd = open_regular(path, shared)
@@ -358,8 +368,9 @@ def pread_range(path: str, start: int, end: int, shared: bool = False) -> bytes:
 
 
 def _read_if_exists(path: str) -> bytes | None:
+    """The commit record at ``path``, if any (capped: it is compared, never more)."""
     try:
-        return read_whole(path)
+        return read_whole_capped(path, MAX_RECORD_BYTES)
     except FileNotFoundError:
         return None
 

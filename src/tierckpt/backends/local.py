@@ -47,6 +47,7 @@ from .files import (
     pread_into,
     pread_range,
     read_whole,
+    read_whole_capped,
     file_size,
     unlink,
     write_all,
@@ -153,6 +154,13 @@ class LocalBackend(ReadsInto, Backend):
         path = self.path_of(key)
         try:
             return await asyncio.to_thread(read_whole, path, self.shared_reads)
+        except OSError as exc:
+            raise os_error(exc, f"reading {path}") from exc
+
+    async def get_capped(self, key: str, cap: int) -> bytes:
+        path = self.path_of(key)
+        try:
+            return await asyncio.to_thread(read_whole_capped, path, cap, self.shared_reads)
         except OSError as exc:
             raise os_error(exc, f"reading {path}") from exc
 

@@ -37,8 +37,8 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ..errors import StorageError
 from ..layout import generation_path
+from .config import cache_error
 from .records import BlockRecord, CommitOrder, Finish, GenRecord, GenState, ObjRecord, Op, PendingOp, Tree
 
 MAP_SIZE = 1 << 30
@@ -56,16 +56,13 @@ def _open_env(path: str) -> tuple[lmdb.Environment, dict[str, Any]]:
     writer lock while holding the GIL, which deadlocks against a thread that holds the writer lock and
     needs the GIL to finish.
     """
-    os.makedirs(path, exist_ok=True)
     try:
+        os.makedirs(path, exist_ok=True)
         env = lmdb.open(path, map_size=MAP_SIZE, max_dbs=len(_DBS), sync=False, metasync=False, max_readers=512)
         with env.begin(write=True) as txn:
             dbs = {name: env.open_db(name.encode(), txn=txn) for name in _DBS}
-    except lmdb.Error as exc:
-        raise StorageError(
-            f"cannot open the cache catalogue {path}: {exc}; check the permissions of the cache "
-            "directory or point TIERCKPT_CACHE_DIR elsewhere"
-        ) from exc
+    except (OSError, lmdb.Error) as exc:
+        raise cache_error(os.path.dirname(path), f"opening its catalogue {path}", exc) from exc
     return env, dbs
 
 

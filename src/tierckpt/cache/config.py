@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, NodeCacheError
 from ..units import parse_bytes
 
 
@@ -31,6 +31,17 @@ def default_directory() -> str:
     except OSError:
         pass
     return os.path.join("/tmp", f"tierckpt-cache-{os.getuid()}")
+
+
+def cache_error(directory: str, what: str, exc: BaseException) -> NodeCacheError:
+    """The error for the node cache ``directory`` failing ``what`` with ``exc`` (read-only, not writable,
+    full): the directory, the setting that chooses it, and how to go without the cache."""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return NodeCacheError(
+        f"the node cache {directory} cannot be used ({what}: {reason}): point TIERCKPT_CACHE_DIR at a writable "
+        "directory with room (or free space there), or go without the node cache: storage_options={'cache': False} "
+        "for one call, TIERCKPT_CACHE=off for all"
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -11,6 +11,7 @@ import time
 
 from .. import layout
 from ..comm import describe_error
+from ..bounded import MAX_RECORD_BYTES
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError
 from ..io.calls import Waiting
 from ..io.scheduler import get_scheduler
@@ -90,7 +91,7 @@ class DurableMixin:
             generation = commit.gen
         else:
             try:
-                generation = layout.CommitRecord.decode(await self.get(layout.COMMIT)).generation
+                generation = layout.CommitRecord.decode(await self.get_capped(layout.COMMIT, MAX_RECORD_BYTES)).generation
             except (CheckpointNotFoundError, TransientStorageError):
                 generation = None
         if generation is not None:
@@ -114,7 +115,7 @@ class DurableMixin:
         """The generation the remote's own COMMIT names, why it could not be read (else ``None``), and
         whether that is because the store did not answer."""
         try:
-            data = await self.link.call("get", self.remote.get, layout.COMMIT, retries=2)
+            data = await self.link.call("get", self.remote.get_capped, layout.COMMIT, MAX_RECORD_BYTES, retries=2)
         except CheckpointNotFoundError as exc:
             return None, (str(exc) if "bucket" in str(exc) else None), False
         except CheckpointError as exc:

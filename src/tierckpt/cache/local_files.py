@@ -83,9 +83,13 @@ class VerifiedFiles:
         return True
 
 
-def read_file(path: str) -> bytes | None:
+def read_file(path: str, size: int) -> bytes | None:
+    """The cached file at ``path`` if it holds exactly ``size`` bytes (``None``: missing, or another size:
+    a damaged copy, never read whole)."""
     try:
         with open(path, "rb") as f:
-            return f.read()
+            if os.fstat(f.fileno()).st_size != size:
+                return None
+            return f.read(size + 1)
     except FileNotFoundError:
         return None

@@ -16,6 +16,7 @@ import os
 
 import crc32c
 
+from ..bounded import MAX_RECORD_BYTES, oversized
 from ..backends.files import check_prefix, check_range, range_past_end, unlink
 from ..backends.local import LocalBackend
 from ..keys import validate_key
@@ -83,7 +84,7 @@ class ReadThroughMixin:
     async def _remote_commit_record(self, key: str) -> bytes:
         """A COMMIT with nothing pending: the remote's, or the cached one when the remote is offline."""
         try:
-            data = await self.link.get(key)
+            data = await self.link.get_capped(key, MAX_RECORD_BYTES)
         except CheckpointNotFoundError:
             dropped = self.catalog.record_delete(self.rh, key, deferred=False)
             self._unlink_dropped(key, dropped)
@@ -95,7 +96,7 @@ class ReadThroughMixin:
             if local is None:
                 raise
             logger.warning("remote unreachable (%s); using the node-cache copy of %s", exc, self.uri_of(key))
-            return await local[0].get(key)
+            return await local[0].get_capped(key, MAX_RECORD_BYTES)
         await self._store_fetched(key, data)
         return data
 
@@ -112,7 +113,7 @@ class ReadThroughMixin:
         local = await self._local_whole(key)
         if local is not None:
             try:
-                data = await local[0].get(key)
+                data = await (local[0].get_capped(key, MAX_RECORD_BYTES) if is_mutable(key) else local[0].get(key))
             except CheckpointNotFoundError:
                 data = None  # evicted under us
             if data is not None:
@@ -125,6 +126,15 @@ class ReadThroughMixin:
         data = await self.link.get(key)
         await self._store_fetched(key, data)
         self._memory.put(key, data)
+        return data
+
+    async def get_capped(self, key: str, cap: int) -> bytes:
+        """A commit record in one read (:meth:`get` reads it capped); any other object as the base does."""
+        if not is_mutable(key):
+            return await super().get_capped(key, cap)  # type: ignore[misc]
+        data = await self.get(key)
+        if len(data) > cap:
+            raise oversized(self.uri_of(key), len(data), cap)  # type: ignore[attr-defined]
         return data
 
     async def _remote_size(self, key: str) -> int:
@@ -181,7 +191,7 @@ class ReadThroughMixin:
         bkey = self._block_key(key, idx)
         rec = self.catalog.block(self.rh, key, idx)
         if rec is not None:
-            data = await asyncio.to_thread(read_file, self._blocks.path_of(bkey))
+            data = await asyncio.to_thread(read_file, self._blocks.path_of(bkey), length)
             if data is not None and len(data) == rec.size == length and crc32c.crc32c(data) == rec.crc:
                 self.catalog.touch(self.rh, key, idx, rec=rec)
                 return data

@@ -60,13 +60,13 @@ from ..backends.base import UNCONDITIONAL, Backend, ObjectWriter, ReadsInto, Unc
 from ..backends.files import discard, fsync_dir, open_temp, unlink, write_all
 from ..backends.local import LocalBackend
 from ..errors import (
-    CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError,
+    CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError,
 )
 from ..io.scheduled import ScheduledBackend
 from ..io.scheduler import get_scheduler
 from ..keys import validate_key
 from ..tiers.written import WrittenCrc
-from .config import CacheConfig
+from .config import CacheConfig, cache_error
 from .durable import DurableMixin
 from .local_files import MemoryTier
 from .readthrough import ReadThroughMixin
@@ -115,7 +115,7 @@ class _TieredWriter(ObjectWriter):
         try:
             await asyncio.to_thread(write_all, self._fd, view)
         except OSError as exc:
-            raise StorageError(f"writing the cached copy of {self._uri}: {exc}") from exc
+            raise cache_error(self._store.config.directory, f"writing the cached copy of {self._uri}", exc) from exc
         if self._tail is not None:
             self._tail.advance(len(view))
 
@@ -224,7 +224,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
             version = await asyncio.to_thread(publish)
         except OSError as exc:
             await asyncio.to_thread(unlink, tmp)
-            raise StorageError(f"publishing the cached copy of {self.uri_of(key)} at {path}: {exc}") from exc
+            raise cache_error(self.config.directory, f"publishing the cached copy of {self.uri_of(key)} at {path}", exc) from exc
         if tail is not None:
             tail.mark_published(version)
         self._memory.drop(key)
@@ -239,11 +239,13 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
         try:
             fd, tmp = await asyncio.to_thread(open_temp, path)
         except OSError as exc:
-            raise StorageError(f"opening the cached copy of {self.uri_of(key)} at {path}: {exc}") from exc
+            raise cache_error(self.config.directory, f"opening the cached copy of {self.uri_of(key)} at {path}", exc) from exc
         try:
             await asyncio.to_thread(write_all, fd, view)
-        except BaseException:
+        except BaseException as exc:
             await asyncio.to_thread(discard, fd, tmp)
+            if isinstance(exc, OSError):
+                raise cache_error(self.config.directory, f"writing the cached copy of {self.uri_of(key)}", exc) from exc
             raise
         await self._publish_written(key, fd, tmp, len(view), crc32c.crc32c(view), op, generation, order=order)
 
@@ -255,7 +257,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
         try:
             fd, tmp = await asyncio.to_thread(open_temp, path)
         except OSError as exc:
-            raise StorageError(f"opening the cached copy of {self.uri_of(key)} at {path}: {exc}") from exc
+            raise cache_error(self.config.directory, f"opening the cached copy of {self.uri_of(key)} at {path}", exc) from exc
         tail = None
         if self.config.upload_while_writing and asyncio.get_running_loop() is get_scheduler().loop:  # where uploads run
             tkey = (self.rh, key)

@@ -90,6 +90,9 @@ class ScheduledBackend(Backend):
     async def get(self, key: str) -> bytes:
         return await self.call("get", self.inner.get, key)
 
+    async def get_capped(self, key: str, cap: int) -> bytes:
+        return await self.call("get", self.inner.get_capped, key, cap)
+
     async def get_range(self, key: str, start: int, end: int) -> bytes:
         return await self.call("get_range", self.inner.get_range, key, start, end, nbytes=max(end - start, 0))
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,13 +59,18 @@ def memory_enabled_from_env() -> bool:
     )
 
 
-def default_budget(directory: str) -> int:
-    """Half the size of the file system that holds ``directory`` (or would, once created)."""
+def filesystem_bytes(directory: str) -> int:
+    """The size of the file system that holds ``directory`` (or would, once created)."""
     path = os.path.abspath(directory)
     while not os.path.exists(path):
         path = os.path.dirname(path)
     st = os.statvfs(path)
-    return max(st.f_blocks * st.f_frsize // 2, 1)
+    return st.f_blocks * st.f_frsize
+
+
+def default_budget(directory: str) -> int:
+    """Half the size of the file system that holds ``directory`` (or would, once created)."""
+    return max(filesystem_bytes(directory) // 2, 1)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +94,14 @@ class MemoryConfig:
             raise CheckpointError(f"MemoryConfig.budget_bytes must not be negative, got {self.budget_bytes}")
         if self.budget_bytes == 0:
             object.__setattr__(self, "budget_bytes", default_budget(self.directory))
+        room = filesystem_bytes(self.directory)
+        if self.budget_bytes > room:  # it could never be reached: the file system would refuse writes first
+            warnings.warn(
+                f"the node memory tier's budget {BYTES_ENV} ({self.budget_bytes} bytes) is larger than the file "
+                f"system that holds {self.directory} ({room} bytes); the tier holds at most {room} bytes",
+                RuntimeWarning, stacklevel=3,
+            )
+            object.__setattr__(self, "budget_bytes", max(room, 1))
         if not isinstance(self.on_full, OnFull):
             raise CheckpointError(f"MemoryConfig.on_full must be an OnFull, got {self.on_full!r}")
 

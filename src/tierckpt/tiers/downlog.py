@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..bounded import MAX_TIER_RECORD_BYTES, read_capped
 from ..cache.catalog import pid_alive
 from ..backends.base import Backend
 from ..layout import COMMIT, is_generation
@@ -61,6 +62,10 @@ class DownState:
     """Saved with ``persist=False`` and not synced since: nobody writes it down, eviction may drop it."""
 
 
+MAX_ERROR_CHARS = 2000
+"""An error recorded in the log is cut to this many characters (the log must stay under its read cap)."""
+
+
 class DownLog:
     """The write-down logs of one URI's tier (see the module docstring)."""
 
@@ -74,6 +79,7 @@ class DownLog:
         """Record one event (one ``O_APPEND`` write, so concurrent processes' lines stay whole)."""
         path = self.path(generation)
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        error = error if error is None else error[:MAX_ERROR_CHARS]  # lines stay short: the log is read whole
         line = json.dumps({"pid": os.getpid(), "op": op, "key": key, "error": error}) + "\n"
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
         try:
@@ -86,8 +92,7 @@ class DownLog:
         out = DownState()
         started: dict[str, int] = {}
         try:
-            with open(self.path(generation), "rb") as f:
-                lines = f.read().splitlines()
+            lines = read_capped(self.path(generation), MAX_TIER_RECORD_BYTES).splitlines()
         except FileNotFoundError:
             return out
         for raw in lines:

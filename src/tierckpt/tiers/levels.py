@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..bounded import MAX_TIER_RECORD_BYTES, read_capped
 from .memory import MemoryTier, write_atomic
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,7 @@ def level_path(tier: MemoryTier, generation: str) -> str:
 def recorded_level(tier: MemoryTier, generation: str) -> ReplicaResult | None:
     """The level recorded for ``generation`` in this node's tier (``None``: none yet)."""
     try:
-        with open(level_path(tier, generation), "rb") as f:
-            return ReplicaResult.decode(f.read())
+        return ReplicaResult.decode(read_capped(level_path(tier, generation), MAX_TIER_RECORD_BYTES))
     except FileNotFoundError:
         return None
 

@@ -36,17 +36,19 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..bounded import MAX_RECORD_BYTES, oversized, read_capped
 from ..backends.base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Segment, Unconditional, commit_refused
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError
 from ..keys import validate_key
 from ..layout import COMMIT, CommitRecord, is_generation
 from ..node import node_id
-from .config import MemoryConfig, MemoryTierFullError
+from .config import MemoryConfig, MemoryTierFullError, OnFull
 from .downlog import MEMORY_ONLY, DownLog, durable_copies, generation_of, write_back_of
 from .linkstatus import LinkStatus, link_status
 from .mapped import MappedFile, is_spare, open_mapped, prepare_in_background
 from .memory import IncomingFile, MemoryTier, NodeMemory
 from .withdraw import withdraw
+from .nospace import is_no_space, no_space_error
 from .writedown import WriteDown, drop_tier
 
 log = logging.getLogger(__name__)
@@ -101,19 +103,28 @@ class _LinkWriter(ObjectWriter):
         view = memoryview(data).cast("B")
         if self._below is None and not await self._link._admit(self._generation, view.nbytes):
             await self._move_below()
-        if self._below is not None:
-            await self._below.write(view)
-        else:
-            await asyncio.to_thread(self._incoming.write, view)  # type: ignore[union-attr]
+        if self._below is None:
+            try:
+                await asyncio.to_thread(self._incoming.write, view)  # type: ignore[union-attr]
+                return
+            except OSError as exc:
+                if not self._link.fall_back(self._generation, self._uri, exc):
+                    raise
+                await self._move_below()
+        assert self._below is not None
+        await self._below.write(view)
 
     async def _move_below(self) -> None:
-        """The tier is full (fallback): continue in the chain below, starting with what was written."""
+        """The tier is full (fallback): continue in the chain below, starting with what was written (the
+        writes that completed: one the file system refused left an unknown part of itself)."""
         incoming = self._incoming
         assert incoming is not None
         self._below = await self._link.below.open_writer(self._key)
+        left = incoming.size
         with open(incoming.tmp_path, "rb", buffering=0) as f:
-            while chunk := await asyncio.to_thread(f.read, _COPY_CHUNK):
+            while left and (chunk := await asyncio.to_thread(f.read, min(_COPY_CHUNK, left))):
                 await self._below.write(chunk)
+                left -= len(chunk)
         await asyncio.to_thread(incoming.abort)
         self._incoming = None
 
@@ -198,6 +209,20 @@ class MemoryLink(Backend):
 
         return await asyncio.to_thread(admit)
 
+    def fall_back(self, generation: str, what: str, exc: BaseException) -> bool:
+        """The tier's file system refused to write ``what`` of ``generation`` (``exc``). ``False``: it is not
+        a lack of space (raise ``exc``). With ``TIERCKPT_MEMORY_FULL=fallback`` the generation goes to the
+        chain below from now on (``True``); otherwise, or when it must stay in memory (``persist=False``),
+        :class:`~.config.MemoryTierFullError` names the tier, its size and the settings."""
+        if not is_no_space(exc):
+            return False
+        error = no_space_error(self.memory.config, what, exc)
+        if self.memory.config.on_full is not OnFull.FALLBACK or generation in self.memory_only:
+            raise error from exc
+        self.fallback[generation] = str(error)
+        log.warning("%s %s goes to the next tier: %s", self.memory_tier.uri, generation, error)
+        return True
+
     def keep_in_memory(self, generation: str) -> None:
         """Hold ``generation`` in the node memory tier (and on the peers) only: none of its files, nor its
         ``COMMIT``, is written down until a ``sync``. Logged for the node's other processes, ``status`` and
@@ -220,7 +245,13 @@ class MemoryLink(Backend):
         if generation is None or not await self._admit(generation, memoryview(data).nbytes):
             await self.below.put(key, data)
             return
-        await self.memory_tier.put(key, data)
+        try:
+            await self.memory_tier.put(key, data)
+        except (OSError, CheckpointError) as exc:
+            if not self.fall_back(generation, self.memory_tier.uri_of(key), exc):
+                raise
+            await self.below.put(key, data)
+            return
         self._wrote(key)
 
     async def open_writer(self, key: str) -> ObjectWriter:
@@ -280,8 +311,7 @@ class MemoryLink(Backend):
     # -- reads -----------------------------------------------------------------------------------------
     def _tier_commit_bytes(self) -> bytes | None:
         try:
-            with open(self.memory_tier.path_of(COMMIT), "rb") as f:
-                return f.read()
+            return read_capped(self.memory_tier.path_of(COMMIT), MAX_RECORD_BYTES)
         except FileNotFoundError:
             return None
 
@@ -324,7 +354,7 @@ class MemoryLink(Backend):
     async def _commit_view(self) -> bytes:
         """The newer ``COMMIT`` of the tier and the chain below (the tier's while below is unreachable);
         both read at once (an async save's call waits for this on rank 0)."""
-        below = asyncio.ensure_future(self.below.get(COMMIT))
+        below = asyncio.ensure_future(self.below.get_capped(COMMIT, MAX_RECORD_BYTES))
         try:
             mine = await asyncio.to_thread(self._tier_commit_bytes)
         except BaseException:
@@ -373,6 +403,15 @@ class MemoryLink(Backend):
         if validate_key(key) == COMMIT:
             return await self._get_or_none(COMMIT) is not None
         return await asyncio.to_thread(self._in_tier, key) or await self.below.exists(key)
+
+    async def get_capped(self, key: str, cap: int) -> bytes:
+        """``COMMIT`` in one read (this link reads it capped); anything else as the base does."""
+        if validate_key(key) != COMMIT:
+            return await super().get_capped(key, cap)
+        data = await self.get(COMMIT)
+        if len(data) > cap:
+            raise oversized(self.uri_of(key), len(data), cap)
+        return data
 
     async def size(self, key: str) -> int:
         if validate_key(key) == COMMIT:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..cache.status import Durability, StoreStatus
 from ..comm import describe_error
+from ..bounded import MAX_RECORD_BYTES
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError
 from ..layout import COMMIT, CommitRecord, seq_of
 from .downlog import write_back_of
@@ -94,6 +95,11 @@ async def link_status(link: MemoryLink) -> LinkStatus:
         memory_only = state.memory_only
         pending = await asyncio.to_thread(down.pending, memory_generation, state)
         errors = [f"{k}: {why}" for k, why in sorted(state.errors.items())]
+        if pending and memory_generation == below_generation:
+            # Committed below, so every file of it is there: its COMMIT and the files this node does not
+            # write down itself (replicas it holds, or what a sync of another process or node wrote) were
+            # written down by another node, which this node's log never records.
+            pending, errors = [], []
     written_down = generation is not None and (generation != memory_generation or not pending)
     if generation is None:
         state_now: Durability | None = Durability.STAGED if pending else None
@@ -129,7 +135,7 @@ async def _commit_of(link: MemoryLink) -> tuple[str | None, str | None, bool]:
     """The generation the chain below's ``COMMIT`` names, why it could not be read, and whether that is
     because the store did not answer."""
     try:
-        return CommitRecord.decode(await link.below.get(COMMIT)).generation, None, False
+        return CommitRecord.decode(await link.below.get_capped(COMMIT, MAX_RECORD_BYTES)).generation, None, False
     except CheckpointNotFoundError:
         return None, None, False
     except (CorruptCheckpointError, CheckpointError) as exc:

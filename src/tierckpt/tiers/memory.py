@@ -39,6 +39,7 @@ from ..backends.base import UNCONDITIONAL, ObjectWriter, Unconditional
 from ..backends.file_open import open_shared
 from ..backends.files import commit_if, is_lock_name, is_temp_name, temp_name
 from ..backends.local import LocalBackend, os_error
+from ..bounded import MAX_RECORD_BYTES, MAX_TIER_RECORD_BYTES, MAX_URI_FILE_BYTES, read_capped
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..layout import COMMIT, CommitRecord, is_superseded
 from ..metadata import validate_generation
@@ -136,14 +137,16 @@ class IncomingFile:
         """Whether the temp file is a pooled one (written over from its start)."""
         if self.reused:
             try:
-                self._file = open(self._tmp, "r+b")
+                self._file = open(self._tmp, "r+b", buffering=0)
                 self._file.truncate(size)
             except OSError:
                 self.abort()  # a fresh file instead
                 self.reused = False
         if not self.reused:
-            self._file = open(self._tmp, "wb")
+            self._file = open(self._tmp, "wb", buffering=0)  # unbuffered: a failed write leaves nothing pending
         self._written = WrittenCrc(tier.uri_of(key))
+        self.size = 0
+        """Bytes written by the writes that completed (a write the file system refused is not counted)."""
 
     def use_stated_crc32c(self) -> bool:
         """Before the first write, for a file this node produces: :meth:`publish` records the CRC-32C its
@@ -154,8 +157,12 @@ class IncomingFile:
         self._written.state(crc32c)
 
     def write(self, data: memoryview) -> None:
-        self._file.write(data)
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < view.nbytes:
+            done += self._file.write(view[done:])
         self._written.add(data)
+        self.size += view.nbytes
 
     @property
     def tmp_path(self) -> str:
@@ -227,8 +234,7 @@ class MemoryTier(LocalBackend):
         path = os.path.join(self.home, "URI")
         if not os.path.exists(path):
             write_atomic(path, self.uri.encode())
-        with open(path, "rb") as f:
-            found = f.read().decode(errors="replace")
+        found = read_capped(path, MAX_URI_FILE_BYTES).decode(errors="replace")
         if found != self.uri:
             raise CheckpointError(
                 f"the memory tier directory {self.home} belongs to {found!r}, not {self.uri!r}; remove it "
@@ -271,8 +277,7 @@ class MemoryTier(LocalBackend):
     def committed(self) -> CommitRecord | None:
         """The record ``COMMIT`` holds in this tier (``None``: none)."""
         try:
-            with open(self.path_of(COMMIT), "rb") as f:
-                return CommitRecord.decode(f.read())
+            return CommitRecord.decode(read_capped(self.path_of(COMMIT), MAX_RECORD_BYTES))
         except FileNotFoundError:
             return None
 
@@ -305,8 +310,7 @@ class MemoryTier(LocalBackend):
         for name in sorted(os.listdir(directory)):
             if name.endswith(".json") and not is_temp_name(name):
                 path = os.path.join(directory, name)
-                with open(path, "rb") as f:
-                    out.append(Manifest.decode(f.read(), path))
+                out.append(Manifest.decode(read_capped(path, MAX_TIER_RECORD_BYTES), path))
         return sorted(out, key=lambda m: m.origin)
 
     def held(self, generation: str) -> dict[str, FileEntry]:
@@ -420,8 +424,7 @@ class NodeMemory:
         for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
             path = os.path.join(base, name, "URI")
             if os.path.isfile(path):
-                with open(path, "rb") as f:
-                    out.append(self.tier(f.read().decode(errors="replace")))
+                out.append(self.tier(read_capped(path, MAX_URI_FILE_BYTES).decode(errors="replace")))
         return out
 
     def copies(self) -> list[TierCopy]:

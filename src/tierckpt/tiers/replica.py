@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..bounded import MAX_RECORD_BYTES, read_capped
 from ..errors import CheckpointError
 from ..layout import COMMIT
 from ..node import node_id
@@ -168,8 +169,7 @@ class Replicator:
         record = tier.committed()
         commit = None
         if record is not None and record.generation == generation:
-            with open(tier.path_of(COMMIT), "rb") as f:
-                commit = f.read()
+            commit = read_capped(tier.path_of(COMMIT), MAX_RECORD_BYTES)
         job = _Job(tier.uri, generation, manifest, commit, handle, open_files(tier, manifest))
         with self._jobs_lock:
             if self._closed is not None:

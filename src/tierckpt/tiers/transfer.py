@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..backends.file_open import open_shared
+from ..bounded import MAX_RECORD_BYTES, read_capped
 from ..errors import CheckpointError
 from ..layout import COMMIT, CommitRecord
 from .manifest import Manifest
@@ -124,8 +125,7 @@ def adopt_commit(tier: MemoryTier, data: bytes) -> None:
     path = tier.path_of(COMMIT)
     while True:
         try:
-            with open(path, "rb") as f:
-                current: bytes | None = f.read()
+            current: bytes | None = read_capped(path, MAX_RECORD_BYTES)
         except FileNotFoundError:
             current = None
         if current is not None and CommitRecord.decode(current).seq >= record.seq:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from ..backends.base import Unconditional
 from ..backends.file_open import open_shared
 from ..comm import describe_error
+from ..bounded import MAX_RECORD_BYTES, read_capped
 from ..errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, StorageError, TransientStorageError
 from ..io.calls import Waiting
 from ..io.scheduled import set_background
@@ -249,7 +250,7 @@ class WriteDown:
                 pass
         for _ in range(3):  # catch up; another writer of this node may land the same record meanwhile
             try:
-                current: bytes | None = await below.get(COMMIT)
+                current: bytes | None = await below.get_capped(COMMIT, MAX_RECORD_BYTES)
             except CheckpointNotFoundError:
                 current = None
             if current == data:
@@ -326,7 +327,7 @@ class WriteDown:
             return not pending
         record = await asyncio.to_thread(link.memory_tier.committed)
         try:
-            below = CommitRecord.decode(await link.below.get(COMMIT))
+            below = CommitRecord.decode(await link.below.get_capped(COMMIT, MAX_RECORD_BYTES))
         except (CheckpointNotFoundError, TransientStorageError):
             return False
         return record is not None and record.generation == generation and below.generation == generation
@@ -347,8 +348,7 @@ class WriteDown:
             if key != COMMIT and key not in state.busy and not _running(self.files.get(key)):
                 self.file(key)
         if COMMIT not in state.done and COMMIT not in state.busy and not _running(self.commits.get(generation)):
-            with open(tier.path_of(COMMIT), "rb") as f:
-                data = f.read()
+            data = read_capped(tier.path_of(COMMIT), MAX_RECORD_BYTES)
             if CommitRecord.decode(data).generation == generation:
                 self.commit(data, record, CATCH_UP, None)
         await self.wait(generation, timeout_s, through_outage=True)
