@@ -11,6 +11,9 @@ Cases (each library on the same state, the order of the libraries alternating pe
 * ``reshard``: 8 fp32 matrices saved ``Shard(0)`` on 2 ranks, loaded ``Shard(1)`` on 3.
 * ``async stall``: the DDP + AdamW state saved asynchronously: seconds until the call returns.
 * ``s3``: the DDP + AdamW state (smaller) saved to and loaded from S3 (moto on loopback).
+* ``node`` (only when named in ``--cases``): at each world size of ``--ranks`` (e.g. ``2,4,8``) on this
+  node, a row -> column resharded load and a replicated (DDP-style) load of ``--gib`` GiB, with the bytes
+  each library reads per group (``_node_scale.py``); its own table, between ``<!-- bench_node_scale -->``.
 
 ByteCheckpoint runs where its API covers the case (DDP and FSDP2 models on a local disk) and when it
 imports; otherwise its cells say why. Writes a table of ratios (peer seconds / tierckpt seconds: above
@@ -438,6 +441,33 @@ def report(records: list[dict[str, Any]], args: argparse.Namespace, size: dict, 
     return body
 
 
+def run_node_scale(args: argparse.Namespace, alone: bool) -> None:
+    """The node case: its own section (``bench_node_scale``) in ``--out``."""
+    import _node_scale as N
+
+    gib = args.gib if args.gib is not None else (SIZES["quick"]["reshard_gib"] if args.quick else 1.0)
+    ranks = [int(r) for r in args.ranks.split(",")]
+    root = C.scratch_dir("tierckpt-node-") if args.tmp is None else args.tmp
+    os.makedirs(root, exist_ok=True)
+    try:
+        per_world = N.node_scale(ranks, ["reshard", "replicated"], gib, root, args.repeats)
+        body = "\n\n".join([
+            "## Node scale: resharded and replicated loads at 2, 4 and 8 ranks (`benchmarks/bench_matrix.py --cases node`)",
+            C.machine_info(root),
+            f"State: {C.N_TENSORS} x {C.shapes(gib)['w0']} fp32 ({C.fmt_bytes(C.state_bytes(gib))}). `reshard N`: "
+            f"saved `Shard(0)` on N ranks, loaded `Shard(1)` on the same N; `replicated N`: plain tensors (a "
+            f"DDP-style state) saved once per group, loaded whole by each of N ranks. Loads are page-cache warm "
+            f"(a restart on the node that saved). {args.repeats} repeats, order alternating; seconds are rank 0's "
+            f"barrier-to-barrier medians; every load is checked element by element. Bytes read are summed over "
+            f"ranks (`rchar`, and tierckpt's mapped reads); `/ state` is that over the state's bytes.",
+            N.table(per_world, gib),
+        ])
+    finally:
+        if args.tmp is None:
+            C.rmtree(root)
+    C.publish(body, args.out, "bench_node_scale")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny states: a smoke test of the whole matrix")
@@ -446,10 +476,18 @@ def main() -> None:
                     help="Markdown file to write the table into, the chart beside it (default: print only)")
     ap.add_argument("--chart", default="benchmarks-matrix.png", help="chart file name, written beside --out (when given)")
     ap.add_argument("--cases", default="ddp,fsdp2,squares,reshard,async,s3", help="comma-separated subset")
+    ap.add_argument("--ranks", default="2,4,8", help="world sizes of the node case (comma-separated)")
+    ap.add_argument("--gib", type=float, default=None,
+                    help="state of the node case in GiB (default 1.0; with --quick 1/256)")
     ap.add_argument("--tmp", default=None, help="scratch directory (default: a new dir under $TMPDIR)")
     args = ap.parse_args()
     size = SIZES["quick" if args.quick else "full"]
     cases = set(args.cases.split(","))
+    if "node" in cases:
+        run_node_scale(args, cases == {"node"})
+        cases.discard("node")
+        if not cases:
+            return
     libs, bcp_why = libraries()
     model_libs = libs
     plain = [lib for lib in libs if lib != "bytecheckpoint"]

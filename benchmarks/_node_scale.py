@@ -1,0 +1,139 @@
+"""Node-scale cases of ``bench_matrix.py --cases node --ranks 2,4,8``: N ranks on one node, both libraries.
+
+* ``reshard N``: ``C.N_TENSORS`` fp32 matrices saved ``Shard(0)`` (rows) on N ranks, loaded ``Shard(1)``
+  (columns) on the same N ranks: every saved piece meets every loaded one.
+* ``replicated N``: the same matrices as plain tensors, replicated on every rank (a DDP model and its
+  optimizer): saved once per group, loaded whole by every rank.
+
+Each library saves untimed, then loads ``repeats`` times, the order of the libraries alternating, each
+load checked element by element. Recorded per load: rank 0's barrier-to-barrier seconds and, summed over
+ranks, the bytes read — ``/proc/self/io`` ``rchar`` (read calls) plus, for tierckpt, the bytes its
+mapped reads copied out of the page cache (which ``rchar`` does not see): the Monitor's ``bytes_read``
+counts every byte a unit reads, by either path, so tierckpt's figure is ``max(rchar, bytes_read)``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import _common as C
+import torch
+
+LIBS = ["tierckpt", "dcp"]
+
+
+def replicated_state(gib: float, fill: bool) -> dict[str, torch.Tensor]:
+    """The matrices of :func:`_common.shapes` as plain (replicated) tensors, the same on every rank."""
+    out = {}
+    for i, (name, (rows, cols)) in enumerate(C.shapes(gib).items()):
+        out[name] = C.pattern(i, slice(0, rows), slice(0, cols)) if fill else torch.full((rows, cols), -1.0)
+    return out
+
+
+def check_replicated(state: dict[str, torch.Tensor], gib: float) -> None:
+    for i, (name, (rows, cols)) in enumerate(C.shapes(gib).items()):
+        if not torch.equal(state[name], C.pattern(i, slice(0, rows), slice(0, cols))):
+            raise AssertionError(f"replicated {name}: loaded values differ from the saved ones")
+
+
+def _states(case: str, gib: float, fill: bool) -> dict[str, Any]:
+    if case == "reshard":
+        return C.make_state(gib, shard_dim=0 if fill else 1, fill=fill)
+    return replicated_state(gib, fill)
+
+
+def _check(case: str, state: dict[str, Any], gib: float) -> None:
+    (C.check_state if case == "reshard" else check_replicated)(state, gib)
+
+
+def _reset(state: dict[str, Any]) -> None:
+    for t in state.values():
+        (t.to_local() if hasattr(t, "to_local") else t).fill_(-1.0)
+
+
+def node_ranks(rank: int, world: int, cases: list[str], gib: float, root: str, repeats: int) -> list[dict[str, Any]]:
+    """Run on every rank of N: for each case, untimed saves by both libraries, then timed loads."""
+    import torch.distributed as dist
+
+    import tierckpt
+
+    for lib in LIBS:  # untimed warm-up of each library in these processes (imports, first-call setup)
+        uri = os.path.join(root, f"warmup-{lib}-{world}")
+        if rank == 0:
+            C.remove_uri(uri, None)
+        dist.barrier()
+        warm = C.make_state(1e-4, shard_dim=0, fill=True)
+        C.do_save(lib, uri, None, warm, None)
+        dist.barrier()
+        C.do_load(lib, uri, None, warm, None)
+        dist.barrier()
+    out: list[dict[str, Any]] = []
+    for case in cases:
+        saved = _states(case, gib, fill=True)
+        uris = {lib: os.path.join(root, f"{case}-{world}-{lib}") for lib in LIBS}
+        for lib in LIBS:
+            if rank == 0:
+                C.remove_uri(uris[lib], None)
+            dist.barrier()
+            C.do_save(lib, uris[lib], None, saved, None)
+            dist.barrier()
+        del saved
+        state = _states(case, gib, fill=False)
+        for r in range(repeats):
+            for lib in (LIBS if r % 2 == 0 else LIBS[::-1]):
+                _reset(state)
+                dist.barrier()
+                mon = tierckpt.Monitor()
+                io0 = C.proc_io()
+                t0 = time.perf_counter()
+                C.do_load(lib, uris[lib], None, state, mon if lib == "tierckpt" else None)
+                dist.barrier()
+                seconds = time.perf_counter() - t0
+                rchar = C.proc_io()["rchar"] - io0["rchar"]
+                _check(case, state, gib)
+                read = max(rchar, int(mon.counters.get("bytes_read", 0))) if lib == "tierckpt" else rchar
+                out.append({"case": f"{case} {world}", "lib": lib, "repeat": r, "seconds": seconds, "bytes": read,
+                            "counters": dict(mon.counters) if lib == "tierckpt" else {}})
+        del state
+    return out
+
+
+def node_scale(ranks: list[int], cases: list[str], gib: float, root: str, repeats: int) -> list[list[dict[str, Any]]]:
+    """Every case at every world size in ``ranks``; per world size, the records of every rank."""
+    out = []
+    for world in ranks:
+        t0 = time.perf_counter()
+        out.append(C.run_ranks(node_ranks, world, cases, gib, root, repeats))
+        print(f"node scale: {world} ranks done ({time.perf_counter() - t0:.0f}s)", flush=True)
+        for name in os.listdir(root):  # each world size's checkpoints: the next needs the disk
+            if name.endswith(tuple(f"-{world}-{lib}" for lib in LIBS)):
+                C.rmtree(os.path.join(root, name))
+    return out
+
+
+def table(per_world: list[list[list[dict[str, Any]]]], gib: float) -> str:
+    """One row per case and world size: medians, the ratio DCP s / tierckpt s, bytes read per group."""
+    need = C.state_bytes(gib)
+    rows = []
+    for per_rank in per_world:
+        groups: dict[str, dict[str, list[int]]] = {}
+        for i, rec in enumerate(per_rank[0]):
+            g = groups.setdefault(rec["case"], {lib: [] for lib in LIBS})
+            g[rec["lib"]].append(i)
+        for case, idx in groups.items():
+            sec = {lib: [per_rank[0][i]["seconds"] for i in idx[lib]] for lib in LIBS}
+            byt = {lib: C.median([sum(rr[i]["bytes"] for rr in per_rank) for i in idx[lib]]) for lib in LIBS}
+            direct = C.median([sum(rr[i]["counters"].get("bytes_direct", 0) for rr in per_rank) for i in idx["tierckpt"]])
+            ratio = C.median(sec["dcp"]) / C.median(sec["tierckpt"])
+            rows.append([
+                case, f"{C.median(sec['tierckpt']):.3f}", f"{C.median(sec['dcp']):.3f}",
+                f"**{ratio:.2f}x**" + ("" if ratio >= 1.0 else " (slower)"),
+                f"{C.fmt_bytes(byt['tierckpt'])} ({byt['tierckpt'] / need:.2f})",
+                f"{C.fmt_bytes(byt['dcp'])} ({byt['dcp'] / need:.2f})",
+                f"{direct / max(byt['tierckpt'], 1):.2f}",
+                " / ".join(f"{lib}: {C.runs(v)}" for lib, v in sec.items()),
+            ])
+    return C.md_table(["case (ranks)", "tierckpt s", "DCP s", "DCP / tierckpt", "tierckpt bytes read (/ state)",
+                       "DCP bytes read (/ state)", "tierckpt direct share", "all runs, s"], rows)
