@@ -11,19 +11,25 @@ from torch.distributed.tensor import Shard
 import tierckpt
 from scenarios import as_dtensor, make_mesh, reference
 from tierckpt.node import NODE_ID_ENV
-from tierckpt.planner import topology
+from tierckpt.planner import Topology, topology
+from tierckpt.planner.routes import EXCHANGES, STORES
 
 SHAPE = (64, 512)
 """fp32, 128 KiB: rows of 2 KiB, so a rank's column window at 8 ranks is one 256-byte run per row."""
 
 
 def _load(path: str, state: dict, route: str, nodes: int) -> tierckpt.Monitor:
-    """Load with ``nodes`` simulated nodes (``TIERCKPT_NODE_ID``, ranks in blocks); ``route="exchange"``
-    costs the routes as an object store would (every byte read once by the group, parts exchanged)."""
+    """Load with ``nodes`` simulated nodes (``TIERCKPT_NODE_ID``, ranks in blocks). ``route``: ``"auto"``,
+    the loader's own costs; ``"exchange"``, costed as an object store (every byte read once by the group,
+    parts exchanged); ``"direct"``, a node of one core (the exchange's messages never overlap)."""
     world = dist.get_world_size()
     names = [f"node-{r * nodes // world}" for r in range(world)]
     os.environ[NODE_ID_ENV] = names[dist.get_rank()]
-    topo = topology("object_store", "gloo", names) if route == "exchange" else None
+    topo = {
+        "exchange": topology("object_store", "gloo", names),
+        "direct": Topology(store=STORES["node_local"], exchange=EXCHANGES["gloo"], nodes=tuple(names), cores=1),
+        "auto": None,
+    }[route]
     try:
         monitor = tierckpt.Monitor()
         tierckpt.load(path, state, monitor=monitor, topology=topo)

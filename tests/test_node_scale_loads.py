@@ -67,3 +67,12 @@ def test_replicated_on_two_nodes_reads_each_byte_once(pool8, tmp_path):
     assert _sum(stats, "bytes_checked") == total
     # every byte reaches the 7 ranks that did not read it
     assert (WORLD - 1) * total <= _sum(stats, "bytes_exchanged") < (WORLD - 1) * total + 16 * WORLD * WORLD
+
+
+def test_rows_to_columns_by_the_loaders_own_costs_reads_each_byte_once(pool8, tmp_path):
+    """Whichever route the loader's costs pick on this machine (its cores decide), each byte is read and
+    checked once per group, and every rank's window arrives whole."""
+    stats = pool8.run(S.rows_to_columns, str(tmp_path / "ckpt"), "auto", 1)
+    total = stats[0]["tensor_bytes"]
+    assert _sum(stats, "bytes_read") == total and _sum(stats, "bytes_checked") == total
+    assert _sum(stats, "bytes_read_direct") + _sum(stats, "bytes_read_exchange") == total

@@ -263,13 +263,15 @@ def _slab_units(
     own: dict[tuple[int, Box], list[Delivery]] = {}
     for r, i, t, b in parts:
         own.setdefault((r, b), []).append(Delivery(rank=r, target=i, target_box=t, box=b))
-    reads: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    reads: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
     for rank, b in own:
         reads[rank][0] += b.numel * item
         reads[rank][1] += _requests(b, saved)
+        reads[rank][2] += _span(b, saved) * item
     route = choose_route(
-        [RankRead(rank, n, q) for rank, (n, q) in sorted(reads.items())],
+        [RankRead(rank, n, q, w) for rank, (n, q, w) in sorted(reads.items())],
         sum(b.numel for b in union) * item, sum(_requests(b, saved) for b in union), topo,
+        sum(_span(b, saved) - b.numel for b in union) * item,
     )
     if route == DIRECT:
         return [(b, tuple(deliveries)) for (_, b), deliveries in own.items()]
@@ -285,6 +287,19 @@ def _slab_units(
 def _requests(box: Box, saved: Box) -> int:
     """Read requests (contiguous runs) of ``box`` inside ``saved``'s storage."""
     return box.numel // max(run_length(box, saved), 1) if box.numel else 0
+
+
+def _span(box: Box, saved: Box) -> int:
+    """Elements of ``saved``'s row-major storage from ``box``'s first element to its last, both included:
+    what a read of ``box``'s runs passes over."""
+    if not box.numel:
+        return 0
+    stride, first, last = 1, 0, 0
+    for d in reversed(range(saved.ndim)):
+        first += (box.offsets[d] - saved.offsets[d]) * stride
+        last += (box.offsets[d] + box.lengths[d] - 1 - saved.offsets[d]) * stride
+        stride *= saved.lengths[d]
+    return last - first + 1
 
 
 def _bounding(boxes: Sequence[Box]) -> Box:
