@@ -14,8 +14,10 @@ counts every byte a unit reads, by either path, so tierckpt's figure is ``max(rc
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import _common as C
@@ -113,8 +115,12 @@ def node_ranks(rank: int, world: int, cases: list[str], gib: float, root: str, r
     return out
 
 
-def node_scale(ranks: list[int], cases: list[str], gib: float, root: str, repeats: int) -> list[list[dict[str, Any]]]:
-    """Every case at every world size in ``ranks``; per world size, the records of every rank."""
+def node_scale(
+    ranks: list[int], cases: list[str], gib: float, root: str, repeats: int,
+    done: Callable[[list[list[list[dict[str, Any]]]]], None] | None = None,
+) -> list[list[list[dict[str, Any]]]]:
+    """Every case at every world size in ``ranks``; per world size, the records of every rank.
+    ``done``: called with the results so far after each world size."""
     out = []
     for world in ranks:
         t0 = time.perf_counter()
@@ -123,6 +129,8 @@ def node_scale(ranks: list[int], cases: list[str], gib: float, root: str, repeat
         for name in os.listdir(root):  # each world size's checkpoints: the next needs the disk
             if name.endswith(tuple(f"-{world}-{lib}" for lib in LIBS)):
                 C.rmtree(os.path.join(root, name))
+        if done is not None:
+            done(out)
     return out
 
 
@@ -150,3 +158,37 @@ def table(per_world: list[list[list[dict[str, Any]]]], gib: float) -> str:
             ])
     return C.md_table(["case (ranks)", "tierckpt s", "DCP s", "DCP / tierckpt", "tierckpt bytes read (/ state)",
                        "DCP bytes read (/ state)", "tierckpt direct share", "all runs, s"], rows)
+
+
+def run(args: argparse.Namespace, quick_gib: float) -> None:
+    """The node case: its own section (``bench_node_scale``) in ``--out``, written again after each world
+    size (a run cut short keeps the sizes it finished)."""
+    gib = args.gib if args.gib is not None else (quick_gib if args.quick else 1.0)
+    ranks = [int(r) for r in args.ranks.split(",")]
+    root = C.scratch_dir("tierckpt-node-") if args.tmp is None else args.tmp
+    os.makedirs(root, exist_ok=True)
+
+    def body(per_world: list) -> str:
+        return "\n\n".join([
+            f"## Node scale: resharded and replicated loads at {', '.join(map(str, ranks))} ranks "
+            "(`benchmarks/bench_matrix.py --cases node`)",
+            C.machine_info(root),
+            f"State: {C.N_TENSORS} x {C.shapes(gib)['w0']} fp32 ({C.fmt_bytes(C.state_bytes(gib))}). `reshard N`: "
+            f"saved `Shard(0)` on N ranks, loaded `Shard(1)` on the same N; `replicated N`: plain tensors (a "
+            f"DDP-style state) saved once per group, loaded whole by each of N ranks. Loads are page-cache warm "
+            f"(a restart on the node that saved). {args.repeats} repeats, order alternating; seconds are rank 0's "
+            f"barrier-to-barrier medians; every load is checked element by element. Bytes read are summed over "
+            f"ranks (`rchar`, and tierckpt's mapped reads); `/ state` is that over the state's bytes.",
+            table(per_world, gib),
+        ])
+
+    def done(per_world: list) -> None:
+        if args.out and len(per_world) < len(ranks):
+            C.write_section(args.out, "bench_node_scale", body(per_world))
+
+    try:
+        per_world = node_scale(ranks, ["reshard", "replicated"], gib, root, args.repeats, done)
+    finally:
+        if args.tmp is None:
+            C.rmtree(root)
+    C.publish(body(per_world), args.out, "bench_node_scale")

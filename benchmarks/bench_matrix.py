@@ -441,33 +441,6 @@ def report(records: list[dict[str, Any]], args: argparse.Namespace, size: dict, 
     return body
 
 
-def run_node_scale(args: argparse.Namespace, alone: bool) -> None:
-    """The node case: its own section (``bench_node_scale``) in ``--out``."""
-    import _node_scale as N
-
-    gib = args.gib if args.gib is not None else (SIZES["quick"]["reshard_gib"] if args.quick else 1.0)
-    ranks = [int(r) for r in args.ranks.split(",")]
-    root = C.scratch_dir("tierckpt-node-") if args.tmp is None else args.tmp
-    os.makedirs(root, exist_ok=True)
-    try:
-        per_world = N.node_scale(ranks, ["reshard", "replicated"], gib, root, args.repeats)
-        body = "\n\n".join([
-            "## Node scale: resharded and replicated loads at 2, 4 and 8 ranks (`benchmarks/bench_matrix.py --cases node`)",
-            C.machine_info(root),
-            f"State: {C.N_TENSORS} x {C.shapes(gib)['w0']} fp32 ({C.fmt_bytes(C.state_bytes(gib))}). `reshard N`: "
-            f"saved `Shard(0)` on N ranks, loaded `Shard(1)` on the same N; `replicated N`: plain tensors (a "
-            f"DDP-style state) saved once per group, loaded whole by each of N ranks. Loads are page-cache warm "
-            f"(a restart on the node that saved). {args.repeats} repeats, order alternating; seconds are rank 0's "
-            f"barrier-to-barrier medians; every load is checked element by element. Bytes read are summed over "
-            f"ranks (`rchar`, and tierckpt's mapped reads); `/ state` is that over the state's bytes.",
-            N.table(per_world, gib),
-        ])
-    finally:
-        if args.tmp is None:
-            C.rmtree(root)
-    C.publish(body, args.out, "bench_node_scale")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny states: a smoke test of the whole matrix")
@@ -484,7 +457,9 @@ def main() -> None:
     size = SIZES["quick" if args.quick else "full"]
     cases = set(args.cases.split(","))
     if "node" in cases:
-        run_node_scale(args, cases == {"node"})
+        import _node_scale
+
+        _node_scale.run(args, SIZES["quick"]["reshard_gib"])
         cases.discard("node")
         if not cases:
             return
