@@ -343,7 +343,8 @@ def _prepare(
     """Flatten this rank's state for loading: ``(kept, shared)``. Kept: the flat state, its needs, its
     objects and ``table`` (the whole pieces table, if read already). Shared: needs, findings, tensor and
     object keys (what :func:`_report` reads), the node, what its memory tier holds (``None``: no tier),
-    the objects files this rank reads, and whether it holds the pieces table already."""
+    the objects files this rank reads, whether it holds the pieces table already, and the CPU cores it may
+    run on (the load routes' :attr:`~tierckpt.planner.Topology.cores`)."""
     saved_keys = set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}
     flat = flatten_state(
         state, for_load=True, saved_keys=lambda p: any(k.startswith(p) for k in saved_keys),
