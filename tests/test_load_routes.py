@@ -68,6 +68,15 @@ def test_replicated_slab_from_an_object_store_is_read_once(world):
     assert choose_route(replicated(world), 64 * MiB, 1, topo) == EXCHANGE
 
 
+@pytest.mark.parametrize("cores", [0, 2, 16])
+def test_replicated_slab_from_an_object_store_is_read_once_by_8_ranks_whatever_the_cores(cores):
+    """Oversubscribed nodes make node-local messages dearer, never dearer than reading from S3 again."""
+    topo = topology("object_store", "gloo", ["n"] * 8, cores)
+    assert choose_route(replicated(8), 64 * MiB, 1, topo) == EXCHANGE
+    topo = topology("object_store", "gloo", ["a"] * 4 + ["b"] * 4, cores)
+    assert choose_route(replicated(8), 64 * MiB, 1, topo) == EXCHANGE
+
+
 def test_tiny_replicated_tensor_on_local_disk_is_not_worth_a_message():
     """A bias or a step counter: one positional read per rank beats a delivery in an all-to-all."""
     topo = topology("node_local", "gloo", ["n"] * 2)
