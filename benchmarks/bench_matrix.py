@@ -11,6 +11,9 @@ Cases (each library on the same state, the order of the libraries alternating pe
 * ``reshard``: 8 fp32 matrices saved ``Shard(0)`` on 2 ranks, loaded ``Shard(1)`` on 3.
 * ``async stall``: the DDP + AdamW state saved asynchronously: seconds until the call returns.
 * ``s3``: the DDP + AdamW state (smaller) saved to and loaded from S3 (moto on loopback).
+* ``node`` (only when named in ``--cases``): at each world size of ``--ranks`` (e.g. ``2,4,8``) on this
+  node, a row -> column resharded load and a replicated (DDP-style) load of ``--gib`` GiB, with the bytes
+  each library reads per group (``_node_scale.py``); its own table, between ``<!-- bench_node_scale -->``.
 
 ByteCheckpoint runs where its API covers the case (DDP and FSDP2 models on a local disk) and when it
 imports; otherwise its cells say why. Writes a table of ratios (peer seconds / tierckpt seconds: above
@@ -446,10 +449,20 @@ def main() -> None:
                     help="Markdown file to write the table into, the chart beside it (default: print only)")
     ap.add_argument("--chart", default="benchmarks-matrix.png", help="chart file name, written beside --out (when given)")
     ap.add_argument("--cases", default="ddp,fsdp2,squares,reshard,async,s3", help="comma-separated subset")
+    ap.add_argument("--ranks", default="2,4,8", help="world sizes of the node case (comma-separated)")
+    ap.add_argument("--gib", type=float, default=None,
+                    help="state of the node case in GiB (default 1.0; with --quick 1/256)")
     ap.add_argument("--tmp", default=None, help="scratch directory (default: a new dir under $TMPDIR)")
     args = ap.parse_args()
     size = SIZES["quick" if args.quick else "full"]
     cases = set(args.cases.split(","))
+    if "node" in cases:
+        import _node_scale
+
+        _node_scale.run(args, SIZES["quick"]["reshard_gib"])
+        cases.discard("node")
+        if not cases:
+            return
     libs, bcp_why = libraries()
     model_libs = libs
     plain = [lib for lib in libs if lib != "bytecheckpoint"]

@@ -68,6 +68,15 @@ def test_replicated_slab_from_an_object_store_is_read_once(world):
     assert choose_route(replicated(world), 64 * MiB, 1, topo) == EXCHANGE
 
 
+@pytest.mark.parametrize("cores", [0, 2, 16])
+def test_replicated_slab_from_an_object_store_is_read_once_by_8_ranks_whatever_the_cores(cores):
+    """Oversubscribed nodes make node-local messages dearer, never dearer than reading from S3 again."""
+    topo = topology("object_store", "gloo", ["n"] * 8, cores)
+    assert choose_route(replicated(8), 64 * MiB, 1, topo) == EXCHANGE
+    topo = topology("object_store", "gloo", ["a"] * 4 + ["b"] * 4, cores)
+    assert choose_route(replicated(8), 64 * MiB, 1, topo) == EXCHANGE
+
+
 def test_tiny_replicated_tensor_on_local_disk_is_not_worth_a_message():
     """A bias or a step counter: one positional read per rank beats a delivery in an all-to-all."""
     topo = topology("node_local", "gloo", ["n"] * 2)
@@ -87,6 +96,27 @@ def test_disjoint_needs_go_direct_once_runs_amortize_a_request(store, short, lon
     topo = topology(store, "gloo", ["n"] * 3)
     assert choose_route(strided(short), 32 * MiB, 1, topo) == EXCHANGE
     assert choose_route(strided(long), 32 * MiB, 1, topo) == DIRECT
+
+
+def column_windows(world: int, slab: int = 32 * MiB, row: int = 16 << 10) -> list[RankRead]:
+    """A row -> column reshard: each rank needs a 1/world column window of every row of the slab, so its
+    runs pass over the whole slab."""
+    share = slab // world
+    return [RankRead(r, share, slab // row, walked=slab - row + row // world) for r in range(world)]
+
+
+@pytest.mark.parametrize("world,cores,route", [
+    (2, 16, DIRECT), (4, 16, DIRECT), (8, 16, EXCHANGE), (16, 16, EXCHANGE),  # a core per rank
+    (8, 2, DIRECT), (16, 2, EXCHANGE),  # oversubscribed: the exchange's messages do not overlap
+])
+def test_a_node_walking_each_slab_once_per_rank_reads_once_and_exchanges_at_scale(world, cores, route):
+    """Direct, N ranks each walk the whole slab in the node's page cache; exchanged, one reader walks it."""
+    topo = topology("node_local", "gloo", ["n"] * world, cores)
+    reads = column_windows(world)
+    assert choose_route(reads, 32 * MiB, 1, topo) == route
+    # the walk is what tips it: without it (contiguous needs of the same bytes), direct at every size
+    flat = [RankRead(r.rank, r.nbytes, r.requests) for r in reads]
+    assert choose_route(flat, 32 * MiB, 1, topo) == DIRECT
 
 
 def test_one_rank_always_reads_directly():

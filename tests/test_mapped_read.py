@@ -332,3 +332,23 @@ def test_a_default_load_of_small_tensors_through_one_mapping_catches_flipped_bit
                 tierckpt.load(str(root), {k: torch.zeros_like(v) for k, v in state.items()})
             assert "spans" in calls  # the flipped copy came through the group's mapping, and its CRC caught it
             flip(file, byte, bit)
+
+
+@native
+def test_a_strided_read_of_many_short_runs_takes_the_mapping(warm_file, monkeypatch) -> None:
+    """A column window of each row (what each rank of a row -> column resharded load reads): 64 runs of
+    2 KiB, 128 KiB in all, below MIN_BYTES but not below MIN_RUNS, go through one mapping, not a pread
+    each; fewer runs than MIN_RUNS of as few bytes still take pread."""
+    path, data = warm_file
+    calls = []
+    monkeypatch.setattr(mapped_read, "_copycrc", _Spy(mapped_read._copycrc.copy_runs, calls))
+    offsets = list(range(100, 100 + 64 * 16384, 16384))
+    expected, crcs = _runs(offsets, 2048, data)
+    out = bytearray(len(expected))
+    assert pread_runs(path, offsets, 2048, memoryview(out), crc32c.crc32c, mapped=True) == crcs
+    assert bytes(out) == expected and calls == ["copied"]
+    few = offsets[: mapped_read.MIN_RUNS - 1]
+    expected, crcs = _runs(few, 2048, data)
+    out = bytearray(len(expected))
+    assert pread_runs(path, few, 2048, memoryview(out), crc32c.crc32c, mapped=True) == crcs
+    assert bytes(out) == expected and calls == ["copied"]

@@ -289,7 +289,7 @@ def _load_generation(
         else:
             pieces = comm.run_agreed(lambda: _local_pieces(backend, ckpt, fqns, local, shared), "reading the pieces table")
     with monitor.phase("plan"):
-        topo = opts.topology or _topology(backend, comm, [g[4] for g in gathered])
+        topo = opts.topology or _topology(backend, comm, [g[4] for g in gathered], min(g[8] for g in gathered))
         nodes = list(topo.nodes)
         plan = plan_load(
             ckpt.tensors, pieces, all_needs, chunk_bytes=opts.chunk_bytes, round_bytes=opts.round_bytes, topology=topo,
@@ -368,7 +368,8 @@ def _prepare(
     """Flatten this rank's state for loading: ``(kept, shared)``. Kept: the flat state, its needs, its
     objects and ``table`` (the whole pieces table, if read already). Shared: needs, findings, tensor and
     object keys (what :func:`_report` reads), the node, what its memory tier holds (``None``: no tier),
-    the objects files this rank reads, and whether it holds the pieces table already."""
+    the objects files this rank reads, whether it holds the pieces table already, and the CPU cores it may
+    run on (the load routes' :attr:`~tierckpt.planner.Topology.cores`)."""
     saved_keys = set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}
     flat = flatten_state(
         state, for_load=True, saved_keys=lambda p: any(k.startswith(p) for k in saved_keys),
@@ -379,7 +380,8 @@ def _prepare(
     wanted = wanted_objects(ckpt, flat, rank)
     held = held_files(tier, ckpt.meta, ckpt.record)
     files = sorted({o.file for metas in wanted.values() for o in metas}) if held is not None else []
-    shared = (needs, findings, sorted(flat.tensors), sorted(flat.objects), node_id(), held, files, table is not None)
+    shared = (needs, findings, sorted(flat.tensors), sorted(flat.objects), node_id(), held, files, table is not None,
+              _cores())
     return (flat, needs, wanted, table), shared
 
 
@@ -395,10 +397,20 @@ def _local_pieces(
     return decode_pieces(data, ckpt.tensors, fqns, ckpt.meta.num_pieces)
 
 
-def _topology(backend: Backend, comm: Comm, nodes: list[str]) -> Topology:
-    """The route costs of this load: the backend's kind of store, the group's backend, each rank's node."""
+def _topology(backend: Backend, comm: Comm, nodes: list[str], cores: int) -> Topology:
+    """The route costs of this load: the backend's kind of store, the group's backend, each rank's node,
+    the fewest cores a rank sees."""
     scheme = backend.root_uri.split("://", 1)[0] if "://" in backend.root_uri else ""
-    return route_topology(store_kind(local_path=backend.capabilities.local_path, scheme=scheme, nodes=nodes), comm.backend, nodes)
+    kind = store_kind(local_path=backend.capabilities.local_path, scheme=scheme, nodes=nodes)
+    return route_topology(kind, comm.backend, nodes, cores)
+
+
+def _cores() -> int:
+    """CPU cores this process may run on (its affinity, where the platform tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 0
 
 
 def _log_routes(plan: LoadPlan, topo: Topology, rank: int, monitor: Monitor) -> None:

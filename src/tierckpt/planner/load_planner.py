@@ -259,20 +259,25 @@ def _slab_units(
     delivering every part that meets it.
     """
     union = _union_boxes([p[3] for p in parts])
-    own: dict[tuple[int, Box], None] = dict.fromkeys((r, b) for r, _, _, b in parts)
-    reads: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    # Each rank's distinct needed boxes and the parts they deliver, in one pass (not ranks x parts).
+    own: dict[tuple[int, Box], list[Delivery]] = {}
+    for r, i, t, b in parts:
+        own.setdefault((r, b), []).append(Delivery(rank=r, target=i, target_box=t, box=b))
+    reads: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
     for rank, b in own:
         reads[rank][0] += b.numel * item
         reads[rank][1] += _requests(b, saved)
+        reads[rank][2] += _span(b, saved) * item
     route = choose_route(
-        [RankRead(rank, n, q) for rank, (n, q) in sorted(reads.items())],
+        [RankRead(rank, n, q, w) for rank, (n, q, w) in sorted(reads.items())],
         sum(b.numel for b in union) * item, sum(_requests(b, saved) for b in union), topo,
+        sum(_span(b, saved) - b.numel for b in union) * item,
     )
     if route == DIRECT:
-        return [
-            (b, tuple(Delivery(rank=r, target=i, target_box=t, box=b) for r, i, t, pb in parts if r == rank and pb == b))
-            for rank, b in own
-        ]
+        return [(b, tuple(deliveries)) for (_, b), deliveries in own.items()]
+    if len(union) == 1:  # the needs tile or overlap: every part meets the one union box
+        ub = union[0]
+        return [(ub, tuple(Delivery(rank=r, target=i, target_box=t, box=pb) for r, i, t, pb in parts))]
     return [
         (ub, tuple(Delivery(rank=r, target=i, target_box=t, box=b) for r, i, t, pb in parts if (b := pb.intersect(ub)) is not None))
         for ub in union
@@ -282,6 +287,19 @@ def _slab_units(
 def _requests(box: Box, saved: Box) -> int:
     """Read requests (contiguous runs) of ``box`` inside ``saved``'s storage."""
     return box.numel // max(run_length(box, saved), 1) if box.numel else 0
+
+
+def _span(box: Box, saved: Box) -> int:
+    """Elements of ``saved``'s row-major storage from ``box``'s first element to its last, both included:
+    what a read of ``box``'s runs passes over."""
+    if not box.numel:
+        return 0
+    stride, first, last = 1, 0, 0
+    for d in reversed(range(saved.ndim)):
+        first += (box.offsets[d] - saved.offsets[d]) * stride
+        last += (box.offsets[d] + box.lengths[d] - 1 - saved.offsets[d]) * stride
+        stride *= saved.lengths[d]
+    return last - first + 1
 
 
 def _bounding(boxes: Sequence[Box]) -> Box:
@@ -315,13 +333,23 @@ def _union_boxes(needed: list[Box]) -> list[Box]:
     distinct = list(dict.fromkeys(needed))
     if len(distinct) == 1:
         return distinct
-    disjoint = all(
-        distinct[i].intersect(distinct[j]) is None for i in range(len(distinct)) for j in range(i + 1, len(distinct))
-    )
     bound = _bounding(distinct)
-    if disjoint and sum(b.numel for b in distinct) != bound.numel:
-        return distinct
-    return [bound]
+    if sum(b.numel for b in distinct) != bound.numel:
+        disjoint = _disjoint(distinct)
+        return distinct if disjoint else [bound]
+    return [bound]  # disjoint boxes summing to their bound tile it; overlapping ones are read once all the same
+
+
+def _disjoint(boxes: list[Box]) -> bool:
+    """Whether no two of ``boxes`` share an element. Boxes that differ in one dimension only (a slab's
+    column windows, row blocks) are a sort along it; others are compared pairwise."""
+    ndim = boxes[0].ndim
+    differing = [d for d in range(ndim) if len({(b.offsets[d], b.lengths[d]) for b in boxes}) > 1]
+    if len(differing) <= 1:
+        d = differing[0] if differing else 0
+        spans = sorted((b.offsets[d], b.offsets[d] + b.lengths[d]) for b in boxes)
+        return all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:]))
+    return all(boxes[i].intersect(boxes[j]) is None for i in range(len(boxes)) for j in range(i + 1, len(boxes)))
 
 
 COALESCE_GAP_BYTES = 64

@@ -16,6 +16,14 @@ takes the same decision without communication. The estimates are bottleneck sums
   link to the store (shared by the node's ranks) and ``group_byte_s`` through the store's share for
   the whole group (shared file systems and object stores serve every node; a node's own disk does
   not); repeats on a node are page-cache copies at ``cached_byte_s`` when the store is ``node_cached``.
+* the span walked: a rank's strided read passes over every page between its first and last run (the
+  mapping faults them in, the kernel's read-ahead covers them); each byte it passes without needing it
+  costs ``walk_byte_s``, and the walks of a node's ranks add up (they share its memory system), where
+  the exchange route reads the union, a contiguous box when the needs tile the slab. At N ranks a
+  row -> column reshard passes over each slab N - 1 times directly, not at all by exchange: with the default
+  constants and a core per rank, direct up to 4 ranks per node, exchange from about 6 (its walks then
+  cost more than the exchange's messages, which overlap across the readers); where ranks outnumber
+  the node's cores (:attr:`Topology.cores`), the messages do not overlap and direct stays cheaper.
 * exchange: readers take turns across units (the planner spreads them), so the reader's requests and
   its sends count once per needing rank; each byte sent costs ``local_byte_s`` to a rank of the same
   node (loopback, shared memory) and ``remote_byte_s`` across nodes, each delivery ``message_s``.
@@ -55,21 +63,27 @@ class StoreCost:
     """A repeat read of the same bytes on the same node is served from the node's memory (page cache)."""
     cached_byte_s: float
     """One byte copied out of the node's cache."""
+    walk_byte_s: float = 0.0
+    """One byte of the span a rank's read passes over in the node's cache: a strided read (a column
+    window of each row) maps and faults the pages between its runs too, in 64 KiB windows, and unmaps them
+    after. Ranks of one node walking the same span share the node's memory system (and, 8 at a time,
+    contend for the same pages), so the node's walks add up. 0 where reads are network requests."""
 
 
 STORES: dict[str, StoreCost] = {
     "node_local": StoreCost(kind="node_local", request_s=1e-6, byte_s=0.5e-9, group_byte_s=0.0,
-                            node_cached=True, cached_byte_s=0.1e-9),
+                            node_cached=True, cached_byte_s=0.1e-9, walk_byte_s=0.025e-9),
     "shared_fs": StoreCost(kind="shared_fs", request_s=100e-6, byte_s=0.4e-9, group_byte_s=1e-9,
-                           node_cached=True, cached_byte_s=0.1e-9),
+                           node_cached=True, cached_byte_s=0.1e-9, walk_byte_s=0.025e-9),
     "object_store": StoreCost(kind="object_store", request_s=3e-3, byte_s=0.8e-9, group_byte_s=1e-9,
                               node_cached=False, cached_byte_s=0.1e-9),
     "memory": StoreCost(kind="memory", request_s=0.2e-6, byte_s=0.1e-9, group_byte_s=0.0,
-                        node_cached=True, cached_byte_s=0.1e-9),
+                        node_cached=True, cached_byte_s=0.1e-9, walk_byte_s=0.025e-9),
 }
 """Defaults per store kind: a node's NVMe disk (~2 GB/s, page cache ~10 GB/s), a shared file system
 (~2.5 GB/s per node, ~1 GB/s for the job), an object store (~1.2 GB/s per node, ~1 GB/s for the job,
-~20 ms per GET over ~8 in flight), a process's memory."""
+~20 ms per GET over ~8 in flight), a process's memory. Walking a span of the page cache: 64 MiB with
+2 KiB runs every 16 KiB in 1.6 ms through one mapping on the 2-core test VM (0.025 ns per byte)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,6 +117,10 @@ class Topology:
     exchange: ExchangeCost
     nodes: tuple[str, ...]
     """Node identity of each rank of the loading group (see :mod:`tierckpt.node`)."""
+    cores: int = 0
+    """CPU cores per node (the fewest any rank sees; 0: unknown, as many as ranks). Node-local exchange
+    messages are CPU work (socket copies): at most this many run at once on a node, so where ranks
+    outnumber cores the sends of readers taking turns add up instead of overlapping."""
 
     @property
     def num_nodes(self) -> int:
@@ -122,10 +140,12 @@ def store_kind(*, local_path: bool, scheme: str, nodes: Sequence[str]) -> str:
     return "object_store"
 
 
-def topology(store: str, exchange: str, nodes: Sequence[str]) -> Topology:
+def topology(store: str, exchange: str, nodes: Sequence[str], cores: int = 0) -> Topology:
     """A :class:`Topology` with the default costs of ``store`` (a key of :data:`STORES`) and of the
-    process-group backend ``exchange`` (``"gloo"``, ``"nccl"``; anything else is costed as gloo)."""
-    return Topology(store=STORES[store], exchange=EXCHANGES.get(exchange, EXCHANGES["gloo"]), nodes=tuple(nodes))
+    process-group backend ``exchange`` (``"gloo"``, ``"nccl"``; anything else is costed as gloo), on nodes
+    of ``cores`` CPU cores (0: unknown)."""
+    return Topology(store=STORES[store], exchange=EXCHANGES.get(exchange, EXCHANGES["gloo"]), nodes=tuple(nodes),
+                    cores=cores)
 
 
 def default_topology(world_size: int) -> Topology:
@@ -141,6 +161,14 @@ class RankRead:
     rank: int
     nbytes: int
     requests: int
+    walked: int = 0
+    """Bytes of the span its runs pass over, first byte to last (``nbytes`` when they are back to back;
+    0: the same as ``nbytes``)."""
+
+    @property
+    def passed(self) -> int:
+        """Bytes of its span it passes over without needing them (0 when its runs are back to back)."""
+        return max(self.walked - self.nbytes, 0)
 
 
 def direct_seconds(reads: Sequence[RankRead], union_bytes: int, topo: Topology) -> float:
@@ -157,29 +185,42 @@ def direct_seconds(reads: Sequence[RankRead], union_bytes: int, topo: Topology) 
     rank_s = max(r.requests * store.request_s + r.nbytes * copy_s for r in reads)
     node_s = max(n * store.byte_s for n in node_bytes)
     group_s = sum(node_bytes) * store.group_byte_s
-    return max(rank_s, node_s, group_s)
+    walk_s = max(sum(r.passed for r in node_reads) for node_reads in by_node.values()) * store.walk_byte_s
+    return max(rank_s, node_s, group_s) + walk_s
 
 
-def exchange_seconds(reads: Sequence[RankRead], union_bytes: int, union_requests: int, topo: Topology) -> float:
-    """Estimated seconds for one rank (the one needing most) to read the union and send the others their parts."""
+def exchange_seconds(
+    reads: Sequence[RankRead], union_bytes: int, union_requests: int, topo: Topology, union_passed: int = 0,
+) -> float:
+    """Estimated seconds for one rank (the one needing most) to read the union and send the others their parts.
+
+    ``union_passed``: bytes the union's reads pass over without needing them (see
+    :attr:`StoreCost.walk_byte_s`; 0 when the union is one contiguous box, as when the needs tile a slab)."""
     store, xchg = topo.store, topo.exchange
     reader = max(reads, key=lambda r: (r.nbytes, -r.rank))
     turns = len(reads)
+    # Readers' sends to their own node's ranks (socket copies, CPU work) overlap only as far as the
+    # node's cores allow; sends to other nodes go through each node's link and overlap across readers.
+    local_turns = min(turns, topo.cores * topo.num_nodes) if topo.cores > 0 else turns
     read_s = max(union_requests * store.request_s / turns, union_bytes * store.byte_s, union_bytes * store.group_byte_s)
-    send_s = 0.0
+    local_s = remote_s = 0.0
     for r in reads:
         if r.rank == reader.rank:
             continue
-        per_byte = xchg.local_byte_s if topo.nodes[r.rank] == topo.nodes[reader.rank] else xchg.remote_byte_s
-        send_s += r.nbytes * per_byte + xchg.message_s
-    return read_s + send_s / turns
+        if topo.nodes[r.rank] == topo.nodes[reader.rank]:
+            local_s += r.nbytes * xchg.local_byte_s + xchg.message_s
+        else:
+            remote_s += r.nbytes * xchg.remote_byte_s + xchg.message_s
+    return read_s + local_s / local_turns + remote_s / turns + union_passed * store.walk_byte_s
 
 
-def choose_route(reads: Sequence[RankRead], union_bytes: int, union_requests: int, topo: Topology) -> Route:
+def choose_route(
+    reads: Sequence[RankRead], union_bytes: int, union_requests: int, topo: Topology, union_passed: int = 0,
+) -> Route:
     """``direct`` when it is estimated strictly faster than ``exchange`` (ties read once); a slab only
     one rank needs is always read by that rank."""
     if len({r.rank for r in reads}) <= 1:
         return DIRECT
-    if direct_seconds(reads, union_bytes, topo) < exchange_seconds(reads, union_bytes, union_requests, topo):
+    if direct_seconds(reads, union_bytes, topo) < exchange_seconds(reads, union_bytes, union_requests, topo, union_passed):
         return DIRECT
     return EXCHANGE
