@@ -102,7 +102,7 @@ def test_unknown_scheme_is_rejected() -> None:
 def test_read_ahead_spans_cover_strided_runs_but_not_far_gaps():
     """A column window of a row-major shard (runs 16 KiB apart) is announced as one span; runs more
     than the read-through gap apart, lone runs and out-of-order runs are not merged."""
-    from tierckpt.backends.files import READ_THROUGH_GAP_BYTES, read_ahead_spans
+    from tierckpt.backends.run_reads import READ_THROUGH_GAP_BYTES, read_ahead_spans
 
     rows = [r * 16384 + 4096 for r in range(1000)]
     assert read_ahead_spans(rows, 5461) == [(4096, 999 * 16384 + 5461)]

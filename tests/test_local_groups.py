@@ -11,7 +11,7 @@ import torch
 from scenarios_integrity import flip, piece_bits
 
 import tierckpt
-from tierckpt.backends import files
+from tierckpt.backends import run_reads
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.monitor import Monitor
 from tierckpt.tiers import MemoryConfig
@@ -31,7 +31,7 @@ def _zeros(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Segments per call of the local reads' one-call path."""
     calls: list[int] = []
-    real = files.pread_segments
+    real = run_reads.pread_segments
 
     def spy(path: str, segments, *args, **kwargs):
         calls.append(len(segments))

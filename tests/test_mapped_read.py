@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from scenarios_integrity import flip, piece_bits
 
 import tierckpt
-from tierckpt.backends import files, mapped_read
-from tierckpt.backends.files import pread_into, pread_runs
+from tierckpt.backends import files, mapped_read, run_reads
+from tierckpt.backends.files import pread_into
+from tierckpt.backends.run_reads import pread_runs
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.tiers import MemoryConfig, MemoryTier
 
@@ -206,8 +207,8 @@ async def test_the_memory_tier_reads_through_the_mapping_under_the_shared_lock(t
         calls = []
         monkeypatch.setattr(mapped_read, "_copycrc", _Spy(mapped_read._copycrc.copy_runs, calls))
         held = []
-        real_open = files.open_regular
-        monkeypatch.setattr(files, "open_regular", lambda path, shared: held.append(shared) or real_open(path, shared))
+        real_open = run_reads.open_regular
+        monkeypatch.setattr(run_reads, "open_regular", lambda path, shared: held.append(shared) or real_open(path, shared))
         out = bytearray(2 << 20)
         runs = await tier.read_runs("g/data/x.bin", [0, 1 << 20], 1 << 20, memoryview(out), crc32c.crc32c)
         assert runs == [crc32c.crc32c(data[: 1 << 20]), crc32c.crc32c(data[1 << 20 :])]
@@ -274,18 +275,18 @@ def test_a_group_of_small_units_is_read_through_one_mapping(warm_file, monkeypat
     monkeypatch.setattr(mapped_read, "_copycrc", _Spy(mapped_read._copycrc.copy_runs, calls))
     starts = [0, 300_000, 2 << 20, 700_001, len(data) - (256 << 10) - 3]
     segments = [([s], 256 << 10, memoryview(bytearray(256 << 10))) for s in starts]
-    got = files.pread_segments(path, segments, crc32c.crc32c, mapped=True)
+    got = run_reads.pread_segments(path, segments, crc32c.crc32c, mapped=True)
     assert calls == ["spans"]
     assert got == [[crc32c.crc32c(data[s : s + (256 << 10)])] for s in starts]
     assert [bytes(out) for _, _, out in segments] == [data[s : s + (256 << 10)] for s in starts]
-    assert files.pread_segments(path, segments, None, mapped=True) == [None] * len(starts)
+    assert run_reads.pread_segments(path, segments, None, mapped=True) == [None] * len(starts)
     calls.clear()
     two_runs = segments[:4] + [([0, 4096], 1 << 20, memoryview(bytearray(2 << 20)))]
-    got = files.pread_segments(path, two_runs, crc32c.crc32c, mapped=True)
+    got = run_reads.pread_segments(path, two_runs, crc32c.crc32c, mapped=True)
     assert "spans" not in calls and got[-1] == [crc32c.crc32c(data[: 1 << 20]), crc32c.crc32c(data[4096 : 4096 + (1 << 20)])]
     past_end = segments[:4] + [([len(data) - 100], 256 << 10, memoryview(bytearray(256 << 10)))]
     with pytest.raises(CorruptCheckpointError, match="ends before byte"):
-        files.pread_segments(path, past_end, crc32c.crc32c, mapped=True)
+        run_reads.pread_segments(path, past_end, crc32c.crc32c, mapped=True)
 
 
 @native

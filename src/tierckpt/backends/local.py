@@ -33,6 +33,7 @@ from ..keys import validate_key
 from .base import (
     UNCONDITIONAL, Backend, Capabilities, ObjectWriter, ReadsInto, Segment, Unconditional, commit_refused,
 )
+from .run_reads import pread_runs, pread_segments
 from .files import (
     WRITEBACK_BATCH_BYTES,
     WRITEBACK_PAGE_BYTES,
@@ -41,8 +42,6 @@ from .files import (
     list_files,
     open_temp,
     os_error,
-    pread_runs,
-    pread_segments,
     publish,
     pread_into,
     pread_range,
@@ -219,7 +218,7 @@ class LocalBackend(ReadsInto, Backend):
     async def read_segments(
         self, key: str, segments: Sequence[Segment], digest: Callable[[memoryview], int] | None = None,
     ) -> list[list[int] | None]:
-        """All segments in one worker thread, with one open of the file (:func:`.files.pread_segments`)."""
+        """All segments in one worker thread, with one open of the file (:func:`.run_reads.pread_segments`)."""
         path = self.path_of(key)
         try:
             return await asyncio.to_thread(functools.partial(
