@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from scenarios_integrity import flip, piece_bits
 
 import tierckpt
-from tierckpt.backends import files, mapped_read, run_reads
+from tierckpt.backends import mapped_read, run_reads
 from tierckpt.backends.files import pread_into
 from tierckpt.backends.run_reads import pread_runs
 from tierckpt.errors import CorruptCheckpointError
