@@ -7,6 +7,7 @@
     proxy.add_rule(Rule("reset", query="partNumber", count=1))   # reset one part upload
     proxy.add_rule(Rule("delay", method="GET", count=1, seconds=3))  # answer after 3 s (past a timeout)
     proxy.add_rule(Rule("slow", method="GET", count=1, seconds=0.5)) # dribble the body over 0.5 s
+    proxy.add_rule(Rule("flip", method="GET", path="/data/"))        # one bit of one body flipped
     ... proxy.endpoint ...
     proxy.hits["503"], proxy.requests, proxy.close()
 
@@ -39,7 +40,8 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te
 class Rule:
     """One kind of fault: ``503`` (SlowDown), ``500`` (InternalError), ``reset`` (TCP RST before any
     response), ``delay`` (sleep ``seconds`` then forward), ``slow`` (forward, body dribbled over
-    ``seconds``)."""
+    ``seconds``), ``flip`` (forward, one bit of the body's middle byte flipped: a corrupted
+    download)."""
 
     kind: str
     method: str | None = None
@@ -159,6 +161,8 @@ class FaultProxy:
             h.end_headers()
             if h.command == "HEAD" or not data:
                 return
+            if rule is not None and rule.kind == "flip":
+                data = data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0x10]) + data[len(data) // 2 + 1 :]
             if rule is not None and rule.kind == "slow":
                 pieces = 10
                 step = max(1, -(-len(data) // pieces))

@@ -74,6 +74,7 @@ from .planner import LoadPlan, TargetPiece, Topology, plan_load, topology as rou
 from .planner.locality import assign_local_readers, relocate, spans_of
 from .planner.routes import store_kind
 from .read_step import ReadStep
+from .reread import drop_and_retry
 from .state import FlatState, flatten_state
 from .store import memory_tier_of, open_store, without_node_cache
 from .tier_metadata import TierStart, read_from_tier, start_from_tiers
@@ -181,6 +182,7 @@ def load(
             )
             read = mine.ckpt if comm.rank == 0 else None
     attempt = 0
+    reread: set[tuple[str, int, int]] = set()  # bytes a node cache served that failed their checksums
     while True:
         if start is None:
             with monitor.phase("metadata"):
@@ -196,6 +198,9 @@ def load(
         except CheckpointError as exc:
             if ckpt.pieces is not None:
                 raise  # a DCP directory has no commit to follow
+            if drop_and_retry(comm, backend, exc, reread):  # a bad cached copy: read it again from below
+                logger.warning("load of %s: a node-cache copy failed its checksum (%s); reading it again", uri, exc)
+                continue
             # Every rank raised (failures are agreed); the reader tells whether a newer commit explains it.
             moved = comm.broadcast_object(
                 newer_commit(backend, ckpt.meta.generation) is not None if comm.rank == reader else None, reader
