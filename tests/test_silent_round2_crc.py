@@ -121,6 +121,28 @@ def test_verify_drops_a_corrupted_prefetch_and_reads_it_again(uri: str, proxy: A
     assert not [p for m, p, _ in proxy.log if m == "GET" and "/data/" in p]
 
 
+def load_on_every_rank(uri: str, endpoint: str, env: dict[str, str], cache: str) -> bool:
+    """A dist_pool scenario: every rank loads the whole tensor through one node cache (the ranks share the
+    reads and exchange what they read); whether it came back bit-exact."""
+    os.environ.update(env)
+    got = tierckpt.load(uri, blank(BIG), storage_options={
+        "endpoint_url": endpoint, "cache": CacheConfig(directory=cache, exit_wait_s=0)})
+    return same(got, state(BIG))
+
+
+@pytest.mark.multiproc
+def test_every_rank_reads_again_when_one_rank_got_a_corrupted_download(
+    dist_pool: Any, uri: str, proxy: Any, tmp_path: Path,
+) -> None:
+    """The rank that checks the corrupted block raises; the group agrees, every rank drops what its own
+    error names, and all of them read again together (no rank left waiting in a collective)."""
+    tierckpt.save(uri, state(BIG), storage_options={"cache": False})
+    proxy.add_rule(Rule("flip", method="GET", path="/data/"))
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_") or k in ("TIERCKPT_S3_ENDPOINT_URL", "NO_PROXY")}
+    assert dist_pool.run(load_on_every_rank, uri, proxy.endpoint, env, str(tmp_path / "cache")) == [True] * 4
+    assert proxy.hits["flip"] == 1
+
+
 def test_a_real_corruption_on_s3_is_still_reported(uri: str, tmp_path: Path) -> None:
     """Dropping the cached copy is tried once: bytes that are bad on S3 itself fail the load as corrupt."""
     import boto3

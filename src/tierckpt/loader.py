@@ -55,8 +55,8 @@ from . import layout
 from .backends import Backend
 from .comm import Comm
 from .errors import (
-    CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
-    MissingFileError, StateMismatchError,
+    CheckpointBusyError, CheckpointError, CheckpointNotFoundError, ChecksumMismatchError, CollectiveError,
+    CorruptCheckpointError, MissingFileError, StateMismatchError,
 )
 from .gc_pause import gc_paused
 from .io.readcheck import ReadChecker
@@ -155,8 +155,9 @@ def load(
 
     Tensors, modules and optimizers are filled in place; other values are replaced in their dicts.
     ``strict=False`` loads what matches and warns about the rest. Every byte read is checked against
-    the CRC-32C of its block as it is read (a mismatch raises :class:`CorruptCheckpointError` naming the
-    file and tensor); ``check_crc=False`` skips that check, only to measure its cost. ``verify=True``
+    the CRC-32C of its block as it is read (a mismatch raises :class:`ChecksumMismatchError` naming the
+    file and tensor, once bytes a node cache served were dropped and read again from the remote:
+    :mod:`tierckpt.reread`); ``check_crc=False`` skips that check, only to measure its cost. ``verify=True``
     also checks the CRC-32C of every piece the load touches before modifying anything (a second pass).
     ``allow_pickle=True`` permits objects that need full unpickling (only for checkpoints you trust).
     ``topology`` overrides the costs the load routes are chosen by (default: the backend's kind of
@@ -501,9 +502,11 @@ def _verify_pieces(backend: Backend, gen: str, pieces: dict[str, list[PieceMeta]
         data = sched.run(store.get_range(layout.in_generation(gen, piece.file), piece.byte_offset,
                                          piece.byte_offset + piece.byte_length))
         if crc32c.crc32c(data) != piece.crc32c:
-            raise CorruptCheckpointError(
-                f"checksum mismatch in {piece.file!r} at bytes {piece.byte_offset}..{piece.byte_offset + piece.byte_length} "
-                f"(tensor {piece.fqn!r}, region {piece.region}): the data file is corrupt"
+            end = piece.byte_offset + piece.byte_length
+            raise ChecksumMismatchError(
+                f"checksum mismatch in {piece.file!r} at bytes {piece.byte_offset}..{end} "
+                f"(tensor {piece.fqn!r}, region {piece.region}): the data file is corrupt",
+                layout.in_generation(gen, piece.file), piece.byte_offset, end,
             )
 
 
