@@ -235,3 +235,40 @@ def test_sync_never_writes_down_a_memory_tier_file_that_changed_since_its_save(
     assert same(got, state(shape, 1))
     verified = cli("verify", uri, env={**env, "TIERCKPT_MEMORY": "off"})
     assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+WRITE_BACK_CHILD = """
+import sys, torch, tierckpt
+from tierckpt.cache import CacheConfig
+want = {"w": torch.randn(512, 1024, generator=torch.Generator().manual_seed(2)), "step": 2}
+handle = tierckpt.async_save(sys.argv[1], want,
+                             storage_options={"cache": CacheConfig(directory=sys.argv[2], exit_wait_s=0)})
+handle.wait()  # committed in the node cache; the uploads stay pending (S3 is down) when the process exits
+"""
+
+
+@pytest.mark.multiproc
+def test_sync_never_uploads_a_node_cache_file_that_changed_since_its_save(uri: str, proxy: Any, tmp_path: Path) -> None:
+    """The node cache's write-back: a save committed in the cache while S3 is down (its process exits
+    with the uploads pending); one bit of its data file flips in the cache; ``tierckpt sync`` with S3 back
+    must fail naming the file, and S3 keep the older commit."""
+    small = (512, 1024)
+    first = tierckpt.save(uri, state(small, 1), storage_options={"cache": False})
+    cache = tmp_path / "cache"
+    env = child_env(TIERCKPT_S3_ENDPOINT_URL=proxy.endpoint, TIERCKPT_CACHE_DIR=str(cache))
+    proxy.add_rule(Rule("503", count=None))  # S3 down
+    done = subprocess.run([sys.executable, "-c", WRITE_BACK_CHILD, uri, str(cache)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "tierckpt sync" in done.stderr, done.stderr[-2000:]
+    proxy.clear()  # S3 back
+    cached = next((cache / "objects").rglob("data/rank-00000.bin"))
+    with open(cached, "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)[0]
+        f.seek(1000)
+        f.write(bytes([byte ^ 0x01]))
+    synced = cli("sync", uri, "--timeout", "60", env=env)
+    assert synced.returncode != 0 and "synced" not in synced.stdout, synced.stdout + synced.stderr
+    assert str(cached) in synced.stderr and "fails its CRC-32C check" in synced.stderr, synced.stderr
+    assert layout.CommitRecord.decode(remote_bytes(uri, layout.COMMIT)).generation == first.generation
+    assert same(tierckpt.load(uri, blank(small), storage_options={"cache": False}), state(small, 1))
