@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import pytest
 import torch
 
@@ -25,7 +26,9 @@ import tierckpt
 from tierckpt import layout
 from tierckpt.cache import CacheConfig
 from tierckpt.cache_api import prefetch
+from tierckpt.io.scheduler import get_scheduler
 from tierckpt.tiers import MemoryConfig
+from tierckpt.tiers.memory import MemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fault_proxy import Rule  # noqa: E402
@@ -272,3 +275,56 @@ def test_sync_never_uploads_a_node_cache_file_that_changed_since_its_save(uri: s
     assert str(cached) in synced.stderr and "fails its CRC-32C check" in synced.stderr, synced.stderr
     assert layout.CommitRecord.decode(remote_bytes(uri, layout.COMMIT)).generation == first.generation
     assert same(tierckpt.load(uri, blank(small), storage_options={"cache": False}), state(small, 1))
+
+
+MEMORY_CHILD = """
+import sys, torch, tierckpt
+from tierckpt.io.scheduler import get_scheduler
+from tierckpt.tiers import MemoryConfig
+from tierckpt.tiers.memory import MemoryTier
+want = {"w": torch.randn(512, 1024, generator=torch.Generator().manual_seed(2)), "step": 2}
+memory = MemoryConfig(directory=sys.argv[2], budget_bytes=1 << 30, exit_wait_s=0)
+tierckpt.async_save(sys.argv[1], want, storage_options={"memory": memory}).wait()  # committed in memory; S3 down
+"""
+
+
+@pytest.mark.multiproc
+def test_a_writer_killed_after_its_memory_commit_leaves_nothing_corrupt_to_sync(
+    uri: str, proxy: Any, tmp_path: Path,
+) -> None:
+    """The issue's scenario: the writer's process ends right after its memory-tier commit while S3 is down;
+    one bit of the tier file flips; ``tierckpt sync`` with S3 back exits 5 and commits nothing on S3."""
+    memdir = tmp_path / "memory-tier"
+    env = child_env(TIERCKPT_S3_ENDPOINT_URL=proxy.endpoint, TIERCKPT_MEMORY="on", TIERCKPT_MEMORY_DIR=str(memdir),
+                    TIERCKPT_CACHE="off")
+    proxy.add_rule(Rule("503", count=None))  # S3 down
+    done = subprocess.run([sys.executable, "-c", MEMORY_CHILD, uri, str(memdir)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    proxy.clear()  # S3 back
+    tier_file = next(memdir.rglob("data/rank-00000.bin"))
+    with open(tier_file, "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)[0]
+        f.seek(1000)
+        f.write(bytes([byte ^ 0x01]))
+    synced = cli("sync", uri, "--timeout", "60", env=env)
+    assert synced.returncode == 5 and "synced" not in synced.stdout, synced.stdout + synced.stderr
+    assert str(tier_file) in synced.stderr and "corrupted in node memory" in synced.stderr, synced.stderr
+    with pytest.raises(Exception, match="NoSuchKey"):
+        remote_bytes(uri, layout.COMMIT)
+
+
+def test_a_seal_records_what_the_writer_wrote_not_what_the_file_holds_now(tmp_path: Path) -> None:
+    """A tier file changed in place after its writer stamped it is sealed with the writer's CRC-32C, so
+    the manifest never vouches for the changed bytes (a file replaced under its name is read afresh)."""
+    tier = MemoryTier("s3://bucket/ckpt", MemoryConfig(directory=str(tmp_path), budget_bytes=1 << 30))
+    key = "g-00000001-0000000000000-000000000000/data/rank-00000.bin"
+    get_scheduler().run(tier.put(key, b"a" * 4096))
+    path = Path(tier.path_of(key))
+    with open(path, "r+b") as f:
+        f.write(b"b")
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    manifest = tier.seal(key.split("/")[0], origin="node-0")
+    assert dict(manifest.files)[key].crc32c == crc32c.crc32c(b"a" * 4096)
+    assert tier.verify(key.split("/")[0]) and key in tier.verify(key.split("/")[0])[0]

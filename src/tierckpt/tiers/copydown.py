@@ -5,11 +5,13 @@ tier file is plain memory: a bit flipped there after the save (a fault, a stray 
 written down and committed as if it were the checkpoint. So each copy checksums the bytes as they pass
 (one pass, in the copy itself: small files as they are read, large ones chunk by chunk as the chain
 below takes them from the tier's own pages) and compares the result with what the save recorded: the
-generation's manifest (sealed at commit) or else the file's stamp (:mod:`.stamps`, the writer's own
-count). A mismatch aborts the copy before it is published below, so the write-down of that generation
-stops loudly and the chain below keeps its previous commit. The CRC computed here is handed to a writer
-below that takes a stated one (the node disk cache, another tier), so no byte is checksummed twice.
-A file with no recorded CRC (neither sealed nor stamped: written by an older version) is copied as is.
+generation's manifest (sealed from the writers' stamps) or else the file's stamp (:mod:`.stamps`, the
+writer's own count, which a change in place does not update). A mismatch aborts the copy before it is
+published below, so the write-down of that generation stops loudly and the chain below keeps its
+previous commit. The CRC computed here is handed to a writer below that takes a stated one (the node
+disk cache, another tier), so no byte is checksummed twice. A file with no recorded CRC (neither sealed
+nor stamped: written by an older version, or the stamp lost with a file system without user attributes
+and a process gone before sealing) is copied as is.
 """
 
 from __future__ import annotations
@@ -80,14 +82,14 @@ def _recorded(tier: MemoryTier, key: str) -> FileEntry | None:
     """The size and CRC-32C the save recorded for ``key``: its generation's manifest, else its stamp."""
     generation = generation_of(key)
     sealed = tier.held(generation).get(key) if generation is not None else None
-    return sealed if sealed is not None else stamps.recall(tier.path_of(key))
+    return sealed if sealed is not None else stamps.written(tier.path_of(key))
 
 
 def _check(tier: MemoryTier, below: Backend, key: str, got: FileEntry, recorded: FileEntry | None) -> None:
     if recorded is None or got == recorded:
         return
     raise ChecksumMismatchError(
-        f"the node memory tier's copy of {tier.uri_of(key)} at {tier.path_of(key)} has {got.size} bytes with "
+        f"the node memory tier's copy of {tier.uri.rstrip('/')}/{key} at {tier.path_of(key)} has {got.size} bytes with "
         f"CRC-32C {got.crc32c:#010x}, but its save recorded {recorded.size} bytes with {recorded.crc32c:#010x}: it "
         f"was corrupted in node memory after the save, so it was not written down to {below.root_uri}, which keeps "
         "its previous commit. Load that one (storage_options={'memory': False}) or a copy on a peer node, or save "
