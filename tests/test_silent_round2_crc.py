@@ -277,6 +277,17 @@ def test_sync_never_uploads_a_node_cache_file_that_changed_since_its_save(uri: s
     assert same(tierckpt.load(uri, blank(small), storage_options={"cache": False}), state(small, 1))
 
 
+def test_a_clean_write_down_through_the_node_cache_states_the_crc_it_checked(uri: str, tmp_path: Path) -> None:
+    """The streamed copy hands the CRC-32C it checked to the node cache's writer (no second pass there):
+    the cache records it, uploads the file with it checked, and S3 holds the checkpoint bit-exactly."""
+    memdir = tmp_path / "memory-tier"
+    opts = {"memory": MemoryConfig(directory=str(memdir), budget_bytes=1 << 30, exit_wait_s=0),
+            "cache": CacheConfig(directory=str(tmp_path / "cache"), exit_wait_s=0)}
+    tierckpt.save(uri, state(BIG, 3), storage_options=opts, persist=False)
+    assert tierckpt.sync(uri, timeout_s=120, **opts) == [uri]
+    assert same(tierckpt.load(uri, blank(BIG), storage_options={"memory": False, "cache": False}), state(BIG, 3))
+
+
 MEMORY_CHILD = """
 import sys, torch, tierckpt
 from tierckpt.io.scheduler import get_scheduler
