@@ -225,7 +225,8 @@ def test_sync_never_writes_down_a_memory_tier_file_that_changed_since_its_save(
         byte = f.read(1)[0]
         f.seek(-1, 1)
         f.write(bytes([byte ^ 0x20]))
-    env = child_env(TIERCKPT_MEMORY="on", TIERCKPT_MEMORY_DIR=str(memdir), TIERCKPT_CACHE="off")
+    env = child_env(TIERCKPT_MEMORY="on", TIERCKPT_MEMORY_DIR=str(memdir), TIERCKPT_CACHE="off",
+                    TIERCKPT_CACHE_DIR=str(tmp_path / "node-cache"))
     done = cli("sync", uri, env=env)
     assert done.returncode == 5, done.stdout + done.stderr
     said = done.stderr
@@ -307,7 +308,7 @@ def test_a_writer_killed_after_its_memory_commit_leaves_nothing_corrupt_to_sync(
     one bit of the tier file flips; ``tierckpt sync`` with S3 back exits 5 and commits nothing on S3."""
     memdir = tmp_path / "memory-tier"
     env = child_env(TIERCKPT_S3_ENDPOINT_URL=proxy.endpoint, TIERCKPT_MEMORY="on", TIERCKPT_MEMORY_DIR=str(memdir),
-                    TIERCKPT_CACHE="off")
+                    TIERCKPT_CACHE="off", TIERCKPT_CACHE_DIR=str(tmp_path / "node-cache"))
     proxy.add_rule(Rule("503", count=None))  # S3 down
     done = subprocess.run([sys.executable, "-c", MEMORY_CHILD, uri, str(memdir)], env=env, capture_output=True,
                           text=True, timeout=120)
