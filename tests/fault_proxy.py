@@ -9,6 +9,7 @@
     proxy.add_rule(Rule("slow", method="GET", count=1, seconds=0.5)) # dribble the body over 0.5 s
     proxy.add_rule(Rule("tarpit", count=None))                    # read the request, never answer
     proxy.add_rule(Rule("dribble", method="GET", count=None, seconds=1.5, chunk=2048))  # 2 KiB every 1.5 s
+    proxy.add_rule(Rule("flip", method="GET", path="/data/"))        # one bit of one body flipped
     ... proxy.endpoint ...
     proxy.hits["503"], proxy.requests, proxy.close()
 
@@ -43,7 +44,8 @@ class Rule:
     """One kind of fault: ``503`` (SlowDown), ``500`` (InternalError), ``reset`` (TCP RST before any
     response), ``delay`` (sleep ``seconds`` then forward), ``slow`` (forward, body dribbled over
     ``seconds``), ``tarpit`` (read the request, answer nothing until the proxy closes), ``dribble``
-    (forward; the answer's headers at once, then ``chunk`` bytes of its body every ``seconds``)."""
+    (forward; the answer's headers at once, then ``chunk`` bytes of its body every ``seconds``), ``flip``
+    (forward, one bit of the body's middle byte flipped: a corrupted download)."""
 
     kind: str
     method: str | None = None
@@ -171,6 +173,8 @@ class FaultProxy:
             h.end_headers()
             if h.command == "HEAD" or not data:
                 return
+            if rule is not None and rule.kind == "flip":
+                data = data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0x10]) + data[len(data) // 2 + 1 :]
             if rule is not None and rule.kind == "dribble":
                 for i in range(0, len(data), rule.chunk):
                     h.wfile.write(data[i : i + rule.chunk])

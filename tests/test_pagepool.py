@@ -27,7 +27,7 @@ from tierckpt.tiers.link import MemoryLink
 from tierckpt.tiers.manifest import FileEntry
 from tierckpt.tiers.memory import SPARE_PREFIX
 from tierckpt.tiers.pagepool import MIN_BYTES, POOL_GENERATION, claim, pool_dir
-from tierckpt.tiers.writedown import _map
+from tierckpt.tiers.copydown import map_file as _map
 
 URI = "s3://bucket/run/pool"
 MIB = 1 << 20

@@ -14,9 +14,9 @@ import logging as _logging
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
-    CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
-    IncompleteCheckpointError, MissingFileError, StateMismatchError, StorageError, StoragePermissionError,
-    TransientStorageError, UnsupportedURIError,
+    CheckpointBusyError, CheckpointError, CheckpointNotFoundError, ChecksumMismatchError, CollectiveError,
+    CorruptCheckpointError, IncompleteCheckpointError, MissingFileError, StateMismatchError, StorageError,
+    StoragePermissionError, TransientStorageError, UnsupportedURIError,
 )
 
 __version__ = "0.1.0"
@@ -33,7 +33,7 @@ _LAZY: dict[str, str] = {
 """Public name -> the module that defines it, imported when the name is first used."""
 
 __all__ = [
-    "CheckpointBusyError", "CheckpointError", "CheckpointManager", "CheckpointNotFoundError", "CollectiveError", "CorruptCheckpointError", "FlatShardedTensor",
+    "CheckpointBusyError", "CheckpointError", "CheckpointManager", "CheckpointNotFoundError", "ChecksumMismatchError", "CollectiveError", "CorruptCheckpointError", "FlatShardedTensor",
     "IncompleteCheckpointError", "MissingFileError", "Monitor", "MultiSourceReader", "RNGState", "ResumableSampler", "ShardedTensor", "SaveHandle", "async_save", "StateMismatchError", "StorageError", "StoragePermissionError",
     "TransientStorageError", "UnsupportedURIError", "drop", "gc", "load", "open_tiered", "prefetch", "status", "sync", "wait", "prometheus_text", "straggler_report", "read_checkpoint", "read_state", "save",
 ]

@@ -24,6 +24,16 @@ class CorruptCheckpointError(CheckpointError):
     """Stored bytes or metadata fail validation (checksum, size, decoding, out-of-bounds ranges)."""
 
 
+class ChecksumMismatchError(CorruptCheckpointError):
+    """Bytes read fail the CRC-32C recorded for them at save time. ``key`` (relative to the checkpoint
+    root), ``start`` and ``end`` name the bytes, so a load or ``verify`` whose node cache served them can
+    drop that copy and read them again from the remote: only a mismatch there is corruption."""
+
+    def __init__(self, message: str, key: str | None = None, start: int = 0, end: int = 0) -> None:
+        super().__init__(message)
+        self.key, self.start, self.end = key, start, end
+
+
 class MissingFileError(CorruptCheckpointError):
     """A file that a committed checkpoint's metadata lists is in no store or tier the loading group reaches
     (deleted, or held only by a node that was lost before its copies reached a peer or the remote)."""

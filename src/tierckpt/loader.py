@@ -55,8 +55,8 @@ from .backends import Backend
 from .call_args import checked_uri
 from .comm import Comm
 from .errors import (
-    CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CollectiveError, CorruptCheckpointError,
-    MissingFileError, StateMismatchError,
+    CheckpointBusyError, CheckpointError, CheckpointNotFoundError, ChecksumMismatchError, CollectiveError,
+    CorruptCheckpointError, MissingFileError, StateMismatchError,
 )
 from .deadline import bounded, carried
 from .gc_pause import gc_paused
@@ -78,6 +78,7 @@ from .planner import LoadPlan, TargetPiece, Topology, plan_load, topology as rou
 from .planner.locality import assign_local_readers, relocate, spans_of
 from .planner.routes import store_kind
 from .read_step import ReadStep
+from .reread import drop_and_retry
 from .state import FlatState, flatten_state
 from .store import identity_of, memory_tier_of, open_store, without_node_cache
 from .tier_metadata import TierStart, read_from_tier, start_from_tiers
@@ -164,8 +165,9 @@ def load(
 
     Tensors, modules and optimizers are filled in place; other values are replaced in their dicts.
     ``strict=False`` loads what matches and warns about the rest. Every byte read is checked against
-    the CRC-32C of its block as it is read (a mismatch raises :class:`CorruptCheckpointError` naming the
-    file and tensor); ``check_crc=False`` skips that check, only to measure its cost. ``verify=True``
+    the CRC-32C of its block as it is read (a mismatch raises :class:`ChecksumMismatchError` naming the
+    file and tensor, once bytes a node cache served were dropped and read again from the remote:
+    :mod:`tierckpt.reread`); ``check_crc=False`` skips that check, only to measure its cost. ``verify=True``
     also checks the CRC-32C of every piece the load touches before modifying anything (a second pass).
     ``allow_pickle=True`` permits objects that need full unpickling (only for checkpoints you trust).
     ``topology`` overrides the costs the load routes are chosen by (default: the backend's kind of
@@ -192,6 +194,7 @@ def load(
             )
             read = mine.ckpt if comm.rank == 0 else None
     attempt = 0
+    reread: set[tuple[str, int, int]] = set()  # bytes a node cache served that failed their checksums
     while True:
         if start is None:
             with monitor.phase("metadata"):
@@ -207,6 +210,9 @@ def load(
         except CheckpointError as exc:
             if ckpt.pieces is not None:
                 raise  # a DCP directory has no commit to follow
+            if drop_and_retry(comm, backend, exc, reread):  # a bad cached copy: read it again from below
+                logger.warning("load of %s: a node-cache copy failed its checksum (%s); reading it again", uri, exc)
+                continue
             # Every rank raised (failures are agreed); the reader tells whether a newer commit explains it.
             moved = comm.broadcast_object(
                 newer_commit(backend, ckpt.meta.generation) is not None if comm.rank == reader else None, reader
@@ -484,9 +490,11 @@ def _verify_pieces(backend: Backend, gen: str, pieces: dict[str, list[PieceMeta]
         data = sched.run(store.get_range(layout.in_generation(gen, piece.file), piece.byte_offset,
                                          piece.byte_offset + piece.byte_length))
         if crc32c.crc32c(data) != piece.crc32c:
-            raise CorruptCheckpointError(
-                f"checksum mismatch in {piece.file!r} at bytes {piece.byte_offset}..{piece.byte_offset + piece.byte_length} "
-                f"(tensor {piece.fqn!r}, region {piece.region}): the data file is corrupt"
+            end = piece.byte_offset + piece.byte_length
+            raise ChecksumMismatchError(
+                f"checksum mismatch in {piece.file!r} at bytes {piece.byte_offset}..{end} "
+                f"(tensor {piece.fqn!r}, region {piece.region}): the data file is corrupt",
+                layout.in_generation(gen, piece.file), piece.byte_offset, end,
             )
 
 

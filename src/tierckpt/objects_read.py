@@ -17,7 +17,7 @@ import crc32c
 
 from . import layout
 from .backends import Backend
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, MissingFileError
+from .errors import ChecksumMismatchError, CheckpointNotFoundError, CorruptCheckpointError, MissingFileError
 from .io.scheduler import ReadRequest, get_scheduler
 from .local_load import LocalReads
 from .metadata import ObjectMeta
@@ -114,8 +114,9 @@ def read_objects(backend: Backend, gen: str, metas: set[ObjectMeta]) -> dict[Obj
         for meta in group:
             data = bytes(buf[meta.byte_offset - start : meta.byte_offset - start + meta.byte_length])
             if crc32c.crc32c(data) != meta.crc32c:
-                raise CorruptCheckpointError(
-                    f"checksum mismatch for object {meta.key!r} in {meta.file!r} at byte {meta.byte_offset}"
+                raise ChecksumMismatchError(
+                    f"checksum mismatch for object {meta.key!r} in {meta.file!r} at byte {meta.byte_offset}",
+                    layout.in_generation(gen, meta.file), meta.byte_offset, meta.byte_offset + meta.byte_length,
                 )
             out[meta] = data
     return out

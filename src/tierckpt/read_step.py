@@ -26,6 +26,7 @@ import torch
 from . import layout
 from .backends import Backend
 from .comm import Comm
+from .errors import CorruptCheckpointError
 from .io.coalesce import GAPS_UNREAD, Taken, coalesce, read_group
 from .io.readcheck import DIGEST_RUN_BYTES, RUN_DIGEST, ReadChecker, checking_ranks
 from .io.scheduler import DEFAULT_PART_BYTES, ReadRequest, get_scheduler
@@ -131,15 +132,24 @@ class ReadStep:
         self.taken = Taken((u.file, u.run_offsets, u.run_bytes) for u in plan.units) if self.coalesce else None
 
     def run(self) -> None:
+        """Read, check and deliver every round. A unit that fails its checksum does not end this rank's
+        rounds: the other ranks wait for its part of each exchange, so it keeps exchanging and raises the
+        first mismatch after the last round (the load's agreement then fails on every rank, in time)."""
         rounds = list(zip(self.plan.rounds, self.plan.exchanges))
         pending = self._start(rounds[0][0]) if rounds else None
+        mismatch: CorruptCheckpointError | None = None
         for k, (_, exchange) in enumerate(rounds):
             current = pending
             current.landed.result()
             pending = self._start(rounds[k + 1][0]) if k + 1 < len(rounds) else None  # overlaps round k's checks
-            current.reads.result()
+            try:
+                current.reads.result()
+            except CorruptCheckpointError as exc:
+                mismatch = mismatch or exc
             with torch.no_grad():
                 self._deliver_round(current, exchange)
+        if mismatch is not None:
+            raise mismatch
 
     def _send_layout(self, indices: tuple[int, ...]) -> tuple[list[int], dict[tuple[int, int], int]]:
         """Bytes this rank sends each rank in a round, and where each delivery to another rank lies in

@@ -43,7 +43,8 @@ from .tiers.linkstatus import LinkStatus
 from .tiers.memory import MemoryTier, NodeMemory
 
 __all__ = [
-    "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s", "identity_of",
+    "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s", "forget_cached",
+    "identity_of",
     "memory_config_for", "memory_keys_under", "memory_levels", "memory_tier_of", "node_cache_over",
     "node_only_reason", "open_cached_store", "open_store", "Revocable", "revocable_of", "uploader_of",
     "without_node_cache",
@@ -210,6 +211,17 @@ def without_node_cache(store: Backend) -> Backend:
     if isinstance(store, MemoryLink):  # a DCP directory has no generation: the link would only pass it through
         store = store.below
     return store.link if isinstance(store, TieredBackend) else store
+
+
+def forget_cached(store: Backend, ranges: set[tuple[str, int, int]]) -> bool:
+    """Drop the node cache's copies of ``ranges`` (``(key, start, end)`` of ``store``) that failed their
+    checksums, so they are read again from below (:meth:`TieredBackend.forget_cached`); ``True`` if the
+    chain has a node cache and it dropped any."""
+    cache = store.below if isinstance(store, MemoryLink) else store
+    if not isinstance(cache, TieredBackend) or not ranges:
+        return False
+    sched = get_scheduler()
+    return any([sched.run(cache.forget_cached(key, start, end)) for key, start, end in sorted(ranges)])
 
 
 def durability_of(store: Backend) -> Durable | None:

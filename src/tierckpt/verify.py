@@ -39,7 +39,7 @@ from .io.scheduler import ReadRequest, get_scheduler
 from .loader import Checkpoint, read_checkpoint, read_pieces
 from .metadata import PieceMeta, TensorMeta
 from .regions import Box, Region, StoredBox, stored_boxes
-from .store import node_only_reason, open_store
+from .store import forget_cached, node_only_reason, open_store
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 
@@ -276,10 +276,30 @@ def _check_checksums(
             readable.append(item)
     total = sum(i.byte_length for i in readable)
     bar = _progress_bar(total) if progress else None
-    buffer = bytearray(max(1, min(chunk_bytes, total)))
     gen = ckpt.meta.generation
+    bad = _stream(backend, gen, readable, chunk_bytes, bar)
+    if bar is not None:
+        bar.close()
+    # Bytes a node cache served may have been corrupted on their way into it: drop those copies and read
+    # the failing items again from the remote (tierckpt.reread); only a mismatch there is reported.
+    if bad and forget_cached(backend, {(layout.in_generation(gen, i.file), i.byte_offset, i.byte_offset + i.byte_length) for i in bad}):
+        for item in bad:
+            item.crc = 0
+        bad = _stream(backend, gen, bad, chunk_bytes, None)
+    for item in bad:
+        problems.append(_item_problem(item, item.problem["kind"], f"checksum mismatch (stored {item.expected:#010x}, read {item.crc:#010x})"))
+    for item in readable:
+        if item.byte_length == 0 and item.expected != 0:
+            problems.append(_item_problem(item, item.problem["kind"], f"checksum mismatch (stored {item.expected:#010x} for 0 bytes)"))
+    return total
+
+
+def _stream(backend: Backend, gen: str, items: list[_Item], chunk_bytes: int, bar: Any) -> list[_Item]:
+    """Read ``items`` through CRC-32C in batches of at most ``chunk_bytes``; the items whose CRC differs."""
+    bad: list[_Item] = []
+    buffer = bytearray(max(1, min(chunk_bytes, sum(i.byte_length for i in items))))
     sched = get_scheduler()
-    for batch in _batches(readable, chunk_bytes):
+    for batch in _batches(items, chunk_bytes):
         view = memoryview(buffer)
         requests, cursor = [], 0
         for item, start, length in batch:
@@ -289,15 +309,10 @@ def _check_checksums(
         for (item, start, length), req in zip(batch, requests):
             item.crc = crc32c.crc32c(req.out, item.crc)
             if start + length == item.byte_length and item.crc != item.expected:
-                problems.append(_item_problem(item, item.problem["kind"], f"checksum mismatch (stored {item.expected:#010x}, read {item.crc:#010x})"))
+                bad.append(item)
         if bar is not None:
             bar.update(cursor)
-    if bar is not None:
-        bar.close()
-    for item in readable:
-        if item.byte_length == 0 and item.expected != 0:
-            problems.append(_item_problem(item, item.problem["kind"], f"checksum mismatch (stored {item.expected:#010x} for 0 bytes)"))
-    return total
+    return bad
 
 
 def _batches(items: list[_Item], chunk_bytes: int) -> Iterator[list[tuple[_Item, int, int]]]:

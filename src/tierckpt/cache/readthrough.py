@@ -4,7 +4,16 @@ Tiers, fastest first: the in-process memory tier (whole small immutable objects)
 (objects written through this node whole; remote objects up to ``block_bytes`` whole, larger ones as
 aligned blocks, each with its CRC-32C checked on every read), then the remote through the store's
 scheduling link. A failing cached copy that the remote holds is dropped and fetched again; one that
-has not reached the remote raises. ``COMMIT`` records are the only mutable objects: with nothing
+has not reached the remote raises.
+
+What is fetched is recorded with the CRC-32C of the bytes as they arrived, which guards the copy against
+the local disk but cannot tell a download corrupted on the way: the cache does not know a checkpoint's
+checksums. Those bytes are verified on first read instead: every load (and ``verify``) checks each byte it
+reads against the CRCs recorded at save time, and a mismatch in bytes a node cache served drops that copy
+(:meth:`ReadThroughMixin.forget_cached`) and reads them again from the remote; only a mismatch there is
+corruption. This costs nothing on the hot path — the load's own check is the verification, where checking
+at fetch time would checksum every fetched byte a second time against a piece table the cache would have
+to read — and a bad download poisons nothing: its first reader drops it. ``COMMIT`` records are the only mutable objects: with nothing
 pending they are read from the remote (the cached copy serves only while the remote is unreachable).
 """
 
@@ -64,6 +73,31 @@ class ReadThroughMixin:
             if self.catalog.drop(self.rh, key, tree=rec.tree):
                 await asyncio.to_thread(unlink, path)
         return None
+
+    async def forget_cached(self, key: str, start: int, end: int) -> bool:
+        """Drop this node's cached copies of bytes ``[start, end)`` of ``key`` (the blocks holding them, or
+        the whole object) that the remote holds, so the next read fetches them again; ``True`` if any was
+        dropped. Called when the bytes failed the checksums recorded at save time (see the module
+        docstring). A copy that has not reached the remote yet is kept: it is the only one."""
+        validate_key(key)
+        if is_mutable(key):
+            return False
+        dropped = self._memory.get(key) is not None
+        self._memory.drop(key)
+        rec = self.catalog.obj(self.rh, key)
+        if rec is not None and not (rec.tree == Tree.WRITTEN and self.catalog.pending(self.rh, key) is not None):
+            if self.catalog.drop(self.rh, key, tree=rec.tree):
+                await asyncio.to_thread(unlink, self._tree(rec.tree).path_of(key))
+                dropped = True
+        b = self.config.block_bytes
+        for idx in range(start // b, max(start, end - 1) // b + 1):
+            if self.catalog.drop(self.rh, key, idx):
+                await asyncio.to_thread(unlink, self._blocks.path_of(self._block_key(key, idx)))
+                dropped = True
+        if dropped:
+            logger.warning("bytes %d..%d of %s failed their checksum: dropped the node-cache copy; reading them "
+                           "again from the remote", start, end, self.uri_of(key))
+        return dropped
 
     async def _store_fetched(self, key: str, data: bytes) -> None:
         if len(data) <= self.config.block_bytes:

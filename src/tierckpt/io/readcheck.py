@@ -40,7 +40,7 @@ import numpy as np
 
 from .. import layout
 from ..backends import Backend
-from ..errors import CorruptCheckpointError
+from ..errors import ChecksumMismatchError
 from ..metadata import PieceMeta
 from .crc import RAW_INIT, shift, zeros_crc
 from .scheduler import get_scheduler
@@ -274,14 +274,15 @@ class ReadChecker:
             if crc32c.crc32c(data) != crcs[b]:
                 raise self._mismatch(piece, b)
 
-    def _mismatch(self, piece: PieceMeta, b: int) -> CorruptCheckpointError:
+    def _mismatch(self, piece: PieceMeta, b: int) -> ChecksumMismatchError:
         block, _ = piece.blocks()
         start = piece.byte_offset + b * block
         end = min(start + block, piece.byte_offset + piece.byte_length)
-        return CorruptCheckpointError(
-            f"checksum mismatch in data file {layout.in_generation(self.generation, piece.file)!r} at bytes "
-            f"{start}..{end} (tensor {piece.fqn!r}, region {piece.region}): the checkpoint is corrupt; "
-            "load an earlier checkpoint or restore this one from another copy"
+        key = layout.in_generation(self.generation, piece.file)
+        return ChecksumMismatchError(
+            f"checksum mismatch in data file {key!r} at bytes {start}..{end} (tensor {piece.fqn!r}, region "
+            f"{piece.region}): the checkpoint is corrupt; load an earlier checkpoint or restore this one from "
+            "another copy", key, start, end,
         )
 
 

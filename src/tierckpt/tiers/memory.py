@@ -327,8 +327,9 @@ class MemoryTier(LocalBackend):
 
     def seal(self, generation: str, *, origin: str, keys: Iterable[str] | None = None) -> Manifest:
         """Write the manifest of the files ``origin`` put in ``generation``: ``keys``, or by default every
-        file of the generation that no other origin's manifest lists. CRCs computed while this object
-        wrote a file are reused; other files are read once."""
+        file of the generation that no other origin's manifest lists. Each file's entry is what its writer
+        stamped it with (:func:`.stamps.written`: a file changed in place since keeps its writer's CRC, so
+        the change is caught by every later check); unstamped files are read once."""
         listed = {k for m in self.manifests(generation) if m.origin != origin for k, _ in m.files}
         chosen = sorted(keys) if keys is not None else [k for k in self.keys_of(generation) if k not in listed]
         files = []
@@ -342,7 +343,7 @@ class MemoryTier(LocalBackend):
 
     def _entry(self, key: str) -> FileEntry:
         path = self.path_of(key)
-        return stamps.recall(path) or file_crc(path)
+        return stamps.written(path) or file_crc(path)
 
     def record(self, manifest: Manifest) -> None:
         """Write ``manifest`` (atomically; it replaces an earlier one of the same origin)."""

@@ -53,6 +53,24 @@ def recall(path: str) -> FileEntry | None:
     return FileEntry(size, crc)
 
 
+def written(path: str) -> FileEntry | None:
+    """The entry ``path``'s writer stamped it with, while it is the same inode — even if its size or
+    modification time changed since: the file was then changed in place after it was written (a pooled
+    file reused for new bytes drops its stamp first, :func:`forget`), and the stamp still says what its
+    writer wrote, which a check of the file (a seal, a write-down) must compare against. ``None``: never
+    stamped, or another inode under the name."""
+    st = os.stat(path)
+    try:
+        stamp = os.getxattr(path, _XATTR)
+    except OSError:
+        with _LOCK:
+            stamp = _TABLE.get(path, b"")
+    if len(stamp) != _FORMAT.size:
+        return None
+    size, crc, inode, _ = _FORMAT.unpack(stamp)
+    return FileEntry(size, crc) if inode == st.st_ino else None
+
+
 def forget(path: str) -> None:
     """Remove ``path``'s stamp: its inode is about to be written over (a pooled file claimed for reuse:
     same inode, maybe the same size, and a rewrite within one clock tick keeps the modification time)."""

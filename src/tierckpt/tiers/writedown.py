@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import mmap
 import os
 import threading
 import time
@@ -27,16 +26,19 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 from ..backends.base import Unconditional
-from ..backends.file_open import open_shared
 from ..comm import describe_error
 from ..bounded import MAX_RECORD_BYTES, read_capped
-from ..errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, StorageError, TransientStorageError
+from ..errors import (
+    CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError,
+    TransientStorageError,
+)
 from ..io.calls import Waiting
 from ..io.scheduled import set_background
 from ..io.scheduler import get_scheduler
 from ..layout import COMMIT, CommitRecord
 from ..retry import backoff_s
 from .config import DIR_ENV
+from .copydown import copy_down
 from .downlog import PERSIST, generation_of, write_back_of
 
 if TYPE_CHECKING:
@@ -44,7 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_COPY_CHUNK = 8 << 20
 _POLL_S = 0.05
 _REMOTE_POLL_MAX_S = 1.0
 """A wait that is left with another node's ``COMMIT`` to find below asks the chain below (a remote GET
@@ -88,6 +89,8 @@ class WriteDown:
         self.deferred: list[concurrent.futures.Future[None]] = []
         self.failures: dict[str, tuple[str, bool]] = {}
         """key -> (why its copy failed, whether for good); cleared when it succeeds."""
+        self.corrupt: dict[str, CorruptCheckpointError] = {}
+        """key -> why its copy was refused for good: its bytes differ from what the save recorded."""
         with _ACTIVE_LOCK:
             _ACTIVE.add(self)
 
@@ -141,47 +144,21 @@ class WriteDown:
                 continue
             except CheckpointError as exc:
                 self.failures[key] = (describe_error(exc), True)
+                if isinstance(exc, CorruptCheckpointError):
+                    self.corrupt[key] = exc
                 await asyncio.to_thread(down.append, generation, "failed", key, describe_error(exc))
                 raise
             await asyncio.to_thread(down.append, generation, "done", key)
             break
         self.failures.pop(key, None)
+        self.corrupt.pop(key, None)
 
     async def _file(self, key: str, job: _Job) -> None:
         set_background()
         await self._retrying(key, generation_of(key) or "", lambda: self._copy(key), job)
 
     async def _copy(self, key: str) -> None:
-        below, path = self.link.below, self.link.memory_tier.path_of(key)
-        try:
-            size = os.path.getsize(path)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{self.link.memory_tier.uri_of(key)} left the memory tier before it was written down") from None
-        if size <= _COPY_CHUNK:
-            data = await asyncio.to_thread(_read, path)
-            await below.put(key, data)
-            return
-        # The chain below reads the tier's own pages (a published tier file never changes or shrinks):
-        # no copy into fresh buffers, whose allocation would fault in new pages for every chunk.
-        try:
-            mapping = await asyncio.to_thread(_map, path)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{self.link.memory_tier.uri_of(key)} left the memory tier before it was written down") from None
-        view = memoryview(mapping)
-        try:
-            writer = await below.open_writer(key)
-        except BaseException:
-            _unmap(mapping, view)
-            raise
-        try:
-            for offset in range(0, len(mapping), _COPY_CHUNK):
-                await writer.write(view[offset: offset + _COPY_CHUNK])
-            await writer.close()
-        except BaseException:
-            await writer.abort()
-            raise
-        finally:
-            _unmap(mapping, view)
+        await copy_down(self.link.memory_tier, self.link.below, key)
 
     # -- commits ---------------------------------------------------------------------------------------
     async def _commit(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
@@ -298,6 +275,11 @@ class WriteDown:
             for job in jobs:
                 if job.done() and not job.cancelled() and job.exception() is not None:
                     failed.setdefault(name or COMMIT, describe_error(job.exception()))
+            corrupt = sorted((k, e) for k, e in self.corrupt.items() if name is None or generation_of(k) == name)
+            if corrupt:  # a tier file that differs from its save: no fix of the storage helps
+                raise CorruptCheckpointError(
+                    f"the write-down of {link.memory_tier.uri} from the node memory tier stopped: {corrupt[0][1]}"
+                ) from corrupt[0][1]
             if failed:
                 key, why = sorted(failed.items())[0]
                 raise StorageError(
@@ -373,6 +355,7 @@ class WriteDown:
             for key in [k for k in w.files if hit(k)]:
                 del w.files[key]
                 w.failures.pop(key, None)
+                w.corrupt.pop(key, None)
             for gen in [g for g in w.commits if not exact and hit(f"{g}/")]:
                 del w.commits[gen]
 
@@ -422,31 +405,11 @@ async def drop_tier(home: str) -> None:
         w.files.clear()
         w.commits.clear()
         w.failures.clear()
+        w.corrupt.clear()
 
 
 def _running(job: _Job | None) -> bool:
     return job is not None and not job.done()
-
-
-def _read(path: str) -> bytes:
-    with open(open_shared(path), "rb") as f:
-        return f.read()
-
-
-def _unmap(mapping: mmap.mmap, view: memoryview) -> None:
-    """Unmap now, or (a writer below still holds a view of it) when its last view goes."""
-    try:
-        view.release()
-        mapping.close()
-    except BufferError:
-        pass
-
-
-def _map(path: str) -> mmap.mmap:
-    """The tier file at ``path`` mapped read-only (its pages already in memory: populated at once), under
-    its shared lock (:mod:`.pagepool`), held by the mapping's own descriptor until it is closed."""
-    with open(open_shared(path), "rb", buffering=0) as f:
-        return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
 
 def sync_command(link: MemoryLink) -> str:
