@@ -1,0 +1,127 @@
+"""tierckpt.integrations.transformers against the real transformers Trainer (tiny GPT-2 from a config, CPU)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed  # noqa: E402
+
+import tierckpt  # noqa: E402
+from tierckpt.errors import CheckpointError, CheckpointNotFoundError  # noqa: E402
+from tierckpt.integrations.transformers import TierckptTrainer, checkpoint_steps, latest_checkpoint  # noqa: E402
+
+STEPS = 10
+SAVE_EVERY = 3  # 4 batches per epoch: checkpoint-6 falls inside the second epoch (batches skipped on resume)
+
+
+def tiny_model() -> GPT2LMHeadModel:
+    """2 layers, 16 wide, dropout on (so the RNG state matters)."""
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0))
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [{"input_ids": torch.randint(0, 64, (8,), generator=g), "labels": torch.randint(0, 64, (8,), generator=g)}
+            for _ in range(16)]
+
+
+class CountSteps(TrainerCallback):
+    """The global steps this trainer ran itself."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        self.steps.append(state.global_step)
+
+
+def make(cls: type[Trainer], output_dir: Path, **kwargs) -> tuple[Trainer, CountSteps]:
+    set_seed(0)
+    args = TrainingArguments(
+        output_dir=str(output_dir), max_steps=STEPS, per_device_train_batch_size=4, use_cpu=True, report_to=[],
+        save_strategy="steps", save_steps=SAVE_EVERY, seed=1, disable_tqdm=True, logging_steps=1,
+        **kwargs.pop("args", {}),
+    )
+    counter = CountSteps()
+    return cls(model=tiny_model(), args=args, train_dataset=dataset(), callbacks=[counter], **kwargs), counter
+
+
+def assert_same_training(a: Trainer, b: Trainer) -> None:
+    """Bit-exact weights, optimizer state and lr, scheduler, global step."""
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        assert torch.equal(pa[name], pb[name]), name
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert sa["state"].keys() == sb["state"].keys() and sa["state"]
+    for index, moments in sa["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(value, sb["state"][index][key]), (index, key)
+    assert sa["param_groups"] == sb["param_groups"]
+    assert a.lr_scheduler.state_dict() == b.lr_scheduler.state_dict()
+    assert a.state.global_step == b.state.global_step == STEPS
+
+
+def test_resume_is_bit_exact_against_an_uninterrupted_run(tmp_path: Path) -> None:
+    full, _ = make(TierckptTrainer, tmp_path / "full")
+    full.train()
+    saved = checkpoint_steps(str(tmp_path / "full"))
+    assert list(saved) == [3, 6, 9, 10]  # and at the end, as Trainer does
+    # Saved through tierckpt, not Trainer's files.
+    assert not (tmp_path / "full" / "checkpoint-6" / "optimizer.pt").exists()
+    meta = tierckpt.read_checkpoint(tierckpt.store.open_store(saved[6]))
+    assert {o.key.split(".")[0] for o in meta.meta.objects} >= {"trainer_state", "lr_scheduler", "rng", "hf_config"}
+
+    # A run interrupted after step 6: its output holds checkpoint-6 only.
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-6", run / "checkpoint-6")
+    resumed, counter = make(TierckptTrainer, run)
+    assert latest_checkpoint(str(run)) == f"{run}/checkpoint-6"
+    resumed.train(resume_from_checkpoint=True)
+    assert counter.steps == [7, 8, 9, 10]
+    assert_same_training(full, resumed)
+
+
+def test_plain_trainer_resume_is_bit_exact_too(tmp_path: Path) -> None:
+    """The reference: transformers' own checkpoints resume exactly, so exactness is what tierckpt must give."""
+    full, _ = make(Trainer, tmp_path / "full", args={"save_only_model": False})
+    full.train()
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-6", run / "checkpoint-6")
+    resumed, counter = make(TierckptTrainer, run)  # a plain Trainer checkpoint folder resumes as Trainer does
+    resumed.train(resume_from_checkpoint=str(run / "checkpoint-6"))
+    assert counter.steps == [7, 8, 9, 10]
+    assert_same_training(full, resumed)
+
+
+def test_checkpoint_uri_and_save_total_limit(tmp_path: Path) -> None:
+    trainer, _ = make(TierckptTrainer, tmp_path / "out", checkpoint_uri=str(tmp_path / "ckpts"),
+                      args={"save_total_limit": 2})
+    trainer.train()
+    assert list(checkpoint_steps(str(tmp_path / "ckpts"))) == [9, 10]
+    assert sorted(os.listdir(tmp_path / "ckpts")) == ["checkpoint-10", "checkpoint-9"]
+    assert not any(n.startswith("checkpoint-") for n in os.listdir(tmp_path / "out"))
+
+
+def test_resume_without_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    trainer, _ = make(TierckptTrainer, tmp_path / "out")
+    (tmp_path / "out").mkdir(exist_ok=True)
+    with pytest.raises(CheckpointNotFoundError, match=r"no committed checkpoint-N under .*out"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_load_best_model_at_end_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="load_best_model_at_end"):
+        make(TierckptTrainer, tmp_path / "out", eval_dataset=dataset(), args={
+            "load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": SAVE_EVERY,
+        })
