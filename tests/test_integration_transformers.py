@@ -125,3 +125,60 @@ def test_load_best_model_at_end_is_refused(tmp_path: Path) -> None:
         make(TierckptTrainer, tmp_path / "out", eval_dataset=dataset(), args={
             "load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": SAVE_EVERY,
         })
+
+
+# -- a save_pretrained folder loads in place ---------------------------------------------------------------
+def assert_same_model(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+@pytest.mark.parametrize("shard", [None, "10KB"], ids=["single", "sharded"])
+def test_save_pretrained_folder_loads_in_place(tmp_path: Path, shard: str | None) -> None:
+    torch.manual_seed(0)
+    saved = tiny_model()
+    saved.save_pretrained(tmp_path / "hf", **({"max_shard_size": shard} if shard else {}))
+    files = sorted(os.listdir(tmp_path / "hf"))
+    if shard:
+        assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 1
+    else:
+        assert "model.safetensors" in files
+    torch.manual_seed(1)
+    loaded = tiny_model()
+    tierckpt.load(str(tmp_path / "hf"), {"model": loaded})
+    assert_same_model(saved, loaded)
+    # GPT-2 ties lm_head to wte and save_pretrained leaves lm_head out: it reads the embedding's bytes.
+    ckpt = tierckpt.read_checkpoint(tierckpt.store.open_store(str(tmp_path / "hf")), accept_dcp=True)
+    assert "model.lm_head.weight" in ckpt.tensors and "model.transformer.wte.weight" in ckpt.tensors
+
+
+def test_untied_output_embedding_must_be_in_the_folder(tmp_path: Path) -> None:
+    """Without tied embeddings nothing is made up: a folder missing lm_head.weight fails the strict load."""
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16, tie_word_embeddings=False)
+    saved = GPT2LMHeadModel(config)
+    saved.save_pretrained(tmp_path / "hf")
+    loaded = GPT2LMHeadModel(config)
+    tierckpt.load(str(tmp_path / "hf"), {"model": loaded})
+    assert_same_model(saved, loaded)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(tierckpt.StateMismatchError, match="model.lm_head.weight"):
+        tierckpt.load(str(tmp_path / "hf"), {"model": GPT2LMHeadModel(config)})
+
+
+def test_bad_safetensors_header_and_verify_are_refused(tmp_path: Path) -> None:
+    tiny_model().save_pretrained(tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="safetensors folder .*records no checksums"):
+        tierckpt.load(str(tmp_path / "hf"), {"model": tiny_model()}, verify=True)
+    path = tmp_path / "hf" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[0:8] = (len(data) + 1).to_bytes(8, "little")  # a header longer than the file
+    path.write_bytes(bytes(data))
+    with pytest.raises(tierckpt.CorruptCheckpointError, match=r"model.safetensors.*claims a header of"):
+        tierckpt.load(str(tmp_path / "hf"), {"model": tiny_model()})
