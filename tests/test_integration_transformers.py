@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,44 +14,22 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer  # noqa: E402
 
 import tierckpt  # noqa: E402
+from hf_trainer_child import STEPS, CountSteps, dataset, tiny_model, training_args  # noqa: E402
+from processes import communicate_all  # noqa: E402
+from conftest import free_port  # noqa: E402
 from tierckpt.errors import CheckpointError, CheckpointNotFoundError  # noqa: E402
 from tierckpt.integrations.transformers import TierckptTrainer, checkpoint_steps, latest_checkpoint  # noqa: E402
 
-STEPS = 10
-SAVE_EVERY = 3  # 4 batches per epoch: checkpoint-6 falls inside the second epoch (batches skipped on resume)
-
-
-def tiny_model() -> GPT2LMHeadModel:
-    """2 layers, 16 wide, dropout on (so the RNG state matters)."""
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0))
-
-
-def dataset() -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(5)
-    return [{"input_ids": torch.randint(0, 64, (8,), generator=g), "labels": torch.randint(0, 64, (8,), generator=g)}
-            for _ in range(16)]
-
-
-class CountSteps(TrainerCallback):
-    """The global steps this trainer ran itself."""
-
-    def __init__(self) -> None:
-        self.steps: list[int] = []
-
-    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
-        self.steps.append(state.global_step)
+CHILD = str(Path(__file__).parent / "hf_trainer_child.py")
 
 
 def make(cls: type[Trainer], output_dir: Path, **kwargs) -> tuple[Trainer, CountSteps]:
-    set_seed(0)
-    args = TrainingArguments(
-        output_dir=str(output_dir), max_steps=STEPS, per_device_train_batch_size=4, use_cpu=True, report_to=[],
-        save_strategy="steps", save_steps=SAVE_EVERY, seed=1, disable_tqdm=True, logging_steps=1,
-        **kwargs.pop("args", {}),
-    )
+    """A trainer of the tiny run: 4 batches per epoch, a checkpoint every 3 steps (checkpoint-6 falls inside
+    the second epoch, so a resume skips batches and restores the RNG there)."""
+    args = training_args(str(output_dir), **kwargs.pop("args", {}))
     counter = CountSteps()
     return cls(model=tiny_model(), args=args, train_dataset=dataset(), callbacks=[counter], **kwargs), counter
 
@@ -123,7 +103,7 @@ def test_resume_without_a_checkpoint_is_refused(tmp_path: Path) -> None:
 def test_load_best_model_at_end_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="load_best_model_at_end"):
         make(TierckptTrainer, tmp_path / "out", eval_dataset=dataset(), args={
-            "load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": SAVE_EVERY,
+            "load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3,
         })
 
 
@@ -182,3 +162,41 @@ def test_bad_safetensors_header_and_verify_are_refused(tmp_path: Path) -> None:
     path.write_bytes(bytes(data))
     with pytest.raises(tierckpt.CorruptCheckpointError, match=r"model.safetensors.*claims a header of"):
         tierckpt.load(str(tmp_path / "hf"), {"model": tiny_model()})
+
+
+# -- DDP, 2 ranks --------------------------------------------------------------------------------------
+def run_ddp(mode: str, output_dir: Path, result: Path, world: int = 2) -> list[dict]:
+    """``world`` ranks of hf_trainer_child.py on gloo (torchrun's variables); each rank's result."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, CHILD, mode, str(output_dir), str(result)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for rank, done in enumerate(communicate_all(procs, 240, f"DDP {mode} run")):
+        assert done.returncode == 0, f"rank {rank}:\n{done.stderr[-4000:]}"
+    return [torch.load(f"{result}-{rank}.pt", weights_only=True) for rank in range(world)]
+
+
+@pytest.mark.multiproc
+def test_ddp_two_ranks_resume_is_bit_exact(tmp_path: Path) -> None:
+    full = run_ddp("full", tmp_path / "full", tmp_path / "full-result")
+    assert full[0]["world"] == 2
+    assert list(checkpoint_steps(str(tmp_path / "full"))) == [5, 10]
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-5", run / "checkpoint-5")
+    resumed = run_ddp("resume", run, tmp_path / "resumed-result")
+    for rank in range(2):
+        a, b = full[rank], resumed[rank]
+        assert b["steps"] == [6, 7, 8, 9, 10]
+        assert a["params"].keys() == b["params"].keys()
+        for name in a["params"]:
+            assert torch.equal(a["params"][name], b["params"][name]), (rank, name)
+        for index, moments in a["optimizer"]["state"].items():
+            for key, value in moments.items():
+                assert torch.equal(value, b["optimizer"]["state"][index][key]), (rank, index, key)
+        assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+        assert a["scheduler"] == b["scheduler"]
