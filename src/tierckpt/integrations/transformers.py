@@ -41,6 +41,7 @@ import logging
 import os
 import re
 import tempfile
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -120,6 +121,12 @@ class TierckptTrainer(Trainer):
             raise CheckpointError(
                 "TierckptTrainer does not support DeepSpeed (its engine saves and loads its own checkpoints); "
                 "use transformers.Trainer with DeepSpeed, or DDP/FSDP with TierckptTrainer"
+            )
+        if self.args.push_to_hub:
+            warnings.warn(
+                "TierckptTrainer does not push checkpoints to the Hub (their files are tierckpt's); "
+                "push a save_pretrained folder (trainer.save_model(), then trainer.push_to_hub())",
+                stacklevel=2,
             )
         self.checkpoint_uri = checkpoint_uri
         self.storage_options = dict(storage_options or {})
