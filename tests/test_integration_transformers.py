@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -163,6 +164,38 @@ def test_bad_safetensors_header_and_verify_are_refused(tmp_path: Path) -> None:
     with pytest.raises(tierckpt.CorruptCheckpointError, match=r"model.safetensors.*claims a header of"):
         tierckpt.load(str(tmp_path / "hf"), {"model": tiny_model()})
 
+
+
+def test_inspect_names_a_safetensors_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tierckpt import cli
+
+    tiny_model().save_pretrained(tmp_path / "hf")
+    assert cli.main(["inspect", str(tmp_path / "hf"), "--json"]) == cli.EXIT_OK
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["format"] == "safetensors" and doc["created"] is None
+    assert {t["fqn"] for t in doc["tensors"]} >= {"model.transformer.wte.weight", "model.lm_head.weight"}
+    assert cli.main(["inspect", str(tmp_path / "hf")]) == cli.EXIT_OK
+    assert "Hugging Face safetensors folder, read in place" in capsys.readouterr().out
+
+
+def test_checkpoints_on_s3_resume_exactly(tmp_path: Path, s3_server: str, s3_bucket_uri: str) -> None:
+    """checkpoint_uri on S3: saved there, the latest found by listing the bucket, resumed from it."""
+    full, _ = make(TierckptTrainer, tmp_path / "full", checkpoint_uri=f"{s3_bucket_uri}/full")
+    full.train()
+    assert list(checkpoint_steps(f"{s3_bucket_uri}/full")) == [3, 6, 9, 10]
+    assert not (tmp_path / "full").exists() or not os.listdir(tmp_path / "full")
+    # The resumed run's URI holds checkpoint-6 only (copied object by object).
+    import boto3
+
+    bucket, prefix = s3_bucket_uri.removeprefix("s3://").split("/", 1)
+    client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    for item in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/full/checkpoint-6/")["Contents"]:
+        key = item["Key"].replace("/full/", "/run/", 1)
+        client.copy_object(Bucket=bucket, Key=key, CopySource={"Bucket": bucket, "Key": item["Key"]})
+    resumed, counter = make(TierckptTrainer, tmp_path / "run", checkpoint_uri=f"{s3_bucket_uri}/run")
+    resumed.train(resume_from_checkpoint=True)
+    assert counter.steps == [7, 8, 9, 10]
+    assert_same_training(full, resumed)
 
 # -- DDP, 2 ranks --------------------------------------------------------------------------------------
 def run_ddp(mode: str, output_dir: Path, result: Path, world: int = 2) -> list[dict]:
