@@ -46,10 +46,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import Trainer
-from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+try:
+    from transformers import Trainer
+    from transformers.trainer import TRAINER_STATE_NAME
+    from transformers.trainer_callback import ExportableState
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+except ImportError as exc:
+    raise ImportError(
+        f'tierckpt.integrations.transformers needs transformers 5.x and accelerate ({exc}): pip install "tierckpt[transformers]"'
+    ) from exc
 
 from .. import layout
 from ..errors import CheckpointError, CheckpointNotFoundError
