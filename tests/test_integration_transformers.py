@@ -101,6 +101,35 @@ def test_resume_without_a_checkpoint_is_refused(tmp_path: Path) -> None:
         trainer.train(resume_from_checkpoint=True)
 
 
+def test_save_only_model_resumes_the_model_alone(tmp_path: Path) -> None:
+    full, _ = make(TierckptTrainer, tmp_path / "full", args={"save_only_model": True})
+    full.train()
+    ckpt = tierckpt.read_checkpoint(tierckpt.store.open_store(str(tmp_path / "full" / "checkpoint-6")))
+    assert {k.split(".")[0] for k in [*ckpt.tensors, *(o.key for o in ckpt.meta.objects)]} == {
+        "model", "trainer_state", "hf_config"}
+    resumed, counter = make(TierckptTrainer, tmp_path / "full")
+    seen = {}
+    original = resumed._load_from_checkpoint
+
+    def spy(path: str, model: torch.nn.Module | None = None) -> None:
+        original(path, model)
+        seen.update({n: p.detach().clone() for n, p in resumed.model.named_parameters()})
+
+    resumed._load_from_checkpoint = spy
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-6"))
+    assert counter.steps == [7, 8, 9, 10]
+    expected = tiny_model()
+    tierckpt.load(str(tmp_path / "full" / "checkpoint-6"), {"model": expected})
+    for name, value in expected.named_parameters():
+        assert torch.equal(seen[name], value), name
+
+
+def test_resume_from_a_checkpoint_without_trainer_state_is_refused(tmp_path: Path) -> None:
+    tierckpt.save(str(tmp_path / "plain"), {"model": tiny_model()})
+    trainer, _ = make(TierckptTrainer, tmp_path / "out")
+    with pytest.raises(CheckpointError, match=r"holds no 'trainer_state': it was not saved by TierckptTrainer"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "plain"))
+
 def test_load_best_model_at_end_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="load_best_model_at_end"):
         make(TierckptTrainer, tmp_path / "out", eval_dataset=dataset(), args={
