@@ -17,7 +17,9 @@ pytest.importorskip("accelerate")
 
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer  # noqa: E402
 
+import scenarios  # noqa: E402
 import tierckpt  # noqa: E402
+from distributed import subgroup  # noqa: E402
 from hf_trainer_child import STEPS, CountSteps, dataset, tiny_model, training_args  # noqa: E402
 from processes import communicate_all  # noqa: E402
 from conftest import free_port  # noqa: E402
@@ -225,6 +227,41 @@ def test_checkpoints_on_s3_resume_exactly(tmp_path: Path, s3_server: str, s3_buc
     resumed.train(resume_from_checkpoint=True)
     assert counter.steps == [7, 8, 9, 10]
     assert_same_training(full, resumed)
+
+
+def hf_load_sharded(path: str, mesh: tuple[int, ...], spec: str) -> dict[str, int]:
+    """Every rank of the pool: ``tierckpt.load`` of a safetensors folder into DTensors laid out as ``spec``."""
+    group = subgroup(scenarios._size(mesh))
+    targets = scenarios._layout_state(mesh, spec, fill=False)
+    stats: dict[str, int] = {}
+    if group is not None:
+        monitor = tierckpt.Monitor()
+        tierckpt.load(path, {"model": targets}, group=group, monitor=monitor)
+        for name, (shape, dtype) in scenarios.SPECS.items():
+            scenarios.check_tensor(name, targets[name], scenarios.reference(name, shape, dtype))
+        stats = dict(monitor.counters)
+    torch.distributed.barrier()
+    return stats
+
+
+@pytest.mark.multiproc
+def test_sharded_safetensors_folder_loads_resharded_on_3_ranks(dist_pool, tmp_path: Path) -> None:
+    """Two shard files (every dtype of the scenarios, a 0-d and an empty tensor) into DTensors on 3 ranks,
+    sharded by columns: each element bit-exact, each tensor byte read once by the group."""
+    from safetensors.torch import save_file
+
+    refs = {n: scenarios.reference(n, shape, dtype) for n, (shape, dtype) in scenarios.SPECS.items()}
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    names = sorted(refs)
+    shards = {"model-00001-of-00002.safetensors": names[:4], "model-00002-of-00002.safetensors": names[4:]}
+    for file, members in shards.items():
+        save_file({n: refs[n] for n in members}, str(folder / file))
+    weight_map = {n: file for file, members in shards.items() for n in members}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    stats = dist_pool.run(hf_load_sharded, str(folder), (3,), "S1")
+    needed = sum(t.nbytes for t in refs.values()) + 2 * refs["scalar"].nbytes  # the 0-d tensor: read by each rank
+    assert sum(s.get("bytes_read", 0) for s in stats) == needed
 
 # -- DDP, 2 ranks --------------------------------------------------------------------------------------
 def run_ddp(mode: str, output_dir: Path, result: Path, world: int = 2) -> list[dict]:
