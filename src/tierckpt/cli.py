@@ -144,10 +144,11 @@ def _region_doc(piece: PieceMeta) -> dict[str, Any]:
 
 def describe(uri: str, ckpt: Checkpoint, pieces: dict[str, list[PieceMeta]], with_pieces: bool = False) -> dict[str, Any]:
     """A JSON-ready summary of a checkpoint (the ``inspect --json`` document)."""
-    from . import dcp_format
+    from . import dcp_format, safetensors_format
 
     meta = ckpt.meta
     dcp = dcp_format.FORMAT_TAG in meta.tags  # a torch DCP directory: no generation, no creation time
+    hf = safetensors_format.FORMAT_TAG in meta.tags  # a save_pretrained folder: neither
     tensors = []
     for fqn in sorted(ckpt.tensors):
         t = ckpt.tensors[fqn]
@@ -164,11 +165,11 @@ def describe(uri: str, ckpt: Checkpoint, pieces: dict[str, list[PieceMeta]], wit
     ]
     return {
         "uri": uri,
-        "format": "torch DCP" if dcp else "tierckpt",
+        "format": "torch DCP" if dcp else "safetensors" if hf else "tierckpt",
         "generation": meta.generation,
         "format_version": meta.format_version,
         "created_unix": meta.created_unix,
-        "created": None if dcp else datetime.datetime.fromtimestamp(meta.created_unix, datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": None if dcp or hf else datetime.datetime.fromtimestamp(meta.created_unix, datetime.timezone.utc).isoformat(timespec="seconds"),
         "world_size": meta.world_size,
         "frameworks": list(meta.frameworks),
         "tags": dict(meta.tags),
@@ -195,6 +196,8 @@ def render_inspect(summary: dict[str, Any]) -> str:
     if summary["format"] == "torch DCP":
         about = (f"  torch DCP checkpoint (metadata version {summary['tags'][dcp_format.FORMAT_TAG]}), read in place: "
                  "no generations, no checksums")
+    elif summary["format"] == "safetensors":
+        about = "  Hugging Face safetensors folder, read in place: tensors under 'model', no generations, no checksums"
     else:
         about = f"  generation {summary['generation']} (format {summary['format_version']}), created {summary['created']}"
     lines = [

@@ -41,7 +41,7 @@ import math
 import os
 import struct
 import warnings
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,29 +59,22 @@ from .optim_groups import flat_to_indexed, indexed_to_flat, rename_legacy_optimi
 from .metadata import PieceMeta, TensorMeta
 from .planner import TargetPiece, plan_load
 from .regions import Box
+from .safetensors_format import DTYPES, INDEX, SINGLE, tie as _tie
 from .saver import save
 from .store import open_store, without_node_cache
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 DEFAULT_SLAB_BYTES = 256 << 20
-SAFETENSORS_SINGLE = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = SINGLE
+SAFETENSORS_INDEX = INDEX
 HF_CONFIG_OBJECTS = {"hf_config": "config.json", "hf_generation_config": "generation_config.json"}
 """Checkpoint object (a JSON string) -> the Hugging Face file the export writes from it."""
-TIED_OUTPUT = "lm_head.weight"
-TIED_INPUT_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "shared.weight")
 NO_CONFIG_WARNING = (
     "no config.json written, and transformers' from_pretrained needs one: pass --config DIR (a folder with the "
     "model's config.json), or save the config with the model as {'hf_config': model.config.to_json_string()}"
 )
 
-#: tierckpt dtype name -> safetensors dtype name.
-SAFETENSORS_DTYPES: dict[str, str] = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-    "uint16": "U16", "uint32": "U32", "uint64": "U64", "complex64": "C64",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-}
+SAFETENSORS_DTYPES = DTYPES
 
 
 @dataclass(slots=True, kw_only=True)
@@ -214,14 +207,6 @@ def _json_object(data: bytes, what: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise CheckpointError(f"{what} is not a JSON object")
     return doc
-
-
-def _tie(names: Collection[str], config: Mapping[str, Any] | None) -> tuple[str, str] | None:
-    """``(lm_head.weight, input embedding)`` when ``config`` ties them and one input embedding is among ``names``."""
-    if config is None or not config.get("tie_word_embeddings", True):
-        return None
-    sources = [n for n in names if any(n == s or n.endswith("." + s) for s in TIED_INPUT_SUFFIXES)]
-    return (TIED_OUTPUT, sources[0]) if len(sources) == 1 else None
 
 
 def _select(tensors: Mapping[str, TensorMeta], prefix: str) -> dict[str, str]:

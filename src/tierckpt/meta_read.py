@@ -3,7 +3,8 @@ pieces tables (used by the loader, ``verify``, ``convert`` and the CLI).
 
 Every document is bounded before it is read (a crafted size is refused unread) and checked against the
 size and CRC-32C that ``COMMIT`` records for it; a torch DCP directory (no ``COMMIT``) is read in place
-by :mod:`tierckpt.dcp_format` when the caller accepts one.
+by :mod:`tierckpt.dcp_format` when the caller accepts one, a Hugging Face safetensors folder by
+:mod:`tierckpt.safetensors_format`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 from dataclasses import dataclass
 
-from . import dcp_format, layout
+from . import dcp_format, layout, safetensors_format
 from .backends import Backend
 from .deadline import carried
 from .bounded import MAX_RECORD_BYTES
@@ -77,14 +78,20 @@ def read_checkpoint(backend: Backend, *, accept_dcp: bool = False) -> Checkpoint
     """Follow ``COMMIT`` to the committed generation and read its header and tensor table (following a
     newer ``COMMIT`` when a save deleted the generation meanwhile).
 
-    A torch DCP directory is read in place with ``accept_dcp`` (see :mod:`tierckpt.dcp_format`) and
-    refused, naming the format and the conversion, without it.
+    A torch DCP directory and a Hugging Face safetensors folder are read in place with ``accept_dcp``
+    (see :mod:`tierckpt.dcp_format`, :mod:`tierckpt.safetensors_format`) and refused, naming the format
+    and the conversion, without it.
     """
     try:
         record = read_commit(backend)
     except (IncompleteCheckpointError, CheckpointNotFoundError):
         if not dcp_format.is_dcp(backend):
-            raise
+            if not safetensors_format.is_safetensors(backend):
+                raise
+            if not accept_dcp:
+                raise CheckpointError(safetensors_format.refusal(backend.root_uri)) from None
+            meta, tensors, pieces = safetensors_format.read_safetensors(backend)
+            return Checkpoint(meta=meta, tensors=tensors, pieces=pieces)
         if not accept_dcp:
             raise CheckpointError(dcp_format.refusal(backend.root_uri)) from None
         meta, tensors, pieces = dcp_format.read_dcp(backend)

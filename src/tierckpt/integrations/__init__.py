@@ -1,0 +1,6 @@
+"""Drop-in integrations of tierckpt with training frameworks.
+
+Each submodule imports its framework only when it is imported itself, so ``import tierckpt`` never
+pulls in a framework: ``tierckpt.integrations.transformers`` needs ``transformers`` and ``accelerate``
+(which its ``Trainer`` needs): ``pip install "tierckpt[transformers]"``.
+"""
