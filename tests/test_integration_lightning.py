@@ -129,6 +129,10 @@ def test_remove_checkpoint(tmp_path: Path) -> None:
     io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "r.ckpt")  # a second generation under the same path
     io.remove_checkpoint(tmp_path / "r.ckpt")
     assert not (tmp_path / "r.ckpt").exists()
+    io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "target.ckpt")
+    os.symlink("target.ckpt", tmp_path / "last.ckpt")  # ModelCheckpoint(save_last="link")
+    io.remove_checkpoint(tmp_path / "last.ckpt")
+    assert not (tmp_path / "last.ckpt").exists() and torch.equal(io.load_checkpoint(tmp_path / "target.ckpt")["w"], torch.ones(2))
 
 
 def test_group_self_saves_and_loads_alone(tmp_path: Path) -> None:

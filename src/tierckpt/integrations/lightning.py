@@ -82,8 +82,12 @@ class TierckptCheckpointIO(CheckpointIO):
         return join_tensors(structure, tensors)
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint at ``path`` (every generation, and its copies in the node cache)."""
+        """Delete the checkpoint at ``path`` (every generation, and its copies in the node cache); a local
+        symbolic link (``ModelCheckpoint(save_last="link")``) is removed, not the checkpoint it points to."""
         uri = _uri(path)
+        if "://" not in uri and os.path.islink(uri):
+            os.unlink(uri)
+            return
         get_scheduler().run(open_store(uri, dict(self.storage_options)).delete_prefix(""))
         if "://" not in uri and os.path.isdir(uri):  # a local checkpoint's directory goes too
             shutil.rmtree(uri, ignore_errors=True)
