@@ -146,31 +146,41 @@ def test_group_self_saves_and_loads_alone(tmp_path: Path) -> None:
         tierckpt.save(uri, state, group="me")
 
 
-def _run_ddp(mode: str, ckpt_dir: Path, out: Path, max_steps: int) -> None:
-    """Run ``lightning_child.py`` as 2 ranks (torchrun's environment); fail on a hang or a failed rank."""
+def _run_ddp(mode: str, ckpt_dir: Path, out: Path, max_steps: int, strategy: str) -> None:
+    """Run ``lightning_child.py`` as 2 ranks (torchrun's environment) with ``strategy`` (``ddp`` or ``fsdp2``);
+    fail on a hang or a failed rank."""
     port = free_port()
     procs = []
     for rank in range(2):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1",
                "TORCHELASTIC_RUN_ID": "tierckpt-test", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2"}
+               "LOCAL_WORLD_SIZE": "2", "LIGHTNING_CHILD_STRATEGY": strategy}
         procs.append(subprocess.Popen([sys.executable, CHILD, mode, str(ckpt_dir), str(out), str(max_steps)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = communicate_all(procs, 240, f"Lightning DDP {mode}")
+    results = communicate_all(procs, 240, f"Lightning {strategy} {mode}")
     for rank, r in enumerate(results):
         assert r.returncode == 0 and "done" in r.stdout, f"rank {rank} of {mode}: rc {r.returncode}\n{r.stderr[-3000:]}"
 
 
 @pytest.mark.multiproc
-def test_ddp_resume_from_last_is_exact_and_never_hangs(tmp_path: Path) -> None:
-    """Lightning saves and removes on rank 0 only: the plugin's rank-local saves let it; resume is exact."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_multi_process_resume_from_last_is_exact_and_never_hangs(tmp_path: Path, strategy: str) -> None:
+    """DDP: Lightning saves and removes on rank 0 only, and the plugin's rank-local saves let it.
+    FSDP2 (``TierckptModelParallelStrategy``): every rank saves its shards in one collective save. Resume is
+    exact either way."""
     total = 3 * DDP_STEPS_PER_EPOCH
     ckpt_dir = tmp_path / "ckpt"
-    _run_ddp("plain", ckpt_dir, tmp_path / "plain", total)
-    _run_ddp("first", ckpt_dir, tmp_path / "first", 2 * DDP_STEPS_PER_EPOCH)
+    _run_ddp("plain", ckpt_dir, tmp_path / "plain", total, strategy)
+    _run_ddp("first", ckpt_dir, tmp_path / "first", 2 * DDP_STEPS_PER_EPOCH, strategy)
     assert sorted(os.listdir(ckpt_dir)) == ["epoch=1-step=4.ckpt", "last.ckpt"]
-    _run_ddp("resume", ckpt_dir, tmp_path / "resume", total)
+    saved = tierckpt.read_checkpoint(tierckpt.store.open_store(str(ckpt_dir / "last.ckpt")))
+    if strategy == "fsdp2":  # sharded: each rank wrote its shards, no full copy gathered anywhere
+        assert saved.meta.world_size == 2 and "fsdp2" in saved.meta.frameworks
+        assert "optimizer_0.state.net.0.weight.exp_avg" in saved.tensors
+    else:  # rank 0 alone
+        assert saved.meta.world_size == 1 and "optimizer_states.0.state.0.exp_avg" in saved.tensors
+    _run_ddp("resume", ckpt_dir, tmp_path / "resume", total, strategy)
     want = torch.load(tmp_path / "plain.0.pt")
     for rank in range(2):
         assert_same(torch.load(tmp_path / f"resume.{rank}.pt"), want, f"rank {rank}")

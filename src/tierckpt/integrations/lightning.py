@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
 
-from ..comm import SELF
+from ..comm import SELF, Group
 from ..errors import CheckpointError
 from ..io.scheduler import get_scheduler
 from ..loader import load
@@ -93,12 +94,16 @@ class TierckptCheckpointIO(CheckpointIO):
             shutil.rmtree(uri, ignore_errors=True)
 
 
-def read_state(uri: str, storage_options: Mapping[str, Any] | None = None, *,
-               allow_pickle: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_state(uri: str, storage_options: Mapping[str, Any] | None = None, *, allow_pickle: bool = False,
+               group: Group = SELF, live: Mapping[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The tensors (by entry key, on the CPU) and the structure object of a checkpoint saved by
-    :class:`TierckptCheckpointIO`, read in this process alone: the template is built from the saved tensor
-    table, so none is needed."""
+    :class:`TierckptCheckpointIO` or :class:`TierckptModelParallelStrategy`: the template is built from the saved
+    tensor table, so none is needed. ``live`` entries (a sharded model, its optimizers) are loaded in place, in
+    the same load, and the tensors under their keys left out of what is returned. ``group``: who loads
+    together (default: this process alone)."""
     options = dict(storage_options or {})
+    live = dict(live or {})
+    under_live = tuple(f"{key}." for key in live)
     ckpt = read_checkpoint(open_store(uri, options))
     codecs = {obj.codec for obj in ckpt.meta.objects if obj.key == STRUCTURE_KEY}
     if not codecs:
@@ -112,9 +117,13 @@ def read_state(uri: str, storage_options: Mapping[str, Any] | None = None, *,
             "reads, and unpickling can run code; if you trust this checkpoint, pass weights_only=False "
             "(trainer.fit(..., weights_only=False))"
         )
-    template: dict[str, Any] = {fqn: torch.empty(meta.shape, dtype=meta.torch_dtype) for fqn, meta in ckpt.tensors.items()}
+    template: dict[str, Any] = {fqn: torch.empty(meta.shape, dtype=meta.torch_dtype) for fqn, meta in ckpt.tensors.items()
+                                if not fqn.startswith(under_live)}
+    template.update(live)
     template[STRUCTURE_KEY] = None
-    load(uri, template, group=SELF, storage_options=options, allow_pickle=allow_pickle)
+    load(uri, template, group=group, storage_options=options, allow_pickle=allow_pickle)
+    for key in live:
+        del template[key]
     version, structure = template.pop(STRUCTURE_KEY)
     if version != STRUCTURE_VERSION:
         raise CheckpointError(
@@ -122,6 +131,44 @@ def read_state(uri: str, storage_options: Mapping[str, Any] | None = None, *,
             f"{STRUCTURE_VERSION}; load it with the tierckpt release that saved it"
         )
     return template, structure
+
+
+class TierckptModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallel) checkpointing through tierckpt instead of
+    torch DCP, which that strategy calls itself (it passes nothing to a ``CheckpointIO``).
+
+    Every rank saves its shards of the model and optimizer states in one collective :func:`tierckpt.save`
+    (the strategy calls ``save_checkpoint`` on every rank); the rest of Lightning's dict goes as with
+    :class:`TierckptCheckpointIO`. A load fills the model and optimizers in place, resharded onto this run's
+    layout, and returns the rest. ``storage_options`` go to every save and load; the other arguments are
+    ``ModelParallelStrategy``'s.
+    """
+
+    def __init__(self, *args: Any, storage_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tierckpt_io = TierckptCheckpointIO(storage_options)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        uri = _uri(self.broadcast(filepath))
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        tensors, structure = split_tensors(rest)
+        state: dict[str, Any] = {**tensors, **self._live(), STRUCTURE_KEY: (STRUCTURE_VERSION, structure)}
+        save(uri, state, storage_options={**self._tierckpt_io.storage_options, **(storage_options or {})},
+             tags={"saved_by": "tierckpt.integrations.lightning"})
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        uri = _uri(self.broadcast(checkpoint_path))
+        tensors, structure = read_state(uri, self._tierckpt_io.storage_options, allow_pickle=weights_only is False,
+                                        group=None, live=self._live())
+        return join_tensors(structure, tensors)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            self._tierckpt_io.remove_checkpoint(filepath)
+
+    def _live(self) -> dict[str, Any]:
+        """The sharded model and its optimizers, saved and loaded in place under Lightning's key names."""
+        return {"state_dict": self.model, **{f"optimizer_{i}": opt for i, opt in enumerate(self.optimizers)}}
 
 
 def split_tensors(checkpoint: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -210,4 +257,5 @@ def _device_of(map_location: Any) -> torch.device | None:
     )
 
 
-__all__ = ["STRUCTURE_KEY", "TierckptCheckpointIO", "join_tensors", "read_state", "split_tensors"]
+__all__ = ["STRUCTURE_KEY", "TierckptCheckpointIO", "TierckptModelParallelStrategy", "join_tensors", "read_state",
+           "split_tensors"]
