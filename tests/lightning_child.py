@@ -1,7 +1,7 @@
 """A tiny Lightning training run that checkpoints through ``TierckptCheckpointIO`` (used by
 ``tests/test_integration_lightning.py``: imported for the one-process runs, run as one rank per process for DDP).
 
-``python lightning_child.py MODE CKPT_DIR OUT MAX_STEPS`` runs one rank of a 2-rank job on the CPU (gloo),
+``python lightning_child.py MODE CKPT_DIR OUT MAX_STEPS`` runs one rank of a job on the CPU (gloo),
 its rank environment set as torchrun sets it (``TORCHELASTIC_RUN_ID``, ``RANK``, ``WORLD_SIZE``...): DDP with
 ``TierckptCheckpointIO``, or with ``LIGHTNING_CHILD_STRATEGY=fsdp2`` FSDP2 through ``TierckptModelParallelStrategy``.
 MODE:
@@ -114,16 +114,16 @@ def _whole(value: Any) -> Any:
 
 def main() -> None:
     mode, ckpt_dir, out, max_steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    strategy = os.environ.get("LIGHTNING_CHILD_STRATEGY", "ddp")
+    strategy, world = os.environ.get("LIGHTNING_CHILD_STRATEGY", "ddp"), int(os.environ["WORLD_SIZE"])
     if strategy == "fsdp2":
         from tierckpt.integrations.lightning import TierckptModelParallelStrategy
 
-        extra: dict[str, Any] = {"strategy": TierckptModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        extra: dict[str, Any] = {"strategy": TierckptModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
                                  "model_class": TinyFSDP2Module}
     else:
         extra = {"strategy": "ddp"}
     t = fit(max_steps, None if mode == "plain" else ckpt_dir, resume=mode == "resume", init_seed=1 if mode == "resume" else 0,
-            world=2, devices=2, num_nodes=1, **extra)
+            world=world, devices=world, num_nodes=1, **extra)
     torch.save(trained_state(t), f"{out}.{t.global_rank}.pt")
     print("done", flush=True)
 

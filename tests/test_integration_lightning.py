@@ -146,16 +146,16 @@ def test_group_self_saves_and_loads_alone(tmp_path: Path) -> None:
         tierckpt.save(uri, state, group="me")
 
 
-def _run_ddp(mode: str, ckpt_dir: Path, out: Path, max_steps: int, strategy: str) -> None:
-    """Run ``lightning_child.py`` as 2 ranks (torchrun's environment) with ``strategy`` (``ddp`` or ``fsdp2``);
-    fail on a hang or a failed rank."""
+def _run_ddp(mode: str, ckpt_dir: Path, out: Path, max_steps: int, strategy: str, world: int = 2) -> None:
+    """Run ``lightning_child.py`` as ``world`` ranks (torchrun's environment) with ``strategy`` (``ddp`` or
+    ``fsdp2``); fail on a hang or a failed rank."""
     port = free_port()
     procs = []
-    for rank in range(2):
+    for rank in range(world):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1",
                "TORCHELASTIC_RUN_ID": "tierckpt-test", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2", "LIGHTNING_CHILD_STRATEGY": strategy}
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world), "LIGHTNING_CHILD_STRATEGY": strategy}
         procs.append(subprocess.Popen([sys.executable, CHILD, mode, str(ckpt_dir), str(out), str(max_steps)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = communicate_all(procs, 240, f"Lightning {strategy} {mode}")
@@ -184,3 +184,15 @@ def test_multi_process_resume_from_last_is_exact_and_never_hangs(tmp_path: Path,
     want = torch.load(tmp_path / "plain.0.pt")
     for rank in range(2):
         assert_same(torch.load(tmp_path / f"resume.{rank}.pt"), want, f"rank {rank}")
+
+
+@pytest.mark.multiproc
+def test_fsdp2_checkpoint_loads_onto_three_ranks(tmp_path: Path) -> None:
+    """A checkpoint of FSDP2 on 2 ranks restores FSDP2 on 3 (resharded): resuming at the saved step trains
+    nothing, and every rank holds the saved parameters and optimizer state, whole, bit for bit."""
+    ckpt_dir = tmp_path / "ckpt"
+    _run_ddp("first", ckpt_dir, tmp_path / "first", 2 * DDP_STEPS_PER_EPOCH, "fsdp2")
+    _run_ddp("resume", ckpt_dir, tmp_path / "three", 2 * DDP_STEPS_PER_EPOCH, "fsdp2", world=3)
+    want = torch.load(tmp_path / "first.0.pt")
+    for rank in range(3):
+        assert_same(torch.load(tmp_path / f"three.{rank}.pt"), want, f"rank {rank} of 3")
