@@ -178,6 +178,8 @@ def test_multi_process_resume_from_last_is_exact_and_never_hangs(tmp_path: Path,
     if strategy == "fsdp2":  # sharded: each rank wrote its shards, no full copy gathered anywhere
         assert saved.meta.world_size == 2 and "fsdp2" in saved.meta.frameworks
         assert "optimizer_0.state.net.0.weight.exp_avg" in saved.tensors
+        with pytest.raises(CheckpointError, match=r"saved by TierckptModelParallelStrategy: .* resume through that"):
+            TierckptCheckpointIO().load_checkpoint(ckpt_dir / "last.ckpt")  # not a dict without its weights
     else:  # rank 0 alone
         assert saved.meta.world_size == 1 and "optimizer_states.0.state.0.exp_avg" in saved.tensors
     _run_ddp("resume", ckpt_dir, tmp_path / "resume", total, strategy)

@@ -43,6 +43,10 @@ from ..store import open_store
 STRUCTURE_KEY = "lightning.structure"
 """The object entry holding the checkpoint dict without its tensors, and where each tensor goes back."""
 STRUCTURE_VERSION = 1
+SAVED_BY_IO = "tierckpt.integrations.lightning"
+SAVED_BY_STRATEGY = "tierckpt.integrations.lightning.TierckptModelParallelStrategy"
+"""The ``saved_by`` tag: a strategy's checkpoint holds its model and optimizers under tierckpt's names, which
+only a load into the live (sharded) objects fills."""
 
 Path = tuple[Any, ...]
 """Where a value sits in the checkpoint dict: the keys and list indices leading to it."""
@@ -68,7 +72,7 @@ class TierckptCheckpointIO(CheckpointIO):
         state: dict[str, Any] = dict(tensors)
         state[STRUCTURE_KEY] = (STRUCTURE_VERSION, structure)  # a tuple: one object entry (a dict would be recursed)
         save(_uri(path), state, group=SELF, storage_options={**self.storage_options, **(storage_options or {})},
-             tags={"saved_by": "tierckpt.integrations.lightning"})
+             tags={"saved_by": SAVED_BY_IO})
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -110,6 +114,12 @@ def read_state(uri: str, storage_options: Mapping[str, Any] | None = None, *, al
         raise CheckpointError(
             f"{uri!r} is a tierckpt checkpoint but not one saved by TierckptCheckpointIO (it has no {STRUCTURE_KEY!r} "
             "object); load it with tierckpt.load(uri, state) and a state to fill"
+        )
+    if not live and ckpt.meta.tags.get("saved_by") == SAVED_BY_STRATEGY:
+        raise CheckpointError(
+            f"{uri!r} was saved by TierckptModelParallelStrategy: its model and optimizer states load only into a "
+            "model and optimizers; resume through that strategy, or read the weights with "
+            "tierckpt.load(uri, {'state_dict': model})"
         )
     if "pickle" in codecs and not allow_pickle:
         raise CheckpointError(
@@ -154,7 +164,7 @@ class TierckptModelParallelStrategy(ModelParallelStrategy):
         tensors, structure = split_tensors(rest)
         state: dict[str, Any] = {**tensors, **self._live(), STRUCTURE_KEY: (STRUCTURE_VERSION, structure)}
         save(uri, state, storage_options={**self._tierckpt_io.storage_options, **(storage_options or {})},
-             tags={"saved_by": "tierckpt.integrations.lightning"})
+             tags={"saved_by": SAVED_BY_STRATEGY})
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         uri = _uri(self.broadcast(checkpoint_path))
