@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import free_port  # noqa: E402
 from lightning_child import fit, trained_state  # noqa: E402
 from processes import communicate_all  # noqa: E402
+import scenarios_rank_local  # noqa: E402
 
 Pair = namedtuple("Pair", "x y")
 
@@ -144,6 +145,14 @@ def test_group_self_saves_and_loads_alone(tmp_path: Path) -> None:
     assert torch.equal(state["w"], torch.arange(4.0))
     with pytest.raises(CheckpointError, match=r"group='me': pass a torch.distributed ProcessGroup, None .* or 'self'"):
         tierckpt.save(uri, state, group="me")
+
+
+@pytest.mark.multiproc
+def test_group_self_on_rank_zero_alone_while_others_wait(dist_pool, tmp_path: Path) -> None:
+    """4 gloo ranks: rank 0 saves alone (``group="self"``) while the others sit in a barrier; every rank then
+    loads it alone. On the default group the save would wait for ranks that never come."""
+    results = dist_pool.run(scenarios_rank_local.rank_zero_saves_alone, str(tmp_path), timeout_s=120)
+    assert results == [(1, [0.0, 1.0, 2.0, 3.0])] * 4
 
 
 def _run_ddp(mode: str, ckpt_dir: Path, out: Path, max_steps: int, strategy: str, world: int = 2) -> None:
