@@ -17,7 +17,10 @@ Lightning saves and removes checkpoints on global rank 0 only (under DDP the wei
 every rank), and every rank loads. So every call here is rank-local (``group="self"``): nothing waits
 on the other ranks, and no save hangs a job whose other ranks are elsewhere.
 
-This module imports ``lightning`` (``pip install lightning``); ``import tierckpt`` does not.
+:class:`TierckptModelParallelStrategy` does the same for FSDP2 and tensor parallel, whose strategy saves
+sharded state itself: one collective save of every rank's shards, loaded back resharded.
+
+This module imports ``lightning`` (``pip install 'tierckpt[lightning]'``); ``import tierckpt`` does not.
 """
 
 from __future__ import annotations
@@ -29,8 +32,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning.pytorch.strategies import ModelParallelStrategy
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.pytorch.strategies import ModelParallelStrategy
+except ImportError as exc:
+    raise ImportError(
+        f"tierckpt.integrations.lightning needs Lightning ({exc}): pip install 'tierckpt[lightning]' "
+        "(or pip install 'lightning>=2.6')"
+    ) from exc
 
 from ..comm import SELF, Group
 from ..errors import CheckpointError
