@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -74,14 +75,11 @@ class TierckptCheckpointIO(CheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` (Lightning's dict) to ``path`` as one tierckpt commit, from this rank alone."""
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options must be a dict of tierckpt storage "
-                            f"options, got {type(storage_options).__name__}")
+        options = _merged(self, self.storage_options, storage_options)
         tensors, structure = split_tensors(checkpoint)
         state: dict[str, Any] = dict(tensors)
         state[STRUCTURE_KEY] = (STRUCTURE_VERSION, structure)  # a tuple: one object entry (a dict would be recursed)
-        save(_uri(path), state, group=SELF, storage_options={**self.storage_options, **(storage_options or {})},
-             tags={"saved_by": SAVED_BY_IO})
+        save(_uri(path), state, group=SELF, storage_options=options, tags={"saved_by": SAVED_BY_IO})
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -168,12 +166,13 @@ class TierckptModelParallelStrategy(ModelParallelStrategy):
         self._tierckpt_io = TierckptCheckpointIO(storage_options)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        options = _merged(self, self._tierckpt_io.storage_options, storage_options)
         uri = _uri(self.broadcast(filepath))
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         tensors, structure = split_tensors(rest)
-        state: dict[str, Any] = {**tensors, **self._live(), STRUCTURE_KEY: (STRUCTURE_VERSION, structure)}
-        save(uri, state, storage_options={**self._tierckpt_io.storage_options, **(storage_options or {})},
-             tags={"saved_by": SAVED_BY_STRATEGY})
+        live = self._live(optimizers="optimizer_states" in checkpoint)  # not in a weights-only checkpoint
+        state: dict[str, Any] = {**tensors, **live, STRUCTURE_KEY: (STRUCTURE_VERSION, structure)}
+        save(uri, state, storage_options=options, tags={"saved_by": SAVED_BY_STRATEGY})
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         uri = _uri(self.broadcast(checkpoint_path))
@@ -185,9 +184,13 @@ class TierckptModelParallelStrategy(ModelParallelStrategy):
         if self.is_global_zero:
             self._tierckpt_io.remove_checkpoint(filepath)
 
-    def _live(self) -> dict[str, Any]:
-        """The sharded model and its optimizers, saved and loaded in place under Lightning's key names."""
-        return {"state_dict": self.model, **{f"optimizer_{i}": opt for i, opt in enumerate(self.optimizers)}}
+    def _live(self, optimizers: bool = True) -> dict[str, Any]:
+        """The sharded model and (with ``optimizers``) its optimizers, saved and loaded in place under
+        Lightning's key names."""
+        live: dict[str, Any] = {"state_dict": self.model}
+        if optimizers:
+            live.update({f"optimizer_{i}": opt for i, opt in enumerate(self.optimizers)})
+        return live
 
 
 def split_tensors(checkpoint: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -252,6 +255,14 @@ def _unique(key: str, taken: Mapping[str, Any]) -> str:
     while f"{key}~{n}" in taken:
         n += 1
     return f"{key}~{n}"
+
+
+def _merged(owner: object, base: Mapping[str, Any], extra: Any) -> dict[str, Any]:
+    """``base`` storage options updated by one save's ``storage_options`` (``Trainer.save_checkpoint``)."""
+    if extra is not None and not isinstance(extra, Mapping):
+        raise TypeError(f"{type(owner).__name__}.save_checkpoint: storage_options must be a dict of tierckpt storage "
+                        f"options, got {type(extra).__name__}")
+    return {**base, **(extra or {})}
 
 
 def _uri(path: Any) -> str:
