@@ -1,7 +1,7 @@
 """Coordination over torch.distributed collectives — no extra servers.
 
 :class:`Comm` wraps a process group (the default one unless another is passed) and degrades to a
-single-process no-op when torch.distributed is not initialized. :meth:`Comm.agree` is how ranks
+single-process no-op when torch.distributed is not initialized or ``group="self"`` asks for this process alone. :meth:`Comm.agree` is how ranks
 share failures: a step that fails on one rank makes every rank raise, naming the failing ranks,
 instead of leaving the others blocked in the next collective.
 """
@@ -13,7 +13,7 @@ import logging
 import pickle
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, Union
 
 import numpy as np
 import torch
@@ -30,6 +30,12 @@ GATHER_SLOTS_BYTES = 4 << 20
 """... with smaller slots in large groups, so that one rank receives at most this much in the first round."""
 _LENGTH = np.dtype("<i8")
 
+SELF = "self"
+"""``group="self"``: this process alone, with no collective, whatever the default process group is: a
+rank-local save or load (a trainer that checkpoints on rank 0 only, e.g. Lightning under DDP)."""
+Group = Union[dist.ProcessGroup, Literal["self"], None]
+"""What ``group=`` accepts: a process group, :data:`SELF`, or ``None`` for the default group."""
+
 T = TypeVar("T")
 K = TypeVar("K")
 S = TypeVar("S")
@@ -38,7 +44,15 @@ S = TypeVar("S")
 class Comm:
     """The ranks taking part in one save or load."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: Group = None) -> None:
+        if isinstance(group, str):
+            if group != SELF:
+                raise CheckpointError(
+                    f"group={group!r}: pass a torch.distributed ProcessGroup, None (the default group) or "
+                    f"{SELF!r} (this process alone, a rank-local save or load)"
+                )
+            self.distributed, self.group, self.rank, self.world_size, self.backend = False, None, 0, 1, "none"
+            return
         self.distributed = dist.is_available() and dist.is_initialized()
         if group is not None and not self.distributed:
             raise CheckpointError("a process group was passed but torch.distributed is not initialized")

@@ -48,12 +48,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import crc32c
-import torch.distributed as dist
 
 from . import layout
 from .backends import Backend
 from .call_args import checked_uri
-from .comm import Comm
+from .comm import Comm, Group
 from .errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, ChecksumMismatchError, CollectiveError,
     CorruptCheckpointError, MissingFileError, StateMismatchError,
@@ -146,7 +145,7 @@ def load(
     uri: str,
     state: dict[str, Any],
     *,
-    group: dist.ProcessGroup | None = None,
+    group: Group = None,
     strict: bool = True,
     allow_pickle: bool = False,
     verify: bool = False,
@@ -174,6 +173,7 @@ def load(
     store, the group's backend, and each rank's node from :func:`tierckpt.node.node_id`). Every rank
     of the group must call it; a rank
     that does not arrive within ``collective_timeout_s`` (default: the group's timeout) is named in a :class:`CollectiveError`.
+    ``group="self"`` loads in this process alone, with no collective (each rank reads what it needs itself).
     """
     uri = checked_uri("load", uri, state)
     comm = Comm(group)

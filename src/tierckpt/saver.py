@@ -44,12 +44,11 @@ from typing import Any, Literal
 
 import crc32c
 import torch
-import torch.distributed as dist
 
 from . import cleanup, layout
 from .backends import Backend
 from .call_args import checked_uri
-from .comm import Comm, StoreCoordinator, describe_error
+from .comm import Comm, Group, StoreCoordinator, describe_error
 from .gc_pause import gc_paused
 from .bounded import MAX_RECORD_BYTES
 from .errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError, StorageError, TransientStorageError
@@ -126,8 +125,8 @@ def _drain_at_exit() -> None:
 threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]  # see _drain_at_exit
 
 
-def _group_key(group: dist.ProcessGroup | None) -> Any:
-    return "WORLD" if group is None else id(group)
+def _group_key(group: Group) -> Any:
+    return "WORLD" if group is None else group if isinstance(group, str) else id(group)
 
 
 IF_BUSY = ("wait", "error")
@@ -266,7 +265,7 @@ class _Prepared:
 
 
 def _prepare(
-    uri: str, state: Mapping[str, Any], group: dist.ProcessGroup | None, storage_options: Mapping[str, Any] | None,
+    uri: str, state: Mapping[str, Any], group: Group, storage_options: Mapping[str, Any] | None,
     tags: Mapping[str, str] | None, keep_previous: bool, align_bytes: int, monitor: Monitor,
     collective_timeout_s: float | None, write_back: bool, persist: bool,
 ) -> _Prepared:
@@ -703,7 +702,7 @@ def save(
     uri: str,
     state: Mapping[str, Any],
     *,
-    group: dist.ProcessGroup | None = None,
+    group: Group = None,
     storage_options: Mapping[str, Any] | None = None,
     tags: Mapping[str, str] | None = None,
     keep_previous: bool = False,
@@ -730,6 +729,10 @@ def save(
     shared: see :mod:`tierckpt.cleanup`). ``tags`` are stored in the header. Pass a :class:`Monitor` to
     read per-phase timings and byte counts afterwards. Every rank of the group must call it; a rank
     that does not arrive within ``collective_timeout_s`` (default: the group's timeout) is named in a :class:`CollectiveError`.
+
+    ``group="self"`` saves this process's state alone, with no collective and no wait on other ranks,
+    as a one-rank checkpoint (for a trainer that saves from rank 0 only, e.g. Lightning under DDP; its
+    plain tensors are taken to be the whole of each tensor). Peer replication does not apply to it.
     """
     uri = checked_uri("save", uri, state)
     monitor = monitor or Monitor()
@@ -751,7 +754,7 @@ def async_save(
     uri: str,
     state: Mapping[str, Any],
     *,
-    group: dist.ProcessGroup | None = None,
+    group: Group = None,
     storage_options: Mapping[str, Any] | None = None,
     tags: Mapping[str, str] | None = None,
     keep_previous: bool = False,

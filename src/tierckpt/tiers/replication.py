@@ -52,6 +52,10 @@ TIER_OFF = (
     "the node memory tier is off for this URI, so there is nothing to replicate (turn it on with "
     "TIERCKPT_MEMORY=on or the storage option memory=True)"
 )
+RANK_LOCAL = (
+    "the save was rank-local (group='self'): replicas go to the other nodes of a process group, and this "
+    "save had none (save with the job's process group to replicate)"
+)
 NOT_DISTRIBUTED = (
     "torch.distributed is not initialised: replicas go to the other nodes of the job's process group "
     "(call init_process_group before saving)"
@@ -62,7 +66,7 @@ class ReplicationError(CheckpointError):
     """A checkpoint is not (or cannot be) replicated to peer nodes; the message says why."""
 
 
-def replicator_for(tier: MemoryTier | None, group: dist.ProcessGroup | None, group_key: Any) -> tuple[Replicator | None, str | None]:
+def replicator_for(tier: MemoryTier | None, group: dist.ProcessGroup | str | None, group_key: Any) -> tuple[Replicator | None, str | None]:
     """The replicator of ``group`` for the memory tier ``tier`` (built on first use), or ``(None, why not)``.
 
     Every rank of ``group`` must call it at the same foreground point (it may run collectives on
@@ -70,6 +74,8 @@ def replicator_for(tier: MemoryTier | None, group: dist.ProcessGroup | None, gro
     """
     if tier is None:
         return None, TIER_OFF
+    if isinstance(group, str):  # "self": a rank-local save (comm.SELF)
+        return None, RANK_LOCAL
     if not (dist.is_available() and dist.is_initialized()):
         return None, NOT_DISTRIBUTED
     # A default group created again (destroy_process_group, init_process_group) needs a new replicator.
