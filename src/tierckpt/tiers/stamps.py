@@ -40,6 +40,18 @@ def remember(path: str, entry: FileEntry) -> None:
 def recall(path: str) -> FileEntry | None:
     """The entry ``path`` was stamped with, if the file is unchanged since; else ``None``."""
     st = os.stat(path)
+    fields = _stamp_of(path)
+    if fields is None:
+        return None
+    size, crc, inode, mtime_ns = fields
+    if (inode, mtime_ns, size) != (st.st_ino, st.st_mtime_ns, st.st_size):
+        return None
+    return FileEntry(size, crc)
+
+
+def _stamp_of(path: str) -> tuple[int, int, int, int] | None:
+    """``(size, crc, inode, mtime_ns)`` of ``path``'s stamp (its extended attribute, else this process's
+    table), or ``None`` when it has none."""
     try:
         stamp = os.getxattr(path, _XATTR)
     except OSError:
@@ -47,10 +59,7 @@ def recall(path: str) -> FileEntry | None:
             stamp = _TABLE.get(path, b"")
     if len(stamp) != _FORMAT.size:
         return None
-    size, crc, inode, mtime_ns = _FORMAT.unpack(stamp)
-    if (inode, mtime_ns, size) != (st.st_ino, st.st_mtime_ns, st.st_size):
-        return None
-    return FileEntry(size, crc)
+    return _FORMAT.unpack(stamp)
 
 
 def written(path: str) -> FileEntry | None:
@@ -60,14 +69,10 @@ def written(path: str) -> FileEntry | None:
     writer wrote, which a check of the file (a seal, a write-down) must compare against. ``None``: never
     stamped, or another inode under the name."""
     st = os.stat(path)
-    try:
-        stamp = os.getxattr(path, _XATTR)
-    except OSError:
-        with _LOCK:
-            stamp = _TABLE.get(path, b"")
-    if len(stamp) != _FORMAT.size:
+    fields = _stamp_of(path)
+    if fields is None:
         return None
-    size, crc, inode, _ = _FORMAT.unpack(stamp)
+    size, crc, inode, _ = fields
     return FileEntry(size, crc) if inode == st.st_ino else None
 
 
