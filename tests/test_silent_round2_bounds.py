@@ -182,9 +182,10 @@ def _folder(root: Path, files: list[str]) -> str:
 
 
 FOREIGN = {
-    "safetensors export": (["model.safetensors"],
-                           ["holds safetensors files (model.safetensors)", "tierckpt convert --from safetensors --to tierckpt"]),
-    "save_pretrained": (["config.json", "model.safetensors", "tokenizer.json"],
+    # (a folder with model.safetensors or its sharded index loads in place: tests/test_integration_transformers.py)
+    "safetensors export": (["weights.safetensors"],
+                           ["holds safetensors files (weights.safetensors)", "tierckpt convert --from safetensors --to tierckpt"]),
+    "save_pretrained": (["config.json", "adapter_model.safetensors", "tokenizer.json"],
                         ["Hugging Face save_pretrained folder", "tierckpt convert --from safetensors --to tierckpt"]),
     "deepspeed": (["latest", "global_step10/mp_rank_00_model_states.pt", "global_step10/zero_pp_rank_0_mp_rank_00_optim_states.pt"],
                   ["DeepSpeed checkpoint folder", "zero_to_fp32.py", "tierckpt.save"]),
@@ -208,6 +209,14 @@ def test_a_folder_that_is_not_a_checkpoint_says_what_it_is(tmp_path: Path, kind:
         assert cli_main([command, uri]) == 3
         err = capsys.readouterr().err
         assert all(part in err for part in expected) and "interrupted" not in err, err
+
+
+def test_a_hugging_face_folder_whose_weights_are_not_safetensors_names_the_file(tmp_path: Path) -> None:
+    """A folder with ``model.safetensors`` is read in place; a file of that name that is not one is corrupt, by name."""
+    uri = _folder(tmp_path / "hf", ["config.json", "model.safetensors"])
+    with pytest.raises(CorruptCheckpointError, match="model.safetensors") as caught:
+        tierckpt.load(uri, {"w": torch.zeros(2)})
+    assert "interrupted" not in str(caught.value)
 
 
 def test_a_checkpoint_manager_root_names_a_step_and_load_latest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -139,8 +139,8 @@ def _older_commit_below(uri: str, storage_options: Mapping[str, Any] | None) -> 
 
 
 @_naming_an_older_commit
+@gc_paused  # outermost: no collection during any of the call, its deadline's set-up included
 @bounded("load")
-@gc_paused
 def load(
     uri: str,
     state: dict[str, Any],

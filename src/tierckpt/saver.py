@@ -696,8 +696,8 @@ def _raise_unreported() -> None:
 
 
 # -- public API ------------------------------------------------------------------------------------
+@gc_paused  # outermost: no collection during any of the call, its deadline's set-up included
 @bounded("save")
-@gc_paused
 def save(
     uri: str,
     state: Mapping[str, Any],
