@@ -121,6 +121,15 @@ def _paired(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> Any:
     return optimizer
 
 
+def _model(accelerator: Accelerator, model: nn.Module) -> nn.Module:
+    """The module whose parameters are saved: unwrapped from DDP and ``torch.compile`` (so the names do not
+    depend on them); an FSDP model as prepared, since unwrapping FSDP1 leaves its inner wrappers and flat
+    parameters, which tierckpt names through the root wrapper."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return model
+    return accelerator.unwrap_model(model, keep_torch_compile=False)
+
+
 def _check_supported(accelerator: Accelerator, action: str) -> None:
     """Refuse what this module cannot save or load the way accelerate does (module docstring)."""
     kind = accelerator.distributed_type
@@ -147,7 +156,7 @@ def _check_supported(accelerator: Accelerator, action: str) -> None:
 
 def _state(accelerator: Accelerator) -> dict[str, Any]:
     """The tierckpt state of everything the accelerator prepared (module docstring), without ``extra``."""
-    models = [accelerator.unwrap_model(m) for m in accelerator._models]
+    models = [_model(accelerator, m) for m in accelerator._models]
     sections = {
         "model": models,
         "optimizer": [_paired(_plain_optimizer(o), models) for o in accelerator._optimizers],
