@@ -129,10 +129,11 @@ def split_run(uri: str, seed: int = 123) -> tuple[list[float], dict[str, Any], d
     losses = train(first, 0, K_STEPS)
     first["accelerator"].step = 3
     save_state(first["accelerator"], uri, global_step=K_STEPS)
+    saves_counted = first["accelerator"].save_iteration  # as accelerator.save_state counts them
     resumed = build(seed=seed)
     before = resumed["loader"].iteration
     extra = load_state(resumed["accelerator"], uri, global_step=0)
-    seen = {"extra": extra, "step": resumed["accelerator"].step, "iteration_before": before,
+    seen = {"saves_counted": saves_counted, "extra": extra, "step": resumed["accelerator"].step, "iteration_before": before,
             "iteration": resumed["loader"].iteration, "counter": resumed["counter"].seen}
     losses += train(resumed, K_STEPS, N_STEPS)
     return losses, snapshot(resumed), seen

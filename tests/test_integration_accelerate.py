@@ -44,6 +44,7 @@ def assert_resumed_exactly(straight_losses: list[float], expected: dict[str, Any
                             got: dict[str, Any], seen: dict[str, Any], batches_per_epoch: int) -> None:
     """The split run's losses and final weights, optimizer, scheduler, RNG and registered object equal the
     uninterrupted run's bit for bit, and the load restored the extra value, step counter and loader epoch."""
+    assert seen["saves_counted"] == 1
     assert seen["extra"] == {"global_step": K_STEPS}
     assert seen["step"] == 3
     assert seen["iteration_before"] == 0 and seen["iteration"] == K_STEPS // batches_per_epoch > 0
