@@ -15,11 +15,13 @@ import torch
 accelerate = pytest.importorskip("accelerate")
 
 import tierckpt  # noqa: E402
-from accelerate_child import K_STEPS, N_STEPS, Counter, build, snapshot, split_run, train  # noqa: E402
+from accelerate_child import K_STEPS, N_STEPS, Counter, build, fresh_accelerator, snapshot, split_run, train  # noqa: E402
 from conftest import free_port  # noqa: E402
 from processes import communicate_all  # noqa: E402
 from tierckpt.errors import CheckpointError  # noqa: E402
 from tierckpt.integrations.accelerate import load_state, save_state  # noqa: E402
+from tierckpt.meta_read import read_checkpoint  # noqa: E402
+from tierckpt.store import open_store  # noqa: E402
 
 CHILD = str(Path(__file__).parent / "accelerate_child.py")
 
@@ -106,3 +108,31 @@ def test_hooks_are_refused_not_skipped(tmp_path: Any) -> None:
     run["accelerator"].register_save_state_pre_hook(lambda models, weights, output_dir: None)
     with pytest.raises(CheckpointError, match="register_save_state_pre_hook"):
         save_state(run["accelerator"], str(tmp_path / "ckpt"))
+
+
+def _two_models(seed: int) -> tuple[Any, list[torch.nn.Module], list[torch.optim.Optimizer]]:
+    torch.manual_seed(seed)
+    accelerator = fresh_accelerator()
+    a, b = torch.nn.Linear(2, 3), torch.nn.Sequential(torch.nn.Linear(3, 1))
+    oa, ob = torch.optim.AdamW(a.parameters(), lr=0.01), torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+    a, b, oa, ob = accelerator.prepare(a, b, oa, ob)
+    return accelerator, [a, b], [oa, ob]
+
+
+def test_each_optimizer_is_named_by_its_own_model(tmp_path: Path) -> None:
+    accelerator, models, optims = _two_models(seed=0)
+    models[1](models[0](torch.randn(4, 2))).sum().backward()
+    for optim in optims:
+        optim.step()
+    uri = str(tmp_path / "ckpt")
+    save_state(accelerator, uri)
+    tensors = set(read_checkpoint(open_store(uri, {})).tensors)
+    assert {"optimizer_0.state.weight.exp_avg", "optimizer_1.state.0.weight.momentum_buffer"} <= tensors
+
+    fresh, fresh_models, fresh_optims = _two_models(seed=1)
+    load_state(fresh, uri)
+    for model, loaded in zip(models, fresh_models):
+        _assert_equal(model.state_dict(), loaded.state_dict())
+    for optim, loaded in zip(optims, fresh_optims):
+        assert optim.state_dict()["state"]
+        _assert_equal(optim.state_dict(), loaded.state_dict())

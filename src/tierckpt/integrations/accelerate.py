@@ -14,7 +14,7 @@ key               what
 ================  ==============================================================================
 ``model_<i>``     the i-th prepared model, unwrapped (``module.`` and compile wrappers removed)
 ``optimizer_<i>`` the i-th optimizer (unwrapped from ``AcceleratedOptimizer``), its state named by
-                  the parameters of the model that holds them (a ``(model, optimizer)`` pairing)
+                  its parameters' names in the model that holds them (the models are in the same save)
 ``scheduler_<i>`` the i-th LR scheduler's ``state_dict``
 ``dataloader_<i>`` the i-th prepared dataloader's epoch counter (``iteration``) and its sampler's
                   seed and epoch (``SeedableRandomSampler``) or generator state
@@ -67,7 +67,7 @@ __all__ = ["DataLoaderState", "load_state", "save_state"]
 SAVED_BY = "tierckpt.integrations.accelerate"
 _COUNTED = re.compile(r"^(model|optimizer|scheduler|dataloader|custom)_(\d+)$")
 """The top-level keys holding one prepared (or registered) object each, by kind and index (top-level: tierckpt
-names an optimizer's state by the parameters of a module or pairing at the top of the state)."""
+names an optimizer's state by the parameters of the modules at the top of the same state)."""
 
 
 class DataLoaderState:
@@ -110,17 +110,6 @@ def _plain_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return _plain_optimizer(inner) if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
-def _paired(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> Any:
-    """``(model, optimizer)`` with the model that holds every parameter of the optimizer, so its state is
-    named by that model's parameter names whatever else is saved; the optimizer alone when no one model
-    holds them all (its parameters are then named by the models of the same save)."""
-    wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for model in models:
-        if wanted <= {id(p) for p in model.parameters()}:
-            return (model, optimizer)
-    return optimizer
-
-
 def _model(accelerator: Accelerator, model: nn.Module) -> nn.Module:
     """The module whose parameters are saved: unwrapped from DDP and ``torch.compile`` (so the names do not
     depend on them); an FSDP model as prepared, since unwrapping FSDP1 leaves its inner wrappers and flat
@@ -159,7 +148,7 @@ def _state(accelerator: Accelerator) -> dict[str, Any]:
     models = [_model(accelerator, m) for m in accelerator._models]
     sections = {
         "model": models,
-        "optimizer": [_paired(_plain_optimizer(o), models) for o in accelerator._optimizers],
+        "optimizer": [_plain_optimizer(o) for o in accelerator._optimizers],
         "scheduler": [getattr(s, "scheduler", s) for s in accelerator._schedulers],
         "dataloader": [DataLoaderState(d) for d in accelerator._dataloaders],
         "custom": list(accelerator._custom_objects),
