@@ -62,7 +62,7 @@ def tierckpt_cli(*args: str) -> None:
 
 def fsdp2_native_to_dcp(root: str) -> bool:
     """FSDP2 x2: native tierckpt save -> ``convert --to dcp --flatten-optimizer`` -> ``dcp.load`` + ``set_state_dict``
-    (flattened) under FSDP2 x2. The default (indexed) output: tests/test_eco_dcp.py."""
+    (flattened) under FSDP2 x2. The default (indexed) output: tests/test_dcp_optimizer_conventions.py."""
     mesh = make_mesh((2,))
     group = subgroup(2)
     if group is not None:
