@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from . import cache_api as cache
+from . import progress
 from .cli_deadline import add_timeout
 from .errors import CheckpointError, CheckpointNotFoundError, StorageUnreachableError
 from .tiers.linkstatus import LinkStatus
@@ -72,6 +73,7 @@ def _add_wait(subparsers: Any) -> None:
     p.add_argument("uri", help="checkpoint root")
     p.add_argument("--timeout", type=float, default=None,
                    help="give up after this many seconds, the whole process included (exit 7)")
+    progress.add_flags(p, "wait")
     p.set_defaults(handler=cmd_wait)
 
 
@@ -95,6 +97,7 @@ def _add_sync(subparsers: Any) -> None:
                    help="give up after this many seconds, uploads waited for at exit included (exit 7)")
     p.add_argument("--drop", action="store_true",
                    help="discard the pending uploads of URI instead (e.g. to a mistyped bucket); they never reach it")
+    progress.add_flags(p, "sync")
     p.set_defaults(handler=cmd_sync)
 
 
@@ -119,13 +122,13 @@ def _add_prefetch(subparsers: Any) -> None:
     )
     p.add_argument("uri", help="checkpoint root, e.g. s3://bucket/run1/step-00001000")
     p.add_argument("--only", nargs="+", metavar="PATTERN", default=None, help="fqn glob patterns, e.g. 'model.*'")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    progress.add_flags(p, None)  # prefetch draws its own bar (its total is known)
     add_timeout(p, "prefetch")
     p.set_defaults(handler=cmd_prefetch)
 
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
-    nbytes = cache.prefetch(args.uri, only=args.only, progress=not args.quiet).result()
+    nbytes = cache.prefetch(args.uri, only=args.only, progress=progress.command_wants(args)).result()
     print(f"{args.uri}: {nbytes} bytes in the node cache")
     return 0
 
