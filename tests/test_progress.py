@@ -128,3 +128,31 @@ def test_remaining_counts_what_left_the_queue() -> None:
     bar.remaining("s3://b/x", 0)
     bar.remaining("s3://b/y", 0)
     assert (bar.done, bar.total) == (1500, 1500)
+
+
+def _save_and_load_with_bars(root: str) -> str | None:
+    """On ranks 0 and 1: a save and a load with progress=True, stderr captured; what each rank drew."""
+    import io
+
+    import torch.distributed as dist
+    from distributed import subgroup
+
+    group = subgroup(2)
+    if group is None:
+        return None
+    rank = dist.get_rank()
+    shard = {"w": torch.full((1000,), float(rank))}
+    saved, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        tierckpt.save(root, {f"w{rank}": shard["w"]}, group=group, progress=True)
+        tierckpt.load(root, {f"w{rank}": torch.zeros(1000)}, group=group, progress=True)
+        return sys.stderr.getvalue()
+    finally:
+        sys.stderr = saved
+
+
+@pytest.mark.multiproc
+def test_in_a_group_only_rank_0_draws(dist_pool, tmp_path: Path) -> None:
+    drawn = dist_pool.run(_save_and_load_with_bars, str(tmp_path / "ck"))
+    assert f"save {tmp_path / 'ck'}: 100%" in drawn[0] and f"load {tmp_path / 'ck'}" in drawn[0]
+    assert drawn[1] == "" and drawn[2:] == [None, None]
