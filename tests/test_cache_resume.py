@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 import tierckpt
-from tierckpt import layout
+from tierckpt import layout, progress
 from tierckpt.backends import LocalBackend
 from tierckpt.cache import CacheConfig
 from tierckpt.store import node_cache_over
@@ -97,7 +97,9 @@ def test_sigkilled_save_is_finished_by_sync(tmp_path: Path) -> None:
     config = CacheConfig(directory=str(cache_dir), exit_wait_s=0, poll_s=0.01)
     before = status(str(remote_dir), config=config)
     assert before.state == "local" and before.pending_bytes > 256 * 256 * 4
-    assert sync(config=config, timeout_s=60) == [str(remote_dir)]
+    with progress.shown("sync", enabled=False) as bar:  # what tierckpt sync draws: the bytes uploaded
+        assert sync(config=config, timeout_s=60) == [str(remote_dir)]
+    assert bar.done == bar.total == before.pending_bytes
     after = status(str(remote_dir), config=config)
     assert after.state == "remote" and after.pending_bytes == 0
     torch.manual_seed(0)

@@ -21,7 +21,8 @@ from tierckpt.backends import LocalBackend
 from tierckpt.backends.files import write_error
 from tierckpt.cache import CacheConfig
 from tierckpt.store import node_cache_over
-from tierckpt.cache.config import default_directory
+from tierckpt.cache import placement
+from tierckpt.cache.placement import DEFAULT_DISK_BYTES, default_directory
 from tierckpt.errors import (
     CheckpointError, CheckpointNotFoundError, StorageError, StoragePermissionError, UnsupportedURIError,
 )
@@ -270,11 +271,14 @@ def test_demo_progress_is_one_line_per_phase_when_captured(capsys: pytest.Captur
 def test_user_guide_states_the_cache_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     guide = (ROOT / "docs" / "user-guide.md").read_text()
     defaults = CacheConfig(directory=str(tmp_path))
-    assert f"| {defaults.disk_bytes // 2**30} GiB" in guide
+    assert f"{DEFAULT_DISK_BYTES // 2**30} GiB" in guide
     assert f"{defaults.memory_bytes // 2**20} MiB" in guide
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert default_directory() == str(tmp_path / ".cache" / "tierckpt")
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/sda1 {tmp_path} ext4 rw 0 0\n")
+    monkeypatch.setattr(placement, "MOUNTS", str(mounts))
+    assert default_directory()[0] == str(tmp_path / ".cache" / "tierckpt")
     assert "`~/.cache/tierckpt`" in guide and "`/tmp/tierckpt-cache-<uid>`" in guide
 
 

@@ -32,6 +32,7 @@ from .cache.tiered import TieredBackend
 from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import get_scheduler
 from .loader import read_checkpoint, read_pieces
+from .progress import ByteProgress, wanted
 from .store import memory_config_for, open_cached_store, open_store, uploader_of
 from .tiers.config import MemoryConfig
 from .tiers.downlog import DownLog
@@ -172,14 +173,15 @@ class PrefetchHandle:
         return self._future.cancel()
 
 
-def prefetch(uri: str, only: Sequence[str] | None = None, progress: bool = True, config: CacheConfig | None = None, *,
+def prefetch(uri: str, only: Sequence[str] | None = None, progress: bool | None = None, config: CacheConfig | None = None, *,
              storage_options: Mapping[str, Any] | None = None, **options_kw: Any) -> PrefetchHandle:
     """Pull the committed checkpoint at ``uri`` into the node cache in the background.
 
     With ``only`` (fqn glob patterns such as ``"model.layers.0.*"``) only the metadata, the object
     files and the byte ranges of the matching tensors' pieces are fetched. The metadata is read
     before this returns; the data is fetched at background priority: call ``result()`` on the returned
-    handle to wait for it (a process that exits first has fetched only the metadata).
+    handle to wait for it (a process that exits first has fetched only the metadata). ``progress``: a
+    progress bar on stderr (``None``: when stderr is a terminal; :func:`tierckpt.progress.wanted`).
     """
     if isinstance(only, str):
         only = [only]
@@ -210,11 +212,7 @@ def prefetch(uri: str, only: Sequence[str] | None = None, progress: bool = True,
         ranges += [(layout.in_generation(gen, p.file), p.byte_offset, p.byte_offset + p.byte_length)
                    for plist in pieces.values() for p in plist]
     data_total = sum(e - s for k, s, e in ranges if e < 1 << 62)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=data_total, unit="B", unit_scale=True, desc=f"prefetch {uri}")
+    bar = ByteProgress(f"prefetch {uri}", data_total) if wanted(progress) else None
     handle: PrefetchHandle
 
     async def run() -> int:

@@ -12,6 +12,9 @@ Commands::
     tierckpt bench [--gib G]                          a quick save/load timing beside torch DCP
     tierckpt --version                                answered without importing torch
 
+convert, verify, wait, sync and prefetch draw a progress bar on stderr when it is a terminal (``-q`` off,
+``--progress`` on a pipe too; :mod:`tierckpt.progress`).
+
 Exit codes:
 
 == ===========================================================================
@@ -42,7 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 # Only light modules here: ``tierckpt --version`` must not pay for torch. Each command imports what it uses.
-from . import __version__, layout
+from . import __version__, layout, progress
 from .cli_deadline import add_timeout, bounded
 from .errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, StorageUnreachableError,
@@ -261,7 +264,7 @@ def _add_verify(subparsers: Any) -> None:
     )
     p.add_argument("uri", help="checkpoint root: a path, file://, memory://, s3://, or any fsspec URI")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    p.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
+    progress.add_flags(p, None)  # verify draws its own bar (its total is known)
     add_timeout(p, "verify")
     p.set_defaults(handler=cmd_verify)
 
@@ -270,7 +273,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """Verify a checkpoint; exit 5 with the problems listed when it is corrupt."""
     from .verify import verify
 
-    report = verify(args.uri, progress=args.progress)
+    report = verify(args.uri, progress=progress.command_wants(args))
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.render())
     if report.problems:
         return EXIT_CORRUPT
@@ -547,6 +550,7 @@ def _add_convert(subparsers: Any) -> None:
     p.add_argument("--allow-pickle", action="store_true", help="to dcp: include objects that need full unpickling (trusted checkpoints only)")
     p.add_argument("--flatten-optimizer", action="store_true", help="to dcp: optimizer param group settings by parameter (optim.param_groups.<fqn>.lr), for get_state_dict with StateDictOptions(flatten_optimizer_state_dict=True); default: by group number, as get_state_dict's default")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    progress.add_flags(p, "convert")
     p.set_defaults(handler=cmd_convert)
 
 
@@ -630,7 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits for --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
-        with bounded(args):  # --timeout bounds the whole process, the exit drain included
+        with bounded(args), progress.for_command(args):  # --timeout bounds the whole process, the exit drain included
             return args.handler(args)
     except CheckpointError as exc:
         print(f"tierckpt {args.command}: error: {exc}", file=sys.stderr)

@@ -12,8 +12,11 @@ import json
 from typing import Any
 
 from . import cache_api as cache
+from . import progress
+from .cache.config import CacheConfig
 from .cli_deadline import add_timeout
 from .errors import CheckpointError, CheckpointNotFoundError, StorageUnreachableError
+from .monitor import format_bytes
 from .tiers.linkstatus import LinkStatus
 
 
@@ -43,8 +46,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
         raise CheckpointNotFoundError(f"no checkpoint at {args.uri!r}: nothing committed, and nothing pending upload from this node")
     levels = st.levels() if isinstance(st, LinkStatus) else []  # with the node memory tier: each level
+    node_cache = _node_cache()
     doc = dataclasses.asdict(st) | {
         "durable": st.durable, "committed_on_node": st.committed_on_node, "committed_on_remote": st.committed_on_remote,
+        "node_cache": node_cache,
     } | ({"levels": levels} if levels else {})
     if args.json:
         print(json.dumps(doc, indent=1))
@@ -53,6 +58,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{st.uri}: {st.state or 'nothing committed'}; committed on this node: {st.generation or '-'}; "
               f"committed on the remote: {remote}; {len(st.pending_keys)} object(s) / {st.pending_bytes} bytes "
               "pending upload")
+        print(f"  node cache {node_cache['directory']} ({node_cache['directory_reason']}); budget "
+              f"{format_bytes(node_cache['disk_bytes'])} ({node_cache['disk_bytes_reason']})")
         for level, reached, detail in levels:
             print(f"  {level:<10} {'yes' if reached else 'no':<3}  {detail}")
         for error in st.errors:
@@ -60,6 +67,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         if st.errors:
             print(f"  fix the remote, then: tierckpt sync {st.uri}   (or discard: tierckpt sync --drop {st.uri})")
     return 1 if st.errors else 0
+
+
+def _node_cache() -> dict[str, Any]:
+    """This node's cache (from the environment, as the commands open it): where, why there, and its budget."""
+    config = CacheConfig.from_env()
+    return {"directory": config.directory, "directory_reason": config.directory_reason,
+            "disk_bytes": config.disk_bytes, "disk_bytes_reason": config.disk_bytes_reason}
 
 
 def _add_wait(subparsers: Any) -> None:
@@ -72,6 +86,7 @@ def _add_wait(subparsers: Any) -> None:
     p.add_argument("uri", help="checkpoint root")
     p.add_argument("--timeout", type=float, default=None,
                    help="give up after this many seconds, the whole process included (exit 7)")
+    progress.add_flags(p, "wait")
     p.set_defaults(handler=cmd_wait)
 
 
@@ -95,6 +110,7 @@ def _add_sync(subparsers: Any) -> None:
                    help="give up after this many seconds, uploads waited for at exit included (exit 7)")
     p.add_argument("--drop", action="store_true",
                    help="discard the pending uploads of URI instead (e.g. to a mistyped bucket); they never reach it")
+    progress.add_flags(p, "sync")
     p.set_defaults(handler=cmd_sync)
 
 
@@ -119,13 +135,13 @@ def _add_prefetch(subparsers: Any) -> None:
     )
     p.add_argument("uri", help="checkpoint root, e.g. s3://bucket/run1/step-00001000")
     p.add_argument("--only", nargs="+", metavar="PATTERN", default=None, help="fqn glob patterns, e.g. 'model.*'")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    progress.add_flags(p, None)  # prefetch draws its own bar (its total is known)
     add_timeout(p, "prefetch")
     p.set_defaults(handler=cmd_prefetch)
 
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
-    nbytes = cache.prefetch(args.uri, only=args.only, progress=not args.quiet).result()
+    nbytes = cache.prefetch(args.uri, only=args.only, progress=progress.command_wants(args)).result()
     print(f"{args.uri}: {nbytes} bytes in the node cache")
     return 0
 

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from . import layout
+from . import layout, progress
 from .backends import Backend
 from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import ReadRequest, get_scheduler
@@ -309,6 +309,9 @@ def _read_box(
     if requests:
         sched = get_scheduler()
         sched.run(sched.read(backend, requests))
+        bar = progress.current()
+        if bar is not None:  # tierckpt convert's bar: the bytes read
+            bar.add(sum(len(r.out) for r in requests))
     for buffer, (unit, delivery, view) in copies:
         source = buffer.view(dtype).view(unit.box.lengths)
         view.copy_(source[delivery.box.relative_to(unit.box).slices()])

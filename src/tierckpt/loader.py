@@ -70,6 +70,7 @@ from .meta_read import (
 from .metadata import ObjectMeta, PieceMeta, decode_pieces
 from .load_match import match, report
 from .monitor import Monitor
+from .progress import attached
 from .nested import nest, template_of
 from .objects_read import fetch_objects, wanted_objects
 from .node import node_id
@@ -156,6 +157,7 @@ def load(
     topology: Topology | None = None,
     monitor: Monitor | None = None,
     collective_timeout_s: float | None = None,
+    progress: bool | None = False,
 ) -> dict[str, Any]:
     """Load the checkpoint at ``uri`` into ``state`` in place (resharding as needed) and return it.
 
@@ -174,63 +176,66 @@ def load(
     of the group must call it; a rank
     that does not arrive within ``collective_timeout_s`` (default: the group's timeout) is named in a :class:`CollectiveError`.
     ``group="self"`` loads in this process alone, with no collective (each rank reads what it needs itself).
+    ``progress=True`` draws a progress bar of the bytes read on stderr, on rank 0 only (``None``: only when
+    stderr is a terminal; :mod:`tierckpt.progress`).
     """
     uri = checked_uri("load", uri, state)
     comm = Comm(group)
     comm.check_in(f"load from {uri!r}", collective_timeout_s)
     monitor = monitor or Monitor()
-    backend = open_store(uri, dict(storage_options or {}))
-    options = _Options(strict, allow_pickle, verify, check_crc, chunk_bytes, round_bytes, topology)
-    tier = memory_tier_of(backend)
-    start: TierStart | None = None
-    read: Checkpoint | None = None  # what rank 0 read from its tier, checked against the chain's COMMIT
-    reader = 0
-    if tier is not None:  # every rank reads the metadata from its node's memory tier (tier_metadata)
-        with monitor.phase("metadata"):
-            mine = read_from_tier(tier, backend, leader=comm.rank == 0)
-            start, reader = start_from_tiers(
-                comm, mine, lambda ckpt, pieces: _prepare(state, ckpt, comm.rank, tier, pieces),
-                "preparing the state to load",
-            )
-            read = mine.ckpt if comm.rank == 0 else None
-    attempt = 0
-    reread: set[tuple[str, int, int]] = set()  # bytes a node cache served that failed their checksums
-    while True:
-        if start is None:
+    with attached(monitor, f"load {uri}", progress, comm.rank):
+        backend = open_store(uri, dict(storage_options or {}))
+        options = _Options(strict, allow_pickle, verify, check_crc, chunk_bytes, round_bytes, topology)
+        tier = memory_tier_of(backend)
+        start: TierStart | None = None
+        read: Checkpoint | None = None  # what rank 0 read from its tier, checked against the chain's COMMIT
+        reader = 0
+        if tier is not None:  # every rank reads the metadata from its node's memory tier (tier_metadata)
             with monitor.phase("metadata"):
-                ckpt = _broadcast_checkpoint(comm, backend, accept_dcp=not verify, src=reader, have=read)
-        else:
-            ckpt = start.ckpt
-        # torch DCP rewrites its files in place, which a node cache would serve stale.
-        source = without_node_cache(backend) if ckpt.pieces is not None else backend
-        try:
-            summaries = _load_generation(uri, state, comm, source, ckpt, options, monitor, start)
-        except (CollectiveError, StateMismatchError):
-            raise
-        except CheckpointError as exc:
-            if ckpt.pieces is not None:
-                raise  # a DCP directory has no commit to follow
-            if drop_and_retry(comm, backend, exc, reread):  # a bad cached copy: read it again from below
-                logger.warning("load of %s: a node-cache copy failed its checksum (%s); reading it again", uri, exc)
-                continue
-            # Every rank raised (failures are agreed); the reader tells whether a newer commit explains it.
-            moved = comm.broadcast_object(
-                newer_commit(backend, ckpt.meta.generation) is not None if comm.rank == reader else None, reader
-            )
-            if not moved:
+                mine = read_from_tier(tier, backend, leader=comm.rank == 0)
+                start, reader = start_from_tiers(
+                    comm, mine, lambda ckpt, pieces: _prepare(state, ckpt, comm.rank, tier, pieces),
+                    "preparing the state to load",
+                )
+                read = mine.ckpt if comm.rank == 0 else None
+        attempt = 0
+        reread: set[tuple[str, int, int]] = set()  # bytes a node cache served that failed their checksums
+        while True:
+            if start is None:
+                with monitor.phase("metadata"):
+                    ckpt = _broadcast_checkpoint(comm, backend, accept_dcp=not verify, src=reader, have=read)
+            else:
+                ckpt = start.ckpt
+            # torch DCP rewrites its files in place, which a node cache would serve stale.
+            source = without_node_cache(backend) if ckpt.pieces is not None else backend
+            try:
+                summaries = _load_generation(uri, state, comm, source, ckpt, options, monitor, start)
+            except (CollectiveError, StateMismatchError):
                 raise
-            if attempt == RACE_RETRIES:
-                raise CheckpointBusyError(
-                    f"loading {uri!r}: newer saves replaced the checkpoint {attempt + 1} times while it was being "
-                    f"loaded (last: {exc}); saves to this URI outpace the load. Load a checkpoint that is not being "
-                    "re-saved, or save with keep_previous=True"
-                ) from exc
-            attempt, start, read = attempt + 1, None, None
-            logger.info("load of %s: generation %s was replaced while loading; loading the newer commit",
-                        uri, ckpt.meta.generation)
-            continue
-        monitor.finish("load", uri, comm.rank, summaries)
-        return state
+            except CheckpointError as exc:
+                if ckpt.pieces is not None:
+                    raise  # a DCP directory has no commit to follow
+                if drop_and_retry(comm, backend, exc, reread):  # a bad cached copy: read it again from below
+                    logger.warning("load of %s: a node-cache copy failed its checksum (%s); reading it again", uri, exc)
+                    continue
+                # Every rank raised (failures are agreed); the reader tells whether a newer commit explains it.
+                moved = comm.broadcast_object(
+                    newer_commit(backend, ckpt.meta.generation) is not None if comm.rank == reader else None, reader
+                )
+                if not moved:
+                    raise
+                if attempt == RACE_RETRIES:
+                    raise CheckpointBusyError(
+                        f"loading {uri!r}: newer saves replaced the checkpoint {attempt + 1} times while it was being "
+                        f"loaded (last: {exc}); saves to this URI outpace the load. Load a checkpoint that is not being "
+                        "re-saved, or save with keep_previous=True"
+                    ) from exc
+                attempt, start, read = attempt + 1, None, None
+                logger.info("load of %s: generation %s was replaced while loading; loading the newer commit",
+                            uri, ckpt.meta.generation)
+                continue
+            monitor.finish("load", uri, comm.rank, summaries)
+            return state
 
 
 def read_state(uri: str, *, storage_options: Mapping[str, Any] | None = None, **options: Any) -> dict[str, Any]:

@@ -23,6 +23,9 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
+
+from . import progress as _progress
 
 logger = logging.getLogger("tierckpt")
 
@@ -50,6 +53,9 @@ class Monitor:
     """Every rank's :meth:`summary`, in rank order, once the call has finished."""
     trace_path: str | None = None
     """Where to append a Chrome trace (defaults to ``$TIERCKPT_TRACE``)."""
+    progress: Any = field(default_factory=_progress.current, repr=False, compare=False)
+    """The :class:`~tierckpt.progress.ByteProgress` fed by the byte counters in
+    :data:`~tierckpt.progress.MOVED_COUNTERS` (default: the bar shown when the monitor was made)."""
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -67,6 +73,8 @@ class Monitor:
 
     def count(self, name: str, amount: int = 1) -> None:
         self.counters[name] += amount
+        if self.progress is not None and name in _progress.MOVED_COUNTERS:
+            self.progress.add(amount)
 
     def summary(self) -> dict[str, float]:
         """Phases as ``<phase>_s`` and counters, as plain floats (what the header stores)."""

@@ -58,6 +58,7 @@ from .metadata import (
     CheckpointMeta, FileMeta, ObjectMeta, PieceMeta, dtype_name, encode_header, encode_pieces, encode_tensors,
 )
 from .monitor import Monitor, ranks_from_timings
+from .progress import attached
 from .objects import encode_object
 from .planner import LocalPiece, SavePlan, plan_save
 from .planner.save_planner import offers_digest
@@ -387,11 +388,16 @@ def _pieces(p: _Prepared) -> list[tuple[int, int, torch.Tensor]]:
     ]
 
 
+def _on_written(p: _Prepared) -> Any:
+    """What a file stream tells the bytes it wrote: the save's progress bar, if it has one."""
+    return p.monitor.progress.add if p.monitor.progress is not None else None
+
+
 def _open_stream(p: _Prepared) -> FileStream | None:
     writes = p.plan.writes[p.comm.rank]
     if not writes:
         return None
-    return FileStream(p.backend, layout.in_generation(p.generation, writes[0].file), len(writes))
+    return FileStream(p.backend, layout.in_generation(p.generation, writes[0].file), len(writes), on_written=_on_written(p))
 
 
 def _stream_direct(p: _Prepared) -> FileStream | None:
@@ -421,7 +427,7 @@ def _stream_staged(p: _Prepared, staging_bytes: int | None) -> FileStream | None
     key = layout.in_generation(p.generation, writes[0].file)
     mapped = getattr(p.backend, "mapped_writer", None)
     mapped = mapped(key, size) if mapped is not None and not pin else None
-    stream = FileStream(p.backend, key, len(writes), writer=mapped)
+    stream = FileStream(p.backend, key, len(writes), writer=mapped, on_written=_on_written(p))
     with stream.abort_on_error():
         if mapped is not None:
             stage_into(stream, _pieces(p), mapped.buffer)
@@ -711,6 +717,7 @@ def save(
     collective_timeout_s: float | None = None,
     replicated: bool = False,
     persist: bool = True,
+    progress: bool | None = False,
 ) -> CheckpointMeta:
     """Save ``state`` to ``uri``; return once the checkpoint is committed (on every rank).
 
@@ -733,6 +740,9 @@ def save(
     ``group="self"`` saves this process's state alone, with no collective and no wait on other ranks,
     as a one-rank checkpoint (for a trainer that saves from rank 0 only, e.g. Lightning under DDP; its
     plain tensors are taken to be the whole of each tensor). Peer replication does not apply to it.
+
+    ``progress=True`` draws a progress bar of the bytes staged on stderr, on rank 0 only (``None``: only
+    when stderr is a terminal; :mod:`tierckpt.progress`).
     """
     uri = checked_uri("save", uri, state)
     monitor = monitor or Monitor()
@@ -741,9 +751,11 @@ def save(
         previous.wait()
     p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor, collective_timeout_s,
                  write_back=False, persist=persist)
-    with monitor.phase("stage"):
-        stream = p.comm.run_agreed(lambda: _stream_direct(p), f"writing checkpoint {uri!r}")
-    meta = _finish(p, stream, p.comm)
+    rank = p.comm.rank
+    with attached(monitor, f"save {uri}", progress, rank, total=p.plan.file_sizes[rank] if rank < len(p.plan.file_sizes) else None):
+        with monitor.phase("stage"):
+            stream = p.comm.run_agreed(lambda: _stream_direct(p), f"writing checkpoint {uri!r}")
+        meta = _finish(p, stream, p.comm)
     if replicated:
         p.replication.wait(meta.generation)
     return meta

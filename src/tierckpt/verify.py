@@ -347,6 +347,6 @@ def _where_item(item: _Item) -> str:
 
 
 def _progress_bar(total: int) -> Any:
-    from tqdm import tqdm
+    from .progress import ByteProgress
 
-    return tqdm(total=total, unit="B", unit_scale=True, desc="verify", leave=False)
+    return ByteProgress("verify", total)

@@ -2,10 +2,12 @@
 
 Environment variables (read by :meth:`CacheConfig.from_env`):
 
-* ``TIERCKPT_CACHE_DIR``: the node cache directory (default ``$XDG_CACHE_HOME/tierckpt`` or
-  ``~/.cache/tierckpt``; ``/tmp/tierckpt-cache-<uid>`` when the home directory is not writable).
+* ``TIERCKPT_CACHE_DIR``: the node cache directory (default: chosen for cluster nodes by
+  :func:`tierckpt.cache.placement.default_directory`: ``~/.cache/tierckpt`` on a node-local disk, else
+  node-local scratch such as ``$TMPDIR``).
 * ``TIERCKPT_CACHE_BYTES``: the local (disk) tier budget, e.g. ``"200G"``, ``"512M"``, ``"1000000"``
-  (:func:`tierckpt.units.parse_bytes`: ``G`` and ``GiB`` are binary, ``GB`` decimal).
+  (:func:`tierckpt.units.parse_bytes`: ``G`` and ``GiB`` are binary, ``GB`` decimal); default: the smaller
+  of 100 GiB and half the free space (:func:`tierckpt.cache.placement.default_disk_bytes`).
 * ``TIERCKPT_CACHE``: ``"0"``/``"off"`` disables caching, ``"1"``/``"on"`` enables it.
 """
 
@@ -18,19 +20,7 @@ from typing import Any
 
 from ..errors import CheckpointError, NodeCacheError
 from ..units import parse_bytes
-
-
-def default_directory() -> str:
-    """``$XDG_CACHE_HOME/tierckpt`` (or ``~/.cache/tierckpt``) if writable, else ``/tmp/tierckpt-cache-<uid>``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    candidate = os.path.join(base, "tierckpt")
-    try:
-        os.makedirs(candidate, exist_ok=True)
-        if os.access(candidate, os.W_OK):
-            return candidate
-    except OSError:
-        pass
-    return os.path.join("/tmp", f"tierckpt-cache-{os.getuid()}")
+from .placement import default_directory, default_disk_bytes
 
 
 def cache_error(directory: str, what: str, exc: BaseException) -> NodeCacheError:
@@ -54,8 +44,9 @@ class CacheConfig:
     """Budget of the in-process memory tier (whole small objects such as metadata)."""
     memory_object_bytes: int = 4 * 2**20
     """Largest object the memory tier holds."""
-    disk_bytes: int = 100 * 2**30
-    """Budget of the local disk tier. Data not yet on the remote is never evicted, even over budget."""
+    disk_bytes: int | None = None
+    """Budget of the local disk tier (``None``: the default, see :mod:`~tierckpt.cache.placement`). Data not
+    yet on the remote is never evicted, even over budget."""
     block_bytes: int = 8 * 2**20
     """Remote objects larger than this are cached as aligned blocks of this size; smaller ones whole."""
     upload_concurrency: int = 8
@@ -71,10 +62,23 @@ class CacheConfig:
     poll_s: float = 0.05
     """How often waiters re-read the catalogue (uploads of other processes show up there)."""
 
+    directory_reason: str = dataclasses.field(default="", compare=False)
+    """Why :attr:`directory` is where it is (``tierckpt status`` prints it); filled in when empty."""
+    disk_bytes_reason: str = dataclasses.field(default="", compare=False)
+    """Why :attr:`disk_bytes` is what it is; filled in when empty."""
+
     def __post_init__(self) -> None:
         if not self.directory:
-            object.__setattr__(self, "directory", default_directory())
+            directory, why = default_directory()
+            object.__setattr__(self, "directory", directory)
+            object.__setattr__(self, "directory_reason", self.directory_reason or why)
+        object.__setattr__(self, "directory_reason", self.directory_reason or "CacheConfig.directory")
         object.__setattr__(self, "directory", os.path.abspath(os.path.expanduser(self.directory)))
+        if self.disk_bytes is None:
+            budget, why = default_disk_bytes(self.directory)
+            object.__setattr__(self, "disk_bytes", budget)
+            object.__setattr__(self, "disk_bytes_reason", self.disk_bytes_reason or why)
+        object.__setattr__(self, "disk_bytes_reason", self.disk_bytes_reason or "CacheConfig.disk_bytes")
         for name in ("memory_bytes", "memory_object_bytes", "disk_bytes"):
             if getattr(self, name) < 0:
                 raise CheckpointError(f"CacheConfig.{name} must not be negative, got {getattr(self, name)}")
@@ -90,8 +94,10 @@ class CacheConfig:
         values: dict[str, Any] = {}
         if os.environ.get("TIERCKPT_CACHE_DIR"):
             values["directory"] = os.environ["TIERCKPT_CACHE_DIR"]
+            values["directory_reason"] = "TIERCKPT_CACHE_DIR"
         if os.environ.get("TIERCKPT_CACHE_BYTES"):
             values["disk_bytes"] = parse_bytes(os.environ["TIERCKPT_CACHE_BYTES"], "TIERCKPT_CACHE_BYTES")
+            values["disk_bytes_reason"] = "TIERCKPT_CACHE_BYTES"
         flag = os.environ.get("TIERCKPT_CACHE", "").strip().lower()
         if flag:
             if flag not in ("0", "1", "on", "off", "true", "false", "yes", "no"):
@@ -103,5 +109,8 @@ class CacheConfig:
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise CheckpointError(f"unknown CacheConfig fields {sorted(unknown)}")
+        for name in ("directory", "disk_bytes"):  # a value given here is not the environment's
+            if name in overrides:
+                values.pop(f"{name}_reason", None)
         values.update(overrides)
         return cls(**values)

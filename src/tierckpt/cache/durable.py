@@ -9,7 +9,7 @@ import asyncio
 import os
 import time
 
-from .. import layout
+from .. import layout, progress
 from ..comm import describe_error
 from ..bounded import MAX_RECORD_BYTES
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError
@@ -44,6 +44,9 @@ class DurableMixin:
         waiting = Waiting()  # a long wait (the remote down) says on stderr what it waits for
         while True:
             pending = self._relevant(generation)
+            bar = progress.current()
+            if bar is not None:  # a command's bar (tierckpt wait/sync): the bytes still to upload
+                bar.remaining(self.root_uri, sum(r.size for r in pending.values()))
             if not pending:
                 return
             waiting.note(lambda: self._waiting_for(pending))

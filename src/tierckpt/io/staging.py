@@ -37,7 +37,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import crc32c
@@ -115,7 +115,10 @@ class FileRuns:
 class FileStream:
     """Writes chunks of one file in order on the I/O loop (see the module docstring)."""
 
-    def __init__(self, backend: Backend, key: str, num_pieces: int, writer: ObjectWriter | None = None) -> None:
+    def __init__(self, backend: Backend, key: str, num_pieces: int, writer: ObjectWriter | None = None,
+                 on_written: Callable[[int], None] | None = None) -> None:
+        self._on_written = on_written
+        """Told the size of each chunk once written (a progress bar: :mod:`tierckpt.progress`)."""
         self.checksums = [BlockAccumulator() for _ in range(num_pieces)]
         self.file_crc32c: int | None = None
         """The whole file's CRC-32C, when its writer took it from the stream (see the module docstring)."""
@@ -217,6 +220,8 @@ class FileStream:
             raise
         self.write_s += time.perf_counter() - started
         self.bytes_written += len(chunk.data)
+        if self._on_written is not None:
+            self._on_written(len(chunk.data))
         chunk.written.set_result(None)
 
     def _fail_pending(self) -> None:
