@@ -78,14 +78,14 @@ def test_the_environment_wins_and_says_so(node: Path, monkeypatch: pytest.Monkey
     assert (given.directory_reason, given.disk_bytes_reason) == ("CacheConfig.directory", "CacheConfig.disk_bytes")
 
 
-def test_the_default_budget_is_capped_by_free_space(node: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_default_budget_is_capped_by_the_disk_size(node: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = CacheConfig(directory=str(node / "c"))
-    free = placement.free_bytes(str(node))
-    assert free is not None and 0 < real.disk_bytes <= min(placement.DEFAULT_DISK_BYTES, free)
-    monkeypatch.setattr(placement, "free_bytes", lambda directory: 10 * 2**30)  # a small scratch disk
+    size = placement.size_bytes(str(node))
+    assert size is not None and 0 < real.disk_bytes <= min(placement.DEFAULT_DISK_BYTES, size // 2)
+    monkeypatch.setattr(placement, "size_bytes", lambda directory: 10 * 2**30)  # a small scratch disk
     small = CacheConfig(directory=str(node / "c"))
-    assert (small.disk_bytes, small.disk_bytes_reason) == (5 * 2**30, "half the 10.0 GiB free on its file system")
-    monkeypatch.setattr(placement, "free_bytes", lambda directory: 2**40)
+    assert (small.disk_bytes, small.disk_bytes_reason) == (5 * 2**30, "half of its 10.0 GiB file system")
+    monkeypatch.setattr(placement, "size_bytes", lambda directory: 2**40)
     big = CacheConfig(directory=str(node / "c"))
     assert (big.disk_bytes, big.disk_bytes_reason) == (100 * 2**30, "the default cap (100 GiB)")
 

@@ -7,7 +7,7 @@ Environment variables (read by :meth:`CacheConfig.from_env`):
   node-local scratch such as ``$TMPDIR``).
 * ``TIERCKPT_CACHE_BYTES``: the local (disk) tier budget, e.g. ``"200G"``, ``"512M"``, ``"1000000"``
   (:func:`tierckpt.units.parse_bytes`: ``G`` and ``GiB`` are binary, ``GB`` decimal); default: the smaller
-  of 100 GiB and half the free space (:func:`tierckpt.cache.placement.default_disk_bytes`).
+  of 100 GiB and half the file system's size (:func:`tierckpt.cache.placement.default_disk_bytes`).
 * ``TIERCKPT_CACHE``: ``"0"``/``"off"`` disables caching, ``"1"``/``"on"`` enables it.
 """
 

@@ -12,7 +12,7 @@ directory (:meth:`CacheConfig.from_env`), the directory is the first that works 
 3. ``~/.cache/tierckpt`` even on a network file system; else ``/tmp/tierckpt-cache-<uid>``.
 
 The budget, unless ``TIERCKPT_CACHE_BYTES`` or ``CacheConfig.disk_bytes`` sets it, is the smaller of
-:data:`DEFAULT_DISK_BYTES` and half the space free on the directory's file system when the config is made.
+:data:`DEFAULT_DISK_BYTES` and half the size of the directory's file system.
 Each choice comes with the reason, which ``tierckpt status`` prints.
 """
 
@@ -24,8 +24,8 @@ from ..monitor import format_bytes
 
 DEFAULT_DISK_BYTES = 100 * 2**30
 """The most the default budget gives the node cache (100 GiB)."""
-FREE_FRACTION = 0.5
-"""The share of the file system's free space the default budget may take."""
+SIZE_FRACTION = 0.5
+"""The share of the file system's size the default budget may take."""
 MOUNTS = "/proc/self/mounts"
 """The mount table read to tell file systems on this node from network ones."""
 SCRATCH_DIRS = ("/local", "/scratch", "/tmp")
@@ -91,8 +91,8 @@ def default_directory() -> tuple[str, str]:
     return os.path.join("/tmp", leaf), f"{home} is not writable"
 
 
-def free_bytes(directory: str) -> int | None:
-    """Bytes free to this user on the file system of ``directory`` (or its nearest existing parent)."""
+def size_bytes(directory: str) -> int | None:
+    """The size of the file system of ``directory`` (or of its nearest existing parent), in bytes."""
     path = os.path.abspath(directory)
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
@@ -100,15 +100,18 @@ def free_bytes(directory: str) -> int | None:
         st = os.statvfs(path)
     except OSError:
         return None
-    return st.f_bavail * st.f_frsize
+    return st.f_blocks * st.f_frsize
 
 
 def default_disk_bytes(directory: str) -> tuple[int, str]:
-    """The default budget for a cache in ``directory`` and why (see the module docstring)."""
-    free = free_bytes(directory)
-    if free is None:
-        return DEFAULT_DISK_BYTES, "the default (the free space is unknown)"
-    share = int(free * FREE_FRACTION)
+    """The default budget for a cache in ``directory`` and why (see the module docstring).
+
+    A share of the file system's size, not of its free space: the free space shrinks as the cache
+    fills, and a budget computed from it would shrink with every config made."""
+    size = size_bytes(directory)
+    if size is None:
+        return DEFAULT_DISK_BYTES, "the default (the file system's size is unknown)"
+    share = int(size * SIZE_FRACTION)
     if share >= DEFAULT_DISK_BYTES:
         return DEFAULT_DISK_BYTES, "the default cap (100 GiB)"
-    return share, f"half the {format_bytes(free)} free on its file system"
+    return share, f"half of its {format_bytes(size)} file system"
