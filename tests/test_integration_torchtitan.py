@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("torchtitan")
 
 import tierckpt  # noqa: E402
-from tierckpt.errors import CheckpointError  # noqa: E402
+from tierckpt.errors import CheckpointError, CheckpointNotFoundError  # noqa: E402
 from tierckpt.integrations.torchtitan import TierckptCheckpointManager  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -96,3 +96,14 @@ def test_disabled_manager_does_nothing(tmp_path: Path) -> None:
     )
     assert manager.load() is False and manager.save(10) is False
     assert list(tmp_path.iterdir()) == []
+
+
+def test_load_step_not_committed_is_refused_by_name(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    manager = TierckptCheckpointManager.Config(enable=True, load_step=5).build(
+        dataloader=None, model_parts=[model], optimizers=None, lr_schedulers=None, states={},
+        sd_adapter=None, base_folder=str(tmp_path),
+    )
+    with pytest.raises(CheckpointNotFoundError, match=r"load_step=5: no committed step 5 under .* \(found \[\]\)"):
+        manager.load(5)
+    assert manager.load() is False  # no step and no initial_load_path: a fresh start
