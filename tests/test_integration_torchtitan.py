@@ -29,8 +29,10 @@ CHILD = str(Path(__file__).parent / "torchtitan_child.py")
 def _run(ckpt: Path, out: Path, steps: int, world: int = 2, extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     port = free_port()
     procs = [
-        subprocess.Popen([sys.executable, CHILD, str(r), str(world), str(port), str(ckpt), str(out), str(steps), *extra],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, CHILD, str(r), str(world), str(port), str(ckpt), str(out), str(steps), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
         for r in range(world)
     ]
     for rank, done in enumerate(communicate_all(procs, 240, f"torchtitan run {out.name}")):
@@ -107,3 +109,30 @@ def test_load_step_not_committed_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFoundError, match=r"load_step=5: no committed step 5 under .* \(found \[\]\)"):
         manager.load(5)
     assert manager.load() is False  # no step and no initial_load_path: a fresh start
+
+
+def _single_process_manager(base: Path, model: torch.nn.Module, **config: Any) -> TierckptCheckpointManager:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    return TierckptCheckpointManager.Config(enable=True, **config).build(
+        dataloader=None, model_parts=[model], optimizers=optimizer, lr_schedulers=scheduler, states={},
+        sd_adapter=None, base_folder=str(base),
+    )
+
+
+def test_initial_load_path_starts_a_new_folder_from_the_model_alone(tmp_path: Path) -> None:
+    """With nothing under ``folder``, ``initial_load_path`` (model only, torchtitan's default) fills the model
+    and leaves the optimizer and scheduler as built; ``last_save_model_only`` writes the model in
+    ``export_dtype`` alone."""
+    torch.manual_seed(0)
+    source = torch.nn.Linear(3, 2)
+    saver = _single_process_manager(tmp_path / "a", source, interval=2, export_dtype="bfloat16")
+    assert saver.save(1) is False and saver.save(2) is True and saver.save(3, last_step=True) is True
+    last = tierckpt.read_checkpoint(tierckpt.store.open_store(saver.manager.uri_of(3)))
+    dtypes = {key: t.dtype for key, t in last.tensors.items()}
+    assert dtypes == {"model.weight": "bfloat16", "model.bias": "bfloat16"}
+    target = torch.nn.Linear(3, 2)
+    loader = _single_process_manager(tmp_path / "b", target, initial_load_path=saver.manager.uri_of(2))
+    assert loader.load() is True
+    assert torch.equal(target.weight, source.weight) and torch.equal(target.bias, source.bias)
+    assert loader.states["optimizer"].state == {}  # model only: the optimizer keeps its built state

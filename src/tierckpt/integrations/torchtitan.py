@@ -121,7 +121,8 @@ class TierckptCheckpointManager(BaseCheckpointManager):
         if self.config.load_only or not due:
             return False
         if last_step and self.config.last_save_model_only:
-            state: dict[str, Any] = {MODEL: {k: _exported(v, self.export_dtype) for k, v in self.model.state_dict().items()}}
+            model = {k: _exported(v, self.export_dtype) for k, v in self.model.state_dict().items()}
+            state: dict[str, Any] = {MODEL: model}
         else:
             state = {MODEL: self.model.state_dict(), **self.states}
         return self.manager.save(curr_step, state, force=True)
