@@ -4,5 +4,6 @@ Each submodule imports its framework only when it is imported itself, so ``impor
 pulls in a framework: ``tierckpt.integrations.transformers`` needs ``transformers`` and ``accelerate``
 (which its ``Trainer`` needs): ``pip install "tierckpt[transformers]"``;
 ``tierckpt.integrations.lightning`` needs ``lightning``: ``pip install "tierckpt[lightning]"``;
-``tierckpt.integrations.accelerate`` needs ``accelerate``: ``pip install accelerate``.
+``tierckpt.integrations.accelerate`` needs ``accelerate``: ``pip install accelerate``;
+``tierckpt.integrations.torchtitan`` needs ``torchtitan``: ``pip install "tierckpt[torchtitan]"``.
 """
