@@ -146,8 +146,8 @@ class CheckpointManager:
     def _memory_on(self) -> bool:
         return memory_config_for(self.root_uri, self.storage_options.get("memory")) is not None
 
-    def _found_uri(self, step: int) -> str:
-        """The URI of the existing checkpoint of ``step`` (whatever its padding)."""
+    def saved_uri_of(self, step: int) -> str:
+        """The URI of the existing checkpoint of ``step``, whatever its name's padding (``step-100`` too)."""
         return f"{self.root_uri}/{self._committed_names().get(step, layout.step_name(step))}"
 
     def _backend(self) -> Backend:
@@ -221,7 +221,7 @@ class CheckpointManager:
     def durable_where_uri_points(self, step: int) -> bool:
         """Whether ``step`` is committed on the remote itself, not only in this node's cache (a write-back
         save whose upload is pending or failed); ``steps()`` and ``latest()`` count both."""
-        uri = self._found_uri(step)
+        uri = self.saved_uri_of(step)
         return self._committed(step) and node_only_reason(open_store(uri, self.storage_options)) is None
 
     def steps(self) -> list[int]:
@@ -257,7 +257,7 @@ class CheckpointManager:
     def levels(self, step: int) -> dict[str, bool] | None:
         """``{level: reached}`` of ``step`` (memory, replicated, local, remote) when the node memory tier is
         on, else ``None`` (then :meth:`durable_where_uri_points` tells node cache from remote)."""
-        return memory_levels(open_store(self._found_uri(step), self.storage_options))
+        return memory_levels(open_store(self.saved_uri_of(step), self.storage_options))
 
     def _committed(self, step: int) -> bool:
         """Whether ``step`` has a COMMIT, asked through the step's own URI (its node-cache scope)."""

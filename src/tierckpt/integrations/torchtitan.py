@@ -138,7 +138,7 @@ class TierckptCheckpointManager(BaseCheckpointManager):
             )
         if steps:
             found = steps[-1] if step == -1 else step
-            uri, model_only = self.manager._found_uri(found), found == 0
+            uri, model_only = self.manager.saved_uri_of(found), found == 0
         elif self.config.initial_load_path:
             uri, model_only = self.config.initial_load_path, self.config.initial_load_model_only
         else:
