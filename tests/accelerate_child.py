@@ -102,7 +102,8 @@ def snapshot(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _assert_equal(a: Any, b: Any, where: str = "") -> None:
+def assert_equal(a: Any, b: Any, where: str = "") -> None:
+    """``a`` equals ``b`` exactly, tensors and arrays element by element; ``where`` names the first difference."""
     if isinstance(a, torch.Tensor):
         assert torch.equal(a, b), where
     elif isinstance(a, np.ndarray):
@@ -110,11 +111,11 @@ def _assert_equal(a: Any, b: Any, where: str = "") -> None:
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), where
         for key in a:
-            _assert_equal(a[key], b[key], f"{where}.{key}")
+            assert_equal(a[key], b[key], f"{where}.{key}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal(x, y, f"{where}[{i}]")
+            assert_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, where
 

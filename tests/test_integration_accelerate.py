@@ -8,14 +8,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 accelerate = pytest.importorskip("accelerate")
 
 import tierckpt  # noqa: E402
-from accelerate_child import K_STEPS, N_STEPS, Counter, build, fresh_accelerator, snapshot, split_run, train  # noqa: E402
+from accelerate_child import (  # noqa: E402
+    K_STEPS, N_STEPS, Counter, assert_equal, build, fresh_accelerator, snapshot, split_run, train,
+)
 from conftest import free_port  # noqa: E402
 from processes import communicate_all  # noqa: E402
 from tierckpt.errors import CheckpointError  # noqa: E402
@@ -24,22 +25,6 @@ from tierckpt.meta_read import read_checkpoint  # noqa: E402
 from tierckpt.store import open_store  # noqa: E402
 
 CHILD = str(Path(__file__).parent / "accelerate_child.py")
-
-def _assert_equal(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, np.ndarray):
-        assert np.array_equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _assert_equal(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def assert_resumed_exactly(straight_losses: list[float], expected: dict[str, Any], losses: list[float],
@@ -53,7 +38,7 @@ def assert_resumed_exactly(straight_losses: list[float], expected: dict[str, Any
     assert seen["counter"] == K_STEPS * 4
     assert losses == straight_losses
     assert got["optim"]["state"], "no optimizer state to compare"
-    _assert_equal(got, expected)
+    assert_equal(got, expected)
 
 
 def test_resume_is_bit_exact(tmp_path: Any) -> None:
@@ -132,7 +117,7 @@ def test_each_optimizer_is_named_by_its_own_model(tmp_path: Path) -> None:
     fresh, fresh_models, fresh_optims = _two_models(seed=1)
     load_state(fresh, uri)
     for model, loaded in zip(models, fresh_models):
-        _assert_equal(model.state_dict(), loaded.state_dict())
+        assert_equal(model.state_dict(), loaded.state_dict())
     for optim, loaded in zip(optims, fresh_optims):
         assert optim.state_dict()["state"]
-        _assert_equal(optim.state_dict(), loaded.state_dict())
+        assert_equal(optim.state_dict(), loaded.state_dict())
