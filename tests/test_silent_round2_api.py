@@ -83,23 +83,25 @@ def save_relative_path_from_rank_dependent_cwd(root: str) -> str | None:
 
 @pytest.mark.multiproc
 def test_one_relative_path_from_different_directories_is_refused(dist_pool: Any, tmp_path: Path) -> None:
-    messages = [m for m in dist_pool.run(save_relative_path_from_rank_dependent_cwd, str(tmp_path)) if m is not None]
-    assert len(messages) == 2
-    for message in messages:
-        assert "ranks disagree on the URI" in message, message
-        assert f"{tmp_path}/cwd0/ckpt" in message and f"{tmp_path}/cwd1/ckpt" in message, message
+    _assert_every_rank_names_both(dist_pool.run(save_relative_path_from_rank_dependent_cwd, str(tmp_path)),
+                                  f"{tmp_path}/cwd0/ckpt", f"{tmp_path}/cwd1/ckpt")
     assert _files_under(tmp_path) == []
 
 
 @pytest.mark.multiproc
 def test_ranks_saving_to_different_uris_all_raise_and_nothing_is_written(dist_pool: Any, tmp_path: Path) -> None:
     root = tmp_path / "run"
-    messages = [m for m in dist_pool.run(save_rank_dependent_uri, str(root)) if m is not None]
-    assert len(messages) == 2
-    for message in messages:
-        assert "ranks disagree on the URI" in message, message
-        assert f"{root}/rank0" in message and f"{root}/rank1" in message, message
+    _assert_every_rank_names_both(dist_pool.run(save_rank_dependent_uri, str(root)), f"{root}/rank0", f"{root}/rank1")
     assert _files_under(tmp_path) == []
+
+
+def _assert_every_rank_names_both(messages: list[str | None], first: str, second: str) -> None:
+    """Both ranks of the save raised the disagreement, each naming both URIs."""
+    raised = [m for m in messages if m is not None]
+    assert len(raised) == 2, messages
+    for message in raised:
+        assert "ranks disagree on the URI" in message, message
+        assert first in message and second in message, message
 
 
 @pytest.mark.multiproc

@@ -162,14 +162,19 @@ def test_a_real_corruption_on_s3_is_still_reported(uri: str, tmp_path: Path) -> 
         tierckpt.load(uri, blank(BIG), storage_options=options)
 
 
-def _flip_keeping_mtime(path: Path, at: int) -> None:
-    """Flip one bit as rot does: the file's modification time stays as it was."""
-    st = path.stat()
+def _flip(path: Path, at: int) -> None:
+    """Flip one bit of the byte at ``at`` (a changed file: its modification time moves)."""
     with open(path, "r+b") as f:
         f.seek(at)
         byte = f.read(1)[0]
         f.seek(at)
         f.write(bytes([byte ^ 0x04]))
+
+
+def _flip_keeping_mtime(path: Path, at: int) -> None:
+    """Flip one bit as rot does: the file's modification time stays as it was."""
+    st = path.stat()
+    _flip(path, at)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
@@ -266,11 +271,7 @@ def test_sync_never_uploads_a_node_cache_file_that_changed_since_its_save(uri: s
     assert done.returncode == 0 and "tierckpt sync" in done.stderr, done.stderr[-2000:]
     proxy.clear()  # S3 back
     cached = next((cache / "objects").rglob("data/rank-00000.bin"))
-    with open(cached, "r+b") as f:
-        f.seek(1000)
-        byte = f.read(1)[0]
-        f.seek(1000)
-        f.write(bytes([byte ^ 0x01]))
+    _flip(cached, at=1000)
     synced = cli("sync", uri, "--timeout", "60", env=env)
     assert synced.returncode != 0 and "synced" not in synced.stdout, synced.stdout + synced.stderr
     assert str(cached) in synced.stderr and "fails its CRC-32C check" in synced.stderr, synced.stderr
@@ -315,11 +316,7 @@ def test_a_writer_killed_after_its_memory_commit_leaves_nothing_corrupt_to_sync(
     assert done.returncode == 0, done.stderr[-2000:]
     proxy.clear()  # S3 back
     tier_file = next(memdir.rglob("data/rank-00000.bin"))
-    with open(tier_file, "r+b") as f:
-        f.seek(1000)
-        byte = f.read(1)[0]
-        f.seek(1000)
-        f.write(bytes([byte ^ 0x01]))
+    _flip(tier_file, at=1000)
     synced = cli("sync", uri, "--timeout", "60", env=env)
     assert synced.returncode == 5 and "synced" not in synced.stdout, synced.stdout + synced.stderr
     assert str(tier_file) in synced.stderr and "corrupted in node memory" in synced.stderr, synced.stderr
