@@ -9,6 +9,7 @@ import sys
 import uuid
 import warnings
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -132,66 +133,60 @@ def test_a_save_to_a_missing_bucket_is_not_loadable_on_the_saving_node(
     capsys.readouterr()
 
 
-def test_a_save_that_failed_during_an_outage_leaves_the_previous_checkpoint(
-    s3_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.fixture
+def behind_proxy(s3_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, FaultProxy, Any]]:
+    """A URI in a fresh bucket reached through a fault proxy, this test's own node cache, and a reader of
+    the bucket's objects under the URI straight from S3 (``remote("COMMIT")``)."""
     import boto3
 
     bucket = f"r2-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=bucket)
+    client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    client.create_bucket(Bucket=bucket)
     proxy = FaultProxy(s3_server)
+    monkeypatch.setenv("TIERCKPT_S3_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(tmp_path / "node"))
     try:
-        monkeypatch.setenv("TIERCKPT_S3_ENDPOINT_URL", proxy.endpoint)
-        monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(tmp_path / "node"))
-        uri = f"s3://{bucket}/run"
-        first = tierckpt.save(uri, {"w": torch.full((10,), 1.0)})
-        proxy.add_rule(Rule("503", method="PUT", path="/COMMIT", count=None))
-        with pytest.raises(tierckpt.StorageError, match="was not committed"):
-            tierckpt.save(uri, {"w": torch.full((10,), 2.0)})
-        out = {"w": torch.zeros(10)}
-        tierckpt.load(uri, out)  # this node sees the previous commit, not the failed one
-        assert torch.equal(out["w"], torch.full((10,), 1.0))
-        assert tierckpt.status(uri).generation == first.generation
-        proxy.clear()
-        tierckpt.sync(uri, timeout_s=60)  # nothing of the failed save is left to land later
-        remote = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
-        body = remote.get_object(Bucket=bucket, Key="run/COMMIT")["Body"].read()
-        assert layout.CommitRecord.decode(body).generation == first.generation
+        yield f"s3://{bucket}/run", proxy, lambda key: client.get_object(Bucket=bucket, Key=f"run/{key}")
     finally:
         proxy.close()
+
+
+def test_a_save_that_failed_during_an_outage_leaves_the_previous_checkpoint(behind_proxy: tuple[str, FaultProxy, Any]) -> None:
+    uri, proxy, remote = behind_proxy
+    first = tierckpt.save(uri, {"w": torch.full((10,), 1.0)})
+    proxy.add_rule(Rule("503", method="PUT", path="/COMMIT", count=None))
+    with pytest.raises(tierckpt.StorageError, match="was not committed"):
+        tierckpt.save(uri, {"w": torch.full((10,), 2.0)})
+    out = {"w": torch.zeros(10)}
+    tierckpt.load(uri, out)  # this node sees the previous commit, not the failed one
+    assert torch.equal(out["w"], torch.full((10,), 1.0))
+    assert tierckpt.status(uri).generation == first.generation
+    proxy.clear()
+    tierckpt.sync(uri, timeout_s=60)  # nothing of the failed save is left to land later
+    body = remote("COMMIT")["Body"].read()
+    assert layout.CommitRecord.decode(body).generation == first.generation
 
 
 def test_a_failed_save_after_an_async_save_leaves_the_async_save_pending(
-    s3_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    behind_proxy: tuple[str, FaultProxy, Any], capsys: pytest.CaptureFixture[str],
 ) -> None:
     """An async save committed on this node (its COMMIT not uploaded yet), then a synchronous save that
     fails: the node is back at the async save, still node-only (``ls`` says so) and still to be uploaded."""
-    import boto3
-
-    bucket = f"r2-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=bucket)
-    proxy = FaultProxy(s3_server)
-    try:
-        monkeypatch.setenv("TIERCKPT_S3_ENDPOINT_URL", proxy.endpoint)
-        monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(tmp_path / "node"))
-        uri = f"s3://{bucket}/run"
-        proxy.add_rule(Rule("503", method="PUT", path="/COMMIT", count=None))
-        pending = tierckpt.async_save(uri, {"w": torch.full((10,), 1.0)}).wait()
-        with pytest.raises(tierckpt.StorageError, match="was not committed"):
-            tierckpt.save(uri, {"w": torch.full((10,), 2.0)})
-        out = {"w": torch.zeros(10)}
-        tierckpt.load(uri, out)
-        assert torch.equal(out["w"], torch.full((10,), 1.0))
-        st = tierckpt.status(uri)
-        assert st.generation == pending.generation and not st.committed_on_remote
-        assert cli.main(["ls", uri]) == 0 and "node-only" in capsys.readouterr().out
-        proxy.clear()
-        tierckpt.sync(uri, timeout_s=60)
-        remote = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
-        body = remote.get_object(Bucket=bucket, Key="run/COMMIT")["Body"].read()
-        assert layout.CommitRecord.decode(body).generation == pending.generation
-    finally:
-        proxy.close()
+    uri, proxy, remote = behind_proxy
+    proxy.add_rule(Rule("503", method="PUT", path="/COMMIT", count=None))
+    pending = tierckpt.async_save(uri, {"w": torch.full((10,), 1.0)}).wait()
+    with pytest.raises(tierckpt.StorageError, match="was not committed"):
+        tierckpt.save(uri, {"w": torch.full((10,), 2.0)})
+    out = {"w": torch.zeros(10)}
+    tierckpt.load(uri, out)
+    assert torch.equal(out["w"], torch.full((10,), 1.0))
+    st = tierckpt.status(uri)
+    assert st.generation == pending.generation and not st.committed_on_remote
+    assert cli.main(["ls", uri]) == 0 and "node-only" in capsys.readouterr().out
+    proxy.clear()
+    tierckpt.sync(uri, timeout_s=60)
+    body = remote("COMMIT")["Body"].read()
+    assert layout.CommitRecord.decode(body).generation == pending.generation
 
 
 # -- 11. papercuts ---------------------------------------------------------------------------------------
