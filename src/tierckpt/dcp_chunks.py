@@ -97,12 +97,19 @@ class SegmentFile(io.RawIOBase):
         self._parts.append((start, data))
         return data[:n]
 
+    def read(self, size: int | None = -1) -> bytes:
+        """Up to ``size`` bytes from the position (the rest of the segment when negative), refused past
+        the caps before anything is fetched or allocated."""
+        rest = self.length - self._position
+        count = max(0, rest if size is None or size < 0 else min(size, rest))
+        data = self.take(self._position, count) if count else b""
+        self._position += count
+        return data
+
     def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
-        count = max(0, min(len(buffer), self.length - self._position))
-        if count:
-            memoryview(buffer).cast("B")[:count] = self.take(self._position, count)
-            self._position += count
-        return count
+        data = self.read(len(buffer))
+        memoryview(buffer).cast("B")[: len(data)] = data
+        return len(data)
 
 
 def first_reads(length: int) -> list[tuple[int, int]]:
