@@ -7,7 +7,8 @@ Lifecycle (every rank of the loading group unless noted):
    :class:`~tierckpt.errors.IncompleteCheckpointError` when data exists without one). The reader is
    chosen once from what the directory holds (:mod:`tierckpt.readers`): a torch DCP directory or a
    safetensors folder is read in place by its foreign reader, its pieces included.
-Steps 2-5 run in :mod:`tierckpt.load_generation`.
+
+Steps 2-5 run in :mod:`tierckpt.load_generation`:
 
 2. Each rank flattens its target state and checks it against the checkpoint: missing keys, shape and
    dtype mismatches (keys the state does not ask for are not loaded). Ranks all-gather their needs
@@ -167,11 +168,11 @@ def load(
         tier = memory_tier_of(backend)
         start: TierStart | None = None
         read: Checkpoint | None = None  # what rank 0 read from its tier, checked against the chain's COMMIT
-        reader = 0
+        reading_rank = 0  # the rank that reads the metadata through the chain
         if tier is not None:  # every rank reads the metadata from its node's memory tier (tier_metadata)
             with monitor.phase("metadata"):
                 mine = read_from_tier(tier, backend, leader=comm.rank == 0)
-                start, reader = start_from_tiers(
+                start, reading_rank = start_from_tiers(
                     comm, mine, lambda ckpt, pieces: prepare(state, ckpt, comm.rank, tier, pieces),
                     "preparing the state to load",
                 )
@@ -181,24 +182,24 @@ def load(
         while True:
             if start is None:
                 with monitor.phase("metadata"):
-                    ckpt = _broadcast_checkpoint(comm, backend, accept_foreign=not verify, src=reader, have=read)
+                    ckpt = _broadcast_checkpoint(comm, backend, accept_foreign=not verify, src=reading_rank, have=read)
             else:
                 ckpt = start.ckpt
             # The chain the format is read through (a foreign format, rewritten in place: below the node cache).
-            fmt = reader_of(ckpt)
+            reader = reader_of(ckpt)
             try:
-                summaries = load_generation(uri, state, comm, fmt.source(backend), ckpt, options, monitor, start)
+                summaries = load_generation(uri, state, comm, reader.source(backend), ckpt, options, monitor, start)
             except (CollectiveError, StateMismatchError):
                 raise
             except CheckpointError as exc:
-                if not fmt.generations:
+                if not reader.generations:
                     raise  # a foreign format has no commit to follow
                 if drop_and_retry(comm, backend, exc, reread):  # a bad cached copy: read it again from below
                     logger.warning("load of %s: a node-cache copy failed its checksum (%s); reading it again", uri, exc)
                     continue
-                # Every rank raised (failures are agreed); the reader tells whether a newer commit explains it.
+                # Every rank raised (failures are agreed); the reading rank tells whether a newer commit explains it.
                 moved = comm.broadcast_object(
-                    newer_commit(backend, ckpt.meta.generation) is not None if comm.rank == reader else None, reader
+                    newer_commit(backend, ckpt.meta.generation) is not None if comm.rank == reading_rank else None, reading_rank
                 )
                 if not moved:
                     raise
