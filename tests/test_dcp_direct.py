@@ -24,7 +24,7 @@ import tierckpt
 from distributed import subgroup
 from tierckpt import cli
 from tierckpt.backends import open_backend
-from tierckpt.dcp_format import PROBE_BYTES
+from tierckpt.dcp_chunks import PROBE_BYTES
 from tierckpt.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from tierckpt.io.scheduler import get_scheduler
 from tierckpt.verify import verify
@@ -172,7 +172,7 @@ def test_one_process_load_is_bit_exact_and_reads_each_byte_once(tmp_path: Path) 
 
 def _assert_overhead(overhead: int, uri: str, storage_options: dict | None = None) -> None:
     """Bytes read besides the tensors': at most two probes per chunk, and the objects twice (CRC, then load)."""
-    meta = tierckpt.read_checkpoint(open_backend(uri, **(storage_options or {})), accept_dcp=True).meta
+    meta = tierckpt.read_checkpoint(open_backend(uri, **(storage_options or {})), accept_foreign=True).meta
     assert 0 < overhead <= meta.num_pieces * 2 * PROBE_BYTES + 2 * sum(o.byte_length for o in meta.objects)
 
 

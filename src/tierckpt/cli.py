@@ -130,7 +130,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .loader import read_checkpoint, read_pieces
 
     backend = open_store(args.uri)
-    ckpt = read_checkpoint(backend, accept_dcp=True)
+    ckpt = read_checkpoint(backend, accept_foreign=True)
     pieces = read_pieces(backend, ckpt)
     summary = describe(args.uri, ckpt, pieces, with_pieces=args.pieces)
     print(json.dumps(summary, indent=1) if args.json else render_inspect(summary))

@@ -14,7 +14,7 @@ safetensors output is a Hugging Face-style folder: ``model.safetensors``, or sha
 ``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.json`` when the tensors exceed
 ``max_shard_bytes``. A ``prefix`` selects tensors by fqn and strips it (``model.embed.weight`` ->
 ``embed.weight``); objects cannot be stored in safetensors and are skipped (and reported). The source
-may be a tierckpt checkpoint or a torch DCP directory (read in place, :mod:`tierckpt.dcp_format`).
+may be a tierckpt checkpoint or a foreign directory its reader reads in place (:mod:`tierckpt.readers`).
 
 **Hugging Face config.** ``transformers``' ``from_pretrained`` needs ``config.json`` next to the
 weights. The export writes it (and ``generation_config.json``) from ``config_dir`` (a folder holding the
@@ -61,7 +61,8 @@ from .planner import TargetPiece, plan_load
 from .regions import Box
 from .safetensors_format import DTYPES, INDEX, SINGLE, tie as _tie
 from .saver import save
-from .store import open_store, without_node_cache
+from .readers import reader_of
+from .store import open_store
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 DEFAULT_SLAB_BYTES = 256 << 20
@@ -129,9 +130,8 @@ def to_safetensors(
     next to the weights; without it they come from the checkpoint's ``hf_config`` objects.
     """
     backend = open_store(uri, dict(storage_options or {}))
-    ckpt = read_checkpoint(backend, accept_dcp=True)
-    if ckpt.pieces is not None:
-        backend = without_node_cache(backend)
+    ckpt = read_checkpoint(backend, accept_foreign=True)
+    backend = reader_of(ckpt).source(backend)
     configs = _hf_configs(backend, ckpt, config_dir)
     names = _select(ckpt.tensors, prefix)
     if not names:

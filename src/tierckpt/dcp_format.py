@@ -13,11 +13,9 @@ How (rank 0, when a load or ``tierckpt inspect`` finds ``.metadata`` and no ``CO
 1. ``.metadata`` is unpickled by :class:`_MetadataUnpickler`, which admits only DCP's metadata
    classes, ``torch.Size``, dtypes, layouts, memory formats, paths and builtin data types: a crafted
    file cannot run code, it is refused with :class:`~tierckpt.errors.CorruptCheckpointError`.
-2. For every tensor chunk, the first and last :data:`PROBE_BYTES` of its segment are read, all
-   chunks at once. The zip's end record and central directory (tail) say where ``data.pkl``,
-   ``byteorder`` and the data record are; ``data.pkl`` is parsed by :class:`_TensorPickle` (storage
-   key, dtype, offset, size, stride: nothing is built or called), and the data record's local header
-   gives where the raw bytes start. Bytes that the first reads missed are fetched in further rounds.
+2. For every tensor chunk, both ends of its segment are read, all chunks at once; the standard
+   library's zipfile then reads the archive from those bytes (fetching any others it needs with
+   ranged reads, within caps), and :mod:`tierckpt.dcp_chunks` finds where the raw bytes start.
 3. Non-tensor entries (``torch.save`` bytes) become objects: rank 0 reads them once for the CRC-32C
    the loader checks, and marks them ``torch`` when a weights-only load reads them, else ``pickle``
    (loaded only with ``allow_pickle=True``).
@@ -30,7 +28,8 @@ so pieces carry ``crc32c=0`` and everything that checks CRC-32C (``load(verify=T
 verify``) refuses a DCP checkpoint (:func:`refusal`).
 
 DCP rewrites a directory in place when it saves to it again, while the node cache takes every object
-but ``COMMIT`` to be immutable: a DCP checkpoint is read past the node cache (:func:`tierckpt.store.without_node_cache`).
+but ``COMMIT`` to be immutable: its reader (:data:`tierckpt.readers.DCP`) hands this module the chain
+below the node cache.
 """
 
 from __future__ import annotations
@@ -38,13 +37,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import io
-import math
 import pathlib
 import pickle
 import re
 import struct
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +49,8 @@ import crc32c
 import torch
 
 from .backends import Backend
+from .checkpoint_reader import Root
+from .dcp_chunks import SegmentFile, Unreadable, first_reads, raw_data_offset
 from .keys import validate_key
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from .io.scheduler import ReadRequest, get_scheduler
@@ -60,17 +59,13 @@ from .metadata import (
 )
 from .objects import codec_of, decode_object
 from .optim_groups import indexed_aliases
-from .store import without_node_cache
 from .regions import Box
 
+FORMAT = "torch DCP"
+"""The reader's name (:attr:`tierckpt.checkpoint_reader.CheckpointReader.format`)."""
 METADATA_KEY = ".metadata"
 FORMAT_TAG = "torch_dcp_version"
 """Header tag of a checkpoint read from a DCP directory; its value is DCP's metadata version."""
-PROBE_BYTES = 1024
-"""Bytes read from each end of a tensor chunk's segment to find its raw data (zip headers, data.pkl)."""
-MAX_ROUNDS = 8
-MAX_PICKLE_BYTES = 1 << 20
-MAX_RECORDS = 1024
 
 DcpCheckpoint = tuple[CheckpointMeta, dict[str, TensorMeta], dict[str, list[PieceMeta]]]
 
@@ -93,16 +88,14 @@ _DCP_FILE = re.compile(r"^__\d+(_\d+\.distcp|\.metadata)$")
 """Data files and per-rank metadata files of a DCP directory (``__0_0.distcp``, ``__0.metadata``)."""
 
 
-def is_dcp(backend: Backend) -> bool:
-    """Whether the root of ``backend`` is a DCP directory (``.metadata``, or DCP's data or per-rank metadata files)."""
-    sched = get_scheduler()
-    backend = without_node_cache(backend)
-    return bool(sched.run(backend.exists(METADATA_KEY))) or any(_DCP_FILE.match(k) for k in sched.run(backend.list("")))
+def holds(root: Root) -> bool:
+    """Whether ``root`` is a DCP directory (``.metadata``, or DCP's data or per-rank metadata files)."""
+    return root.has(METADATA_KEY) or any(_DCP_FILE.match(k) for k in root.keys)
 
 
 def read_dcp(backend: Backend) -> DcpCheckpoint:
-    """Header, tensor table and every piece of the DCP checkpoint at the root of ``backend``."""
-    backend = without_node_cache(backend)
+    """Header, tensor table and every piece of the DCP checkpoint at the root of ``backend`` (a chain
+    below the node cache)."""
     uri = backend.root_uri
     sched = get_scheduler()
     try:
@@ -343,255 +336,34 @@ def _group_params(meta: ObjectMeta, data: bytes) -> Any:
         return None
 
 
-# -- tensor chunks: where the raw bytes are inside each torch.save archive -------------------------------
-class _Missing(Exception):
-    """Parsing a segment needs bytes ``[start, end)`` (segment-relative) that were not read yet."""
-
-    def __init__(self, start: int, end: int) -> None:
-        super().__init__(start, end)
-        self.start, self.end = start, end
-
-
-class _Unreadable(Exception):
-    """The segment is valid but not something tierckpt reads in place; the message says what it is."""
-
-
-class _Probe:
-    """The bytes of one segment read so far."""
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-        self.parts: list[tuple[int, bytes]] = []
-
-    def take(self, start: int, n: int) -> bytes:
-        if start < 0 or n < 0 or start + n > self.length:
-            raise CorruptCheckpointError(f"a zip record points to bytes {start}..{start + n}, past the segment's {self.length}")
-        for at, data in self.parts:
-            if at <= start and start + n <= at + len(data):
-                return data[start - at : start - at + n]
-        raise _Missing(start, start + n)
-
-
-def _first_reads(length: int) -> list[tuple[int, int]]:
-    if length <= 2 * PROBE_BYTES:
-        return [(0, length)]
-    return [(0, PROBE_BYTES), (length - PROBE_BYTES, length)]
-
-
+# -- tensor chunks: where the raw bytes are inside each torch.save archive (dcp_chunks) ------------------
 def _locate(backend: Backend, tensors: dict[str, TensorMeta], chunks: list[Chunk]) -> list[PieceMeta]:
-    """A piece per chunk, its byte range being the chunk's raw bytes inside its ``torch.save`` archive."""
+    """A piece per chunk, its byte range being the chunk's raw bytes inside its ``torch.save`` archive.
+    Both ends of every segment are read first, all at once; zipfile fetches what else it needs."""
     uri = backend.root_uri
-    probes = [_Probe(seg.length) for _, _, seg in chunks]
-    wanted = {i: _first_reads(seg.length) for i, (_, _, seg) in enumerate(chunks)}
-    found: dict[int, PieceMeta] = {}
-    for _ in range(MAX_ROUNDS):
-        ranges = [(i, s, e) for i, spans in wanted.items() for s, e in spans]
-        datas = _read_ranges(backend, [(chunks[i][2].file, chunks[i][2].offset + s, chunks[i][2].offset + e) for i, s, e in ranges])
-        for (i, s, _), data in zip(ranges, datas):
-            probes[i].parts.append((s, data))
-        wanted = {}
-        for i in sorted({i for i, _, _ in ranges}):
-            fqn, box, seg = chunks[i]
-            tensor = tensors[fqn]
-            try:
-                start = _raw_data_offset(probes[i], tensor.torch_dtype, box.lengths)
-            except _Missing as need:
-                wanted[i] = [(need.start, min(seg.length, max(need.end, need.start + PROBE_BYTES)))]
-                continue
-            except _Unreadable as exc:
-                raise CheckpointError(
-                    f"{uri!r} is a torch DCP checkpoint that tierckpt cannot read in place: the chunk of {fqn!r} at "
-                    f"{box.offsets} in {seg.file!r} {exc}; convert it: {convert_command(uri)}"
-                ) from None
-            except (CorruptCheckpointError, pickle.UnpicklingError, struct.error, EOFError, ValueError, TypeError,
-                    KeyError, IndexError, AttributeError, RecursionError, UnicodeDecodeError) as exc:
-                raise CorruptCheckpointError(
-                    f"DCP checkpoint {uri!r}: the chunk of {fqn!r} at {box.offsets} in {seg.file!r} "
-                    f"(bytes {seg.offset}..{seg.offset + seg.length}) is not a readable torch.save archive: {exc}"
-                ) from exc
-            found[i] = PieceMeta(
-                fqn=fqn, region=box, file=seg.file, byte_offset=seg.offset + start,
-                byte_length=box.numel * itemsize(tensor.torch_dtype), crc32c=0,
-            )
-        if not wanted:
-            return [found[i] for i in range(len(chunks))]
-    raise CorruptCheckpointError(f"DCP checkpoint {uri!r}: the zip records of a chunk were not found in {MAX_ROUNDS} reads")
-
-
-_EOCD = struct.Struct("<4sHHHHIIH")
-_EOCD64_LOCATOR = struct.Struct("<4sIQI")
-_EOCD64 = struct.Struct("<4sQHHIIQQQQ")
-_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
-_LOCAL = struct.Struct("<4sHHHHHIIIHH")
-_U32 = 0xFFFFFFFF
-
-
-def _raw_data_offset(probe: _Probe, dtype: torch.dtype, sizes: tuple[int, ...]) -> int:
-    """Where a ``torch.save``-d chunk's raw, row-major bytes start inside its segment."""
-    records = _central_directory(probe)
-    pickles = [n for n in records if n.endswith("/data.pkl") and n.count("/") == 1]
-    if len(pickles) != 1:
-        raise _Unreadable("is not a torch.save archive (no data.pkl record; a DCP file written as safetensors?)")
-    prefix = pickles[0][: -len("data.pkl")]
-    if prefix + "byteorder" in records:
-        start, n = _record(probe, records, prefix + "byteorder")
-        if probe.take(start, n) != b"little":
-            raise _Unreadable("was saved big-endian")
-    start, n = _record(probe, records, prefix + "data.pkl")
-    if n > MAX_PICKLE_BYTES:
-        raise CorruptCheckpointError(f"its data.pkl claims {n} bytes")
-    saved = _TensorPickle(probe.take(start, n)).load()
-    if not isinstance(saved, _SavedTensor):
-        raise _Unreadable(f"holds a {type(saved).__name__}, not a tensor")
-    if saved.dtype != dtype or saved.size != tuple(sizes):
-        raise CorruptCheckpointError(f"holds a {saved.dtype} tensor of shape {list(saved.size)}, the metadata says {dtype} {list(sizes)}")
-    row_major = [math.prod(sizes[d + 1 :]) for d in range(len(sizes))]
-    if any(n > 1 and s != r for n, s, r in zip(sizes, saved.stride, row_major)):
-        raise _Unreadable(f"is stored with strides {list(saved.stride)}, not row-major (e.g. channels-last)")
-    item = itemsize(dtype)
-    start, n = _record(probe, records, f"{prefix}data/{saved.storage.key}")
-    if saved.offset * item + math.prod(sizes) * item > n:
-        raise CorruptCheckpointError(f"its data record holds {n} bytes, fewer than the tensor needs")
-    return start + saved.offset * item
-
-
-def _central_directory(probe: _Probe) -> dict[str, tuple[int, int, int, int]]:
-    """Record name -> (compression method, compressed size, size, local header offset)."""
-    end = probe.length - _EOCD.size
-    if end < 0:
-        raise _Unreadable("is not a torch.save archive (too short)")
-    sig, _, _, _, count, cd_size, cd_offset, _ = _EOCD.unpack(probe.take(end, _EOCD.size))
-    if sig != b"PK\x05\x06":
-        raise _Unreadable("is not a torch.save archive (no zip end record; a DCP file written as safetensors?)")
-    if count == 0xFFFF or cd_size == _U32 or cd_offset == _U32:
-        sig, _, at, _ = _EOCD64_LOCATOR.unpack(probe.take(end - _EOCD64_LOCATOR.size, _EOCD64_LOCATOR.size))
-        if sig != b"PK\x06\x07":
-            raise CorruptCheckpointError("its zip64 end record locator is missing")
-        sig, *_, count, cd_size, cd_offset = _EOCD64.unpack(probe.take(at, _EOCD64.size))
-        if sig != b"PK\x06\x06":
-            raise CorruptCheckpointError("its zip64 end record is missing")
-    if count > MAX_RECORDS:
-        raise CorruptCheckpointError(f"its zip directory claims {count} records")
-    directory = probe.take(cd_offset, cd_size)
-    records: dict[str, tuple[int, int, int, int]] = {}
-    pos = 0
-    for _ in range(count):
-        sig, _, _, _, method, _, _, _, csize, size, nlen, elen, clen, _, _, _, local = _CENTRAL.unpack_from(directory, pos)
-        if sig != b"PK\x01\x02":
-            raise CorruptCheckpointError("its zip directory is malformed")
-        name = directory[pos + _CENTRAL.size : pos + _CENTRAL.size + nlen].decode()
-        extra = directory[pos + _CENTRAL.size + nlen : pos + _CENTRAL.size + nlen + elen]
-        size, csize, local = _zip64_values(extra, [size, csize, local])
-        records[name] = (method, csize, size, local)
-        pos += _CENTRAL.size + nlen + elen + clen
-    return records
-
-
-def _zip64_values(extra: bytes, values: list[int]) -> list[int]:
-    """Replace the 0xFFFFFFFF values among (size, compressed size, offset) by those of the zip64 extra field."""
-    pos = 0
-    while pos + 4 <= len(extra):
-        tag, n = struct.unpack_from("<HH", extra, pos)
-        if tag == 1:
-            wide = extra[pos + 4 : pos + 4 + n]
-            k = 0
-            for i, v in enumerate(values):
-                if v == _U32:
-                    (values[i],) = struct.unpack_from("<Q", wide, k)
-                    k += 8
-            return values
-        pos += 4 + n
-    return values
-
-
-def _record(probe: _Probe, records: dict[str, tuple[int, int, int, int]], name: str) -> tuple[int, int]:
-    """Start and size of a stored (uncompressed) record's data inside the segment."""
-    if name not in records:
-        raise _Unreadable(f"has no {name!r} record")
-    method, csize, size, local = records[name]
-    if method != 0 or csize != size:
-        raise _Unreadable(f"has a compressed {name!r} record")
-    sig, *_, nlen, elen = _LOCAL.unpack(probe.take(local, _LOCAL.size))
-    if sig != b"PK\x03\x04":
-        raise CorruptCheckpointError(f"the local header of {name!r} is malformed")
-    start = local + _LOCAL.size + nlen + elen
-    if start + size > probe.length:
-        raise CorruptCheckpointError(f"record {name!r} runs past the segment")
-    return start, size
-
-
-# -- data.pkl of one tensor: read what describes it, build nothing -------------------------------------
-@dataclass(frozen=True, slots=True)
-class _StorageRef:
-    key: str
-    dtype: torch.dtype | None
-    """``None`` for an untyped storage (``_rebuild_tensor_v3`` names the dtype)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _SavedTensor:
-    storage: _StorageRef
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True, slots=True)
-class _StorageType:
-    dtype: torch.dtype | None
-
-
-def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, dtype: Any, metadata: Any) -> _SavedTensor:
-    if not isinstance(storage, _StorageRef) or not isinstance(dtype, torch.dtype):
-        raise CorruptCheckpointError("its data.pkl rebuilds a tensor from something that is not a storage")
-    if metadata:
-        raise _Unreadable(f"is a tensor with extra metadata {sorted(metadata)!r} (conjugate or negative bits)")
-    return _SavedTensor(
-        storage=storage, offset=_int(offset, "storage offset"), size=tuple(_int(n, "size") for n in size),
-        stride=tuple(_int(s, "stride") for s in stride), dtype=dtype,
-    )
-
-
-def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None) -> _SavedTensor:
-    return _rebuild(storage, offset, size, stride, getattr(storage, "dtype", None), metadata)
-
-
-def _rebuild_v3(
-    storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any, metadata: Any = None,
-) -> _SavedTensor:
-    return _rebuild(storage, offset, size, stride, dtype, metadata)
-
-
-@functools.cache
-def _tensor_globals() -> dict[tuple[str, str], Any]:
-    """The globals of a plain tensor's ``data.pkl``; storage classes and rebuild functions become markers."""
-    allowed: dict[tuple[str, str], Callable[..., Any] | Any] = {
-        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
-        ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
-        ("collections", "OrderedDict"): OrderedDict,
-        ("torch.storage", "UntypedStorage"): _StorageType(None),
-        ("torch", "UntypedStorage"): _StorageType(None),
-    }
-    allowed.update({("torch", name): _StorageType(dtype) for dtype, name in torch.storage._dtype_to_storage_type_map().items()})
-    allowed.update({("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)})
-    return allowed
-
-
-class _TensorPickle(pickle.Unpickler):
-    """Reads one tensor's ``data.pkl`` into a :class:`_SavedTensor`; refuses anything else."""
-
-    def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data))
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = _tensor_globals().get((module, name))
-        if found is None:
-            raise _Unreadable(f"is not a plain tensor (its data.pkl refers to {module}.{name})")
-        return found
-
-    def persistent_load(self, pid: Any) -> _StorageRef:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)
-                and isinstance(pid[2], str)):
-            raise CorruptCheckpointError(f"its data.pkl has an unexpected storage reference {pid!r}")
-        return _StorageRef(key=pid[2], dtype=pid[1].dtype)
+    segments = [SegmentFile(backend, seg.file, seg.offset, seg.length) for _, _, seg in chunks]
+    spans = [(i, s, e) for i, (_, _, seg) in enumerate(chunks) for s, e in first_reads(seg.length)]
+    datas = _read_ranges(backend, [(chunks[i][2].file, chunks[i][2].offset + s, chunks[i][2].offset + e) for i, s, e in spans])
+    for (i, s, _), data in zip(spans, datas):
+        segments[i].add(s, data)
+    pieces = []
+    for (fqn, box, seg), segment in zip(chunks, segments):
+        tensor = tensors[fqn]
+        try:
+            start = raw_data_offset(segment, tensor.torch_dtype, box.lengths)
+        except Unreadable as exc:
+            raise CheckpointError(
+                f"{uri!r} is a torch DCP checkpoint that tierckpt cannot read in place: the chunk of {fqn!r} at "
+                f"{box.offsets} in {seg.file!r} {exc}; convert it: {convert_command(uri)}"
+            ) from None
+        except (CorruptCheckpointError, pickle.UnpicklingError, struct.error, EOFError, ValueError, TypeError,
+                KeyError, IndexError, AttributeError, RecursionError, UnicodeDecodeError) as exc:
+            raise CorruptCheckpointError(
+                f"DCP checkpoint {uri!r}: the chunk of {fqn!r} at {box.offsets} in {seg.file!r} "
+                f"(bytes {seg.offset}..{seg.offset + seg.length}) is not a readable torch.save archive: {exc}"
+            ) from exc
+        pieces.append(PieceMeta(
+            fqn=fqn, region=box, file=seg.file, byte_offset=seg.offset + start,
+            byte_length=box.numel * itemsize(tensor.torch_dtype), crc32c=0,
+        ))
+    return pieces

@@ -14,7 +14,7 @@ from typing import Any
 
 from .errors import StateMismatchError
 from .load_cast import castable, read_then_cast
-from .meta_read import Checkpoint
+from .checkpoint_reader import Checkpoint
 from .metadata import dtype_name
 from .planner import TargetPiece
 from .state import FlatState

@@ -1,30 +1,26 @@
-"""Reading a committed checkpoint's metadata through a store: ``COMMIT``, the header, the tensor and
-pieces tables (used by the loader, ``verify``, ``convert`` and the CLI).
+"""The native checkpoint reader (:data:`NATIVE`): ``COMMIT``, the header, the tensor and pieces tables
+of the generation ``COMMIT`` names, read through a store's chain.
 
 Every document is bounded before it is read (a crafted size is refused unread) and checked against the
-size and CRC-32C that ``COMMIT`` records for it; a torch DCP directory (no ``COMMIT``) is read in place
-by :mod:`tierckpt.dcp_format` when the caller accepts one, a Hugging Face safetensors folder by
-:mod:`tierckpt.safetensors_format`.
+size and CRC-32C that ``COMMIT`` records for it. Which reader reads a directory is decided once, by
+:mod:`tierckpt.readers`; this one reads a directory that holds a ``COMMIT`` record.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from dataclasses import dataclass
 
-from . import dcp_format, layout, safetensors_format
+from . import layout
 from .backends import Backend
+from .checkpoint_reader import NATIVE_FORMAT, Checkpoint, Root
 from .deadline import carried
 from .bounded import MAX_RECORD_BYTES
 from .foreign import missing_commit_error
-from .errors import (
-    CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, MissingFileError,
-)
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, MissingFileError
 from .io.rangefile import RangeFile
 from .io.scheduler import get_scheduler
 from .metadata import (
-    MAX_HEADER_BYTES, MAX_TABLE_BYTES, CheckpointMeta, PieceMeta, TensorMeta, decode_header, decode_pieces,
-    decode_tensors,
+    MAX_HEADER_BYTES, MAX_TABLE_BYTES, PieceMeta, decode_header, decode_pieces, decode_tensors,
 )
 
 RACE_RETRIES = 8
@@ -34,17 +30,6 @@ WHOLE_PIECES_BYTES = 8 << 20
 """A pieces table up to this size is read whole and checked against its CRC-32C in ``COMMIT``; a larger
 one is read by row groups (only those a load needs), and ``verify`` checks its CRC."""
 
-
-@dataclass(frozen=True, slots=True)
-class Checkpoint:
-    """A committed checkpoint's header and tensor table."""
-
-    meta: CheckpointMeta
-    tensors: dict[str, TensorMeta]
-    pieces: dict[str, list[PieceMeta]] | None = None
-    """Every piece, when the format lists them with its metadata (a torch DCP directory); else ``None``."""
-    record: layout.CommitRecord | None = None
-    """The ``COMMIT`` record that named it (its checksums check the other metadata documents)."""
 
 
 def read_commit(backend: Backend) -> layout.CommitRecord:
@@ -74,28 +59,36 @@ def _document(backend: Backend, record: layout.CommitRecord, key: str, limit: in
     return data
 
 
-def read_checkpoint(backend: Backend, *, accept_dcp: bool = False) -> Checkpoint:
-    """Follow ``COMMIT`` to the committed generation and read its header and tensor table (following a
-    newer ``COMMIT`` when a save deleted the generation meanwhile).
+class NativeReader:
+    """Reads a directory holding a ``COMMIT`` record (:class:`~tierckpt.checkpoint_reader.CheckpointReader`)."""
 
-    A torch DCP directory and a Hugging Face safetensors folder are read in place with ``accept_dcp``
-    (see :mod:`tierckpt.dcp_format`, :mod:`tierckpt.safetensors_format`) and refused, naming the format
-    and the conversion, without it.
-    """
-    try:
-        record = read_commit(backend)
-    except (IncompleteCheckpointError, CheckpointNotFoundError):
-        if not dcp_format.is_dcp(backend):
-            if not safetensors_format.is_safetensors(backend):
-                raise
-            if not accept_dcp:
-                raise CheckpointError(safetensors_format.refusal(backend.root_uri)) from None
-            meta, tensors, pieces = safetensors_format.read_safetensors(backend)
-            return Checkpoint(meta=meta, tensors=tensors, pieces=pieces)
-        if not accept_dcp:
-            raise CheckpointError(dcp_format.refusal(backend.root_uri)) from None
-        meta, tensors, pieces = dcp_format.read_dcp(backend)
-        return Checkpoint(meta=meta, tensors=tensors, pieces=pieces)
+    format = NATIVE_FORMAT
+    generations = True
+    checksums = True
+
+    def holds(self, root: Root) -> bool:
+        return root.has(layout.COMMIT)
+
+    def read(self, backend: Backend) -> Checkpoint:
+        return read_committed(backend)
+
+    def pieces(self, backend: Backend, ckpt: Checkpoint, fqns: set[str] | None) -> dict[str, list[PieceMeta]]:
+        return read_table_pieces(backend, ckpt, fqns)
+
+    def source(self, backend: Backend) -> Backend:
+        return backend
+
+    def refusal(self, uri: str) -> str | None:
+        return None
+
+
+NATIVE = NativeReader()
+
+
+def read_committed(backend: Backend) -> Checkpoint:
+    """Follow ``COMMIT`` to the committed generation and read its header and tensor table (following a
+    newer ``COMMIT`` when a save deleted the generation meanwhile)."""
+    record = read_commit(backend)
     attempt = 0
     while True:
         gen = record.generation
@@ -140,9 +133,9 @@ def read_document(backend: Backend, key: str, limit: int) -> bytes:
 def whole_pieces(backend: Backend, ckpt: Checkpoint) -> bytes | None:
     """The whole pieces table of ``ckpt``, checked against its CRC-32C in ``COMMIT``, when ``COMMIT``
     records it at most :data:`WHOLE_PIECES_BYTES` long; ``None`` otherwise (a larger table is read by row
-    groups once the tensors a load needs are known; a table without a recorded checksum, or a torch DCP
-    directory's pieces, are read as before by :func:`read_pieces`)."""
-    recorded = ckpt.record.checksum(layout.PIECES) if ckpt.record is not None and ckpt.pieces is None else None
+    groups once the tensors a load needs are known; a table without a recorded checksum is read as before
+    by :func:`read_table_pieces`)."""
+    recorded = ckpt.record.checksum(layout.PIECES) if ckpt.record is not None else None
     if recorded is None or recorded.size > WHOLE_PIECES_BYTES:
         return None
     return _pieces_document(backend, ckpt)
@@ -159,15 +152,13 @@ def _pieces_document(backend: Backend, ckpt: Checkpoint) -> bytes:
     return data
 
 
-def read_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str] | None = None) -> dict[str, list[PieceMeta]]:
-    """The validated pieces of the tensors in ``fqns`` (all when ``None``).
+def read_table_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str] | None = None) -> dict[str, list[PieceMeta]]:
+    """The validated pieces of the tensors in ``fqns`` (all when ``None``), from the pieces table.
 
     The table is read whole and checked against its CRC-32C in ``COMMIT`` when all of it is wanted or
     it is at most :data:`WHOLE_PIECES_BYTES`; otherwise only the table's footer and the row groups that
     can hold ``fqns`` are fetched.
     """
-    if ckpt.pieces is not None:
-        return {f: ckpt.pieces[f] for f in (ckpt.pieces if fqns is None else fqns) if f in ckpt.pieces}
     recorded = ckpt.record.checksum(layout.PIECES) if ckpt.record is not None else None
     if fqns is None or (recorded is not None and recorded.size <= WHOLE_PIECES_BYTES):
         return decode_pieces(_pieces_document(backend, ckpt), ckpt.tensors, fqns, ckpt.meta.num_pieces)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
-from .meta_read import Checkpoint
+from .checkpoint_reader import Checkpoint
 
 __all__ = ["nest", "template_of"]
 

@@ -11,21 +11,19 @@ or the store's chain. Used by :mod:`tierckpt.loader` and :mod:`tierckpt.convert`
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import crc32c
 
 from . import layout
 from .backends import Backend
+from .checkpoint_reader import Checkpoint
 from .errors import ChecksumMismatchError, CheckpointNotFoundError, CorruptCheckpointError, MissingFileError
 from .io.scheduler import ReadRequest, get_scheduler
 from .local_load import LocalReads
 from .metadata import ObjectMeta
 from .objects import decode_object
 from .state import FlatState
-
-if TYPE_CHECKING:
-    from .loader import Checkpoint
 
 log = logging.getLogger("tierckpt")
 

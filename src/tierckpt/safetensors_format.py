@@ -14,7 +14,8 @@ drops it), ``model.lm_head.weight`` reads the input embedding's bytes, so a stri
 model finds both keys.
 
 safetensors records no checksums: pieces carry ``crc32c=0``, and ``load(verify=True)`` refuses such a
-folder (:func:`refusal`). It is read past the node cache (``save_pretrained`` rewrites files in place).
+folder (:func:`refusal`). Its reader (:data:`tierckpt.readers.SAFETENSORS`) reads it past the node
+cache (``save_pretrained`` rewrites files in place).
 Headers and the index are checked (JSON shape, dtypes, offsets inside the file, sizes that match the
 shape) and a bad one raises :class:`~tierckpt.errors.CorruptCheckpointError` naming the file.
 """
@@ -30,20 +31,22 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from .backends import Backend
+from .checkpoint_reader import Root
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .io.scheduler import get_scheduler
 from .keys import validate_key
 from .metadata import CheckpointMeta, FileMeta, PieceMeta, TensorMeta, dtype_from_name, itemsize
 from .regions import Box
-from .store import without_node_cache
 
-__all__ = ["CONFIG", "DTYPES", "INDEX", "MODEL_KEY", "SINGLE", "is_safetensors", "read_safetensors", "refusal", "tie"]
+__all__ = ["CONFIG", "DTYPES", "INDEX", "MODEL_KEY", "SINGLE", "holds", "read_safetensors", "refusal", "tie"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 MODEL_KEY = "model"
 """The state key under which a folder's tensors load: ``tierckpt.load(folder, {"model": model})``."""
+FORMAT = "safetensors"
+"""The reader's name (:attr:`tierckpt.checkpoint_reader.CheckpointReader.format`)."""
 FORMAT_TAG = "safetensors"
 """Header tag of a checkpoint read from a safetensors folder."""
 MAX_HEADER_BYTES = 100 << 20
@@ -73,11 +76,9 @@ def tie(names: Collection[str], config: Mapping[str, Any] | None) -> tuple[str, 
     return (TIED_OUTPUT, sources[0]) if len(sources) == 1 else None
 
 
-def is_safetensors(backend: Backend) -> bool:
-    """Whether the root of ``backend`` is a Hugging Face folder (``model.safetensors`` or its sharded index)."""
-    backend = without_node_cache(backend)
-    sched = get_scheduler()
-    return bool(sched.run(backend.exists(INDEX))) or bool(sched.run(backend.exists(SINGLE)))
+def holds(root: Root) -> bool:
+    """Whether ``root`` is a Hugging Face folder (``model.safetensors`` or its sharded index)."""
+    return root.has(INDEX) or root.has(SINGLE)
 
 
 def refusal(uri: str) -> str:
@@ -90,8 +91,8 @@ def refusal(uri: str) -> str:
 
 
 def read_safetensors(backend: Backend) -> SafetensorsCheckpoint:
-    """Header, tensor table and pieces of the safetensors folder at the root of ``backend``."""
-    backend = without_node_cache(backend)
+    """Header, tensor table and pieces of the safetensors folder at the root of ``backend`` (a chain
+    below the node cache)."""
     uri = backend.root_uri
     sched = get_scheduler()
     weight_map = _weight_map(backend) if sched.run(backend.exists(INDEX)) else None

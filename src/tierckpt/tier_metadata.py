@@ -36,7 +36,8 @@ from .backends import Backend
 from .bounded import MAX_RECORD_BYTES
 from .comm import Comm, describe_error
 from .errors import CheckpointError, CorruptCheckpointError
-from .meta_read import WHOLE_PIECES_BYTES, Checkpoint, decoded_checkpoint, read_commit
+from .checkpoint_reader import Checkpoint
+from .meta_read import WHOLE_PIECES_BYTES, decoded_checkpoint, read_commit
 from .metadata import MAX_HEADER_BYTES, MAX_TABLE_BYTES
 from .tiers.memory import MemoryTier
 

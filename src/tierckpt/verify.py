@@ -36,7 +36,8 @@ from .deadline import bounded
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .io.crc import combine_blocks
 from .io.scheduler import ReadRequest, get_scheduler
-from .loader import Checkpoint, read_checkpoint, read_pieces
+from .checkpoint_reader import Checkpoint
+from .readers import read_checkpoint, read_pieces
 from .metadata import PieceMeta, TensorMeta
 from .regions import Box, Region, StoredBox, stored_boxes
 from .store import forget_cached, node_only_reason, open_store

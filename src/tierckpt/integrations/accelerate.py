@@ -57,7 +57,7 @@ except ImportError as exc:
 
 from ..errors import CheckpointError
 from ..loader import load
-from ..meta_read import read_checkpoint
+from ..readers import read_checkpoint
 from ..saver import save
 from ..store import open_store
 from ..training_state import RNGState

@@ -46,7 +46,7 @@ from ..comm import SELF, Group
 from ..errors import CheckpointError
 from ..io.scheduler import get_scheduler
 from ..loader import load
-from ..meta_read import read_checkpoint
+from ..readers import read_checkpoint
 from ..nested import template_of
 from ..saver import save
 from ..store import open_store

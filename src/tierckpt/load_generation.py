@@ -1,0 +1,304 @@
+"""One generation's load, steps 2-5 of the lifecycle in :mod:`tierckpt.loader`: prepare every rank's
+state against the checkpoint and agree on it, find the pieces, plan the reads, check the data files and
+fetch the objects, read every unit (:class:`~tierckpt.read_step.ReadStep`) with its checksums, and put
+the state in place.
+
+It reads what the checkpoint's reader (:mod:`tierckpt.readers`) says the format has: the node memory
+tier and the pieces table for a native checkpoint, the pieces a foreign format listed with its metadata,
+CRC-32C checks only where the format records checksums. Raises on every rank when any rank fails; the
+caller (:func:`tierckpt.loader.load`) decides whether a newer commit explains the failure.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+
+from . import layout
+from .backends import Backend
+from .checkpoint_reader import Checkpoint
+from .comm import Comm
+from .errors import CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, MissingFileError
+from .deadline import carried
+from .io.readcheck import ReadChecker
+from .io.scheduler import get_scheduler
+from .load_cast import refuse_meta_tensors
+from .load_match import match, report
+from .local_load import LocalReads, held_files, rereaders
+from .meta_read import whole_pieces
+from .metadata import ObjectMeta, PieceMeta, decode_pieces
+from .monitor import Monitor
+from .node import node_id
+from .objects_read import fetch_objects, wanted_objects
+from .planner import LoadPlan, TargetPiece, Topology, plan_load, topology as route_topology
+from .planner.locality import assign_local_readers, relocate, spans_of
+from .planner.routes import store_kind
+from .read_step import ReadStep
+from .readers import read_pieces, reader_of
+from .state import FlatState, flatten_state
+from .store import identity_of, memory_tier_of
+from .tier_metadata import TierStart
+from .tiers.memory import MemoryTier
+
+logger = logging.getLogger("tierckpt")
+
+PARALLEL_METADATA = 16
+"""At most this many size checks of data files are in flight at once (one thread each)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    """The tuning and checking arguments of :func:`load`."""
+
+    strict: bool
+    allow_pickle: bool
+    verify: bool
+    check_crc: bool
+    chunk_bytes: int
+    round_bytes: int
+    topology: Topology | None
+
+
+def load_generation(
+    uri: str, state: dict[str, Any], comm: Comm, backend: Backend, ckpt: Checkpoint, opts: LoadOptions, monitor: Monitor,
+    start: TierStart | None,
+) -> list[dict[str, float]]:
+    """Steps 2-5 of the lifecycle for the generation ``ckpt`` names, read through ``backend`` (the chain
+    its reader reads from); fills every target and returns every rank's monitor summary. ``start``: step
+    2 already done with the metadata read from the memory tiers."""
+    reader = reader_of(ckpt)
+    tier = memory_tier_of(backend) if reader.generations else None
+    with monitor.phase("metadata"):
+        if start is not None:
+            (flat, needs, wanted, table), gathered = start.kept, start.shared
+        else:
+            # One collective agrees that every rank could prepare its state and carries what each needs
+            # and what its node's memory tier holds. Without a tier, each rank reads a small pieces table
+            # meanwhile (with one, a rank's node may lack it: it is read once the holders are known).
+            (flat, needs, wanted, table), gathered = comm.exchange_agreed(
+                lambda: prepare(state, ckpt, comm.rank, tier, whole_pieces(backend, ckpt) if tier is None else None),
+                "preparing the state to load", same=("URI", identity_of(uri, backend)),
+            )
+        report(gathered, ckpt, opts.strict, uri)
+        local = LocalReads.of(comm.rank, tier, [(g[4], g[5]) for g in gathered])
+        preread = all(g[7] for g in gathered)
+        # Small files a rank needs and its node lacks come from a node that holds them (one collective, if any).
+        shared = local.share(comm, ckpt.meta.generation, [[*([] if preread else [layout.PIECES]), *g[6]] for g in gathered]
+                             ) if local.active else {}
+        all_needs = [g[0] for g in gathered]
+        fqns = {n.fqn for rank_needs in all_needs for n in rank_needs}
+        if preread:
+            # Every rank holds the same bytes, checked against COMMIT, and decodes them for the same tensors:
+            # the same pieces on every rank, or the same error raised on every rank (nothing to agree on).
+            pieces = decode_pieces(table, ckpt.tensors, fqns, ckpt.meta.num_pieces)
+        else:
+            pieces = comm.run_agreed(lambda: _local_pieces(backend, ckpt, fqns, local, shared), "reading the pieces table")
+    with monitor.phase("plan"):
+        topo = opts.topology or _topology(backend, comm, [g[4] for g in gathered], min(g[8] for g in gathered))
+        nodes = list(topo.nodes)
+        plan = plan_load(
+            ckpt.tensors, pieces, all_needs, chunk_bytes=opts.chunk_bytes, round_bytes=opts.round_bytes, topology=topo,
+        )
+        if local.active:  # each unit to a rank whose node's memory tier holds its file, where one does
+            locality = assign_local_readers(spans_of(plan), local.holdings)
+            plan = relocate(plan, locality.readers, opts.round_bytes)
+            monitor.count("bytes_read_memory", sum(
+                u.nbytes for u, here in zip(plan.units, locality.local) if here and u.reader == comm.rank
+            ))
+        _log_routes(plan, topo, comm.rank, monitor)
+    gen = ckpt.meta.generation
+
+    def check_and_fetch() -> dict[str, Any]:
+        _check_files(backend, ckpt, plan, comm.rank, local)
+        # Objects are small: fetch, check and decode them before any tensor is modified.
+        return fetch_objects(backend, ckpt, flat, wanted, opts.allow_pickle, local, shared)
+
+    with monitor.phase("objects"):
+        values = comm.run_agreed(check_and_fetch, "checking the data files and loading objects")
+    if opts.verify:
+        with monitor.phase("verify"):
+            comm.run_agreed(lambda: _verify_pieces(backend, gen, pieces, comm, local), "verifying checksums")
+    targets = [flat.tensors[n.fqn] for n in needs]
+    # A foreign format records no checksums (its pieces carry none): there is nothing to check.
+    checker = ReadChecker(gen, pieces) if opts.check_crc and reader.checksums else None
+    executor = ReadStep(backend, gen, plan, targets, comm, monitor, checker, nodes, opts.chunk_bytes, local)
+
+    def read() -> tuple[None, Any]:
+        executor.run()
+        return None, checker.partials() if checker is not None else None
+
+    with monitor.phase("read"):
+        # The agreement that every rank read its units carries each rank's partial block checksums.
+        _, partials = comm.exchange_agreed(read, f"loading {uri!r}")
+        if checker is not None:
+            _settle_checksums(checker, backend, comm, partials, local)
+
+    def apply() -> tuple[None, dict[str, float]]:
+        with monitor.phase("apply"):
+            for key, value in values.items():
+                flat.objects[key].assign(value)
+            for fn in flat.after_load:
+                fn()
+        return None, monitor.summary()
+
+    # The agreement that every rank applied its state carries every rank's summary (the monitor's record).
+    return comm.exchange_agreed(apply, "applying loaded state")[1]
+
+
+def prepare(
+    state: Mapping[str, Any], ckpt: Checkpoint, rank: int, tier: MemoryTier | None, table: bytes | None,
+) -> tuple[tuple[FlatState, list[TargetPiece], dict[str, list[ObjectMeta]], bytes | None], tuple[Any, ...]]:
+    """Flatten this rank's state for loading: ``(kept, shared)``. Kept: the flat state, its needs, its
+    objects and ``table`` (the whole pieces table, if read already). Shared: needs, findings, tensor and
+    object keys (what :func:`tierckpt.load_match.report` reads), the node, what its memory tier holds (``None``: no tier),
+    the objects files this rank reads, whether it holds the pieces table already, and the CPU cores it may
+    run on (the load routes' :attr:`~tierckpt.planner.Topology.cores`)."""
+    saved_keys = set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}
+    flat = flatten_state(
+        state, for_load=True, saved_keys=lambda p: any(k.startswith(p) for k in saved_keys),
+        legacy_names=ckpt.meta.format_minor < 1,
+    )
+    refuse_meta_tensors(flat)
+    needs, findings = match(flat, ckpt)
+    wanted = wanted_objects(ckpt, flat, rank)
+    held = held_files(tier, ckpt.meta, ckpt.record)
+    files = sorted({o.file for metas in wanted.values() for o in metas}) if held is not None else []
+    shared = (needs, findings, sorted(flat.tensors), sorted(flat.objects), node_id(), held, files, table is not None,
+              _cores())
+    return (flat, needs, wanted, table), shared
+
+
+def _local_pieces(
+    backend: Backend, ckpt: Checkpoint, fqns: set[str], local: LocalReads, shared: dict[str, bytes],
+) -> dict[str, list[PieceMeta]]:
+    """The pieces from where this rank finds them: shared by a peer, its node's memory tier, the chain
+    (or listed with a foreign format's metadata: nothing is read)."""
+    data = shared.get(layout.PIECES)
+    if data is None:
+        return read_pieces(local.source(layout.PIECES, backend), ckpt, fqns)
+    if ckpt.record is not None:
+        ckpt.record.check_document(layout.PIECES, data, backend.root_uri)
+    return decode_pieces(data, ckpt.tensors, fqns, ckpt.meta.num_pieces)
+
+
+def _topology(backend: Backend, comm: Comm, nodes: list[str], cores: int) -> Topology:
+    """The route costs of this load: the backend's kind of store, the group's backend, each rank's node,
+    the fewest cores a rank sees."""
+    scheme = backend.root_uri.split("://", 1)[0] if "://" in backend.root_uri else ""
+    kind = store_kind(local_path=backend.capabilities.local_path, scheme=scheme, nodes=nodes)
+    return route_topology(kind, comm.backend, nodes, cores)
+
+
+def _cores() -> int:
+    """CPU cores this process may run on (its affinity, where the platform tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 0
+
+
+def _log_routes(plan: LoadPlan, topo: Topology, rank: int, monitor: Monitor) -> None:
+    """Count this rank's units and bytes per route in the monitor; log the group's totals once."""
+    for unit in plan.units:
+        if unit.reader == rank:
+            monitor.count(f"units_{unit.route}")
+            monitor.count(f"bytes_read_{unit.route}", unit.nbytes)
+    if rank == 0:
+        by_route = plan.bytes_by_route()
+        logger.info(
+            "load plan: %d units; %d bytes read directly, %d read once and exchanged (store %s, %s exchange, %d node(s))",
+            len(plan.units), by_route["direct"], by_route["exchange"], topo.store.kind, topo.exchange.kind, topo.num_nodes,
+        )
+
+
+def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int, local: LocalReads) -> None:
+    """Each data file this rank reads (from its memory tier or the chain) has the size the header lists,
+    and holds every run read from it."""
+    ends: dict[str, int] = {}
+    for u in plan.units:
+        if u.reader == rank and len(u.run_offsets):
+            ends[u.file] = max(ends.get(u.file, 0), int(u.run_offsets.max()) + u.run_bytes)
+    files = sorted(ends)
+    sizes = {file: _checked_size(local.tier, ckpt, file) for file in files if local.here(file)}  # type: ignore[arg-type]
+    remote = [file for file in files if file not in sizes]
+    if remote:  # every size at once: on an object store each check is a round trip
+        with concurrent.futures.ThreadPoolExecutor(min(len(remote), PARALLEL_METADATA)) as pool:
+            sizes.update(zip(remote, pool.map(carried(lambda file: _checked_size(backend, ckpt, file)), remote)))
+    for file in files:
+        end, size = ends[file], sizes[file]
+        if end > size:
+            raise CorruptCheckpointError(
+                f"pieces of checkpoint {backend.root_uri!r} lie past the end of {file!r} (byte {end} of {size}): "
+                "the pieces table is corrupt"
+            )
+
+
+def _checked_size(backend: Backend, ckpt: Checkpoint, file: str) -> int:
+    """The size of ``file``, which must exist and match the header's, before any buffer is sized from metadata."""
+    sizes = {f.key: f.size for f in ckpt.meta.files}
+    key = layout.in_generation(ckpt.meta.generation, file)
+    try:
+        if isinstance(backend, MemoryTier):  # a file on this node's tmpfs: one stat, without the I/O loop
+            actual = os.path.getsize(backend.path_of(key))
+        else:
+            actual = get_scheduler().run(backend.size(key))
+    except (CheckpointNotFoundError, FileNotFoundError):
+        raise MissingFileError(f"file {key!r} of checkpoint {backend.root_uri!r} is missing") from None
+    if file not in sizes or actual != sizes[file]:
+        raise CorruptCheckpointError(
+            f"file {key!r} of checkpoint {backend.root_uri!r} has {actual} bytes, the metadata says "
+            f"{sizes.get(file, 'nothing')}: it is truncated or was replaced"
+        )
+    return actual
+
+
+def _verify_pieces(backend: Backend, gen: str, pieces: dict[str, list[PieceMeta]], comm: Comm,
+                   local: LocalReads) -> None:
+    """``verify=True``: every saved piece read whole and checked against its CRC-32C, the pieces shared
+    round robin over the ranks — with memory tiers, over the ranks whose node holds the piece's file,
+    which read it from their tier (the remote may be down, and another node's tier is not theirs)."""
+    sched = get_scheduler()
+    everything = [p for fqn in sorted(pieces) for p in pieces[fqn]]
+    readers = rereaders([p.file for p in everything], local, comm.world_size) if local.active else (
+        [i % comm.world_size for i in range(len(everything))])
+    for piece, reader in zip(everything, readers):
+        if reader != comm.rank:
+            continue
+        store = local.source(piece.file, backend)
+        data = sched.run(store.get_range(layout.in_generation(gen, piece.file), piece.byte_offset,
+                                         piece.byte_offset + piece.byte_length))
+        if crc32c.crc32c(data) != piece.crc32c:
+            end = piece.byte_offset + piece.byte_length
+            raise ChecksumMismatchError(
+                f"checksum mismatch in {piece.file!r} at bytes {piece.byte_offset}..{end} "
+                f"(tensor {piece.fqn!r}, region {piece.region}): the data file is corrupt",
+                layout.in_generation(gen, piece.file), piece.byte_offset, end,
+            )
+
+
+def _settle_checksums(checker: ReadChecker, backend: Backend, comm: Comm, gathered: list[Any], local: LocalReads) -> None:
+    """Check the blocks read in parts (by several ranks or units) from every rank's partial CRCs
+    (``gathered``); blocks the group read only in part are read whole, agreed in one collective (with
+    memory tiers: by a rank whose node holds the block's file, from its tier)."""
+    incomplete = checker.settle(gathered)  # the same on every rank: a mismatch raises on all of them
+    if not incomplete:
+        return
+    if not local.active:
+        comm.run_agreed(lambda: checker.check_whole(incomplete, backend, comm.rank, comm.world_size), "checking data checksums")
+        return
+    readers = rereaders([piece.file for piece, _ in incomplete], local, comm.world_size)
+    mine = [block for block, reader in zip(incomplete, readers) if reader == comm.rank]
+
+    def check() -> None:
+        for here in (True, False):
+            blocks = [b for b in mine if local.here(b[0].file) == here]
+            if blocks:
+                checker.check_whole(blocks, local.tier if here else backend, 0, 1)  # type: ignore[arg-type]
+
+    comm.run_agreed(check, "checking data checksums")
