@@ -254,7 +254,7 @@ def test_failed_resave_keeps_previous_checkpoint(tmp_path):
 def test_resave_failing_before_commit_leaves_old_commit(tmp_path, monkeypatch):
     """A re-save that fails after writing its data (while writing metadata) does not commit: COMMIT
     still names the first generation, which loads bit-exactly and is not deleted."""
-    import tierckpt.saver as saver
+    import tierckpt.save_commit as save_commit
 
     root = tmp_path / "ckpt"
     first = {"w": torch.randn(8, 3)}
@@ -264,7 +264,7 @@ def test_resave_failing_before_commit_leaves_old_commit(tmp_path, monkeypatch):
     def boom(meta):
         raise OSError("disk full while writing the header")
 
-    monkeypatch.setattr(saver, "encode_header", boom)
+    monkeypatch.setattr(save_commit, "encode_header", boom)
     with pytest.raises(Exception, match="disk full"):
         tierckpt.save(str(root), {"w": torch.randn(8, 3)})
     monkeypatch.undo()
