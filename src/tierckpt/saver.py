@@ -1,23 +1,24 @@
-"""Saving: synchronous :func:`save` and asynchronous :func:`async_save`.
+"""Saving: synchronous :func:`save` and asynchronous :func:`async_save`, both one :func:`_save`.
 
 Lifecycle (every rank of the group unless noted):
 
-1. *Prepare* (caller's thread): flatten the state into tensor entries and objects; encode the
-   objects. Ranks exchange a digest of their offers: when it matches the cached plan's, the plan is
-   reused; otherwise offers are all-gathered and every rank computes the same
+1. *Prepare* (caller's thread; :mod:`tierckpt.save_plan`): flatten the state into tensor entries and
+   objects; encode the objects. Ranks exchange a digest of their offers: when it matches the cached
+   plan's, the plan is reused; otherwise offers are all-gathered and every rank computes the same
    :class:`~tierckpt.planner.SavePlan`. Rank 0 reads ``COMMIT`` (the *base*, read on the I/O loop
    while the state is flattened) and names a fresh generation with the next commit sequence.
-2. *Snapshot and write*: each rank streams its assigned pieces into its data file
-   (:class:`~tierckpt.io.staging.FileStream`, CRC-32C computed on the I/O loop). A synchronous save
-   streams straight from tensor memory. An asynchronous save first copies the pieces into the reusable
-   staging buffer (pinned for CUDA) and returns to training once every byte is copied.
-3. *Finish* (caller's thread for ``save``, a background thread for ``async_save``): close the files,
-   write the objects, gather piece and object records on rank 0. A background save coordinates
-   through the group's key-value store (:class:`~tierckpt.comm.StoreCoordinator`), never through
-   collectives, so training's collectives are untouched. Any failure on any rank: every rank raises,
-   no commit is written, and the last committed checkpoint is untouched.
-4. *Commit* (rank 0): write the metadata documents, then ``COMMIT`` as one compare-and-swap against
-   the base: if another job committed meanwhile, this save raises
+2. *Snapshot and write* (:mod:`tierckpt.save_stream`): each rank streams its assigned pieces into its
+   data file (:class:`~tierckpt.io.staging.FileStream`, CRC-32C computed on the I/O loop). A synchronous
+   save streams straight from tensor memory. An asynchronous save first copies the pieces into the
+   reusable staging buffer (pinned for CUDA) and returns to training once every byte is copied.
+3. *Finish* (caller's thread for ``save``, a background thread for ``async_save``;
+   :mod:`tierckpt.save_commit`): close the files, write the objects, gather piece and object records on
+   rank 0. A background save coordinates through the group's key-value store
+   (:class:`~tierckpt.comm.StoreCoordinator`), never through collectives, so training's collectives are
+   untouched. Any failure on any rank: every rank raises, no commit is written, and the last committed
+   checkpoint is untouched.
+4. *Commit* (rank 0; :mod:`tierckpt.save_commit`): write the metadata documents, then ``COMMIT`` as one
+   compare-and-swap against the base: if another job committed meanwhile, this save raises
    :class:`~tierckpt.errors.CheckpointBusyError` and removes its generation. Share the outcome;
    unless ``keep_previous``, rank 0 then hands the removal of the superseded generations (the one the
    base named, and leftovers) to the I/O loop and returns (:mod:`tierckpt.cleanup`).
@@ -28,7 +29,8 @@ Lifecycle (every rank of the group unless noted):
    the background). Neither ``save`` nor ``async_save`` waits for it unless asked:
    ``handle.wait("replicated")``, ``save(..., replicated=True)``.
 
-A background failure is raised by the handle's ``wait()``, and — if nobody waited — by the next save.
+A background failure is raised by the handle's ``wait()`` (:mod:`tierckpt.save_handle`), and — if nobody
+waited — by the next save. What outlives one save, and the exit drain, are :mod:`tierckpt.save_process`.
 """
 
 from __future__ import annotations
