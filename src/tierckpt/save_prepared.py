@@ -15,6 +15,9 @@ from .tiers.replication import Replication
 
 @dataclass
 class _Prepared:
+    """One save as its first step left it, on one rank: its store and group, the flattened and encoded
+    state, the agreed plan and generation, and how it must end (write-back, persist, keep_previous)."""
+
     uri: str
     comm: Comm
     backend: Backend
