@@ -68,9 +68,8 @@ def bounded(args: argparse.Namespace) -> Iterator[None]:
     seconds, setting = getattr(args, "timeout", None), "--timeout"
     if seconds is None:
         seconds, setting = deadline.from_env(), deadline.ENV
-    if seconds is None:
-        seconds = default_s(args.command)
-        setting = f"--timeout, default {seconds:g} s; or {deadline.ENV}"
+    if seconds is None and (default := default_s(args.command)) is not None:
+        seconds, setting = default, f"--timeout, default {default:g} s; or {deadline.ENV}"
     target = getattr(args, "uri", None) or getattr(args, "root", None) or ""
     with deadline.operation(f"tierckpt {args.command}", target, seconds, setting) as bound:
         deadline.bound_process(bound)
