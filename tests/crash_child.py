@@ -91,7 +91,7 @@ def states_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 # -- crash points -------------------------------------------------------------------------------------
 def _targets() -> dict[str, tuple[Any, str]]:
-    from tierckpt import saver
+    from tierckpt import save_commit
     from tierckpt.backends import files, fsspec_backend, local, s3
     from tierckpt.io import staging
 
@@ -107,8 +107,8 @@ def _targets() -> dict[str, tuple[Any, str]]:
         "local.publish": (files, "publish"),
         "local.replace": (files.os, "replace"),
         # the saver: metadata + COMMIT (rank 0), and the data stream of the rank
-        "saver.commit": (saver, "_commit"),
-        "saver.finish_rank": (saver, "_finish_rank"),
+        "saver.commit": (save_commit, "_commit"),
+        "saver.finish_rank": (save_commit, "_finish_rank"),
         "staging.put": (staging.FileStream, "put"),
         "staging.finish": (staging.FileStream, "finish"),
         # S3 / fsspec backend

@@ -38,7 +38,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 import tierckpt  # noqa: E402
-from tierckpt import cleanup, saver  # noqa: E402
+from tierckpt import cleanup, save_commit  # noqa: E402
 from tierckpt.backends import open_backend  # noqa: E402
 from tierckpt.errors import CheckpointBusyError  # noqa: E402
 from tierckpt.io.scheduler import get_scheduler  # noqa: E402
@@ -93,8 +93,8 @@ class BaseReadBarrier:
 
     def __init__(self, gates: Path, role: int) -> None:
         self.gates, self.role, self.armed = gates, role, None
-        self.original = saver._read_commit
-        saver._read_commit = self.read_commit  # type: ignore[assignment]
+        self.original = save_commit._read_commit
+        save_commit._read_commit = self.read_commit  # type: ignore[assignment]
 
     def arm(self, name: str) -> None:
         self.armed = name
@@ -142,14 +142,14 @@ def race(uri: str, role: int, rounds: int, gates: Path) -> None:
 def pause(uri: str, value: int, directory: Path, skew_s: float, keep_previous: bool) -> None:
     wall = time.time
     time.time = lambda: wall() + skew_s  # this host's clock is off by skew_s
-    original = saver._commit
+    original = save_commit._commit
 
     def paused_commit(p: Any, meta: Any, pieces: Any) -> None:
         (directory / "paused").write_text(p.generation)
         wait_for(directory / "go", timeout_s=120)
         original(p, meta, pieces)
 
-    saver._commit = paused_commit  # type: ignore[assignment]
+    save_commit._commit = paused_commit  # type: ignore[assignment]
     try:
         meta = tierckpt.save(uri, make_state(value), keep_previous=keep_previous, storage_options=options(uri))
         emit(outcome="committed", generation=meta.generation)

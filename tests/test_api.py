@@ -254,7 +254,7 @@ def test_failed_resave_keeps_previous_checkpoint(tmp_path):
 def test_resave_failing_before_commit_leaves_old_commit(tmp_path, monkeypatch):
     """A re-save that fails after writing its data (while writing metadata) does not commit: COMMIT
     still names the first generation, which loads bit-exactly and is not deleted."""
-    import tierckpt.saver as saver
+    import tierckpt.save_commit as save_commit
 
     root = tmp_path / "ckpt"
     first = {"w": torch.randn(8, 3)}
@@ -264,7 +264,7 @@ def test_resave_failing_before_commit_leaves_old_commit(tmp_path, monkeypatch):
     def boom(meta):
         raise OSError("disk full while writing the header")
 
-    monkeypatch.setattr(saver, "encode_header", boom)
+    monkeypatch.setattr(save_commit, "encode_header", boom)
     with pytest.raises(Exception, match="disk full"):
         tierckpt.save(str(root), {"w": torch.randn(8, 3)})
     monkeypatch.undo()
@@ -470,3 +470,22 @@ def test_a_load_of_a_few_tensors_fetches_only_their_row_groups(tmp_path):
     assert list(pieces) == [names[7]] and pieces[names[7]][0].byte_offset == 64 * 7
     assert 0 < sum(fetched) < len(table) / 4, (sum(fetched), len(table))
     assert read_pieces(backend, ckpt).keys() == set(names)
+
+
+def test_save_and_async_save_share_their_parameters_and_their_documentation():
+    """``save`` and ``async_save`` are one ``_save``: the parameters they share keep their names, kinds and
+    defaults in both public signatures, and one text documents them in both docstrings."""
+    import inspect
+
+    from tierckpt import saver
+
+    shared = ("group", "storage_options", "tags", "keep_previous", "align_bytes", "monitor", "collective_timeout_s",
+              "persist")
+    sync, background = inspect.signature(tierckpt.save).parameters, inspect.signature(tierckpt.async_save).parameters
+    for name in shared:
+        assert sync[name].kind is background[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert sync[name].default == background[name].default, name
+    assert list(sync)[:2] == list(background)[:2] == ["uri", "state"]
+    assert {"replicated", "progress"} <= set(sync) and {"staging_bytes", "if_busy"} <= set(background)
+    for fn in (tierckpt.save, tierckpt.async_save):
+        assert saver._SHARED_DOC.strip() in (fn.__doc__ or ""), fn

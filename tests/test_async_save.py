@@ -7,7 +7,7 @@ import torch
 
 import scenarios
 import tierckpt
-from tierckpt import saver
+from tierckpt import save_commit
 
 
 def _state(seed: int = 0) -> dict:
@@ -62,7 +62,7 @@ def test_background_failure_surfaces_on_wait_and_leaves_no_commit(tmp_path, monk
     def broken_commit(*args, **kwargs):
         raise OSError("disk vanished")
 
-    monkeypatch.setattr(saver, "_commit", broken_commit)
+    monkeypatch.setattr(save_commit, "_commit", broken_commit)
     handle = tierckpt.async_save(str(good), _state(2))
     with pytest.raises(OSError, match="disk vanished"):
         handle.wait()
@@ -75,7 +75,7 @@ def test_unwaited_failure_is_raised_by_the_next_save(tmp_path, monkeypatch):
     def broken_commit(*args, **kwargs):
         raise OSError("disk vanished")
 
-    monkeypatch.setattr(saver, "_commit", broken_commit)
+    monkeypatch.setattr(save_commit, "_commit", broken_commit)
     handle = tierckpt.async_save(str(tmp_path / "x"), _state())
     while not handle.done():
         threading.Event().wait(0.01)
@@ -87,13 +87,13 @@ def test_unwaited_failure_is_raised_by_the_next_save(tmp_path, monkeypatch):
 
 def test_second_save_to_a_busy_root(tmp_path, monkeypatch):
     release = threading.Event()
-    original = saver._commit
+    original = save_commit._commit
 
     def slow_commit(*args, **kwargs):
         release.wait(10)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(saver, "_commit", slow_commit)
+    monkeypatch.setattr(save_commit, "_commit", slow_commit)
     root = str(tmp_path / "c")
     first = tierckpt.async_save(root, _state(1))
     with pytest.raises(tierckpt.CheckpointBusyError):

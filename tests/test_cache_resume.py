@@ -26,7 +26,7 @@ SAVER = textwrap.dedent(
     """
     import asyncio, sys, time
     import torch
-    import tierckpt
+    import tierckpt, tierckpt.save_plan
     from tierckpt.backends import LocalBackend
     from tierckpt.cache import CacheConfig
     from tierckpt.store import node_cache_over
@@ -44,7 +44,7 @@ SAVER = textwrap.dedent(
 
     remote_dir, cache_dir = sys.argv[1], sys.argv[2]
     config = CacheConfig(directory=cache_dir, exit_wait_s=0, poll_s=0.01)
-    tierckpt.saver.open_store = lambda uri, options=None: node_cache_over(StuckRemote(uri), config)
+    tierckpt.save_plan.open_store = lambda uri, options=None: node_cache_over(StuckRemote(uri), config)
     torch.manual_seed(0)
     state = {"w": torch.randn(256, 256), "b": torch.arange(1000), "step": 7}
     tierckpt.async_save(remote_dir, state).wait()  # write-back: committed in the node cache

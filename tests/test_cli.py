@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import tierckpt
-from tierckpt import cli
+from tierckpt import cli, cli_reports
 
 
 def _model_and_optim() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -84,7 +84,7 @@ def test_inspect_text(saved, capsys) -> None:
     assert "saved by 1 rank(s)" in out
     for fqn, (shape, dtype) in expected.items():
         line = next(line for line in out.splitlines() if line.split()[:1] == [fqn])
-        assert dtype in line and cli._shape_text(shape) in line
+        assert dtype in line and cli_reports._shape_text(shape) in line
     assert "step" in out and "shared" in out and f"totals: {len(expected)} tensors" in out
     assert "box offsets" in out
 

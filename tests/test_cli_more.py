@@ -154,3 +154,39 @@ def test_convert_help_says_what_streams(capsys) -> None:
     cli.main(["convert", "--help"])
     out = capsys.readouterr().out
     assert "streams" in out and "whole model in memory" in out and "trust" in out
+
+
+# -- sync with the node cache off ----------------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [["sync"], ["sync", "s3://bucket/run"], ["sync", "--drop", "s3://bucket/run"]])
+def test_sync_with_the_cache_off_says_so_and_opens_no_cache(argv: list[str], tmp_path: Path, monkeypatch, capsys) -> None:
+    """``TIERCKPT_CACHE=off``: ``sync`` neither opens nor creates the node cache (it used to write its
+    catalogue there and report "synced 0 store(s)"); it exits 1 naming the setting and how to sync."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TIERCKPT_CACHE", "off")
+    monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(cache))
+    monkeypatch.setenv("TIERCKPT_MEMORY", "off")
+    monkeypatch.setenv("TIERCKPT_MEMORY_DIR", str(tmp_path / "memory"))
+    assert cli.main(argv) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "the node cache is off (TIERCKPT_CACHE=off)" in err and "TIERCKPT_CACHE=on tierckpt sync" in err, err
+    assert not cache.exists()
+
+
+def test_sync_with_the_cache_off_writes_the_memory_tier_down_without_it(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``TIERCKPT_CACHE=off`` and a memory-only checkpoint in this node's memory tier: ``sync`` writes it down
+    where its URI points without opening (or creating) the node cache, and it then loads from there alone."""
+    from tierckpt.tiers import MemoryConfig
+
+    cache, memdir, uri = tmp_path / "cache", tmp_path / "memory", str(tmp_path / "ckpt")
+    memory = MemoryConfig(directory=str(memdir), budget_bytes=1 << 26, exit_wait_s=0)
+    want = {"w": torch.arange(4096, dtype=torch.float32), "step": 9}
+    tierckpt.save(uri, want, storage_options={"memory": memory}, persist=False)
+    assert not (tmp_path / "ckpt" / layout.COMMIT).exists()  # memory only: nothing where the URI points yet
+    for name, value in (("TIERCKPT_CACHE", "off"), ("TIERCKPT_CACHE_DIR", str(cache)), ("TIERCKPT_MEMORY", "off"),
+                        ("TIERCKPT_MEMORY_DIR", str(memdir))):
+        monkeypatch.setenv(name, value)
+    assert cli.main(["sync", uri, "--timeout", "60"]) == cli.EXIT_OK, capsys.readouterr().err
+    assert f"synced 1 store(s)\n  {uri}" in capsys.readouterr().out
+    assert not cache.exists()
+    got = tierckpt.load(uri, {"w": torch.zeros(4096), "step": 0}, storage_options={"memory": False, "cache": False})
+    assert torch.equal(got["w"], want["w"]) and got["step"] == 9

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import cleanup, saver
+from tierckpt import cleanup, save_commit
 
 
 def _state(value: float) -> dict:
@@ -22,14 +22,14 @@ def _load(uri: str) -> dict:
 def held_background_commits(monkeypatch):
     """Background (async) saves pause right before their commit until the returned event is set."""
     release = threading.Event()
-    original = saver._commit
+    original = save_commit._commit
 
     def commit(p, meta, pieces):
         if threading.current_thread() is not threading.main_thread():
             release.wait(30)
         return original(p, meta, pieces)
 
-    monkeypatch.setattr(saver, "_commit", commit)
+    monkeypatch.setattr(save_commit, "_commit", commit)
     yield release
     release.set()
 

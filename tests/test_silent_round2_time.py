@@ -108,6 +108,29 @@ def test_commands_against_a_tarpit_end_at_their_timeout(tmp_path: Path, tarpit: 
         assert f"s3://bucket at {tarpit.endpoint} to answer" in err, err  # the endpoint that did not answer
 
 
+CLI_WITH_SHORT_DEFAULT = """
+import sys
+from tierckpt import cli_deadline
+cli_deadline.DATA_DEFAULT_S = 4.0  # the default deadline of the data commands, shortened for the test
+from tierckpt.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.multiproc
+def test_data_commands_against_a_tarpit_end_at_their_default_deadline(tmp_path: Path, tarpit: FaultProxy) -> None:
+    """Without ``--timeout`` or ``TIERCKPT_TIMEOUT_S``, ``verify`` and ``prefetch`` end at their default deadline
+    (it hung ~150 s: they had none), naming the command, the endpoint, and the settings that raise it."""
+    env = child_env(tmp_path, tarpit.endpoint)
+    procs = {cmd: start(["-c", CLI_WITH_SHORT_DEFAULT, cmd, "s3://bucket/run"], env) for cmd in ("verify", "prefetch")}
+    for cmd, proc in procs.items():
+        rc, _, err = finish(proc, f"tierckpt {cmd}")
+        assert rc == 7, (cmd, rc, err)
+        assert (f"tierckpt {cmd} s3://bucket/run did not finish within 4 s (--timeout, default 4 s; or "
+                "TIERCKPT_TIMEOUT_S) waiting for") in err, err
+        assert f"s3://bucket at {tarpit.endpoint} to answer" in err and "or raise --timeout" in err, err
+
+
 @pytest.mark.multiproc
 def test_sync_timeout_bounds_the_process_and_its_exit_drain(tmp_path: Path, tarpit: FaultProxy) -> None:
     """Uploads left pending by a dead process; ``sync --timeout 6`` against an endpoint that takes the PUTs

@@ -77,7 +77,10 @@ def _durable(uri: str, config: CacheConfig | None, storage_options: dict[str, An
     memory link when :func:`_memory_for` says so."""
     options = dict(storage_options)
     memory = _memory_for(uri, options.pop("memory", None))
-    chain = _tiered(uri, config, options)
+    if config is not None and not config.enabled:  # sync with the node cache off: straight to where the URI points
+        chain = open_store(uri, {**options, "cache": False, "memory": False})
+    else:
+        chain = _tiered(uri, config, options)
     return MemoryLink(chain, memory, uri) if memory is not None else chain
 
 
@@ -106,10 +109,18 @@ def sync(uri: str | None = None, config: CacheConfig | None = None, timeout_s: f
     holds (for ``uri``, or every store of the node) and wait for them; returns the URIs synced. A
     restarted process calls this after a crash.
 
+    With the node cache off (``TIERCKPT_CACHE=off``, or ``config`` with ``enabled=False``) the cache is
+    not opened: what the memory tier holds is written straight to where its URI points, and when it
+    holds nothing to write down a :class:`~tierckpt.errors.CheckpointError` says so (never a silent
+    "nothing synced" while a cache-on process may have left uploads pending).
+
     ``storage_options`` open every remote (credentials are never stored in the catalogue).
     """
     options = merged_options("sync", storage_options, options_kw)
+    setting = _setting(config)
     config = config or CacheConfig.from_env()
+    if not config.enabled:
+        return _sync_cache_off(uri, config, options, timeout_s, setting)
     if uri is not None:
         uris = [uri]
     else:
@@ -122,6 +133,32 @@ def sync(uri: str | None = None, config: CacheConfig | None = None, timeout_s: f
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         sched.run(_durable(u, config, options).sync(left), left)
     return uris
+
+
+def _sync_cache_off(uri: str | None, config: CacheConfig, options: dict[str, Any], timeout_s: float | None,
+                    setting: str) -> list[str]:
+    """:func:`sync` with the node cache off: write down what this node's memory tier holds for ``uri`` (or for
+    every URI) straight to where it points, opening no node cache; raise when the tier holds nothing to
+    write down (a success that did nothing would hide the uploads a cache-on process left pending)."""
+    uris = [u for u in ([uri] if uri is not None else _memory_only()) if _memory_for(u, options.get("memory"))]
+    if not uris:
+        target = f" {uri}" if uri else ""
+        raise CheckpointError(
+            f"tierckpt sync{target}: the node cache is off ({setting}) and this node's memory tier holds nothing "
+            f"of {uri or 'any store'} to write down, so nothing was synced (the node cache was not opened). Uploads "
+            f"that processes with the cache on left pending finish with `TIERCKPT_CACHE=on tierckpt sync{target}`"
+        )
+    sched = get_scheduler()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for u in uris:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        sched.run(_durable(u, config, options).sync(left), left)
+    return uris
+
+
+def _setting(config: CacheConfig | None) -> str:
+    """What turned the node cache off: the ``config`` passed, else the environment."""
+    return "CacheConfig(enabled=False)" if config is not None else f"TIERCKPT_CACHE={os.environ.get('TIERCKPT_CACHE')}"
 
 
 def _memory_only() -> list[str]:
@@ -139,7 +176,22 @@ def drop(uri: str, config: CacheConfig | None = None, *, storage_options: Mappin
          **options_kw: Any) -> list[str]:
     """Discard the uploads pending from this node to ``uri`` (a mistyped bucket, a store given up on);
     returns the keys dropped. What they held stays readable in the node cache until evicted."""
+    config = _enabled(config, "drop", uri)
     return get_scheduler().run(_tiered(uri, config, merged_options("drop", storage_options, options_kw)).drop_pending())
+
+
+def _enabled(config: CacheConfig | None, call: str, uri: str) -> CacheConfig:
+    """``config`` (else the environment's) when it turns the node cache on; raise when it is off: :func:`drop`
+    acts on the uploads recorded in the node cache, and with the cache off it must not open (and so create) it."""
+    setting = _setting(config)
+    config = config or CacheConfig.from_env()
+    if not config.enabled:
+        raise CheckpointError(
+            f"tierckpt {call} {uri}: the node cache is off ({setting}), so it was not opened and nothing was "
+            f"dropped; to drop the uploads that processes with the cache on left pending, run "
+            f"`TIERCKPT_CACHE=on tierckpt sync --drop {uri}`"
+        )
+    return config
 
 
 class PrefetchHandle:

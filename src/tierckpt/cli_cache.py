@@ -84,8 +84,7 @@ def _add_wait(subparsers: Any) -> None:
         "COMMIT last. Exits 1 when an upload failed, 7 when --timeout passed.",
     )
     p.add_argument("uri", help="checkpoint root")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="give up after this many seconds, the whole process included (exit 7)")
+    add_timeout(p, "wait")
     progress.add_flags(p, "wait")
     p.set_defaults(handler=cmd_wait)
 
@@ -106,8 +105,7 @@ def _add_sync(subparsers: Any) -> None:
         "left unfinished, and checkpoints saved to memory only (persist=False).",
     )
     p.add_argument("uri", nargs="?", default=None, help="only this store (default: every store of the node)")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="give up after this many seconds, uploads waited for at exit included (exit 7)")
+    add_timeout(p, "sync")
     p.add_argument("--drop", action="store_true",
                    help="discard the pending uploads of URI instead (e.g. to a mistyped bucket); they never reach it")
     progress.add_flags(p, "sync")

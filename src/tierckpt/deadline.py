@@ -17,8 +17,9 @@ bounded by the process's deadline when a CLI command set one (``--timeout`` boun
 Settings: ``TIERCKPT_TIMEOUT_S`` (seconds) is the deadline of every ``save``, ``load``, ``verify``,
 ``SaveHandle.wait_durable`` and CLI command of the process that sets none of its own; a CLI command's ``--timeout`` is its own. Unset, a library
 operation has no overall deadline (each request is still bounded: ``timeout_s``, plus time to move
-its bytes at :data:`tierckpt.io.scheduler.MIN_BYTES_PER_S`), and ``ls``, ``status``, ``inspect`` and
-``stats`` stop after :data:`CLI_DEFAULT_S`.
+its bytes at :data:`tierckpt.io.scheduler.MIN_BYTES_PER_S`), ``ls``, ``status``, ``inspect`` and
+``stats`` stop after :data:`CLI_DEFAULT_S`, and the CLI commands that move a checkpoint's data after
+:data:`tierckpt.cli_deadline.DATA_DEFAULT_S`.
 """
 
 from __future__ import annotations

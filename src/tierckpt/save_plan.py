@@ -1,0 +1,145 @@
+"""A save's first step, on every rank: flatten and encode the state, agree on the plan and the new generation.
+
+Rank 0 reads the base ``COMMIT`` on the I/O loop while the state is flattened; one collective agrees that
+every rank could prepare its state and carries the plan-cache digests, object digests and rank 0's name
+for the new generation; the plan is reused when every digest matches the cached plan's, else the offers
+are all-gathered and every rank computes the same :class:`~tierckpt.planner.SavePlan`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import crc32c
+
+from . import layout, save_commit
+from .comm import Comm, Group
+from .io.scheduler import get_scheduler
+from .metadata import dtype_name
+from .monitor import Monitor
+from .objects import encode_object
+from .planner import LocalPiece, SavePlan, plan_save
+from .planner.save_planner import offers_digest
+from .save_prepared import _Prepared
+from .save_process import _PROCESS, _group_key, _raise_unreported
+from .errors import CheckpointError
+from .state import FlatState, flatten_state
+from .store import durability_of, identity_of, memory_tier_of, open_store
+from .tiers.replication import Replication, replicator_for
+
+def _prepare(
+    uri: str, state: Mapping[str, Any], group: Group, storage_options: Mapping[str, Any] | None,
+    tags: Mapping[str, str] | None, keep_previous: bool, align_bytes: int, monitor: Monitor,
+    collective_timeout_s: float | None, write_back: bool, persist: bool,
+) -> _Prepared:
+    _raise_unreported()
+    comm = Comm(group)
+    comm.check_in(f"save to {uri!r}", collective_timeout_s)
+    backend = open_store(uri, dict(storage_options or {}))
+    started = time.time()
+    # Rank 0 reads COMMIT on the I/O loop while the state is flattened (a remote round trip then adds
+    # nothing to the stall); its commit sequence names the new generation. A write-back save reads the
+    # node's view (its pending COMMIT first) and may start while the remote is unreachable.
+    offline_ok = write_back and durability_of(backend) is not None
+    base = get_scheduler().submit(save_commit._read_commit(backend, offline_ok)) if comm.rank == 0 else None
+    with monitor.phase("plan"):
+        # One collective agrees that every rank could prepare its state and carries each rank's
+        # plan-cache digest and object digests, and rank 0's name for the new generation.
+        (flat, offers, encoded), agreement = comm.exchange_agreed(
+            lambda: _offer(state, base, memory_tier_of(backend) is not None, persist), "preparing the state to save",
+            same=("URI", identity_of(uri, backend)),
+        )
+        _check_tiers_agree(uri, [a[3] for a in agreement])
+        _check_persist(uri, [a[4] for a in agreement], memory_tier_of(backend) is not None)
+        generation = agreement[0][2]
+        if not persist:
+            backend.keep_in_memory(generation)  # type: ignore[attr-defined]  # a MemoryLink (_check_persist)
+        digests = [a[0] for a in agreement]
+        plan_key = (_group_key(group), align_bytes)
+        cached = _PROCESS.plans.get(plan_key)
+        if cached is not None and cached[0] == digests:
+            plan = cached[1]
+            monitor.count("plan_cache_hits")
+        else:
+            gathered = comm.all_gather_object(offers)
+            plan = comm.run_agreed(lambda: plan_save(gathered, align_bytes=align_bytes), "planning the save")
+            _PROCESS.plans[plan_key] = (digests, plan)
+        owners = _place_objects([a[1] for a in agreement], plan)
+    # The replicator is built here, in the foreground every rank reaches together (first save only).
+    tier = memory_tier_of(backend)
+    replicator, not_replicated = replicator_for(tier, group, _group_key(group))
+    return _Prepared(
+        uri=uri, comm=comm, backend=backend, flat=flat, encoded=encoded, plan=plan, owners=owners,
+        generation=generation, started=started, monitor=monitor, tags=dict(tags or {}), keep_previous=keep_previous,
+        base=base, write_back=write_back, replication=Replication(uri, tier, replicator, not_replicated),
+        persist=persist,
+    )
+
+
+def _offer(
+    state: Mapping[str, Any], base: concurrent.futures.Future[bytes | None] | None, memory_tier: bool, persist: bool,
+) -> tuple[tuple[FlatState, list[LocalPiece], dict[str, tuple[bytes, str]]],
+           tuple[str, dict[str, tuple[int, int]], str | None, bool, bool]]:
+    """Flatten and encode this rank's state: ``(kept, shared)``, shared being the plan-cache digest of
+    the offered pieces, ``(crc, size)`` of each encoded object, rank 0's generation proposal (named
+    after the base ``COMMIT``'s sequence), whether this rank's chain has the node memory tier and its
+    ``persist``."""
+    flat = flatten_state(state, for_load=False)
+    offers = [
+        LocalPiece(fqn=e.fqn, dtype=dtype_name(e.tensor.dtype), shape=e.shape, region=e.region)
+        for e in flat.tensors.values()
+    ]
+    encoded = {key: encode_object(entry.value) for key, entry in flat.objects.items()}
+    digests = {key: (crc32c.crc32c(data), len(data)) for key, (data, _) in encoded.items()}
+    proposal = None if base is None else layout.new_generation(layout.next_seq(base.result()))
+    return (flat, offers, encoded), (offers_digest([offers]), digests, proposal, memory_tier, persist)
+
+
+def _check_tiers_agree(uri: str, memory_tier: list[bool]) -> None:
+    """Every rank saves through the node memory tier or none does: a checkpoint half in memory would be
+    reported ``memory``/``replicated`` while some of its files are in no node's memory. Raised on every
+    rank (the flags came with the agreement), before anything is written."""
+    if len(set(memory_tier)) > 1:
+        on = [r for r, flag in enumerate(memory_tier) if flag]
+        off = [r for r, flag in enumerate(memory_tier) if not flag]
+        raise CheckpointError(
+            f"ranks disagree on the node memory tier for {uri!r}: on for ranks {on}, off for ranks {off}; "
+            "set TIERCKPT_MEMORY (or storage_options memory=) the same on every rank"
+        )
+
+
+def _check_persist(uri: str, persist: list[bool], memory_tier: bool) -> None:
+    """``persist=False`` needs the node memory tier, and every rank must pass the same ``persist``: a
+    checkpoint half written down would be committed below with files missing there. Raised on every rank
+    (the flags came with the agreement), before anything is written."""
+    if all(persist):
+        return
+    if not memory_tier:
+        raise CheckpointError(
+            f"save to {uri!r} with persist=False keeps the checkpoint in the node memory tier only, and {uri!r} "
+            "has none: turn it on (TIERCKPT_MEMORY=on or storage_options memory=True) or save with persist=True"
+        )
+    if any(persist):
+        raise CheckpointError(
+            f"ranks disagree on persist for {uri!r}: True for ranks {[r for r, f in enumerate(persist) if f]}, "
+            f"False for ranks {[r for r, f in enumerate(persist) if not f]}; pass the same value on every rank"
+        )
+
+
+def _place_objects(digests: list[dict[str, tuple[int, int]]], plan: SavePlan) -> dict[str, int | None]:
+    """Which rank writes each object: one writer for values equal on every rank, else each rank its own."""
+    world = len(digests)
+    load = list(plan.file_sizes)
+    owners: dict[str, int | None] = {}
+    for key in sorted(set().union(*digests)):
+        values = {d.get(key) for d in digests}
+        if len(values) == 1 and None not in values:
+            writer = min(range(world), key=lambda r: (load[r], r))
+            load[writer] += next(iter(values))[1]
+            owners[key] = writer
+        else:
+            owners[key] = None
+    return owners

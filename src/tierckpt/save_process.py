@@ -1,0 +1,95 @@
+"""What outlives one save in this process, and the exit drain that finishes it.
+
+The plan cache, the reusable staging buffer, the background saves in flight (and those whose failure
+nobody has heard yet), and :func:`_drain_at_exit`, the one hook that lets background saves commit,
+superseded generations be removed, peer replication finish and write-back uploads drain before the
+process exits (see :mod:`tierckpt.saver` for the save's steps).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import cleanup
+from .comm import Group, describe_error
+from .deadline import process_left
+from .errors import CheckpointError
+from .io.staging import StagingBuffer
+from .planner import SavePlan
+from .save_handle import SaveHandle
+from .store import drain_write_back, exit_wait_s
+from .tiers.replication import exit_wait_s as replication_exit_wait_s
+from .tiers.replication import stop_replicators
+
+
+@dataclass
+class _Process:
+    """What outlives one save in this process: plan cache, staging buffer, background saves."""
+
+    plans: dict[Any, tuple[list[str], SavePlan]] = field(default_factory=dict)
+    staging: StagingBuffer = field(default_factory=StagingBuffer)
+    staging_lock: threading.Lock = field(default_factory=threading.Lock)
+    background: concurrent.futures.ThreadPoolExecutor | None = None
+    in_flight: dict[str, SaveHandle] = field(default_factory=dict)
+    unreported: list[SaveHandle] = field(default_factory=list)
+
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self.background is None:
+            self.background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-save")
+        return self.background
+
+
+_PROCESS = _Process()
+
+
+def _drain_at_exit() -> None:
+    """The exit drain: let background saves commit, superseded generations be removed (up to
+    :data:`tierckpt.cleanup.EXIT_WAIT_S`), peer replication in flight finish (its threads are then
+    stopped, before the interpreter and the process groups are torn down), then write-back uploads,
+    within the stores' exit wait; print on stderr what is left (with the command that finishes an
+    upload or a removal; a replication cut short keeps the level ``memory``).
+
+    It runs from :mod:`threading`'s exit hooks, i.e. when the main thread is done and *before* the
+    ``atexit`` handlers: thread pools still accept work (``concurrent.futures`` stops them in an
+    earlier-registered hook of the same list, which runs after this one) and the I/O loop still runs.
+    """
+    handles = [h for h in _PROCESS.in_flight.values() if not h.done()]
+    deadline = time.monotonic() + process_left(exit_wait_s())  # a CLI command's --timeout bounds the drain too
+    for handle in handles:
+        try:
+            handle.wait(timeout_s=max(0.0, deadline - time.monotonic()))
+        except BaseException as exc:  # noqa: BLE001 - reported, exit goes on
+            sys.stderr.write(f"tierckpt: the async save to {handle.uri} did not commit before exit: {describe_error(exc)}\n")
+    for uri in cleanup.wait_pending(process_left(cleanup.EXIT_WAIT_S), exiting=True):
+        sys.stderr.write(f"tierckpt: removing superseded generations of {uri} was cut short by the exit; the next "
+                         f"save to it or `tierckpt gc {uri} --keep-last 1` removes them\n")
+    # Replication started with each commit above: its wait counts from there, within its own limit.
+    replication_deadline = max(deadline, time.monotonic() + process_left(replication_exit_wait_s()))
+    for line in stop_replicators(max(0.0, replication_deadline - time.monotonic()), "the process exited"):
+        sys.stderr.write(line + "\n")
+    for line in drain_write_back(max(0.0, deadline - time.monotonic())):
+        sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]  # see _drain_at_exit
+
+
+def _group_key(group: Group) -> Any:
+    return "WORLD" if group is None else group if isinstance(group, str) else id(group)
+
+
+
+def _raise_unreported() -> None:
+    """Raise the failure of an earlier background save that nobody waited for."""
+    for handle in list(_PROCESS.unreported):
+        error = handle.unreported_error()
+        if handle.done():
+            _PROCESS.unreported.remove(handle)
+        if error is not None:
+            raise CheckpointError(f"an earlier async save to {handle.uri!r} failed: {error}") from error

@@ -1,0 +1,172 @@
+"""A save's data step, on every rank: stream the pieces it was assigned into its data file, write its objects.
+
+A synchronous save streams straight from tensor memory (:func:`_stream_direct`); an asynchronous one
+copies through the reusable staging buffer, or straight into the node memory tier's file, and returns
+once every byte is copied (:func:`_stream_staged`). :func:`_finish_rank` then waits for the file,
+writes the objects file and returns the rank's piece, object and file records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Mapping
+from typing import Any
+
+import crc32c
+import torch
+
+from . import layout
+from .backends import Backend
+from .errors import CheckpointError
+from .io.scheduler import get_scheduler
+from .io.staging import Chunk, FileStream, stage_into
+from .metadata import FileMeta, ObjectMeta, PieceMeta
+from .regions import Box, FlatRange, Region
+from .save_prepared import _Prepared
+from .save_process import _PROCESS
+from .state import TensorEntry
+
+
+def _pieces(p: _Prepared) -> list[tuple[int, int, torch.Tensor]]:
+    """``(index, byte_offset, tensor)`` of every piece this rank writes, in file order."""
+    return [
+        (i, w.byte_offset, _piece_tensor(p.flat.tensors[w.fqn], w.region))
+        for i, w in enumerate(p.plan.writes[p.comm.rank])
+    ]
+
+
+def _on_written(p: _Prepared) -> Any:
+    """What a file stream tells the bytes it wrote: the save's progress bar, if it has one."""
+    return p.monitor.progress.add if p.monitor.progress is not None else None
+
+
+def _open_stream(p: _Prepared) -> FileStream | None:
+    writes = p.plan.writes[p.comm.rank]
+    if not writes:
+        return None
+    return FileStream(p.backend, layout.in_generation(p.generation, writes[0].file), len(writes), on_written=_on_written(p))
+
+
+def _stream_direct(p: _Prepared) -> FileStream | None:
+    """Synchronous path: stream pieces straight from tensor memory (no snapshot copy)."""
+    stream = _open_stream(p)
+    if stream is None:
+        return None
+    with stream.abort_on_error():
+        position = 0
+        for index, offset, tensor in _pieces(p):
+            if offset > position:
+                stream.put(Chunk(memoryview(bytes(offset - position))))
+            data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            stream.put(Chunk(memoryview(data.numpy()), [(index, 0, data.numel())]))
+            position = offset + data.numel()
+    return stream
+
+
+def _stream_staged(p: _Prepared, staging_bytes: int | None) -> FileStream | None:
+    """Asynchronous path: copy pieces through the reusable staging buffer — or, through the node memory
+    tier, straight into the tier's file (``mapped_writer``) — and return when all are copied."""
+    writes = p.plan.writes[p.comm.rank]
+    if not writes:
+        return None
+    size = p.plan.file_sizes[p.comm.rank]
+    pin = any(e.tensor.is_cuda for e in p.flat.tensors.values()) and torch.cuda.is_available()
+    key = layout.in_generation(p.generation, writes[0].file)
+    mapped = getattr(p.backend, "mapped_writer", None)
+    mapped = mapped(key, size) if mapped is not None and not pin else None
+    stream = FileStream(p.backend, key, len(writes), writer=mapped, on_written=_on_written(p))
+    with stream.abort_on_error():
+        if mapped is not None:
+            stage_into(stream, _pieces(p), mapped.buffer)
+        else:
+            capacity = min(size, staging_bytes) if staging_bytes else size
+            stage_into(stream, _pieces(p), _PROCESS.staging.acquire(capacity, pin=pin)[:capacity])
+    p.monitor.count("bytes_staged", size)
+    return stream
+
+
+
+def _finish_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMeta], list[ObjectMeta], list[FileMeta], dict[str, float]]:
+    with p.monitor.phase("write"):
+        pieces, objects, files = _drain_rank(p, stream)
+    return pieces, objects, files, p.monitor.summary()
+
+
+def _drain_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMeta], list[ObjectMeta], list[FileMeta]]:
+    """Wait for this rank's data file to be written and write its objects file."""
+    rank = p.comm.rank
+    pieces: list[PieceMeta] = []
+    files: list[FileMeta] = []
+    objects, blob = _objects_of_rank(p)
+    # The objects file is written while the data file is finished: on an object store, a round trip less.
+    put = _put_all(p.backend, {layout.in_generation(p.generation, layout.objects_file(rank)): blob}) if blob else None
+    if stream is not None:
+        try:
+            checksums = stream.finish()
+        except BaseException:
+            if put is not None:  # nothing of this save may land after the failure is reported
+                concurrent.futures.wait([put])
+            raise
+        writes = p.plan.writes[rank]
+        pieces = [
+            PieceMeta(
+                fqn=w.fqn, region=w.region, file=w.file, byte_offset=w.byte_offset, byte_length=w.byte_length,
+                crc32c=c.crc32c, block_bytes=c.block_bytes, block_crc32c=c.block_crc32c,
+            )
+            for w, c in zip(writes, checksums)
+        ]
+        files.append(FileMeta(key=writes[0].file, size=p.plan.file_sizes[rank]))
+        p.monitor.count("bytes_written", p.plan.file_sizes[rank])
+        p.monitor.add_seconds("checksum", stream.checksum_s)
+        p.monitor.add_seconds("file_write", stream.write_s)
+    if put is not None:
+        put.result()
+        files.append(FileMeta(key=layout.objects_file(rank), size=len(blob)))
+    return pieces, objects, files
+
+
+def _put_all(backend: Backend, documents: Mapping[str, bytes]) -> concurrent.futures.Future[None]:
+    """Start writing every document at once; the future is done when all are written (or failed:
+    it raises the first error, after every write has ended)."""
+    sched = get_scheduler()
+
+    async def put_all() -> None:
+        results = await asyncio.gather(
+            *(backend.put(key, data) for key, data in documents.items()), return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    return sched.submit(put_all())
+
+
+def _objects_of_rank(p: _Prepared) -> tuple[list[ObjectMeta], bytes]:
+    rank = p.comm.rank
+    objects: list[ObjectMeta] = []
+    blobs: list[bytes] = []
+    offset = 0
+    for key in sorted(p.encoded):
+        owner = p.owners.get(key)
+        if owner is not None and owner != rank:
+            continue
+        data, codec = p.encoded[key]
+        objects.append(
+            ObjectMeta(
+                key=key, rank=None if owner is not None else rank, file=layout.objects_file(rank),
+                byte_offset=offset, byte_length=len(data), crc32c=crc32c.crc32c(data), codec=codec,
+            )
+        )
+        blobs.append(data)
+        offset += len(data)
+    return objects, b"".join(blobs)
+
+
+def _piece_tensor(entry: TensorEntry, region: Region) -> torch.Tensor:
+    """The part of an entry's local tensor that holds ``region``."""
+    if isinstance(region, FlatRange) and isinstance(entry.region, FlatRange):
+        return entry.tensor.reshape(-1)[region.start - entry.region.start : region.stop - entry.region.start]
+    if isinstance(region, Box) and isinstance(entry.region, Box):
+        return entry.tensor[region.relative_to(entry.region).slices()]
+    raise CheckpointError(f"piece of {entry.fqn!r}: a {type(region).__name__} cannot be cut from a {type(entry.region).__name__}")
