@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 from dataclasses import dataclass
 
-from . import dcp_format, layout, safetensors_format
+from . import dcp_format, deepspeed_read, layout, safetensors_format
 from .backends import Backend
 from .deadline import carried
 from .bounded import MAX_RECORD_BYTES
@@ -85,6 +85,8 @@ def read_checkpoint(backend: Backend, *, accept_dcp: bool = False) -> Checkpoint
     try:
         record = read_commit(backend)
     except (IncompleteCheckpointError, CheckpointNotFoundError):
+        if (found := deepspeed_read.read_if_deepspeed(backend, accept_dcp)) is not None:  # DeepSpeed ZeRO, universal
+            return Checkpoint(meta=found[0], tensors=found[1], pieces=found[2])
         if not dcp_format.is_dcp(backend):
             if not safetensors_format.is_safetensors(backend):
                 raise

@@ -1,0 +1,337 @@
+"""Reading a DeepSpeed ZeRO-1/2 checkpoint folder in place, as a tierckpt checkpoint.
+
+``engine.save_checkpoint(folder)`` writes ``folder/latest`` (the tag of the newest save) and
+``folder/<tag>/`` holding ``mp_rank_00_model_states.pt`` (``param_shapes``: each param group's
+parameter names and shapes, ``buffer_names``, the ``module`` state dict) and one
+``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per data-parallel rank. Each param group's trainable
+parameters are flattened into one fp32 buffer (padded at the end), split evenly across the ranks: rank
+``r`` holds its partition as ``single_partition_of_fp32_groups[g]``, the optimizer's moments of the
+same elements in ``base_optimizer_state["state"][g]`` (``exp_avg``, ``exp_avg_sq``, ``step``), and
+``param_slice_mappings[g]``: for each parameter, how many of its elements the partition holds and where.
+
+Every such slice is a flat-range piece (:class:`~tierckpt.regions.FlatRange`) of its parameter, read in
+place from the rank file (:mod:`tierckpt.torch_archive` finds the bytes; nothing is unpickled), so the
+ordinary loader reshards it onto any layout. Names are tierckpt's (torch's flattened optimizer state
+dict): ``model.<fqn>`` (the fp32 master weights; buffers and frozen parameters from ``module``),
+``optim.state.<fqn>.<exp_avg|exp_avg_sq|step>`` and ``optim.param_groups.<fqn>.<setting>`` (each
+parameter's group settings: lr, betas, eps, weight_decay...), so
+``tierckpt.load(folder, {"model": model, "optim": adam})`` resumes a torch Adam/AdamW exactly.
+A universal checkpoint (``ds_to_universal``) is read by :mod:`tierckpt.ucp_format`.
+
+Group settings live inside ``data.pkl``: each is an object whose bytes are that ``data.pkl`` record
+and whose codec (``deepspeed:<path>``) names where the value is in the unpickled structure
+(:func:`decode_setting`; only plain values are accepted).
+
+Not read in place, refused with the fix: ZeRO-3 folders, tensor- or pipeline-parallel folders (more
+than one ``mp_rank``). DeepSpeed writes no checksums: pieces carry ``crc32c=0`` and ``verify=True``
+refuses the folder, as for a DCP directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from .backends import Backend
+from .errors import CheckpointError, CorruptCheckpointError
+from .io.scheduler import get_scheduler
+from .metadata import CheckpointMeta, FileMeta, ObjectMeta, PieceMeta, TensorMeta, dtype_name
+from .regions import Box, FlatRange
+from .store import without_node_cache
+from .torch_archive import Archive, Opaque, StoredTensor, _ArchiveUnpickler, read_archives
+
+LATEST = "latest"
+MODEL_STATES = "mp_rank_00_model_states.pt"
+_OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+FORMAT_TAG = "deepspeed"
+STATES = ("exp_avg", "exp_avg_sq", "step")
+CODEC_PREFIX = "deepspeed:"
+
+DeepSpeedCheckpoint = tuple[CheckpointMeta, dict[str, TensorMeta], dict[str, list[PieceMeta]]]
+
+
+def universal_command(uri: str) -> str:
+    """DeepSpeed's command that makes a universal checkpoint (which tierckpt reads) of the folder at ``uri``."""
+    return f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {uri.rstrip('/')}/<tag> --output_folder OUT --inject_missing_state"
+
+
+def _listing(backend: Backend) -> list[str]:
+    return get_scheduler().run(backend.list(""))
+
+
+def tag_prefix(backend: Backend, keys: Sequence[str]) -> str | None:
+    """``"<tag>/"`` of the save a DeepSpeed folder's ``latest`` names, ``""`` when the root is a tag folder
+    itself, ``None`` when the root is no DeepSpeed ZeRO folder."""
+    names = set(keys)
+    if MODEL_STATES in names or any(_OPTIM_FILE.match(k) for k in names):
+        return ""
+    if LATEST not in names:
+        return None
+    raw = get_scheduler().run(backend.get_capped(LATEST, 4096)).decode(errors="replace").strip()
+    if not raw or "/" in raw or raw in (".", ".."):
+        raise CorruptCheckpointError(f"{LATEST!r} of DeepSpeed folder {backend.root_uri!r} names {raw!r}, not a tag folder")
+    if not any(k.startswith(f"{raw}/") for k in names):
+        raise CorruptCheckpointError(
+            f"{LATEST!r} of DeepSpeed folder {backend.root_uri!r} names tag {raw!r}, but there is no folder {raw}/; "
+            "the save was interrupted or the folder was copied in part"
+        )
+    return f"{raw}/"
+
+
+def is_deepspeed(backend: Backend) -> bool:
+    """Whether the root of ``backend`` is a DeepSpeed ZeRO checkpoint folder (or one of its tag folders)."""
+    backend = without_node_cache(backend)
+    keys = _listing(backend)
+    if LATEST not in keys and MODEL_STATES not in keys and not any(_OPTIM_FILE.match(k) for k in keys):
+        return False
+    try:
+        prefix = tag_prefix(backend, keys)
+    except CheckpointError:
+        return True
+    return prefix is not None and any(k.startswith(prefix) and k.endswith("_model_states.pt") for k in keys)
+
+
+def read_deepspeed(backend: Backend) -> DeepSpeedCheckpoint:
+    """Header, tensor table and pieces of the DeepSpeed ZeRO-1/2 folder at the root of ``backend``."""
+    backend = without_node_cache(backend)
+    uri = backend.root_uri
+    keys = _listing(backend)
+    prefix = tag_prefix(backend, keys) or ""
+    optim_files = {int(m[1]): k for k in keys if k.startswith(prefix) and "/" not in k[len(prefix):]
+                   and (m := _OPTIM_FILE.match(k[len(prefix):]))}
+    mp_ranks = {m[2] for k in keys if (m := _OPTIM_FILE.match(k[len(prefix):]))} | {
+        k for k in keys if re.match(rf"^{re.escape(prefix)}mp_rank_(?!00_)\d+_model_states\.pt$", k)}
+    model_file = prefix + MODEL_STATES
+    if model_file not in keys:
+        if any(k.startswith(prefix) and k.endswith("_model_states.pt") for k in keys):
+            raise _zero3_refusal(uri)
+        raise CorruptCheckpointError(f"DeepSpeed folder {uri!r} has no {model_file!r}: the save is incomplete")
+    if len(mp_ranks - {"00"}) > 0:
+        raise CheckpointError(
+            f"{uri!r} is a DeepSpeed checkpoint saved with tensor or pipeline parallelism (several mp_rank files), "
+            f"which tierckpt does not read in place; make a universal checkpoint of it and load that: {universal_command(uri)}"
+        )
+    if not optim_files or sorted(optim_files) != list(range(len(optim_files))):
+        raise CorruptCheckpointError(
+            f"DeepSpeed folder {uri!r} holds optimizer files of ranks {sorted(optim_files)}, not ranks 0..N-1: "
+            "a rank's zero_pp_rank_<r>_mp_rank_00_optim_states.pt is missing"
+        )
+    world = len(optim_files)
+    files = [model_file] + [optim_files[r] for r in range(world)]
+    archives = read_archives(backend, files)
+    model = _dict(archives[model_file].value, model_file, uri)
+    shapes = _param_shapes(model, model_file, uri)
+    tensors: dict[str, TensorMeta] = {}
+    pieces: dict[str, list[PieceMeta]] = {}
+    for g, group in enumerate(shapes):
+        for fqn, shape in group.items():
+            tensors[f"model.{fqn}"] = TensorMeta(fqn=f"model.{fqn}", dtype="float32", shape=shape)
+    for r in range(world):
+        _add_rank(archives[optim_files[r]].value, optim_files[r], r, shapes, tensors, pieces, uri)
+    _check_complete(shapes, pieces, uri)
+    _add_module_tensors(model, model_file, shapes, tensors, pieces, uri)
+    rank0 = optim_files[0]
+    objects = group_objects(backend, rank0, ("optimizer_state_dict", "base_optimizer_state", "param_groups"),
+                            archives[rank0], shapes)
+    sizes = {f: get_scheduler().run(backend.size(f)) for f in files}
+    meta = CheckpointMeta(
+        generation="", world_size=world, created_unix=0.0, frameworks=("deepspeed",),
+        files=tuple(FileMeta(key=k, size=v) for k, v in sorted(sizes.items())), objects=tuple(objects),
+        num_tensors=len(tensors), num_pieces=sum(len(p) for p in pieces.values()),
+        tensor_bytes=sum(t.nbytes for t in tensors.values()),
+        tags={FORMAT_TAG: f"zero{_stage(archives[rank0].value)}", "deepspeed_tag": prefix.rstrip("/")},
+    )
+    return meta, tensors, pieces
+
+
+def _zero3_refusal(uri: str) -> CheckpointError:
+    return CheckpointError(
+        f"{uri!r} is a DeepSpeed ZeRO-3 checkpoint (one zero_pp_rank_<r>_mp_rank_00_model_states.pt per rank), which "
+        f"tierckpt does not read in place (it reads ZeRO-1/2 folders and universal checkpoints); make a universal "
+        f"checkpoint of it and load or convert that: {universal_command(uri)}"
+    )
+
+
+def _dict(value: Any, file: str, uri: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(f"{file!r} of DeepSpeed folder {uri!r} holds a {type(value).__name__}, not a dict")
+    return value
+
+
+def _param_shapes(model: dict[str, Any], file: str, uri: str) -> list[dict[str, tuple[int, ...]]]:
+    """Each param group's parameter names and shapes, in the order of the flat buffers."""
+    groups = model.get("param_shapes")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise CorruptCheckpointError(f"{file!r} of DeepSpeed folder {uri!r} has no param_shapes list of groups")
+    out = []
+    for group in groups:
+        shapes = {}
+        for fqn, shape in group.items():
+            if not isinstance(fqn, str) or not isinstance(shape, tuple) or not all(
+                isinstance(n, int) and n >= 0 for n in shape
+            ):
+                raise CorruptCheckpointError(f"{file!r} of DeepSpeed folder {uri!r} gives {fqn!r} the shape {shape!r}")
+            shapes[fqn] = tuple(shape)
+        out.append(shapes)
+    return out
+
+
+def _stage(archive: Any) -> int:
+    stage = archive.get("optimizer_state_dict", {}).get("zero_stage") if isinstance(archive, dict) else None
+    if isinstance(stage, Opaque) and stage.args and isinstance(stage.args[0], int):
+        return stage.args[0]
+    return stage if isinstance(stage, int) else 0
+
+
+def _add_rank(
+    archive: Any, file: str, rank: int, shapes: list[dict[str, tuple[int, ...]]], tensors: dict[str, TensorMeta],
+    pieces: dict[str, list[PieceMeta]], uri: str,
+) -> None:
+    """The pieces one rank file holds: its slice of each parameter's fp32 weights and optimizer state."""
+    bad = f"{file!r} of DeepSpeed folder {uri!r}"
+    osd = _dict(archive, file, uri).get("optimizer_state_dict")
+    if isinstance(osd, dict) and "fp32_flat_groups" in osd:
+        raise _zero3_refusal(uri)
+    try:
+        fp32 = osd["single_partition_of_fp32_groups"]
+        states = osd["base_optimizer_state"]["state"]
+        mappings = osd["param_slice_mappings"]
+        flats = [{"": fp32[g], **{s: states[g][s] for s in STATES if s in states[g]}} for g in range(len(shapes))]
+        slices = [[(fqn, *_fragment(a)) for fqn, a in mappings[g].items()] for g in range(len(shapes))]
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(
+            f"{bad} is not a ZeRO-1/2 optimizer file (no single_partition_of_fp32_groups, base_optimizer_state or "
+            f"param_slice_mappings for its {len(shapes)} param groups: {exc!r})"
+        ) from None
+    for g, (flat, group_slices) in enumerate(zip(flats, slices)):
+        for name, t in flat.items():
+            if not isinstance(t, StoredTensor) or (name != "step" and len(t.shape) != 1):
+                raise CorruptCheckpointError(f"{bad}: {name or 'fp32'} of param group {g} is {t!r}, not a flat tensor")
+        if rank == 0 and "step" in flat:  # one step per group, each of its parameters has it
+            for fqn in shapes[g]:
+                step = flat["step"]
+                _add(tensors, pieces, f"optim.state.{fqn}.step", step, Box((), ()), step.byte_offset, step.nbytes)
+        for fqn, numel, start in group_slices:
+            shape = shapes[g].get(fqn)
+            if shape is None:
+                raise CorruptCheckpointError(f"{bad} maps {fqn!r}, which param_shapes does not list in group {g}")
+            done = sum(p.region.numel for p in pieces.get(f"model.{fqn}", ()))
+            region = FlatRange(done, done + numel)
+            if region.stop > math.prod(shape):
+                raise CorruptCheckpointError(f"{bad} holds more elements of {fqn!r} than its shape {list(shape)} has")
+            for name, t in flat.items():
+                key = f"model.{fqn}" if not name else f"optim.state.{fqn}.{name}"
+                if name == "step":
+                    continue
+                if start + numel > t.numel:
+                    raise CorruptCheckpointError(
+                        f"{bad}: {fqn!r} is mapped to elements {start}..{start + numel} of a partition of {t.numel}"
+                    )
+                item = t.nbytes // max(t.numel, 1)
+                _add(tensors, pieces, key, t, region, t.byte_offset + start * item, numel * item, shape)
+
+
+def _fragment(address: Any) -> tuple[int, int]:
+    """``(numel, start)`` of a DeepSpeed ``fragment_address`` (a dataclass: its state holds both)."""
+    state = address.state if isinstance(address, Opaque) else None
+    numel, start = (state["numel"], state["start"]) if isinstance(state, dict) else address.args
+    if not (isinstance(numel, int) and isinstance(start, int) and numel >= 0 and start >= 0):
+        raise TypeError(f"fragment address {address!r}")
+    return numel, start
+
+
+def _add(
+    tensors: dict[str, TensorMeta], pieces: dict[str, list[PieceMeta]], key: str, t: StoredTensor,
+    region: Box | FlatRange, offset: int, length: int, shape: tuple[int, ...] | None = None,
+) -> None:
+    meta = TensorMeta(fqn=key, dtype=dtype_name(t.dtype), shape=t.shape if shape is None else shape)
+    known = tensors.setdefault(key, meta)
+    if known != meta:
+        raise CorruptCheckpointError(f"DeepSpeed files disagree on {key!r}: {known} and {meta}")
+    pieces.setdefault(key, []).append(
+        PieceMeta(fqn=key, region=region, file=t.file, byte_offset=offset, byte_length=length, crc32c=0)
+    )
+
+
+def _check_complete(shapes: list[dict[str, tuple[int, ...]]], pieces: dict[str, list[PieceMeta]], uri: str) -> None:
+    for group in shapes:
+        for fqn, shape in group.items():
+            held = sum(p.region.numel for p in pieces.get(f"model.{fqn}", ()))
+            need = math.prod(shape)
+            if held != need:
+                raise CorruptCheckpointError(
+                    f"DeepSpeed folder {uri!r}: the ranks' partitions hold {held} of the {need} elements of {fqn!r}"
+                )
+
+
+def _add_module_tensors(
+    model: dict[str, Any], file: str, shapes: list[dict[str, tuple[int, ...]]], tensors: dict[str, TensorMeta],
+    pieces: dict[str, list[PieceMeta]], uri: str,
+) -> None:
+    """Buffers and frozen parameters, from the ``module`` state dict (trainable ones come from the partitions)."""
+    module = model.get("module")
+    if not isinstance(module, dict):
+        raise CorruptCheckpointError(f"{file!r} of DeepSpeed folder {uri!r} has no module state dict")
+    trainable = {fqn for group in shapes for fqn in group}
+    for fqn, t in module.items():
+        if fqn in trainable or not isinstance(t, StoredTensor):
+            continue
+        _add(tensors, pieces, f"model.{fqn}", t, Box((0,) * len(t.shape), t.shape), t.byte_offset, t.nbytes)
+
+
+# -- param group settings -------------------------------------------------------------------------------
+def group_objects(
+    backend: Backend, file: str, path: tuple[str, ...], archive: Archive, shapes: list[dict[str, tuple[int, ...]]],
+) -> list[ObjectMeta]:
+    """``optim.param_groups.<fqn>.<setting>`` for every parameter of every group found at ``path`` of
+    ``archive`` (``file``): each points at the file's ``data.pkl`` bytes, its codec at the value."""
+    groups: Any = archive.value
+    for part in path:
+        groups = groups.get(part) if isinstance(groups, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(shapes) or not all(isinstance(g, dict) for g in groups):
+        raise CorruptCheckpointError(
+            f"{file!r} of DeepSpeed folder {backend.root_uri!r} has no list of {len(shapes)} param groups at {'/'.join(path)}"
+        )
+    start, length, crc = archive.pickle_offset, archive.pickle_length, archive.pickle_crc32c
+    out = []
+    for g, (group, names) in enumerate(zip(groups, shapes)):
+        for setting in group:
+            if setting == "params" or not isinstance(setting, str):
+                continue
+            codec = CODEC_PREFIX + "/".join((*path, str(g), setting))
+            for fqn in names:
+                out.append(ObjectMeta(key=f"optim.param_groups.{fqn}.{setting}", rank=None, file=file,
+                                      byte_offset=start, byte_length=length, crc32c=crc, codec=codec))
+    return out
+
+
+def decode_setting(data: bytes, codec: str, key: str) -> Any:
+    """The param group setting a ``deepspeed:<path>`` object names inside ``data`` (a ``data.pkl``)."""
+    value: Any = _unpickled(data)
+    for part in codec[len(CODEC_PREFIX):].split("/"):
+        if isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        elif isinstance(value, dict) and part in value:
+            value = value[part]
+        else:
+            raise CorruptCheckpointError(f"object {key!r}: the DeepSpeed file has nothing at {codec!r}")
+    if not _plain(value):
+        raise CorruptCheckpointError(f"object {key!r} is a {type(value).__name__}, not a plain param group setting")
+    return value
+
+
+@functools.lru_cache(maxsize=8)
+def _unpickled(data: bytes) -> Any:
+    try:
+        return _ArchiveUnpickler(data).load()
+    except Exception as exc:  # noqa: BLE001 - untrusted bytes: any failure is corruption
+        raise CorruptCheckpointError(f"a DeepSpeed data.pkl cannot be decoded: {exc!r}") from exc
+
+
+def _plain(value: Any) -> bool:
+    if value is None or type(value) in (bool, int, float, str):
+        return True
+    return type(value) in (tuple, list) and all(_plain(v) for v in value)

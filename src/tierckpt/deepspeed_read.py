@@ -1,0 +1,41 @@
+"""Which DeepSpeed reader, if any, reads a folder without a ``COMMIT`` record (used by :mod:`tierckpt.meta_read`).
+
+A ZeRO-1/2 folder (:mod:`tierckpt.deepspeed_format`) and a universal checkpoint
+(:mod:`tierckpt.ucp_format`) load in place when the caller accepts a foreign format, and are refused
+with the ``convert`` command otherwise (``verify=True``: DeepSpeed writes no checksums).
+"""
+
+from __future__ import annotations
+
+from .backends import Backend
+from .errors import CheckpointError
+from .io.scheduler import get_scheduler
+from .store import without_node_cache
+from . import deepspeed_format, ucp_format
+
+Read = tuple
+
+
+def refusal(uri: str, kind: str) -> str:
+    """The message for an operation that needs a tierckpt checkpoint but found a DeepSpeed folder."""
+    source = "ucp" if kind == "universal" else "deepspeed"
+    return (
+        f"{uri!r} is a DeepSpeed {kind} checkpoint (no COMMIT record), not a tierckpt one. tierckpt.load reads it "
+        "in place without verify=True (DeepSpeed records no checksums); for anything else convert it: "
+        f"tierckpt convert --from {source} --to tierckpt {uri} OUT"
+    )
+
+
+def read_if_deepspeed(backend: Backend, accept: bool) -> Read | None:
+    """``(meta, tensors, pieces)`` of the DeepSpeed folder at the root of ``backend``, ``None`` when it is none."""
+    plain = without_node_cache(backend)
+    keys = get_scheduler().run(plain.list(""))
+    if ucp_format.is_ucp(plain, keys):
+        if not accept:
+            raise CheckpointError(refusal(backend.root_uri, "universal"))
+        return ucp_format.read_ucp(plain, keys)
+    if deepspeed_format.is_deepspeed(plain):
+        if not accept:
+            raise CheckpointError(refusal(backend.root_uri, "ZeRO"))
+        return deepspeed_format.read_deepspeed(plain)
+    return None
