@@ -53,9 +53,11 @@ CODEC_PREFIX = "deepspeed:"
 DeepSpeedCheckpoint = tuple[CheckpointMeta, dict[str, TensorMeta], dict[str, list[PieceMeta]]]
 
 
-def universal_command(uri: str) -> str:
-    """DeepSpeed's command that makes a universal checkpoint (which tierckpt reads) of the folder at ``uri``."""
-    return f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {uri.rstrip('/')}/<tag> --output_folder OUT --inject_missing_state"
+def universal_command(uri: str, prefix: str) -> str:
+    """DeepSpeed's command that makes a universal checkpoint (which tierckpt reads) of the save in tag
+    folder ``prefix`` of the folder at ``uri``."""
+    folder = f"{uri.rstrip('/')}/{prefix.rstrip('/')}" if prefix else uri
+    return f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {folder} --output_folder OUT --inject_missing_state"
 
 
 def _listing(backend: Backend) -> list[str]:
@@ -107,12 +109,12 @@ def read_deepspeed(backend: Backend) -> DeepSpeedCheckpoint:
     model_file = prefix + MODEL_STATES
     if model_file not in keys:
         if any(k.startswith(prefix) and k.endswith("_model_states.pt") for k in keys):
-            raise _zero3_refusal(uri)
+            raise _zero3_refusal(uri, prefix)
         raise CorruptCheckpointError(f"DeepSpeed folder {uri!r} has no {model_file!r}: the save is incomplete")
     if len(mp_ranks - {"00"}) > 0:
         raise CheckpointError(
             f"{uri!r} is a DeepSpeed checkpoint saved with tensor or pipeline parallelism (several mp_rank files), "
-            f"which tierckpt does not read in place; make a universal checkpoint of it and load that: {universal_command(uri)}"
+            f"which tierckpt does not read in place; make a universal checkpoint of it and load that: {universal_command(uri, prefix)}"
         )
     if not optim_files or sorted(optim_files) != list(range(len(optim_files))):
         raise CorruptCheckpointError(
@@ -147,11 +149,11 @@ def read_deepspeed(backend: Backend) -> DeepSpeedCheckpoint:
     return meta, tensors, pieces
 
 
-def _zero3_refusal(uri: str) -> CheckpointError:
+def _zero3_refusal(uri: str, prefix: str) -> CheckpointError:
     return CheckpointError(
         f"{uri!r} is a DeepSpeed ZeRO-3 checkpoint (one zero_pp_rank_<r>_mp_rank_00_model_states.pt per rank), which "
         f"tierckpt does not read in place (it reads ZeRO-1/2 folders and universal checkpoints); make a universal "
-        f"checkpoint of it and load or convert that: {universal_command(uri)}"
+        f"checkpoint of it and load or convert that: {universal_command(uri, prefix)}"
     )
 
 
@@ -194,7 +196,7 @@ def _add_rank(
     bad = f"{file!r} of DeepSpeed folder {uri!r}"
     osd = _dict(archive, file, uri).get("optimizer_state_dict")
     if isinstance(osd, dict) and "fp32_flat_groups" in osd:
-        raise _zero3_refusal(uri)
+        raise _zero3_refusal(uri, file.rsplit("/", 1)[0] + "/" if "/" in file else "")
     try:
         fp32 = osd["single_partition_of_fp32_groups"]
         states = osd["base_optimizer_state"]["state"]

@@ -142,7 +142,10 @@ def _read_archive(backend: Backend, file: str) -> Archive:
             f"{file!r} of {backend.root_uri!r} is not a readable torch.save file (truncated or corrupt?): {exc}"
         ) from exc
     except dcp_format._Unreadable as exc:
-        raise CorruptCheckpointError(f"{file!r} of {backend.root_uri!r} is not a torch.save file tierckpt reads: it {exc}") from None
+        raise CorruptCheckpointError(
+            f"{file!r} of {backend.root_uri!r} is not a readable torch.save file (truncated, corrupt, or written "
+            f"otherwise): it {exc}"
+        ) from None
     except (pickle.UnpicklingError, struct.error, EOFError, ValueError, TypeError, KeyError, IndexError,
             AttributeError, RecursionError, UnicodeDecodeError, MemoryError) as exc:
         raise CorruptCheckpointError(

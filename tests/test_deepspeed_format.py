@@ -1,0 +1,141 @@
+"""DeepSpeed ZeRO-1/2 folders and universal checkpoints load in place, exactly, onto any layout.
+
+The fixtures were written by DeepSpeed itself (tests/fixtures/deepspeed/generate.py: 2 ranks, torch
+AdamW in two param groups, partitions that split a parameter and end in padding); the reference is
+what DeepSpeed's own consolidation gives. DeepSpeed is not needed here.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import scenarios_deepspeed
+import tierckpt
+from scenarios_deepspeed import FIXTURES, build, mismatches, observed, reference
+from tierckpt.errors import CheckpointError, CorruptCheckpointError
+
+FOLDERS = {  # fixture folder -> the ZeRO stage whose reference it must give
+    "zero1": 1, "zero2": 2, "zero1_universal": 1, "zero2_universal": 2,
+}
+TAG = "global_step3"
+
+
+def _copy(tmp_path: Path, name: str) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(FIXTURES / name, dst)
+    return dst
+
+
+@pytest.mark.parametrize("folder", sorted(FOLDERS))
+def test_a_deepspeed_folder_loads_exactly_into_a_module_and_adamw(folder: str) -> None:
+    model, optim = build()
+    tierckpt.load(str(FIXTURES / folder), {"model": model, "optim": optim})
+    expected = reference(FOLDERS[folder])
+    assert len(expected) == 61  # 5 tensors of the model, 3 states and 11 settings of 4 parameters
+    assert mismatches(expected, observed(model, optim)) == []
+
+
+@pytest.mark.parametrize("folder", ["zero2", "zero1_universal"])
+def test_a_tag_folder_loads_like_its_parent(folder: str) -> None:
+    """The folder that ``latest`` (``latest_universal``) names loads by itself too."""
+    model, optim = build()
+    tierckpt.load(str(FIXTURES / folder / TAG), {"model": model, "optim": optim})
+    assert mismatches(reference(FOLDERS[folder]), observed(model, optim)) == []
+
+
+@pytest.mark.parametrize("folder", ["zero1", "zero2_universal"])
+def test_read_state_gives_every_tensor_and_setting(folder: str) -> None:
+    state = tierckpt.read_state(str(FIXTURES / folder))
+    assert mismatches(reference(FOLDERS[folder]), state) == []
+
+
+@pytest.mark.parametrize(("folder", "source"), [("zero2", "deepspeed"), ("zero1_universal", "ucp")])
+def test_convert_from_deepspeed_then_load_exactly(tmp_path: Path, folder: str, source: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from tierckpt.cli import main as cli_main
+
+    out = str(tmp_path / "converted")
+    assert cli_main(["convert", "--from", source, "--to", "tierckpt", str(FIXTURES / folder), out]) == 0
+    assert "61 " not in capsys.readouterr().err
+    model, optim = build()
+    tierckpt.load(out, {"model": model, "optim": optim}, verify=True)  # a tierckpt checkpoint: with checksums
+    assert mismatches(reference(FOLDERS[folder]), observed(model, optim)) == []
+
+
+def test_convert_names_the_right_source_format(tmp_path: Path) -> None:
+    from tierckpt.convert_deepspeed import from_deepspeed
+
+    with pytest.raises(CheckpointError, match="is a DeepSpeed universal checkpoint; use --from ucp"):
+        from_deepspeed(str(FIXTURES / "zero1_universal"), str(tmp_path / "out"), source="deepspeed")
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("folder", ["zero2", "zero1_universal"])
+def test_fsdp2_on_three_ranks_loads_a_two_rank_deepspeed_folder_exactly(dist_pool, folder: str) -> None:
+    dist_pool.run(scenarios_deepspeed.fsdp2_loads, str(FIXTURES / folder), FOLDERS[folder])
+
+
+def test_verify_true_refuses_with_the_convert_command() -> None:
+    model, optim = build()
+    with pytest.raises(CheckpointError, match="no checksums.*tierckpt convert --from deepspeed --to tierckpt"):
+        tierckpt.load(str(FIXTURES / "zero1"), {"model": model, "optim": optim}, verify=True)
+
+
+def test_zero3_is_refused_naming_ds_to_universal() -> None:
+    model, optim = build()
+    with pytest.raises(CheckpointError, match=r"ZeRO-3 .*ds_to_universal --input_folder .*zero3/global_step3 ") as caught:
+        tierckpt.load(str(FIXTURES / "zero3"), {"model": model, "optim": optim})
+    assert not isinstance(caught.value, CorruptCheckpointError)
+
+
+@pytest.mark.parametrize("cut", [100, 3000])
+def test_a_truncated_rank_file_is_corrupt_by_name(tmp_path: Path, cut: int) -> None:
+    root = _copy(tmp_path, "zero2")
+    path = root / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    path.write_bytes(path.read_bytes()[:cut])
+    model, optim = build()
+    with pytest.raises(CorruptCheckpointError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt.*not a readable torch.save file"):
+        tierckpt.load(str(root), {"model": model, "optim": optim})
+
+
+def test_a_missing_rank_file_is_named(tmp_path: Path) -> None:
+    root = _copy(tmp_path, "zero1")
+    (root / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    model, optim = build()
+    with pytest.raises(CorruptCheckpointError, match=r"optimizer files of ranks \[1\].*zero_pp_rank_<r>_mp_rank_00_optim_states.pt is missing"):
+        tierckpt.load(str(root), {"model": model, "optim": optim})
+
+
+def test_a_crafted_pickle_runs_no_code(tmp_path: Path) -> None:
+    """A rank file whose data.pkl calls a function: the call is never made, the file is refused by name."""
+    import io
+    import os
+    import pickle
+    import zipfile
+
+    class Evil:
+        def __reduce__(self):  # noqa: ANN204
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    root = _copy(tmp_path, "zero2")
+    path = root / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", pickle.dumps({"optimizer_state_dict": Evil()}, protocol=2))
+        z.writestr("archive/byteorder", "little")
+    path.write_bytes(buf.getvalue())
+    model, optim = build()
+    with pytest.raises(CorruptCheckpointError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt.*not a ZeRO-1/2 optimizer file"):
+        tierckpt.load(str(root), {"model": model, "optim": optim})
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_the_cli_says_what_a_deepspeed_folder_is(capsys: pytest.CaptureFixture[str]) -> None:
+    from tierckpt.cli import main as cli_main
+
+    assert cli_main(["verify", str(FIXTURES / "zero2")]) != 0
+    err = capsys.readouterr().err
+    assert "DeepSpeed ZeRO checkpoint" in err and "tierckpt convert --from deepspeed --to tierckpt" in err, err
