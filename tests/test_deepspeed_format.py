@@ -139,3 +139,17 @@ def test_the_cli_says_what_a_deepspeed_folder_is(capsys: pytest.CaptureFixture[s
     assert cli_main(["verify", str(FIXTURES / "zero2")]) != 0
     err = capsys.readouterr().err
     assert "DeepSpeed ZeRO checkpoint" in err and "tierckpt convert --from deepspeed --to tierckpt" in err, err
+
+
+@pytest.mark.parametrize("latest", ["global_step10", "global_step9"])
+def test_a_folder_shaped_like_deepspeed_with_other_files_is_corrupt_by_name(tmp_path: Path, latest: str) -> None:
+    """``latest`` and the file names of a DeepSpeed folder, but not its files (or not the tag ``latest`` names)."""
+    root = tmp_path / "ds"
+    for name in ("global_step10/mp_rank_00_model_states.pt", "global_step10/zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(b"x")
+    (root / "latest").write_text(latest)
+    expected = ("mp_rank_00_model_states.pt' of .* is not a readable torch.save file" if latest == "global_step10"
+                else "'latest' of DeepSpeed folder .* names tag 'global_step9', but there is no folder global_step9/")
+    with pytest.raises(CorruptCheckpointError, match=expected):
+        tierckpt.load(str(root), {"w": torch.zeros(2)})
