@@ -83,24 +83,20 @@ def tag_prefix(backend: Backend, keys: Sequence[str]) -> str | None:
     return f"{raw}/"
 
 
-def is_deepspeed(backend: Backend) -> bool:
-    """Whether the root of ``backend`` is a DeepSpeed ZeRO checkpoint folder (or one of its tag folders)."""
-    backend = without_node_cache(backend)
-    keys = _listing(backend)
-    if LATEST not in keys and MODEL_STATES not in keys and not any(_OPTIM_FILE.match(k) for k in keys):
-        return False
-    try:
-        prefix = tag_prefix(backend, keys)
-    except CheckpointError:
+def is_deepspeed(backend: Backend, keys: Sequence[str] | None = None) -> bool:
+    """Whether the root of ``backend`` is a DeepSpeed ZeRO checkpoint folder (or one of its tag folders):
+    DeepSpeed's ``*_model_states.pt`` at the root, or in a folder beside ``latest``."""
+    keys = _listing(without_node_cache(backend)) if keys is None else keys
+    if any(k.endswith("_model_states.pt") and "/" not in k for k in keys):
         return True
-    return prefix is not None and any(k.startswith(prefix) and k.endswith("_model_states.pt") for k in keys)
+    return LATEST in keys and any(k.endswith("_model_states.pt") and k.count("/") == 1 for k in keys)
 
 
-def read_deepspeed(backend: Backend) -> DeepSpeedCheckpoint:
-    """Header, tensor table and pieces of the DeepSpeed ZeRO-1/2 folder at the root of ``backend``."""
+def read_deepspeed(backend: Backend, keys: Sequence[str] | None = None) -> DeepSpeedCheckpoint:
+    """Header, tensor table and pieces of the DeepSpeed ZeRO-1/2 folder at the root of ``backend`` (listing ``keys``)."""
     backend = without_node_cache(backend)
     uri = backend.root_uri
-    keys = _listing(backend)
+    keys = _listing(backend) if keys is None else keys
     prefix = tag_prefix(backend, keys) or ""
     optim_files = {int(m[1]): k for k in keys if k.startswith(prefix) and "/" not in k[len(prefix):]
                    and (m := _OPTIM_FILE.match(k[len(prefix):]))}

@@ -13,7 +13,6 @@ from .io.scheduler import get_scheduler
 from .store import without_node_cache
 from . import deepspeed_format, ucp_format
 
-Read = tuple
 
 
 def refusal(uri: str, kind: str) -> str:
@@ -26,7 +25,7 @@ def refusal(uri: str, kind: str) -> str:
     )
 
 
-def read_if_deepspeed(backend: Backend, accept: bool) -> Read | None:
+def read_if_deepspeed(backend: Backend, accept: bool) -> deepspeed_format.DeepSpeedCheckpoint | None:
     """``(meta, tensors, pieces)`` of the DeepSpeed folder at the root of ``backend``, ``None`` when it is none."""
     plain = without_node_cache(backend)
     keys = get_scheduler().run(plain.list(""))
@@ -34,8 +33,8 @@ def read_if_deepspeed(backend: Backend, accept: bool) -> Read | None:
         if not accept:
             raise CheckpointError(refusal(backend.root_uri, "universal"))
         return ucp_format.read_ucp(plain, keys)
-    if deepspeed_format.is_deepspeed(plain):
+    if deepspeed_format.is_deepspeed(plain, keys):
         if not accept:
             raise CheckpointError(refusal(backend.root_uri, "ZeRO"))
-        return deepspeed_format.read_deepspeed(plain)
+        return deepspeed_format.read_deepspeed(plain, keys)
     return None
