@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1/2 folders and universal checkpoints load in place, exactly, onto any layout.
+"""DeepSpeed ZeRO-1/2/3 folders and universal checkpoints load in place, exactly, onto any layout.
 
 The fixtures were written by DeepSpeed itself (tests/fixtures/deepspeed/generate.py: 2 ranks, torch
 AdamW in two param groups, partitions that split a parameter and end in padding); the reference is
@@ -19,7 +19,7 @@ from scenarios_deepspeed import FIXTURES, build, mismatches, observed, reference
 from tierckpt.errors import CheckpointError, CorruptCheckpointError
 
 FOLDERS = {  # fixture folder -> the ZeRO stage whose reference it must give
-    "zero1": 1, "zero2": 2, "zero1_universal": 1, "zero2_universal": 2,
+    "zero1": 1, "zero2": 2, "zero3": 3, "zero1_universal": 1, "zero2_universal": 2,
 }
 TAG = "global_step3"
 
@@ -36,10 +36,11 @@ def test_a_deepspeed_folder_loads_exactly_into_a_module_and_adamw(folder: str) -
     tierckpt.load(str(FIXTURES / folder), {"model": model, "optim": optim})
     expected = reference(FOLDERS[folder])
     assert len(expected) == 61  # 5 tensors of the model, 3 states and 11 settings of 4 parameters
+    assert not torch.equal(expected["model.fc1.weight"], build()[0].fc1.weight.detach())  # the load changes it
     assert mismatches(expected, observed(model, optim)) == []
 
 
-@pytest.mark.parametrize("folder", ["zero2", "zero1_universal"])
+@pytest.mark.parametrize("folder", ["zero2", "zero3", "zero1_universal"])
 def test_a_tag_folder_loads_like_its_parent(folder: str) -> None:
     """The folder that ``latest`` (``latest_universal``) names loads by itself too."""
     model, optim = build()
@@ -47,13 +48,13 @@ def test_a_tag_folder_loads_like_its_parent(folder: str) -> None:
     assert mismatches(reference(FOLDERS[folder]), observed(model, optim)) == []
 
 
-@pytest.mark.parametrize("folder", ["zero1", "zero2_universal"])
+@pytest.mark.parametrize("folder", ["zero1", "zero3", "zero2_universal"])
 def test_read_state_gives_every_tensor_and_setting(folder: str) -> None:
     state = tierckpt.read_state(str(FIXTURES / folder))
     assert mismatches(reference(FOLDERS[folder]), state) == []
 
 
-@pytest.mark.parametrize(("folder", "source"), [("zero2", "deepspeed"), ("zero1_universal", "ucp")])
+@pytest.mark.parametrize(("folder", "source"), [("zero2", "deepspeed"), ("zero3", "deepspeed"), ("zero1_universal", "ucp")])
 def test_convert_from_deepspeed_then_load_exactly(tmp_path: Path, folder: str, source: str, capsys: pytest.CaptureFixture[str]) -> None:
     from tierckpt.cli import main as cli_main
 
@@ -73,7 +74,7 @@ def test_convert_names_the_right_source_format(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("folder", ["zero2", "zero1_universal"])
+@pytest.mark.parametrize("folder", ["zero2", "zero3", "zero1_universal"])
 def test_fsdp2_on_three_ranks_loads_a_two_rank_deepspeed_folder_exactly(dist_pool, folder: str) -> None:
     dist_pool.run(scenarios_deepspeed.fsdp2_loads, str(FIXTURES / folder), FOLDERS[folder])
 
@@ -84,10 +85,13 @@ def test_verify_true_refuses_with_the_convert_command() -> None:
         tierckpt.load(str(FIXTURES / "zero1"), {"model": model, "optim": optim}, verify=True)
 
 
-def test_zero3_is_refused_naming_ds_to_universal() -> None:
+def test_a_tensor_parallel_folder_is_refused_naming_ds_to_universal(tmp_path: Path) -> None:
+    """Several mp_rank files (tensor or pipeline parallelism): the error names DeepSpeed's command for its tag folder."""
+    root = _copy(tmp_path, "zero2")
+    shutil.copy(root / TAG / "mp_rank_00_model_states.pt", root / TAG / "mp_rank_01_model_states.pt")
     model, optim = build()
-    with pytest.raises(CheckpointError, match=r"ZeRO-3 .*ds_to_universal --input_folder .*zero3/global_step3 ") as caught:
-        tierckpt.load(str(FIXTURES / "zero3"), {"model": model, "optim": optim})
+    with pytest.raises(CheckpointError, match=rf"tensor or pipeline parallelism.*ds_to_universal --input_folder .*zero2/{TAG} ") as caught:
+        tierckpt.load(str(root), {"model": model, "optim": optim})
     assert not isinstance(caught.value, CorruptCheckpointError)
 
 
@@ -128,7 +132,7 @@ def test_a_crafted_pickle_runs_no_code(tmp_path: Path) -> None:
         z.writestr("archive/byteorder", "little")
     path.write_bytes(buf.getvalue())
     model, optim = build()
-    with pytest.raises(CorruptCheckpointError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt.*not a ZeRO-1/2 optimizer file"):
+    with pytest.raises(CorruptCheckpointError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt.*not a ZeRO optimizer file"):
         tierckpt.load(str(root), {"model": model, "optim": optim})
     assert not (tmp_path / "pwned").exists()
 

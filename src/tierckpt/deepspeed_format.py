@@ -46,6 +46,8 @@ from .torch_archive import Archive, Opaque, StoredTensor, _ArchiveUnpickler, rea
 LATEST = "latest"
 MODEL_STATES = "mp_rank_00_model_states.pt"
 _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_ZERO3_MODEL_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
+"""ZeRO-3 writes one model states file per rank (rank 0's is read: ``param_shapes`` are the same on all)."""
 FORMAT_TAG = "deepspeed"
 STATES = ("exp_avg", "exp_avg_sq", "step")
 CODEC_PREFIX = "deepspeed:"
@@ -104,9 +106,10 @@ def read_deepspeed(backend: Backend, keys: Sequence[str] | None = None) -> DeepS
         k for k in keys if re.match(rf"^{re.escape(prefix)}mp_rank_(?!00_)\d+_model_states\.pt$", k)}
     model_file = prefix + MODEL_STATES
     if model_file not in keys:
-        if any(k.startswith(prefix) and k.endswith("_model_states.pt") for k in keys):
-            raise _zero3_refusal(uri, prefix)
-        raise CorruptCheckpointError(f"DeepSpeed folder {uri!r} has no {model_file!r}: the save is incomplete")
+        zero3 = sorted(k for k in keys if k.startswith(prefix) and _ZERO3_MODEL_FILE.match(k[len(prefix):]))
+        if not zero3:
+            raise CorruptCheckpointError(f"DeepSpeed folder {uri!r} has no {model_file!r}: the save is incomplete")
+        model_file = next((k for k in zero3 if _ZERO3_MODEL_FILE.match(k[len(prefix):])[1] == "0"), zero3[0])
     if len(mp_ranks - {"00"}) > 0:
         raise CheckpointError(
             f"{uri!r} is a DeepSpeed checkpoint saved with tensor or pipeline parallelism (several mp_rank files), "
@@ -128,27 +131,28 @@ def read_deepspeed(backend: Backend, keys: Sequence[str] | None = None) -> DeepS
         for fqn, shape in group.items():
             tensors[f"model.{fqn}"] = TensorMeta(fqn=f"model.{fqn}", dtype="float32", shape=shape)
     for r in range(world):
-        _add_rank(archives[optim_files[r]].value, optim_files[r], r, shapes, tensors, pieces, uri)
+        flats, slices = _layout(archives[optim_files[r]].value, optim_files[r], r, world, shapes, uri, prefix)
+        _add_rank(flats, slices, optim_files[r], r, shapes, tensors, pieces, uri)
     _check_complete(shapes, pieces, uri)
-    _add_module_tensors(model, model_file, shapes, tensors, pieces, uri)
+    stage = _stage(archives[optim_files[0]].value)
+    _add_module_tensors(model, model_file, shapes, tensors, pieces, uri, zero3=stage == 3)
     rank0 = optim_files[0]
-    objects = group_objects(backend, rank0, ("optimizer_state_dict", "base_optimizer_state", "param_groups"),
-                            archives[rank0], shapes)
+    path = ("optimizer_state_dict", "optimizer_state_dict" if stage == 3 else "base_optimizer_state", "param_groups")
+    objects = group_objects(backend, rank0, path, archives[rank0], shapes)
     sizes = {f: get_scheduler().run(backend.size(f)) for f in files}
     meta = CheckpointMeta(
         generation="", world_size=world, created_unix=0.0, frameworks=("deepspeed",),
         files=tuple(FileMeta(key=k, size=v) for k, v in sorted(sizes.items())), objects=tuple(objects),
         num_tensors=len(tensors), num_pieces=sum(len(p) for p in pieces.values()),
         tensor_bytes=sum(t.nbytes for t in tensors.values()),
-        tags={FORMAT_TAG: f"zero{_stage(archives[rank0].value)}", "deepspeed_tag": prefix.rstrip("/")},
+        tags={FORMAT_TAG: f"zero{stage}", "deepspeed_tag": prefix.rstrip("/")},
     )
     return meta, tensors, pieces
 
 
-def _zero3_refusal(uri: str, prefix: str) -> CheckpointError:
+def _not_in_place(uri: str, prefix: str, what: str) -> CheckpointError:
     return CheckpointError(
-        f"{uri!r} is a DeepSpeed ZeRO-3 checkpoint (one zero_pp_rank_<r>_mp_rank_00_model_states.pt per rank), which "
-        f"tierckpt does not read in place (it reads ZeRO-1/2 folders and universal checkpoints); make a universal "
+        f"{uri!r} is a DeepSpeed checkpoint {what}, which tierckpt does not read in place; make a universal "
         f"checkpoint of it and load or convert that: {universal_command(uri, prefix)}"
     )
 
@@ -184,15 +188,20 @@ def _stage(archive: Any) -> int:
     return stage if isinstance(stage, int) else 0
 
 
-def _add_rank(
-    archive: Any, file: str, rank: int, shapes: list[dict[str, tuple[int, ...]]], tensors: dict[str, TensorMeta],
-    pieces: dict[str, list[PieceMeta]], uri: str,
-) -> None:
-    """The pieces one rank file holds: its slice of each parameter's fp32 weights and optimizer state."""
+Flats = list[dict[str, Any]]
+"""Per param group: ``""`` (the fp32 weights) and each optimizer state name -> the rank's flat tensor."""
+Slices = list[list[tuple[str, int, int]]]
+"""Per param group: ``(fqn, numel, start)`` of each parameter slice in the rank's flat tensors."""
+
+
+def _layout(
+    archive: Any, file: str, rank: int, world: int, shapes: list[dict[str, tuple[int, ...]]], uri: str, prefix: str,
+) -> tuple[Flats, Slices]:
+    """A rank file's flat tensors and where each parameter's slice is in them (ZeRO-1/2 or ZeRO-3)."""
     bad = f"{file!r} of DeepSpeed folder {uri!r}"
     osd = _dict(archive, file, uri).get("optimizer_state_dict")
     if isinstance(osd, dict) and "fp32_flat_groups" in osd:
-        raise _zero3_refusal(uri, file.rsplit("/", 1)[0] + "/" if "/" in file else "")
+        return _zero3_layout(osd, bad, rank, world, shapes, uri, prefix)
     try:
         fp32 = osd["single_partition_of_fp32_groups"]
         states = osd["base_optimizer_state"]["state"]
@@ -201,9 +210,48 @@ def _add_rank(
         slices = [[(fqn, *_fragment(a)) for fqn, a in mappings[g].items()] for g in range(len(shapes))]
     except (KeyError, IndexError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(
-            f"{bad} is not a ZeRO-1/2 optimizer file (no single_partition_of_fp32_groups, base_optimizer_state or "
+            f"{bad} is not a ZeRO optimizer file (no single_partition_of_fp32_groups, base_optimizer_state or "
             f"param_slice_mappings for its {len(shapes)} param groups: {exc!r})"
         ) from None
+    return flats, slices
+
+
+def _zero3_layout(
+    osd: dict[str, Any], bad: str, rank: int, world: int, shapes: list[dict[str, tuple[int, ...]]], uri: str, prefix: str,
+) -> tuple[Flats, Slices]:
+    """ZeRO-3: each parameter is split evenly (``ceil(numel / world)`` per rank, the last padded), and a
+    rank's flat group holds its part of each parameter of the group, in ``param_shapes`` order."""
+    if osd.get("ds_zero_partition_groups") or osd.get("partition_count", world) != world:
+        raise _not_in_place(uri, prefix, "partitioned over other groups than its data-parallel ranks (ZeRO++/MiCS)")
+    try:
+        fp32 = osd["fp32_flat_groups"]
+        inner = osd["optimizer_state_dict"]
+        states = inner["state"]
+        if len(fp32) != len(shapes) or len(inner["param_groups"]) != len(shapes):
+            raise _not_in_place(uri, prefix, "whose param groups are split in sub-groups (sub_group_size)")
+        flats = [{"": fp32[g], **{s: states[g][s] for s in STATES if s in states[g]}} for g in range(len(shapes))]
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(
+            f"{bad} is not a ZeRO-3 optimizer file (no fp32_flat_groups or optimizer state for its "
+            f"{len(shapes)} param groups: {exc!r})"
+        ) from None
+    slices: Slices = []
+    for group in shapes:
+        start, group_slices = 0, []
+        for fqn, shape in group.items():
+            per_rank = -(-math.prod(shape) // world)
+            group_slices.append((fqn, max(0, min(per_rank, math.prod(shape) - rank * per_rank)), start))
+            start += per_rank
+        slices.append(group_slices)
+    return flats, slices
+
+
+def _add_rank(
+    flats: Flats, slices: Slices, file: str, rank: int, shapes: list[dict[str, tuple[int, ...]]],
+    tensors: dict[str, TensorMeta], pieces: dict[str, list[PieceMeta]], uri: str,
+) -> None:
+    """The pieces one rank file holds: its slice of each parameter's fp32 weights and optimizer state."""
+    bad = f"{file!r} of DeepSpeed folder {uri!r}"
     for g, (flat, group_slices) in enumerate(zip(flats, slices)):
         for name, t in flat.items():
             if not isinstance(t, StoredTensor) or (name != "step" and len(t.shape) != 1):
@@ -213,6 +261,8 @@ def _add_rank(
                 step = flat["step"]
                 _add(tensors, pieces, f"optim.state.{fqn}.step", step, Box((), ()), step.byte_offset, step.nbytes)
         for fqn, numel, start in group_slices:
+            if numel == 0:
+                continue
             shape = shapes[g].get(fqn)
             if shape is None:
                 raise CorruptCheckpointError(f"{bad} maps {fqn!r}, which param_shapes does not list in group {g}")
@@ -267,15 +317,20 @@ def _check_complete(shapes: list[dict[str, tuple[int, ...]]], pieces: dict[str, 
 
 def _add_module_tensors(
     model: dict[str, Any], file: str, shapes: list[dict[str, tuple[int, ...]]], tensors: dict[str, TensorMeta],
-    pieces: dict[str, list[PieceMeta]], uri: str,
+    pieces: dict[str, list[PieceMeta]], uri: str, *, zero3: bool,
 ) -> None:
-    """Buffers and frozen parameters, from the ``module`` state dict (trainable ones come from the partitions)."""
+    """Buffers and frozen parameters, from the ``module`` state dict (trainable ones come from the
+    partitions). ZeRO-3 keeps only buffers whole there (its frozen parameters are partitioned too)."""
     module = model.get("module")
     if not isinstance(module, dict):
         raise CorruptCheckpointError(f"{file!r} of DeepSpeed folder {uri!r} has no module state dict")
+    if zero3 and model.get("frozen_param_shapes"):
+        prefix = file.rsplit("/", 1)[0] + "/" if "/" in file else ""
+        raise _not_in_place(uri, prefix, "with frozen parameters under ZeRO-3")
     trainable = {fqn for group in shapes for fqn in group}
+    buffers = model.get("buffer_names")
     for fqn, t in module.items():
-        if fqn in trainable or not isinstance(t, StoredTensor):
+        if fqn in trainable or not isinstance(t, StoredTensor) or (zero3 and not (isinstance(buffers, list) and fqn in buffers)):
             continue
         _add(tensors, pieces, f"model.{fqn}", t, Box((0,) * len(t.shape), t.shape), t.byte_offset, t.nbytes)
 

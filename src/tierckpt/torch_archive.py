@@ -97,6 +97,33 @@ def _opaque_class(module: str, name: str) -> type[Opaque]:
     return type(name, (Opaque,), {"qualname": f"{module}.{name}"})
 
 
+class _PlainTensorType:
+    """``torch.Tensor`` or ``torch.nn.Parameter`` as the type a tensor with Python attributes is rebuilt as."""
+
+
+def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    """``torch._tensor._rebuild_from_type_v2``: a tensor that carries Python attributes (DeepSpeed's
+    ``ds_id``); the attributes are dropped, only a plain tensor or parameter type is admitted."""
+    if new_type is not _PlainTensorType or not isinstance(args, tuple):
+        raise dcp_format._Unreadable(f"holds a tensor of type {new_type!r}")
+    return func(*args)
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any, state: Any = None) -> Any:
+    """``torch._utils._rebuild_parameter(_with_state)``: a parameter is read as its data."""
+    return data
+
+
+_TENSOR_WRAPPERS: dict[tuple[str, str], Any] = {
+    ("torch", "Size"): torch.Size,
+    ("torch", "Tensor"): _PlainTensorType,
+    ("torch.nn.parameter", "Parameter"): _PlainTensorType,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+}
+
+
 class _ArchiveUnpickler(pickle.Unpickler):
     """Unpickles a ``data.pkl``: tensors become :class:`dcp_format._SavedTensor`, unknown classes :class:`Opaque`."""
 
@@ -104,8 +131,8 @@ class _ArchiveUnpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(data))
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch", "Size"):
-            return torch.Size
+        if (module, name) in _TENSOR_WRAPPERS:
+            return _TENSOR_WRAPPERS[(module, name)]
         found = dcp_format._tensor_globals().get((module, name))
         return found if found is not None else _opaque_class(module, name)
 
