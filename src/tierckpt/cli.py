@@ -517,7 +517,7 @@ def render_ls(doc: dict[str, Any]) -> str:
 
 # -- convert -------------------------------------------------------------------------------------------
 CONVERSIONS = {("tierckpt", "safetensors"), ("tierckpt", "dcp"), ("dcp", "tierckpt"), ("dcp", "safetensors"), ("safetensors", "tierckpt")}
-CONVERSIONS |= {("deepspeed", "tierckpt"), ("ucp", "tierckpt")}  # DeepSpeed ZeRO-1/2 and universal checkpoints
+CONVERSIONS |= {("deepspeed", "tierckpt"), ("ucp", "tierckpt")}  # DeepSpeed ZeRO (1, 2, 3) and universal checkpoints
 
 
 def _add_convert(subparsers: Any) -> None:
@@ -544,7 +544,7 @@ def _add_convert(subparsers: Any) -> None:
     p.add_argument("src", help="source checkpoint (a tierckpt URI, a DCP directory, or a safetensors file or folder)")
     p.add_argument("out", help="output (a directory for safetensors and DCP, a URI for tierckpt)")
     p.add_argument("--to", required=True, choices=("safetensors", "dcp", "tierckpt"), help="output format")
-    p.add_argument("--from", dest="source_format", default="tierckpt", choices=("tierckpt", "dcp", "safetensors", "deepspeed", "ucp"), help="source format (default tierckpt; deepspeed: a ZeRO-1/2 folder, ucp: a universal checkpoint)")
+    p.add_argument("--from", dest="source_format", default="tierckpt", choices=("tierckpt", "dcp", "safetensors", "deepspeed", "ucp"), help="source format (default tierckpt; deepspeed: a ZeRO folder, ucp: a universal checkpoint)")
     p.add_argument("--max-shard-bytes", type=_byte_size, default=convert.DEFAULT_MAX_SHARD_BYTES, help="safetensors shard size, e.g. 5GB, 500MiB, 1000000 (default 5GB)")
     p.add_argument("--prefix", default="", help="safetensors: export only tensors whose fqn starts with P, with P stripped (e.g. 'model.'); import: prepend P")
     p.add_argument("--config", metavar="DIR", help="to safetensors: copy config.json (and generation_config.json) from DIR, a folder with the model's Hugging Face config")

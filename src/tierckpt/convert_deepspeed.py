@@ -27,7 +27,7 @@ SOURCES = {"deepspeed": "zero", "ucp": "universal"}
 def from_deepspeed(
     src: str, uri: str, *, source: str = "deepspeed", storage_options: Mapping[str, Any] | None = None,
 ) -> ConvertReport:
-    """Save the DeepSpeed ZeRO-1/2 folder (``source="deepspeed"``) or universal checkpoint (``"ucp"``)
+    """Save the DeepSpeed ZeRO folder (``source="deepspeed"``) or universal checkpoint (``"ucp"``)
     at ``src`` as a tierckpt checkpoint at ``uri``."""
     ckpt = read_checkpoint(open_store(src, dict(storage_options or {})), accept_dcp=True)
     found = ckpt.meta.tags.get("deepspeed", "")

@@ -1,4 +1,4 @@
-"""Reading a DeepSpeed ZeRO-1/2 checkpoint folder in place, as a tierckpt checkpoint.
+"""Reading a DeepSpeed ZeRO checkpoint folder (stage 1, 2 or 3) in place, as a tierckpt checkpoint.
 
 ``engine.save_checkpoint(folder)`` writes ``folder/latest`` (the tag of the newest save) and
 ``folder/<tag>/`` holding ``mp_rank_00_model_states.pt`` (``param_shapes``: each param group's
@@ -8,6 +8,9 @@ parameters are flattened into one fp32 buffer (padded at the end), split evenly 
 ``r`` holds its partition as ``single_partition_of_fp32_groups[g]``, the optimizer's moments of the
 same elements in ``base_optimizer_state["state"][g]`` (``exp_avg``, ``exp_avg_sq``, ``step``), and
 ``param_slice_mappings[g]``: for each parameter, how many of its elements the partition holds and where.
+ZeRO-3 writes ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` per rank instead and splits each
+parameter on its own: rank ``r`` holds elements ``[r*k, (r+1)*k)`` of it (``k = ceil(numel / world)``),
+its parts back to back in ``fp32_flat_groups[g]`` and ``optimizer_state_dict["state"][g]``.
 
 Every such slice is a flat-range piece (:class:`~tierckpt.regions.FlatRange`) of its parameter, read in
 place from the rank file (:mod:`tierckpt.torch_archive` finds the bytes; nothing is unpickled), so the
@@ -22,8 +25,9 @@ Group settings live inside ``data.pkl``: each is an object whose bytes are that 
 and whose codec (``deepspeed:<path>``) names where the value is in the unpickled structure
 (:func:`decode_setting`; only plain values are accepted).
 
-Not read in place, refused with the fix: ZeRO-3 folders, tensor- or pipeline-parallel folders (more
-than one ``mp_rank``). DeepSpeed writes no checksums: pieces carry ``crc32c=0`` and ``verify=True``
+Not read in place, refused naming DeepSpeed's ``ds_to_universal`` command: tensor- or
+pipeline-parallel folders (more than one ``mp_rank``), and ZeRO-3 folders with frozen parameters,
+param groups split in sub-groups, or partitions over other groups than the data-parallel ranks. DeepSpeed writes no checksums: pieces carry ``crc32c=0`` and ``verify=True``
 refuses the folder, as for a DCP directory.
 """
 
@@ -95,7 +99,7 @@ def is_deepspeed(backend: Backend, keys: Sequence[str] | None = None) -> bool:
 
 
 def read_deepspeed(backend: Backend, keys: Sequence[str] | None = None) -> DeepSpeedCheckpoint:
-    """Header, tensor table and pieces of the DeepSpeed ZeRO-1/2 folder at the root of ``backend`` (listing ``keys``)."""
+    """Header, tensor table and pieces of the DeepSpeed ZeRO folder at the root of ``backend`` (listing ``keys``)."""
     backend = without_node_cache(backend)
     uri = backend.root_uri
     keys = _listing(backend) if keys is None else keys

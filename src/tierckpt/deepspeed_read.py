@@ -1,6 +1,6 @@
 """Which DeepSpeed reader, if any, reads a folder without a ``COMMIT`` record (used by :mod:`tierckpt.meta_read`).
 
-A ZeRO-1/2 folder (:mod:`tierckpt.deepspeed_format`) and a universal checkpoint
+A ZeRO folder (:mod:`tierckpt.deepspeed_format`) and a universal checkpoint
 (:mod:`tierckpt.ucp_format`) load in place when the caller accepts a foreign format, and are refused
 with the ``convert`` command otherwise (``verify=True``: DeepSpeed writes no checksums).
 """

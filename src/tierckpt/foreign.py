@@ -48,7 +48,7 @@ def _describe(uri: str, keys: Sequence[str]) -> tuple[str, str]:
                 f"Load one of them, e.g. tierckpt.load('{uri}/{committed[-1]}', state)")
     if "latest" in top and any(t.startswith("global_step") for t in top) and any(n.endswith("_model_states.pt") for n in names):
         return ("looks like a DeepSpeed checkpoint folder ('latest' and global_step*/ with *_model_states.pt)",
-                "tierckpt.load reads a ZeRO-1/2 folder in place (without verify=True); or convert it: "
+                "tierckpt.load reads a ZeRO folder in place (without verify=True); or convert it: "
                 f"tierckpt convert --from deepspeed --to tierckpt {uri} OUT")
     safetensors = [k for k in keys if k.endswith(".safetensors")]
     convert = f"Convert it with: tierckpt convert --from safetensors --to tierckpt {uri} OUT"
