@@ -95,13 +95,18 @@ def test_a_tensor_parallel_folder_is_refused_naming_ds_to_universal(tmp_path: Pa
     assert not isinstance(caught.value, CorruptCheckpointError)
 
 
-@pytest.mark.parametrize("cut", [100, 3000])
-def test_a_truncated_rank_file_is_corrupt_by_name(tmp_path: Path, cut: int) -> None:
-    root = _copy(tmp_path, "zero2")
-    path = root / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+@pytest.mark.parametrize(("folder", "file", "cut"), [
+    ("zero2", "zero_pp_rank_1_mp_rank_00_optim_states.pt", 100),
+    ("zero2", "zero_pp_rank_1_mp_rank_00_optim_states.pt", 3000),
+    ("zero3", "zero_pp_rank_0_mp_rank_00_model_states.pt", 2000),
+    ("zero1_universal", "zero/fc2.weight/exp_avg.pt", 1000),
+])
+def test_a_truncated_file_is_corrupt_by_name(tmp_path: Path, folder: str, file: str, cut: int) -> None:
+    root = _copy(tmp_path, folder)
+    path = root / TAG / file
     path.write_bytes(path.read_bytes()[:cut])
     model, optim = build()
-    with pytest.raises(CorruptCheckpointError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt.*not a readable torch.save file"):
+    with pytest.raises(CorruptCheckpointError, match=f"{file}' of .* is not a readable torch.save file"):
         tierckpt.load(str(root), {"model": model, "optim": optim})
 
 
@@ -157,3 +162,11 @@ def test_a_folder_shaped_like_deepspeed_with_other_files_is_corrupt_by_name(tmp_
                 else "'latest' of DeepSpeed folder .* names tag 'global_step9', but there is no folder global_step9/")
     with pytest.raises(CorruptCheckpointError, match=expected):
         tierckpt.load(str(root), {"w": torch.zeros(2)})
+
+
+def test_inspect_lists_a_deepspeed_folder_in_place(capsys: pytest.CaptureFixture[str]) -> None:
+    from tierckpt.cli import main as cli_main
+
+    assert cli_main(["inspect", str(FIXTURES / "zero3")]) == 0
+    out = capsys.readouterr().out
+    assert "deepspeed=zero3" in out and "optim.state.fc2.weight.exp_avg_sq" in out, out
