@@ -91,3 +91,16 @@ def fsdp2_loads(folder: str, stage: int) -> bool:
     assert not bad, f"rank {torch.distributed.get_rank()}: {bad}"
     assert hasattr(model.fc1.weight, "full_tensor")  # it really is sharded
     return True
+
+
+def ddp_loads(folder: str, stage: int) -> bool:
+    """3 ranks load a DeepSpeed folder saved by 2 into a DDP-wrapped module + AdamW, each rank a full replica."""
+    group = subgroup(3)
+    if group is None:
+        return True
+    model, optim = build()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+    tierckpt.load(folder, {"model": ddp, "optim": optim}, group=group)
+    bad = mismatches(reference(stage), observed(model, optim))
+    assert not bad, f"rank {torch.distributed.get_rank()}: {bad}"
+    return True

@@ -79,6 +79,12 @@ def test_fsdp2_on_three_ranks_loads_a_two_rank_deepspeed_folder_exactly(dist_poo
     dist_pool.run(scenarios_deepspeed.fsdp2_loads, str(FIXTURES / folder), FOLDERS[folder])
 
 
+@pytest.mark.multiproc
+@pytest.mark.parametrize("folder", ["zero1", "zero2_universal"])
+def test_ddp_on_three_ranks_loads_a_two_rank_deepspeed_folder_exactly(dist_pool, folder: str) -> None:
+    dist_pool.run(scenarios_deepspeed.ddp_loads, str(FIXTURES / folder), FOLDERS[folder])
+
+
 def test_verify_true_refuses_with_the_convert_command() -> None:
     model, optim = build()
     with pytest.raises(CheckpointError, match="no checksums.*tierckpt convert --from deepspeed --to tierckpt"):
