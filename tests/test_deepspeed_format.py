@@ -176,3 +176,20 @@ def test_inspect_lists_a_deepspeed_folder_in_place(capsys: pytest.CaptureFixture
     assert cli_main(["inspect", str(FIXTURES / "zero3")]) == 0
     out = capsys.readouterr().out
     assert "deepspeed=zero3" in out and "optim.state.fc2.weight.exp_avg_sq" in out, out
+
+
+def test_a_folder_with_latest_and_latest_universal_reads_latest(tmp_path: Path) -> None:
+    """``ds_to_universal`` writes ``latest_universal`` beside the training folder's tags: ``latest`` (the
+    engine's newest save, as DeepSpeed loads by default) is read; the universal tag folder loads by itself."""
+    from tierckpt.meta_read import read_checkpoint
+    from tierckpt.store import open_store
+
+    root = _copy(tmp_path, "zero2")
+    shutil.copytree(FIXTURES / "zero1_universal" / TAG, root / "global_step3_universal")
+    (root / "latest_universal").write_text("global_step3_universal")
+    assert read_checkpoint(open_store(str(root), {}), accept_dcp=True).meta.tags["deepspeed"] == "zero2"
+    universal = read_checkpoint(open_store(str(root / "global_step3_universal"), {}), accept_dcp=True)
+    assert universal.meta.tags["deepspeed"] == "universal"
+    model, optim = build()
+    tierckpt.load(str(root), {"model": model, "optim": optim})
+    assert mismatches(reference(2), observed(model, optim)) == []

@@ -26,15 +26,20 @@ def refusal(uri: str, kind: str) -> str:
 
 
 def read_if_deepspeed(backend: Backend, accept: bool) -> deepspeed_format.DeepSpeedCheckpoint | None:
-    """``(meta, tensors, pieces)`` of the DeepSpeed folder at the root of ``backend``, ``None`` when it is none."""
+    """``(meta, tensors, pieces)`` of the DeepSpeed folder at the root of ``backend``, ``None`` when it is none.
+
+    A universal tag folder (``zero/optimizer_state.pt``) is read as one; a folder with both ``latest`` and
+    ``latest_universal`` (``ds_to_universal`` writes the latter beside the training folder's tags) is
+    read through ``latest``, the engine's newest save, as DeepSpeed loads it by default: a universal
+    checkpoint made earlier may be older. Its tag folder loads by itself."""
     plain = without_node_cache(backend)
     keys = get_scheduler().run(plain.list(""))
+    if ucp_format.OPTIMIZER_STATE not in keys and deepspeed_format.is_deepspeed(plain, keys):
+        if not accept:
+            raise CheckpointError(refusal(backend.root_uri, "ZeRO"))
+        return deepspeed_format.read_deepspeed(plain, keys)
     if ucp_format.is_ucp(plain, keys):
         if not accept:
             raise CheckpointError(refusal(backend.root_uri, "universal"))
         return ucp_format.read_ucp(plain, keys)
-    if deepspeed_format.is_deepspeed(plain, keys):
-        if not accept:
-            raise CheckpointError(refusal(backend.root_uri, "ZeRO"))
-        return deepspeed_format.read_deepspeed(plain, keys)
     return None
