@@ -348,6 +348,8 @@ def group_objects(
     groups: Any = archive.value
     for part in path:
         groups = groups.get(part) if isinstance(groups, dict) else None
+    if groups is None:  # not saved (ZeRO-1/2's elastic checkpoints): a strict load names the settings missing
+        return []
     if not isinstance(groups, list) or len(groups) != len(shapes) or not all(isinstance(g, dict) for g in groups):
         raise CorruptCheckpointError(
             f"{file!r} of DeepSpeed folder {backend.root_uri!r} has no list of {len(shapes)} param groups at {'/'.join(path)}"
