@@ -45,7 +45,7 @@ from .io.scheduler import get_scheduler
 from .metadata import CheckpointMeta, FileMeta, ObjectMeta, PieceMeta, TensorMeta, dtype_name
 from .regions import Box, FlatRange
 from .store import without_node_cache
-from .torch_archive import Archive, Opaque, StoredTensor, _ArchiveUnpickler, read_archives
+from .torch_archive import Archive, Opaque, StoredTensor, read_archives, unpickle
 
 LATEST = "latest"
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -127,8 +127,8 @@ def read_deepspeed(backend: Backend, keys: Sequence[str] | None = None) -> DeepS
     world = len(optim_files)
     files = [model_file] + [optim_files[r] for r in range(world)]
     archives = read_archives(backend, files)
-    model = _dict(archives[model_file].value, model_file, uri)
-    shapes = _param_shapes(model, model_file, uri)
+    model = as_dict(archives[model_file].value, model_file, uri)
+    shapes = param_shapes(model, model_file, uri)
     tensors: dict[str, TensorMeta] = {}
     pieces: dict[str, list[PieceMeta]] = {}
     for g, group in enumerate(shapes):
@@ -161,13 +161,14 @@ def _not_in_place(uri: str, prefix: str, what: str) -> CheckpointError:
     )
 
 
-def _dict(value: Any, file: str, uri: str) -> dict[str, Any]:
+def as_dict(value: Any, file: str, uri: str) -> dict[str, Any]:
+    """``value`` (an unpickled file of the folder) when it is a dict, else :class:`CorruptCheckpointError` naming ``file``."""
     if not isinstance(value, dict):
         raise CorruptCheckpointError(f"{file!r} of DeepSpeed folder {uri!r} holds a {type(value).__name__}, not a dict")
     return value
 
 
-def _param_shapes(model: dict[str, Any], file: str, uri: str) -> list[dict[str, tuple[int, ...]]]:
+def param_shapes(model: dict[str, Any], file: str, uri: str) -> list[dict[str, tuple[int, ...]]]:
     """Each param group's parameter names and shapes, in the order of the flat buffers."""
     groups = model.get("param_shapes")
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
@@ -203,7 +204,7 @@ def _layout(
 ) -> tuple[Flats, Slices]:
     """A rank file's flat tensors and where each parameter's slice is in them (ZeRO-1/2 or ZeRO-3)."""
     bad = f"{file!r} of DeepSpeed folder {uri!r}"
-    osd = _dict(archive, file, uri).get("optimizer_state_dict")
+    osd = as_dict(archive, file, uri).get("optimizer_state_dict")
     if isinstance(osd, dict) and "fp32_flat_groups" in osd:
         return _zero3_layout(osd, bad, rank, world, shapes, uri, prefix)
     try:
@@ -385,7 +386,7 @@ def decode_setting(data: bytes, codec: str, key: str) -> Any:
 @functools.lru_cache(maxsize=8)
 def _unpickled(data: bytes) -> Any:
     try:
-        return _ArchiveUnpickler(data).load()
+        return unpickle(data)
     except Exception as exc:  # noqa: BLE001 - untrusted bytes: any failure is corruption
         raise CorruptCheckpointError(f"a DeepSpeed data.pkl cannot be decoded: {exc!r}") from exc
 

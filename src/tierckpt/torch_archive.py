@@ -140,6 +140,11 @@ class _ArchiveUnpickler(pickle.Unpickler):
         return dcp_format._TensorPickle.persistent_load(self, pid)  # type: ignore[arg-type]
 
 
+def unpickle(data: bytes) -> Any:
+    """A ``data.pkl``'s structure, read as :class:`_ArchiveUnpickler` does (tensors as storage references)."""
+    return _ArchiveUnpickler(data).load()
+
+
 def read_archives(backend: Backend, files: Sequence[str]) -> dict[str, Archive]:
     """Each file as an :class:`Archive`, its tensors as :class:`StoredTensor` (files read in parallel)."""
     read = carried(_read_archive)

@@ -69,8 +69,8 @@ def read_ucp(backend: Backend, keys: list[str]) -> UcpCheckpoint:
                     and k.rsplit("/", 1)[1].removesuffix(".pt") in FILES]
     optim_file = prefix + OPTIMIZER_STATE
     archives = read_archives(backend, [model_file, optim_file, *tensor_files])
-    model = deepspeed_format._dict(archives[model_file].value, model_file, uri)
-    shapes = deepspeed_format._param_shapes(model, model_file, uri)
+    model = deepspeed_format.as_dict(archives[model_file].value, model_file, uri)
+    shapes = deepspeed_format.param_shapes(model, model_file, uri)
     tensors: dict[str, TensorMeta] = {}
     pieces: dict[str, list[PieceMeta]] = {}
     for file in tensor_files:
