@@ -193,3 +193,19 @@ def test_a_folder_with_latest_and_latest_universal_reads_latest(tmp_path: Path) 
     model, optim = build()
     tierckpt.load(str(root), {"model": model, "optim": optim})
     assert mismatches(reference(2), observed(model, optim)) == []
+
+
+def test_a_universal_checkpoint_of_zero3_loads_all_it_holds(tmp_path: Path) -> None:
+    """``ds_to_universal`` of a ZeRO-3 folder writes flat tensors and no step: they load with the parameters'
+    shapes, and a strict load names the missing step."""
+    from tierckpt.errors import StateMismatchError
+
+    model, optim = build()
+    with pytest.raises(StateMismatchError, match=r"optim\.state\.fc1\.bias\.step"):
+        tierckpt.load(str(FIXTURES / "zero3_universal"), {"model": model, "optim": optim})
+    model, optim = build()
+    with pytest.warns(UserWarning, match="missing from the checkpoint: 'optim.state.fc1.bias.step'"):
+        tierckpt.load(str(FIXTURES / "zero3_universal"), {"model": model, "optim": optim}, strict=False)
+    expected = {k: v for k, v in reference(3).items() if not k.endswith(".step")}
+    got = {k: v for k, v in observed(model, optim).items() if not k.endswith(".step")}
+    assert mismatches(expected, got) == []

@@ -50,7 +50,7 @@ from .torch_archive import Archive, Opaque, StoredTensor, read_archives, unpickl
 LATEST = "latest"
 MODEL_STATES = "mp_rank_00_model_states.pt"
 _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_ZERO3_MODEL_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
+ZERO3_MODEL_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 """ZeRO-3 writes one model states file per rank (rank 0's is read: ``param_shapes`` are the same on all)."""
 FORMAT_TAG = "deepspeed"
 STATES = ("exp_avg", "exp_avg_sq", "step")
@@ -110,10 +110,10 @@ def read_deepspeed(backend: Backend, keys: Sequence[str] | None = None) -> DeepS
         k for k in keys if re.match(rf"^{re.escape(prefix)}mp_rank_(?!00_)\d+_model_states\.pt$", k)}
     model_file = prefix + MODEL_STATES
     if model_file not in keys:
-        zero3 = sorted(k for k in keys if k.startswith(prefix) and _ZERO3_MODEL_FILE.match(k[len(prefix):]))
+        zero3 = sorted(k for k in keys if k.startswith(prefix) and ZERO3_MODEL_FILE.match(k[len(prefix):]))
         if not zero3:
             raise CorruptCheckpointError(f"DeepSpeed folder {uri!r} has no {model_file!r}: the save is incomplete")
-        model_file = next((k for k in zero3 if _ZERO3_MODEL_FILE.match(k[len(prefix):])[1] == "0"), zero3[0])
+        model_file = next((k for k in zero3 if ZERO3_MODEL_FILE.match(k[len(prefix):])[1] == "0"), zero3[0])
     if len(mp_ranks - {"00"}) > 0:
         raise CheckpointError(
             f"{uri!r} is a DeepSpeed checkpoint saved with tensor or pipeline parallelism (several mp_rank files), "

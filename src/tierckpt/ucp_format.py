@@ -2,7 +2,10 @@
 
 A universal folder (``<out>/<tag>/``, named by ``<out>/latest_universal``) holds, per parameter,
 ``zero/<fqn>/fp32.pt`` (``{"param": tensor, ...}``, the whole fp32 weights), ``exp_avg.pt``,
-``exp_avg_sq.pt`` (the same form) and ``step.pt`` (a tensor); buffers have only ``fp32.pt``.
+``exp_avg_sq.pt`` (the same form) and ``step.pt`` (a tensor); buffers have only ``fp32.pt``. Made
+from a ZeRO-3 folder, the files hold bare flat tensors (read with the parameter's shape), there is no
+``step.pt`` (a strict load into Adam names ``step`` missing) and no buffer: buffers come from the
+``module`` of the copied model states file.
 ``zero/optimizer_state.pt`` holds the param groups (``param_groups``, parameters numbered by group)
 and the copied ``mp_rank_00_model_states.pt`` says which parameters each group holds (``param_shapes``).
 
@@ -13,6 +16,8 @@ names :mod:`tierckpt.deepspeed_format` gives a ZeRO folder's: ``model.<fqn>``,
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 from .backends import Backend
@@ -59,6 +64,8 @@ def read_ucp(backend: Backend, keys: list[str]) -> UcpCheckpoint:
     uri = backend.root_uri
     prefix = tag_prefix(backend, keys) or ""
     model_file = prefix + deepspeed_format.MODEL_STATES
+    if model_file not in keys:  # from ZeRO-3: ds_to_universal copies its per-rank files
+        model_file = prefix + "zero_pp_rank_0_mp_rank_00_model_states.pt"
     if model_file not in keys:
         raise CorruptCheckpointError(
             f"universal checkpoint {uri!r} has no {model_file!r} (ds_to_universal copies it there; it says which "
@@ -82,12 +89,14 @@ def read_ucp(backend: Backend, keys: list[str]) -> UcpCheckpoint:
                                  byte_offset=t.byte_offset, byte_length=t.nbytes, crc32c=0)]
     for group in shapes:
         for fqn, shape in group.items():
+            _reshape_flat(fqn, shape, tensors, pieces)
             found = tensors.get(f"model.{fqn}")
             if found is None or found.shape != shape:
                 raise CorruptCheckpointError(
                     f"universal checkpoint {uri!r}: parameter {fqn!r} of shape {list(shape)} has "
                     f"{'no ' + zero + fqn + '/fp32.pt' if found is None else 'fp32 weights of shape ' + str(list(found.shape))}"
                 )
+    _add_buffers(model, model_file, tensors, pieces)
     objects = deepspeed_format.group_objects(backend, optim_file, ("param_groups",), archives[optim_file], shapes)
     sizes = {f: get_scheduler().run(backend.size(f)) for f in archives}
     meta = CheckpointMeta(
@@ -97,6 +106,31 @@ def read_ucp(backend: Backend, keys: list[str]) -> UcpCheckpoint:
         tags={FORMAT_TAG: "universal", "deepspeed_tag": prefix.rstrip("/")},
     )
     return meta, tensors, pieces
+
+
+def _reshape_flat(fqn: str, shape: tuple[int, ...], tensors: dict[str, TensorMeta], pieces: dict[str, list[PieceMeta]]) -> None:
+    """ZeRO-3's universal files hold each parameter's tensors flat: the same row-major bytes, given the parameter's shape."""
+    for key in [k.format(fqn=fqn) for k in FILES.values()]:
+        t = tensors.get(key)
+        if t is None or t.shape == shape or len(t.shape) != 1 or t.shape[0] != math.prod(shape):
+            continue
+        tensors[key] = TensorMeta(fqn=key, dtype=t.dtype, shape=shape)
+        pieces[key] = [dataclasses.replace(p, region=Box((0,) * len(shape), shape)) for p in pieces[key]]
+
+
+def _add_buffers(model: dict[str, Any], file: str, tensors: dict[str, TensorMeta], pieces: dict[str, list[PieceMeta]]) -> None:
+    """Buffers ``ds_to_universal`` left out (ZeRO-3's), from the ``module`` of the copied model states file."""
+    module, names = model.get("module"), model.get("buffer_names")
+    if not isinstance(module, dict) or not isinstance(names, list):
+        return
+    for name in names:
+        t = module.get(name)
+        key = f"model.{name}"
+        if key in tensors or not isinstance(t, StoredTensor):
+            continue
+        tensors[key] = TensorMeta(fqn=key, dtype=dtype_name(t.dtype), shape=t.shape)
+        pieces[key] = [PieceMeta(fqn=key, region=Box((0,) * len(t.shape), t.shape), file=file,
+                                 byte_offset=t.byte_offset, byte_length=t.nbytes, crc32c=0)]
 
 
 def _tensor(value: Any, file: str, uri: str) -> StoredTensor:
