@@ -14,6 +14,7 @@ from .errors import CheckpointError
 from .units import parse_bytes
 
 CONVERSIONS = {("tierckpt", "safetensors"), ("tierckpt", "dcp"), ("dcp", "tierckpt"), ("dcp", "safetensors"), ("safetensors", "tierckpt")}
+CONVERSIONS |= {("deepspeed", "tierckpt"), ("ucp", "tierckpt")}  # DeepSpeed ZeRO (1, 2, 3) and universal checkpoints
 
 
 def _add_convert(subparsers: Any) -> None:
@@ -40,7 +41,7 @@ def _add_convert(subparsers: Any) -> None:
     p.add_argument("src", help="source checkpoint (a tierckpt URI, a DCP directory, or a safetensors file or folder)")
     p.add_argument("out", help="output (a directory for safetensors and DCP, a URI for tierckpt)")
     p.add_argument("--to", required=True, choices=("safetensors", "dcp", "tierckpt"), help="output format")
-    p.add_argument("--from", dest="source_format", default="tierckpt", choices=("tierckpt", "dcp", "safetensors"), help="source format (default tierckpt)")
+    p.add_argument("--from", dest="source_format", default="tierckpt", choices=("tierckpt", "dcp", "safetensors", "deepspeed", "ucp"), help="source format (default tierckpt; deepspeed: a ZeRO folder, ucp: a universal checkpoint)")
     p.add_argument("--max-shard-bytes", type=_byte_size, default=convert.DEFAULT_MAX_SHARD_BYTES, help="safetensors shard size, e.g. 5GB, 500MiB, 1000000 (default 5GB)")
     p.add_argument("--prefix", default="", help="safetensors: export only tensors whose fqn starts with P, with P stripped (e.g. 'model.'); import: prepend P")
     p.add_argument("--config", metavar="DIR", help="to safetensors: copy config.json (and generation_config.json) from DIR, a folder with the model's Hugging Face config")
@@ -82,6 +83,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
         report = convert.to_dcp(args.src, args.out, allow_pickle=args.allow_pickle, flatten_optimizer=args.flatten_optimizer)
     elif pair == ("dcp", "tierckpt"):
         report = convert.from_dcp(args.src, args.out)
+    elif pair[0] in ("deepspeed", "ucp"):
+        from .convert_deepspeed import from_deepspeed
+
+        report = from_deepspeed(args.src, args.out, source=pair[0])
     else:
         report = convert.from_safetensors(args.src, args.out, prefix=args.prefix)
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.render())

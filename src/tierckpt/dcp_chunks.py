@@ -6,7 +6,7 @@ archive whose record ``<archive>/data/<key>`` is the chunk's raw bytes. The stan
 :mod:`zipfile` reads the archive through a :class:`SegmentFile`, a file object over the segment that
 serves the bytes already fetched (both ends of every segment are fetched up front, all chunks at once)
 and fetches what else zipfile asks for with ranged reads: nothing is downloaded whole. ``data.pkl`` is
-parsed by :class:`_TensorPickle` (storage key, dtype, offset, size, stride: nothing is built or
+parsed by :class:`TensorPickle` (storage key, dtype, offset, size, stride: nothing is built or
 called), and the data record's local header gives where the raw bytes start.
 
 Every read is bounded (:data:`MAX_READ_BYTES` at once, :data:`MAX_SEGMENT_READ_BYTES` per archive), so a
@@ -53,9 +53,13 @@ class SegmentFile(io.RawIOBase):
     """A read-only, seekable file over bytes ``[offset, offset + length)`` of ``key``: serves what was
     fetched already (:meth:`add`) and fetches the rest with ranged reads, within the caps above."""
 
-    def __init__(self, backend: Backend, key: str, offset: int, length: int) -> None:
+    def __init__(
+        self, backend: Backend, key: str, offset: int, length: int, *,
+        max_read: int = MAX_READ_BYTES, max_total: int = MAX_SEGMENT_READ_BYTES, least_fetch: int = PROBE_BYTES,
+    ) -> None:
         super().__init__()
         self._backend, self._key, self._offset, self.length = backend, key, offset, length
+        self._max_read, self._max_total, self._least_fetch = max_read, max_total, least_fetch
         self._parts: list[tuple[int, bytes]] = []
         self._position = 0
         self._fetched = 0
@@ -82,15 +86,15 @@ class SegmentFile(io.RawIOBase):
         """Bytes ``[start, start + n)`` of the segment (fetched when not held)."""
         if start < 0 or n < 0 or start + n > self.length:
             raise CorruptCheckpointError(f"a zip record points to bytes {start}..{start + n}, past the segment's {self.length}")
-        if n > MAX_READ_BYTES:
-            raise CorruptCheckpointError(f"a zip record asks for {n} bytes at once, more than {MAX_READ_BYTES}")
+        if n > self._max_read:
+            raise CorruptCheckpointError(f"a zip record asks for {n} bytes at once, more than {self._max_read}")
         for at, data in self._parts:
             if at <= start and start + n <= at + len(data):
                 return data[start - at : start - at + n]
-        end = min(self.length, max(start + n, start + PROBE_BYTES))
+        end = min(self.length, max(start + n, start + self._least_fetch))
         self._fetched += end - start
-        if self._fetched > MAX_SEGMENT_READ_BYTES:
-            raise CorruptCheckpointError(f"its zip records need more than {MAX_SEGMENT_READ_BYTES} bytes read")
+        if self._fetched > self._max_total:
+            raise CorruptCheckpointError(f"its zip records need more than {self._max_total} bytes read")
         buffer = bytearray(end - start)
         get_scheduler().run(self._backend.read_into(self._key, self._offset + start, memoryview(buffer)))
         data = bytes(buffer)
@@ -133,12 +137,12 @@ def raw_data_offset(segment: SegmentFile, dtype: torch.dtype, sizes: tuple[int, 
         raise Unreadable("is not a torch.save archive (no data.pkl record; a DCP file written as safetensors?)")
     prefix = pickles[0][: -len("data.pkl")]
     try:
-        if prefix + "byteorder" in records and _stored(archive, records, prefix + "byteorder") != b"little":
+        if prefix + "byteorder" in records and stored_record(archive, records, prefix + "byteorder") != b"little":
             raise Unreadable("was saved big-endian")
-        saved = _TensorPickle(_stored(archive, records, prefix + "data.pkl")).load()
+        saved = TensorPickle(stored_record(archive, records, prefix + "data.pkl")).load()
     except zipfile.BadZipFile as exc:
         raise CorruptCheckpointError(f"its zip records are malformed: {exc}") from exc
-    if not isinstance(saved, _SavedTensor):
+    if not isinstance(saved, SavedTensor):
         raise Unreadable(f"holds a {type(saved).__name__}, not a tensor")
     if saved.dtype != dtype or saved.size != tuple(sizes):
         raise CorruptCheckpointError(f"holds a {saved.dtype} tensor of shape {list(saved.size)}, the metadata says {dtype} {list(sizes)}")
@@ -146,7 +150,7 @@ def raw_data_offset(segment: SegmentFile, dtype: torch.dtype, sizes: tuple[int, 
     if any(n > 1 and s != r for n, s, r in zip(sizes, saved.stride, row_major)):
         raise Unreadable(f"is stored with strides {list(saved.stride)}, not row-major (e.g. channels-last)")
     item = itemsize(dtype)
-    start, n = _data_span(segment, records, f"{prefix}data/{saved.storage.key}")
+    start, n = data_span(segment, records, f"{prefix}data/{saved.storage.key}")
     if saved.offset * item + math.prod(sizes) * item > n:
         raise CorruptCheckpointError(f"its data record holds {n} bytes, fewer than the tensor needs")
     return start + saved.offset * item
@@ -161,7 +165,7 @@ def _uncompressed(records: dict[str, zipfile.ZipInfo], name: str) -> zipfile.Zip
     return info
 
 
-def _stored(archive: zipfile.ZipFile, records: dict[str, zipfile.ZipInfo], name: str) -> bytes:
+def stored_record(archive: zipfile.ZipFile, records: dict[str, zipfile.ZipInfo], name: str) -> bytes:
     """The bytes of a small stored record (zipfile checks its local header and CRC-32)."""
     info = _uncompressed(records, name)
     if info.file_size > MAX_READ_BYTES:
@@ -169,7 +173,7 @@ def _stored(archive: zipfile.ZipFile, records: dict[str, zipfile.ZipInfo], name:
     return archive.read(info)
 
 
-def _data_span(segment: SegmentFile, records: dict[str, zipfile.ZipInfo], name: str) -> tuple[int, int]:
+def data_span(segment: SegmentFile, records: dict[str, zipfile.ZipInfo], name: str) -> tuple[int, int]:
     """Start and size of a stored record's data inside the segment, from its local header (the data
     itself is not read)."""
     info = _uncompressed(records, name)
@@ -185,15 +189,15 @@ def _data_span(segment: SegmentFile, records: dict[str, zipfile.ZipInfo], name: 
 
 # -- data.pkl of one tensor: read what describes it, build nothing -------------------------------------
 @dataclass(frozen=True, slots=True)
-class _StorageRef:
+class StorageRef:
     key: str
     dtype: torch.dtype | None
     """``None`` for an untyped storage (``_rebuild_tensor_v3`` names the dtype)."""
 
 
 @dataclass(frozen=True, slots=True)
-class _SavedTensor:
-    storage: _StorageRef
+class SavedTensor:
+    storage: StorageRef
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
@@ -205,33 +209,33 @@ class _StorageType:
     dtype: torch.dtype | None
 
 
-def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, dtype: Any, metadata: Any) -> _SavedTensor:
-    if not isinstance(storage, _StorageRef) or not isinstance(dtype, torch.dtype):
+def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, dtype: Any, metadata: Any) -> SavedTensor:
+    if not isinstance(storage, StorageRef) or not isinstance(dtype, torch.dtype):
         raise CorruptCheckpointError("its data.pkl rebuilds a tensor from something that is not a storage")
     if metadata:
         raise Unreadable(f"is a tensor with extra metadata {sorted(metadata)!r} (conjugate or negative bits)")
-    return _SavedTensor(
+    return SavedTensor(
         storage=storage, offset=_int(offset, "storage offset"), size=tuple(_int(n, "size") for n in size),
         stride=tuple(_int(s, "stride") for s in stride), dtype=dtype,
     )
 
 
-def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None) -> _SavedTensor:
+def rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None) -> SavedTensor:
     return _rebuild(storage, offset, size, stride, getattr(storage, "dtype", None), metadata)
 
 
-def _rebuild_v3(
+def rebuild_v3(
     storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any, metadata: Any = None,
-) -> _SavedTensor:
+) -> SavedTensor:
     return _rebuild(storage, offset, size, stride, dtype, metadata)
 
 
 @functools.cache
-def _tensor_globals() -> dict[tuple[str, str], Any]:
+def tensor_globals() -> dict[tuple[str, str], Any]:
     """The globals of a plain tensor's ``data.pkl``; storage classes and rebuild functions become markers."""
     allowed: dict[tuple[str, str], Callable[..., Any] | Any] = {
-        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
-        ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
+        ("torch._utils", "_rebuild_tensor_v2"): rebuild_v2,
+        ("torch._utils", "_rebuild_tensor_v3"): rebuild_v3,
         ("collections", "OrderedDict"): OrderedDict,
         ("torch.storage", "UntypedStorage"): _StorageType(None),
         ("torch", "UntypedStorage"): _StorageType(None),
@@ -241,20 +245,20 @@ def _tensor_globals() -> dict[tuple[str, str], Any]:
     return allowed
 
 
-class _TensorPickle(pickle.Unpickler):
-    """Reads one tensor's ``data.pkl`` into a :class:`_SavedTensor`; refuses anything else."""
+class TensorPickle(pickle.Unpickler):
+    """Reads one tensor's ``data.pkl`` into a :class:`SavedTensor`; refuses anything else."""
 
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data))
 
     def find_class(self, module: str, name: str) -> Any:
-        found = _tensor_globals().get((module, name))
+        found = tensor_globals().get((module, name))
         if found is None:
             raise Unreadable(f"is not a plain tensor (its data.pkl refers to {module}.{name})")
         return found
 
-    def persistent_load(self, pid: Any) -> _StorageRef:
+    def persistent_load(self, pid: Any) -> StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)
                 and isinstance(pid[2], str)):
             raise CorruptCheckpointError(f"its data.pkl has an unexpected storage reference {pid!r}")
-        return _StorageRef(key=pid[2], dtype=pid[1].dtype)
+        return StorageRef(key=pid[2], dtype=pid[1].dtype)

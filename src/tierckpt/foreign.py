@@ -48,8 +48,8 @@ def _describe(uri: str, keys: Sequence[str]) -> tuple[str, str]:
                 f"Load one of them, e.g. tierckpt.load('{uri}/{committed[-1]}', state)")
     if "latest" in top and any(t.startswith("global_step") for t in top) and any(n.endswith("_model_states.pt") for n in names):
         return ("looks like a DeepSpeed checkpoint folder ('latest' and global_step*/ with *_model_states.pt)",
-                "tierckpt does not read DeepSpeed checkpoints: load it with DeepSpeed (or make a state dict with "
-                "its zero_to_fp32.py), then save that state with tierckpt.save")
+                "tierckpt.load reads a ZeRO folder in place (without verify=True); or convert it: "
+                f"tierckpt convert --from deepspeed --to tierckpt {uri} OUT")
     safetensors = [k for k in keys if k.endswith(".safetensors")]
     convert = f"Convert it with: tierckpt convert --from safetensors --to tierckpt {uri} OUT"
     if safetensors and "config.json" in top:

@@ -108,10 +108,15 @@ def read_objects(backend: Backend, gen: str, metas: set[ObjectMeta]) -> dict[Obj
     if requests:
         sched.run(sched.read(backend, requests))
     out: dict[ObjectMeta, bytes] = {}
+    checked: dict[tuple[str, int, int], tuple[bytes, int]] = {}  # objects sharing bytes are copied and checked once
     for (_, start, group), buf in zip(spans, buffers):
         for meta in group:
-            data = bytes(buf[meta.byte_offset - start : meta.byte_offset - start + meta.byte_length])
-            if crc32c.crc32c(data) != meta.crc32c:
+            span = (meta.file, meta.byte_offset, meta.byte_length)
+            if span not in checked:
+                data = bytes(buf[meta.byte_offset - start : meta.byte_offset - start + meta.byte_length])
+                checked[span] = (data, crc32c.crc32c(data))
+            data, crc = checked[span]
+            if crc != meta.crc32c:
                 raise ChecksumMismatchError(
                     f"checksum mismatch for object {meta.key!r} in {meta.file!r} at byte {meta.byte_offset}",
                     layout.in_generation(gen, meta.file), meta.byte_offset, meta.byte_offset + meta.byte_length,

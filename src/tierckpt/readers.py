@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import dcp_format, safetensors_format
+from . import dcp_format, deepspeed_read, safetensors_format
 from .backends import Backend
 from .checkpoint_reader import Checkpoint, CheckpointReader, Root
 from .errors import CheckpointError
@@ -69,7 +69,14 @@ DCP = ForeignReader(dcp_format.FORMAT, dcp_format.holds, dcp_format.read_dcp, dc
 SAFETENSORS = ForeignReader(
     safetensors_format.FORMAT, safetensors_format.holds, safetensors_format.read_safetensors, safetensors_format.refusal,
 )
-FOREIGN: tuple[ForeignReader, ...] = (DCP, SAFETENSORS)
+DEEPSPEED_ZERO = ForeignReader(
+    deepspeed_read.ZERO_FORMAT, deepspeed_read.holds_zero, deepspeed_read.read_zero, deepspeed_read.zero_refusal,
+)
+DEEPSPEED_UNIVERSAL = ForeignReader(
+    deepspeed_read.UNIVERSAL_FORMAT, deepspeed_read.holds_universal, deepspeed_read.read_universal,
+    deepspeed_read.universal_refusal,
+)
+FOREIGN: tuple[ForeignReader, ...] = (DEEPSPEED_ZERO, DEEPSPEED_UNIVERSAL, DCP, SAFETENSORS)
 """Foreign readers, probed in this order after the native one."""
 READERS: tuple[CheckpointReader, ...] = (NATIVE, *FOREIGN)
 _BY_FORMAT: dict[str, CheckpointReader] = {r.format: r for r in READERS}
@@ -94,8 +101,8 @@ def read_checkpoint(backend: Backend, *, accept_foreign: bool = False) -> Checkp
     """The checkpoint at the root of ``backend``, read by the reader its directory calls for
     (:func:`reader_for`): a native checkpoint's ``COMMIT``, header and tensor table (following a newer
     ``COMMIT`` when a save deleted the generation meanwhile); a torch DCP directory or a Hugging Face
-    safetensors folder read in place with ``accept_foreign`` (see :mod:`tierckpt.dcp_format`,
-    :mod:`tierckpt.safetensors_format`), and refused, naming the format and the conversion, without it.
+    safetensors folder or a DeepSpeed ZeRO or universal folder read in place with ``accept_foreign`` (see
+    :mod:`tierckpt.dcp_format`, :mod:`tierckpt.safetensors_format`, :mod:`tierckpt.deepspeed_read`), and refused, naming the format and the conversion, without it.
     """
     reader = reader_for(backend)
     refusal = reader.refusal(backend.root_uri)
