@@ -6,8 +6,9 @@ routes are costed with (the store, the exchange, each rank's node). :func:`plan_
 identically on every rank (the needs and node ids are all-gathered first) and returns a :class:`LoadPlan`:
 
 1. Every saved piece and every target becomes *stored boxes* (a flat range is a few boxes), so all
-   meetings are box ∩ box. For each tensor the saved boxes are sorted by their first offset and each
-   target finds its candidates by bisection (a sweep, not all pairs).
+   meetings are box ∩ box. For each tensor the saved boxes are indexed (:class:`~.box_index.BoxIndex`)
+   and each target visits only those that meet it along its most selective dimension, so a rank's
+   targets cost the pieces they touch, not every piece of the tensor.
 2. Each saved box is cut into row slabs of about ``chunk_bytes``; a slab is contiguous in its file.
    Within a slab :func:`~.routes.choose_route` picks a route from what each costs:
    ``direct`` — every rank reads its own parts (one unit per rank and part, no exchange), or
@@ -27,7 +28,6 @@ identically on every rank (the needs and node ids are all-gathered first) and re
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -38,6 +38,7 @@ import numpy as np
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..metadata import PieceMeta, TensorMeta, itemsize
 from ..regions import Box, Region, StoredBox, box_runs, run_length, stored_boxes
+from .box_index import BoxIndex
 from .routes import DIRECT, EXCHANGE, RankRead, Route, Topology, choose_route, default_topology
 
 
@@ -181,26 +182,16 @@ def _plan_tensor(
     for p in pieces:
         for sb in stored_boxes(p.region, meta.shape):
             saved.append((sb.box, p.file, p.byte_offset + sb.element_offset * item))
-    ndim = len(meta.shape)
-    saved.sort(key=lambda s: s[0].offsets[0] if ndim else 0)
-    starts = [s[0].offsets[0] for s in saved] if ndim else []
-    # A saved box starting at or before (target start - longest saved extent) ends before the target.
-    longest = max((s[0].lengths[0] for s in saved), default=0) if ndim else 0
+    if meta.shape:
+        saved.sort(key=lambda s: s[0].offsets[0])
+    lookup = BoxIndex([s[0] for s in saved])
 
     needs_of: dict[int, list[tuple[int, int, StoredBox, Box]]] = defaultdict(list)
     for rank, index, target in wanted:
         covered = 0
-        if ndim:
-            hi = bisect.bisect_left(starts, target.box.offsets[0] + target.box.lengths[0])
-            lo = bisect.bisect_right(starts, target.box.offsets[0] - longest)
-            candidates = range(lo, hi)
-        else:
-            candidates = range(len(saved))
-        for si in candidates:
-            inter = saved[si][0].intersect(target.box)
-            if inter is not None:
-                needs_of[si].append((rank, index, target, inter))
-                covered += inter.numel
+        for si, inter in lookup.overlapping(target.box):
+            needs_of[si].append((rank, index, target, inter))
+            covered += inter.numel
         if covered != target.box.numel:
             raise CorruptCheckpointError(
                 f"the checkpoint's pieces of {meta.fqn!r} cover {covered} of the {target.box.numel} elements "
