@@ -145,3 +145,20 @@ def test_a_gap_between_indexed_pieces_is_still_reported():
     needs = [[TargetPiece(fqn="w", region=Box((0, 0), (4, 4)))], [TargetPiece(fqn="w", region=Box((0, 4), (4, 4)))]]
     with pytest.raises(CorruptCheckpointError, match=r"cover 8 of the 16 elements rank 1 needs"):
         plan_load(tensors, pieces, needs, chunk_bytes=1 << 20, round_bytes=1 << 20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_walk_counts_the_runs_and_span_box_runs_gives(data):
+    """The route costs' one-pass walk: elements, requests and span equal those of the box's actual runs
+    (:func:`~tierckpt.regions.box_runs`): one request per run, the span from the first run's start to the
+    last run's end."""
+    from tierckpt.regions import box_runs
+
+    shape = tuple(data.draw(st.lists(st.integers(1, 7), min_size=0, max_size=4)))
+    offsets = tuple(data.draw(st.integers(0, n - 1)) for n in shape)
+    saved = Box(offsets, tuple(data.draw(st.integers(1, n - o)) for n, o in zip(shape, offsets)))
+    inner_off = tuple(data.draw(st.integers(o, o + n - 1)) for o, n in zip(saved.offsets, saved.lengths))
+    box = Box(inner_off, tuple(data.draw(st.integers(1, o + n - i)) for o, n, i in zip(saved.offsets, saved.lengths, inner_off)))
+    starts, run = box_runs(box, saved)
+    assert load_planner._walk(box, saved) == (box.numel, len(starts), int(starts[-1]) + run - int(starts[0]))

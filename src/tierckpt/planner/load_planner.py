@@ -37,7 +37,7 @@ import numpy as np
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..metadata import PieceMeta, TensorMeta, itemsize
-from ..regions import Box, Region, StoredBox, box_runs, run_length, stored_boxes
+from ..regions import Box, Region, StoredBox, box_runs, stored_boxes
 from .box_index import BoxIndex
 from .routes import DIRECT, EXCHANGE, RankRead, Route, Topology, choose_route, default_topology
 
@@ -256,13 +256,15 @@ def _slab_units(
         own.setdefault((r, b), []).append(Delivery(rank=r, target=i, target_box=t, box=b))
     reads: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
     for rank, b in own:
-        reads[rank][0] += b.numel * item
-        reads[rank][1] += _requests(b, saved)
-        reads[rank][2] += _span(b, saved) * item
+        numel, requests, span = _walk(b, saved)
+        totals = reads[rank]
+        totals[0] += numel * item
+        totals[1] += requests
+        totals[2] += span * item
+    walks = [_walk(b, saved) for b in union]
     route = choose_route(
         [RankRead(rank, n, q, w) for rank, (n, q, w) in sorted(reads.items())],
-        sum(b.numel for b in union) * item, sum(_requests(b, saved) for b in union), topo,
-        sum(_span(b, saved) - b.numel for b in union) * item,
+        sum(w[0] for w in walks) * item, sum(w[1] for w in walks), topo, sum(w[2] - w[0] for w in walks) * item,
     )
     if route == DIRECT:
         return [(b, tuple(deliveries)) for (_, b), deliveries in own.items()]
@@ -275,22 +277,25 @@ def _slab_units(
     ]
 
 
-def _requests(box: Box, saved: Box) -> int:
-    """Read requests (contiguous runs) of ``box`` inside ``saved``'s storage."""
-    return box.numel // max(run_length(box, saved), 1) if box.numel else 0
-
-
-def _span(box: Box, saved: Box) -> int:
-    """Elements of ``saved``'s row-major storage from ``box``'s first element to its last, both included:
-    what a read of ``box``'s runs passes over."""
-    if not box.numel:
-        return 0
+def _walk(box: Box, saved: Box) -> tuple[int, int, int]:
+    """What reading ``box`` out of ``saved``'s row-major storage takes, in one pass without allocating
+    (it runs for every rank and slab): its elements, its read requests (contiguous runs: one per index
+    of the dimensions before the first one, from the last, that it does not span fully) and its span
+    (elements from its first to its last, both included: what a read of its runs passes over)."""
+    lengths, offsets = box.lengths, box.offsets
+    numel = math.prod(lengths)
+    if not numel:
+        return 0, 0, 0
+    outer, base = saved.lengths, saved.offsets
+    split = len(lengths) - 1
+    while split > 0 and lengths[split] == outer[split] and offsets[split] == base[split]:
+        split -= 1
     stride, first, last = 1, 0, 0
-    for d in reversed(range(saved.ndim)):
-        first += (box.offsets[d] - saved.offsets[d]) * stride
-        last += (box.offsets[d] + box.lengths[d] - 1 - saved.offsets[d]) * stride
-        stride *= saved.lengths[d]
-    return last - first + 1
+    for d in reversed(range(len(lengths))):
+        first += (offsets[d] - base[d]) * stride
+        last += (offsets[d] + lengths[d] - 1 - base[d]) * stride
+        stride *= outer[d]
+    return numel, math.prod(lengths[:split]) if lengths else 1, last - first + 1
 
 
 def _bounding(boxes: Sequence[Box]) -> Box:
