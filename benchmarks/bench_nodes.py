@@ -82,7 +82,8 @@ def worker(root: str, gib: float, repeats: int) -> None:
                 rchar = C.proc_io()["rchar"] - io0
                 C.check_state(state, gib)
                 read = max(rchar, int(mon.counters.get("bytes_read", 0))) if lib == "tierckpt" else rchar
-                records.append({"lib": lib, "repeat": r, "save_s": save_s, "load_s": load_s, "bytes": read})
+                records.append({"lib": lib, "repeat": r, "save_s": save_s, "load_s": load_s, "bytes": read,
+                                "direct": int(mon.counters.get("bytes_read_direct", 0))})
     finally:
         dist.destroy_process_group()
     out = {"rank": rank, "node": os.environ.get("TIERCKPT_NODE_ID", ""), "records": records}
@@ -144,6 +145,12 @@ def table(ranks: list[dict[str, Any]], gib: float) -> str:
             cells.append(f"{C.fmt_bytes(C.median(totals))} ({C.median(totals) / need:.2f})")
         per_node.append([lib, *cells])
     out += "\n\n" + C.md_table(["bytes read in a load (/ state)", *nodes], per_node)
+    loads = len(sec["tierckpt", "load"])
+    direct = C.median([sum(x.get("direct", 0) for r in ranks for x in r["records"] if x["lib"] == "tierckpt"
+                           and x["repeat"] == k) for k in range(loads)])
+    read = C.median([sum(x["bytes"] for r in ranks for x in r["records"] if x["lib"] == "tierckpt" and x["repeat"] == k)
+                     for k in range(loads)])
+    out += f"\n\ntierckpt's share of its bytes read by the direct route (the rest read once and exchanged): {direct / max(read, 1):.2f}"
     return out
 
 

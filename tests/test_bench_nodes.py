@@ -12,6 +12,8 @@ import bench_nodes  # noqa: E402
 
 
 def test_nodes_table_has_ratios_from_rank0_and_bytes_per_node():
+    """DCP s / tierckpt s from rank 0's medians only (the other ranks' seconds differ), bytes read summed
+    over each node's ranks, and tierckpt's direct share over the group."""
     gib = 1 / 256
     need = C.state_bytes(gib)
 
@@ -21,7 +23,7 @@ def test_nodes_table_has_ratios_from_rank0_and_bytes_per_node():
         for rep in range(3):
             slow = 10.0 if r else 1.0  # only rank 0's seconds count
             records.append({"lib": "tierckpt", "repeat": rep, "save_s": slow * (0.2 + rep * 0.01),
-                            "load_s": slow * (0.5 + rep * 0.01), "bytes": need // 4})
+                            "load_s": slow * (0.5 + rep * 0.01), "bytes": need // 4, "direct": need // 8})
             records.append({"lib": "dcp", "repeat": rep, "save_s": slow * 0.4, "load_s": slow * (1.0 + rep * 0.01),
                             "bytes": need * (1 + r)})
         return {"rank": r, "node": node, "records": records}
@@ -33,3 +35,4 @@ def test_nodes_table_has_ratios_from_rank0_and_bytes_per_node():
     assert rows["load row -> column"][1:4] == ["0.510", "1.010", "**1.98x**"]
     assert rows["tierckpt"][1:] == [f"{C.fmt_bytes(need // 2)} (0.50)", f"{C.fmt_bytes(need // 2)} (0.50)"]
     assert rows["dcp"][1:] == [f"{C.fmt_bytes(3 * need)} (3.00)", f"{C.fmt_bytes(7 * need)} (7.00)"]
+    assert table.endswith("read by the direct route (the rest read once and exchanged): 0.50")
