@@ -20,6 +20,7 @@ from test_load_planner import partition, save_fake, scenario, tiles
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.metadata import PieceMeta, TensorMeta
 from tierckpt.planner import LoadPlan, TargetPiece, load_planner, plan_load, topology
+from tierckpt.planner import box_index
 from tierckpt.planner.box_index import BoxIndex
 from tierckpt.regions import Box, FlatRange, stored_boxes
 
@@ -71,7 +72,10 @@ def test_index_finds_exactly_the_boxes_brute_force_finds(data):
         saved = data.draw(mesh_layout(shape, 8))
     else:
         saved = [s.box for r in data.draw(partition(shape, max_parts=12)) for s in stored_boxes(r, shape)]
-    index, brute = BoxIndex(saved), BruteIndex(saved)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(box_index, "SCAN_BELOW", data.draw(st.sampled_from([0, box_index.SCAN_BELOW])))
+        index = BoxIndex(saved)
+    brute = BruteIndex(saved)
     queries = [s.box for r in data.draw(partition(shape, max_parts=12)) for s in stored_boxes(r, shape)]
     offsets = tuple(data.draw(st.integers(0, n - 1)) for n in shape)
     queries.append(Box(offsets, tuple(data.draw(st.integers(1, n - o)) for n, o in zip(shape, offsets))))
@@ -79,9 +83,10 @@ def test_index_finds_exactly_the_boxes_brute_force_finds(data):
         assert index.overlapping(q) == brute.overlapping(q), q
 
 
-def test_index_on_overlapping_and_zero_dim_boxes():
+def test_index_on_overlapping_and_zero_dim_boxes(monkeypatch):
     """Saved boxes may overlap (the planner then reports a corrupt checkpoint): the index still finds
     every one; a 0-d tensor's single box meets the 0-d query."""
+    monkeypatch.setattr(box_index, "SCAN_BELOW", 0)
     boxes = [Box((0, 0), (10, 10)), Box((2, 3), (1, 1)), Box((5, 0), (5, 10)), Box((9, 9), (1, 1))]
     assert BoxIndex(boxes).overlapping(Box((4, 4), (6, 6))) == BruteIndex(boxes).overlapping(Box((4, 4), (6, 6)))
     assert [i for i, _ in BoxIndex(boxes).overlapping(Box((4, 4), (6, 6)))] == [0, 2, 3]
@@ -90,14 +95,16 @@ def test_index_on_overlapping_and_zero_dim_boxes():
 
 
 @settings(max_examples=150, deadline=None)
-@given(scenario(), st.sampled_from(["node_local", "shared_fs", "object_store"]), st.booleans())
-def test_indexed_plan_equals_brute_force_plan(case, store, two_nodes):
+@given(scenario(), st.sampled_from(["node_local", "shared_fs", "object_store"]), st.booleans(), st.sampled_from([0, 8]))
+def test_indexed_plan_equals_brute_force_plan(case, store, two_nodes, scan_below):
     """The planner's random reshards (grids, flat ranges, partial and replicated targets): the plan
     through the index is the plan through brute force, unit by unit."""
     refs, layout, needs, kinds, chunk, round_bytes = case
     tensors, pieces, _ = save_fake(refs, layout)
     topo = topology(store, "gloo", [f"n{r % 2 if two_nodes else 0}" for r in range(len(needs))])
-    indexed = plan_load(tensors, pieces, needs, chunk_bytes=chunk, round_bytes=round_bytes, topology=topo)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(box_index, "SCAN_BELOW", scan_below)
+        indexed = plan_load(tensors, pieces, needs, chunk_bytes=chunk, round_bytes=round_bytes, topology=topo)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(load_planner, "BoxIndex", BruteIndex)
         brute = plan_load(tensors, pieces, needs, chunk_bytes=chunk, round_bytes=round_bytes, topology=topo)
@@ -130,7 +137,9 @@ def test_indexed_plan_equals_brute_force_on_meshes_and_flat_ranges(data):
         needs[i % world].append(TargetPiece(fqn="w", region=region))
     chunk = data.draw(st.sampled_from([16, 256, 32 << 20]))
     topo = topology(data.draw(st.sampled_from(["node_local", "object_store"])), "gloo", ["n"] * world)
-    indexed = plan_load(tensors, pieces, needs, chunk_bytes=chunk, round_bytes=1 << 20, topology=topo)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(box_index, "SCAN_BELOW", data.draw(st.sampled_from([0, box_index.SCAN_BELOW])))
+        indexed = plan_load(tensors, pieces, needs, chunk_bytes=chunk, round_bytes=1 << 20, topology=topo)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(load_planner, "BoxIndex", BruteIndex)
         brute = plan_load(tensors, pieces, needs, chunk_bytes=chunk, round_bytes=1 << 20, topology=topo)

@@ -54,6 +54,11 @@ class _Axis:
         return out
 
 
+SCAN_BELOW = 8
+"""Fewer boxes than this are scanned, not indexed: sorting them costs more than testing each (a tensor
+saved whole, or by a few ranks)."""
+
+
 class BoxIndex:
     """The saved boxes of one tensor (all of one number of dimensions), queried by :meth:`overlapping`."""
 
@@ -61,16 +66,15 @@ class BoxIndex:
 
     def __init__(self, boxes: Sequence[Box]) -> None:
         self.boxes = list(boxes)
-        ndim = self.boxes[0].ndim if self.boxes else 0
+        ndim = self.boxes[0].ndim if self.boxes and len(self.boxes) >= SCAN_BELOW else 0
         self.axes = [
             _Axis([(b.offsets[d], b.offsets[d] + b.lengths[d]) for b in self.boxes]) for d in range(ndim)
         ]
 
     def overlapping(self, box: Box) -> list[tuple[int, Box]]:
         """``(index, intersection)`` of every indexed box that shares an element with ``box``, by index."""
-        if not self.axes:
-            hits = [(i, inter) for i, b in enumerate(self.boxes) if (inter := b.intersect(box)) is not None]
-            return hits
+        if not self.axes:  # few boxes, or a 0-d tensor's one: test each
+            return [(i, inter) for i, b in enumerate(self.boxes) if (inter := b.intersect(box)) is not None]
         if box.numel == 0:
             return []
         ends = box.ends
