@@ -78,12 +78,8 @@ class BoxIndex:
         if box.numel == 0:
             return []
         ends = box.ends
-        best = min(range(len(self.axes)), key=lambda d: self.axes[d].count(box.offsets[d], ends[d]))
-        if self.axes[best].count(box.offsets[best], ends[best]) == 0:
+        meeting, best = min((axis.count(box.offsets[d], ends[d]), d) for d, axis in enumerate(self.axes))
+        if not meeting:
             return []
-        hits = []
-        for i in sorted(self.axes[best].candidates(box.offsets[best], ends[best])):
-            inter = self.boxes[i].intersect(box)
-            if inter is not None:
-                hits.append((i, inter))
-        return hits
+        candidates = sorted(self.axes[best].candidates(box.offsets[best], ends[best]))
+        return [(i, inter) for i in candidates if (inter := self.boxes[i].intersect(box)) is not None]
