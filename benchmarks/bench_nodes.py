@@ -154,6 +154,29 @@ def table(ranks: list[dict[str, Any]], gib: float) -> str:
     return out
 
 
+def run(gib: float, per_node: int, repeats: int, tmp: str | None, timeout_s: float, out: str | None) -> None:
+    """The whole benchmark: launch both nodes, print the section and write it into ``out`` (when given)."""
+    root = C.scratch_dir("tierckpt-nodes-") if tmp is None else tmp
+    os.makedirs(root, exist_ok=True)
+    try:
+        ranks = launch(root, gib, per_node, repeats, timeout_s)
+        body = "\n\n".join([
+            f"## Two simulated nodes: {NODES} x {per_node} ranks (`benchmarks/bench_nodes.py`)",
+            C.machine_info(root),
+            f"State: {C.N_TENSORS} x {C.shapes(gib)['w0']} fp32 ({C.fmt_bytes(C.state_bytes(gib))}), saved "
+            f"`Shard(0)` over all {NODES * per_node} ranks and loaded `Shard(1)` over the same ranks. One "
+            f"`torchrun --nnodes {NODES} --node_rank i --master_addr 127.0.0.1` per node, each with its own "
+            "`TIERCKPT_NODE_ID` and node-cache / memory-tier directories; the checkpoint directory is shared by "
+            f"both (a shared file system to tierckpt's planner). {repeats} repeats, library order alternating; "
+            "seconds are rank 0's barrier-to-barrier medians; every load is checked element by element.",
+            table(ranks, gib),
+        ])
+    finally:
+        if tmp is None:
+            C.rmtree(root)
+    C.publish(body, out, SECTION)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=0.125, help="state size in GiB (default 0.125: 128 MiB)")
@@ -167,25 +190,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(args.root, args.gib, args.repeats)
-        return
-    root = C.scratch_dir("tierckpt-nodes-") if args.tmp is None else args.tmp
-    try:
-        ranks = launch(root, args.gib, args.ranks_per_node, args.repeats, args.timeout)
-        body = "\n\n".join([
-            f"## Two simulated nodes: {NODES} x {args.ranks_per_node} ranks (`benchmarks/bench_nodes.py`)",
-            C.machine_info(root),
-            f"State: {C.N_TENSORS} x {C.shapes(args.gib)['w0']} fp32 ({C.fmt_bytes(C.state_bytes(args.gib))}), saved "
-            f"`Shard(0)` over all {NODES * args.ranks_per_node} ranks and loaded `Shard(1)` over the same ranks. One "
-            f"`torchrun --nnodes {NODES} --node_rank i --master_addr 127.0.0.1` per node, each with its own "
-            "`TIERCKPT_NODE_ID` and node-cache / memory-tier directories; the checkpoint directory is shared by "
-            f"both (a shared file system to tierckpt's planner). {args.repeats} repeats, library order alternating; "
-            "seconds are rank 0's barrier-to-barrier medians; every load is checked element by element.",
-            table(ranks, args.gib),
-        ])
-    finally:
-        if args.tmp is None:
-            C.rmtree(root)
-    C.publish(body, args.out, SECTION)
+    else:
+        run(args.gib, args.ranks_per_node, args.repeats, args.tmp, args.timeout, args.out)
 
 
 if __name__ == "__main__":
