@@ -14,6 +14,9 @@ Cases (each library on the same state, the order of the libraries alternating pe
 * ``node`` (only when named in ``--cases``): at each world size of ``--ranks`` (e.g. ``2,4,8``) on this
   node, a row -> column resharded load and a replicated (DDP-style) load of ``--gib`` GiB, with the bytes
   each library reads per group (``_node_scale.py``); its own table, between ``<!-- bench_node_scale -->``.
+* ``nodes`` (only when named in ``--cases``): 2 simulated nodes x 4 ranks, one ``torchrun`` per node
+  with its own node id: save and row -> column load of ``--gib`` GiB (default 0.125; with ``--quick`` 1/256),
+  bytes read per node (``bench_nodes.py``); its own table, between ``<!-- bench_nodes -->``.
 
 ByteCheckpoint runs where its API covers the case (DDP and FSDP2 models on a local disk) and when it
 imports; otherwise its cells say why. Writes a table of ratios (peer seconds / tierckpt seconds: above
@@ -451,7 +454,7 @@ def main() -> None:
     ap.add_argument("--cases", default="ddp,fsdp2,squares,reshard,async,s3", help="comma-separated subset")
     ap.add_argument("--ranks", default="2,4,8", help="world sizes of the node case (comma-separated)")
     ap.add_argument("--gib", type=float, default=None,
-                    help="state of the node case in GiB (default 1.0; with --quick 1/256)")
+                    help="state of the node case in GiB (default 1.0; with --quick 1/256); of the nodes case 0.125")
     ap.add_argument("--tmp", default=None, help="scratch directory (default: a new dir under $TMPDIR)")
     args = ap.parse_args()
     size = SIZES["quick" if args.quick else "full"]
@@ -461,8 +464,14 @@ def main() -> None:
 
         _node_scale.run(args, SIZES["quick"]["reshard_gib"])
         cases.discard("node")
-        if not cases:
-            return
+    if "nodes" in cases:
+        import bench_nodes
+
+        gib = args.gib if args.gib is not None else (SIZES["quick"]["reshard_gib"] if args.quick else 0.125)
+        bench_nodes.run(gib, 4, args.repeats, args.tmp, 3600, args.out)
+        cases.discard("nodes")
+    if not cases:
+        return
     libs, bcp_why = libraries()
     model_libs = libs
     plain = [lib for lib in libs if lib != "bytecheckpoint"]

@@ -6,8 +6,9 @@ routes are costed with (the store, the exchange, each rank's node). :func:`plan_
 identically on every rank (the needs and node ids are all-gathered first) and returns a :class:`LoadPlan`:
 
 1. Every saved piece and every target becomes *stored boxes* (a flat range is a few boxes), so all
-   meetings are box ∩ box. For each tensor the saved boxes are sorted by their first offset and each
-   target finds its candidates by bisection (a sweep, not all pairs).
+   meetings are box ∩ box. For each tensor the saved boxes are indexed (:class:`~.box_index.BoxIndex`)
+   and each target visits only those that meet it along its most selective dimension, so a rank's
+   targets cost the pieces they touch, not every piece of the tensor.
 2. Each saved box is cut into row slabs of about ``chunk_bytes``; a slab is contiguous in its file.
    Within a slab :func:`~.routes.choose_route` picks a route from what each costs:
    ``direct`` — every rank reads its own parts (one unit per rank and part, no exchange), or
@@ -27,7 +28,6 @@ identically on every rank (the needs and node ids are all-gathered first) and re
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -37,7 +37,8 @@ import numpy as np
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..metadata import PieceMeta, TensorMeta, itemsize
-from ..regions import Box, Region, StoredBox, box_runs, run_length, stored_boxes
+from ..regions import Box, Region, StoredBox, box_runs, stored_boxes
+from .box_index import BoxIndex
 from .routes import DIRECT, EXCHANGE, RankRead, Route, Topology, choose_route, default_topology
 
 
@@ -181,26 +182,16 @@ def _plan_tensor(
     for p in pieces:
         for sb in stored_boxes(p.region, meta.shape):
             saved.append((sb.box, p.file, p.byte_offset + sb.element_offset * item))
-    ndim = len(meta.shape)
-    saved.sort(key=lambda s: s[0].offsets[0] if ndim else 0)
-    starts = [s[0].offsets[0] for s in saved] if ndim else []
-    # A saved box starting at or before (target start - longest saved extent) ends before the target.
-    longest = max((s[0].lengths[0] for s in saved), default=0) if ndim else 0
+    if meta.shape:
+        saved.sort(key=lambda s: s[0].offsets[0])
+    lookup = BoxIndex([s[0] for s in saved])
 
     needs_of: dict[int, list[tuple[int, int, StoredBox, Box]]] = defaultdict(list)
     for rank, index, target in wanted:
         covered = 0
-        if ndim:
-            hi = bisect.bisect_left(starts, target.box.offsets[0] + target.box.lengths[0])
-            lo = bisect.bisect_right(starts, target.box.offsets[0] - longest)
-            candidates = range(lo, hi)
-        else:
-            candidates = range(len(saved))
-        for si in candidates:
-            inter = saved[si][0].intersect(target.box)
-            if inter is not None:
-                needs_of[si].append((rank, index, target, inter))
-                covered += inter.numel
+        for si, inter in lookup.overlapping(target.box):
+            needs_of[si].append((rank, index, target, inter))
+            covered += inter.numel
         if covered != target.box.numel:
             raise CorruptCheckpointError(
                 f"the checkpoint's pieces of {meta.fqn!r} cover {covered} of the {target.box.numel} elements "
@@ -265,13 +256,15 @@ def _slab_units(
         own.setdefault((r, b), []).append(Delivery(rank=r, target=i, target_box=t, box=b))
     reads: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
     for rank, b in own:
-        reads[rank][0] += b.numel * item
-        reads[rank][1] += _requests(b, saved)
-        reads[rank][2] += _span(b, saved) * item
+        numel, requests, span = _walk(b, saved)
+        totals = reads[rank]
+        totals[0] += numel * item
+        totals[1] += requests
+        totals[2] += span * item
+    walks = [_walk(b, saved) for b in union]
     route = choose_route(
         [RankRead(rank, n, q, w) for rank, (n, q, w) in sorted(reads.items())],
-        sum(b.numel for b in union) * item, sum(_requests(b, saved) for b in union), topo,
-        sum(_span(b, saved) - b.numel for b in union) * item,
+        sum(w[0] for w in walks) * item, sum(w[1] for w in walks), topo, sum(w[2] - w[0] for w in walks) * item,
     )
     if route == DIRECT:
         return [(b, tuple(deliveries)) for (_, b), deliveries in own.items()]
@@ -284,22 +277,25 @@ def _slab_units(
     ]
 
 
-def _requests(box: Box, saved: Box) -> int:
-    """Read requests (contiguous runs) of ``box`` inside ``saved``'s storage."""
-    return box.numel // max(run_length(box, saved), 1) if box.numel else 0
-
-
-def _span(box: Box, saved: Box) -> int:
-    """Elements of ``saved``'s row-major storage from ``box``'s first element to its last, both included:
-    what a read of ``box``'s runs passes over."""
-    if not box.numel:
-        return 0
+def _walk(box: Box, saved: Box) -> tuple[int, int, int]:
+    """What reading ``box`` out of ``saved``'s row-major storage takes, in one pass without allocating
+    (it runs for every rank and slab): its elements, its read requests (contiguous runs: one per index
+    of the dimensions before the first one, from the last, that it does not span fully) and its span
+    (elements from its first to its last, both included: what a read of its runs passes over)."""
+    lengths, offsets = box.lengths, box.offsets
+    numel = math.prod(lengths)
+    if not numel:
+        return 0, 0, 0
+    outer, base = saved.lengths, saved.offsets
+    split = len(lengths) - 1
+    while split > 0 and lengths[split] == outer[split] and offsets[split] == base[split]:
+        split -= 1
     stride, first, last = 1, 0, 0
-    for d in reversed(range(saved.ndim)):
-        first += (box.offsets[d] - saved.offsets[d]) * stride
-        last += (box.offsets[d] + box.lengths[d] - 1 - saved.offsets[d]) * stride
-        stride *= saved.lengths[d]
-    return last - first + 1
+    for d in reversed(range(len(lengths))):
+        first += (offsets[d] - base[d]) * stride
+        last += (offsets[d] + lengths[d] - 1 - base[d]) * stride
+        stride *= outer[d]
+    return numel, math.prod(lengths[:split]) if lengths else 1, last - first + 1
 
 
 def _bounding(boxes: Sequence[Box]) -> Box:

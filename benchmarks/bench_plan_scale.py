@@ -1,0 +1,145 @@
+"""Load planning time against the group size: N simulated ranks, one process, no I/O.
+
+Every rank of a loading group runs :func:`tierckpt.planner.plan_load` for the whole group (the plan
+must agree everywhere), so this measures the plan one rank computes, for N = 2 ... 64:
+
+* ``row->col``: 16 fp32 matrices (4096 x 4096, 1 GiB) saved as N row shards, loaded as N column shards
+  (every rank touches every saved piece: N^2 pieces touched by the group, inherent);
+* ``col->col``: saved and loaded as the same N column shards (each rank touches one piece per matrix);
+* ``flat->row``: FSDP1-style flat ranges (each rank holds an uneven slice of the flattening) loaded as
+  row shards;
+* ``2d->2d``: a 2-D mesh ``(N/2, 2)`` with ``Shard(0), Shard(1)`` loaded on the mesh ``(2, N/2)``.
+
+Reported: CPU milliseconds per plan (``time.process_time``, best of ``--repeat``: the planner is one
+thread of pure Python, and CPU time stays meaningful on a shared, loaded machine; with the cyclic
+garbage collector paused, as :func:`tierckpt.load` runs it), pieces touched by the group (saved piece,
+target pairs that share an element), and microseconds per piece touched.
+
+    PYTHONPATH=src python benchmarks/bench_plan_scale.py [--ranks 2 4 8 16 64] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from tierckpt.gc_pause import gc_paused  # noqa: E402
+from tierckpt.loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES  # noqa: E402
+from tierckpt.metadata import PieceMeta, TensorMeta  # noqa: E402
+from tierckpt.planner import TargetPiece, plan_load, topology  # noqa: E402
+from tierckpt.regions import Box, FlatRange, Region, stored_boxes  # noqa: E402
+
+SHAPE = (4096, 4096)
+MATRICES = 16
+
+
+def even(n: int, parts: int, i: int) -> tuple[int, int]:
+    """``[lo, hi)`` of part ``i`` of ``n`` split into ``parts`` near-equal parts."""
+    return n * i // parts, n * (i + 1) // parts
+
+
+def rows(n: int, i: int) -> Box:
+    lo, hi = even(SHAPE[0], n, i)
+    return Box((lo, 0), (hi - lo, SHAPE[1]))
+
+
+def cols(n: int, i: int) -> Box:
+    lo, hi = even(SHAPE[1], n, i)
+    return Box((0, lo), (SHAPE[0], hi - lo))
+
+
+def flat(n: int, i: int) -> FlatRange:
+    # Uneven: a rank's share grows with its index, so the cuts fall mid-row.
+    total = math.prod(SHAPE)
+    weights = [k + 1 for k in range(n)]
+    lo = total * sum(weights[:i]) // sum(weights)
+    hi = total * sum(weights[: i + 1]) // sum(weights)
+    return FlatRange(lo, hi)
+
+
+def mesh(a: int, b: int) -> Callable[[int, int], Box]:
+    """Shard(0) over a mesh dimension of ``a``, Shard(1) over one of ``b``; rank ``i`` at ``(i // b, i % b)``."""
+
+    def region(n: int, i: int) -> Box:
+        r0, r1 = even(SHAPE[0], a, i // b)
+        c0, c1 = even(SHAPE[1], b, i % b)
+        return Box((r0, c0), (r1 - r0, c1 - c0))
+
+    return region
+
+
+def layouts(n: int) -> dict[str, tuple[Callable[[int, int], Region], Callable[[int, int], Region]]]:
+    return {
+        "row->col": (rows, cols),
+        "col->col": (cols, cols),
+        "flat->row": (flat, rows),
+        "2d->2d": (mesh(max(n // 2, 1), min(n, 2)), mesh(min(n, 2), max(n // 2, 1))),
+    }
+
+
+def case(n: int, save: Callable[[int, int], Region], load: Callable[[int, int], Region]):
+    """The planner's inputs for ``n`` ranks saving by ``save`` and loading by ``load``."""
+    tensors, pieces = {}, {}
+    item = 4
+    for m in range(MATRICES):
+        fqn = f"layer{m}.weight"
+        tensors[fqn] = TensorMeta(fqn=fqn, dtype="float32", shape=SHAPE)
+        pieces[fqn] = []
+        for i in range(n):
+            region = save(n, i)
+            nbytes = sum(s.box.numel for s in stored_boxes(region, SHAPE)) * item
+            pieces[fqn].append(PieceMeta(fqn=fqn, region=region, file=f"data_{i}", byte_offset=m * SHAPE[0] * SHAPE[1] * item // n,
+                                         byte_length=nbytes, crc32c=0))
+    needs = [[TargetPiece(fqn=f"layer{m}.weight", region=load(n, i)) for m in range(MATRICES)] for i in range(n)]
+    return tensors, pieces, needs
+
+
+def touched(tensors, pieces, needs) -> int:
+    """Saved piece, target pairs that share an element, over the group (brute force)."""
+    count = 0
+    for rank_needs in needs:
+        for need in rank_needs:
+            shape = tensors[need.fqn].shape
+            boxes = [s.box for s in stored_boxes(need.region, shape)]
+            for p in pieces[need.fqn]:
+                saved = [s.box for s in stored_boxes(p.region, shape)]
+                count += any(a.intersect(b) is not None for a in boxes for b in saved)
+    return count
+
+
+@gc_paused
+def timed_plan(tensors, pieces, needs, topo) -> float:
+    """CPU seconds of one plan, the collector paused as in a load."""
+    t0 = time.process_time()
+    plan_load(tensors, pieces, needs, chunk_bytes=DEFAULT_CHUNK_BYTES, round_bytes=DEFAULT_ROUND_BYTES, topology=topo)
+    return time.process_time() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16, 64])
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    print(f"{platform.machine()}, Python {platform.python_version()}, one process")
+    print("| layout | N | plan CPU ms | pieces touched (group) | µs per piece touched |")
+    print("|---|---|---|---|---|")
+    for name in layouts(2):
+        for n in args.ranks:
+            save, load = layouts(n)[name]
+            tensors, pieces, needs = case(n, save, load)
+            topo = topology("node_local", "gloo", ("node",) * n, cores=n)
+            best = math.inf
+            for _ in range(args.repeat):
+                best = min(best, timed_plan(tensors, pieces, needs, topo))
+            pairs = touched(tensors, pieces, needs)
+            print(f"| {name} | {n} | {best * 1e3:.1f} | {pairs} | {best * 1e6 / pairs:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
