@@ -86,14 +86,16 @@ def test_sharded_with_index(src: Path, tmp_path: Path, capsys) -> None:
 def test_streams_in_bounded_slabs(src: Path, tmp_path: Path, monkeypatch) -> None:
     """No read is larger than slab_bytes (rows permitting): tensors are never held whole."""
     sizes: list[int] = []
-    real = convert._read_box
+    from tierckpt import convert_safetensors
+
+    real = convert_safetensors._read_box
 
     def spy(*args):
         data = real(*args)
         sizes.append(data.numel())
         return data
 
-    monkeypatch.setattr(convert, "_read_box", spy)
+    monkeypatch.setattr(convert_safetensors, "_read_box", spy)
     convert.to_safetensors(str(src), tmp_path / "hf", prefix="model.", slab_bytes=256)
     assert max(sizes) <= 256 and len(sizes) > len(MODEL)
     assert_bit_equal(load_file(str(tmp_path / "hf/model.safetensors")), MODEL)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .convert import ConvertReport
+from .convert_report import ConvertReport
 from .errors import CheckpointError
 from .loader import read_state
 from .readers import read_checkpoint
