@@ -27,7 +27,7 @@ from .backends import Backend
 from .call_args import merged_options
 from .bounded import MAX_RECORD_BYTES
 from .cache.config import CacheConfig
-from .cache.status import StoreStatus
+from .writeback.status import StoreStatus
 from .cache.tiered import TieredBackend
 from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import get_scheduler

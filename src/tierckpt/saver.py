@@ -132,7 +132,7 @@ def _group_key(group: Group) -> Any:
 
 IF_BUSY = ("wait", "error")
 """What :func:`async_save` does when a save to the same URI is in flight (``if_busy``)."""
-LEVELS = ("memory", "replicated", "remote")
+from .writeback.levels import WAITABLE as LEVELS  # noqa: E402
 """The durability levels :meth:`SaveHandle.wait` waits for."""
 
 

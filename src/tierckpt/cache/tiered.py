@@ -65,7 +65,7 @@ from ..errors import (
 from ..io.scheduled import ScheduledBackend
 from ..io.scheduler import get_scheduler
 from ..keys import validate_key
-from ..tiers.written import WrittenCrc
+from ..writeback.written import CrcWriter, WrittenCrc
 from .config import CacheConfig, cache_error
 from .durable import DurableMixin
 from .local_files import MemoryTier
@@ -93,20 +93,13 @@ def cached_path(directory: str, rh: str, key: str, tree: Tree, idx: int | None) 
     return os.path.join(directory, "objects" if tree == Tree.WRITTEN else "fetched", rh, *key.split("/"))
 
 
-class _TieredWriter(ObjectWriter):
+class _TieredWriter(CrcWriter):
     """Streams into a temp file of the local tier; ``close`` publishes it and records the upload."""
 
     def __init__(self, store: TieredBackend, key: str, fd: int, tmp: str, tail: TailUpload | None) -> None:
         self._store, self._key, self._fd, self._tmp, self._tail = store, key, fd, tmp, tail
         self._uri = store.uri_of(key)
         self._written = WrittenCrc(self._uri)
-
-    def use_stated_crc32c(self) -> bool:
-        """A save's stream states the file's CRC-32C (combined from its pieces'): no second pass here."""
-        return self._written.use_stated()
-
-    def state_crc32c(self, crc32c: int) -> None:
-        self._written.state(crc32c)
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()

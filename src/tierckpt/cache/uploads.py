@@ -36,7 +36,7 @@ from ..errors import (
 )
 from ..io.scheduled import set_background
 from ..io.scheduler import get_scheduler
-from .catalog import pid_alive
+from ..writeback.journal import pid_alive
 from .records import Finish, GenState, Op, PendingOp
 
 logger = logging.getLogger("tierckpt.cache")

@@ -23,7 +23,7 @@ chain below's, the tier's alone while the chain below cannot be read. ``delete``
 to both; the chain below's part waits for a pending ``COMMIT`` write-down, so the chain below never
 names a generation that is gone.
 
-Durability (:class:`tierckpt.store.Durable`): ``wait_durable`` waits for the write-down and then for
+Durability (:class:`tierckpt.writeback.durability.Durable`): ``wait_durable`` waits for the write-down and then for
 the chain below's own durability; ``status`` reports each level; ``sync`` copies down what the tier
 holds that the chain below lacks, including what a dead process left.
 """
@@ -43,7 +43,8 @@ from ..keys import validate_key
 from ..layout import COMMIT, CommitRecord, is_generation
 from ..node import node_id
 from .config import MemoryConfig, MemoryTierFullError, OnFull
-from .downlog import MEMORY_ONLY, DownLog, durable_copies, generation_of, write_back_of
+from ..writeback.durability import durability_of
+from .downlog import MEMORY_ONLY, DownLog, durable_copies, generation_of
 from .linkstatus import LinkStatus, link_status
 from .mapped import MappedFile, is_spare, open_mapped, prepare_in_background
 from .memory import IncomingFile, MemoryTier, NodeMemory
@@ -491,7 +492,7 @@ class MemoryLink(Backend):
                            through_outage: bool = True) -> None:
         """Wait until the write-down (of ``generation``) is done, then for the chain below's durability."""
         await self.writedown.wait(generation, timeout_s, through_outage=through_outage)
-        durable = write_back_of(self.below)
+        durable = durability_of(self.below)
         if durable is not None:
             await durable.wait_durable(generation, timeout_s, through_outage=through_outage)
 
@@ -507,7 +508,7 @@ class MemoryLink(Backend):
         """Copy down what the tier holds and the chain below lacks (left by this or a dead process),
         ``COMMIT`` last, then wait for the chain below's own sync."""
         await self.writedown.sync(timeout_s)
-        durable = write_back_of(self.below)
+        durable = durability_of(self.below)
         if durable is not None:
             await durable.sync(timeout_s)
 

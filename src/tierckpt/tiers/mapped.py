@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..backends.base import ObjectWriter
+
 from ..backends.files import temp_name
 from ..errors import CheckpointError
 from .background import lower_priority
@@ -43,7 +43,7 @@ from .config import MemoryTierFullError
 from .downlog import durable_copies, generation_of
 from .memory import SPARE_PREFIX
 from .pagepool import claim
-from .written import WrittenCrc
+from ..writeback.written import CrcWriter, WrittenCrc
 
 if TYPE_CHECKING:
     from .link import MemoryLink
@@ -68,7 +68,7 @@ _SPARES: dict[str, _Spare] = {}
 _LOCK = threading.Lock()
 
 
-class MappedFile(ObjectWriter):
+class MappedFile(CrcWriter):
     """A data file whose bytes the snapshot copy wrote into :attr:`buffer`; writes only checksum them."""
 
     def __init__(self, link: MemoryLink, key: str, tmp: str, fd: int, buffer: torch.Tensor) -> None:
@@ -80,12 +80,6 @@ class MappedFile(ObjectWriter):
     def _uri(self) -> str:  # type: ignore[override]
         """For messages only: resolving the path is not paid inside the snapshot call."""
         return self._link.memory_tier.uri_of(self._key)
-
-    def use_stated_crc32c(self) -> bool:
-        return self._written.use_stated()
-
-    def state_crc32c(self, crc32c: int) -> None:
-        self._written.state(crc32c)
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()

@@ -48,7 +48,7 @@ from .eviction import Admission, TierCopy, copy_id, plan_admission
 from . import stamps
 from .manifest import FileEntry, Manifest
 from .pagepool import claim, retire
-from .written import WrittenCrc
+from ..writeback.written import CrcWriter, WrittenCrc
 
 SPARE_PREFIX = "g-00000000-0000000000000-"
 """Generation names of the memory link's spare files (:mod:`.mapped`) and of the page pool
@@ -87,19 +87,13 @@ def file_crc(path: str) -> FileEntry:
     return FileEntry(size, crc)
 
 
-class _CrcWriter(ObjectWriter):
+class _CrcWriter(CrcWriter):
     """Delegates to the local writer and records the file's CRC-32C (:class:`WrittenCrc`)."""
 
     def __init__(self, tier: MemoryTier, key: str, inner: ObjectWriter) -> None:
         self._uri = tier.uri_of(key)
         self._tier, self._key, self._inner = tier, key, inner
         self._written = WrittenCrc(self._uri)
-
-    def use_stated_crc32c(self) -> bool:
-        return self._written.use_stated()
-
-    def state_crc32c(self, crc32c: int) -> None:
-        self._written.state(crc32c)
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()

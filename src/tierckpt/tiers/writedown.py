@@ -37,9 +37,11 @@ from ..io.scheduled import set_background
 from ..io.scheduler import get_scheduler
 from ..layout import COMMIT, CommitRecord
 from ..retry import backoff_s
+from ..writeback import drain as exit_drain
 from .config import DIR_ENV
 from .copydown import copy_down
-from .downlog import PERSIST, generation_of, write_back_of
+from ..writeback.durability import durability_of
+from .downlog import PERSIST, generation_of
 
 if TYPE_CHECKING:
     from .link import MemoryLink
@@ -182,7 +184,7 @@ class WriteDown:
         another node sent is that node's to write down: it is copied here only if it is still not below
         :data:`REPLICA_TAKEOVER_S` after the wait began (its node is likely lost)."""
         below, tier, down = self.link.below, self.link.memory_tier, self.link.down
-        write_back = write_back_of(below) is not None  # its own commit waits for what other nodes write
+        write_back = durability_of(below) is not None  # its own commit waits for what other nodes write
         pending = set(need)
         takeover_at = time.monotonic() + REPLICA_TAKEOVER_S
         pause = _POLL_S / 2
@@ -465,6 +467,21 @@ def _still_memory_only() -> list[str]:
             f"(saved with persist=False), not where its URI points. To write it down: {sync_command(link)}"
         )
     return lines
+
+
+class _Drainer:
+    """This process's write-downs in the engine's exit drain (the top of the chain: drained first)."""
+
+    depth = 0
+
+    def exit_wait_s(self) -> float:
+        return exit_wait_s()
+
+    def drain(self, timeout_s: float) -> list[str]:
+        return drain(timeout_s)
+
+
+exit_drain.register(_Drainer())
 
 
 def _forget_after_fork() -> None:

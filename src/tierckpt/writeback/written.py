@@ -1,19 +1,29 @@
-"""Size and CRC-32C of the bytes written to a file of the node memory tier (recorded in its manifest).
+"""Size and CRC-32C of the bytes a link writes to a file on the node (:class:`WrittenCrc`, :class:`CrcWriter`).
 
-The tier's writers (:class:`~.memory.MemoryTier`'s, the memory link's, :class:`~.mapped.MappedFile`),
-replicas arriving from a peer (:class:`~.memory.IncomingFile`) and the node disk cache's writer
-(:mod:`tierckpt.cache.tiered`) count what they write here; a save's stream may state the CRC instead of
-having it computed again (:class:`WrittenCrc`).
+Every link of the engine that lands bytes on the node counts them here: the memory tier's writers
+(:class:`~tierckpt.tiers.memory.NodeTier`'s, :class:`~tierckpt.tiers.mapped.MappedFile`), replicas
+arriving from a peer (:class:`~tierckpt.tiers.memory.IncomingFile`) and the node disk cache's writer
+(:mod:`tierckpt.cache.tiered`). A save's stream may state the CRC instead of having it computed again.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+from dataclasses import dataclass
+
 import crc32c
 
+from ..backends.base import ObjectWriter
 from ..errors import CheckpointError
-from .manifest import FileEntry
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """Size and CRC-32C of one file of a generation."""
+
+    size: int
+    crc32c: int
 
 _THREAD_CRC_BYTES = 1 << 20
 """Writes at least this large compute their CRC-32C in a worker thread, not on the event loop."""
@@ -75,3 +85,17 @@ class WrittenCrc:
                 f"{self._uri}: its writer was to be told the CRC-32C of its bytes and was not; the file is discarded"
             )
         return FileEntry(self.size, crc)
+
+
+class CrcWriter(ObjectWriter):
+    """An :class:`ObjectWriter` of a link that records its file's size and CRC-32C in :attr:`_written`
+    (a save's stream may state the CRC instead: :meth:`use_stated_crc32c`)."""
+
+    _written: WrittenCrc
+
+    def use_stated_crc32c(self) -> bool:
+        """A save's stream states the file's CRC-32C (combined from its pieces'): no second pass here."""
+        return self._written.use_stated()
+
+    def state_crc32c(self, crc32c: int) -> None:
+        self._written.state(crc32c)
