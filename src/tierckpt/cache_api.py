@@ -36,7 +36,8 @@ from .progress import ByteProgress, wanted
 from .store import memory_config_for, open_cached_store, open_store, uploader_of
 from .tiers.config import MemoryConfig
 from .tiers.downlog import DownLog
-from .tiers.link import MemoryLink, tier_uri
+from .tiers.link import MemoryLink
+from .tiers.roots import tier_uri
 from .tiers.memory import MemoryTier, NodeMemory
 
 def open_tiered(uri: str, config: CacheConfig | None = None, *, storage_options: Mapping[str, Any] | None = None,

@@ -11,7 +11,7 @@ or the store's chain. Used by :mod:`tierckpt.loader` and :mod:`tierckpt.convert`
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import crc32c
 
@@ -20,12 +20,16 @@ from .backends import Backend
 from .errors import ChecksumMismatchError, CheckpointNotFoundError, CorruptCheckpointError, MissingFileError
 from .io.scheduler import ReadRequest, get_scheduler
 from .local_load import LocalReads
-from .metadata import ObjectMeta
+from .metadata import CheckpointMeta, ObjectMeta
 from .objects import decode_object
 from .state import FlatState
 
-if TYPE_CHECKING:
-    from .loader import Checkpoint
+
+
+class Checkpoint(Protocol):
+    """What these reads use of a :class:`tierckpt.loader.Checkpoint` (a protocol: the loader imports this module)."""
+
+    meta: CheckpointMeta
 
 log = logging.getLogger("tierckpt")
 

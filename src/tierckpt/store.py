@@ -35,7 +35,8 @@ from .errors import CheckpointError, StorageError
 from .io.scheduled import ScheduledBackend
 from .io.scheduler import get_scheduler
 from .tiers.config import MemoryConfig, memory_enabled_from_env
-from .tiers.link import MemoryLink, committed_under
+from .tiers.link import MemoryLink
+from .tiers.roots import committed_under
 from .tiers.memory import MemoryTier, NodeMemory
 from .writeback import drain as exit_drain
 from .writeback.durability import Durable, Revocable, durability_of, revocable_of

@@ -152,7 +152,7 @@ class DurableMixin:
             return None
         errors = [f"{self.uri_of(k)}: {r.error}" for k, r in sorted(ours.items()) if r.error]
         for k in [*ours, *([key] if mine else [])]:
-            self._memory.drop(k)
+            self._small.drop(k)
             self._unlink_dropped(k, self.catalog.record_delete(self.rh, k, deferred=False))
         self.catalog.forget_generations(self.rh, name)
         if mine:

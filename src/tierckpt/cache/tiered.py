@@ -68,7 +68,7 @@ from ..keys import validate_key
 from ..writeback.written import CrcWriter, WrittenCrc
 from .config import CacheConfig, cache_error
 from .durable import DurableMixin
-from .local_files import MemoryTier
+from .local_files import SmallObjects
 from .readthrough import ReadThroughMixin
 from .records import CommitOrder, Op, PendingOp, Tree
 from .tail_upload import TailUpload
@@ -162,7 +162,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
         self.written = LocalBackend(os.path.join(d, "objects", self.rh))
         self.fetched = LocalBackend(os.path.join(d, "fetched", self.rh))
         self._blocks = LocalBackend(os.path.join(d, "blocks", self.rh))
-        self._memory = MemoryTier(self.config.memory_bytes, self.config.memory_object_bytes)
+        self._small = SmallObjects(self.config.memory_bytes, self.config.memory_object_bytes)
         self._files_checked: set[str] = set()
 
     def __repr__(self) -> str:
@@ -190,7 +190,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
         for rh, key, tree, idx in self.catalog.evict(self.config.disk_bytes):
             unlink(cached_path(self.config.directory, rh, key, tree, idx))
             if rh == self.rh:
-                self._memory.drop(key)
+                self._small.drop(key)
 
     # -- writes ------------------------------------------------------------------------------------
     async def _publish_written(self, key: str, fd: int, tmp: str, size: int, crc: int, op: Op,
@@ -220,7 +220,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
             raise cache_error(self.config.directory, f"publishing the cached copy of {self.uri_of(key)} at {path}", exc) from exc
         if tail is not None:
             tail.mark_published(version)
-        self._memory.drop(key)
+        self._small.drop(key)
         self._evict()
         self.schedule(key)
 
@@ -325,7 +325,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
 
     async def delete(self, key: str) -> None:
         validate_key(key)
-        self._memory.drop(key)
+        self._small.drop(key)
         await self._drop_tail(key, self.uploader.tails.get((self.rh, key)))
         deferred = any(
             r.op == Op.COMMIT and k != key for k, r in self.catalog.pending_under(self.rh).items()

@@ -38,114 +38,30 @@ from typing import Any
 
 from ..bounded import MAX_RECORD_BYTES, oversized, read_capped
 from ..backends.base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Segment, Unconditional, commit_refused
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError
+from ..errors import CheckpointError, CheckpointNotFoundError, TransientStorageError
 from ..keys import validate_key
-from ..layout import COMMIT, CommitRecord, is_generation
+from ..layout import COMMIT, is_generation
 from ..node import node_id
 from .config import MemoryConfig, MemoryTierFullError, OnFull
 from ..writeback.durability import durability_of
 from .downlog import MEMORY_ONLY, DownLog, durable_copies, generation_of
-from .linkstatus import LinkStatus, link_status
+from ..writeback.status import LinkStatus
+from .linkstatus import link_status
+from .linkwriter import LinkWriter
 from .mapped import MappedFile, is_spare, open_mapped, prepare_in_background
-from .memory import IncomingFile, MemoryTier, NodeMemory
+from .memory import MemoryTier, NodeMemory
+from .roots import commit_seq, empty_tier, record_of, tier_uri
 from .withdraw import withdraw
 from .nospace import is_no_space, no_space_error
 from .writedown import WriteDown, drop_tier
 
 log = logging.getLogger(__name__)
 
-_COPY_CHUNK = 8 << 20
 _CREDIT_SHARE = 16
 _CREDIT_MAX = 1 << 30
 """After an admission, a process may write up to 1/16 of the tier's free room (at most 1 GiB) of the same
 generation before the next check (a check walks the node's tier); 16 processes writing at once at most
 fill the free room, so the budget holds for up to 16 writers of a node."""
-
-
-def tier_uri(uri: str) -> str:
-    """The URI a memory tier is kept under: plain paths made absolute (a restart from another working
-    directory finds the same tier), others as given."""
-    return os.path.abspath(uri) if "://" not in uri else uri.rstrip("/")
-
-
-def committed_under(memory: NodeMemory, root: str) -> dict[str, list[str]]:
-    """Checkpoints under ``root`` committed in the node memory tier: path relative to ``root`` -> its keys
-    in the tier (``COMMIT`` and the committed generation's files), for listings that must see a
-    checkpoint the chain below does not hold yet (or cannot be reached)."""
-    prefix = tier_uri(root).rstrip("/") + "/"
-    out: dict[str, list[str]] = {}
-    for tier in memory.tiers():
-        if not tier.uri.startswith(prefix):
-            continue
-        record = tier.committed()
-        if record is not None:
-            out[tier.uri[len(prefix):]] = [COMMIT, *tier.keys_of(record.generation)]
-    return out
-
-
-class _LinkWriter(ObjectWriter):
-    """Streams into the tier (admitting each chunk); moves to the chain below if the tier is full."""
-
-    def __init__(self, link: MemoryLink, key: str, generation: str, incoming: IncomingFile) -> None:
-        self._link, self._key, self._generation = link, key, generation
-        self._incoming: IncomingFile | None = incoming
-        self._below: ObjectWriter | None = None
-        self._uri = link.memory_tier.uri_of(key)
-
-    def use_stated_crc32c(self) -> bool:
-        return self._incoming is not None and self._incoming.use_stated_crc32c()
-
-    def state_crc32c(self, crc32c: int) -> None:
-        if self._incoming is not None:  # else the file went to the chain below, which needs no CRC
-            self._incoming.state_crc32c(crc32c)
-
-    async def write(self, data: bytes | memoryview) -> None:
-        self._check_open()
-        view = memoryview(data).cast("B")
-        if self._below is None and not await self._link._admit(self._generation, view.nbytes):
-            await self._move_below()
-        if self._below is None:
-            try:
-                await asyncio.to_thread(self._incoming.write, view)  # type: ignore[union-attr]
-                return
-            except OSError as exc:
-                if not self._link.fall_back(self._generation, self._uri, exc):
-                    raise
-                await self._move_below()
-        assert self._below is not None
-        await self._below.write(view)
-
-    async def _move_below(self) -> None:
-        """The tier is full (fallback): continue in the chain below, starting with what was written (the
-        writes that completed: one the file system refused left an unknown part of itself)."""
-        incoming = self._incoming
-        assert incoming is not None
-        self._below = await self._link.below.open_writer(self._key)
-        left = incoming.size
-        with open(incoming.tmp_path, "rb", buffering=0) as f:
-            while left and (chunk := await asyncio.to_thread(f.read, min(_COPY_CHUNK, left))):
-                await self._below.write(chunk)
-                left -= len(chunk)
-        await asyncio.to_thread(incoming.abort)
-        self._incoming = None
-
-    async def close(self) -> None:
-        self._check_open()
-        self._done = True
-        if self._below is not None:
-            await self._below.close()
-            return
-        await asyncio.to_thread(self._incoming.publish)  # type: ignore[union-attr]
-        self._link._wrote(self._key)
-
-    async def abort(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        if self._below is not None:
-            await self._below.abort()
-        if self._incoming is not None:
-            await asyncio.to_thread(self._incoming.abort)
 
 
 class MemoryLink(Backend):
@@ -184,7 +100,7 @@ class MemoryLink(Backend):
         return uri_of(key) if uri_of is not None else f"{self.root_uri.rstrip('/')}/{key}"
 
     # -- admission -------------------------------------------------------------------------------------
-    async def _admit(self, generation: str, nbytes: int) -> bool:
+    async def admit(self, generation: str, nbytes: int) -> bool:
         """Make room for ``nbytes`` more of ``generation``; ``False``: it falls back to the chain below."""
         if generation in self.fallback:
             return False
@@ -231,7 +147,7 @@ class MemoryLink(Backend):
         self.memory_only.add(generation)
         self.down.append(generation, MEMORY_ONLY, generation)
 
-    def _wrote(self, key: str) -> None:
+    def wrote(self, key: str) -> None:
         """``key`` is complete in the tier: remember it and start copying it down (unless memory-only)."""
         self._written.add(key)
         if generation_of(key) not in self.memory_only:
@@ -240,10 +156,15 @@ class MemoryLink(Backend):
         if wanted is not None:
             prepare_in_background(self, wanted)
 
+    def forget_keys(self, generation: str) -> None:
+        """Forget which keys of ``generation`` this link wrote or found readable (it left the tier)."""
+        for keys in (self._written, self._readable):
+            keys.difference_update({key for key in keys if generation_of(key) == generation})
+
     # -- writes ----------------------------------------------------------------------------------------
     async def put(self, key: str, data: bytes | memoryview) -> None:
         generation = generation_of(validate_key(key))
-        if generation is None or not await self._admit(generation, memoryview(data).nbytes):
+        if generation is None or not await self.admit(generation, memoryview(data).nbytes):
             await self.below.put(key, data)
             return
         try:
@@ -253,14 +174,14 @@ class MemoryLink(Backend):
                 raise
             await self.below.put(key, data)
             return
-        self._wrote(key)
+        self.wrote(key)
 
     async def open_writer(self, key: str) -> ObjectWriter:
         generation = generation_of(validate_key(key))
         if generation is None or generation in self.fallback:
             return await self.below.open_writer(key)
         incoming = await asyncio.to_thread(self.memory_tier.receive, key)
-        return _LinkWriter(self, key, generation, incoming)
+        return LinkWriter(self, key, generation, incoming)
 
     def mapped_writer(self, key: str, nbytes: int) -> MappedFile | None:
         """A writer of ``key`` whose ``buffer`` (``nbytes``, the tier file's own pages) the caller fills
@@ -275,7 +196,7 @@ class MemoryLink(Backend):
         (:meth:`get`), committed in the tier, written down behind. Anything else goes below."""
         validate_key(key)
         data = bytes(data)
-        record = _record_of(data) if key == COMMIT else None
+        record = record_of(data) if key == COMMIT else None
         if record is None:
             await self.below.commit(key, data, expected=expected, after=after)
             return
@@ -373,7 +294,7 @@ class MemoryLink(Backend):
             if mine is None and theirs is None:
                 raise CheckpointNotFoundError(f"no object at {self.uri_of(COMMIT)} (neither in the node memory tier nor below)")
             return mine if theirs is None else theirs  # type: ignore[return-value]
-        return mine if _seq(mine) > _seq(theirs) else theirs
+        return mine if commit_seq(mine) > commit_seq(theirs) else theirs
 
     async def get(self, key: str) -> bytes:
         if validate_key(key) == COMMIT:
@@ -485,7 +406,7 @@ class MemoryLink(Backend):
             if tier.uri == self.memory_tier.uri or not f"{tier.uri}/".startswith(base):
                 continue
             await drop_tier(tier.home)
-            await asyncio.to_thread(_empty, tier)
+            await asyncio.to_thread(empty_tier, tier)
 
     # -- durability (tierckpt.store.Durable) -----------------------------------------------------------
     async def wait_durable(self, generation: str | None = None, timeout_s: float | None = None, *,
@@ -514,28 +435,3 @@ class MemoryLink(Backend):
 
     async def close(self) -> None:
         """Nothing to release: write-downs keep running in the background (see :meth:`wait_durable`)."""
-
-
-def _empty(tier: MemoryTier) -> None:
-    """Every generation of ``tier`` evicted (COMMIT first) and its write-down logs dropped."""
-    try:
-        os.unlink(tier.path_of(COMMIT))
-    except FileNotFoundError:
-        pass
-    log_of = DownLog(tier)
-    for generation in tier.generations():
-        tier.evict(generation)
-        log_of.forget(generation)
-
-
-def _record_of(data: bytes) -> CommitRecord | None:
-    try:
-        return CommitRecord.decode(data)
-    except CorruptCheckpointError:
-        return None
-
-
-def _seq(data: bytes) -> int:
-    record = _record_of(data)
-    return -1 if record is None else record.seq
-

@@ -9,7 +9,6 @@ the node disk cache, when the chain has one) and ``remote`` (the URI's own store
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from ..comm import describe_error
 from ..bounded import MAX_RECORD_BYTES
@@ -19,12 +18,11 @@ from ..writeback.durability import durability_of
 from ..writeback.levels import Level
 from ..writeback.status import LinkStatus, StoreStatus
 from .levels import recorded_level
-
-if TYPE_CHECKING:
-    from .link import MemoryLink
+from .linkview import LinkView
 
 
-async def link_status(link: MemoryLink) -> LinkStatus:
+
+async def link_status(link: LinkView) -> LinkStatus:
     """The status of ``link``'s URI on this node (reads the tier, its logs, and the chain below)."""
     tier, down = link.memory_tier, link.down
     record = await asyncio.to_thread(tier.committed)
@@ -84,7 +82,7 @@ async def link_status(link: MemoryLink) -> LinkStatus:
     )
 
 
-async def _commit_of(link: MemoryLink) -> tuple[str | None, str | None, bool]:
+async def _commit_of(link: LinkView) -> tuple[str | None, str | None, bool]:
     """The generation the chain below's ``COMMIT`` names, why it could not be read, and whether that is
     because the store did not answer."""
     try:

@@ -23,7 +23,6 @@ import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING
 
 from ..backends.base import Unconditional
 from ..comm import describe_error
@@ -42,9 +41,8 @@ from .config import DIR_ENV
 from .copydown import copy_down
 from ..writeback.durability import durability_of
 from .downlog import PERSIST, generation_of
+from .linkview import LinkView
 
-if TYPE_CHECKING:
-    from .link import MemoryLink
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +60,7 @@ CATCH_UP = object()
 
 _ACTIVE: weakref.WeakSet[WriteDown] = weakref.WeakSet()
 _ACTIVE_LOCK = threading.Lock()
-_MEMORY_ONLY: dict[str, tuple[MemoryLink, str]] = {}
+_MEMORY_ONLY: dict[str, tuple[LinkView, str]] = {}
 """Tier home -> (link, generation) of this process's newest memory-only commit there (``persist=False``):
 the exit drain says when it is still the newest checkpoint of its URI and still in memory only."""
 _LAST_COMMIT: dict[str, _Job] = {}
@@ -84,7 +82,7 @@ class _Job:
 class WriteDown:
     """This process's write-down for one link (see the module docstring)."""
 
-    def __init__(self, link: MemoryLink) -> None:
+    def __init__(self, link: LinkView) -> None:
         self.link = link
         self.files: dict[str, _Job] = {}
         self.commits: dict[str, _Job] = {}
@@ -414,7 +412,7 @@ def _running(job: _Job | None) -> bool:
     return job is not None and not job.done()
 
 
-def sync_command(link: MemoryLink) -> str:
+def sync_command(link: LinkView) -> str:
     """The command that finishes the write-down of ``link``'s URI from any later process on the node."""
     return f"{DIR_ENV}={link.memory.config.directory} tierckpt sync {link.memory_tier.uri}"
 

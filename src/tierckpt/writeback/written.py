@@ -1,7 +1,7 @@
 """Size and CRC-32C of the bytes a link writes to a file on the node (:class:`WrittenCrc`, :class:`CrcWriter`).
 
 Every link of the engine that lands bytes on the node counts them here: the memory tier's writers
-(:class:`~tierckpt.tiers.memory.NodeTier`'s, :class:`~tierckpt.tiers.mapped.MappedFile`), replicas
+(:class:`~tierckpt.tiers.memory.MemoryTier`'s, :class:`~tierckpt.tiers.mapped.MappedFile`), replicas
 arriving from a peer (:class:`~tierckpt.tiers.memory.IncomingFile`) and the node disk cache's writer
 (:mod:`tierckpt.cache.tiered`). A save's stream may state the CRC instead of having it computed again.
 """
