@@ -38,7 +38,8 @@ from .tiers.config import MemoryConfig
 from .tiers.downlog import DownLog
 from .tiers.link import MemoryLink
 from .tiers.roots import tier_uri
-from .tiers.memory import MemoryTier, NodeMemory
+from .tiers.memory import MemoryTier
+from .tiers.nodememory import NodeMemory
 
 def open_tiered(uri: str, config: CacheConfig | None = None, *, storage_options: Mapping[str, Any] | None = None,
                 **options_kw: Any) -> Backend:

@@ -37,10 +37,10 @@ from .io.scheduler import get_scheduler
 from .tiers.config import MemoryConfig, memory_enabled_from_env
 from .tiers.link import MemoryLink
 from .tiers.roots import committed_under
-from .tiers.memory import MemoryTier, NodeMemory
+from .tiers.memory import MemoryTier
+from .tiers.nodememory import NodeMemory
 from .writeback import drain as exit_drain
 from .writeback.durability import Durable, Revocable, durability_of, revocable_of
-from .writeback.status import LinkStatus
 
 __all__ = [
     "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s", "forget_cached",
@@ -107,8 +107,9 @@ def memory_config_for(uri: str, memory: Any = None) -> MemoryConfig | None:
 
 
 def memory_tier_of(store: Backend) -> MemoryTier | None:
-    """The node memory tier at the top of ``store``'s chain, or ``None`` when the tier is off."""
-    tier = getattr(store, "memory_tier", None)
+    """The node memory tier of ``store``'s chain (its :meth:`~Backend.node_memory_tier` hook), or ``None``
+    when the tier is off."""
+    tier = store.node_memory_tier()
     return tier if isinstance(tier, MemoryTier) else None
 
 
@@ -164,10 +165,7 @@ def identity_of(uri: str, store: Backend) -> str:
     the URI without a trailing slash and, when it differs, where the chain ends: a local root's absolute
     path (a relative path is relative to each process's working directory), a remote's bucket at its
     endpoint (ranks given different endpoints would write different stores)."""
-    while True:  # down the chain: memory link, node cache, scheduling link, to the URI's own backend
-        below = getattr(store, "below", None) or getattr(store, "remote", None) or getattr(store, "inner", None)
-        if not isinstance(below, Backend):
-            break
+    while (below := store.next_link()) is not None:  # down the chain to the URI's own backend
         store = below
     name = uri.rstrip("/") or uri
     if not isinstance(store, LocalBackend):
@@ -178,20 +176,17 @@ def identity_of(uri: str, store: Backend) -> str:
 def without_node_cache(store: Backend) -> Backend:
     """``store``'s chain below the node cache: its scheduling link over the URI's own backend (what reads
     a torch DCP directory in place, which DCP rewrites in place, so cached bytes could be stale)."""
-    if isinstance(store, MemoryLink):  # a DCP directory has no generation: the link would only pass it through
-        store = store.below
-    return store.link if isinstance(store, TieredBackend) else store
+    return store.without_node_cache()
 
 
 def forget_cached(store: Backend, ranges: set[tuple[str, int, int]]) -> bool:
     """Drop the node cache's copies of ``ranges`` (``(key, start, end)`` of ``store``) that failed their
     checksums, so they are read again from below (:meth:`TieredBackend.forget_cached`); ``True`` if the
     chain has a node cache and it dropped any."""
-    cache = store.below if isinstance(store, MemoryLink) else store
-    if not isinstance(cache, TieredBackend) or not ranges:
+    if not ranges:
         return False
     sched = get_scheduler()
-    return any([sched.run(cache.forget_cached(key, start, end)) for key, start, end in sorted(ranges)])
+    return any([sched.run(store.forget_cached(key, start, end)) for key, start, end in sorted(ranges)])
 
 
 class _NodeCacheDrain:
@@ -243,7 +238,7 @@ def node_only_reason(store: Backend) -> str | None:
     else:
         remote = "the remote has no COMMIT"
     uploads = f"{len(st.pending_keys)} upload(s) pending" + (f", failing: {st.errors[0]}" if st.errors else "")
-    where = "memory tier" if isinstance(st, LinkStatus) and st.in_memory and not st.written_down else "cache"
+    where = "memory tier" if st.only_in_memory else "cache"
     return (f"generation {st.generation} is committed in this node's {where} only ({remote}; {uploads}); "
             f"finish it with: tierckpt sync {st.uri}")
 
@@ -251,10 +246,11 @@ def node_only_reason(store: Backend) -> str | None:
 def memory_levels(store: Backend) -> dict[str, bool] | None:
     """``{level: reached}`` (memory, replicated, local, remote) of what ``store`` shows as committed, when
     its chain has the node memory tier (``None`` otherwise); ``ls`` and the manager report them."""
-    if memory_tier_of(store) is None or durability_of(store) is None:
+    durable = durability_of(store)
+    if memory_tier_of(store) is None or durable is None:
         return None
-    st = get_scheduler().run(durability_of(store).status())  # type: ignore[union-attr]
-    return {level: reached for level, reached, _ in st.levels()} if isinstance(st, LinkStatus) else None
+    levels = get_scheduler().run(durable.status()).levels()
+    return {level: reached for level, reached, _ in levels} if levels else None
 
 
 def memory_keys_under(root: str, memory: Any = None) -> list[str]:

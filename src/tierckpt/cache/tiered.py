@@ -56,7 +56,7 @@ from types import MappingProxyType
 import crc32c
 
 from .. import layout
-from ..backends.base import UNCONDITIONAL, Backend, ObjectWriter, ReadsInto, Unconditional, commit_refused
+from ..backends.base import UNCONDITIONAL, Backend, Link, ObjectWriter, ReadsInto, Unconditional, commit_refused
 from ..backends.files import discard, fsync_dir, open_temp, unlink, write_all
 from ..backends.local import LocalBackend
 from ..errors import (
@@ -138,15 +138,16 @@ class _TieredWriter(CrcWriter):
         await asyncio.to_thread(discard, self._fd, self._tmp)
 
 
-class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Backend):
+class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Link):
     """A write-back, read-through cache in front of ``remote``; see the module docstring."""
 
     schedules_itself = True
     """Its remote calls go through its scheduling link; callers add no slots or retries of their own."""
 
     def __init__(self, remote: Backend, config: CacheConfig, uploader: Uploader) -> None:
-        super().__init__(remote.root_uri)
-        self.link = remote if isinstance(remote, ScheduledBackend) else ScheduledBackend(remote)
+        link = remote if isinstance(remote, ScheduledBackend) else ScheduledBackend(remote)
+        super().__init__(link, remote.root_uri)
+        self.link = link
         """The remote behind its scheduling link (every network call of this tier goes through it)."""
         self.remote = self.link.inner
         self.config = config
@@ -168,9 +169,9 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
     def __repr__(self) -> str:
         return f"TieredBackend({self.remote!r}, cache={self.config.directory!r})"
 
-    def uri_of(self, key: str) -> str:
-        uri_of = getattr(self.remote, "uri_of", None)
-        return uri_of(key) if uri_of is not None else f"{self.root_uri.rstrip('/')}/{key}"
+    def without_node_cache(self) -> Backend:
+        """The chain below this cache: its scheduling link over the URI's own backend."""
+        return self.link
 
     def _tree(self, tree: Tree) -> LocalBackend:
         return self.written if tree == Tree.WRITTEN else self.fetched

@@ -27,7 +27,8 @@ from ..bounded import MAX_TIER_RECORD_BYTES, read_capped
 from ..writeback.journal import Outstanding, pid_alive
 from ..layout import COMMIT, is_generation
 from .eviction import copy_id
-from .memory import MemoryTier, NodeMemory
+from .memory import MemoryTier
+from .nodememory import NodeMemory
 
 
 MEMORY_ONLY = "memory-only"

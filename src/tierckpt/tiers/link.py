@@ -37,10 +37,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..bounded import MAX_RECORD_BYTES, oversized, read_capped
-from ..backends.base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Segment, Unconditional, commit_refused
+from ..backends.base import UNCONDITIONAL, Backend, Capabilities, Link, ObjectWriter, Segment, Unconditional, commit_refused
 from ..errors import CheckpointError, CheckpointNotFoundError, TransientStorageError
 from ..keys import validate_key
-from ..layout import COMMIT, is_generation
+from ..layout import COMMIT
 from ..node import node_id
 from .config import MemoryConfig, MemoryTierFullError, OnFull
 from ..writeback.durability import durability_of
@@ -49,11 +49,13 @@ from ..writeback.status import LinkStatus
 from .linkstatus import link_status
 from .linkwriter import LinkWriter
 from .mapped import MappedFile, is_spare, open_mapped, prepare_in_background
-from .memory import MemoryTier, NodeMemory
-from .roots import commit_seq, empty_tier, record_of, tier_uri
+from .memory import MemoryTier
+from .nodememory import NodeMemory
+from .roots import commit_seq, record_of, tier_uri
 from .withdraw import withdraw
 from .nospace import is_no_space, no_space_error
-from .writedown import WriteDown, drop_tier
+from .linkdeletes import delete_from
+from .writedown import WriteDown
 
 log = logging.getLogger(__name__)
 
@@ -64,15 +66,14 @@ generation before the next check (a check walks the node's tier); 16 processes w
 fill the free room, so the budget holds for up to 16 writers of a node."""
 
 
-class MemoryLink(Backend):
+class MemoryLink(Link):
     """The node memory tier in front of ``below`` (see the module docstring)."""
 
     schedules_itself = True
     """Its calls reach the chain below, which schedules its own remote calls."""
 
     def __init__(self, below: Backend, config: MemoryConfig, uri: str | None = None) -> None:
-        super().__init__(below.root_uri)
-        self.below = below
+        super().__init__(below)
         """The chain this link wraps (node disk cache + remote, or the URI's scheduled backend)."""
         self.memory = NodeMemory(config)
         """The node's whole memory tier directory (admission and eviction across URIs)."""
@@ -95,9 +96,9 @@ class MemoryLink(Backend):
     def __repr__(self) -> str:
         return f"MemoryLink({self.below!r}, tier={self.memory_tier.home!r})"
 
-    def uri_of(self, key: str) -> str:
-        uri_of = getattr(self.below, "uri_of", None)
-        return uri_of(key) if uri_of is not None else f"{self.root_uri.rstrip('/')}/{key}"
+    # -- capability hooks (backends.base.Link) ------------------------------------------------------------
+    def node_memory_tier(self) -> MemoryTier:
+        return self.memory_tier
 
     # -- admission -------------------------------------------------------------------------------------
     async def admit(self, generation: str, nbytes: int) -> bool:
@@ -140,12 +141,13 @@ class MemoryLink(Backend):
         log.warning("%s %s goes to the next tier: %s", self.memory_tier.uri, generation, error)
         return True
 
-    def keep_in_memory(self, generation: str) -> None:
+    def keep_in_memory(self, generation: str) -> bool:
         """Hold ``generation`` in the node memory tier (and on the peers) only: none of its files, nor its
         ``COMMIT``, is written down until a ``sync``. Logged for the node's other processes, ``status`` and
         eviction (which may drop it like a copy held below). Called by the saver before any file is written."""
         self.memory_only.add(generation)
         self.down.append(generation, MEMORY_ONLY, generation)
+        return True
 
     def wrote(self, key: str) -> None:
         """``key`` is complete in the tier: remember it and start copying it down (unless memory-only)."""
@@ -160,6 +162,15 @@ class MemoryLink(Backend):
         """Forget which keys of ``generation`` this link wrote or found readable (it left the tier)."""
         for keys in (self._written, self._readable):
             keys.difference_update({key for key in keys if generation_of(key) == generation})
+
+    def forget_prefix(self, what: str, *, exact: bool = False) -> None:
+        """Forget what this link remembers of the key ``what`` (``exact``) or of every key under it."""
+        if exact:
+            self._written.discard(what)
+            self._readable.discard(what)
+        else:
+            self._written = {k for k in self._written if not k.startswith(what)}
+            self._readable = {k for k in self._readable if not k.startswith(what)}
 
     # -- writes ----------------------------------------------------------------------------------------
     async def put(self, key: str, data: bytes | memoryview) -> None:
@@ -348,65 +359,13 @@ class MemoryLink(Backend):
         mine = [k for k in await self.memory_tier.list(prefix) if generation_of(k) is not None and not is_spare(k)]
         return sorted(set(below) | set(mine))
 
-    # -- deletes ---------------------------------------------------------------------------------------
+    # -- deletes (.linkdeletes) ---------------------------------------------------------------------------
     async def delete(self, key: str) -> None:
         validate_key(key)
-        await self._delete(key, exact=True)
+        await delete_from(self, key, exact=True)
 
     async def delete_prefix(self, prefix: str) -> None:
-        await self._delete(prefix, exact=False)
-
-    async def _delete(self, what: str, *, exact: bool) -> None:
-        """Drop ``what`` (a key, or a prefix) from the tier now and from the chain below once no pending
-        ``COMMIT`` write-down can still name it there."""
-        await self.writedown.cancel(what, exact=exact)
-        generation = generation_of(what) or (what.rstrip("/") if is_generation(what.rstrip("/")) else None)
-        whole = not exact and generation is not None and generation == what.rstrip("/")
-        tier_only = whole and await asyncio.to_thread(self._newest_is_memory_only)
-        if exact:
-            await self.memory_tier.delete(what)
-            self._written.discard(what)
-            self._readable.discard(what)
-        else:
-            if whole:
-                # A whole generation (the sweep's superseded one): evicted, its unread pages to the pool.
-                await asyncio.to_thread(self.memory.retire, self.memory_tier, generation)
-            else:
-                await self.memory_tier.delete_prefix(what)
-                if generation:
-                    await asyncio.to_thread(self.memory_tier.evict, generation)
-            self._written = {k for k in self._written if not k.startswith(what)}
-            self._readable = {k for k in self._readable if not k.startswith(what)}
-            if generation:
-                await asyncio.to_thread(self.down.forget, generation)
-            for gen in self.memory_tier.generations() if not what else []:
-                await asyncio.to_thread(self.memory_tier.evict, gen)
-                await asyncio.to_thread(self.down.forget, gen)
-        if not exact:
-            await self._delete_nested(what)
-        if tier_only:
-            return  # the chain below still serves its own newest commit, whichever generation that is
-        await self.writedown.after_commits(
-            (lambda: self.below.delete(what)) if exact else (lambda: self.below.delete_prefix(what)),
-            superseded=generation if whole else None,
-        )
-
-    def _newest_is_memory_only(self) -> bool:
-        """Whether the tier's ``COMMIT`` names a generation saved with ``persist=False``: the chain below
-        then still holds an older commit, and a superseded generation (the sweep's) is dropped from the
-        tier only — deleting it below could take the files of the commit the chain below names."""
-        record = self.memory_tier.committed()
-        return record is not None and self.down.state(record.generation).memory_only
-
-    async def _delete_nested(self, prefix: str) -> None:
-        """Drop from the node's tier every URI rooted under ``prefix`` of this one (a root deleting a
-        step: the step's own tier), stopping this process's write-downs of them first."""
-        base = f"{self.memory_tier.uri.rstrip('/')}/{prefix}"
-        for tier in await asyncio.to_thread(self.memory.tiers):
-            if tier.uri == self.memory_tier.uri or not f"{tier.uri}/".startswith(base):
-                continue
-            await drop_tier(tier.home)
-            await asyncio.to_thread(empty_tier, tier)
+        await delete_from(self, prefix, exact=False)
 
     # -- durability (tierckpt.store.Durable) -----------------------------------------------------------
     async def wait_durable(self, generation: str | None = None, timeout_s: float | None = None, *,

@@ -11,7 +11,8 @@ from typing import Protocol
 
 from ..backends.base import Backend
 from .downlog import DownLog
-from .memory import MemoryTier, NodeMemory
+from .memory import MemoryTier
+from .nodememory import NodeMemory
 
 
 class LinkView(Protocol):

@@ -10,7 +10,8 @@ import os
 from ..errors import CorruptCheckpointError
 from ..layout import COMMIT, CommitRecord
 from .downlog import DownLog
-from .memory import MemoryTier, NodeMemory
+from .memory import MemoryTier
+from .nodememory import NodeMemory
 
 
 def tier_uri(uri: str) -> str:

@@ -44,6 +44,15 @@ class StoreStatus:
         return self.generation is not None
 
     @property
+    def only_in_memory(self) -> bool:
+        """Whether the generation is committed in this node's memory tier and not written down below it."""
+        return False
+
+    def levels(self) -> list[tuple[str, bool, str]]:
+        """``(level, reached, detail)`` of each level a node tier reports (none here: see :class:`LinkStatus`)."""
+        return []
+
+    @property
     def committed_on_remote(self) -> bool:
         """Whether the remote holds the COMMIT of the generation committed on this node."""
         return self.generation is not None and self.remote_generation == self.generation
@@ -72,6 +81,10 @@ class LinkStatus(StoreStatus):
     @property
     def in_memory(self) -> bool:
         return self.generation is not None and self.memory_generation == self.generation
+
+    @property
+    def only_in_memory(self) -> bool:
+        return self.in_memory and not self.written_down
 
     def levels(self) -> list[tuple[str, bool, str]]:
         """``(level, reached, detail)`` for memory, replicated, local and remote, in that order."""
