@@ -226,6 +226,16 @@ def test_no_import_cycle() -> None:
     assert not cycles, _report(cycles)
 
 
+def test_the_node_tiers_do_not_import_each_other() -> None:
+    """The node disk cache and the memory tier are links on the write-back engine (``tierckpt.writeback``):
+    what they share lives there, and neither package imports the other (TYPE_CHECKING imports included)."""
+    crossing = [e for e in EDGES for a, b in (("cache", "tiers"), ("tiers", "cache"))
+                if e.importer.startswith(f"tierckpt.{a}.") and e.imported.startswith(f"tierckpt.{b}")]
+    assert not crossing, "\n".join(map(str, crossing))
+    assert not [e for e in EDGES if e.importer.startswith("tierckpt.writeback") and
+                e.imported.startswith(("tierckpt.cache", "tierckpt.tiers"))], "the engine imports neither link"
+
+
 def test_lazy_imports_are_listed() -> None:
     """Informational: imports of project modules inside functions. Legitimate ones keep a light entry
     point light (``tierckpt --version`` without torch); none may exist to dodge a cycle."""

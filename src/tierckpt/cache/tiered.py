@@ -65,6 +65,8 @@ from ..errors import (
 from ..io.scheduled import ScheduledBackend
 from ..io.scheduler import get_scheduler
 from ..keys import validate_key
+from ..writeback import ledger
+from ..writeback.ledger import Tier
 from ..writeback.written import CrcWriter, WrittenCrc
 from .config import CacheConfig, cache_error
 from .durable import DurableMixin
@@ -99,7 +101,7 @@ class _TieredWriter(CrcWriter):
     def __init__(self, store: TieredBackend, key: str, fd: int, tmp: str, tail: TailUpload | None) -> None:
         self._store, self._key, self._fd, self._tmp, self._tail = store, key, fd, tmp, tail
         self._uri = store.uri_of(key)
-        self._written = WrittenCrc(self._uri)
+        self._written = WrittenCrc(self._uri, Tier.NODE_DISK)
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
@@ -236,6 +238,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Lin
             raise cache_error(self.config.directory, f"opening the cached copy of {self.uri_of(key)} at {path}", exc) from exc
         try:
             await asyncio.to_thread(write_all, fd, view)
+            ledger.landed(Tier.NODE_DISK, view.nbytes)
         except BaseException as exc:
             await asyncio.to_thread(discard, fd, tmp)
             if isinstance(exc, OSError):

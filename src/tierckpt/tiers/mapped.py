@@ -44,6 +44,7 @@ from .downlog import durable_copies, generation_of
 from .linkview import LinkView
 from .memory import SPARE_PREFIX
 from .pagepool import claim
+from ..writeback.ledger import Tier
 from ..writeback.written import CrcWriter, WrittenCrc
 
 
@@ -73,7 +74,7 @@ class MappedFile(CrcWriter):
     def __init__(self, link: LinkView, key: str, tmp: str, fd: int, buffer: torch.Tensor) -> None:
         self._link, self._key, self._tmp, self._fd = link, key, tmp, fd
         self.buffer = buffer
-        self._written = WrittenCrc(f"{link.memory_tier.uri}/{key}")
+        self._written = WrittenCrc(f"{link.memory_tier.uri}/{key}", Tier.MEMORY)
 
     @property
     def _uri(self) -> str:  # type: ignore[override]

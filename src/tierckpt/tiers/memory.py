@@ -46,6 +46,8 @@ from .eviction import TierCopy, copy_id
 from . import stamps
 from .manifest import FileEntry, Manifest
 from .pagepool import claim
+from ..writeback import ledger
+from ..writeback.ledger import Tier
 from ..writeback.written import CrcWriter, WrittenCrc
 
 SPARE_PREFIX = "g-00000000-0000000000000-"
@@ -91,7 +93,7 @@ class _CrcWriter(CrcWriter):
     def __init__(self, tier: MemoryTier, key: str, inner: ObjectWriter) -> None:
         self._uri = tier.uri_of(key)
         self._tier, self._key, self._inner = tier, key, inner
-        self._written = WrittenCrc(self._uri)
+        self._written = WrittenCrc(self._uri, Tier.MEMORY)
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
@@ -136,7 +138,7 @@ class IncomingFile:
                 self.reused = False
         if not self.reused:
             self._file = open(self._tmp, "wb", buffering=0)  # unbuffered: a failed write leaves nothing pending
-        self._written = WrittenCrc(tier.uri_of(key))
+        self._written = WrittenCrc(tier.uri_of(key), Tier.MEMORY)
         self.size = 0
         """Bytes written by the writes that completed (a write the file system refused is not counted)."""
 
@@ -240,6 +242,7 @@ class MemoryTier(LocalBackend):
     async def put(self, key: str, data: bytes | memoryview) -> None:
         self._claim()
         await super().put(key, data)
+        ledger.landed(Tier.MEMORY, memoryview(data).nbytes)
         self._remember(key, FileEntry(memoryview(data).nbytes, crc32c.crc32c(data)))
 
     async def open_writer(self, key: str) -> ObjectWriter:

@@ -40,7 +40,6 @@ import json
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -60,6 +59,7 @@ from .nodememory import NodeMemory
 from .peers import ReplicaPlan, plan_replicas
 from .background import background_nice, lower_priority, lower_priority_of_new, started_threads
 from .transfer import Chunks, SentFiles, adopt_commit, buffers, open_files
+from . import live
 from .wire import Wire
 
 log = logging.getLogger(__name__)
@@ -142,8 +142,7 @@ class Replicator:
                 thread.start()
                 self._queues.append(q)
                 self._threads.append(thread)
-            with _LIVE_LOCK:
-                _LIVE.add(self)
+            live.add(self)
 
     def _node_name(self, node: int) -> str:
         return self.plan.nodes[node]
@@ -245,8 +244,7 @@ class Replicator:
                     f"when that transfer fails (a transfer step waits at most {self._timeout.total_seconds():g}s)"
                 )
         self._queues, self._threads = [], []
-        with _LIVE_LOCK:
-            _LIVE.discard(self)
+        live.discard(self)
         return cut
 
     # -- the sending side --------------------------------------------------------------------------------
@@ -401,25 +399,6 @@ class Replicator:
             if incoming is not None:
                 incoming.abort()
         return failure
-
-
-_LIVE: set[Replicator] = set()
-"""Replicators whose threads run (the exit hook below stops those nobody closed)."""
-_LIVE_LOCK = threading.Lock()
-
-
-def _close_at_exit() -> None:
-    """Stop the threads of replicators nobody closed (the saver's exit drain, which runs before this
-    hook, closes its own after waiting for them), so that the interpreter's exit does not wait for them."""
-    with _LIVE_LOCK:
-        live = list(_LIVE)
-    for replicator in live:
-        for line in replicator.close(0.0, "the process exited"):
-            sys.stderr.write(line + "\n")
-
-
-threading._register_atexit(_close_at_exit)  # type: ignore[attr-defined]  # before the threads are joined
-os.register_at_fork(after_in_child=_LIVE.clear)  # a forked child has none of its parent's threads
 
 
 def _settled(job: _Job) -> bool:

@@ -16,6 +16,7 @@ import crc32c
 
 from ..backends.base import ObjectWriter
 from ..errors import CheckpointError
+from . import ledger
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +39,10 @@ class WrittenCrc:
     Bytes that arrive from elsewhere (a peer's replica) are always checksummed here: that is the check.
     """
 
-    def __init__(self, uri: str) -> None:
+    def __init__(self, uri: str, tier: ledger.Tier) -> None:
         self._uri = uri
+        self._tier = tier
+        """The tier the bytes land in (counted in :mod:`.ledger`)."""
         self.size = 0
         self._crc: int | None = 0
         """The CRC of the bytes so far; ``None`` once the producer states it instead."""
@@ -61,7 +64,9 @@ class WrittenCrc:
         """Count ``data`` and checksum it (unless stated), in the calling thread."""
         if self._crc is not None:
             self._crc = crc32c.crc32c(data, self._crc)
-        self.size += memoryview(data).nbytes
+        nbytes = memoryview(data).nbytes
+        self.size += nbytes
+        ledger.landed(self._tier, nbytes)
 
     async def add_async(self, data: bytes | memoryview) -> None:
         """:meth:`add`, with large checksums in a worker thread (off the event loop)."""
@@ -69,6 +74,7 @@ class WrittenCrc:
         if self._crc is not None and nbytes >= _THREAD_CRC_BYTES:
             self._crc = await asyncio.to_thread(crc32c.crc32c, data, self._crc)
             self.size += nbytes
+            ledger.landed(self._tier, nbytes)
         else:
             self.add(data)
 
