@@ -356,7 +356,7 @@ class Replicator:
             self._await_bye(src)
             return
         sizes = [min(self._chunk, e.size - o) for _, e in manifest.files for o in range(0, e.size, self._chunk)]
-        chunks = Chunks(sizes, bufs, lambda view: dist.irecv(view, src, group=self._pg, tag=_TAG_DATA), self._wait)
+        chunks = Chunks(sizes, bufs, lambda view: dist.irecv(view, src, group=self._pg, tag=_TAG_DATA), self._wire.wait)
         failures = [f for key, entry in manifest.files if (f := self._receive_file(tier, key, entry, chunks))]
         if not failures:
             try:
