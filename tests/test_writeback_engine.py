@@ -82,3 +82,20 @@ def test_the_ledger_counts_each_tier_once_per_byte(tmp_path: Path, monkeypatch) 
     got = tierckpt.load(f"local://{tmp_path / 'remote'}", storage_options={"memory": False, "cache": False})
     assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
     assert os.path.isdir(tmp_path / "mem")
+
+
+def test_the_drain_names_the_uploads_the_journal_still_owes(tmp_path: Path) -> None:
+    """An upload that cannot land (the remote's directory is a file) stays in the node cache's journal,
+    owned by this process: the engine's exit drain names its store and the command that finishes it."""
+    (tmp_path / "blocked").write_text("a file where the remote's directory should be")
+    uri = f"local://{tmp_path / 'blocked' / 'remote'}"
+    cached = store.open_store(uri, {"memory": False, "cache": CacheConfig(directory=str(tmp_path / "cache"))})
+    sched = tierckpt.io.scheduler.get_scheduler()
+    sched.run(cached.put("g-00000001-0000000000001-aaaa/data/x.bin", b"x" * 100))
+    lines = [line for line in store.drain_write_back(10.0) if uri in line]
+    assert len(lines) == 1 and "1 upload(s)" in lines[0] and f"tierckpt sync {uri}" in lines[0], lines
+    assert "failed:" in lines[0], lines
+    outstanding = cached.catalog.outstanding(cached.rh)
+    assert [o.key for o in outstanding] == ["g-00000001-0000000000001-aaaa/data/x.bin"] and outstanding[0].error
+    sched.run(cached.drop_pending())
+    assert [line for line in store.drain_write_back(1.0) if uri in line] == []
