@@ -109,8 +109,7 @@ class WriteDown:
 
     def _same_tier(self) -> list[WriteDown]:
         """This process's write-downs of the same tier (one per store opened on the URI)."""
-        with _ACTIVE_LOCK:
-            return [w for w in _ACTIVE if w.link.memory_tier.home == self.link.memory_tier.home]
+        return _writedowns(self.link.memory_tier.home)
 
     def pending(self) -> list[concurrent.futures.Future[None]]:
         jobs = [j.future for j in (*self.files.values(), *self.commits.values())]
@@ -386,8 +385,7 @@ class WriteDown:
 async def drop_tier(home: str) -> None:
     """Stop every write-down of this process from the tier at ``home`` (its URI is being deleted) and
     wait for the attempts in flight."""
-    with _ACTIVE_LOCK:
-        peers = [w for w in _ACTIVE if w.link.memory_tier.home == home]
+    peers = _writedowns(home)
     jobs = [j for w in peers for j in (*w.files.values(), *w.commits.values())]
     for job in jobs:
         job.dropped = True
@@ -398,6 +396,12 @@ async def drop_tier(home: str) -> None:
         w.commits.clear()
         w.failures.clear()
         w.corrupt.clear()
+
+
+def _writedowns(home: str) -> list[WriteDown]:
+    """This process's write-downs from the tier at ``home``."""
+    with _ACTIVE_LOCK:
+        return [w for w in _ACTIVE if isinstance(w, WriteDown) and w.link.memory_tier.home == home]
 
 
 def _running(job: _Job | None) -> bool:
