@@ -99,3 +99,27 @@ def test_the_drain_names_the_uploads_the_journal_still_owes(tmp_path: Path) -> N
     assert [o.key for o in outstanding] == ["g-00000001-0000000000001-aaaa/data/x.bin"] and outstanding[0].error
     sched.run(cached.drop_pending())
     assert [line for line in store.drain_write_back(1.0) if uri in line] == []
+
+
+def test_a_failed_save_leaves_the_tier_of_a_node_that_did_not_commit_it(tmp_path: Path) -> None:
+    """``drop_uncommitted`` (every rank of a failed save): the node's files of the generation leave its
+    memory tier and their write-downs stop; a generation the tier's COMMIT names is kept; a chain without
+    a memory tier does nothing."""
+    from tierckpt import layout
+
+    link = store.open_store(str(tmp_path / "remote"), {"memory": MemoryConfig(directory=str(tmp_path / "mem"))})
+    tier = store.memory_tier_of(link)
+    assert tier is not None
+    sched = tierckpt.io.scheduler.get_scheduler()
+    failed, kept = "g-00000002-0000000000002-bbbb", "g-00000001-0000000000001-aaaa"
+    sched.run(link.put(f"{kept}/data/rank-00001.bin", b"k" * 100))
+    sched.run(link.commit(layout.COMMIT, layout.CommitRecord(kept, 1.0, seq=1).encode(), expected=None))
+    sched.run(link.put(f"{failed}/data/rank-00001.bin", b"f" * 100))
+    assert tier.keys_of(failed) == [f"{failed}/data/rank-00001.bin"]
+    sched.run(link.drop_uncommitted(failed))
+    sched.run(link.drop_uncommitted(kept))
+    assert tier.keys_of(failed) == [] and not link.writedown.files.get(f"{failed}/data/rank-00001.bin")
+    assert tier.keys_of(kept) == [f"{kept}/data/rank-00001.bin"]
+    assert sched.run(link.get(f"{kept}/data/rank-00001.bin")) == b"k" * 100
+    plain = _chain(tmp_path, memory=False, cache=False)
+    sched.run(plain.drop_uncommitted(failed))  # no tier: nothing to drop, no error

@@ -305,6 +305,11 @@ class Backend(abc.ABC):
         whether any was dropped."""
         return False
 
+    async def drop_uncommitted(self, generation: str) -> None:
+        """A save of ``generation`` failed (its commit did not land): drop what this node's tiers hold of it
+        and stop writing it down, leaving the chain below to the rank that withdraws the commit. Every
+        rank of a failed save calls it, so no node keeps the generation."""
+
 
 class Link(Backend):
     """A backend that wraps the chain :attr:`below` it (zarr's ``WrapperStore``): the capability hooks pass
@@ -332,3 +337,6 @@ class Link(Backend):
 
     async def forget_cached(self, key: str, start: int, end: int) -> bool:
         return await self.below.forget_cached(key, start, end)
+
+    async def drop_uncommitted(self, generation: str) -> None:
+        await self.below.drop_uncommitted(generation)

@@ -52,7 +52,7 @@ from .mapped import MappedFile, is_spare, open_mapped, prepare_in_background
 from .memory import MemoryTier
 from .nodememory import NodeMemory
 from .roots import commit_seq, record_of, tier_uri
-from .withdraw import withdraw
+from .withdraw import drop_uncommitted, withdraw
 from .nospace import is_no_space, no_space_error
 from .linkdeletes import delete_from
 from .writedown import WriteDown
@@ -375,6 +375,10 @@ class MemoryLink(Link):
         durable = durability_of(self.below)
         if durable is not None:
             await durable.wait_durable(generation, timeout_s, through_outage=through_outage)
+
+    async def drop_uncommitted(self, generation: str) -> None:
+        """This node's part of a failed save leaves the tier (see :func:`.withdraw.drop_uncommitted`)."""
+        await drop_uncommitted(self, generation)
 
     async def withdraw(self, generation: str, record: bytes, base: bytes | None) -> list[str] | None:
         """Take back a commit that was not written down (:class:`tierckpt.store.Revocable`; :mod:`.withdraw`)."""

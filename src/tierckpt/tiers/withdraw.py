@@ -50,6 +50,22 @@ async def withdraw(link: Withdrawing, generation: str, record: bytes, base: byte
     return failures
 
 
+async def drop_uncommitted(link: Withdrawing, generation: str) -> None:
+    """A save of ``generation`` failed on its committing rank (which withdraws the commit on its own node):
+    on every other node the generation's write-downs stop and its files leave the tier, unless the tier's
+    ``COMMIT`` names it (then it was committed after all: nothing is dropped). The chain below is left to
+    the committing rank."""
+    name = generation.rstrip("/").rpartition("/")[2]
+    record = await asyncio.to_thread(link.memory_tier.committed)
+    if record is not None and record.generation == name:
+        return
+    await link.writedown.cancel(f"{name}/", exact=False)
+    await asyncio.to_thread(link.memory_tier.evict, name)
+    await asyncio.to_thread(link.down.forget, name)
+    link.forget_keys(name)
+    await link.below.drop_uncommitted(generation)
+
+
 def _drop_from_tier(link: LinkView, name: str, record: bytes, base: bytes | None) -> None:
     tier = link.memory_tier
     previous = CommitRecord.decode(base).generation if base is not None else None
