@@ -42,9 +42,14 @@ def test_one_level_type_for_every_status_and_the_saver() -> None:
 def test_both_links_drain_through_the_one_exit_drain() -> None:
     """The memory tier's write-downs and the node cache's uploads are both in the engine's drain, the
     memory tier first (it feeds the cache)."""
-    depths = [d.depth for d in exit_drain._drainers()]
+    from tierckpt.tiers import downdrain
+
+    drainers = exit_drain._drainers()
+    depths = [d.depth for d in drainers]
     assert depths == sorted(depths) and {0, 1} <= set(depths)
-    assert store.drain_write_back(0.0) == []
+    assert type(drainers[depths.index(0)]).__module__ == downdrain.__name__
+    assert type(drainers[depths.index(1)]).__module__ == store.__name__
+    assert store.exit_wait_s() == exit_drain.exit_wait_s()
 
 
 def test_the_hooks_answer_for_the_chain(tmp_path: Path) -> None:
