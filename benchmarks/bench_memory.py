@@ -24,6 +24,8 @@ the memory directories under ``/dev/shm``), so each node's files are replicated 
   written down, and only one in ``--persist-every``, the others ``persist=False``), DCP ``async_save`` —
   as the percentage by which the loop is slower than without checkpoints.
 * **memory**: peak RSS above the state's and the bytes in the memory tier after the saves, per node.
+* **bytes** (``--parts bytes``, not run by default): the node tiers' bytes per checkpoint byte, landed and
+  read back per tier (:mod:`bench_node_bytes`, one process, ``--gib`` of state).
 """
 
 from __future__ import annotations
@@ -337,12 +339,19 @@ def main() -> None:
                     help="the training loop's memory-only mode writes down every N-th checkpoint (persist=False between)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds any one group of ranks may take")
     ap.add_argument("--parts", default="save,recovery,training",
-                    help="comma-separated parts to run (save, recovery, training); recovery needs save")
+                    help="comma-separated parts to run (save, recovery, training, bytes); recovery needs save")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    if not parts <= {"save", "recovery", "training"} or ("recovery" in parts and "save" not in parts):
-        ap.error(f"--parts {args.parts!r}: name some of save, recovery, training (recovery needs save)")
+    if not parts <= {"save", "recovery", "training", "bytes"} or ("recovery" in parts and "save" not in parts):
+        ap.error(f"--parts {args.parts!r}: name some of save, recovery, training, bytes (recovery needs save)")
+    if "bytes" in parts:
+        import bench_node_bytes
+
+        mib = int(args.gib * 1024)
+        C.publish(bench_node_bytes.table(mib, bench_node_bytes.run(mib)), args.out, "bench_node_bytes")
+        if parts == {"bytes"}:
+            return
     disk = C.scratch_dir("tierckpt-bench-memory-")
     memory_root = f"/dev/shm/tierckpt-bench-{os.getpid()}"
     try:

@@ -529,7 +529,7 @@ def test_node_cache_records_the_crc_stated_by_the_save(
     CRC of the cached file, the upload verifies against it, and the checkpoint loads back bit-exact."""
     import crc32c
 
-    from tierckpt.tiers.written import WrittenCrc
+    from tierckpt.writeback.written import WrittenCrc
 
     stated: list[int] = []
     state_crc, add_async = WrittenCrc.state, WrittenCrc.add_async

@@ -1,8 +1,8 @@
 """The import graph of ``src/tierckpt``, read with ``ast``: no cycles, and a list of lazy imports.
 
 Every ``import``/``from ... import`` of a project module counts, at module level or inside a function
-(a lazy import still closes a cycle, it only defers it); imports under ``if TYPE_CHECKING:`` never
-run and do not count. Importing ``tierckpt.a.b`` from outside the package ``tierckpt.a`` also runs
+(a lazy import still closes a cycle, it only defers it), and so does one under ``if TYPE_CHECKING:``
+(it never runs, but the two modules still know each other: a protocol in the lower one breaks it). Importing ``tierckpt.a.b`` from outside the package ``tierckpt.a`` also runs
 ``tierckpt/a/__init__.py``, so that edge is added too. A cycle fails with its chain of modules and
 the file and line of each import.
 """
@@ -30,9 +30,12 @@ class Edge:
     line: int
     lazy: bool
     named: str = ""
+    typing_only: bool = False
+    """Under ``if TYPE_CHECKING:`` (it closes a cycle all the same)."""
 
     def __str__(self) -> str:
-        return f"{self.importer} -> {self.imported} ({self.file}:{self.line}{', lazy' if self.lazy else ''})"
+        how = ", lazy" if self.lazy else ", TYPE_CHECKING" if self.typing_only else ""
+        return f"{self.importer} -> {self.imported} ({self.file}:{self.line}{how})"
 
 
 def _module_name(path: Path) -> str:
@@ -76,7 +79,7 @@ def _with_packages(importer: str, target: str) -> list[str]:
 
 
 def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    """ids of the import nodes under ``if TYPE_CHECKING:`` (never executed)."""
+    """ids of the import nodes under ``if TYPE_CHECKING:`` (never executed, counted all the same)."""
     skipped: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
@@ -87,7 +90,7 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
 def _edges_of(module: str) -> list[Edge]:
     path = MODULES[module]
     tree = ast.parse(path.read_text(), str(path))
-    skipped = _type_checking_nodes(tree)
+    typing_only = _type_checking_nodes(tree)
     lazy_nodes = {
         id(n)
         for fn in ast.walk(tree)
@@ -96,11 +99,12 @@ def _edges_of(module: str) -> list[Edge]:
     }
     edges = []
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
             for target in _targets(module, node):
                 for imported in _with_packages(module, target):
                     file = str(path.relative_to(SRC.parent))
-                    edges.append(Edge(module, imported, file, node.lineno, id(node) in lazy_nodes, target))
+                    edges.append(Edge(module, imported, file, node.lineno, id(node) in lazy_nodes, target,
+                                      id(node) in typing_only))
     return edges
 
 
@@ -194,8 +198,18 @@ def test_the_walk_sees_the_package() -> None:
     assert ("tierckpt.manager", "tierckpt.io.scheduler") in pairs and ("tierckpt.manager", "tierckpt.io") in pairs
     assert not any(e.importer == e.imported for e in EDGES)
     assert any(e.lazy for e in EDGES) and any(not e.lazy for e in EDGES)
-    assert not any(e.importer == "tierckpt.cli" and e.imported == "tierckpt.loader" and not e.lazy for e in EDGES), \
-        "cli.py's TYPE_CHECKING import of loader must not count"
+    assert any(e.typing_only for e in EDGES), "the walk must see the TYPE_CHECKING imports (they count)"
+
+
+def test_a_type_checking_import_closes_a_cycle() -> None:
+    """Guards the walk: an import under ``if TYPE_CHECKING:`` is an edge (it closes a cycle like any other)."""
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .keys import X\n")
+    (imp,) = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "keys"]
+    assert id(imp) in _type_checking_nodes(tree)
+    a, b = "tierckpt.layout", "tierckpt.keys"
+    edges = [Edge(a, b, "x.py", 1, False), Edge(b, a, "y.py", 3, False, typing_only=True)]
+    (cycle,) = _cycles(edges)
+    assert "TYPE_CHECKING" in _report([cycle])
 
 
 def test_cycle_finder_reports_a_chain() -> None:
@@ -210,6 +224,16 @@ def test_cycle_finder_reports_a_chain() -> None:
 def test_no_import_cycle() -> None:
     cycles = _cycles(EDGES)
     assert not cycles, _report(cycles)
+
+
+def test_the_node_tiers_do_not_import_each_other() -> None:
+    """The node disk cache and the memory tier are links on the write-back engine (``tierckpt.writeback``):
+    what they share lives there, and neither package imports the other (TYPE_CHECKING imports included)."""
+    crossing = [e for e in EDGES for a, b in (("cache", "tiers"), ("tiers", "cache"))
+                if e.importer.startswith(f"tierckpt.{a}.") and e.imported.startswith(f"tierckpt.{b}")]
+    assert not crossing, "\n".join(map(str, crossing))
+    assert not [e for e in EDGES if e.importer.startswith("tierckpt.writeback") and
+                e.imported.startswith(("tierckpt.cache", "tierckpt.tiers"))], "the engine imports neither link"
 
 
 def test_lazy_imports_are_listed() -> None:

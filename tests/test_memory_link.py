@@ -358,8 +358,8 @@ def test_ranks_of_a_node_share_its_tier(dist_pool: Any, tmp_path: Path, memdir: 
 def test_manager_retention_with_async_saves_leaves_nothing_pending(tmp_path: Path, memdir: Path) -> None:
     """Retention deletes a step whose write-down may still run (through another store of its URI): that
     write-down stops, nothing of the deleted step lands below afterwards, and no write-down is left."""
-    from tierckpt.tiers import writedown
-    from tierckpt.tiers.memory import NodeMemory
+    from tierckpt.tiers import downdrain
+    from tierckpt.tiers.nodememory import NodeMemory
 
     root = str(tmp_path / "run")
     config = mem(memdir)
@@ -367,10 +367,10 @@ def test_manager_retention_with_async_saves_leaves_nothing_pending(tmp_path: Pat
     for step in range(1, 4):
         manager.save(step, state() if step % 2 else other_state())
     manager.wait_durable(timeout_s=120)
-    for w in list(writedown._ACTIVE):  # deferred deletes below run after the last COMMIT write-down
+    for w in list(downdrain.ACTIVE):  # deferred deletes below run after the last COMMIT write-down
         for job in w.pending():
             job.result(timeout=60)
-    assert writedown.drain(0) == []
+    assert downdrain.drain(0) == []
     assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["LATEST", "step-00000003"]
     in_memory = {t.uri: t.committed() for t in NodeMemory(config).tiers()}
     assert [u for u, record in in_memory.items() if record is not None] == [manager.uri_of(3)]

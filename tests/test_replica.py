@@ -222,7 +222,7 @@ def test_a_peers_commit_is_adopted_only_when_newer_and_without_an_event_loop(tmp
 
     from tierckpt.layout import COMMIT, CommitRecord
     from tierckpt.tiers.config import MemoryConfig
-    from tierckpt.tiers.memory import NodeMemory
+    from tierckpt.tiers.nodememory import NodeMemory
     from tierckpt.tiers.transfer import adopt_commit
 
     tier = NodeMemory(MemoryConfig(directory=str(tmp_path / "shm"), budget_bytes=1 << 20)).tier("s3://b/run")

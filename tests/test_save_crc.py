@@ -30,7 +30,7 @@ from tierckpt.tiers import MemoryConfig, mapped
 from tierckpt.tiers import memory as memory_module
 from tierckpt.tiers.manifest import FileEntry
 from tierckpt.tiers.memory import MemoryTier, file_crc
-from tierckpt.tiers.written import WrittenCrc
+from tierckpt.writeback.written import WrittenCrc
 
 GEN = "g-00000001-0000000000001-abcdef012345"
 

@@ -27,7 +27,7 @@ from .backends import Backend
 from .call_args import merged_options
 from .bounded import MAX_RECORD_BYTES
 from .cache.config import CacheConfig
-from .cache.status import StoreStatus
+from .writeback.status import StoreStatus
 from .cache.tiered import TieredBackend
 from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import get_scheduler
@@ -36,8 +36,10 @@ from .progress import ByteProgress, wanted
 from .store import memory_config_for, open_cached_store, open_store, uploader_of
 from .tiers.config import MemoryConfig
 from .tiers.downlog import DownLog
-from .tiers.link import MemoryLink, tier_uri
-from .tiers.memory import MemoryTier, NodeMemory
+from .tiers.link import MemoryLink
+from .tiers.roots import tier_uri
+from .tiers.memory import MemoryTier
+from .tiers.nodememory import NodeMemory
 
 def open_tiered(uri: str, config: CacheConfig | None = None, *, storage_options: Mapping[str, Any] | None = None,
                 **options_kw: Any) -> Backend:

@@ -58,7 +58,8 @@ from .saver import SaveHandle, async_save, save
 from .store import (
     durability_of, memory_config_for, memory_keys_under, memory_levels, memory_tier_of, node_only_reason, open_store,
 )
-from .tiers.levels import Level, recorded_level
+from .tiers.levels import recorded_level
+from .writeback.levels import Level
 
 LATEST = "LATEST"
 AWAITED_STEPS = 8

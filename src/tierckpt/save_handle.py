@@ -13,9 +13,10 @@ from .metadata import CheckpointMeta
 from .monitor import Monitor
 from .store import durability_of
 from .tiers.replication import Replication
+from .writeback.levels import WAITABLE
 
-LEVELS = ("memory", "replicated", "remote")
-"""The durability levels :meth:`SaveHandle.wait` waits for."""
+LEVELS = WAITABLE
+"""The durability levels :meth:`SaveHandle.wait` waits for (:class:`tierckpt.writeback.levels.Level`)."""
 
 
 class SaveHandle:

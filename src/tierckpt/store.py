@@ -13,10 +13,9 @@ node memory first?" are decided here, once, each by one rule (:func:`cache_confi
         ScheduledBackend (slots, retries)
           the URI's backend (local, memory://, S3, fsspec)
 
-Durability is an optional protocol (:class:`Durable`): a write-back store acknowledges a write once it
-is durable on this node and uploads it behind; callers that hold such a store ask it with
-:func:`durability_of` and call ``wait_durable`` / ``status`` / ``sync`` on it. A store without the
-protocol is durable where its URI points when a write returns.
+Both write-back links run on the engine of :mod:`tierckpt.writeback`: its one durability answer
+(:class:`Durable`, asked with :func:`durability_of`), its one exit drain (:func:`drain_write_back`) and
+its one level type. A store without the protocol is durable where its URI points when a write returns.
 
 Adding a link: write it as a ``Backend`` wrapper (one file, under ``cache/`` or beside it) and add one
 line to :func:`open_store` that wraps the chain built so far.
@@ -26,21 +25,22 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from .backends import Backend, LocalBackend, open_plain_backend, split_uri
 from .cache.config import CacheConfig
-from .cache.status import StoreStatus
 from .cache.tiered import TieredBackend
 from .cache.uploader import Uploader
 from .errors import CheckpointError, StorageError
 from .io.scheduled import ScheduledBackend
 from .io.scheduler import get_scheduler
-from .tiers import writedown
 from .tiers.config import MemoryConfig, memory_enabled_from_env
-from .tiers.link import MemoryLink, committed_under
-from .tiers.linkstatus import LinkStatus
-from .tiers.memory import MemoryTier, NodeMemory
+from .tiers.link import MemoryLink
+from .tiers.roots import committed_under
+from .tiers.memory import MemoryTier
+from .tiers.nodememory import NodeMemory
+from .writeback import drain as exit_drain
+from .writeback.durability import Durable, Revocable, durability_of, revocable_of
 
 __all__ = [
     "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s", "forget_cached",
@@ -60,36 +60,6 @@ builds over it (its catalogue handle, one task per pending key, one upload limit
 Dropped in a forked child."""
 _INHERITED: dict[str, Uploader] = {}
 """In a forked child: the parent's uploaders, kept untouched (their LMDB handles are unusable here)."""
-
-
-@runtime_checkable
-class Durable(Protocol):
-    """What a write-back store offers about the durability of what was written through it."""
-
-    async def wait_durable(self, generation: str | None = None, timeout_s: float | None = None, *,
-                           through_outage: bool = True) -> None:
-        """Wait until every write (of ``generation``) reached the remote; raise when one failed for good,
-        at ``timeout_s``, or (``through_outage=False``) as soon as one failed at all."""
-
-    async def status(self) -> StoreStatus:
-        """The committed generation on this node and on the remote, and what is still pending."""
-
-    async def sync(self, timeout_s: float | None = None) -> None:
-        """Resume writes left pending by this or a dead process, then :meth:`wait_durable`."""
-
-
-@runtime_checkable
-class Revocable(Protocol):
-    """A write-back store that can take back a commit whose upload failed (the node cache)."""
-
-    async def withdraw(self, generation: str, record: bytes, base: bytes | None) -> list[str] | None:
-        """Make ``generation`` (committed on this node by ``record``) committed nowhere, this node's view of
-        COMMIT back to ``base``; why its uploads failed, or ``None`` when ``record`` reached the remote."""
-
-
-def revocable_of(store: Backend) -> Revocable | None:
-    """``store`` itself when it can take back a failed commit (:class:`Revocable`), else ``None``."""
-    return store if isinstance(store, Revocable) else None
 
 
 def cache_config_for(uri: str, cache: Any = None) -> CacheConfig | None:
@@ -137,8 +107,9 @@ def memory_config_for(uri: str, memory: Any = None) -> MemoryConfig | None:
 
 
 def memory_tier_of(store: Backend) -> MemoryTier | None:
-    """The node memory tier at the top of ``store``'s chain, or ``None`` when the tier is off."""
-    tier = getattr(store, "memory_tier", None)
+    """The node memory tier of ``store``'s chain (its :meth:`~Backend.node_memory_tier` hook), or ``None``
+    when the tier is off."""
+    tier = store.node_memory_tier()
     return tier if isinstance(tier, MemoryTier) else None
 
 
@@ -194,10 +165,7 @@ def identity_of(uri: str, store: Backend) -> str:
     the URI without a trailing slash and, when it differs, where the chain ends: a local root's absolute
     path (a relative path is relative to each process's working directory), a remote's bucket at its
     endpoint (ranks given different endpoints would write different stores)."""
-    while True:  # down the chain: memory link, node cache, scheduling link, to the URI's own backend
-        below = getattr(store, "below", None) or getattr(store, "remote", None) or getattr(store, "inner", None)
-        if not isinstance(below, Backend):
-            break
+    while (below := store.next_link()) is not None:  # down the chain to the URI's own backend
         store = below
     name = uri.rstrip("/") or uri
     if not isinstance(store, LocalBackend):
@@ -208,42 +176,49 @@ def identity_of(uri: str, store: Backend) -> str:
 def without_node_cache(store: Backend) -> Backend:
     """``store``'s chain below the node cache: its scheduling link over the URI's own backend (what reads
     a torch DCP directory in place, which DCP rewrites in place, so cached bytes could be stale)."""
-    if isinstance(store, MemoryLink):  # a DCP directory has no generation: the link would only pass it through
-        store = store.below
-    return store.link if isinstance(store, TieredBackend) else store
+    return store.without_node_cache()
 
 
 def forget_cached(store: Backend, ranges: set[tuple[str, int, int]]) -> bool:
     """Drop the node cache's copies of ``ranges`` (``(key, start, end)`` of ``store``) that failed their
     checksums, so they are read again from below (:meth:`TieredBackend.forget_cached`); ``True`` if the
     chain has a node cache and it dropped any."""
-    cache = store.below if isinstance(store, MemoryLink) else store
-    if not isinstance(cache, TieredBackend) or not ranges:
+    if not ranges:
         return False
     sched = get_scheduler()
-    return any([sched.run(cache.forget_cached(key, start, end)) for key, start, end in sorted(ranges)])
+    return any([sched.run(store.forget_cached(key, start, end)) for key, start, end in sorted(ranges)])
 
 
-def durability_of(store: Backend) -> Durable | None:
-    """``store`` itself when it is write-back (offers :class:`Durable`), else ``None``."""
-    return store if isinstance(store, Durable) else None
+class _NodeCacheDrain:
+    """This process's uploads of every node-cache directory in the engine's exit drain (below the memory
+    tier, whose write-downs feed them: drained after it)."""
+
+    depth = 1
+
+    def exit_wait_s(self) -> float:
+        return max((u.exit_wait_s for u in _UPLOADERS.values()), default=0.0)
+
+    def drain(self, timeout_s: float) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        lines: list[str] = []
+        for uploader in list(_UPLOADERS.values()):
+            lines += uploader.drain(max(0.0, deadline - time.monotonic()))
+        return lines
+
+
+exit_drain.register(_NodeCacheDrain())
 
 
 def exit_wait_s() -> float:
-    """How long the exit drain may wait: the longest ``exit_wait_s`` of the caches this process opened
-    and of the memory tiers it has write-downs from."""
-    return max([u.exit_wait_s for u in _UPLOADERS.values()] + [writedown.exit_wait_s()])
+    """How long the exit drain may wait: the longest ``exit_wait_s`` of this process's write-back links."""
+    return exit_drain.exit_wait_s()
 
 
 def drain_write_back(timeout_s: float) -> list[str]:
-    """Wait up to ``timeout_s`` in all for this process's write-backs (memory tier write-downs first,
-    then the node cache's uploads, which they feed); one line per store left pending, naming the
-    command that finishes it (the saver's exit drain prints them)."""
-    deadline = time.monotonic() + timeout_s
-    lines: list[str] = writedown.drain(timeout_s)
-    for uploader in list(_UPLOADERS.values()):
-        lines += uploader.drain(max(0.0, deadline - time.monotonic()))
-    return lines
+    """Wait up to ``timeout_s`` in all for this process's write-backs (the engine's one exit drain:
+    memory tier write-downs first, then the node cache's uploads, which they feed); one line per store
+    left pending, naming the command that finishes it (the saver's exit drain prints them)."""
+    return exit_drain.drain(timeout_s)
 
 
 def node_only_reason(store: Backend) -> str | None:
@@ -263,7 +238,7 @@ def node_only_reason(store: Backend) -> str | None:
     else:
         remote = "the remote has no COMMIT"
     uploads = f"{len(st.pending_keys)} upload(s) pending" + (f", failing: {st.errors[0]}" if st.errors else "")
-    where = "memory tier" if isinstance(st, LinkStatus) and st.in_memory and not st.written_down else "cache"
+    where = "memory tier" if st.only_in_memory else "cache"
     return (f"generation {st.generation} is committed in this node's {where} only ({remote}; {uploads}); "
             f"finish it with: tierckpt sync {st.uri}")
 
@@ -271,10 +246,11 @@ def node_only_reason(store: Backend) -> str | None:
 def memory_levels(store: Backend) -> dict[str, bool] | None:
     """``{level: reached}`` (memory, replicated, local, remote) of what ``store`` shows as committed, when
     its chain has the node memory tier (``None`` otherwise); ``ls`` and the manager report them."""
-    if memory_tier_of(store) is None or durability_of(store) is None:
+    durable = durability_of(store)
+    if memory_tier_of(store) is None or durable is None:
         return None
-    st = get_scheduler().run(durability_of(store).status())  # type: ignore[union-attr]
-    return {level: reached for level, reached, _ in st.levels()} if isinstance(st, LinkStatus) else None
+    levels = get_scheduler().run(durable.status()).levels()
+    return {level: reached for level, reached, _ in levels} if levels else None
 
 
 def memory_keys_under(root: str, memory: Any = None) -> list[str]:

@@ -19,6 +19,14 @@ makes the check and the write one step: local files, a ``flock`` held across rea
 (released by process death); memory, a lock; S3, conditional writes (``If-None-Match: *``,
 ``If-Match: <ETag>``). Other fsspec file systems can do neither: they check, then write (a documented
 limitation: two writers racing there may both succeed).
+
+A store is a chain: the URI's backend, wrapped in *links* (:class:`Link`, zarr's ``WrapperStore``), each
+with one job (scheduling, the node disk cache, the node memory tier). Code above the chain asks a store
+for what it needs through the *capability hooks* every backend has (:meth:`Backend.uri_of`,
+:meth:`~Backend.next_link`, :meth:`~Backend.node_memory_tier`, :meth:`~Backend.keep_in_memory`,
+:meth:`~Backend.mapped_writer`, :meth:`~Backend.without_node_cache`, :meth:`~Backend.forget_cached`):
+a plain backend answers "not here", a link passes them down unless it answers them itself. Nobody
+above the chain asks which class a link is or probes it for attributes.
 """
 
 from __future__ import annotations
@@ -264,3 +272,71 @@ class Backend(abc.ABC):
 
     async def close(self) -> None:
         """Release connections and handles held by the backend."""
+
+    # -- capability hooks of the chain (a plain backend: "not here"; links override) ------------
+    def uri_of(self, key: str) -> str:
+        """The full URI of ``key`` (for messages)."""
+        return f"{self.root_uri.rstrip('/')}/{key}"
+
+    def next_link(self) -> Backend | None:
+        """The store this one wraps (``None``: this is the URI's own backend, the end of the chain)."""
+        return None
+
+    def node_memory_tier(self) -> Backend | None:
+        """This URI's files in the node memory tier (tmpfs) when the chain has one, else ``None``."""
+        return None
+
+    def keep_in_memory(self, generation: str) -> bool:
+        """Hold ``generation`` in the node memory tier only (``persist=False``); ``False``: the chain has no
+        memory tier, nothing was done."""
+        return False
+
+    def mapped_writer(self, key: str, nbytes: int) -> ObjectWriter | None:
+        """A writer whose ``buffer`` (``nbytes`` of the file's own pages) the caller fills before streaming,
+        or ``None``: use :meth:`open_writer`."""
+        return None
+
+    def without_node_cache(self) -> Backend:
+        """The chain below any node tier (what reads a directory rewritten in place, e.g. torch DCP's)."""
+        return self
+
+    async def forget_cached(self, key: str, start: int, end: int) -> bool:
+        """Drop this node's cached copies of bytes ``[start, end)`` of ``key`` (they failed their checksums);
+        whether any was dropped."""
+        return False
+
+    async def drop_uncommitted(self, generation: str) -> None:
+        """A save of ``generation`` failed (its commit did not land): drop what this node's tiers hold of it
+        and stop writing it down, leaving the chain below to the rank that withdraws the commit. Every
+        rank of a failed save calls it, so no node keeps the generation."""
+
+
+class Link(Backend):
+    """A backend that wraps the chain :attr:`below` it (zarr's ``WrapperStore``): the capability hooks pass
+    down to it unless the link answers them itself. The node tiers are links; a link's job methods
+    (``put``, ``get``...) are its own."""
+
+    def __init__(self, below: Backend, root_uri: str | None = None) -> None:
+        super().__init__(root_uri if root_uri is not None else below.root_uri)
+        self.below = below
+
+    def uri_of(self, key: str) -> str:
+        return self.below.uri_of(key)
+
+    def next_link(self) -> Backend | None:
+        return self.below
+
+    def node_memory_tier(self) -> Backend | None:
+        return self.below.node_memory_tier()
+
+    def keep_in_memory(self, generation: str) -> bool:
+        return self.below.keep_in_memory(generation)
+
+    def without_node_cache(self) -> Backend:
+        return self.below.without_node_cache()
+
+    async def forget_cached(self, key: str, start: int, end: int) -> bool:
+        return await self.below.forget_cached(key, start, end)
+
+    async def drop_uncommitted(self, generation: str) -> None:
+        await self.below.drop_uncommitted(generation)

@@ -9,8 +9,7 @@ API, :mod:`~tierckpt.cache.uploader` this process's uploads per cache directory,
 
 from .catalog import Catalog
 from .config import CacheConfig, parse_bytes
-from .status import Durability, StoreStatus
 from .tiered import TieredBackend
 from .uploader import Uploader
 
-__all__ = ["CacheConfig", "Catalog", "Durability", "StoreStatus", "TieredBackend", "Uploader", "parse_bytes"]
+__all__ = ["CacheConfig", "Catalog", "TieredBackend", "Uploader", "parse_bytes"]

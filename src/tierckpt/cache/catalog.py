@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 import lmdb
 
 from ..layout import generation_path
+from ..writeback.journal import Outstanding, pid_alive
 from .config import cache_error
 from .records import BlockRecord, CommitOrder, Finish, GenRecord, GenState, ObjRecord, Op, PendingOp, Tree
 
@@ -64,18 +65,6 @@ def _open_env(path: str) -> tuple[lmdb.Environment, dict[str, Any]]:
     except (OSError, lmdb.Error) as exc:
         raise cache_error(os.path.dirname(path), f"opening its catalogue {path}", exc) from exc
     return env, dbs
-
-
-def pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _k(*parts: str | int) -> bytes:
@@ -210,6 +199,12 @@ class Catalog:
         with self.env.begin() as txn:
             return {k.split(b"\0", 1)[1].decode(): PendingOp.from_json(v)
                     for k, v in self._scan(txn, "pending", _k(rh, prefix))}
+
+    def outstanding(self, scope: str) -> list[Outstanding]:
+        """The journal protocol (:class:`~tierckpt.writeback.journal.Journal`): root ``scope``'s keys not yet
+        uploaded, each with its live owner and its last failure."""
+        return [Outstanding(key, rec.owner if rec.owner and pid_alive(rec.owner) else None, rec.error)
+                for key, rec in sorted(self.pending_under(scope).items())]
 
     def keys_of_root(self, rh: str) -> set[str]:
         """Every key of root ``rh`` the catalogue has a record of: cached whole or in blocks, or pending."""

@@ -15,9 +15,11 @@ from ..bounded import MAX_RECORD_BYTES
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError
 from ..io.calls import Waiting
 from ..io.scheduler import get_scheduler
-from .catalog import generation_path, pid_alive
+from ..writeback.journal import pid_alive
+from .catalog import generation_path
 from .records import CommitOrder, Op, PendingOp
-from .status import Durability, StoreStatus
+from ..writeback.levels import Level
+from ..writeback.status import StoreStatus
 
 
 class DurableMixin:
@@ -87,7 +89,7 @@ class DurableMixin:
         """What is committed on this node and on the remote, and what is still pending (see :class:`StoreStatus`)."""
         pending = self.catalog.pending_under(self.rh)
         generation: str | None = None
-        state: Durability | None = None
+        state: Level | None = None
         remote_generation, remote_error, unreachable = await self._remote_generation()
         commit = pending.get(layout.COMMIT)
         if commit is not None and commit.op == Op.COMMIT:
@@ -99,9 +101,9 @@ class DurableMixin:
                 generation = None
         if generation is not None:
             # no pending commit: this COMMIT came from the remote (uploaded, or fetched from it)
-            state = Durability.LOCAL if commit is not None else Durability.REMOTE
+            state = Level.LOCAL if commit is not None else Level.REMOTE
         elif any(r.op == Op.PUT for r in pending.values()):
-            state = Durability.STAGED
+            state = Level.STAGED
         return StoreStatus(
             uri=self.root_uri,
             generation=generation,
@@ -150,7 +152,7 @@ class DurableMixin:
             return None
         errors = [f"{self.uri_of(k)}: {r.error}" for k, r in sorted(ours.items()) if r.error]
         for k in [*ours, *([key] if mine else [])]:
-            self._memory.drop(k)
+            self._small.drop(k)
             self._unlink_dropped(k, self.catalog.record_delete(self.rh, k, deferred=False))
         self.catalog.forget_generations(self.rh, name)
         if mine:

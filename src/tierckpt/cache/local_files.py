@@ -1,5 +1,6 @@
-"""The node cache's local pieces that know nothing of remotes: the in-process memory tier and checked
-reads of cached files (worker-thread helpers)."""
+"""The node cache's local pieces that know nothing of remotes: the in-process LRU of small objects
+(:class:`SmallObjects`, not the node memory tier of :mod:`tierckpt.tiers`) and checked reads of cached
+files (worker-thread helpers)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import threading
 import crc32c
 
 
-class MemoryTier:
-    """A thread-safe LRU of whole small objects within one process."""
+class SmallObjects:
+    """A thread-safe LRU of whole small objects within one process (``CacheConfig.memory_bytes``): the
+    node cache's hot small reads (records, metadata) without a file read. Not the node memory tier."""
 
     def __init__(self, budget: int, max_object: int) -> None:
         self._budget = budget

@@ -44,7 +44,7 @@ def _offline(exc: BaseException) -> bool:
 
 class ReadThroughMixin:
     """See the module docstring; it uses the store's ``catalog``, ``rh``, ``link``, ``config``,
-    ``written``/``fetched``/``_blocks`` trees, ``_memory``, ``uploader`` and ``uri_of``/``_tree``/
+    ``written``/``fetched``/``_blocks`` trees, ``_small``, ``uploader`` and ``uri_of``/``_tree``/
     ``_block_key``/``_unlink_dropped``/``_evict``."""
 
     def _not_found(self, key: str) -> CheckpointNotFoundError:
@@ -82,8 +82,8 @@ class ReadThroughMixin:
         validate_key(key)
         if is_mutable(key):
             return False
-        dropped = self._memory.get(key) is not None
-        self._memory.drop(key)
+        dropped = self._small.get(key) is not None
+        self._small.drop(key)
         rec = self.catalog.obj(self.rh, key)
         if rec is not None and not (rec.tree == Tree.WRITTEN and self.catalog.pending(self.rh, key) is not None):
             if self.catalog.drop(self.rh, key, tree=rec.tree):
@@ -141,7 +141,7 @@ class ReadThroughMixin:
             raise self._not_found(key)
         if is_mutable(key) and pending is None:
             return await self._remote_commit_record(key)
-        data = self._memory.get(key)
+        data = self._small.get(key)
         if data is not None:
             return data
         local = await self._local_whole(key)
@@ -152,14 +152,14 @@ class ReadThroughMixin:
                 data = None  # evicted under us
             if data is not None:
                 if not is_mutable(key):
-                    self._memory.put(key, data)
+                    self._small.put(key, data)
                 return data
         size = self.catalog.known_size(self.rh, key)
         if size is not None and size > self.config.block_bytes:
             return await self._range_from_blocks(key, 0, size, size)
         data = await self.link.get(key)
         await self._store_fetched(key, data)
-        self._memory.put(key, data)
+        self._small.put(key, data)
         return data
 
     async def get_capped(self, key: str, cap: int) -> bytes:
@@ -184,7 +184,7 @@ class ReadThroughMixin:
         pending = self.catalog.pending(self.rh, key)
         if pending is not None and pending.op == Op.DELETE:
             raise self._not_found(key)
-        data = self._memory.get(key) if not is_mutable(key) else None
+        data = self._small.get(key) if not is_mutable(key) else None
         if data is None and is_mutable(key):
             data = await self.get(key)
         if data is not None:

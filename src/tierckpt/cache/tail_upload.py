@@ -24,6 +24,8 @@ import crc32c
 
 from ..backends.base import Backend, ObjectWriter
 from ..errors import CheckpointError
+from ..writeback import ledger
+from ..writeback.ledger import Tier
 from ..io.scheduler import OpRecord, Priority, get_scheduler
 
 logger = logging.getLogger("tierckpt.cache")
@@ -92,6 +94,7 @@ class TailUpload:
                     ready = self._written - sent
                     if ready >= part_bytes or (self._sealed and ready > 0):
                         data = await asyncio.to_thread(os.pread, self._fd, min(ready, part_bytes), sent)
+                        ledger.read_back(Tier.NODE_DISK, len(data))
                         if not data:
                             raise CheckpointError(f"the node-cache copy of {self._key!r} shrank while it was uploaded")
                         crc = crc32c.crc32c(data, crc)

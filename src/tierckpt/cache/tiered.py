@@ -56,7 +56,7 @@ from types import MappingProxyType
 import crc32c
 
 from .. import layout
-from ..backends.base import UNCONDITIONAL, Backend, ObjectWriter, ReadsInto, Unconditional, commit_refused
+from ..backends.base import UNCONDITIONAL, Backend, Link, ObjectWriter, ReadsInto, Unconditional, commit_refused
 from ..backends.files import discard, fsync_dir, open_temp, unlink, write_all
 from ..backends.local import LocalBackend
 from ..errors import (
@@ -65,10 +65,12 @@ from ..errors import (
 from ..io.scheduled import ScheduledBackend
 from ..io.scheduler import get_scheduler
 from ..keys import validate_key
-from ..tiers.written import WrittenCrc
+from ..writeback import ledger
+from ..writeback.ledger import Tier
+from ..writeback.written import CrcWriter, WrittenCrc
 from .config import CacheConfig, cache_error
 from .durable import DurableMixin
-from .local_files import MemoryTier
+from .local_files import SmallObjects
 from .readthrough import ReadThroughMixin
 from .records import CommitOrder, Op, PendingOp, Tree
 from .tail_upload import TailUpload
@@ -93,20 +95,13 @@ def cached_path(directory: str, rh: str, key: str, tree: Tree, idx: int | None) 
     return os.path.join(directory, "objects" if tree == Tree.WRITTEN else "fetched", rh, *key.split("/"))
 
 
-class _TieredWriter(ObjectWriter):
+class _TieredWriter(CrcWriter):
     """Streams into a temp file of the local tier; ``close`` publishes it and records the upload."""
 
     def __init__(self, store: TieredBackend, key: str, fd: int, tmp: str, tail: TailUpload | None) -> None:
         self._store, self._key, self._fd, self._tmp, self._tail = store, key, fd, tmp, tail
         self._uri = store.uri_of(key)
-        self._written = WrittenCrc(self._uri)
-
-    def use_stated_crc32c(self) -> bool:
-        """A save's stream states the file's CRC-32C (combined from its pieces'): no second pass here."""
-        return self._written.use_stated()
-
-    def state_crc32c(self, crc32c: int) -> None:
-        self._written.state(crc32c)
+        self._written = WrittenCrc(self._uri, Tier.NODE_DISK)
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
@@ -145,15 +140,16 @@ class _TieredWriter(ObjectWriter):
         await asyncio.to_thread(discard, self._fd, self._tmp)
 
 
-class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Backend):
+class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Link):
     """A write-back, read-through cache in front of ``remote``; see the module docstring."""
 
     schedules_itself = True
     """Its remote calls go through its scheduling link; callers add no slots or retries of their own."""
 
     def __init__(self, remote: Backend, config: CacheConfig, uploader: Uploader) -> None:
-        super().__init__(remote.root_uri)
-        self.link = remote if isinstance(remote, ScheduledBackend) else ScheduledBackend(remote)
+        link = remote if isinstance(remote, ScheduledBackend) else ScheduledBackend(remote)
+        super().__init__(link, remote.root_uri)
+        self.link = link
         """The remote behind its scheduling link (every network call of this tier goes through it)."""
         self.remote = self.link.inner
         self.config = config
@@ -169,15 +165,15 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
         self.written = LocalBackend(os.path.join(d, "objects", self.rh))
         self.fetched = LocalBackend(os.path.join(d, "fetched", self.rh))
         self._blocks = LocalBackend(os.path.join(d, "blocks", self.rh))
-        self._memory = MemoryTier(self.config.memory_bytes, self.config.memory_object_bytes)
+        self._small = SmallObjects(self.config.memory_bytes, self.config.memory_object_bytes)
         self._files_checked: set[str] = set()
 
     def __repr__(self) -> str:
         return f"TieredBackend({self.remote!r}, cache={self.config.directory!r})"
 
-    def uri_of(self, key: str) -> str:
-        uri_of = getattr(self.remote, "uri_of", None)
-        return uri_of(key) if uri_of is not None else f"{self.root_uri.rstrip('/')}/{key}"
+    def without_node_cache(self) -> Backend:
+        """The chain below this cache: its scheduling link over the URI's own backend."""
+        return self.link
 
     def _tree(self, tree: Tree) -> LocalBackend:
         return self.written if tree == Tree.WRITTEN else self.fetched
@@ -197,7 +193,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
         for rh, key, tree, idx in self.catalog.evict(self.config.disk_bytes):
             unlink(cached_path(self.config.directory, rh, key, tree, idx))
             if rh == self.rh:
-                self._memory.drop(key)
+                self._small.drop(key)
 
     # -- writes ------------------------------------------------------------------------------------
     async def _publish_written(self, key: str, fd: int, tmp: str, size: int, crc: int, op: Op,
@@ -227,7 +223,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
             raise cache_error(self.config.directory, f"publishing the cached copy of {self.uri_of(key)} at {path}", exc) from exc
         if tail is not None:
             tail.mark_published(version)
-        self._memory.drop(key)
+        self._small.drop(key)
         self._evict()
         self.schedule(key)
 
@@ -242,6 +238,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
             raise cache_error(self.config.directory, f"opening the cached copy of {self.uri_of(key)} at {path}", exc) from exc
         try:
             await asyncio.to_thread(write_all, fd, view)
+            ledger.landed(Tier.NODE_DISK, view.nbytes)
         except BaseException as exc:
             await asyncio.to_thread(discard, fd, tmp)
             if isinstance(exc, OSError):
@@ -332,7 +329,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Bac
 
     async def delete(self, key: str) -> None:
         validate_key(key)
-        self._memory.drop(key)
+        self._small.drop(key)
         await self._drop_tail(key, self.uploader.tails.get((self.rh, key)))
         deferred = any(
             r.op == Op.COMMIT and k != key for k, r in self.catalog.pending_under(self.rh).items()

@@ -14,9 +14,9 @@ import os
 import time
 
 from ..io.scheduler import get_scheduler
+from ..writeback.journal import Outstanding
 from .catalog import Catalog
 from .local_files import VerifiedFiles
-from .records import PendingOp
 from .tail_upload import TailUpload
 
 EXIT_STALL_S = 5.0
@@ -52,8 +52,8 @@ class Uploader:
             return []  # the directory is gone (a test's temporary cache)
         catalog, me = self.catalog, os.getpid()
 
-        def mine() -> list[tuple[str, PendingOp]]:
-            return [(rh, rec) for rh, _, rec in catalog.pending_all() if rec.owner == me]
+        def mine() -> list[tuple[str, Outstanding]]:  # the journal protocol: what this process still owes
+            return [(rh, o) for rh in catalog.roots() for o in catalog.outstanding(rh) if o.owner == me]
 
         async def wait() -> None:
             deadline = time.monotonic() + timeout_s
@@ -69,10 +69,9 @@ class Uploader:
         if self.tasks:
             get_scheduler().run(wait())
         roots = catalog.roots()
-        left: dict[str, list[PendingOp]] = {}
+        left: dict[str, list[Outstanding]] = {}
         for rh, rec in mine():
-            if rh in roots:
-                left.setdefault(roots[rh], []).append(rec)
+            left.setdefault(roots[rh], []).append(rec)
         lines = []
         for uri, recs in sorted(left.items()):
             errors = [r.error for r in recs if r.error]

@@ -36,7 +36,9 @@ from ..errors import (
 )
 from ..io.scheduled import set_background
 from ..io.scheduler import get_scheduler
-from .catalog import pid_alive
+from ..writeback import ledger
+from ..writeback.journal import pid_alive
+from ..writeback.ledger import Tier
 from .records import Finish, GenState, Op, PendingOp
 
 logger = logging.getLogger("tierckpt.cache")
@@ -223,6 +225,7 @@ class UploadsMixin:
             expected = None if obj is None or obj.size != size else obj.crc
             if size <= UPLOAD_PART_BYTES:
                 data = await asyncio.to_thread(os.pread, fd, size, 0)
+                ledger.read_back(Tier.NODE_DISK, len(data))
                 if expected is not None and crc32c.crc32c(data) != expected:
                     raise self._corrupt_upload(key, path)
                 await self.remote.put(key, data)
@@ -232,6 +235,7 @@ class UploadsMixin:
                 crc = 0
                 for offset in range(0, size, UPLOAD_PART_BYTES):
                     chunk = await asyncio.to_thread(os.pread, fd, min(UPLOAD_PART_BYTES, size - offset), offset)
+                    ledger.read_back(Tier.NODE_DISK, len(chunk))
                     crc = crc32c.crc32c(chunk, crc)
                     await writer.write(chunk)
                 if expected is not None and crc != expected:

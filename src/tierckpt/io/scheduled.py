@@ -62,8 +62,10 @@ class ScheduledBackend(Backend):
         return f"ScheduledBackend({self.inner!r})"
 
     def uri_of(self, key: str) -> str:
-        uri_of = getattr(self.inner, "uri_of", None)
-        return uri_of(key) if uri_of is not None else f"{self.root_uri.rstrip('/')}/{key}"
+        return self.inner.uri_of(key)
+
+    def next_link(self) -> Backend:
+        return self.inner
 
     async def call(self, op: str, fn: Callable[..., Awaitable[_T]], *args: Any, nbytes: int = 0,
                    retries: int = 5, **kwargs: Any) -> _T:

@@ -14,7 +14,8 @@
 from .config import MemoryConfig, MemoryTierFullError, OnFull
 from .eviction import Admission, TierCopy, copy_id, plan_admission
 from .manifest import FileEntry, Manifest
-from .memory import MemoryTier, NodeMemory
+from .memory import MemoryTier
+from .nodememory import NodeMemory
 
 __all__ = [
     "Admission", "FileEntry", "Manifest", "MemoryConfig", "MemoryTier", "MemoryTierFullError", "NodeMemory", "OnFull",

@@ -25,6 +25,8 @@ import crc32c
 from ..backends import Backend
 from ..backends.file_open import open_shared
 from ..errors import CheckpointError, CheckpointNotFoundError, ChecksumMismatchError
+from ..writeback import ledger
+from ..writeback.ledger import Tier
 from . import stamps
 from .downlog import generation_of
 from .manifest import FileEntry
@@ -45,6 +47,7 @@ async def copy_down(tier: MemoryTier, below: Backend, key: str) -> None:
         raise _gone(tier, key) from None
     if size <= COPY_CHUNK:
         data = await asyncio.to_thread(_read, path)
+        ledger.read_back(Tier.MEMORY, len(data))
         _check(tier, below, key, FileEntry(len(data), crc32c.crc32c(data)), recorded)
         await below.put(key, data)
         return
@@ -67,6 +70,7 @@ async def copy_down(tier: MemoryTier, below: Backend, key: str) -> None:
             chunk = view[offset: offset + COPY_CHUNK]
             crc = await asyncio.to_thread(crc32c.crc32c, chunk, crc)
             await writer.write(chunk)
+            ledger.read_back(Tier.MEMORY, len(chunk))
         _check(tier, below, key, FileEntry(len(mapping), crc), recorded)
         if stated:
             writer.state_crc32c(crc)

@@ -22,14 +22,13 @@ import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..bounded import MAX_TIER_RECORD_BYTES, read_capped
-from ..cache.catalog import pid_alive
-from ..backends.base import Backend
+from ..writeback.journal import Outstanding, pid_alive
 from ..layout import COMMIT, is_generation
 from .eviction import copy_id
-from .memory import MemoryTier, NodeMemory
+from .memory import MemoryTier
+from .nodememory import NodeMemory
 
 
 MEMORY_ONLY = "memory-only"
@@ -40,12 +39,6 @@ def generation_of(key: str) -> str | None:
     """The generation a key of the checkpoint root lies in (its first part), else ``None``."""
     first = key.split("/", 1)[0]
     return first if "/" in key and is_generation(first) else None
-
-
-def write_back_of(store: Backend) -> Any | None:
-    """``store`` when it offers the durability protocol (:class:`tierckpt.store.Durable`: a write-back
-    chain below the memory tier, e.g. the node disk cache), else ``None``."""
-    return store if all(callable(getattr(store, n, None)) for n in ("wait_durable", "status", "sync")) else None
 
 
 @dataclass(slots=True)
@@ -137,6 +130,13 @@ class DownLog:
         if record is not None and record.generation == generation and COMMIT not in state.done:
             keys.append(COMMIT)
         return keys
+
+    def outstanding(self, scope: str) -> list[Outstanding]:
+        """The journal protocol (:class:`~tierckpt.writeback.journal.Journal`): generation ``scope``'s files
+        (and COMMIT) not yet below, each with its live copier and its last failure."""
+        state = self.state(scope)
+        return [Outstanding(key, state.busy.get(key), state.errors.get(key))
+                for key in sorted(self.pending(scope, state))]
 
     def replicas(self, generation: str, origin: str) -> set[str]:
         """Keys of ``generation`` in the tier that other nodes sent (their manifests list them): not files

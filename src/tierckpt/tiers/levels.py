@@ -9,7 +9,6 @@ node's other ranks, and a restart, read the same level; :class:`ReplicaHandle` w
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import os
@@ -18,22 +17,10 @@ import time
 from dataclasses import dataclass
 
 from ..bounded import MAX_TIER_RECORD_BYTES, read_capped
+from ..writeback.levels import Level
 from .memory import MemoryTier, write_atomic
 
 log = logging.getLogger(__name__)
-
-
-class Level(str, enum.Enum):
-    """How durable a generation is on this node's side."""
-
-    MEMORY = "memory"
-    """Committed in this node's memory tier."""
-    REPLICATED = "replicated"
-    """And acknowledged, CRC-checked, by every peer node that holds this node's replicas."""
-    LOCAL = "local"
-    """In the node disk cache (reported beside the two above, not ordered with them)."""
-    REMOTE = "remote"
-    """Committed where the URI points (reported beside the two above, not ordered with them)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,7 +23,7 @@ chain below's, the tier's alone while the chain below cannot be read. ``delete``
 to both; the chain below's part waits for a pending ``COMMIT`` write-down, so the chain below never
 names a generation that is gone.
 
-Durability (:class:`tierckpt.store.Durable`): ``wait_durable`` waits for the write-down and then for
+Durability (:class:`tierckpt.writeback.durability.Durable`): ``wait_durable`` waits for the write-down and then for
 the chain below's own durability; ``status`` reports each level; ``sync`` copies down what the tier
 holds that the chain below lacks, including what a dead process left.
 """
@@ -37,23 +37,28 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..bounded import MAX_RECORD_BYTES, oversized, read_capped
-from ..backends.base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Segment, Unconditional, commit_refused
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError
+from ..backends.base import UNCONDITIONAL, Backend, Capabilities, Link, ObjectWriter, Segment, Unconditional, commit_refused
+from ..errors import CheckpointError, CheckpointNotFoundError, TransientStorageError
 from ..keys import validate_key
-from ..layout import COMMIT, CommitRecord, is_generation
+from ..layout import COMMIT
 from ..node import node_id
 from .config import MemoryConfig, MemoryTierFullError, OnFull
-from .downlog import MEMORY_ONLY, DownLog, durable_copies, generation_of, write_back_of
-from .linkstatus import LinkStatus, link_status
+from ..writeback.durability import durability_of
+from .downlog import MEMORY_ONLY, DownLog, durable_copies, generation_of
+from ..writeback.status import LinkStatus
+from .linkstatus import link_status
+from .linkwriter import LinkWriter
 from .mapped import MappedFile, is_spare, open_mapped, prepare_in_background
-from .memory import IncomingFile, MemoryTier, NodeMemory
-from .withdraw import withdraw
+from .memory import MemoryTier
+from .nodememory import NodeMemory
+from .roots import commit_seq, record_of, tier_uri
+from .withdraw import drop_uncommitted, withdraw
 from .nospace import is_no_space, no_space_error
-from .writedown import WriteDown, drop_tier
+from .linkdeletes import delete_from
+from .writedown import WriteDown
 
 log = logging.getLogger(__name__)
 
-_COPY_CHUNK = 8 << 20
 _CREDIT_SHARE = 16
 _CREDIT_MAX = 1 << 30
 """After an admission, a process may write up to 1/16 of the tier's free room (at most 1 GiB) of the same
@@ -61,101 +66,14 @@ generation before the next check (a check walks the node's tier); 16 processes w
 fill the free room, so the budget holds for up to 16 writers of a node."""
 
 
-def tier_uri(uri: str) -> str:
-    """The URI a memory tier is kept under: plain paths made absolute (a restart from another working
-    directory finds the same tier), others as given."""
-    return os.path.abspath(uri) if "://" not in uri else uri.rstrip("/")
-
-
-def committed_under(memory: NodeMemory, root: str) -> dict[str, list[str]]:
-    """Checkpoints under ``root`` committed in the node memory tier: path relative to ``root`` -> its keys
-    in the tier (``COMMIT`` and the committed generation's files), for listings that must see a
-    checkpoint the chain below does not hold yet (or cannot be reached)."""
-    prefix = tier_uri(root).rstrip("/") + "/"
-    out: dict[str, list[str]] = {}
-    for tier in memory.tiers():
-        if not tier.uri.startswith(prefix):
-            continue
-        record = tier.committed()
-        if record is not None:
-            out[tier.uri[len(prefix):]] = [COMMIT, *tier.keys_of(record.generation)]
-    return out
-
-
-class _LinkWriter(ObjectWriter):
-    """Streams into the tier (admitting each chunk); moves to the chain below if the tier is full."""
-
-    def __init__(self, link: MemoryLink, key: str, generation: str, incoming: IncomingFile) -> None:
-        self._link, self._key, self._generation = link, key, generation
-        self._incoming: IncomingFile | None = incoming
-        self._below: ObjectWriter | None = None
-        self._uri = link.memory_tier.uri_of(key)
-
-    def use_stated_crc32c(self) -> bool:
-        return self._incoming is not None and self._incoming.use_stated_crc32c()
-
-    def state_crc32c(self, crc32c: int) -> None:
-        if self._incoming is not None:  # else the file went to the chain below, which needs no CRC
-            self._incoming.state_crc32c(crc32c)
-
-    async def write(self, data: bytes | memoryview) -> None:
-        self._check_open()
-        view = memoryview(data).cast("B")
-        if self._below is None and not await self._link._admit(self._generation, view.nbytes):
-            await self._move_below()
-        if self._below is None:
-            try:
-                await asyncio.to_thread(self._incoming.write, view)  # type: ignore[union-attr]
-                return
-            except OSError as exc:
-                if not self._link.fall_back(self._generation, self._uri, exc):
-                    raise
-                await self._move_below()
-        assert self._below is not None
-        await self._below.write(view)
-
-    async def _move_below(self) -> None:
-        """The tier is full (fallback): continue in the chain below, starting with what was written (the
-        writes that completed: one the file system refused left an unknown part of itself)."""
-        incoming = self._incoming
-        assert incoming is not None
-        self._below = await self._link.below.open_writer(self._key)
-        left = incoming.size
-        with open(incoming.tmp_path, "rb", buffering=0) as f:
-            while left and (chunk := await asyncio.to_thread(f.read, min(_COPY_CHUNK, left))):
-                await self._below.write(chunk)
-                left -= len(chunk)
-        await asyncio.to_thread(incoming.abort)
-        self._incoming = None
-
-    async def close(self) -> None:
-        self._check_open()
-        self._done = True
-        if self._below is not None:
-            await self._below.close()
-            return
-        await asyncio.to_thread(self._incoming.publish)  # type: ignore[union-attr]
-        self._link._wrote(self._key)
-
-    async def abort(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        if self._below is not None:
-            await self._below.abort()
-        if self._incoming is not None:
-            await asyncio.to_thread(self._incoming.abort)
-
-
-class MemoryLink(Backend):
+class MemoryLink(Link):
     """The node memory tier in front of ``below`` (see the module docstring)."""
 
     schedules_itself = True
     """Its calls reach the chain below, which schedules its own remote calls."""
 
     def __init__(self, below: Backend, config: MemoryConfig, uri: str | None = None) -> None:
-        super().__init__(below.root_uri)
-        self.below = below
+        super().__init__(below)
         """The chain this link wraps (node disk cache + remote, or the URI's scheduled backend)."""
         self.memory = NodeMemory(config)
         """The node's whole memory tier directory (admission and eviction across URIs)."""
@@ -178,12 +96,12 @@ class MemoryLink(Backend):
     def __repr__(self) -> str:
         return f"MemoryLink({self.below!r}, tier={self.memory_tier.home!r})"
 
-    def uri_of(self, key: str) -> str:
-        uri_of = getattr(self.below, "uri_of", None)
-        return uri_of(key) if uri_of is not None else f"{self.root_uri.rstrip('/')}/{key}"
+    # -- capability hooks (backends.base.Link) ------------------------------------------------------------
+    def node_memory_tier(self) -> MemoryTier:
+        return self.memory_tier
 
     # -- admission -------------------------------------------------------------------------------------
-    async def _admit(self, generation: str, nbytes: int) -> bool:
+    async def admit(self, generation: str, nbytes: int) -> bool:
         """Make room for ``nbytes`` more of ``generation``; ``False``: it falls back to the chain below."""
         if generation in self.fallback:
             return False
@@ -223,14 +141,15 @@ class MemoryLink(Backend):
         log.warning("%s %s goes to the next tier: %s", self.memory_tier.uri, generation, error)
         return True
 
-    def keep_in_memory(self, generation: str) -> None:
+    def keep_in_memory(self, generation: str) -> bool:
         """Hold ``generation`` in the node memory tier (and on the peers) only: none of its files, nor its
         ``COMMIT``, is written down until a ``sync``. Logged for the node's other processes, ``status`` and
         eviction (which may drop it like a copy held below). Called by the saver before any file is written."""
         self.memory_only.add(generation)
         self.down.append(generation, MEMORY_ONLY, generation)
+        return True
 
-    def _wrote(self, key: str) -> None:
+    def wrote(self, key: str) -> None:
         """``key`` is complete in the tier: remember it and start copying it down (unless memory-only)."""
         self._written.add(key)
         if generation_of(key) not in self.memory_only:
@@ -239,10 +158,24 @@ class MemoryLink(Backend):
         if wanted is not None:
             prepare_in_background(self, wanted)
 
+    def forget_keys(self, generation: str) -> None:
+        """Forget which keys of ``generation`` this link wrote or found readable (it left the tier)."""
+        for keys in (self._written, self._readable):
+            keys.difference_update({key for key in keys if generation_of(key) == generation})
+
+    def forget_prefix(self, what: str, *, exact: bool = False) -> None:
+        """Forget what this link remembers of the key ``what`` (``exact``) or of every key under it."""
+        if exact:
+            self._written.discard(what)
+            self._readable.discard(what)
+        else:
+            self._written = {k for k in self._written if not k.startswith(what)}
+            self._readable = {k for k in self._readable if not k.startswith(what)}
+
     # -- writes ----------------------------------------------------------------------------------------
     async def put(self, key: str, data: bytes | memoryview) -> None:
         generation = generation_of(validate_key(key))
-        if generation is None or not await self._admit(generation, memoryview(data).nbytes):
+        if generation is None or not await self.admit(generation, memoryview(data).nbytes):
             await self.below.put(key, data)
             return
         try:
@@ -252,14 +185,14 @@ class MemoryLink(Backend):
                 raise
             await self.below.put(key, data)
             return
-        self._wrote(key)
+        self.wrote(key)
 
     async def open_writer(self, key: str) -> ObjectWriter:
         generation = generation_of(validate_key(key))
         if generation is None or generation in self.fallback:
             return await self.below.open_writer(key)
         incoming = await asyncio.to_thread(self.memory_tier.receive, key)
-        return _LinkWriter(self, key, generation, incoming)
+        return LinkWriter(self, key, generation, incoming)
 
     def mapped_writer(self, key: str, nbytes: int) -> MappedFile | None:
         """A writer of ``key`` whose ``buffer`` (``nbytes``, the tier file's own pages) the caller fills
@@ -274,7 +207,7 @@ class MemoryLink(Backend):
         (:meth:`get`), committed in the tier, written down behind. Anything else goes below."""
         validate_key(key)
         data = bytes(data)
-        record = _record_of(data) if key == COMMIT else None
+        record = record_of(data) if key == COMMIT else None
         if record is None:
             await self.below.commit(key, data, expected=expected, after=after)
             return
@@ -372,7 +305,7 @@ class MemoryLink(Backend):
             if mine is None and theirs is None:
                 raise CheckpointNotFoundError(f"no object at {self.uri_of(COMMIT)} (neither in the node memory tier nor below)")
             return mine if theirs is None else theirs  # type: ignore[return-value]
-        return mine if _seq(mine) > _seq(theirs) else theirs
+        return mine if commit_seq(mine) > commit_seq(theirs) else theirs
 
     async def get(self, key: str) -> bytes:
         if validate_key(key) == COMMIT:
@@ -426,74 +359,26 @@ class MemoryLink(Backend):
         mine = [k for k in await self.memory_tier.list(prefix) if generation_of(k) is not None and not is_spare(k)]
         return sorted(set(below) | set(mine))
 
-    # -- deletes ---------------------------------------------------------------------------------------
+    # -- deletes (.linkdeletes) ---------------------------------------------------------------------------
     async def delete(self, key: str) -> None:
         validate_key(key)
-        await self._delete(key, exact=True)
+        await delete_from(self, key, exact=True)
 
     async def delete_prefix(self, prefix: str) -> None:
-        await self._delete(prefix, exact=False)
-
-    async def _delete(self, what: str, *, exact: bool) -> None:
-        """Drop ``what`` (a key, or a prefix) from the tier now and from the chain below once no pending
-        ``COMMIT`` write-down can still name it there."""
-        await self.writedown.cancel(what, exact=exact)
-        generation = generation_of(what) or (what.rstrip("/") if is_generation(what.rstrip("/")) else None)
-        whole = not exact and generation is not None and generation == what.rstrip("/")
-        tier_only = whole and await asyncio.to_thread(self._newest_is_memory_only)
-        if exact:
-            await self.memory_tier.delete(what)
-            self._written.discard(what)
-            self._readable.discard(what)
-        else:
-            if whole:
-                # A whole generation (the sweep's superseded one): evicted, its unread pages to the pool.
-                await asyncio.to_thread(self.memory.retire, self.memory_tier, generation)
-            else:
-                await self.memory_tier.delete_prefix(what)
-                if generation:
-                    await asyncio.to_thread(self.memory_tier.evict, generation)
-            self._written = {k for k in self._written if not k.startswith(what)}
-            self._readable = {k for k in self._readable if not k.startswith(what)}
-            if generation:
-                await asyncio.to_thread(self.down.forget, generation)
-            for gen in self.memory_tier.generations() if not what else []:
-                await asyncio.to_thread(self.memory_tier.evict, gen)
-                await asyncio.to_thread(self.down.forget, gen)
-        if not exact:
-            await self._delete_nested(what)
-        if tier_only:
-            return  # the chain below still serves its own newest commit, whichever generation that is
-        await self.writedown.after_commits(
-            (lambda: self.below.delete(what)) if exact else (lambda: self.below.delete_prefix(what)),
-            superseded=generation if whole else None,
-        )
-
-    def _newest_is_memory_only(self) -> bool:
-        """Whether the tier's ``COMMIT`` names a generation saved with ``persist=False``: the chain below
-        then still holds an older commit, and a superseded generation (the sweep's) is dropped from the
-        tier only — deleting it below could take the files of the commit the chain below names."""
-        record = self.memory_tier.committed()
-        return record is not None and self.down.state(record.generation).memory_only
-
-    async def _delete_nested(self, prefix: str) -> None:
-        """Drop from the node's tier every URI rooted under ``prefix`` of this one (a root deleting a
-        step: the step's own tier), stopping this process's write-downs of them first."""
-        base = f"{self.memory_tier.uri.rstrip('/')}/{prefix}"
-        for tier in await asyncio.to_thread(self.memory.tiers):
-            if tier.uri == self.memory_tier.uri or not f"{tier.uri}/".startswith(base):
-                continue
-            await drop_tier(tier.home)
-            await asyncio.to_thread(_empty, tier)
+        await delete_from(self, prefix, exact=False)
 
     # -- durability (tierckpt.store.Durable) -----------------------------------------------------------
     async def wait_durable(self, generation: str | None = None, timeout_s: float | None = None, *,
                            through_outage: bool = True) -> None:
         """Wait until the write-down (of ``generation``) is done, then for the chain below's durability."""
         await self.writedown.wait(generation, timeout_s, through_outage=through_outage)
-        durable = write_back_of(self.below)
+        durable = durability_of(self.below)
         if durable is not None:
             await durable.wait_durable(generation, timeout_s, through_outage=through_outage)
+
+    async def drop_uncommitted(self, generation: str) -> None:
+        """This node's part of a failed save leaves the tier (see :func:`.withdraw.drop_uncommitted`)."""
+        await drop_uncommitted(self, generation)
 
     async def withdraw(self, generation: str, record: bytes, base: bytes | None) -> list[str] | None:
         """Take back a commit that was not written down (:class:`tierckpt.store.Revocable`; :mod:`.withdraw`)."""
@@ -507,34 +392,9 @@ class MemoryLink(Backend):
         """Copy down what the tier holds and the chain below lacks (left by this or a dead process),
         ``COMMIT`` last, then wait for the chain below's own sync."""
         await self.writedown.sync(timeout_s)
-        durable = write_back_of(self.below)
+        durable = durability_of(self.below)
         if durable is not None:
             await durable.sync(timeout_s)
 
     async def close(self) -> None:
         """Nothing to release: write-downs keep running in the background (see :meth:`wait_durable`)."""
-
-
-def _empty(tier: MemoryTier) -> None:
-    """Every generation of ``tier`` evicted (COMMIT first) and its write-down logs dropped."""
-    try:
-        os.unlink(tier.path_of(COMMIT))
-    except FileNotFoundError:
-        pass
-    log_of = DownLog(tier)
-    for generation in tier.generations():
-        tier.evict(generation)
-        log_of.forget(generation)
-
-
-def _record_of(data: bytes) -> CommitRecord | None:
-    try:
-        return CommitRecord.decode(data)
-    except CorruptCheckpointError:
-        return None
-
-
-def _seq(data: bytes) -> int:
-    record = _record_of(data)
-    return -1 if record is None else record.seq
-

@@ -9,74 +9,25 @@ the node disk cache, when the chain has one) and ``remote`` (the URI's own store
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from ..cache.status import Durability, StoreStatus
 from ..comm import describe_error
 from ..bounded import MAX_RECORD_BYTES
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError
 from ..layout import COMMIT, CommitRecord, seq_of
-from .downlog import write_back_of
-from .levels import Level, recorded_level
-
-if TYPE_CHECKING:
-    from .link import MemoryLink
-
-
-@dataclass(frozen=True, slots=True)
-class LinkStatus(StoreStatus):
-    """A :class:`~tierckpt.cache.status.StoreStatus` (the view below the tier) plus the memory tier's levels."""
-
-    memory_generation: str | None = None
-    """The generation the memory tier's ``COMMIT`` names (``None``: none)."""
-    memory_directory: str = ""
-    replicated: bool = False
-    replica_reason: str | None = None
-    """Why the generation is not ``replicated`` (the replicator's record; ``None`` when it is)."""
-    replica_nodes: tuple[str, ...] = ()
-    """The peer nodes that acknowledged this node's files of the generation (where its replicas are)."""
-    node_disk: bool | None = None
-    """Whether the node disk cache holds the generation committed (``None``: the chain has no disk cache)."""
-    written_down: bool = False
-    """Whether the chain below the memory tier holds every file of the generation and its ``COMMIT``."""
-    memory_only: bool = False
-    """The generation was saved with ``persist=False``: held in memory (and on the peers) only, not written
-    down until ``tierckpt sync``."""
-
-    @property
-    def in_memory(self) -> bool:
-        return self.generation is not None and self.memory_generation == self.generation
-
-    def levels(self) -> list[tuple[str, bool, str]]:
-        """``(level, reached, detail)`` for memory, replicated, local and remote, in that order."""
-        remote_detail = (
-            f"held in memory only (saved with persist=False); `tierckpt sync {self.uri}` writes it down"
-            if self.memory_only and self.in_memory
-            else f"the remote's COMMIT names {self.remote_generation}" if self.remote_generation
-            else f"the remote cannot be read: {self.remote_error}" if self.remote_error else "the remote has no COMMIT"
-        )
-        return [
-            (Level.MEMORY.value, self.in_memory,
-             f"in {self.memory_directory}" if self.in_memory else "not in this node's memory tier"),
-            (Level.REPLICATED.value, self.replicated, f"in the memory of {', '.join(self.replica_nodes) or 'every peer'}" if self.replicated
-             else self.replica_reason or "no replication recorded"),
-            (Level.LOCAL.value, bool(self.node_disk),
-             "no node disk cache in the chain" if self.node_disk is None
-             else "committed in the node disk cache" if self.node_disk
-             else "held in memory only (saved with persist=False)" if self.memory_only and self.in_memory
-             else "not in the node disk cache yet"),
-            (Level.REMOTE.value, self.committed_on_remote,
-             "committed on the remote" if self.committed_on_remote else remote_detail),
-        ]
+from ..writeback.durability import durability_of
+from ..writeback.levels import Level
+from ..writeback.status import LinkStatus, StoreStatus
+from .levels import recorded_level
+from .linkview import LinkView
 
 
-async def link_status(link: MemoryLink) -> LinkStatus:
+
+async def link_status(link: LinkView) -> LinkStatus:
     """The status of ``link``'s URI on this node (reads the tier, its logs, and the chain below)."""
     tier, down = link.memory_tier, link.down
     record = await asyncio.to_thread(tier.committed)
     memory_generation = record.generation if record is not None else None
-    durable = write_back_of(link.below)
+    durable = durability_of(link.below)
     below: StoreStatus | None = await durable.status() if durable is not None else None
     if below is not None:
         below_generation, remote_generation, remote_error = below.generation, below.remote_generation, below.remote_error
@@ -102,13 +53,13 @@ async def link_status(link: MemoryLink) -> LinkStatus:
             pending, errors = [], []
     written_down = generation is not None and (generation != memory_generation or not pending)
     if generation is None:
-        state_now: Durability | None = Durability.STAGED if pending else None
+        state_now: Level | None = Level.STAGED if pending else None
     elif generation == memory_generation and pending:
-        state_now = Durability.LOCAL
+        state_now = Level.LOCAL
     elif below is not None and below.generation == generation:
         state_now = below.state
     else:
-        state_now = Durability.REMOTE if remote_generation == generation else Durability.LOCAL
+        state_now = Level.REMOTE if remote_generation == generation else Level.LOCAL
     replica = recorded_level(tier, generation) if generation is not None else None
     return LinkStatus(
         uri=link.memory_tier.uri,
@@ -131,7 +82,7 @@ async def link_status(link: MemoryLink) -> LinkStatus:
     )
 
 
-async def _commit_of(link: MemoryLink) -> tuple[str | None, str | None, bool]:
+async def _commit_of(link: LinkView) -> tuple[str | None, str | None, bool]:
     """The generation the chain below's ``COMMIT`` names, why it could not be read, and whether that is
     because the store did not answer."""
     try:

@@ -15,17 +15,10 @@ from dataclasses import dataclass
 import crc32c
 
 from ..errors import CorruptCheckpointError
+from ..writeback.written import FileEntry
 
 FORMAT = "tierckpt-memory-manifest"
 VERSION = 1
-
-
-@dataclass(frozen=True, slots=True)
-class FileEntry:
-    """Size and CRC-32C of one file of a generation."""
-
-    size: int
-    crc32c: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

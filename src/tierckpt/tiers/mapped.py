@@ -1,6 +1,6 @@
 """Async snapshots straight into the node memory tier: the staging buffer *is* the tier's file.
 
-An ``async_save`` through a :class:`~.link.MemoryLink` asks :func:`open_mapped` for its rank's data file.
+An ``async_save`` through a :class:`~.link.LinkView` asks :func:`open_mapped` for its rank's data file.
 When the process holds a *spare* — a file of the tier, already allocated, mapped (``mmap``, shared)
 with every page writable (:func:`populate_writable`), prepared in the background after the previous
 save — the snapshot copy writes into its pages: one copy from training memory to a node-durable copy, at memcpy speed. The file is then only
@@ -31,22 +31,22 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
 
 import torch
 
-from ..backends.base import ObjectWriter
+
 from ..backends.files import temp_name
 from ..errors import CheckpointError
 from .background import lower_priority
 from .config import MemoryTierFullError
 from .downlog import durable_copies, generation_of
+from .linkview import LinkView
 from .memory import SPARE_PREFIX
 from .pagepool import claim
-from .written import WrittenCrc
+from ..writeback.ledger import Tier
+from ..writeback.written import CrcWriter, WrittenCrc
 
-if TYPE_CHECKING:
-    from .link import MemoryLink
 
 log = logging.getLogger(__name__)
 
@@ -68,24 +68,18 @@ _SPARES: dict[str, _Spare] = {}
 _LOCK = threading.Lock()
 
 
-class MappedFile(ObjectWriter):
+class MappedFile(CrcWriter):
     """A data file whose bytes the snapshot copy wrote into :attr:`buffer`; writes only checksum them."""
 
-    def __init__(self, link: MemoryLink, key: str, tmp: str, fd: int, buffer: torch.Tensor) -> None:
+    def __init__(self, link: LinkView, key: str, tmp: str, fd: int, buffer: torch.Tensor) -> None:
         self._link, self._key, self._tmp, self._fd = link, key, tmp, fd
         self.buffer = buffer
-        self._written = WrittenCrc(f"{link.memory_tier.uri}/{key}")
+        self._written = WrittenCrc(f"{link.memory_tier.uri}/{key}", Tier.MEMORY)
 
     @property
     def _uri(self) -> str:  # type: ignore[override]
         """For messages only: resolving the path is not paid inside the snapshot call."""
         return self._link.memory_tier.uri_of(self._key)
-
-    def use_stated_crc32c(self) -> bool:
-        return self._written.use_stated()
-
-    def state_crc32c(self, crc32c: int) -> None:
-        self._written.state(crc32c)
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
@@ -105,7 +99,7 @@ class MappedFile(ObjectWriter):
         tier = self._link.memory_tier
         await asyncio.to_thread(_publish, self._fd, self._tmp, tier.path_of(self._key))
         tier._remember(self._key, entry)
-        self._link._wrote(self._key)
+        self._link.wrote(self._key)
         prepare_in_background(self._link, size)  # the next save's, once this one's copy is done
 
     async def abort(self) -> None:
@@ -129,7 +123,7 @@ def _discard(fd: int, tmp: str) -> None:
         pass
 
 
-def open_mapped(link: MemoryLink, key: str, nbytes: int) -> MappedFile | None:
+def open_mapped(link: LinkView, key: str, nbytes: int) -> MappedFile | None:
     """The tier's file for ``key`` with this process's spare as its pages, or ``None`` (then the caller
     takes the usual path, and a spare of ``nbytes`` is prepared in the background for the next save)."""
     generation = generation_of(key)
@@ -159,7 +153,7 @@ def open_mapped(link: MemoryLink, key: str, nbytes: int) -> MappedFile | None:
     return None
 
 
-def prepare_in_background(link: MemoryLink, nbytes: int) -> None:
+def prepare_in_background(link: LinkView, nbytes: int) -> None:
     threading.Thread(target=_prepare, args=(link, nbytes), name="tierckpt-spare", daemon=True).start()
 
 
@@ -174,7 +168,7 @@ def _drop_dir(path: str) -> None:
 _PREPARING: set[str] = set()
 
 
-def _prepare(link: MemoryLink, nbytes: int) -> None:
+def _prepare(link: LinkView, nbytes: int) -> None:
     """Make a spare of ``nbytes`` in the tier (admitted under the budget), mapped and touched, at the
     tier's background priority."""
     lower_priority()
@@ -190,7 +184,7 @@ def _prepare(link: MemoryLink, nbytes: int) -> None:
             _PREPARING.discard(tier.home)
 
 
-def _make(link: MemoryLink, nbytes: int) -> None:
+def _make(link: LinkView, nbytes: int) -> None:
     tier = link.memory_tier
     generation = f"{SPARE_PREFIX}{os.getpid():x}"
     path = tier.path_of(f"{generation}/data/spare.bin")
@@ -258,7 +252,7 @@ def populate_writable(buffer: torch.Tensor) -> None:
     buffer.fill_(0)
 
 
-def _admitted(link: MemoryLink, generation: str, nbytes: int) -> bool:
+def _admitted(link: LinkView, generation: str, nbytes: int) -> bool:
     """Whether a new spare of ``nbytes`` fits into free room (a spare never evicts a checkpoint)."""
     if sum(c.nbytes for c in link.memory.copies()) + nbytes > link.memory.config.budget_bytes:
         return False

@@ -25,13 +25,11 @@ blocking: they run in background threads (replication) or through ``asyncio.to_t
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 
 import crc32c
 
@@ -44,11 +42,13 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..layout import COMMIT, CommitRecord, is_superseded
 from ..metadata import validate_generation
 from .config import DIR_ENV, MemoryConfig
-from .eviction import Admission, TierCopy, copy_id, plan_admission
+from .eviction import TierCopy, copy_id
 from . import stamps
 from .manifest import FileEntry, Manifest
-from .pagepool import claim, retire
-from .written import WrittenCrc
+from .pagepool import claim
+from ..writeback import ledger
+from ..writeback.ledger import Tier
+from ..writeback.written import CrcWriter, WrittenCrc
 
 SPARE_PREFIX = "g-00000000-0000000000000-"
 """Generation names of the memory link's spare files (:mod:`.mapped`) and of the page pool
@@ -87,19 +87,13 @@ def file_crc(path: str) -> FileEntry:
     return FileEntry(size, crc)
 
 
-class _CrcWriter(ObjectWriter):
+class _CrcWriter(CrcWriter):
     """Delegates to the local writer and records the file's CRC-32C (:class:`WrittenCrc`)."""
 
     def __init__(self, tier: MemoryTier, key: str, inner: ObjectWriter) -> None:
         self._uri = tier.uri_of(key)
         self._tier, self._key, self._inner = tier, key, inner
-        self._written = WrittenCrc(self._uri)
-
-    def use_stated_crc32c(self) -> bool:
-        return self._written.use_stated()
-
-    def state_crc32c(self, crc32c: int) -> None:
-        self._written.state(crc32c)
+        self._written = WrittenCrc(self._uri, Tier.MEMORY)
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
@@ -144,7 +138,7 @@ class IncomingFile:
                 self.reused = False
         if not self.reused:
             self._file = open(self._tmp, "wb", buffering=0)  # unbuffered: a failed write leaves nothing pending
-        self._written = WrittenCrc(tier.uri_of(key))
+        self._written = WrittenCrc(tier.uri_of(key), Tier.MEMORY)
         self.size = 0
         """Bytes written by the writes that completed (a write the file system refused is not counted)."""
 
@@ -248,6 +242,7 @@ class MemoryTier(LocalBackend):
     async def put(self, key: str, data: bytes | memoryview) -> None:
         self._claim()
         await super().put(key, data)
+        ledger.landed(Tier.MEMORY, memoryview(data).nbytes)
         self._remember(key, FileEntry(memoryview(data).nbytes, crc32c.crc32c(data)))
 
     async def open_writer(self, key: str) -> ObjectWriter:
@@ -407,71 +402,3 @@ def _usage(directory: str) -> tuple[int, float]:
             total += st.st_size
             newest = max(newest, st.st_mtime)
     return total, newest
-
-
-class NodeMemory:
-    """The node memory tier directory as a whole: every URI's copies, and admission under the budget."""
-
-    def __init__(self, config: MemoryConfig | None = None) -> None:
-        self.config = config if config is not None else MemoryConfig.from_env()
-
-    def tier(self, uri: str) -> MemoryTier:
-        return MemoryTier(uri, self.config)
-
-    def tiers(self) -> list[MemoryTier]:
-        """Every URI with a directory in the tier."""
-        out = []
-        base = self.config.directory
-        for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
-            path = os.path.join(base, name, "URI")
-            if os.path.isfile(path):
-                out.append(self.tier(read_capped(path, MAX_URI_FILE_BYTES).decode(errors="replace")))
-        return out
-
-    def copies(self) -> list[TierCopy]:
-        return [c for t in self.tiers() for c in t.copies()]
-
-    def admit(self, uri: str, generation: str, nbytes: int,
-              durable_below: Iterable[str] | Callable[[], Iterable[str]]) -> Admission:
-        """Make room for ``nbytes`` of ``generation`` of ``uri`` before writing it, evicting what
-        :func:`~.eviction.plan_admission` allows, under the node-wide lock (see :mod:`.eviction`).
-        The generation being admitted is never evicted for itself (replicas of a generation arrive
-        beside the node's own files of it). ``durable_below`` may be a function: it is called (under
-        the lock) only when something must be evicted."""
-        incoming = copy_id(uri, generation)
-        with self._locked():
-            tiers = {t.uri: t for t in self.tiers()}
-            copies = [c for t in tiers.values() for c in t.copies()]
-            fits = sum(c.nbytes for c in copies) + nbytes <= self.config.budget_bytes
-            durable = set() if fits else set(durable_below() if callable(durable_below) else durable_below) - {incoming}
-            admission = plan_admission(
-                copies, nbytes, self.config.budget_bytes, durable, incoming=incoming, on_full=self.config.on_full,
-            )
-            for victim in admission.evict:
-                owner, _, gen = victim.rpartition("/")
-                tiers[owner].evict(gen)
-            return admission
-
-    def retire(self, tier: MemoryTier, generation: str) -> int:
-        """Drop ``generation`` of ``tier`` (a deletion, not an admission): when the tier's ``COMMIT`` makes it
-        superseded, its data files nobody reads go to the tier's page pool (:mod:`.pagepool`) instead of
-        being unlinked. Returns the bytes pooled."""
-        with self._locked():
-            record = tier.committed()
-            pooled = 0
-            if record is not None and generation != record.generation and is_superseded(generation, record) \
-                    and not generation.startswith(SPARE_PREFIX):
-                pooled = retire(tier.root, generation)
-            tier.evict(generation)
-            return pooled
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """The node-wide lock of admissions (a usage walk sees no file move under it)."""
-        os.makedirs(self.config.directory, exist_ok=True)
-        fd = os.open(os.path.join(self.config.directory, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)

@@ -40,7 +40,6 @@ import json
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -55,14 +54,16 @@ from ..layout import COMMIT
 from ..node import node_id
 from .levels import Level, ReplicaHandle, ReplicaResult
 from .manifest import FileEntry, Manifest
-from .memory import IncomingFile, MemoryTier, NodeMemory
+from .memory import IncomingFile, MemoryTier
+from .nodememory import NodeMemory
 from .peers import ReplicaPlan, plan_replicas
 from .background import background_nice, lower_priority, lower_priority_of_new, started_threads
 from .transfer import Chunks, SentFiles, adopt_commit, buffers, open_files
+from . import live
+from .wire import Wire
 
 log = logging.getLogger(__name__)
 
-_REPLY_BYTES = 4096
 _IN_FLIGHT = 2
 """Data chunks a sender keeps on the wire at once."""
 _TAG_HEADER, _TAG_REPLY, _TAG_DATA, _TAG_ACK, _TAG_BYE = 1, 2, 3, 4, 5
@@ -121,6 +122,7 @@ class Replicator:
             self._ranks, backend="gloo", timeout=self._timeout, use_local_synchronization=group is not None,
         )
         lower_priority_of_new(threads)  # the group's own gloo threads copy every replicated byte
+        self._wire = Wire(self._pg, self._timeout)
         self._broken: dict[int, str] = {}
         self._receiving: collections.OrderedDict[tuple[str, str], threading.Event] = collections.OrderedDict()
         self._jobs: list[_Job] = []
@@ -140,8 +142,7 @@ class Replicator:
                 thread.start()
                 self._queues.append(q)
                 self._threads.append(thread)
-            with _LIVE_LOCK:
-                _LIVE.add(self)
+            live.add(self)
 
     def _node_name(self, node: int) -> str:
         return self.plan.nodes[node]
@@ -243,43 +244,8 @@ class Replicator:
                     f"when that transfer fails (a transfer step waits at most {self._timeout.total_seconds():g}s)"
                 )
         self._queues, self._threads = [], []
-        with _LIVE_LOCK:
-            _LIVE.discard(self)
+        live.discard(self)
         return cut
-
-    # -- transport ---------------------------------------------------------------------------------------
-    def _wait(self, work: dist.Work) -> None:
-        """Wait for a transfer step, at most the replicator's timeout (then gloo fails it and closes the pair)."""
-        work.wait(self._timeout)
-
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        self._wait(dist.isend(tensor, dst, group=self._pg, tag=tag))
-
-    def _recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
-        self._wait(dist.irecv(tensor, src, group=self._pg, tag=tag))
-
-    def _send_bytes(self, data: bytes, dst: int, tag: int) -> None:
-        self._send(torch.tensor([len(data)], dtype=torch.int64), dst, tag)
-        self._send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, tag)
-
-    def _recv_bytes(self, src: int, tag: int) -> bytes:
-        size = torch.zeros(1, dtype=torch.int64)
-        self._recv(size, src, tag)
-        out = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._recv(out, src, tag)
-        return out.numpy().tobytes()
-
-    def _reply(self, text: str, dst: int, tag: int) -> None:
-        """A fixed-size answer: ``ok`` or the reason of a refusal, truncated to fit."""
-        buf = torch.zeros(_REPLY_BYTES, dtype=torch.uint8)
-        data = text.encode()[: _REPLY_BYTES - 1]
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self._send(buf, dst, tag)
-
-    def _answer(self, src: int, tag: int) -> str:
-        buf = torch.zeros(_REPLY_BYTES, dtype=torch.uint8)
-        self._recv(buf, src, tag)
-        return buf.numpy().tobytes().rstrip(b"\0").decode(errors="replace")
 
     # -- the sending side --------------------------------------------------------------------------------
     def _send_loop(self, jobs: queue.Queue[_Job | None]) -> None:
@@ -329,8 +295,8 @@ class Replicator:
         The chunks are sent straight from the tier files' pages (no copy on this side); two are on the
         wire at a time."""
         header = {"manifest": job.manifest.encode().decode(), "commit": None if job.commit is None else job.commit.decode()}
-        self._send_bytes(json.dumps(header).encode(), dst, _TAG_HEADER)
-        answer = self._answer(dst, _TAG_REPLY)
+        self._wire.send_bytes(json.dumps(header).encode(), dst, _TAG_HEADER)
+        answer = self._wire.answer(dst, _TAG_REPLY)
         if answer != "ok":
             self._bye(dst)
             return answer
@@ -338,12 +304,12 @@ class Replicator:
         for key, entry in job.manifest.files:
             for offset in range(0, entry.size, self._chunk):
                 if len(in_flight) == _IN_FLIGHT:
-                    self._wait(in_flight.popleft())
+                    self._wire.wait(in_flight.popleft())
                 view = files.chunk(key, offset, min(self._chunk, entry.size - offset))
                 in_flight.append(dist.isend(view, dst, group=self._pg, tag=_TAG_DATA))
         while in_flight:
-            self._wait(in_flight.popleft())
-        answer = self._answer(dst, _TAG_ACK)
+            self._wire.wait(in_flight.popleft())
+        answer = self._wire.answer(dst, _TAG_ACK)
         self._bye(dst)
         return None if answer == "ok" else answer
 
@@ -351,7 +317,7 @@ class Replicator:
         """Tell the peer its last answer was taken (it waits for this before it may exit). A failure here
         changes no level: the answer is in hand; the peer is only marked unusable for later transfers."""
         try:
-            self._send(torch.ones(1, dtype=torch.uint8), dst, _TAG_BYE)
+            self._wire.send(torch.ones(1, dtype=torch.uint8), dst, _TAG_BYE)
         except Exception as exc:  # noqa: BLE001 - the answer already arrived; later jobs skip this peer
             self._broken[dst] = f"{type(exc).__name__}: {exc}"
             log.info("closing the exchange with rank %d failed after its answer arrived: %s", dst, self._broken[dst])
@@ -377,7 +343,7 @@ class Replicator:
                 log.warning("receiving replicas from rank %d failed: %s", src, self._broken[src])
 
     def _receive_job(self, src: int, bufs: tuple[torch.Tensor, ...]) -> None:
-        header = json.loads(self._recv_bytes(src, _TAG_HEADER))
+        header = json.loads(self._wire.recv_bytes(src, _TAG_HEADER))
         try:
             manifest = Manifest.decode(header["manifest"].encode(), f"the header from rank {src}")
             tier = self.memory.tier(manifest.uri)
@@ -385,12 +351,12 @@ class Replicator:
             refusal = None if admission.fits else admission.reason
         except CheckpointError as exc:
             refusal = str(exc)
-        self._reply(refusal or "ok", src, _TAG_REPLY)
+        self._wire.reply(refusal or "ok", src, _TAG_REPLY)
         if refusal:
             self._await_bye(src)
             return
         sizes = [min(self._chunk, e.size - o) for _, e in manifest.files for o in range(0, e.size, self._chunk)]
-        chunks = Chunks(sizes, bufs, lambda view: dist.irecv(view, src, group=self._pg, tag=_TAG_DATA), self._wait)
+        chunks = Chunks(sizes, bufs, lambda view: dist.irecv(view, src, group=self._pg, tag=_TAG_DATA), self._wire.wait)
         failures = [f for key, entry in manifest.files if (f := self._receive_file(tier, key, entry, chunks))]
         if not failures:
             try:
@@ -399,13 +365,13 @@ class Replicator:
                     adopt_commit(tier, header["commit"].encode())
             except (CheckpointError, OSError) as exc:
                 failures.append(f"recording {manifest.generation} of {tier.uri} failed: {exc}")
-        self._reply("; ".join(failures) or "ok", src, _TAG_ACK)
+        self._wire.reply("; ".join(failures) or "ok", src, _TAG_ACK)
         self._await_bye(src)
 
     def _await_bye(self, src: int) -> None:
         """Wait until the sender took this node's last answer (its ``bye``): until then this process may
         not exit (the exit drain waits for the generation's ``received``), or the answer could be lost."""
-        self._recv(torch.zeros(1, dtype=torch.uint8), src, _TAG_BYE)
+        self._wire.recv(torch.zeros(1, dtype=torch.uint8), src, _TAG_BYE)
 
     def _receive_file(self, tier: MemoryTier, key: str, entry: FileEntry, chunks: Chunks) -> str | None:
         """Receive one file into the tier; why it was not published (a local failure: the rest of the
@@ -433,25 +399,6 @@ class Replicator:
             if incoming is not None:
                 incoming.abort()
         return failure
-
-
-_LIVE: set[Replicator] = set()
-"""Replicators whose threads run (the exit hook below stops those nobody closed)."""
-_LIVE_LOCK = threading.Lock()
-
-
-def _close_at_exit() -> None:
-    """Stop the threads of replicators nobody closed (the saver's exit drain, which runs before this
-    hook, closes its own after waiting for them), so that the interpreter's exit does not wait for them."""
-    with _LIVE_LOCK:
-        live = list(_LIVE)
-    for replicator in live:
-        for line in replicator.close(0.0, "the process exited"):
-            sys.stderr.write(line + "\n")
-
-
-threading._register_atexit(_close_at_exit)  # type: ignore[attr-defined]  # before the threads are joined
-os.register_at_fork(after_in_child=_LIVE.clear)  # a forked child has none of its parent's threads
 
 
 def _settled(job: _Job) -> bool:

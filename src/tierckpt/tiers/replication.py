@@ -40,7 +40,8 @@ import torch.distributed as dist
 from ..errors import CheckpointError
 from .downlog import durable_copies
 from .levels import Level, ReplicaHandle, ReplicaResult
-from .memory import MemoryTier, NodeMemory
+from .memory import MemoryTier
+from .nodememory import NodeMemory
 from .replica import Replicator
 
 _REPLICATORS: dict[tuple[Any, Any], Replicator] = {}

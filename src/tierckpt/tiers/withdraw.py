@@ -12,25 +12,31 @@ below after all: the save succeeded.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..errors import CheckpointError
 from ..layout import COMMIT, CommitRecord
+from ..writeback.durability import revocable_of
 from .downlog import generation_of
+from .linkview import LinkView
+from .writedown import WriteDown
 
-if TYPE_CHECKING:
-    from .link import MemoryLink
+
+class Withdrawing(LinkView, Protocol):
+    """A memory link with its write-down (what a withdrawal stops)."""
+
+    writedown: WriteDown
 
 
-async def withdraw(link: MemoryLink, generation: str, record: bytes, base: bytes | None) -> list[str] | None:
+async def withdraw(link: Withdrawing, generation: str, record: bytes, base: bytes | None) -> list[str] | None:
     """See the module docstring: why the write-down failed, or ``None`` when ``record`` reached the chain below."""
     name = generation.rstrip("/").rpartition("/")[2]
     failures = [f"{link.uri_of(key)}: {why}" for key, (why, _) in sorted(link.writedown.failures.items())
                 if generation_of(key) == name or key == COMMIT]
     await link.writedown.cancel(f"{name}/", exact=False)  # its files' and its COMMIT's write-downs
-    below = getattr(link.below, "withdraw", None)  # a write-back chain below (the node disk cache)
-    if callable(below):
-        below_failures = await below(generation, record, base)
+    below = revocable_of(link.below)  # a write-back chain below (the node disk cache)
+    if below is not None:
+        below_failures = await below.withdraw(generation, record, base)
         if below_failures is None:
             return None
         failures += below_failures
@@ -44,12 +50,27 @@ async def withdraw(link: MemoryLink, generation: str, record: bytes, base: bytes
     return failures
 
 
-def _drop_from_tier(link: MemoryLink, name: str, record: bytes, base: bytes | None) -> None:
+async def drop_uncommitted(link: Withdrawing, generation: str) -> None:
+    """A save of ``generation`` failed on its committing rank (which withdraws the commit on its own node):
+    on every other node the generation's write-downs stop and its files leave the tier, unless the tier's
+    ``COMMIT`` names it (then it was committed after all: nothing is dropped). The chain below is left to
+    the committing rank."""
+    name = generation.rstrip("/").rpartition("/")[2]
+    record = await asyncio.to_thread(link.memory_tier.committed)
+    if record is not None and record.generation == name:
+        return
+    await link.writedown.cancel(f"{name}/", exact=False)
+    await asyncio.to_thread(link.memory_tier.evict, name)
+    await asyncio.to_thread(link.down.forget, name)
+    link.forget_keys(name)
+    await link.below.drop_uncommitted(generation)
+
+
+def _drop_from_tier(link: LinkView, name: str, record: bytes, base: bytes | None) -> None:
     tier = link.memory_tier
     previous = CommitRecord.decode(base).generation if base is not None else None
     if previous is not None and previous != name and tier.keys_of(previous):
         tier.commit_in_thread(COMMIT, base, record)  # type: ignore[arg-type]  # back to the save's base
     tier.evict(name)  # COMMIT first when it still names the generation
     link.down.forget(name)
-    for keys in (link._written, link._readable):
-        keys.difference_update({key for key in keys if generation_of(key) == name})
+    link.forget_keys(name)

@@ -10,7 +10,7 @@ A chain below that lags behind the tier (an earlier write-down was dropped with 
 generation) is caught up: the commit then swaps against what it holds, if that is older. Events go to
 the tier's write-down log (:mod:`.downlog`), shared by the node's processes.
 
-:func:`drain` is the exit drain's part: it waits for this process's write-downs and names what is left.
+Its part of the engine's exit drain is :mod:`.downdrain`.
 """
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-import threading
 import time
-import weakref
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING
 
 from ..backends.base import Unconditional
 from ..comm import describe_error
@@ -37,12 +34,12 @@ from ..io.scheduled import set_background
 from ..io.scheduler import get_scheduler
 from ..layout import COMMIT, CommitRecord
 from ..retry import backoff_s
-from .config import DIR_ENV
 from .copydown import copy_down
-from .downlog import PERSIST, generation_of, write_back_of
+from ..writeback.durability import durability_of
+from .downlog import PERSIST, generation_of
+from .downdrain import ACTIVE as _ACTIVE, ACTIVE_LOCK as _ACTIVE_LOCK, MEMORY_ONLY as _MEMORY_ONLY, sync_command
+from .linkview import LinkView
 
-if TYPE_CHECKING:
-    from .link import MemoryLink
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +55,6 @@ below before it copies them itself."""
 CATCH_UP = object()
 """``expected`` of a commit pushed by ``sync``: swap against what the chain below holds if it is older."""
 
-_ACTIVE: weakref.WeakSet[WriteDown] = weakref.WeakSet()
-_ACTIVE_LOCK = threading.Lock()
-_MEMORY_ONLY: dict[str, tuple[MemoryLink, str]] = {}
-"""Tier home -> (link, generation) of this process's newest memory-only commit there (``persist=False``):
-the exit drain says when it is still the newest checkpoint of its URI and still in memory only."""
 _LAST_COMMIT: dict[str, _Job] = {}
 """Tier home -> this process's newest COMMIT write-down of it, whichever link made it: commits go down in
 the order they were made, even when each save opened its own store."""
@@ -82,7 +74,7 @@ class _Job:
 class WriteDown:
     """This process's write-down for one link (see the module docstring)."""
 
-    def __init__(self, link: MemoryLink) -> None:
+    def __init__(self, link: LinkView) -> None:
         self.link = link
         self.files: dict[str, _Job] = {}
         self.commits: dict[str, _Job] = {}
@@ -117,8 +109,7 @@ class WriteDown:
 
     def _same_tier(self) -> list[WriteDown]:
         """This process's write-downs of the same tier (one per store opened on the URI)."""
-        with _ACTIVE_LOCK:
-            return [w for w in _ACTIVE if w.link.memory_tier.home == self.link.memory_tier.home]
+        return _writedowns(self.link.memory_tier.home)
 
     def pending(self) -> list[concurrent.futures.Future[None]]:
         jobs = [j.future for j in (*self.files.values(), *self.commits.values())]
@@ -182,7 +173,7 @@ class WriteDown:
         another node sent is that node's to write down: it is copied here only if it is still not below
         :data:`REPLICA_TAKEOVER_S` after the wait began (its node is likely lost)."""
         below, tier, down = self.link.below, self.link.memory_tier, self.link.down
-        write_back = write_back_of(below) is not None  # its own commit waits for what other nodes write
+        write_back = durability_of(below) is not None  # its own commit waits for what other nodes write
         pending = set(need)
         takeover_at = time.monotonic() + REPLICA_TAKEOVER_S
         pause = _POLL_S / 2
@@ -394,8 +385,7 @@ class WriteDown:
 async def drop_tier(home: str) -> None:
     """Stop every write-down of this process from the tier at ``home`` (its URI is being deleted) and
     wait for the attempts in flight."""
-    with _ACTIVE_LOCK:
-        peers = [w for w in _ACTIVE if w.link.memory_tier.home == home]
+    peers = _writedowns(home)
     jobs = [j for w in peers for j in (*w.files.values(), *w.commits.values())]
     for job in jobs:
         job.dropped = True
@@ -408,70 +398,19 @@ async def drop_tier(home: str) -> None:
         w.corrupt.clear()
 
 
+def _writedowns(home: str) -> list[WriteDown]:
+    """This process's write-downs from the tier at ``home``."""
+    with _ACTIVE_LOCK:
+        return [w for w in _ACTIVE if isinstance(w, WriteDown) and w.link.memory_tier.home == home]
+
+
 def _running(job: _Job | None) -> bool:
     return job is not None and not job.done()
 
 
-def sync_command(link: MemoryLink) -> str:
-    """The command that finishes the write-down of ``link``'s URI from any later process on the node."""
-    return f"{DIR_ENV}={link.memory.config.directory} tierckpt sync {link.memory_tier.uri}"
-
-
-def exit_wait_s() -> float:
-    """How long the exit drain may wait for write-downs: the longest ``exit_wait_s`` of the memory
-    configurations of this process's links with write-downs running (0: none running)."""
-    with _ACTIVE_LOCK:
-        return max((w.link.memory.config.exit_wait_s for w in _ACTIVE if w.pending()), default=0.0)
-
-
-def drain(timeout_s: float) -> list[str]:
-    """Wait up to ``timeout_s`` for this process's write-downs; one line per URI left with some, and one
-    per URI whose newest checkpoint this process committed in memory only (``persist=False``)."""
-    with _ACTIVE_LOCK:
-        active = list(_ACTIVE)
-    jobs = [j for w in active for j in w.pending()]
-    if jobs:
-        concurrent.futures.wait(jobs, timeout=timeout_s)
-    lines = []
-    for w in active:
-        left = w.pending()
-        if not left:
-            continue
-        errors = [why for why, _ in w.failures.values()]
-        why = f"failing: {errors[0]}" if errors else "not finished"
-        lines.append(
-            f"tierckpt: {len(left)} write-down(s) of {w.link.memory_tier.uri} from the node memory tier did not "
-            f"finish before exit ({why}); what they hold is committed in this node's memory only. Finish them: "
-            f"{sync_command(w.link)}"
-        )
-    return lines + _still_memory_only()
-
-
-def _still_memory_only() -> list[str]:
-    """One line per URI whose newest checkpoint this process committed with ``persist=False`` and nobody
-    has written down since: at exit it is only as durable as this node's memory (and its peers')."""
-    with _ACTIVE_LOCK:
-        held = list(_MEMORY_ONLY.values())
-    lines = []
-    for link, generation in held:
-        try:
-            record = link.memory_tier.committed()
-            if record is None or record.generation != generation or not link.down.state(generation).memory_only:
-                continue
-        except (CheckpointError, OSError, ValueError):
-            continue
-        lines.append(
-            f"tierckpt: the newest checkpoint of {link.memory_tier.uri} ({generation}) is held in node memory only "
-            f"(saved with persist=False), not where its URI points. To write it down: {sync_command(link)}"
-        )
-    return lines
-
-
 def _forget_after_fork() -> None:
     """A forked child has none of its parent's write-down tasks."""
-    _ACTIVE.clear()
     _LAST_COMMIT.clear()
-    _MEMORY_ONLY.clear()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

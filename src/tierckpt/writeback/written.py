@@ -1,19 +1,30 @@
-"""Size and CRC-32C of the bytes written to a file of the node memory tier (recorded in its manifest).
+"""Size and CRC-32C of the bytes a link writes to a file on the node (:class:`WrittenCrc`, :class:`CrcWriter`).
 
-The tier's writers (:class:`~.memory.MemoryTier`'s, the memory link's, :class:`~.mapped.MappedFile`),
-replicas arriving from a peer (:class:`~.memory.IncomingFile`) and the node disk cache's writer
-(:mod:`tierckpt.cache.tiered`) count what they write here; a save's stream may state the CRC instead of
-having it computed again (:class:`WrittenCrc`).
+Every link of the engine that lands bytes on the node counts them here: the memory tier's writers
+(:class:`~tierckpt.tiers.memory.MemoryTier`'s, :class:`~tierckpt.tiers.mapped.MappedFile`), replicas
+arriving from a peer (:class:`~tierckpt.tiers.memory.IncomingFile`) and the node disk cache's writer
+(:mod:`tierckpt.cache.tiered`). A save's stream may state the CRC instead of having it computed again.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+from dataclasses import dataclass
+
 import crc32c
 
+from ..backends.base import ObjectWriter
 from ..errors import CheckpointError
-from .manifest import FileEntry
+from . import ledger
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """Size and CRC-32C of one file of a generation."""
+
+    size: int
+    crc32c: int
 
 _THREAD_CRC_BYTES = 1 << 20
 """Writes at least this large compute their CRC-32C in a worker thread, not on the event loop."""
@@ -28,8 +39,10 @@ class WrittenCrc:
     Bytes that arrive from elsewhere (a peer's replica) are always checksummed here: that is the check.
     """
 
-    def __init__(self, uri: str) -> None:
+    def __init__(self, uri: str, tier: ledger.Tier) -> None:
         self._uri = uri
+        self._tier = tier
+        """The tier the bytes land in (counted in :mod:`.ledger`)."""
         self.size = 0
         self._crc: int | None = 0
         """The CRC of the bytes so far; ``None`` once the producer states it instead."""
@@ -51,7 +64,9 @@ class WrittenCrc:
         """Count ``data`` and checksum it (unless stated), in the calling thread."""
         if self._crc is not None:
             self._crc = crc32c.crc32c(data, self._crc)
-        self.size += memoryview(data).nbytes
+        nbytes = memoryview(data).nbytes
+        self.size += nbytes
+        ledger.landed(self._tier, nbytes)
 
     async def add_async(self, data: bytes | memoryview) -> None:
         """:meth:`add`, with large checksums in a worker thread (off the event loop)."""
@@ -59,6 +74,7 @@ class WrittenCrc:
         if self._crc is not None and nbytes >= _THREAD_CRC_BYTES:
             self._crc = await asyncio.to_thread(crc32c.crc32c, data, self._crc)
             self.size += nbytes
+            ledger.landed(self._tier, nbytes)
         else:
             self.add(data)
 
@@ -75,3 +91,17 @@ class WrittenCrc:
                 f"{self._uri}: its writer was to be told the CRC-32C of its bytes and was not; the file is discarded"
             )
         return FileEntry(self.size, crc)
+
+
+class CrcWriter(ObjectWriter):
+    """An :class:`ObjectWriter` of a link that records its file's size and CRC-32C in :attr:`_written`
+    (a save's stream may state the CRC instead: :meth:`use_stated_crc32c`)."""
+
+    _written: WrittenCrc
+
+    def use_stated_crc32c(self) -> bool:
+        """A save's stream states the file's CRC-32C (combined from its pieces'): no second pass here."""
+        return self._written.use_stated()
+
+    def state_crc32c(self, crc32c: int) -> None:
+        self._written.state(crc32c)

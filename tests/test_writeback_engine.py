@@ -1,0 +1,130 @@
+"""The write-back engine of the node tiers (``tierckpt.writeback``): one level type, one exit drain, one
+durability answer, the chain's capability hooks, and the bytes each tier lands and reads back."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+import tierckpt
+from tierckpt import store
+from tierckpt.backends import LocalBackend
+from tierckpt.cache import CacheConfig
+from tierckpt.io.scheduled import ScheduledBackend
+from tierckpt.tiers import MemoryConfig, MemoryTier
+from tierckpt.writeback import drain as exit_drain
+from tierckpt.writeback import ledger
+from tierckpt.writeback.levels import WAITABLE, Level
+from tierckpt.writeback.status import LinkStatus, StoreStatus
+
+
+def _chain(tmp_path: Path, *, memory: bool, cache: bool) -> tierckpt.backends.Backend:
+    options: dict[str, object] = {
+        "memory": MemoryConfig(directory=str(tmp_path / "mem")) if memory else False,
+        "cache": CacheConfig(directory=str(tmp_path / "cache")) if cache else False,
+    }
+    return store.open_store(f"local://{tmp_path / 'remote'}", options)
+
+
+def test_one_level_type_for_every_status_and_the_saver() -> None:
+    from tierckpt import saver
+
+    assert saver.LEVELS is WAITABLE and all(isinstance(level, Level) for level in saver.LEVELS)
+    assert [str(level) for level in saver.LEVELS] == ["memory", "replicated", "remote"]
+    assert StoreStatus.__dataclass_fields__["state"].type == "Level | None"
+    assert issubclass(LinkStatus, StoreStatus)
+    plain = StoreStatus(uri="u", generation="g", state=Level.LOCAL, pending_keys=(), pending_bytes=0)
+    assert plain.levels() == [] and not plain.only_in_memory
+
+
+def test_both_links_drain_through_the_one_exit_drain() -> None:
+    """The memory tier's write-downs and the node cache's uploads are both in the engine's drain, the
+    memory tier first (it feeds the cache)."""
+    from tierckpt.tiers import downdrain
+
+    drainers = exit_drain._drainers()
+    depths = [d.depth for d in drainers]
+    assert depths == sorted(depths) and {0, 1} <= set(depths)
+    assert type(drainers[depths.index(0)]).__module__ == downdrain.__name__
+    assert type(drainers[depths.index(1)]).__module__ == store.__name__
+    assert store.exit_wait_s() == exit_drain.exit_wait_s()
+
+
+def test_the_hooks_answer_for_the_chain(tmp_path: Path) -> None:
+    both = _chain(tmp_path, memory=True, cache=True)
+    plain = _chain(tmp_path, memory=False, cache=False)
+    tier = store.memory_tier_of(both)
+    assert isinstance(tier, MemoryTier) and tier is both.node_memory_tier()
+    assert store.memory_tier_of(plain) is None and plain.node_memory_tier() is None
+    below = store.without_node_cache(both)  # past the memory link and the node cache: the scheduled remote
+    assert isinstance(below, ScheduledBackend) and below.next_link() is not None
+    assert store.durability_of(both) is both and store.durability_of(plain) is None
+    assert both.keep_in_memory("g-00000001-0000000000001-aaaa") is True
+    assert plain.keep_in_memory("g-00000001-0000000000001-aaaa") is False and plain.mapped_writer("k", 8) is None
+    local = LocalBackend(str(tmp_path / "x"))
+    assert local.next_link() is None and local.without_node_cache() is local
+    assert store.identity_of(f"local://{tmp_path / 'remote'}", both) == store.identity_of(
+        f"local://{tmp_path / 'remote'}", plain)
+
+
+def test_the_ledger_counts_each_tier_once_per_byte(tmp_path: Path, monkeypatch) -> None:
+    """A synchronous save through memory tier + node disk cache lands each data byte once in each tier
+    and reads it back once out of each on its way down."""
+    monkeypatch.setenv("TIERCKPT_MEMORY_DIR", str(tmp_path / "mem"))
+    monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(tmp_path / "cache"))
+    state = {"w": torch.arange(1 << 18, dtype=torch.float32), "b": torch.ones(1 << 16)}
+    before = ledger.snapshot()
+    tierckpt.save(f"local://{tmp_path / 'remote'}", state, storage_options={"memory": True, "cache": True})
+    after = ledger.snapshot()
+    delta = {k: after[k] - before[k] for k in after}
+    data = sum(p.stat().st_size for p in (tmp_path / "remote").rglob("*") if p.is_file() and "data" in p.parts)
+    assert data >= (1 << 18) * 4 + (1 << 16) * 4
+    for tier in ("memory", "node-disk"):
+        assert data <= delta[f"{tier}.landed"] <= data + 64 * 1024, delta  # + the small metadata files
+        assert data <= delta[f"{tier}.read_back"] <= delta[f"{tier}.landed"], delta
+    got = tierckpt.load(f"local://{tmp_path / 'remote'}", storage_options={"memory": False, "cache": False})
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+    assert os.path.isdir(tmp_path / "mem")
+
+
+def test_the_drain_names_the_uploads_the_journal_still_owes(tmp_path: Path) -> None:
+    """An upload that cannot land (the remote's directory is a file) stays in the node cache's journal,
+    owned by this process: the engine's exit drain names its store and the command that finishes it."""
+    (tmp_path / "blocked").write_text("a file where the remote's directory should be")
+    uri = f"local://{tmp_path / 'blocked' / 'remote'}"
+    cached = store.open_store(uri, {"memory": False, "cache": CacheConfig(directory=str(tmp_path / "cache"))})
+    sched = tierckpt.io.scheduler.get_scheduler()
+    sched.run(cached.put("g-00000001-0000000000001-aaaa/data/x.bin", b"x" * 100))
+    lines = [line for line in store.drain_write_back(10.0) if uri in line]
+    assert len(lines) == 1 and "1 upload(s)" in lines[0] and f"tierckpt sync {uri}" in lines[0], lines
+    assert "failed:" in lines[0], lines
+    outstanding = cached.catalog.outstanding(cached.rh)
+    assert [o.key for o in outstanding] == ["g-00000001-0000000000001-aaaa/data/x.bin"] and outstanding[0].error
+    sched.run(cached.drop_pending())
+    assert [line for line in store.drain_write_back(1.0) if uri in line] == []
+
+
+def test_a_failed_save_leaves_the_tier_of_a_node_that_did_not_commit_it(tmp_path: Path) -> None:
+    """``drop_uncommitted`` (every rank of a failed save): the node's files of the generation leave its
+    memory tier and their write-downs stop; a generation the tier's COMMIT names is kept; a chain without
+    a memory tier does nothing."""
+    from tierckpt import layout
+
+    link = store.open_store(str(tmp_path / "remote"), {"memory": MemoryConfig(directory=str(tmp_path / "mem"))})
+    tier = store.memory_tier_of(link)
+    assert tier is not None
+    sched = tierckpt.io.scheduler.get_scheduler()
+    failed, kept = "g-00000002-0000000000002-bbbb", "g-00000001-0000000000001-aaaa"
+    sched.run(link.put(f"{kept}/data/rank-00001.bin", b"k" * 100))
+    sched.run(link.commit(layout.COMMIT, layout.CommitRecord(kept, 1.0, seq=1).encode(), expected=None))
+    sched.run(link.put(f"{failed}/data/rank-00001.bin", b"f" * 100))
+    assert tier.keys_of(failed) == [f"{failed}/data/rank-00001.bin"]
+    sched.run(link.drop_uncommitted(failed))
+    sched.run(link.drop_uncommitted(kept))
+    assert tier.keys_of(failed) == [] and not link.writedown.files.get(f"{failed}/data/rank-00001.bin")
+    assert tier.keys_of(kept) == [f"{kept}/data/rank-00001.bin"]
+    assert sched.run(link.get(f"{kept}/data/rank-00001.bin")) == b"k" * 100
+    plain = _chain(tmp_path, memory=False, cache=False)
+    sched.run(plain.drop_uncommitted(failed))  # no tier: nothing to drop, no error
