@@ -1,16 +1,15 @@
-"""The import graph of ``src/tierckpt``, read with ``ast``: no cycles, and a list of lazy imports.
+"""The import graph of ``src/tierckpt``, read with ``ast``: no cycles.
 
 Every ``import``/``from ... import`` of a project module counts, at module level or inside a function
 (a lazy import still closes a cycle, it only defers it), and so does one under ``if TYPE_CHECKING:``
-(it never runs, but the two modules still know each other: a protocol in the lower one breaks it). Importing ``tierckpt.a.b`` from outside the package ``tierckpt.a`` also runs
-``tierckpt/a/__init__.py``, so that edge is added too. A cycle fails with its chain of modules and
+(it never runs, but the two modules still know each other: a protocol in the lower one breaks it).
+Importing ``tierckpt.a.b`` from outside the package ``tierckpt.a`` also runs ``tierckpt/a/__init__.py``, so that edge is added too. A cycle fails with its chain of modules and
 the file and line of each import.
 """
 
 from __future__ import annotations
 
 import ast
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -235,13 +234,3 @@ def test_the_node_tiers_do_not_import_each_other() -> None:
     assert not [e for e in EDGES if e.importer.startswith("tierckpt.writeback") and
                 e.imported.startswith(("tierckpt.cache", "tierckpt.tiers"))], "the engine imports neither link"
 
-
-def test_lazy_imports_are_listed() -> None:
-    """Informational: imports of project modules inside functions. Legitimate ones keep a light entry
-    point light (``tierckpt --version`` without torch); none may exist to dodge a cycle."""
-    lazy = sorted({(e.file, e.line, e.imported) for e in EDGES if e.lazy})
-    if lazy:
-        warnings.warn(
-            f"{len(lazy)} lazy import(s) of project modules:\n" + "\n".join(f"  {f}:{n} imports {m}" for f, n, m in lazy),
-            stacklevel=1,
-        )
