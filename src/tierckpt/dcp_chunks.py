@@ -32,6 +32,7 @@ import torch
 
 from .backends import Backend
 from .errors import CorruptCheckpointError
+from .io.rangefile import SeekableReader
 from .io.scheduler import get_scheduler
 from .metadata import _int, itemsize
 
@@ -49,7 +50,7 @@ class Unreadable(Exception):
     """The segment is valid but not something tierckpt reads in place; the message says what it is."""
 
 
-class SegmentFile(io.RawIOBase):
+class SegmentFile(SeekableReader):
     """A read-only, seekable file over bytes ``[offset, offset + length)`` of ``key``: serves what was
     fetched already (:meth:`add`) and fetches the rest with ranged reads, within the caps above."""
 
@@ -57,30 +58,15 @@ class SegmentFile(io.RawIOBase):
         self, backend: Backend, key: str, offset: int, length: int, *,
         max_read: int = MAX_READ_BYTES, max_total: int = MAX_SEGMENT_READ_BYTES, least_fetch: int = PROBE_BYTES,
     ) -> None:
-        super().__init__()
-        self._backend, self._key, self._offset, self.length = backend, key, offset, length
+        super().__init__(length)
+        self._backend, self._key, self._offset = backend, key, offset
         self._max_read, self._max_total, self._least_fetch = max_read, max_total, least_fetch
         self._parts: list[tuple[int, bytes]] = []
-        self._position = 0
         self._fetched = 0
 
     def add(self, start: int, data: bytes) -> None:
         """Bytes ``[start, start + len(data))`` of the segment, fetched by the caller."""
         self._parts.append((start, data))
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.length}[whence]
-        self._position = max(0, base + offset)
-        return self._position
 
     def take(self, start: int, n: int) -> bytes:
         """Bytes ``[start, start + n)`` of the segment (fetched when not held)."""
@@ -125,20 +111,9 @@ def first_reads(length: int) -> list[tuple[int, int]]:
 
 def raw_data_offset(segment: SegmentFile, dtype: torch.dtype, sizes: tuple[int, ...]) -> int:
     """Where a ``torch.save``-d chunk's raw, row-major bytes start inside its segment."""
+    hint = "; a DCP file written as safetensors?"
+    archive, records, prefix = open_archive(segment, MAX_RECORDS, hint)
     try:
-        archive = zipfile.ZipFile(segment)
-    except zipfile.BadZipFile as exc:
-        raise Unreadable(f"is not a torch.save archive ({exc}; a DCP file written as safetensors?)") from None
-    records = {info.filename: info for info in archive.infolist()}
-    if len(records) > MAX_RECORDS:
-        raise CorruptCheckpointError(f"its zip directory claims {len(records)} records")
-    pickles = [n for n in records if n.endswith("/data.pkl") and n.count("/") == 1]
-    if len(pickles) != 1:
-        raise Unreadable("is not a torch.save archive (no data.pkl record; a DCP file written as safetensors?)")
-    prefix = pickles[0][: -len("data.pkl")]
-    try:
-        if prefix + "byteorder" in records and stored_record(archive, records, prefix + "byteorder") != b"little":
-            raise Unreadable("was saved big-endian")
         saved = TensorPickle(stored_record(archive, records, prefix + "data.pkl")).load()
     except zipfile.BadZipFile as exc:
         raise CorruptCheckpointError(f"its zip records are malformed: {exc}") from exc
@@ -154,6 +129,29 @@ def raw_data_offset(segment: SegmentFile, dtype: torch.dtype, sizes: tuple[int, 
     if saved.offset * item + math.prod(sizes) * item > n:
         raise CorruptCheckpointError(f"its data record holds {n} bytes, fewer than the tensor needs")
     return start + saved.offset * item
+
+
+def open_archive(segment: SeekableReader, max_records: int, hint: str = "") -> tuple[zipfile.ZipFile, dict[str, zipfile.ZipInfo], str]:
+    """The standard library's reader of the ``torch.save`` archive in ``segment``, its records by name and
+    the prefix of their names (``"<archive>/"``); refuses more than ``max_records`` records and a
+    big-endian archive (``hint`` ends the message of a file that is no such archive)."""
+    try:
+        archive = zipfile.ZipFile(segment)
+    except zipfile.BadZipFile as exc:
+        raise Unreadable(f"is not a torch.save archive ({exc}{hint})") from None
+    records = {info.filename: info for info in archive.infolist()}
+    if len(records) > max_records:
+        raise CorruptCheckpointError(f"its zip directory claims {len(records)} records")
+    pickles = [n for n in records if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pickles) != 1:
+        raise Unreadable(f"is not a torch.save archive (no data.pkl record{hint})")
+    prefix = pickles[0][: -len("data.pkl")]
+    try:
+        if prefix + "byteorder" in records and stored_record(archive, records, prefix + "byteorder") != b"little":
+            raise Unreadable("was saved big-endian")
+    except zipfile.BadZipFile as exc:
+        raise CorruptCheckpointError(f"its zip records are malformed: {exc}") from exc
+    return archive, records, prefix
 
 
 def _uncompressed(records: dict[str, zipfile.ZipInfo], name: str) -> zipfile.ZipInfo:

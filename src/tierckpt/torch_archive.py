@@ -31,7 +31,7 @@ import crc32c
 import torch
 
 from .dcp_chunks import (
-    SavedTensor, SegmentFile, TensorPickle, Unreadable, data_span, rebuild_v2, rebuild_v3, stored_record, tensor_globals,
+    SavedTensor, SegmentFile, TensorPickle, Unreadable, data_span, open_archive, rebuild_v2, rebuild_v3, tensor_globals,
 )
 from .backends import Backend
 from .deadline import carried
@@ -191,16 +191,7 @@ def _read_archive(backend: Backend, file: str) -> Archive:
 def _decode(file: str, segment: SegmentFile) -> Archive:
     """The structure of the archive in ``segment`` (the standard library's zipfile reads its directory;
     ``data.pkl`` and the storage records' local headers are fetched by ranged reads)."""
-    archive = zipfile.ZipFile(segment)
-    records = {info.filename: info for info in archive.infolist()}
-    if len(records) > MAX_RECORDS:
-        raise CorruptCheckpointError(f"its zip directory claims {len(records)} records")
-    pickles = [n for n in records if n.endswith("/data.pkl") and n.count("/") == 1]
-    if len(pickles) != 1:
-        raise Unreadable("has no data.pkl record (not a torch.save zip archive)")
-    prefix = pickles[0][: -len("data.pkl")]
-    if prefix + "byteorder" in records and stored_record(archive, records, prefix + "byteorder") != b"little":
-        raise Unreadable("was saved big-endian")
+    _, records, prefix = open_archive(segment, MAX_RECORDS)
     start, n = data_span(segment, records, prefix + "data.pkl")
     if n > MAX_PICKLE_BYTES:
         raise CorruptCheckpointError(f"its data.pkl claims {n} bytes")

@@ -13,15 +13,13 @@ from ..backends import Backend
 from .scheduler import get_scheduler
 
 
-class RangeFile(io.RawIOBase):
-    """Reads ``key`` of ``backend`` on demand; ``bytes_read`` counts what was fetched."""
+class SeekableReader(io.RawIOBase):
+    """The position bookkeeping of a read-only, seekable file of ``length`` bytes; subclasses read."""
 
-    def __init__(self, backend: Backend, key: str) -> None:
+    def __init__(self, length: int) -> None:
         super().__init__()
-        self._backend, self._key = backend, key
-        self._size = get_scheduler().run(backend.size(key))
+        self.length = length
         self._position = 0
-        self.bytes_read = 0
 
     def readable(self) -> bool:
         return True
@@ -33,12 +31,21 @@ class RangeFile(io.RawIOBase):
         return self._position
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.length}[whence]
         self._position = max(0, base + offset)
         return self._position
 
+
+class RangeFile(SeekableReader):
+    """Reads ``key`` of ``backend`` on demand; ``bytes_read`` counts what was fetched."""
+
+    def __init__(self, backend: Backend, key: str) -> None:
+        super().__init__(get_scheduler().run(backend.size(key)))
+        self._backend, self._key = backend, key
+        self.bytes_read = 0
+
     def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
-        count = max(0, min(len(buffer), self._size - self._position))
+        count = max(0, min(len(buffer), self.length - self._position))
         if count:
             out = memoryview(buffer).cast("B")[:count]
             get_scheduler().run(self._backend.read_into(self._key, self._position, out))
