@@ -1,0 +1,94 @@
+"""The load plan's data: what a rank needs (:class:`TargetPiece`), what a read unit delivers to whom
+(:class:`Delivery`), the units (:class:`ReadUnit`) and the plan (:class:`LoadPlan`) that
+:func:`~.load_planner.plan_load` returns."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..regions import Box, Region, StoredBox
+from .routes import DIRECT, EXCHANGE, Route
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TargetPiece:
+    """What one rank needs of tensor ``fqn``: the region its local tensor holds."""
+
+    fqn: str
+    region: Region
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Delivery:
+    """Elements ``box`` of a unit go to ``rank``'s target number ``target``."""
+
+    rank: int
+    target: int
+    target_box: StoredBox
+    """The target's stored box that receives them (global coordinates, offset in local storage)."""
+    box: Box
+
+    @property
+    def numel(self) -> int:
+        return self.box.numel
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class ReadUnit:
+    """A box of one saved piece, read by one rank into a packed row-major buffer."""
+
+    fqn: str
+    dtype: str
+    box: Box
+    file: str
+    run_offsets: np.ndarray
+    """Byte offset in ``file`` of each contiguous run, in order."""
+    run_bytes: int
+    reader: int
+    deliveries: tuple[Delivery, ...]
+    round: int
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.run_offsets) * self.run_bytes
+
+    @property
+    def route(self) -> Route:
+        """``exchange`` when some of its elements go to another rank, else ``direct``."""
+        return EXCHANGE if any(d.rank != self.reader for d in self.deliveries) else DIRECT
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadPlan:
+    units: tuple[ReadUnit, ...]
+    rounds: tuple[tuple[int, ...], ...]
+    """Unit indices of each round, in plan order."""
+    exchanges: tuple[bool, ...]
+    """Whether a round moves bytes between ranks (else its all-to-all is skipped)."""
+    world_size: int
+    bytes_read: int
+    bytes_delivered: int
+    """Bytes that reach targets, summed over ranks (replicated needs count once per rank)."""
+    bytes_read_per_rank: tuple[int, ...] = field(default=())
+
+    @property
+    def requests(self) -> int:
+        return sum(len(u.run_offsets) for u in self.units)
+
+    def bytes_by_route(self) -> dict[Route, int]:
+        """Bytes read by the units of each route."""
+        out: dict[Route, int] = {DIRECT: 0, EXCHANGE: 0}
+        for u in self.units:
+            out[u.route] += u.nbytes
+        return out
+
+
+
+def whole_to_other(reader: int, box: Box, deliveries: Sequence[Delivery]) -> bool:
+    """Whether a unit goes, as read, whole to one rank other than its reader: the read step then reads it
+    straight into its place in the round's send buffer, so the reader holds its bytes once, not twice."""
+    return len(deliveries) == 1 and deliveries[0].rank != reader and deliveries[0].box == box
+
