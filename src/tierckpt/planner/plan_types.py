@@ -63,6 +63,10 @@ class ReadUnit:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoadPlan:
+    """The units a load reads, in rounds. :func:`~.load_planner.plan_load` gives the whole group's (every
+    unit of every rank); :func:`~.rank_plan.agree_rounds` one rank's (``rank`` set): the units it reads or
+    receives from, the same rounds, exchange and message decisions on every rank."""
+
     units: tuple[ReadUnit, ...]
     rounds: tuple[tuple[int, ...], ...]
     """Unit indices of each round, in plan order."""
@@ -73,6 +77,18 @@ class LoadPlan:
     bytes_delivered: int
     """Bytes that reach targets, summed over ranks (replicated needs count once per rank)."""
     bytes_read_per_rank: tuple[int, ...] = field(default=())
+    rank: int | None = None
+    """The rank whose units this plan holds (``None``: every rank's); ``bytes_read`` and
+    ``bytes_delivered`` then count that rank's reads and what they deliver."""
+    point_to_point: tuple[bool, ...] = ()
+    """Per round, whether its deliveries between ranks go as one message each (agreed by the group);
+    empty: the read step decides from the round's units, which then must be every rank's."""
+    checkers: tuple[int, ...] = ()
+    """The rank that checks each unit's checksums (empty: :func:`tierckpt.io.readcheck.checking_ranks`
+    of the units, which then must be every rank's)."""
+    taken: tuple[tuple[str, np.ndarray, int], ...] | None = None
+    """``(file, run offsets, run bytes)`` covering every byte any rank may read (``None``: the units'):
+    a coalesced request reads through a gap only where none lies."""
 
     @property
     def requests(self) -> int:
@@ -84,7 +100,6 @@ class LoadPlan:
         for u in self.units:
             out[u.route] += u.nbytes
         return out
-
 
 
 def whole_to_other(reader: int, box: Box, deliveries: Sequence[Delivery]) -> bool:

@@ -18,6 +18,42 @@ from .plan_types import Delivery
 from .routes import DIRECT, RankRead, Topology, choose_route
 
 
+Need = tuple[int, int, StoredBox, Box]
+"""``(rank, target number, target's stored box, the part of a saved box it needs)``."""
+Saved = tuple[Box, str, int]
+"""A saved box, its file and the byte offset of its first element there."""
+
+
+def saved_boxes(meta: TensorMeta, pieces: list[PieceMeta]) -> tuple[list[Saved], BoxIndex]:
+    """The saved boxes of a tensor in the planner's order (by first row), and their index."""
+    item = itemsize(meta.torch_dtype)
+    saved: list[Saved] = []
+    for p in pieces:
+        for sb in stored_boxes(p.region, meta.shape):
+            saved.append((sb.box, p.file, p.byte_offset + sb.element_offset * item))
+    if meta.shape:
+        saved.sort(key=lambda s: s[0].offsets[0])
+    return saved, BoxIndex([s[0] for s in saved])
+
+
+def check_covered(meta: TensorMeta, rank: int, target: StoredBox, covered: int) -> None:
+    """Raise when the saved boxes cover only ``covered`` elements of a target box."""
+    if covered != target.box.numel:
+        raise CorruptCheckpointError(
+            f"the checkpoint's pieces of {meta.fqn!r} cover {covered} of the {target.box.numel} elements "
+            f"rank {rank} needs in box {target.box}; the checkpoint is incomplete or its pieces overlap"
+        )
+
+
+def saved_box_units(meta: TensorMeta, saved: Saved, needs: list[Need], chunk_bytes: int, topo: Topology) -> list[dict]:
+    """The drafts of the units that read what ``needs`` (in the group's rank order) take of one saved box."""
+    item = itemsize(meta.torch_dtype)
+    box, file, base = saved
+    if len(needs) == 1 and needs[0][3] == box and box.numel * item <= chunk_bytes:
+        return [whole_box_unit(meta, box, file, base, needs[0], item)]
+    return box_units(meta, box, file, base, needs, item, chunk_bytes, topo)
+
+
 def plan_tensor(
     meta: TensorMeta,
     pieces: list[PieceMeta],
@@ -26,34 +62,17 @@ def plan_tensor(
     topo: Topology,
     drafts: list[dict],
 ) -> None:
-    item = itemsize(meta.torch_dtype)
-    saved: list[tuple[Box, str, int]] = []
-    for p in pieces:
-        for sb in stored_boxes(p.region, meta.shape):
-            saved.append((sb.box, p.file, p.byte_offset + sb.element_offset * item))
-    if meta.shape:
-        saved.sort(key=lambda s: s[0].offsets[0])
-    lookup = BoxIndex([s[0] for s in saved])
-
-    needs_of: dict[int, list[tuple[int, int, StoredBox, Box]]] = defaultdict(list)
+    """Append to ``drafts`` the units of every saved box of ``meta`` that the group's targets ``wanted`` meet."""
+    saved, lookup = saved_boxes(meta, pieces)
+    needs_of: dict[int, list[Need]] = defaultdict(list)
     for rank, index, target in wanted:
         covered = 0
         for si, inter in lookup.overlapping(target.box):
             needs_of[si].append((rank, index, target, inter))
             covered += inter.numel
-        if covered != target.box.numel:
-            raise CorruptCheckpointError(
-                f"the checkpoint's pieces of {meta.fqn!r} cover {covered} of the {target.box.numel} elements "
-                f"rank {rank} needs in box {target.box}; the checkpoint is incomplete or its pieces overlap"
-            )
-
+        check_covered(meta, rank, target, covered)
     for si in sorted(needs_of):
-        box, file, base = saved[si]
-        needs = needs_of[si]
-        if len(needs) == 1 and needs[0][3] == box and box.numel * item <= chunk_bytes:
-            drafts.append(whole_box_unit(meta, box, file, base, needs[0], item))
-        else:
-            drafts.extend(box_units(meta, box, file, base, needs, item, chunk_bytes, topo))
+        drafts.extend(saved_box_units(meta, saved[si], needs_of[si], chunk_bytes, topo))
 
 
 def whole_box_unit(meta: TensorMeta, box: Box, file: str, base: int, need: tuple[int, int, StoredBox, Box],

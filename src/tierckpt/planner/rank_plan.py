@@ -1,0 +1,254 @@
+"""Per-rank load planning: each rank plans only the units it reads or receives from.
+
+:func:`~.load_planner.plan_load` computes the whole group's plan on every rank: at N ranks resharding
+rows to columns, N^2 (saved box, target) pairs each. Here rank ``r`` plans what concerns it, in two steps
+around one collective the loader already makes (:mod:`tierckpt.load_generation`):
+
+1. :func:`plan_rank` visits only the saved boxes its own targets meet (:class:`~.box_index.BoxIndex`),
+   finds the other ranks that need each of them (an index of every rank's target boxes: its exchange
+   partners), and cuts and routes each box exactly as the group plan does (:mod:`.slab_units`, same
+   inputs in the same order, so the same slabs, routes, units and deliveries). Whatever a rank computes
+   about a unit is a function of that unit's saved box and the needs that meet it, so every rank that
+   keeps the unit computes the same:
+
+   * **reader** (:func:`stripe_reader`): among the ranks that need nearly the most of it
+     (:data:`~.load_order.READER_SHARE`), the one at position ``(file number + offset // chunk_bytes)``
+     modulo their count. Units of one file within one ``chunk_bytes`` stripe share a reader (its
+     neighbouring units coalesce into one request), successive stripes and files rotate over the
+     candidates. A direct unit's reader is the one rank it delivers to, as before.
+   * **checker**: ranks of one node that read the same runs directly share the checksum work by the
+     same stripe rule (the group plan's :func:`tierckpt.io.readcheck.checking_ranks` balances by load).
+
+   It returns a :class:`RankDraft`: the kept units in the group's order (by :data:`UnitKey`: file, first
+   byte, ...) and a small :class:`RoundShare` to all-gather: where its own usage crosses ``round_bytes``
+   (greedy, over its units in key order) and the key ranges of the units it reads that deliver to
+   other ranks (and of those with a delivery under the point-to-point minimum).
+2. :func:`agree_rounds`, with every rank's share: the rounds' bounds are the union of every rank's
+   cuts, so each rank's usage in a round stays within one of its own rounds (under ``round_bytes``,
+   unless a round is one oversized unit); a round exchanges when a rank reads a unit in it that
+   delivers elsewhere, and goes point to point unless a rank sends a small delivery in it. Every rank
+   evaluates the same function of the same gathered shares: the same rounds, exchanges and messages.
+
+Costs: a rank's work is the saved boxes it touches times the ranks that need each (its partners), plus
+indexing the group's target boxes and its tensors' saved boxes (linear). Each byte is read once per
+group on exchanged units (one reader each) and the group's routes, coalescing and memory bound hold.
+Pure and deterministic like the group planner.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import CheckpointError
+from ..metadata import PieceMeta, TensorMeta, itemsize
+from ..regions import StoredBox, stored_boxes
+from .box_index import BoxIndex
+from .load_order import READER_SHARE
+from .plan_types import LoadPlan, ReadUnit, TargetPiece, whole_to_other
+from .routes import Topology, default_topology
+from .slab_units import Need, check_covered, saved_box_units, saved_boxes
+
+UnitKey = tuple[str, int, str, tuple[int, ...], tuple[int, ...]]
+"""A unit's place in the group's order: file, first byte, tensor, box offsets and lengths. Every rank
+that holds a unit gives it the same key; a reader's and a receiver's units between them sort alike."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundShare:
+    """What one rank all-gathers so that every rank forms the same rounds."""
+
+    cuts: tuple[UnitKey, ...]
+    """Keys where its own usage would cross ``round_bytes``: a round starts at each."""
+    crossing: tuple[tuple[UnitKey, UnitKey], ...]
+    """Key ranges (first, last) of consecutive units it reads that deliver to another rank."""
+    small: tuple[tuple[UnitKey, UnitKey], ...]
+    """Key ranges of consecutive units it reads with a delivery to another rank under the point-to-point minimum."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankDraft:
+    """One rank's units before the rounds are agreed (:func:`plan_rank`)."""
+
+    rank: int
+    world_size: int
+    drafts: tuple[dict, ...]
+    """Unit fields (reader set, no round), in key order."""
+    keys: tuple[UnitKey, ...]
+    checkers: tuple[int, ...]
+    share: RoundShare
+    taken: tuple[tuple[str, np.ndarray, int], ...]
+
+
+def key_of(draft: dict) -> UnitKey:
+    offsets = draft["run_offsets"]
+    return (draft["file"], int(offsets[0]) if len(offsets) else 0, draft["fqn"], draft["box"].offsets, draft["box"].lengths)
+
+
+def stripe_reader(candidates: Sequence[int], file_number: int, offset: int, chunk_bytes: int) -> int:
+    """The rank of ``candidates`` (ascending) that reads or checks a unit at byte ``offset`` of file number ``file_number``."""
+    return candidates[(file_number + offset // max(chunk_bytes, 1)) % len(candidates)]
+
+
+def plan_rank(
+    tensors: dict[str, TensorMeta],
+    pieces: dict[str, list[PieceMeta]],
+    needs: Sequence[Sequence[TargetPiece]],
+    rank: int,
+    *,
+    chunk_bytes: int,
+    round_bytes: int,
+    p2p_min_bytes: int,
+    topology: Topology | None = None,
+) -> RankDraft:
+    """Rank ``rank``'s units of a load whose rank ``r`` needs ``needs[r]`` (step 1 of the module docstring)."""
+    world = len(needs)
+    topo = topology if topology is not None else default_topology(world)
+    if len(topo.nodes) != world:
+        raise CheckpointError(
+            f"the load topology names the nodes of {len(topo.nodes)} ranks but {world} ranks load: "
+            "give one node id per rank of the loading group"
+        )
+    mine = {n.fqn for n in needs[rank]}
+    targets: dict[str, list[tuple[int, int, StoredBox]]] = defaultdict(list)
+    for r, rank_needs in enumerate(needs):
+        for index, need in enumerate(rank_needs):
+            if need.fqn in mine:
+                for sb in stored_boxes(need.region, tensors[need.fqn].shape):
+                    targets[need.fqn].append((r, index, sb))
+    files = {f: i for i, f in enumerate(sorted({p.file for plist in pieces.values() for p in plist}))}
+
+    kept: list[dict] = []
+    checkers: dict[int, int] = {}  # id(draft) -> checker, for direct units other ranks of this node read alike
+    for fqn in sorted(mine):
+        meta = tensors[fqn]
+        saved, lookup = saved_boxes(meta, pieces.get(fqn, []))
+        wanted = targets[fqn]
+        partners = BoxIndex([t[2].box for t in wanted])
+        touched: set[int] = set()
+        for r, _, target in wanted:
+            if r != rank:
+                continue
+            covered = 0
+            for si, inter in lookup.overlapping(target.box):
+                touched.add(si)
+                covered += inter.numel
+            check_covered(meta, rank, target, covered)
+        for si in sorted(touched):
+            box_needs: list[Need] = [(wanted[ti][0], wanted[ti][1], wanted[ti][2], inter)
+                                     for ti, inter in partners.overlapping(saved[si][0])]
+            drafts = saved_box_units(meta, saved[si], box_needs, chunk_bytes, topo)
+            _keep(drafts, rank, files, chunk_bytes, topo, kept, checkers)
+
+    kept.sort(key=key_of)
+    keys = tuple(key_of(d) for d in kept)
+    share = _share(kept, keys, rank, round_bytes, p2p_min_bytes)
+    taken = tuple((p.file, np.array([p.byte_offset], dtype=np.int64), p.byte_length)
+                  for plist in pieces.values() for p in plist)
+    return RankDraft(rank=rank, world_size=world, drafts=tuple(kept), keys=keys,
+                     checkers=tuple(checkers.get(id(d), d["reader"]) for d in kept), share=share, taken=taken)
+
+
+def _keep(drafts: list[dict], rank: int, files: dict[str, int], chunk_bytes: int, topo: Topology,
+          kept: list[dict], checkers: dict[int, int]) -> None:
+    """Set the reader of each of one saved box's drafts; keep those ``rank`` reads or receives from."""
+    alike: dict[tuple, list[int]] = defaultdict(list)  # direct units reading the same runs on one node
+    for d in drafts:
+        wanted: dict[int, int] = defaultdict(int)
+        for delivery in d["deliveries"]:
+            wanted[delivery.rank] += delivery.numel
+        most = max(wanted.values())
+        eligible = sorted(r for r, n in wanted.items() if n >= READER_SHARE * most)
+        offsets = d["run_offsets"]
+        start = int(offsets[0]) if len(offsets) else 0
+        d["reader"] = stripe_reader(eligible, files[d["file"]], start, chunk_bytes)
+        if len(wanted) == 1:
+            alike[(d["file"], d["run_bytes"], offsets.tobytes(), topo.nodes[d["reader"]])].append(d["reader"])
+    for d in drafts:
+        if d["reader"] != rank and all(x.rank != rank for x in d["deliveries"]):
+            continue
+        kept.append(d)
+        if d["reader"] == rank:
+            readers = alike.get((d["file"], d["run_bytes"], d["run_offsets"].tobytes(), topo.nodes[rank]), [])
+            if len(readers) > 1:
+                start = int(d["run_offsets"][0]) if len(d["run_offsets"]) else 0
+                checkers[id(d)] = stripe_reader(sorted(set(readers)), files[d["file"]], start, chunk_bytes)
+
+
+def _usage(d: dict, rank: int) -> int:
+    """Bytes ``rank`` holds for unit ``d`` in its round: read, sent and received (as the group plan counts)."""
+    item = d["item"]
+    out = 0
+    if d["reader"] == rank:
+        if not whole_to_other(rank, d["box"], d["deliveries"]):
+            out += d["box"].numel * item
+        out += sum(x.numel for x in d["deliveries"] if x.rank != rank) * item
+    else:
+        out += sum(x.numel for x in d["deliveries"] if x.rank == rank) * item
+    return out
+
+
+def _share(kept: list[dict], keys: tuple[UnitKey, ...], rank: int, round_bytes: int, p2p_min_bytes: int) -> RoundShare:
+    cuts: list[UnitKey] = []
+    usage, count = 0, 0
+    for i, d in enumerate(kept):
+        add = _usage(d, rank)
+        fresh = i == 0 or keys[i] != keys[i - 1]  # units of one key stay in one round
+        if fresh and count and usage + add > round_bytes:
+            cuts.append(keys[i])
+            usage, count = 0, 0
+        usage += add
+        count += 1
+
+    def ranges(flags: list[tuple[UnitKey, bool]]) -> tuple[tuple[UnitKey, UnitKey], ...]:
+        out: list[tuple[UnitKey, UnitKey]] = []
+        run: list[UnitKey] = []
+        for key, flag in flags:
+            if flag:
+                run.append(key)
+            elif run:
+                out.append((run[0], run[-1]))
+                run = []
+        if run:
+            out.append((run[0], run[-1]))
+        return tuple(out)
+
+    read = [(k, d) for k, d in zip(keys, kept) if d["reader"] == rank]
+    crossing = ranges([(k, any(x.rank != rank for x in d["deliveries"])) for k, d in read])
+    small = ranges([(k, any(x.rank != rank and x.numel * d["item"] < p2p_min_bytes for x in d["deliveries"]))
+                    for k, d in read])
+    return RoundShare(cuts=tuple(cuts), crossing=crossing, small=small)
+
+
+def agree_rounds(draft: RankDraft, shares: Sequence[RoundShare], tensors: dict[str, TensorMeta]) -> LoadPlan:
+    """Rank ``draft.rank``'s :class:`LoadPlan` from every rank's share (step 2 of the module docstring)."""
+    if len(shares) != draft.world_size:
+        raise CheckpointError(f"{len(shares)} round shares for a load of {draft.world_size} ranks")
+    cuts = sorted({c for s in shares for c in s.cuts})
+    count = len(cuts) + 1
+    exchanges = [False] * count
+    small = [False] * count
+    for flags, attr in ((exchanges, "crossing"), (small, "small")):
+        for s in shares:
+            for lo, hi in getattr(s, attr):
+                for k in range(bisect.bisect_right(cuts, lo), bisect.bisect_right(cuts, hi) + 1):
+                    flags[k] = True
+    units: list[ReadUnit] = []
+    rounds: list[list[int]] = [[] for _ in range(count)]
+    for d, key in zip(draft.drafts, draft.keys):
+        k = bisect.bisect_right(cuts, key)
+        rounds[k].append(len(units))
+        units.append(ReadUnit(round=k, **{f: v for f, v in d.items() if f != "item"}))
+    mine = [u for u in units if u.reader == draft.rank]
+    return LoadPlan(
+        units=tuple(units), rounds=tuple(tuple(r) for r in rounds), exchanges=tuple(exchanges),
+        world_size=draft.world_size, rank=draft.rank,
+        bytes_read=sum(u.nbytes for u in mine),
+        bytes_delivered=sum(x.numel * itemsize(tensors[u.fqn].torch_dtype) for u in mine for x in u.deliveries),
+        point_to_point=tuple(e and not s for e, s in zip(exchanges, small)),
+        checkers=draft.checkers, taken=draft.taken,
+    )
