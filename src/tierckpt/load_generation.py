@@ -14,17 +14,18 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import crc32c
+import numpy as np
 
 from . import layout
 from .backends import Backend
 from .checkpoint_reader import Checkpoint
 from .comm import Comm
-from .errors import CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, MissingFileError
+from .errors import CheckpointError, CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, MissingFileError
 from .deadline import carried
 from .io.readcheck import ReadChecker
 from .io.scheduler import get_scheduler
@@ -38,8 +39,9 @@ from .node import node_id
 from .objects_read import fetch_objects, wanted_objects
 from .planner import LoadPlan, TargetPiece, Topology, plan_load, topology as route_topology
 from .planner.locality import assign_local_readers, relocate, spans_of
+from .planner.rank_plan import RankDraft, RoundShare, agree_rounds, plan_rank
 from .planner.routes import store_kind
-from .read_step import ReadStep
+from .read_step import P2P_MIN_BYTES, ReadStep
 from .readers import read_pieces, reader_of
 from .state import FlatState, flatten_state
 from .store import identity_of, memory_tier_of
@@ -102,25 +104,41 @@ def load_generation(
     with monitor.phase("plan"):
         topo = opts.topology or _topology(backend, comm, [g[4] for g in gathered], min(g[8] for g in gathered))
         nodes = list(topo.nodes)
-        plan = plan_load(
-            ckpt.tensors, pieces, all_needs, chunk_bytes=opts.chunk_bytes, round_bytes=opts.round_bytes, topology=topo,
-        )
+        group_plan: LoadPlan | None = None
+        mine: RankDraft | None = None
+        failure: Exception | None = None
         if local.active:  # each unit to a rank whose node's memory tier holds its file, where one does
-            locality = assign_local_readers(spans_of(plan), local.holdings)
-            plan = relocate(plan, locality.readers, opts.round_bytes)
+            group_plan = plan_load(
+                ckpt.tensors, pieces, all_needs, chunk_bytes=opts.chunk_bytes, round_bytes=opts.round_bytes, topology=topo,
+            )
+            locality = assign_local_readers(spans_of(group_plan), local.holdings)
+            group_plan = relocate(group_plan, locality.readers, opts.round_bytes)
             monitor.count("bytes_read_memory", sum(
-                u.nbytes for u, here in zip(plan.units, locality.local) if here and u.reader == comm.rank
+                u.nbytes for u, here in zip(group_plan.units, locality.local) if here and u.reader == comm.rank
             ))
-        _log_routes(plan, topo, comm.rank, monitor)
+        else:  # this rank's units only; the rounds are agreed with the next collective
+            try:
+                mine = plan_rank(ckpt.tensors, pieces, all_needs, comm.rank, chunk_bytes=opts.chunk_bytes,
+                                 round_bytes=opts.round_bytes, p2p_min_bytes=P2P_MIN_BYTES, topology=topo)
+            except CheckpointError as exc:  # raised on every rank by the agreement below, not alone
+                failure = exc
     gen = ckpt.meta.generation
 
-    def check_and_fetch() -> dict[str, Any]:
-        _check_files(backend, ckpt, plan, comm.rank, local)
+    def check_and_fetch() -> tuple[dict[str, Any], RoundShare | None]:
+        if failure is not None:
+            raise failure
+        reads = ([(u.file, u.run_offsets, u.run_bytes) for u in group_plan.units if u.reader == comm.rank]
+                 if group_plan is not None else mine.reads())  # type: ignore[union-attr]
+        _check_files(backend, ckpt, reads, local)
         # Objects are small: fetch, check and decode them before any tensor is modified.
-        return fetch_objects(backend, ckpt, flat, wanted, opts.allow_pickle, local, shared)
+        values = fetch_objects(backend, ckpt, flat, wanted, opts.allow_pickle, local, shared)
+        return values, mine.share if mine is not None else None
 
     with monitor.phase("objects"):
-        values = comm.run_agreed(check_and_fetch, "checking the data files and loading objects")
+        # The agreement carries each rank's round share (planner.rank_plan): no collective of its own.
+        values, shares = comm.exchange_agreed(check_and_fetch, "checking the data files and loading objects")
+    plan = group_plan if group_plan is not None else agree_rounds(mine, shares, ckpt.tensors)  # type: ignore[arg-type]
+    _log_routes(plan, topo, comm.rank, monitor)
     if opts.verify:
         with monitor.phase("verify"):
             comm.run_agreed(lambda: _verify_pieces(backend, gen, pieces, comm, local), "verifying checksums")
@@ -204,7 +222,7 @@ def _cores() -> int:
 
 
 def _log_routes(plan: LoadPlan, topo: Topology, rank: int, monitor: Monitor) -> None:
-    """Count this rank's units and bytes per route in the monitor; log the group's totals once."""
+    """Count this rank's units and bytes per route in the monitor; log rank 0's plan (the group's, or its own)."""
     for unit in plan.units:
         if unit.reader == rank:
             monitor.count(f"units_{unit.route}")
@@ -212,18 +230,18 @@ def _log_routes(plan: LoadPlan, topo: Topology, rank: int, monitor: Monitor) -> 
     if rank == 0:
         by_route = plan.bytes_by_route()
         logger.info(
-            "load plan: %d units; %d bytes read directly, %d read once and exchanged (store %s, %s exchange, %d node(s))",
-            len(plan.units), by_route["direct"], by_route["exchange"], topo.store.kind, topo.exchange.kind, topo.num_nodes,
+            "load plan%s: %d units; %d bytes read directly, %d read once and exchanged (store %s, %s exchange, %d node(s))",
+            "" if plan.rank is None else " of rank 0", len(plan.units), by_route["direct"], by_route["exchange"], topo.store.kind, topo.exchange.kind, topo.num_nodes,
         )
 
 
-def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int, local: LocalReads) -> None:
-    """Each data file this rank reads (from its memory tier or the chain) has the size the header lists,
-    and holds every run read from it."""
+def _check_files(backend: Backend, ckpt: Checkpoint, reads: Iterable[tuple[str, np.ndarray, int]], local: LocalReads) -> None:
+    """Each data file this rank reads (``reads``: file, run offsets, run bytes; from its memory tier or the
+    chain) has the size the header lists, and holds every run read from it."""
     ends: dict[str, int] = {}
-    for u in plan.units:
-        if u.reader == rank and len(u.run_offsets):
-            ends[u.file] = max(ends.get(u.file, 0), int(u.run_offsets.max()) + u.run_bytes)
+    for file, offsets, run_bytes in reads:
+        if len(offsets):
+            ends[file] = max(ends.get(file, 0), int(offsets.max()) + run_bytes)
     files = sorted(ends)
     sizes = {file: _checked_size(local.tier, ckpt, file) for file in files if local.here(file)}  # type: ignore[arg-type]
     remote = [file for file in files if file not in sizes]

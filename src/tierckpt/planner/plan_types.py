@@ -95,10 +95,11 @@ class LoadPlan:
         return sum(len(u.run_offsets) for u in self.units)
 
     def bytes_by_route(self) -> dict[Route, int]:
-        """Bytes read by the units of each route."""
+        """Bytes read by the units of each route (by :attr:`rank`'s units, in a rank's plan)."""
         out: dict[Route, int] = {DIRECT: 0, EXCHANGE: 0}
         for u in self.units:
-            out[u.route] += u.nbytes
+            if self.rank is None or u.reader == self.rank:
+                out[u.route] += u.nbytes
         return out
 
 

@@ -83,6 +83,10 @@ class RankDraft:
     share: RoundShare
     taken: tuple[tuple[str, np.ndarray, int], ...]
 
+    def reads(self) -> list[tuple[str, np.ndarray, int]]:
+        """``(file, run offsets, run bytes)`` of each unit this rank reads."""
+        return [(d["file"], d["run_offsets"], d["run_bytes"]) for d in self.drafts if d["reader"] == self.rank]
+
 
 def key_of(draft: dict) -> UnitKey:
     offsets = draft["run_offsets"]
