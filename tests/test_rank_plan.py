@@ -78,9 +78,8 @@ def check_union(plans: list[LoadPlan], group: LoadPlan, tensors, round_bytes: in
                 crosses = crosses or bool(sent)
                 small = small or any(u.deliveries[j].numel * itemsize_of(tensors, u) < P2P for u, j in
                                      ((next(v for v in plans[s].units if shape_of(v) == su), j) for su, j in sent))
-        if crosses:
-            assert plans[0].exchanges[k]
-        assert plans[0].point_to_point[k] == (plans[0].exchanges[k] and not small) or not crosses
+        assert plans[0].exchanges[k] == crosses
+        assert plans[0].point_to_point[k] == (crosses and not small)
     # Each rank's buffers in each round stay under round_bytes, unless its share is one unit.
     for r, p in enumerate(plans):
         for idx in p.rounds:

@@ -21,8 +21,8 @@ around one collective the loader already makes (:mod:`tierckpt.load_generation`)
 
    It returns a :class:`RankDraft`: the kept units in the group's order (by :data:`UnitKey`: file, first
    byte, ...) and a small :class:`RoundShare` to all-gather: where its own usage crosses ``round_bytes``
-   (greedy, over its units in key order) and the key ranges of the units it reads that deliver to
-   other ranks (and of those with a delivery under the point-to-point minimum).
+   (greedy, over its units in key order) and the keys of the units it reads that deliver to other
+   ranks (and of those with a delivery under the point-to-point minimum): a few per unit it reads.
 2. :func:`agree_rounds`, with every rank's share: the rounds' bounds are the union of every rank's
    cuts, so each rank's usage in a round stays within one of its own rounds (under ``round_bytes``,
    unless a round is one oversized unit); a round exchanges when a rank reads a unit in it that
@@ -64,10 +64,10 @@ class RoundShare:
 
     cuts: tuple[UnitKey, ...]
     """Keys where its own usage would cross ``round_bytes``: a round starts at each."""
-    crossing: tuple[tuple[UnitKey, UnitKey], ...]
-    """Key ranges (first, last) of consecutive units it reads that deliver to another rank."""
-    small: tuple[tuple[UnitKey, UnitKey], ...]
-    """Key ranges of consecutive units it reads with a delivery to another rank under the point-to-point minimum."""
+    crossing: tuple[UnitKey, ...]
+    """Keys of the units it reads that deliver to another rank."""
+    small: tuple[UnitKey, ...]
+    """Keys of the units it reads with a delivery to another rank under the point-to-point minimum."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +145,7 @@ def plan_rank(
         for si in sorted(touched):
             box_needs: list[Need] = [(wanted[ti][0], wanted[ti][1], wanted[ti][2], inter)
                                      for ti, inter in partners.overlapping(saved[si][0])]
-            drafts = saved_box_units(meta, saved[si], box_needs, chunk_bytes, topo)
+            drafts = saved_box_units(meta, saved[si], box_needs, chunk_bytes, topo, only=rank)
             _keep(drafts, rank, files, chunk_bytes, topo, kept, checkers)
 
     kept.sort(key=key_of)
@@ -160,8 +160,11 @@ def plan_rank(
 def _keep(drafts: list[dict], rank: int, files: dict[str, int], chunk_bytes: int, topo: Topology,
           kept: list[dict], checkers: dict[int, int]) -> None:
     """Set the reader of each of one saved box's drafts; keep those ``rank`` reads or receives from."""
-    alike: dict[tuple, list[int]] = defaultdict(list)  # direct units reading the same runs on one node
+    alike: dict[tuple, list[int]] = defaultdict(list)  # direct units reading the same box (runs) on one node
     for d in drafts:
+        if d["run_offsets"] is None:  # another rank reads it for itself (slab_units.saved_box_units)
+            alike[(d["file"], d["box"], topo.nodes[d["reader"]])].append(d["reader"])
+            continue
         wanted: dict[int, int] = defaultdict(int)
         for delivery in d["deliveries"]:
             wanted[delivery.rank] += delivery.numel
@@ -171,13 +174,13 @@ def _keep(drafts: list[dict], rank: int, files: dict[str, int], chunk_bytes: int
         start = int(offsets[0]) if len(offsets) else 0
         d["reader"] = stripe_reader(eligible, files[d["file"]], start, chunk_bytes)
         if len(wanted) == 1:
-            alike[(d["file"], d["run_bytes"], offsets.tobytes(), topo.nodes[d["reader"]])].append(d["reader"])
+            alike[(d["file"], d["box"], topo.nodes[d["reader"]])].append(d["reader"])
     for d in drafts:
         if d["reader"] != rank and all(x.rank != rank for x in d["deliveries"]):
             continue
         kept.append(d)
         if d["reader"] == rank:
-            readers = alike.get((d["file"], d["run_bytes"], d["run_offsets"].tobytes(), topo.nodes[rank]), [])
+            readers = alike.get((d["file"], d["box"], topo.nodes[rank]), [])
             if len(readers) > 1:
                 start = int(d["run_offsets"][0]) if len(d["run_offsets"]) else 0
                 checkers[id(d)] = stripe_reader(sorted(set(readers)), files[d["file"]], start, chunk_bytes)
@@ -207,24 +210,9 @@ def _share(kept: list[dict], keys: tuple[UnitKey, ...], rank: int, round_bytes: 
             usage, count = 0, 0
         usage += add
         count += 1
-
-    def ranges(flags: list[tuple[UnitKey, bool]]) -> tuple[tuple[UnitKey, UnitKey], ...]:
-        out: list[tuple[UnitKey, UnitKey]] = []
-        run: list[UnitKey] = []
-        for key, flag in flags:
-            if flag:
-                run.append(key)
-            elif run:
-                out.append((run[0], run[-1]))
-                run = []
-        if run:
-            out.append((run[0], run[-1]))
-        return tuple(out)
-
     read = [(k, d) for k, d in zip(keys, kept) if d["reader"] == rank]
-    crossing = ranges([(k, any(x.rank != rank for x in d["deliveries"])) for k, d in read])
-    small = ranges([(k, any(x.rank != rank and x.numel * d["item"] < p2p_min_bytes for x in d["deliveries"]))
-                    for k, d in read])
+    crossing = tuple(k for k, d in read if any(x.rank != rank for x in d["deliveries"]))
+    small = tuple(k for k, d in read if any(x.rank != rank and x.numel * d["item"] < p2p_min_bytes for x in d["deliveries"]))
     return RoundShare(cuts=tuple(cuts), crossing=crossing, small=small)
 
 
@@ -238,9 +226,8 @@ def agree_rounds(draft: RankDraft, shares: Sequence[RoundShare], tensors: dict[s
     small = [False] * count
     for flags, attr in ((exchanges, "crossing"), (small, "small")):
         for s in shares:
-            for lo, hi in getattr(s, attr):
-                for k in range(bisect.bisect_right(cuts, lo), bisect.bisect_right(cuts, hi) + 1):
-                    flags[k] = True
+            for key in getattr(s, attr):
+                flags[bisect.bisect_right(cuts, key)] = True
     units: list[ReadUnit] = []
     rounds: list[list[int]] = [[] for _ in range(count)]
     for d, key in zip(draft.drafts, draft.keys):

@@ -45,13 +45,17 @@ def check_covered(meta: TensorMeta, rank: int, target: StoredBox, covered: int) 
         )
 
 
-def saved_box_units(meta: TensorMeta, saved: Saved, needs: list[Need], chunk_bytes: int, topo: Topology) -> list[dict]:
-    """The drafts of the units that read what ``needs`` (in the group's rank order) take of one saved box."""
+def saved_box_units(meta: TensorMeta, saved: Saved, needs: list[Need], chunk_bytes: int, topo: Topology,
+                    only: int | None = None) -> list[dict]:
+    """The drafts of the units that read what ``needs`` (in the group's rank order) take of one saved box.
+
+    ``only``: the rank planning for itself (:mod:`.rank_plan`): a unit another rank reads for itself
+    alone (direct) keeps its box, reader and deliveries but not its runs (``run_offsets`` ``None``)."""
     item = itemsize(meta.torch_dtype)
     box, file, base = saved
     if len(needs) == 1 and needs[0][3] == box and box.numel * item <= chunk_bytes:
         return [whole_box_unit(meta, box, file, base, needs[0], item)]
-    return box_units(meta, box, file, base, needs, item, chunk_bytes, topo)
+    return box_units(meta, box, file, base, needs, item, chunk_bytes, topo, only)
 
 
 def plan_tensor(
@@ -89,14 +93,20 @@ def whole_box_unit(meta: TensorMeta, box: Box, file: str, base: int, need: tuple
 
 
 def box_units(meta: TensorMeta, box: Box, file: str, base: int, needs: list[tuple[int, int, StoredBox, Box]],
-               item: int, chunk_bytes: int, topo: Topology) -> list[dict]:
-    """The drafts of the units that read what ``needs`` take of saved box ``box`` (at byte ``base`` of ``file``)."""
+               item: int, chunk_bytes: int, topo: Topology, only: int | None = None) -> list[dict]:
+    """The drafts of the units that read what ``needs`` take of saved box ``box`` (at byte ``base`` of
+    ``file``); ``only``: see :func:`saved_box_units`."""
     drafts = []
     for slab in _slabs(box, _bounding([n[3] for n in needs]), item, chunk_bytes):
         parts = [(r, i, t, b) for r, i, t, inter in needs if (b := inter.intersect(slab)) is not None]
         if not parts:  # a slab between disjoint needs (e.g. rows 0 and 2 of a piece): nothing to read
             continue
         for unit_box, deliveries in slab_units(parts, box, item, topo):
+            alone = deliveries[0].rank
+            if only is not None and alone != only and all(d.rank == alone for d in deliveries):
+                drafts.append(dict(fqn=meta.fqn, dtype=meta.dtype, box=unit_box, file=file, run_offsets=None,
+                                   run_bytes=0, reader=alone, deliveries=deliveries, item=item))
+                continue
             starts_el, run = box_runs(unit_box, box)
             drafts.append(
                 dict(
