@@ -31,6 +31,7 @@ from .io.readcheck import ReadChecker
 from .io.scheduler import get_scheduler
 from .load_cast import refuse_meta_tensors
 from .load_match import match, report
+from .load_wire import pack_asked, pack_needs, unpack
 from .local_load import LocalReads, held_files, rereaders
 from .meta_read import whole_pieces
 from .metadata import ObjectMeta, PieceMeta, decode_pieces
@@ -87,6 +88,7 @@ def load_generation(
                 lambda: prepare(state, ckpt, comm.rank, tier, whole_pieces(backend, ckpt) if tier is None else None),
                 "preparing the state to load", same=("URI", identity_of(uri, backend)),
             )
+        gathered = unpack(gathered, ckpt)  # needs and keys travel as positions in the checkpoint (load_wire)
         report(gathered, ckpt, opts.strict, uri)
         local = LocalReads.of(comm.rank, tier, [(g[4], g[5]) for g in gathered])
         preread = all(g[7] for g in gathered)
@@ -173,8 +175,9 @@ def prepare(
     state: Mapping[str, Any], ckpt: Checkpoint, rank: int, tier: MemoryTier | None, table: bytes | None,
 ) -> tuple[tuple[FlatState, list[TargetPiece], dict[str, list[ObjectMeta]], bytes | None], tuple[Any, ...]]:
     """Flatten this rank's state for loading: ``(kept, shared)``. Kept: the flat state, its needs, its
-    objects and ``table`` (the whole pieces table, if read already). Shared: needs, findings, tensor and
-    object keys (what :func:`tierckpt.load_match.report` reads), the node, what its memory tier holds (``None``: no tier),
+    objects and ``table`` (the whole pieces table, if read already). Shared (:mod:`tierckpt.load_wire`'s
+    compact form, restored by its ``unpack``): needs, findings, the keys asked for and an empty slot (what
+    :func:`tierckpt.load_match.report` reads), the node, what its memory tier holds (``None``: no tier),
     the objects files this rank reads, whether it holds the pieces table already, and the CPU cores it may
     run on (the load routes' :attr:`~tierckpt.planner.Topology.cores`)."""
     saved_keys = set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}
@@ -187,8 +190,8 @@ def prepare(
     wanted = wanted_objects(ckpt, flat, rank)
     held = held_files(tier, ckpt.meta, ckpt.record)
     files = sorted({o.file for metas in wanted.values() for o in metas}) if held is not None else []
-    shared = (needs, findings, sorted(flat.tensors), sorted(flat.objects), node_id(), held, files, table is not None,
-              _cores())
+    shared = (pack_needs(needs, ckpt), findings, pack_asked([*flat.tensors, *flat.objects], ckpt), None, node_id(), held,
+              files, table is not None, _cores())
     return (flat, needs, wanted, table), shared
 
 
