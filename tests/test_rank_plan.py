@@ -5,7 +5,7 @@ small share per rank. On random reshards (grids, FSDP1 flat ranges, partial and 
 1-D and 2-D meshes up to 16 ranks, one or two nodes, every store kind): the units read over all ranks
 are the group plan's units (same boxes, runs and deliveries: each byte read once where the group plan
 reads it once, every need covered exactly, checked by executing them against fake files); every rank
-agrees on each unit it shares with another (reader, deliveries, round) and on the rounds, exchanges
+agrees on each unit it shares with another (reader, round; a receiver holds the reader's deliveries to it) and on the rounds, exchanges
 and point-to-point decisions; a sender's deliveries to each receiver come in the order the receiver
 takes them; each rank's buffers per round stay under ``round_bytes``.
 """
@@ -41,7 +41,12 @@ def rank_plans(tensors, pieces, needs, chunk, round_bytes, topo) -> list[LoadPla
 
 def shape_of(u) -> tuple:
     """A unit without its reader and round."""
-    return (u.fqn, u.box, u.file, tuple(u.run_offsets.tolist()), u.run_bytes, u.deliveries)
+    return (*ident(u), u.deliveries)
+
+
+def ident(u) -> tuple:
+    """A unit's bytes: the same in its reader's plan and in the plans of the ranks it delivers to."""
+    return (u.fqn, u.box, u.file, tuple(u.run_offsets.tolist()), u.run_bytes)
 
 
 def check_union(plans: list[LoadPlan], group: LoadPlan, tensors, round_bytes: int) -> LoadPlan:
@@ -54,15 +59,18 @@ def check_union(plans: list[LoadPlan], group: LoadPlan, tensors, round_bytes: in
     # The same rounds and decisions everywhere.
     assert len({len(p.rounds) for p in plans}) == 1
     assert len({p.exchanges for p in plans}) == 1 and len({p.point_to_point for p in plans}) == 1
-    # Each unit a rank holds but does not read is the reader's unit, with the same round.
-    held = {(r, shape_of(u)): u.round for r, u in read}
+    # A unit a rank receives from is the reader's, in the same round, with the reader's deliveries to it.
+    held = {(r, ident(u)): u for r, u in read}
     for r, p in enumerate(plans):
         assert all(p.units[i].round == k for k, idx in enumerate(p.rounds) for i in idx)
         for u in p.units:
-            assert u.reader == r or any(d.rank == r for d in u.deliveries)
-            assert held[(u.reader, shape_of(u))] == u.round
+            if u.reader != r:
+                source = held[(u.reader, ident(u))]
+                assert source.round == u.round
+                assert u.deliveries == tuple(d for d in source.deliveries if d.rank == r) != ()
+        mine = {ident(u) for u in p.units if u.reader != r}
         for u in (u for _, u in read if u.reader != r and any(d.rank == r for d in u.deliveries)):
-            assert any(shape_of(v) == shape_of(u) for v in p.units), "a unit delivering here is missing"
+            assert ident(u) in mine, "a unit delivering here is missing"
     # Sender and receiver list the deliveries between them in the same order, round by round.
     for k in range(len(plans[0].rounds)):
         crosses, small = False, False
@@ -70,14 +78,13 @@ def check_union(plans: list[LoadPlan], group: LoadPlan, tensors, round_bytes: in
             for r in range(world):
                 if r == s:
                     continue
-                sent = [(shape_of(u), j) for u in (plans[s].units[i] for i in plans[s].rounds[k]) if u.reader == s
-                        for j, d in enumerate(u.deliveries) if d.rank == r]
-                taken = [(shape_of(u), j) for u in (plans[r].units[i] for i in plans[r].rounds[k]) if u.reader == s
-                         for j, d in enumerate(u.deliveries) if d.rank == r]
+                sent = [(ident(u), d) for u in (plans[s].units[i] for i in plans[s].rounds[k]) if u.reader == s
+                        for d in u.deliveries if d.rank == r]
+                taken = [(ident(u), d) for u in (plans[r].units[i] for i in plans[r].rounds[k]) if u.reader == s
+                         for d in u.deliveries if d.rank == r]
                 assert sent == taken
                 crosses = crosses or bool(sent)
-                small = small or any(u.deliveries[j].numel * itemsize_of(tensors, u) < P2P for u, j in
-                                     ((next(v for v in plans[s].units if shape_of(v) == su), j) for su, j in sent))
+                small = small or any(d.numel * tensors[i[0]].torch_dtype.itemsize < P2P for i, d in sent)
         assert plans[0].exchanges[k] == crosses
         assert plans[0].point_to_point[k] == (crosses and not small)
     # Each rank's buffers in each round stay under round_bytes, unless its share is one unit.
@@ -174,3 +181,20 @@ def test_a_replicated_load_spreads_readers_and_checks_by_stripe():
                 readers[int(u.run_offsets[0]) // 1024].add(r)
     assert all(len(rs) == 1 for rs in readers.values())
     assert [next(iter(readers[s])) for s in range(4)] == [0, 1, 2, 3]
+
+
+@settings(max_examples=100, deadline=None)
+@given(scenario(), st.sampled_from(["node_local", "object_store"]), st.booleans())
+def test_tensors_laid_out_alike_are_planned_once_and_placed_right(case, store, two_nodes):
+    """Each tensor copied under a second name with the same layout (planned once per rank, then moved to
+    the copy's files, offsets and target numbers; a rank lists its copies in reverse order): the union
+    of the rank plans is still the group plan and delivers the reference bits exactly."""
+    refs, layout, needs, kinds, chunk, round_bytes = case
+    refs = {**refs, **{f"{k}.copy": v.flip(0) if v.dim() else v + 1 for k, v in refs.items()}}
+    layout = {**layout, **{f"{k}.copy": v for k, v in layout.items()}}
+    needs = [[*n, *[TargetPiece(fqn=f"{x.fqn}.copy", region=x.region) for x in reversed(n)]] for n in needs]
+    tensors, pieces, files = save_fake(refs, layout)
+    topo = topology(store, "gloo", [f"n{r % 2 if two_nodes else 0}" for r in range(len(needs))])
+    group = plan_load(tensors, pieces, needs, chunk_bytes=chunk, round_bytes=round_bytes, topology=topo)
+    union = check_union(rank_plans(tensors, pieces, needs, chunk, round_bytes, topo), group, tensors, round_bytes)
+    check_exact(refs, union, tensors, files, needs)

@@ -46,12 +46,12 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..metadata import PieceMeta, TensorMeta, itemsize
-from ..regions import StoredBox, stored_boxes
+from ..regions import Box, StoredBox, stored_boxes
 from .box_index import BoxIndex
 from .load_order import READER_SHARE
-from .plan_types import LoadPlan, ReadUnit, TargetPiece, whole_to_other
+from .plan_types import Delivery, LoadPlan, ReadUnit, TargetPiece, whole_to_other
 from .routes import Topology, default_topology
-from .slab_units import Need, check_covered, saved_box_units, saved_boxes
+from .slab_units import Need, Saved, check_covered, saved_box_units, saved_boxes
 
 UnitKey = tuple[str, int, str, tuple[int, ...], tuple[int, ...]]
 """A unit's place in the group's order: file, first byte, tensor, box offsets and lengths. Every rank
@@ -127,63 +127,92 @@ def plan_rank(
     files = {f: i for i, f in enumerate(sorted({p.file for plist in pieces.values() for p in plist}))}
 
     kept: list[dict] = []
-    checkers: dict[int, int] = {}  # id(draft) -> checker, for direct units other ranks of this node read alike
+    checkers: list[int] = []
+    # Tensors laid out alike (the same shape, dtype, saved regions and every rank's regions: a model's
+    # layers) have the same units up to their files, offsets and target numbers: planned once, reused.
+    layouts: dict[tuple, tuple[list[Saved], list[tuple[int, int, StoredBox]], list[Entry]]] = {}
     for fqn in sorted(mine):
         meta = tensors[fqn]
-        saved, lookup = saved_boxes(meta, pieces.get(fqn, []))
+        plist = pieces.get(fqn, [])
         wanted = targets[fqn]
-        partners = BoxIndex([t[2].box for t in wanted])
-        touched: set[int] = set()
-        for r, _, target in wanted:
-            if r != rank:
+        layout = (meta.shape, meta.dtype, tuple(p.region for p in plist), tuple((r, sb) for r, _, sb in wanted))
+        known = layouts.get(layout)
+        if known is None:
+            saved, lookup = saved_boxes(meta, plist)
+            known = layouts[layout] = (saved, wanted, _entries(meta, saved, lookup, wanted, rank, chunk_bytes, topo))
+            target = None
+        else:  # the planned tensor's units, moved to this one's files, offsets and target numbers
+            saved, _ = saved_boxes(meta, plist, index=False)
+            target = {(r, i): j for (r, i, _), (_, j, _) in zip(known[1], wanted)}
+        for si, d, eligible, alike, here in known[2]:
+            shift = saved[si][2] - known[0][si][2]
+            offsets = d["run_offsets"]
+            start = (int(offsets[0]) if len(offsets) else 0) + shift
+            number = files[saved[si][1]]
+            reader = stripe_reader(eligible, number, start, chunk_bytes)
+            if reader != rank and not here:
                 continue
-            covered = 0
-            for si, inter in lookup.overlapping(target.box):
-                touched.add(si)
-                covered += inter.numel
-            check_covered(meta, rank, target, covered)
-        for si in sorted(touched):
-            box_needs: list[Need] = [(wanted[ti][0], wanted[ti][1], wanted[ti][2], inter)
-                                     for ti, inter in partners.overlapping(saved[si][0])]
-            drafts = saved_box_units(meta, saved[si], box_needs, chunk_bytes, topo, only=rank)
-            _keep(drafts, rank, files, chunk_bytes, topo, kept, checkers)
+            # A unit this rank only receives from keeps only its deliveries here (all the read step uses).
+            deliveries = d["deliveries"] if reader == rank else tuple(d["deliveries"][k] for k in here)
+            if target is not None:
+                deliveries = tuple(Delivery(rank=x.rank, target=target[(x.rank, x.target)], target_box=x.target_box,
+                                            box=x.box) for x in deliveries)
+            kept.append({**d, "fqn": fqn, "file": saved[si][1], "run_offsets": offsets + shift if shift else offsets,
+                         "reader": reader, "deliveries": deliveries})
+            shared = reader == rank and len(alike) > 1
+            checkers.append(stripe_reader(alike, number, start, chunk_bytes) if shared else reader)
 
-    kept.sort(key=key_of)
+    order = sorted(range(len(kept)), key=lambda i: key_of(kept[i]))
+    kept = [kept[i] for i in order]
     keys = tuple(key_of(d) for d in kept)
     share = _share(kept, keys, rank, round_bytes, p2p_min_bytes)
     taken = tuple((p.file, np.array([p.byte_offset], dtype=np.int64), p.byte_length)
                   for plist in pieces.values() for p in plist)
     return RankDraft(rank=rank, world_size=world, drafts=tuple(kept), keys=keys,
-                     checkers=tuple(checkers.get(id(d), d["reader"]) for d in kept), share=share, taken=taken)
+                     checkers=tuple(checkers[i] for i in order), share=share, taken=taken)
 
 
-def _keep(drafts: list[dict], rank: int, files: dict[str, int], chunk_bytes: int, topo: Topology,
-          kept: list[dict], checkers: dict[int, int]) -> None:
-    """Set the reader of each of one saved box's drafts; keep those ``rank`` reads or receives from."""
-    alike: dict[tuple, list[int]] = defaultdict(list)  # direct units reading the same box (runs) on one node
-    for d in drafts:
-        if d["run_offsets"] is None:  # another rank reads it for itself (slab_units.saved_box_units)
-            alike[(d["file"], d["box"], topo.nodes[d["reader"]])].append(d["reader"])
+Entry = tuple[int, dict, list[int], list[int], list[int]]
+"""A unit ``rank`` may read or receives from: its saved box's number, its draft (reader not set), the
+ranks that may read it (:data:`~.load_order.READER_SHARE`), the ranks of this node that read the
+same box directly (they share its checks) and the positions of its deliveries to ``rank``."""
+
+
+def _entries(meta: TensorMeta, saved: list[Saved], lookup: BoxIndex, wanted: list[tuple[int, int, StoredBox]],
+             rank: int, chunk_bytes: int, topo: Topology) -> list[Entry]:
+    """The units of the saved boxes ``rank``'s targets meet, routed with every rank that needs them."""
+    partners = BoxIndex([t[2].box for t in wanted])
+    touched: set[int] = set()
+    for r, _, target in wanted:
+        if r != rank:
             continue
-        wanted: dict[int, int] = defaultdict(int)
-        for delivery in d["deliveries"]:
-            wanted[delivery.rank] += delivery.numel
-        most = max(wanted.values())
-        eligible = sorted(r for r, n in wanted.items() if n >= READER_SHARE * most)
-        offsets = d["run_offsets"]
-        start = int(offsets[0]) if len(offsets) else 0
-        d["reader"] = stripe_reader(eligible, files[d["file"]], start, chunk_bytes)
-        if len(wanted) == 1:
-            alike[(d["file"], d["box"], topo.nodes[d["reader"]])].append(d["reader"])
-    for d in drafts:
-        if d["reader"] != rank and all(x.rank != rank for x in d["deliveries"]):
-            continue
-        kept.append(d)
-        if d["reader"] == rank:
-            readers = alike.get((d["file"], d["box"], topo.nodes[rank]), [])
-            if len(readers) > 1:
-                start = int(d["run_offsets"][0]) if len(d["run_offsets"]) else 0
-                checkers[id(d)] = stripe_reader(sorted(set(readers)), files[d["file"]], start, chunk_bytes)
+        covered = 0
+        for si, inter in lookup.overlapping(target.box):
+            touched.add(si)
+            covered += inter.numel
+        check_covered(meta, rank, target, covered)
+    entries: list[Entry] = []
+    for si in sorted(touched):
+        box_needs: list[Need] = [(wanted[ti][0], wanted[ti][1], wanted[ti][2], inter)
+                                 for ti, inter in partners.overlapping(saved[si][0])]
+        drafts = saved_box_units(meta, saved[si], box_needs, chunk_bytes, topo, only=rank)
+        alike: dict[Box, list[int]] = defaultdict(list)  # direct units of this node reading the same box
+        for d in drafts:
+            if len({x.rank for x in d["deliveries"]}) == 1 and topo.nodes[d["deliveries"][0].rank] == topo.nodes[rank]:
+                alike[d["box"]].append(d["deliveries"][0].rank)
+        for d in drafts:
+            if d["run_offsets"] is None:  # another rank reads it for itself (slab_units.saved_box_units)
+                continue
+            wanted_of: dict[int, int] = defaultdict(int)
+            for x in d["deliveries"]:
+                wanted_of[x.rank] += x.numel
+            most = max(wanted_of.values())
+            eligible = sorted(r for r, n in wanted_of.items() if n >= READER_SHARE * most)
+            here = [k for k, x in enumerate(d["deliveries"]) if x.rank == rank]
+            if rank in eligible or here:
+                same = sorted(set(alike[d["box"]])) if len(wanted_of) == 1 else []
+                entries.append((si, d, eligible, same, here))
+    return entries
 
 
 def _usage(d: dict, rank: int) -> int:

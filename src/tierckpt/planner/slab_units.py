@@ -24,8 +24,8 @@ Saved = tuple[Box, str, int]
 """A saved box, its file and the byte offset of its first element there."""
 
 
-def saved_boxes(meta: TensorMeta, pieces: list[PieceMeta]) -> tuple[list[Saved], BoxIndex]:
-    """The saved boxes of a tensor in the planner's order (by first row), and their index."""
+def saved_boxes(meta: TensorMeta, pieces: list[PieceMeta], index: bool = True) -> tuple[list[Saved], BoxIndex | None]:
+    """The saved boxes of a tensor in the planner's order (by first row), and their index (if ``index``)."""
     item = itemsize(meta.torch_dtype)
     saved: list[Saved] = []
     for p in pieces:
@@ -33,7 +33,7 @@ def saved_boxes(meta: TensorMeta, pieces: list[PieceMeta]) -> tuple[list[Saved],
             saved.append((sb.box, p.file, p.byte_offset + sb.element_offset * item))
     if meta.shape:
         saved.sort(key=lambda s: s[0].offsets[0])
-    return saved, BoxIndex([s[0] for s in saved])
+    return saved, BoxIndex([s[0] for s in saved]) if index else None
 
 
 def check_covered(meta: TensorMeta, rank: int, target: StoredBox, covered: int) -> None:
@@ -68,6 +68,7 @@ def plan_tensor(
 ) -> None:
     """Append to ``drafts`` the units of every saved box of ``meta`` that the group's targets ``wanted`` meet."""
     saved, lookup = saved_boxes(meta, pieces)
+    assert lookup is not None
     needs_of: dict[int, list[Need]] = defaultdict(list)
     for rank, index, target in wanted:
         covered = 0
