@@ -2,8 +2,10 @@
 
 Inputs are the saved pieces of each tensor, what every rank of the loading group needs
 (:class:`TargetPiece`: the region its local tensor holds) and the :class:`~.routes.Topology` the
-routes are costed with (the store, the exchange, each rank's node). :func:`plan_load` runs
-identically on every rank (the needs and node ids are all-gathered first) and returns a :class:`LoadPlan`:
+routes are costed with (the store, the exchange, each rank's node). :func:`plan_load` plans the whole
+group (every rank's units) and returns a :class:`LoadPlan`; a load plans each rank's own share with
+:mod:`.rank_plan` (same slabs, routes and units; readers by a stripe rule) and uses this group plan
+where the node memory tiers move readers (:mod:`.locality`), and conversions use it:
 
 1. Every saved piece and every target becomes *stored boxes* (a flat range is a few boxes), so all
    meetings are box ∩ box. For each tensor the saved boxes are indexed (:class:`~.box_index.BoxIndex`)
