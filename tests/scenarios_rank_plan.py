@@ -31,3 +31,35 @@ def rows_to_columns(path: str, round_bytes: int) -> dict[str, float]:
         assert torch.equal(targets[k].to_local(), as_dtensor(v, mesh, [Shard(1)]).to_local()), k
     dist.barrier()
     return {**monitor.counters, "tensor_bytes": sum(v.nbytes for v in full.values())}
+
+
+def planning_fails_on_one_rank(path: str) -> str:
+    """2 ranks save and load a row-sharded matrix; rank 1's planning fails (a stand-in for a checkpoint
+    whose pieces leave its need uncovered). Returns the error each rank raised: every rank raises, none
+    waits for the other in the next collective."""
+    from distributed import subgroup
+    from tierckpt import load_generation
+    from tierckpt.errors import CorruptCheckpointError
+
+    mesh = make_mesh((2,))
+    group = subgroup(2)
+    if group is None:
+        dist.barrier()
+        return ""
+    full = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    tierckpt.save(path, {"w": as_dtensor(full, mesh, [Shard(0)])}, group=group)
+    original = load_generation.plan_rank
+
+    def failing(*args, **kwargs):
+        raise CorruptCheckpointError("the checkpoint's pieces of 'w' cover 16 of the 32 elements rank 1 needs")
+
+    if dist.get_rank() == 1:
+        load_generation.plan_rank = failing
+    try:
+        tierckpt.load(path, {"w": as_dtensor(torch.zeros(8, 8), mesh, [Shard(1)])}, group=group)
+    except CorruptCheckpointError as exc:
+        return str(exc)
+    finally:
+        load_generation.plan_rank = original
+        dist.barrier()
+    return "no error"

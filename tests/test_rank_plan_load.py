@@ -24,3 +24,12 @@ def test_rows_to_columns_through_rank_plans_read_once_exact(dist_pool, tmp_path,
     assert sum(s["bytes_exchanged"] for s in stats) >= 3 * tensor_bytes // 4
     in_place = 3 * (2048 // 4) * (2048 // 4) * 4 if round_bytes == 1 << 20 else 0
     assert all(s.get("bytes_received_in_place", 0) == in_place for s in stats)
+
+
+@pytest.mark.multiproc
+def test_a_planning_failure_on_one_rank_raises_on_every_rank(dist_pool, tmp_path):
+    """Each rank plans alone, so a plan that fails on one rank is carried by the next agreement."""
+    errors = dist_pool.run(scenarios_rank_plan.planning_fails_on_one_rank, str(tmp_path / "ckpt"))
+    assert len(errors[:2]) == 2
+    for message in errors[:2]:
+        assert "failed on 1 of 2 ranks" in message and "cover 16 of the 32 elements rank 1 needs" in message, message

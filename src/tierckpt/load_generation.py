@@ -25,7 +25,7 @@ from . import layout
 from .backends import Backend
 from .checkpoint_reader import Checkpoint
 from .comm import Comm
-from .errors import CheckpointError, CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, MissingFileError
+from .errors import CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, MissingFileError
 from .deadline import carried
 from .io.readcheck import ReadChecker
 from .io.scheduler import get_scheduler
@@ -122,7 +122,7 @@ def load_generation(
             try:
                 mine = plan_rank(ckpt.tensors, pieces, all_needs, comm.rank, chunk_bytes=opts.chunk_bytes,
                                  round_bytes=opts.round_bytes, p2p_min_bytes=P2P_MIN_BYTES, topology=topo)
-            except CheckpointError as exc:  # raised on every rank by the agreement below, not alone
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement below, not on this one alone
                 failure = exc
     gen = ckpt.meta.generation
 
@@ -139,8 +139,9 @@ def load_generation(
     with monitor.phase("objects"):
         # The agreement carries each rank's round share (planner.rank_plan): no collective of its own.
         values, shares = comm.exchange_agreed(check_and_fetch, "checking the data files and loading objects")
-    plan = group_plan if group_plan is not None else agree_rounds(mine, shares, ckpt.tensors)  # type: ignore[arg-type]
-    _log_routes(plan, topo, comm.rank, monitor)
+    with monitor.phase("plan"):
+        plan = group_plan if group_plan is not None else agree_rounds(mine, shares, ckpt.tensors)  # type: ignore[arg-type]
+        _log_routes(plan, topo, comm.rank, monitor)
     if opts.verify:
         with monitor.phase("verify"):
             comm.run_agreed(lambda: _verify_pieces(backend, gen, pieces, comm, local), "verifying checksums")

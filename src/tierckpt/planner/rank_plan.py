@@ -29,8 +29,12 @@ around one collective the loader already makes (:mod:`tierckpt.load_generation`)
    delivers elsewhere, and goes point to point unless a rank sends a small delivery in it. Every rank
    evaluates the same function of the same gathered shares: the same rounds, exchanges and messages.
 
-Costs: a rank's work is the saved boxes it touches times the ranks that need each (its partners), plus
-indexing the group's target boxes and its tensors' saved boxes (linear). Each byte is read once per
+Tensors laid out alike (shape, dtype, saved regions and every rank's regions: a model's layers) are
+planned once per rank and moved to each one's files, offsets and target numbers; a unit a rank only
+receives from keeps only its deliveries to that rank (all the read step reads of it).
+
+Costs: a rank's work is, per layout, the saved boxes it touches times the ranks that need each (its
+partners), plus indexing the group's target boxes of its tensors and its tensors' saved boxes (linear). Each byte is read once per
 group on exchanged units (one reader each) and the group's routes, coalescing and memory bound hold.
 Pure and deterministic like the group planner.
 """
