@@ -1,7 +1,9 @@
 """Load planning time against the group size: N simulated ranks, one process, no I/O.
 
-Every rank of a loading group runs :func:`tierckpt.planner.plan_load` for the whole group (the plan
-must agree everywhere), so this measures the plan one rank computes, for N = 2 ... 64:
+A load plans per rank (:mod:`tierckpt.planner.rank_plan`: :func:`plan_rank`, then :func:`agree_rounds`
+with every rank's share); the group plan (:func:`tierckpt.planner.plan_load`, every rank's units: what
+each rank computed before, and still computes where node memory tiers relocate readers) is timed
+beside it, for N = 2 ... 64:
 
 * ``row->col``: 16 fp32 matrices (4096 x 4096, 1 GiB) saved as N row shards, loaded as N column shards
   (every rank touches every saved piece: N^2 pieces touched by the group, inherent);
@@ -12,8 +14,9 @@ must agree everywhere), so this measures the plan one rank computes, for N = 2 .
 
 Reported: CPU milliseconds per plan (``time.process_time``, best of ``--repeat``: the planner is one
 thread of pure Python, and CPU time stays meaningful on a shared, loaded machine; with the cyclic
-garbage collector paused, as :func:`tierckpt.load` runs it), pieces touched by the group (saved piece,
-target pairs that share an element), and microseconds per piece touched.
+garbage collector paused, as :func:`tierckpt.load` runs it): the group plan, and a rank's plan (the
+slowest of ranks 0, N/2 and N-1); pieces touched (saved piece, target pairs that share an element) by
+the group and by the slowest rank's targets, and microseconds per piece touched.
 
     PYTHONPATH=src python benchmarks/bench_plan_scale.py [--ranks 2 4 8 16 64] [--repeat 3]
 """
@@ -33,6 +36,7 @@ from tierckpt.gc_pause import gc_paused  # noqa: E402
 from tierckpt.loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES  # noqa: E402
 from tierckpt.metadata import PieceMeta, TensorMeta  # noqa: E402
 from tierckpt.planner import TargetPiece, plan_load, topology  # noqa: E402
+from tierckpt.planner.rank_plan import agree_rounds, plan_rank  # noqa: E402
 from tierckpt.regions import Box, FlatRange, Region, stored_boxes  # noqa: E402
 
 SHAPE = (4096, 4096)
@@ -100,10 +104,10 @@ def case(n: int, save: Callable[[int, int], Region], load: Callable[[int, int], 
     return tensors, pieces, needs
 
 
-def touched(tensors, pieces, needs) -> int:
-    """Saved piece, target pairs that share an element, over the group (brute force)."""
+def touched(tensors, pieces, needs, ranks=None) -> int:
+    """Saved piece, target pairs that share an element, over the group or ``ranks`` (brute force)."""
     count = 0
-    for rank_needs in needs:
+    for rank_needs in (needs if ranks is None else [needs[r] for r in ranks]):
         for need in rank_needs:
             shape = tensors[need.fqn].shape
             boxes = [s.box for s in stored_boxes(need.region, shape)]
@@ -121,14 +125,26 @@ def timed_plan(tensors, pieces, needs, topo) -> float:
     return time.process_time() - t0
 
 
+SIZES = dict(chunk_bytes=DEFAULT_CHUNK_BYTES, round_bytes=DEFAULT_ROUND_BYTES, p2p_min_bytes=1 << 20)
+
+
+@gc_paused
+def timed_rank_plan(tensors, pieces, needs, topo, rank, shares) -> float:
+    """CPU seconds of one rank's plan: its units, then the rounds from every rank's share."""
+    t0 = time.process_time()
+    draft = plan_rank(tensors, pieces, needs, rank, topology=topo, **SIZES)
+    agree_rounds(draft, shares, tensors)
+    return time.process_time() - t0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16, 64])
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     print(f"{platform.machine()}, Python {platform.python_version()}, one process")
-    print("| layout | N | plan CPU ms | pieces touched (group) | µs per piece touched |")
-    print("|---|---|---|---|---|")
+    print("| layout | N | group plan CPU ms | pairs (group) | µs per pair | rank plan CPU ms | pairs (rank) | µs per pair |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in layouts(2):
         for n in args.ranks:
             save, load = layouts(n)[name]
@@ -138,7 +154,15 @@ def main() -> None:
             for _ in range(args.repeat):
                 best = min(best, timed_plan(tensors, pieces, needs, topo))
             pairs = touched(tensors, pieces, needs)
-            print(f"| {name} | {n} | {best * 1e3:.1f} | {pairs} | {best * 1e6 / pairs:.0f} |", flush=True)
+            shares = [plan_rank(tensors, pieces, needs, r, topology=topo, **SIZES).share for r in range(n)]
+            slowest, rank = 0.0, 0
+            for r in sorted({0, n // 2, n - 1}):
+                t = min(timed_rank_plan(tensors, pieces, needs, topo, r, shares) for _ in range(args.repeat))
+                if t >= slowest:
+                    slowest, rank = t, r
+            mine = touched(tensors, pieces, needs, [rank])
+            print(f"| {name} | {n} | {best * 1e3:.1f} | {pairs} | {best * 1e6 / pairs:.0f} | {slowest * 1e3:.1f} | {mine} "
+                  f"| {slowest * 1e6 / mine:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

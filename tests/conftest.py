@@ -182,8 +182,9 @@ def mapped_uses(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 # -- the fast tier ---------------------------------------------------------------------------------
 FAST_MODULES = frozenset({
     "test_api", "test_backends_memory", "test_cache_records", "test_cli_more", "test_concurrency", "test_convert",
-    "test_hf_export", "test_import_graph", "test_layout", "test_load_planner", "test_locality", "test_mapped_read",
-    "test_memory_tier", "test_metadata", "test_metadata_crc", "test_monitor", "test_read_crc_runs", "test_regions",
+    "test_hf_export", "test_import_graph", "test_layout", "test_load_planner", "test_load_wire", "test_locality",
+    "test_mapped_read", "test_memory_tier", "test_metadata", "test_metadata_crc", "test_monitor", "test_read_crc_runs",
+    "test_regions",
     "test_replication_wiring", "test_save_crc", "test_save_planner", "test_scheduler", "test_source_shape",
     "test_units", "test_verify",
 })

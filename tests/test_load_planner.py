@@ -369,7 +369,7 @@ def test_scale_1000_tensors_64_ranks_reads_every_byte_once():
 def test_a_whole_box_unit_is_what_the_general_path_plans(data):
     """The unchanged layout's shortcut (one target takes a saved box whole) gives the draft the general
     path (slabs, routes, runs) gives for that box: same box, runs, bytes and delivery."""
-    from tierckpt.planner import load_planner as lp
+    from tierckpt.planner import slab_units as lp
     from tierckpt.regions import StoredBox
 
     shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=0, max_size=3)))
@@ -380,8 +380,8 @@ def test_a_whole_box_unit_is_what_the_general_path_plans(data):
     meta = TensorMeta(fqn="t", dtype="float32", shape=shape)
     need = (data.draw(st.integers(0, 3)), data.draw(st.integers(0, 9)), StoredBox(box, 0), box)
     chunk = box.numel * item + data.draw(st.integers(0, 64))
-    general = lp._box_units(meta, box, "f", base, [need], item, chunk, topology("object_store", "gloo", ("",) * 4))
-    whole = lp._whole_box_unit(meta, box, "f", base, need, item)
+    general = lp.box_units(meta, box, "f", base, [need], item, chunk, topology("object_store", "gloo", ("",) * 4))
+    whole = lp.whole_box_unit(meta, box, "f", base, need, item)
     assert len(general) == 1
     assert whole.keys() == general[0].keys()
     for key in whole:

@@ -19,7 +19,7 @@ from test_load_planner import partition, save_fake, scenario, tiles
 
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.metadata import PieceMeta, TensorMeta
-from tierckpt.planner import LoadPlan, TargetPiece, load_planner, plan_load, topology
+from tierckpt.planner import LoadPlan, TargetPiece, plan_load, slab_units, topology
 from tierckpt.planner import box_index
 from tierckpt.planner.box_index import BoxIndex
 from tierckpt.regions import Box, FlatRange, stored_boxes
@@ -106,7 +106,7 @@ def test_indexed_plan_equals_brute_force_plan(case, store, two_nodes, scan_below
         mp.setattr(box_index, "SCAN_BELOW", scan_below)
         indexed = plan_load(tensors, pieces, needs, chunk_bytes=chunk, round_bytes=round_bytes, topology=topo)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(load_planner, "BoxIndex", BruteIndex)
+        mp.setattr(slab_units, "BoxIndex", BruteIndex)
         brute = plan_load(tensors, pieces, needs, chunk_bytes=chunk, round_bytes=round_bytes, topology=topo)
     assert normal(indexed) == normal(brute)
 
@@ -141,7 +141,7 @@ def test_indexed_plan_equals_brute_force_on_meshes_and_flat_ranges(data):
         mp.setattr(box_index, "SCAN_BELOW", data.draw(st.sampled_from([0, box_index.SCAN_BELOW])))
         indexed = plan_load(tensors, pieces, needs, chunk_bytes=chunk, round_bytes=1 << 20, topology=topo)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(load_planner, "BoxIndex", BruteIndex)
+        mp.setattr(slab_units, "BoxIndex", BruteIndex)
         brute = plan_load(tensors, pieces, needs, chunk_bytes=chunk, round_bytes=1 << 20, topology=topo)
     assert normal(indexed) == normal(brute)
 
@@ -170,4 +170,4 @@ def test_walk_counts_the_runs_and_span_box_runs_gives(data):
     inner_off = tuple(data.draw(st.integers(o, o + n - 1)) for o, n in zip(saved.offsets, saved.lengths))
     box = Box(inner_off, tuple(data.draw(st.integers(1, o + n - i)) for o, n, i in zip(saved.offsets, saved.lengths, inner_off)))
     starts, run = box_runs(box, saved)
-    assert load_planner._walk(box, saved) == (box.numel, len(starts), int(starts[-1]) + run - int(starts[0]))
+    assert slab_units.walk(box, saved) == (box.numel, len(starts), int(starts[-1]) + run - int(starts[0]))

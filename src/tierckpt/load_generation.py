@@ -14,11 +14,12 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import crc32c
+import numpy as np
 
 from . import layout
 from .backends import Backend
@@ -30,6 +31,7 @@ from .io.readcheck import ReadChecker
 from .io.scheduler import get_scheduler
 from .load_cast import refuse_meta_tensors
 from .load_match import match, report
+from .load_wire import pack_asked, pack_needs, unpack
 from .local_load import LocalReads, held_files, rereaders
 from .meta_read import whole_pieces
 from .metadata import ObjectMeta, PieceMeta, decode_pieces
@@ -38,8 +40,9 @@ from .node import node_id
 from .objects_read import fetch_objects, wanted_objects
 from .planner import LoadPlan, TargetPiece, Topology, plan_load, topology as route_topology
 from .planner.locality import assign_local_readers, relocate, spans_of
+from .planner.rank_plan import RankDraft, RoundShare, agree_rounds, plan_rank
 from .planner.routes import store_kind
-from .read_step import ReadStep
+from .read_step import P2P_MIN_BYTES, ReadStep
 from .readers import read_pieces, reader_of
 from .state import FlatState, flatten_state
 from .store import identity_of, memory_tier_of
@@ -85,6 +88,7 @@ def load_generation(
                 lambda: prepare(state, ckpt, comm.rank, tier, whole_pieces(backend, ckpt) if tier is None else None),
                 "preparing the state to load", same=("URI", identity_of(uri, backend)),
             )
+        gathered = unpack(gathered, ckpt)  # needs and keys travel as positions in the checkpoint (load_wire)
         report(gathered, ckpt, opts.strict, uri)
         local = LocalReads.of(comm.rank, tier, [(g[4], g[5]) for g in gathered])
         preread = all(g[7] for g in gathered)
@@ -102,25 +106,42 @@ def load_generation(
     with monitor.phase("plan"):
         topo = opts.topology or _topology(backend, comm, [g[4] for g in gathered], min(g[8] for g in gathered))
         nodes = list(topo.nodes)
-        plan = plan_load(
-            ckpt.tensors, pieces, all_needs, chunk_bytes=opts.chunk_bytes, round_bytes=opts.round_bytes, topology=topo,
-        )
+        group_plan: LoadPlan | None = None
+        mine: RankDraft | None = None
+        failure: Exception | None = None
         if local.active:  # each unit to a rank whose node's memory tier holds its file, where one does
-            locality = assign_local_readers(spans_of(plan), local.holdings)
-            plan = relocate(plan, locality.readers, opts.round_bytes)
+            group_plan = plan_load(
+                ckpt.tensors, pieces, all_needs, chunk_bytes=opts.chunk_bytes, round_bytes=opts.round_bytes, topology=topo,
+            )
+            locality = assign_local_readers(spans_of(group_plan), local.holdings)
+            group_plan = relocate(group_plan, locality.readers, opts.round_bytes)
             monitor.count("bytes_read_memory", sum(
-                u.nbytes for u, here in zip(plan.units, locality.local) if here and u.reader == comm.rank
+                u.nbytes for u, here in zip(group_plan.units, locality.local) if here and u.reader == comm.rank
             ))
-        _log_routes(plan, topo, comm.rank, monitor)
+        else:  # this rank's units only; the rounds are agreed with the next collective
+            try:
+                mine = plan_rank(ckpt.tensors, pieces, all_needs, comm.rank, chunk_bytes=opts.chunk_bytes,
+                                 round_bytes=opts.round_bytes, p2p_min_bytes=P2P_MIN_BYTES, topology=topo)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement below, not on this one alone
+                failure = exc
     gen = ckpt.meta.generation
 
-    def check_and_fetch() -> dict[str, Any]:
-        _check_files(backend, ckpt, plan, comm.rank, local)
+    def check_and_fetch() -> tuple[dict[str, Any], RoundShare | None]:
+        if failure is not None:
+            raise failure
+        reads = ([(u.file, u.run_offsets, u.run_bytes) for u in group_plan.units if u.reader == comm.rank]
+                 if group_plan is not None else mine.reads())  # type: ignore[union-attr]
+        _check_files(backend, ckpt, reads, local)
         # Objects are small: fetch, check and decode them before any tensor is modified.
-        return fetch_objects(backend, ckpt, flat, wanted, opts.allow_pickle, local, shared)
+        values = fetch_objects(backend, ckpt, flat, wanted, opts.allow_pickle, local, shared)
+        return values, mine.share if mine is not None else None
 
     with monitor.phase("objects"):
-        values = comm.run_agreed(check_and_fetch, "checking the data files and loading objects")
+        # The agreement carries each rank's round share (planner.rank_plan): no collective of its own.
+        values, shares = comm.exchange_agreed(check_and_fetch, "checking the data files and loading objects")
+    with monitor.phase("plan"):
+        plan = group_plan if group_plan is not None else agree_rounds(mine, shares, ckpt.tensors)  # type: ignore[arg-type]
+        _log_routes(plan, topo, comm.rank, monitor)
     if opts.verify:
         with monitor.phase("verify"):
             comm.run_agreed(lambda: _verify_pieces(backend, gen, pieces, comm, local), "verifying checksums")
@@ -155,8 +176,9 @@ def prepare(
     state: Mapping[str, Any], ckpt: Checkpoint, rank: int, tier: MemoryTier | None, table: bytes | None,
 ) -> tuple[tuple[FlatState, list[TargetPiece], dict[str, list[ObjectMeta]], bytes | None], tuple[Any, ...]]:
     """Flatten this rank's state for loading: ``(kept, shared)``. Kept: the flat state, its needs, its
-    objects and ``table`` (the whole pieces table, if read already). Shared: needs, findings, tensor and
-    object keys (what :func:`tierckpt.load_match.report` reads), the node, what its memory tier holds (``None``: no tier),
+    objects and ``table`` (the whole pieces table, if read already). Shared (:mod:`tierckpt.load_wire`'s
+    compact form, restored by its ``unpack``): needs, findings, the keys asked for and an empty slot (what
+    :func:`tierckpt.load_match.report` reads), the node, what its memory tier holds (``None``: no tier),
     the objects files this rank reads, whether it holds the pieces table already, and the CPU cores it may
     run on (the load routes' :attr:`~tierckpt.planner.Topology.cores`)."""
     saved_keys = set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}
@@ -169,8 +191,8 @@ def prepare(
     wanted = wanted_objects(ckpt, flat, rank)
     held = held_files(tier, ckpt.meta, ckpt.record)
     files = sorted({o.file for metas in wanted.values() for o in metas}) if held is not None else []
-    shared = (needs, findings, sorted(flat.tensors), sorted(flat.objects), node_id(), held, files, table is not None,
-              _cores())
+    shared = (pack_needs(needs, ckpt), findings, pack_asked([*flat.tensors, *flat.objects], ckpt), None, node_id(), held,
+              files, table is not None, _cores())
     return (flat, needs, wanted, table), shared
 
 
@@ -204,7 +226,7 @@ def _cores() -> int:
 
 
 def _log_routes(plan: LoadPlan, topo: Topology, rank: int, monitor: Monitor) -> None:
-    """Count this rank's units and bytes per route in the monitor; log the group's totals once."""
+    """Count this rank's units and bytes per route in the monitor; log rank 0's plan (the group's, or its own)."""
     for unit in plan.units:
         if unit.reader == rank:
             monitor.count(f"units_{unit.route}")
@@ -212,18 +234,18 @@ def _log_routes(plan: LoadPlan, topo: Topology, rank: int, monitor: Monitor) -> 
     if rank == 0:
         by_route = plan.bytes_by_route()
         logger.info(
-            "load plan: %d units; %d bytes read directly, %d read once and exchanged (store %s, %s exchange, %d node(s))",
-            len(plan.units), by_route["direct"], by_route["exchange"], topo.store.kind, topo.exchange.kind, topo.num_nodes,
+            "load plan%s: %d units; %d bytes read directly, %d read once and exchanged (store %s, %s exchange, %d node(s))",
+            "" if plan.rank is None else " of rank 0", len(plan.units), by_route["direct"], by_route["exchange"], topo.store.kind, topo.exchange.kind, topo.num_nodes,
         )
 
 
-def _check_files(backend: Backend, ckpt: Checkpoint, plan: LoadPlan, rank: int, local: LocalReads) -> None:
-    """Each data file this rank reads (from its memory tier or the chain) has the size the header lists,
-    and holds every run read from it."""
+def _check_files(backend: Backend, ckpt: Checkpoint, reads: Iterable[tuple[str, np.ndarray, int]], local: LocalReads) -> None:
+    """Each data file this rank reads (``reads``: file, run offsets, run bytes; from its memory tier or the
+    chain) has the size the header lists, and holds every run read from it."""
     ends: dict[str, int] = {}
-    for u in plan.units:
-        if u.reader == rank and len(u.run_offsets):
-            ends[u.file] = max(ends.get(u.file, 0), int(u.run_offsets.max()) + u.run_bytes)
+    for file, offsets, run_bytes in reads:
+        if len(offsets):
+            ends[file] = max(ends.get(file, 0), int(offsets.max()) + run_bytes)
     files = sorted(ends)
     sizes = {file: _checked_size(local.tier, ckpt, file) for file in files if local.here(file)}  # type: ignore[arg-type]
     remote = [file for file in files if file not in sizes]

@@ -14,10 +14,12 @@ Steps 2-5 run in :mod:`tierckpt.load_generation`:
    dtype mismatches (keys the state does not ask for are not loaded). Ranks all-gather their needs
    and findings; in strict mode any finding on any rank raises on every rank, before anything is read.
    Meanwhile each rank reads a small pieces table whole (checked against ``COMMIT``).
-3. Each rank decodes the rows of the pieces table for the tensors the group needs and computes the
-   same :class:`~tierckpt.planner.LoadPlan`. Each rank checks the sizes of the data files it will read,
-   so a truncated or missing file fails before any tensor is modified, and fetches, checks and decodes
-   its objects (weights-only unless ``allow_pickle``), agreed in one collective.
+3. Each rank decodes the rows of the pieces table for the tensors the group needs and plans its own
+   units (:mod:`tierckpt.planner.rank_plan`: what it reads and what it receives; with memory tiers, the
+   whole group's :class:`~tierckpt.planner.LoadPlan`, whose readers locality moves). Each rank checks the
+   sizes of the data files it will read, so a truncated or missing file fails before any tensor is
+   modified, and fetches, checks and decodes its objects (weights-only unless ``allow_pickle``), agreed
+   in one collective that also carries each rank's round share: every rank then forms the same rounds.
 4. Round by round (:class:`~tierckpt.read_step.ReadStep`): readers fetch their units (straight into the target's memory when a unit is
    exactly one contiguous part of one local target), check the CRC-32C of every block they read whole
    (:mod:`tierckpt.io.readcheck`; ranks of one node reading the same bytes share that work), copy

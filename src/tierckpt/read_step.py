@@ -122,14 +122,16 @@ class ReadStep:
         self.local = local
         self.checker = checker
         # Units that ranks of one node read alike are checked by one of them (io.readcheck).
-        self.checks = checking_ranks(plan.units, nodes) if checker is not None else []
+        # A rank's own plan names them (planner.rank_plan); the group plan's units are every rank's.
+        self.checks = (list(plan.checkers) or checking_ranks(plan.units, nodes)) if checker is not None else []
         self.sched = get_scheduler()
         # Neighbouring units of a file, of at most the size the load reads in one unit, become one request
         # where requests are dear (io.coalesce: across padding nobody reads, ``taken``) and one call (one
         # thread hop) for a file on this node, whose gaps are never read (see _start).
         self.coalesce = not backend.capabilities.local_path
         self.coalesce_bytes = max(1, min(chunk_bytes, DEFAULT_PART_BYTES))
-        self.taken = Taken((u.file, u.run_offsets, u.run_bytes) for u in plan.units) if self.coalesce else None
+        runs = plan.taken if plan.taken is not None else ((u.file, u.run_offsets, u.run_bytes) for u in plan.units)
+        self.taken = Taken(runs) if self.coalesce else None
 
     def run(self) -> None:
         """Read, check and deliver every round. A unit that fails its checksum does not end this rank's
@@ -147,7 +149,7 @@ class ReadStep:
             except CorruptCheckpointError as exc:
                 mismatch = mismatch or exc
             with torch.no_grad():
-                self._deliver_round(current, exchange)
+                self._deliver_round(current, exchange, k)
         if mismatch is not None:
             raise mismatch
 
@@ -291,7 +293,7 @@ class ReadStep:
         if failed:
             raise failed[0]
 
-    def _deliver_round(self, rnd: _Round, exchange: bool) -> None:
+    def _deliver_round(self, rnd: _Round, exchange: bool, k: int) -> None:
         me = self.comm.rank
         units = [(i, self.plan.units[i]) for i in rnd.indices]
         for i, unit in units:
@@ -308,9 +310,9 @@ class ReadStep:
                     self.monitor.count("bytes_packed", nbytes)
         rnd.buffers.clear()
         if exchange:
-            self._exchange(units, rnd)
+            self._exchange(units, rnd, k)
 
-    def _exchange(self, units: list[tuple[int, ReadUnit]], rnd: _Round) -> None:
+    def _exchange(self, units: list[tuple[int, ReadUnit]], rnd: _Round, k: int) -> None:
         me = self.comm.rank
         recv_sizes = [0] * self.comm.world_size
         incoming = []
@@ -323,7 +325,7 @@ class ReadStep:
                     recv_sizes[unit.reader] += _padded(nbytes)
                     incoming.append((unit, d, nbytes))
         self.monitor.count("bytes_exchanged", sum(recv_sizes))
-        if self._point_to_point(units):
+        if self._point_to_point(units, k):
             self._exchange_into_targets(units, rnd, incoming)
             return
         received = self.comm.all_to_all_bytes(rnd.send, rnd.send_sizes, recv_sizes)
@@ -333,13 +335,15 @@ class ReadStep:
             cursors[unit.reader] += _padded(nbytes)
             _deliver(self.targets[d.target], d, received[unit.reader][at : at + nbytes].view(_dtype(unit)))
 
-    def _point_to_point(self, units: list[tuple[int, ReadUnit]]) -> bool:
+    def _point_to_point(self, units: list[tuple[int, ReadUnit]], k: int) -> bool:
         """Whether a round's deliveries between ranks go as one message each, straight into their targets,
         instead of one all-to-all into a buffer copied out afterwards: over gloo (CPU), when every one is at
         least :data:`P2P_MIN_BYTES` (a message each costs little beside its bytes). Decided from the
         plan alone, so every rank decides alike."""
         if self.comm.backend != "gloo":
             return False
+        if self.plan.point_to_point:  # a rank's own plan: the group agreed on round k (planner.rank_plan)
+            return self.plan.point_to_point[k]
         return all(
             d.numel * itemsize(_dtype(unit)) >= P2P_MIN_BYTES
             for _, unit in units for d in unit.deliveries if d.rank != unit.reader

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
-from .load_planner import LoadPlan, _assign_rounds
+from .load_order import assign_rounds
+from .plan_types import LoadPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +151,7 @@ def relocate(plan: LoadPlan, readers: Sequence[int], round_bytes: int) -> LoadPl
         )
         for u, reader in zip(plan.units, readers)
     ]
-    units, rounds, exchanges = _assign_rounds(drafts, plan.world_size, round_bytes)
+    units, rounds, exchanges = assign_rounds(drafts, plan.world_size, round_bytes)
     per_rank = [0] * plan.world_size
     for u in units:
         per_rank[u.reader] += u.nbytes

@@ -1,0 +1,278 @@
+"""Per-rank load planning: each rank plans only the units it reads or receives from.
+
+:func:`~.load_planner.plan_load` computes the whole group's plan on every rank: at N ranks resharding
+rows to columns, N^2 (saved box, target) pairs each. Here rank ``r`` plans what concerns it, in two steps
+around one collective the loader already makes (:mod:`tierckpt.load_generation`):
+
+1. :func:`plan_rank` visits only the saved boxes its own targets meet (:class:`~.box_index.BoxIndex`),
+   finds the other ranks that need each of them (an index of every rank's target boxes: its exchange
+   partners), and cuts and routes each box exactly as the group plan does (:mod:`.slab_units`, same
+   inputs in the same order, so the same slabs, routes, units and deliveries). Whatever a rank computes
+   about a unit is a function of that unit's saved box and the needs that meet it, so every rank that
+   keeps the unit computes the same:
+
+   * **reader** (:func:`stripe_reader`): among the ranks that need nearly the most of it
+     (:data:`~.load_order.READER_SHARE`), the one at position ``(file number + offset // chunk_bytes)``
+     modulo their count. Units of one file within one ``chunk_bytes`` stripe share a reader (its
+     neighbouring units coalesce into one request), successive stripes and files rotate over the
+     candidates. A direct unit's reader is the one rank it delivers to, as before.
+   * **checker**: ranks of one node that read the same runs directly share the checksum work by the
+     same stripe rule (the group plan's :func:`tierckpt.io.readcheck.checking_ranks` balances by load).
+
+   It returns a :class:`RankDraft`: the kept units in the group's order (by :data:`UnitKey`: file, first
+   byte, ...) and a small :class:`RoundShare` to all-gather: where its own usage crosses ``round_bytes``
+   (greedy, over its units in key order) and the keys of the units it reads that deliver to other
+   ranks (and of those with a delivery under the point-to-point minimum): a few per unit it reads.
+2. :func:`agree_rounds`, with every rank's share: the rounds' bounds are the union of every rank's
+   cuts, so each rank's usage in a round stays within one of its own rounds (under ``round_bytes``,
+   unless a round is one oversized unit); a round exchanges when a rank reads a unit in it that
+   delivers elsewhere, and goes point to point unless a rank sends a small delivery in it. Every rank
+   evaluates the same function of the same gathered shares: the same rounds, exchanges and messages.
+
+Tensors laid out alike (shape, dtype, saved regions and every rank's regions: a model's layers) are
+planned once per rank and moved to each one's files, offsets and target numbers; a unit a rank only
+receives from keeps only its deliveries to that rank (all the read step reads of it).
+
+Costs: a rank's work is, per layout, the saved boxes it touches times the ranks that need each (its
+partners), plus indexing the group's target boxes of its tensors and its tensors' saved boxes (linear). Each byte is read once per
+group on exchanged units (one reader each) and the group's routes, coalescing and memory bound hold.
+Pure and deterministic like the group planner.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import CheckpointError
+from ..metadata import PieceMeta, TensorMeta, itemsize
+from ..regions import Box, StoredBox, stored_boxes
+from .box_index import BoxIndex
+from .load_order import READER_SHARE
+from .plan_types import Delivery, LoadPlan, ReadUnit, TargetPiece, whole_to_other
+from .routes import Topology, default_topology
+from .slab_units import Need, Saved, check_covered, saved_box_units, saved_boxes
+
+UnitKey = tuple[str, int, str, tuple[int, ...], tuple[int, ...]]
+"""A unit's place in the group's order: file, first byte, tensor, box offsets and lengths. Every rank
+that holds a unit gives it the same key; a reader's and a receiver's units between them sort alike."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundShare:
+    """What one rank all-gathers so that every rank forms the same rounds."""
+
+    cuts: tuple[UnitKey, ...]
+    """Keys where its own usage would cross ``round_bytes``: a round starts at each."""
+    crossing: tuple[UnitKey, ...]
+    """Keys of the units it reads that deliver to another rank."""
+    small: tuple[UnitKey, ...]
+    """Keys of the units it reads with a delivery to another rank under the point-to-point minimum."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankDraft:
+    """One rank's units before the rounds are agreed (:func:`plan_rank`)."""
+
+    rank: int
+    world_size: int
+    drafts: tuple[dict, ...]
+    """Unit fields (reader set, no round), in key order."""
+    keys: tuple[UnitKey, ...]
+    checkers: tuple[int, ...]
+    share: RoundShare
+    taken: tuple[tuple[str, np.ndarray, int], ...]
+
+    def reads(self) -> list[tuple[str, np.ndarray, int]]:
+        """``(file, run offsets, run bytes)`` of each unit this rank reads."""
+        return [(d["file"], d["run_offsets"], d["run_bytes"]) for d in self.drafts if d["reader"] == self.rank]
+
+
+def key_of(draft: dict) -> UnitKey:
+    offsets = draft["run_offsets"]
+    return (draft["file"], int(offsets[0]) if len(offsets) else 0, draft["fqn"], draft["box"].offsets, draft["box"].lengths)
+
+
+def stripe_reader(candidates: Sequence[int], file_number: int, offset: int, chunk_bytes: int) -> int:
+    """The rank of ``candidates`` (ascending) that reads or checks a unit at byte ``offset`` of file number ``file_number``."""
+    return candidates[(file_number + offset // max(chunk_bytes, 1)) % len(candidates)]
+
+
+def plan_rank(
+    tensors: dict[str, TensorMeta],
+    pieces: dict[str, list[PieceMeta]],
+    needs: Sequence[Sequence[TargetPiece]],
+    rank: int,
+    *,
+    chunk_bytes: int,
+    round_bytes: int,
+    p2p_min_bytes: int,
+    topology: Topology | None = None,
+) -> RankDraft:
+    """Rank ``rank``'s units of a load whose rank ``r`` needs ``needs[r]`` (step 1 of the module docstring)."""
+    world = len(needs)
+    topo = topology if topology is not None else default_topology(world)
+    if len(topo.nodes) != world:
+        raise CheckpointError(
+            f"the load topology names the nodes of {len(topo.nodes)} ranks but {world} ranks load: "
+            "give one node id per rank of the loading group"
+        )
+    mine = {n.fqn for n in needs[rank]}
+    targets: dict[str, list[tuple[int, int, StoredBox]]] = defaultdict(list)
+    for r, rank_needs in enumerate(needs):
+        for index, need in enumerate(rank_needs):
+            if need.fqn in mine:
+                for sb in stored_boxes(need.region, tensors[need.fqn].shape):
+                    targets[need.fqn].append((r, index, sb))
+    files = {f: i for i, f in enumerate(sorted({p.file for plist in pieces.values() for p in plist}))}
+
+    kept: list[dict] = []
+    checkers: list[int] = []
+    # Tensors laid out alike (the same shape, dtype, saved regions and every rank's regions: a model's
+    # layers) have the same units up to their files, offsets and target numbers: planned once, reused.
+    layouts: dict[tuple, tuple[list[Saved], list[tuple[int, int, StoredBox]], list[Entry]]] = {}
+    for fqn in sorted(mine):
+        meta = tensors[fqn]
+        plist = pieces.get(fqn, [])
+        wanted = targets[fqn]
+        layout = (meta.shape, meta.dtype, tuple(p.region for p in plist), tuple((r, sb) for r, _, sb in wanted))
+        known = layouts.get(layout)
+        if known is None:
+            saved, lookup = saved_boxes(meta, plist)
+            known = layouts[layout] = (saved, wanted, _entries(meta, saved, lookup, wanted, rank, chunk_bytes, topo))
+            target = None
+        else:  # the planned tensor's units, moved to this one's files, offsets and target numbers
+            saved, _ = saved_boxes(meta, plist, index=False)
+            target = {(r, i): j for (r, i, _), (_, j, _) in zip(known[1], wanted)}
+        for si, d, eligible, alike, here in known[2]:
+            shift = saved[si][2] - known[0][si][2]
+            offsets = d["run_offsets"]
+            start = (int(offsets[0]) if len(offsets) else 0) + shift
+            number = files[saved[si][1]]
+            reader = stripe_reader(eligible, number, start, chunk_bytes)
+            if reader != rank and not here:
+                continue
+            # A unit this rank only receives from keeps only its deliveries here (all the read step uses).
+            deliveries = d["deliveries"] if reader == rank else tuple(d["deliveries"][k] for k in here)
+            if target is not None:
+                deliveries = tuple(Delivery(rank=x.rank, target=target[(x.rank, x.target)], target_box=x.target_box,
+                                            box=x.box) for x in deliveries)
+            kept.append({**d, "fqn": fqn, "file": saved[si][1], "run_offsets": offsets + shift if shift else offsets,
+                         "reader": reader, "deliveries": deliveries})
+            shared = reader == rank and len(alike) > 1
+            checkers.append(stripe_reader(alike, number, start, chunk_bytes) if shared else reader)
+
+    order = sorted(range(len(kept)), key=lambda i: key_of(kept[i]))
+    kept = [kept[i] for i in order]
+    keys = tuple(key_of(d) for d in kept)
+    share = _share(kept, keys, rank, round_bytes, p2p_min_bytes)
+    taken = tuple((p.file, np.array([p.byte_offset], dtype=np.int64), p.byte_length)
+                  for plist in pieces.values() for p in plist)
+    return RankDraft(rank=rank, world_size=world, drafts=tuple(kept), keys=keys,
+                     checkers=tuple(checkers[i] for i in order), share=share, taken=taken)
+
+
+Entry = tuple[int, dict, list[int], list[int], list[int]]
+"""A unit ``rank`` may read or receives from: its saved box's number, its draft (reader not set), the
+ranks that may read it (:data:`~.load_order.READER_SHARE`), the ranks of this node that read the
+same box directly (they share its checks) and the positions of its deliveries to ``rank``."""
+
+
+def _entries(meta: TensorMeta, saved: list[Saved], lookup: BoxIndex, wanted: list[tuple[int, int, StoredBox]],
+             rank: int, chunk_bytes: int, topo: Topology) -> list[Entry]:
+    """The units of the saved boxes ``rank``'s targets meet, routed with every rank that needs them."""
+    partners = BoxIndex([t[2].box for t in wanted])
+    touched: set[int] = set()
+    for r, _, target in wanted:
+        if r != rank:
+            continue
+        covered = 0
+        for si, inter in lookup.overlapping(target.box):
+            touched.add(si)
+            covered += inter.numel
+        check_covered(meta, rank, target, covered)
+    entries: list[Entry] = []
+    for si in sorted(touched):
+        box_needs: list[Need] = [(wanted[ti][0], wanted[ti][1], wanted[ti][2], inter)
+                                 for ti, inter in partners.overlapping(saved[si][0])]
+        drafts = saved_box_units(meta, saved[si], box_needs, chunk_bytes, topo, only=rank)
+        alike: dict[Box, list[int]] = defaultdict(list)  # direct units of this node reading the same box
+        for d in drafts:
+            if len({x.rank for x in d["deliveries"]}) == 1 and topo.nodes[d["deliveries"][0].rank] == topo.nodes[rank]:
+                alike[d["box"]].append(d["deliveries"][0].rank)
+        for d in drafts:
+            if d["run_offsets"] is None:  # another rank reads it for itself (slab_units.saved_box_units)
+                continue
+            wanted_of: dict[int, int] = defaultdict(int)
+            for x in d["deliveries"]:
+                wanted_of[x.rank] += x.numel
+            most = max(wanted_of.values())
+            eligible = sorted(r for r, n in wanted_of.items() if n >= READER_SHARE * most)
+            here = [k for k, x in enumerate(d["deliveries"]) if x.rank == rank]
+            if rank in eligible or here:
+                same = sorted(set(alike[d["box"]])) if len(wanted_of) == 1 else []
+                entries.append((si, d, eligible, same, here))
+    return entries
+
+
+def _usage(d: dict, rank: int) -> int:
+    """Bytes ``rank`` holds for unit ``d`` in its round: read, sent and received (as the group plan counts)."""
+    item = d["item"]
+    out = 0
+    if d["reader"] == rank:
+        if not whole_to_other(rank, d["box"], d["deliveries"]):
+            out += d["box"].numel * item
+        out += sum(x.numel for x in d["deliveries"] if x.rank != rank) * item
+    else:
+        out += sum(x.numel for x in d["deliveries"] if x.rank == rank) * item
+    return out
+
+
+def _share(kept: list[dict], keys: tuple[UnitKey, ...], rank: int, round_bytes: int, p2p_min_bytes: int) -> RoundShare:
+    cuts: list[UnitKey] = []
+    usage, count = 0, 0
+    for i, d in enumerate(kept):
+        add = _usage(d, rank)
+        fresh = i == 0 or keys[i] != keys[i - 1]  # units of one key stay in one round
+        if fresh and count and usage + add > round_bytes:
+            cuts.append(keys[i])
+            usage, count = 0, 0
+        usage += add
+        count += 1
+    read = [(k, d) for k, d in zip(keys, kept) if d["reader"] == rank]
+    crossing = tuple(k for k, d in read if any(x.rank != rank for x in d["deliveries"]))
+    small = tuple(k for k, d in read if any(x.rank != rank and x.numel * d["item"] < p2p_min_bytes for x in d["deliveries"]))
+    return RoundShare(cuts=tuple(cuts), crossing=crossing, small=small)
+
+
+def agree_rounds(draft: RankDraft, shares: Sequence[RoundShare], tensors: dict[str, TensorMeta]) -> LoadPlan:
+    """Rank ``draft.rank``'s :class:`LoadPlan` from every rank's share (step 2 of the module docstring)."""
+    if len(shares) != draft.world_size:
+        raise CheckpointError(f"{len(shares)} round shares for a load of {draft.world_size} ranks")
+    cuts = sorted({c for s in shares for c in s.cuts})
+    count = len(cuts) + 1
+    exchanges = [False] * count
+    small = [False] * count
+    for flags, attr in ((exchanges, "crossing"), (small, "small")):
+        for s in shares:
+            for key in getattr(s, attr):
+                flags[bisect.bisect_right(cuts, key)] = True
+    units: list[ReadUnit] = []
+    rounds: list[list[int]] = [[] for _ in range(count)]
+    for d, key in zip(draft.drafts, draft.keys):
+        k = bisect.bisect_right(cuts, key)
+        rounds[k].append(len(units))
+        units.append(ReadUnit(round=k, **{f: v for f, v in d.items() if f != "item"}))
+    mine = [u for u in units if u.reader == draft.rank]
+    return LoadPlan(
+        units=tuple(units), rounds=tuple(tuple(r) for r in rounds), exchanges=tuple(exchanges),
+        world_size=draft.world_size, rank=draft.rank,
+        bytes_read=sum(u.nbytes for u in mine),
+        bytes_delivered=sum(x.numel * itemsize(tensors[u.fqn].torch_dtype) for u in mine for x in u.deliveries),
+        point_to_point=tuple(e and not s for e, s in zip(exchanges, small)),
+        checkers=draft.checkers, taken=draft.taken,
+    )
