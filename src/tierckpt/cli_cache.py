@@ -17,7 +17,6 @@ from .cache.config import CacheConfig
 from .cli_deadline import add_timeout
 from .errors import CheckpointError, CheckpointNotFoundError, StorageUnreachableError
 from .monitor import format_bytes
-from .tiers.linkstatus import LinkStatus
 
 
 def _add_status(subparsers: Any) -> None:
@@ -45,7 +44,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"remote did not answer: {st.remote_error}"
             )
         raise CheckpointNotFoundError(f"no checkpoint at {args.uri!r}: nothing committed, and nothing pending upload from this node")
-    levels = st.levels() if isinstance(st, LinkStatus) else []  # with the node memory tier: each level
+    levels = st.levels()  # with the node memory tier: each level (none without it)
     node_cache = _node_cache()
     doc = dataclasses.asdict(st) | {
         "durable": st.durable, "committed_on_node": st.committed_on_node, "committed_on_remote": st.committed_on_remote,
