@@ -10,7 +10,9 @@ two steps before a save, compared with the full state saved beside the test, ``e
 
 * ``saves``: a list of ``{"uri", "seed", "level"}``: each is saved with ``async_save`` and waited for
   to ``level``; ``"kill_receiver": true`` on one makes that node's leader die when the first
-  replica file of it arrives (a node lost during replication); or
+  replica file of it arrives (a node lost during replication); ``"sync": true`` saves it with ``save``
+  instead (its outcome is the call's), ``"fail_write_downs": true`` makes every write-down of a data file
+  fail from that save on, ``"key"`` names its result (default: the URI); or
 * ``loads``: a list of ``{"uri", "seed"}``: each is loaded and compared bit-exactly with what
   ``seed`` saved (or the error is reported), and the level recorded in this node's tier is read; and/or
 * ``latest``: ``{"root", "seeds"}``: ``CheckpointManager(root).load_latest`` into a fresh state, the step it
@@ -128,6 +130,21 @@ def record_write_downs(delay_s: float) -> None:
     WriteDown._copy = recorded  # type: ignore[method-assign]
 
 
+def fail_write_downs() -> None:
+    """From now on every write-down of a data file fails for good (the URI's store refuses it)."""
+    from tierckpt.errors import StorageError
+    from tierckpt.tiers.writedown import WriteDown
+
+    copy = WriteDown._copy
+
+    async def refused(self: WriteDown, key: str) -> None:
+        if "/data/" in key:
+            raise StorageError(f"the store refused {key} (injected by the test)")
+        await copy(self, key)
+
+    WriteDown._copy = refused  # type: ignore[method-assign]
+
+
 def run(spec: dict, env: dict[str, str]) -> None:
     """One rank: ``env`` is this rank's node; ends the process with ``os._exit``."""
     os.environ.update(env)
@@ -155,15 +172,25 @@ def main(spec: dict) -> None:
         started = time.monotonic()
         modules = spec["layout"] in ("fsdp2", "ddp")
         saved = model_state(spec["layout"], save["seed"], spec["expected"]) if modules else state(spec["layout"], save["seed"])
+        name = save.get("key", save["uri"])
+        if save.get("fail_write_downs"):
+            fail_write_downs()
+        if save.get("sync"):  # a synchronous save: its outcome is the call's
+            try:
+                meta = tierckpt.save(save["uri"], saved)
+                out["saves"][name] = {"ok": True, "generation": meta.generation}
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                out["saves"][name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            continue
         handle = tierckpt.async_save(save["uri"], saved, persist=save.get("persist", True))
         try:
             for level in save["level"] if isinstance(save["level"], list) else [save["level"]]:
                 meta = handle.wait(level, timeout_s=60)
-            out["saves"][save["uri"]] = {"ok": True, "generation": meta.generation,
+            out["saves"][name] = {"ok": True, "generation": meta.generation,
                                          "at_uri": os.path.exists(os.path.join(save["uri"], "COMMIT"))}
         except Exception as exc:  # noqa: BLE001 - reported to the test
-            out["saves"][save["uri"]] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        out["saves"][save["uri"]]["seconds"] = time.monotonic() - started
+            out["saves"][name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        out["saves"][name]["seconds"] = time.monotonic() - started
     for load in spec.get("loads", []):
         modules = spec["layout"] in ("fsdp2", "ddp")
         target = model_state(spec["layout"], None, "") if modules else state(spec["layout"], None)

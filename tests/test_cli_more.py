@@ -190,3 +190,28 @@ def test_sync_with_the_cache_off_writes_the_memory_tier_down_without_it(tmp_path
     assert not cache.exists()
     got = tierckpt.load(uri, {"w": torch.zeros(4096), "step": 0}, storage_options={"memory": False, "cache": False})
     assert torch.equal(got["w"], want["w"]) and got["step"] == 9
+
+
+# -- status and wait with the node cache off ---------------------------------------------------------------
+def test_status_and_wait_with_the_node_cache_off_open_no_cache(saved: Path, tmp_path: Path, capsys,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TIERCKPT_CACHE=off``: ``status`` and ``wait`` never open (nor create) the node cache. ``status``
+    reports the URI's own COMMIT and nothing on this node, saying the cache was not consulted; ``wait``
+    refuses to report "durable" for what it cannot see, as ``sync`` does."""
+    cache_dir = tmp_path / "node-cache"
+    monkeypatch.setenv("TIERCKPT_CACHE", "off")
+    monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(cache_dir))
+    monkeypatch.setenv("TIERCKPT_MEMORY_DIR", str(tmp_path / "shm"))
+    monkeypatch.delenv("TIERCKPT_MEMORY", raising=False)
+    generation = json.loads((saved / "COMMIT").read_text())["generation"]
+    code, doc = _json(["status", str(saved), "--json"], capsys)
+    assert code == cli.EXIT_OK
+    assert (doc["generation"], doc["remote_generation"], doc["pending_keys"]) == (None, generation, [])
+    assert doc["node_cache"]["enabled"] is False
+    assert cli.main(["status", str(saved)]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert f"committed on the remote: {generation}" in out and "node cache off (TIERCKPT_CACHE=off): not opened" in out
+    assert cli.main(["wait", str(saved)]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "the node cache is off (TIERCKPT_CACHE=off)" in err and "nothing here to wait for" in err, err
+    assert not cache_dir.exists()

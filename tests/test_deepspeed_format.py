@@ -209,3 +209,16 @@ def test_a_universal_checkpoint_of_zero3_loads_all_it_holds(tmp_path: Path) -> N
     expected = {k: v for k, v in reference(3).items() if not k.endswith(".step")}
     got = {k: v for k, v in observed(model, optim).items() if not k.endswith(".step")}
     assert mismatches(expected, got) == []
+
+
+@pytest.mark.parametrize(("folder", "name"), [("zero3", "DeepSpeed ZeRO"), ("zero2_universal", "DeepSpeed universal")])
+def test_inspect_json_names_the_deepspeed_format(folder: str, name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``inspect --json`` says the format of the reader that read the folder (not "tierckpt"), and gives no
+    creation time for a folder without one."""
+    import json
+
+    from tierckpt.cli import main as cli_main
+
+    assert cli_main(["inspect", "--json", str(FIXTURES / folder)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["format"], doc["created"]) == (name, None), doc

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import recovery_child
+from tierckpt.tiers.memory import SPARE_PREFIX
 from distributed import free_port
 
 _CTX = mp.get_context("forkserver")
@@ -265,3 +266,23 @@ def test_fsdp2_on_two_nodes_to_ddp_on_the_surviving_node(workdir: Path) -> None:
     lose(workdir, "node-0")
     loaded = Job(workdir, ["node-1", "node-1"], "ddp", expected=expected, loads=[{"uri": uri, "seed": 1}]).wait()
     assert_exact(loaded, uri, tensor_bytes=None)  # model and optimizer state, bit-exact, all from node-1's memory
+
+
+@pytest.mark.multiproc
+def test_a_failed_synchronous_save_leaves_no_node_holding_its_generation(workdir: Path) -> None:
+    """A synchronous save whose write-down fails is taken back on every node, not only on the committing
+    rank's: the other node's memory tier drops the generation's files and still commits the previous one."""
+    uri = uri_of(workdir, 1)
+    saves = [{"uri": uri, "seed": 1, "level": "replicated", "key": "first"},
+             {"uri": uri, "seed": 2, "sync": True, "fail_write_downs": True, "key": "failed"}]
+    results = Job(workdir, ["node-0", "node-1"], "shard", saves=saves).wait()
+    first = results[0]["saves"]["first"]
+    assert first["ok"], results
+    assert "not committed anywhere" in results[0]["saves"]["failed"]["error"], results[0]
+    assert "saving checkpoint" in results[1]["saves"]["failed"]["error"], results[1]
+    assert json.loads((Path(uri) / "COMMIT").read_text())["generation"] == first["generation"]
+    for node in ("node-0", "node-1"):
+        (home,) = (workdir / node / "shm").glob("*/objects")
+        held = sorted(p.name for p in home.glob("g-*") if not p.name.startswith(SPARE_PREFIX))  # not the async spare
+        assert held == [first["generation"]], node
+        assert json.loads((home / "COMMIT").read_text())["generation"] == first["generation"], node

@@ -29,11 +29,11 @@ from .bounded import MAX_RECORD_BYTES
 from .cache.config import CacheConfig
 from .writeback.status import StoreStatus
 from .cache.tiered import TieredBackend
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, TransientStorageError
 from .io.scheduler import get_scheduler
 from .loader import read_checkpoint, read_pieces
 from .progress import ByteProgress, wanted
-from .store import memory_config_for, open_cached_store, open_store, uploader_of
+from .store import durability_of, memory_config_for, open_cached_store, open_store, uploader_of
 from .tiers.config import MemoryConfig
 from .tiers.downlog import DownLog
 from .tiers.link import MemoryLink
@@ -90,8 +90,15 @@ def status(uri: str, config: CacheConfig | None = None, *, storage_options: Mapp
            **options_kw: Any) -> StoreStatus:
     """Where the checkpoint at ``uri`` stands on this node and on the remote: the generation committed
     on each, what is still pending upload, and the upload errors; with the node memory tier (see
-    :func:`_memory_for`) a :class:`~tierckpt.tiers.linkstatus.LinkStatus`, which adds each level."""
-    return get_scheduler().run(_durable(uri, config, merged_options("status", storage_options, options_kw)).status())
+    :func:`_memory_for`) a :class:`~tierckpt.tiers.linkstatus.LinkStatus`, which adds each level.
+
+    With the node cache off (``TIERCKPT_CACHE=off``, ``config`` with ``enabled=False``, or the storage
+    option ``cache=False``) the cache is not opened: without a memory tier holding ``uri``, nothing is
+    committed or pending on this node, and the remote's ``COMMIT`` is read as it is."""
+    options = merged_options("status", storage_options, options_kw)
+    chain = _durable(uri, _cache_config(config, options), options)
+    durable = durability_of(chain)
+    return get_scheduler().run(durable.status() if durable is not None else _remote_status(uri, chain))
 
 
 def wait(uri: str, timeout_s: float | None = None, config: CacheConfig | None = None, *,
@@ -100,9 +107,21 @@ def wait(uri: str, timeout_s: float | None = None, config: CacheConfig | None = 
 
     Raises :class:`~tierckpt.errors.TransientStorageError` on timeout and
     :class:`~tierckpt.errors.StorageError` when an upload failed (fix the remote, then :func:`sync`).
+    With the node cache off (see :func:`status`) the cache is not opened; unless this node's memory tier
+    holds ``uri`` (then its write-down is waited for), a :class:`~tierckpt.errors.CheckpointError` says there
+    is nothing on this node to wait for (never a silent "durable" while a cache-on process may have left
+    uploads pending).
     """
     options = merged_options("wait", storage_options, options_kw)
-    get_scheduler().run(_durable(uri, config, options).wait_durable(None, timeout_s))
+    durable = durability_of(_durable(uri, _cache_config(config, options), options))
+    if durable is None:
+        raise CheckpointError(
+            f"tierckpt wait {uri}: the node cache is off ({_setting(config, options)}) and this node's memory tier "
+            f"holds nothing of {uri}: writes from this node go straight to where it points, so there is nothing here "
+            f"to wait for (the node cache was not opened). Uploads that processes with the cache on left pending "
+            f"finish with `TIERCKPT_CACHE=on tierckpt wait {uri}`"
+        )
+    get_scheduler().run(durable.wait_durable(None, timeout_s))
 
 
 def sync(uri: str | None = None, config: CacheConfig | None = None, timeout_s: float | None = None, *,
@@ -158,9 +177,39 @@ def _sync_cache_off(uri: str | None, config: CacheConfig, options: dict[str, Any
     return uris
 
 
-def _setting(config: CacheConfig | None) -> str:
-    """What turned the node cache off: the ``config`` passed, else the environment."""
-    return "CacheConfig(enabled=False)" if config is not None else f"TIERCKPT_CACHE={os.environ.get('TIERCKPT_CACHE')}"
+def _setting(config: CacheConfig | None, options: Mapping[str, Any] | None = None) -> str:
+    """What turned the node cache off: the ``config`` passed, the storage option, else the environment."""
+    cache = (options or {}).get("cache")
+    if config is not None or isinstance(cache, CacheConfig):
+        return "CacheConfig(enabled=False)"
+    return "storage option cache=False" if cache is False else f"TIERCKPT_CACHE={os.environ.get('TIERCKPT_CACHE')}"
+
+
+def _cache_config(config: CacheConfig | None, options: Mapping[str, Any]) -> CacheConfig:
+    """The node cache the durability commands act on: ``config``, else the storage option ``cache`` (a
+    :class:`CacheConfig`, or ``True``/``False``), else the environment (``TIERCKPT_CACHE``)."""
+    cache = options.get("cache")
+    if config is not None:
+        return config
+    if isinstance(cache, CacheConfig):
+        return cache
+    if isinstance(cache, bool):
+        return CacheConfig.from_env(enabled=cache)
+    return CacheConfig.from_env()
+
+
+async def _remote_status(uri: str, chain: Backend) -> StoreStatus:
+    """The status of ``uri`` through a chain with no write-back link (the node cache off, no memory tier):
+    nothing committed or pending on this node; the generation its ``COMMIT`` names where it points."""
+    generation, error, unreachable = None, None, False
+    try:
+        generation = layout.CommitRecord.decode(await chain.get_capped(layout.COMMIT, MAX_RECORD_BYTES)).generation
+    except CheckpointNotFoundError:
+        pass
+    except CheckpointError as exc:
+        error, unreachable = str(exc), isinstance(exc, TransientStorageError)
+    return StoreStatus(uri, None, None, (), 0, remote_generation=generation, remote_error=error,
+                       remote_unreachable=unreachable)
 
 
 def _memory_only() -> list[str]:

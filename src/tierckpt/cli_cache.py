@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from typing import Any
 
 from . import cache_api as cache
@@ -17,7 +18,6 @@ from .cache.config import CacheConfig
 from .cli_deadline import add_timeout
 from .errors import CheckpointError, CheckpointNotFoundError, StorageUnreachableError
 from .monitor import format_bytes
-from .tiers.linkstatus import LinkStatus
 
 
 def _add_status(subparsers: Any) -> None:
@@ -45,7 +45,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"remote did not answer: {st.remote_error}"
             )
         raise CheckpointNotFoundError(f"no checkpoint at {args.uri!r}: nothing committed, and nothing pending upload from this node")
-    levels = st.levels() if isinstance(st, LinkStatus) else []  # with the node memory tier: each level
+    levels = st.levels()  # with the node memory tier: each level (none without it)
     node_cache = _node_cache()
     doc = dataclasses.asdict(st) | {
         "durable": st.durable, "committed_on_node": st.committed_on_node, "committed_on_remote": st.committed_on_remote,
@@ -58,8 +58,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{st.uri}: {st.state or 'nothing committed'}; committed on this node: {st.generation or '-'}; "
               f"committed on the remote: {remote}; {len(st.pending_keys)} object(s) / {st.pending_bytes} bytes "
               "pending upload")
-        print(f"  node cache {node_cache['directory']} ({node_cache['directory_reason']}); budget "
-              f"{format_bytes(node_cache['disk_bytes'])} ({node_cache['disk_bytes_reason']})")
+        if not node_cache["enabled"]:
+            print(f"  node cache off (TIERCKPT_CACHE={node_cache['setting']}): not opened; uploads that processes with "
+                  f"the cache on left pending are not shown (TIERCKPT_CACHE=on tierckpt status {st.uri})")
+        else:
+            print(f"  node cache {node_cache['directory']} ({node_cache['directory_reason']}); budget "
+                  f"{format_bytes(node_cache['disk_bytes'])} ({node_cache['disk_bytes_reason']})")
         for level, reached, detail in levels:
             print(f"  {level:<10} {'yes' if reached else 'no':<3}  {detail}")
         for error in st.errors:
@@ -72,7 +76,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def _node_cache() -> dict[str, Any]:
     """This node's cache (from the environment, as the commands open it): where, why there, and its budget."""
     config = CacheConfig.from_env()
-    return {"directory": config.directory, "directory_reason": config.directory_reason,
+    return {"enabled": config.enabled, "setting": os.environ.get("TIERCKPT_CACHE", "on"), "directory": config.directory, "directory_reason": config.directory_reason,
             "disk_bytes": config.disk_bytes, "disk_bytes_reason": config.disk_bytes_reason}
 
 

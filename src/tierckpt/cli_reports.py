@@ -31,11 +31,10 @@ def _region_doc(piece: PieceMeta) -> dict[str, Any]:
 
 def describe(uri: str, ckpt: Checkpoint, pieces: dict[str, list[PieceMeta]], with_pieces: bool = False) -> dict[str, Any]:
     """A JSON-ready summary of a checkpoint (the ``inspect --json`` document)."""
-    from . import dcp_format, safetensors_format
+    from .readers import reader_of
 
     meta = ckpt.meta
-    dcp = dcp_format.FORMAT_TAG in meta.tags  # a torch DCP directory: no generation, no creation time
-    hf = safetensors_format.FORMAT_TAG in meta.tags  # a save_pretrained folder: neither
+    reader = reader_of(ckpt)  # a foreign format read in place (DCP, safetensors...): no generation, no creation time
     tensors = []
     for fqn in sorted(ckpt.tensors):
         t = ckpt.tensors[fqn]
@@ -52,11 +51,11 @@ def describe(uri: str, ckpt: Checkpoint, pieces: dict[str, list[PieceMeta]], wit
     ]
     return {
         "uri": uri,
-        "format": "torch DCP" if dcp else "safetensors" if hf else "tierckpt",
+        "format": reader.format,
         "generation": meta.generation,
         "format_version": meta.format_version,
         "created_unix": meta.created_unix,
-        "created": None if dcp or hf else datetime.datetime.fromtimestamp(meta.created_unix, datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": None if not reader.generations else datetime.datetime.fromtimestamp(meta.created_unix, datetime.timezone.utc).isoformat(timespec="seconds"),
         "world_size": meta.world_size,
         "frameworks": list(meta.frameworks),
         "tags": dict(meta.tags),

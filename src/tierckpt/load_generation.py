@@ -23,6 +23,7 @@ import numpy as np
 
 from . import layout
 from .backends import Backend
+from .backends.base import NodeTier
 from .checkpoint_reader import Checkpoint
 from .comm import Comm
 from .errors import CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, MissingFileError
@@ -45,9 +46,8 @@ from .planner.routes import store_kind
 from .read_step import P2P_MIN_BYTES, ReadStep
 from .readers import read_pieces, reader_of
 from .state import FlatState, flatten_state
-from .store import identity_of, memory_tier_of
+from .store import identity_of
 from .tier_metadata import TierStart
-from .tiers.memory import MemoryTier
 
 logger = logging.getLogger("tierckpt")
 
@@ -76,7 +76,7 @@ def load_generation(
     its reader reads from); fills every target and returns every rank's monitor summary. ``start``: step
     2 already done with the metadata read from the memory tiers."""
     reader = reader_of(ckpt)
-    tier = memory_tier_of(backend) if reader.generations else None
+    tier = backend.node_memory_tier() if reader.generations else None
     with monitor.phase("metadata"):
         if start is not None:
             (flat, needs, wanted, table), gathered = start.kept, start.shared
@@ -247,7 +247,7 @@ def _check_files(backend: Backend, ckpt: Checkpoint, reads: Iterable[tuple[str, 
         if len(offsets):
             ends[file] = max(ends.get(file, 0), int(offsets.max()) + run_bytes)
     files = sorted(ends)
-    sizes = {file: _checked_size(local.tier, ckpt, file) for file in files if local.here(file)}  # type: ignore[arg-type]
+    sizes = {file: _checked_size(backend, ckpt, file, local.tier) for file in files if local.here(file)}
     remote = [file for file in files if file not in sizes]
     if remote:  # every size at once: on an object store each check is a round trip
         with concurrent.futures.ThreadPoolExecutor(min(len(remote), PARALLEL_METADATA)) as pool:
@@ -261,15 +261,13 @@ def _check_files(backend: Backend, ckpt: Checkpoint, reads: Iterable[tuple[str, 
             )
 
 
-def _checked_size(backend: Backend, ckpt: Checkpoint, file: str) -> int:
-    """The size of ``file``, which must exist and match the header's, before any buffer is sized from metadata."""
+def _checked_size(backend: Backend, ckpt: Checkpoint, file: str, tier: NodeTier | None = None) -> int:
+    """The size of ``file``, which must exist and match the header's, before any buffer is sized from metadata
+    (in this node's memory ``tier`` when given: one stat, without the I/O loop)."""
     sizes = {f.key: f.size for f in ckpt.meta.files}
     key = layout.in_generation(ckpt.meta.generation, file)
     try:
-        if isinstance(backend, MemoryTier):  # a file on this node's tmpfs: one stat, without the I/O loop
-            actual = os.path.getsize(backend.path_of(key))
-        else:
-            actual = get_scheduler().run(backend.size(key))
+        actual = tier.file_size(key) if tier is not None else get_scheduler().run(backend.size(key))
     except (CheckpointNotFoundError, FileNotFoundError):
         raise MissingFileError(f"file {key!r} of checkpoint {backend.root_uri!r} is missing") from None
     if file not in sizes or actual != sizes[file]:
@@ -321,6 +319,6 @@ def _settle_checksums(checker: ReadChecker, backend: Backend, comm: Comm, gather
         for here in (True, False):
             blocks = [b for b in mine if local.here(b[0].file) == here]
             if blocks:
-                checker.check_whole(blocks, local.tier if here else backend, 0, 1)  # type: ignore[arg-type]
+                checker.check_whole(blocks, local.store(here, backend), 0, 1)
 
     comm.run_agreed(check, "checking data checksums")

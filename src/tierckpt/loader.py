@@ -65,7 +65,7 @@ from .nested import nest, template_of
 from .planner import Topology
 from .readers import read_checkpoint, read_pieces, reader_of
 from .reread import drop_and_retry
-from .store import memory_tier_of, open_store
+from .store import open_store
 from .tier_metadata import TierStart, read_from_tier, start_from_tiers
 
 __all__ = [
@@ -103,12 +103,12 @@ def _naming_an_older_commit(load_fn: Callable[..., dict[str, Any]]) -> Callable[
 
 def _older_commit_below(uri: str, storage_options: Mapping[str, Any] | None) -> str | None:
     store = open_store(uri, dict(storage_options or {}))
-    tier = memory_tier_of(store)
+    tier = store.node_memory_tier()
     mine = tier.committed() if tier is not None else None
     if mine is None:
         return None
     try:
-        below = read_commit(store.below)  # type: ignore[attr-defined]  # a MemoryLink (it has a tier)
+        below = read_commit(store.without_node_memory())
     except CheckpointError:
         return None
     if below.seq >= mine.seq:
@@ -167,7 +167,7 @@ def load(
     with attached(monitor, f"load {uri}", progress, comm.rank):
         backend = open_store(uri, dict(storage_options or {}))
         options = LoadOptions(strict, allow_pickle, verify, check_crc, chunk_bytes, round_bytes, topology)
-        tier = memory_tier_of(backend)
+        tier = backend.node_memory_tier()
         start: TierStart | None = None
         read: Checkpoint | None = None  # what rank 0 read from its tier, checked against the chain's COMMIT
         reading_rank = 0  # the rank that reads the metadata through the chain

@@ -21,7 +21,6 @@ reads, whatever the world size or layout.
 from __future__ import annotations
 
 import logging
-import os
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,19 +29,17 @@ import crc32c
 
 from . import layout
 from .backends import Backend
-from .backends.file_open import open_shared
-from .bounded import read_fd_capped
+from .backends.base import NodeTier
 from .comm import Comm
 from .errors import CheckpointError
 from .metadata import CheckpointMeta
 from .node import node_id
 from .planner.locality import HeldFile, RankHoldings
-from .tiers.memory import MemoryTier
 
 logger = logging.getLogger("tierckpt")
 
 
-def held_files(tier: MemoryTier | None, meta: CheckpointMeta, record: layout.CommitRecord | None) -> tuple[HeldFile, ...] | None:
+def held_files(tier: NodeTier | None, meta: CheckpointMeta, record: layout.CommitRecord | None) -> tuple[HeldFile, ...] | None:
     """What this node's memory tier holds of ``meta``'s generation (``None``: no memory tier).
 
     A file counts only if it exists and its sealed size is the size the checkpoint records (the header
@@ -69,9 +66,18 @@ def held_files(tier: MemoryTier | None, meta: CheckpointMeta, record: layout.Com
     prefix = f"{generation}/"
     for key, entry in sorted(held.items()):
         name = key[len(prefix):]
-        if key.startswith(prefix) and sizes.get(name) == entry.size and os.path.isfile(tier.path_of(key)):
+        if key.startswith(prefix) and sizes.get(name) == entry.size and _has(tier, key):
             out.append(HeldFile(name, entry.size, entry.crc32c))
     return tuple(out)
+
+
+def _has(tier: NodeTier, key: str) -> bool:
+    """Whether the file ``key`` is in ``tier`` now."""
+    try:
+        tier.file_size(key)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +85,7 @@ class LocalReads:
     """What every rank's node holds, and this rank's memory tier (the same view on every rank)."""
 
     rank: int
-    tier: MemoryTier | None
+    tier: NodeTier | None
     holdings: tuple[RankHoldings, ...]
     """``holdings[r]``: rank ``r``'s node and what its memory tier holds (nothing without a tier)."""
     active: bool
@@ -90,7 +96,7 @@ class LocalReads:
     """The agreed size and CRC-32C of each file held somewhere."""
 
     @staticmethod
-    def of(rank: int, tier: MemoryTier | None, reports: Sequence[tuple[str, tuple[HeldFile, ...] | None]]) -> LocalReads:
+    def of(rank: int, tier: NodeTier | None, reports: Sequence[tuple[str, tuple[HeldFile, ...] | None]]) -> LocalReads:
         """From every rank's ``(node, held files or None)``."""
         holdings = tuple(RankHoldings(node, files or ()) for node, files in reports)
         versions: dict[str, set[HeldFile]] = defaultdict(set)
@@ -112,7 +118,11 @@ class LocalReads:
 
     def source(self, name: str, chain: Backend) -> Backend:
         """Where this rank reads ``name``: its memory tier when its node holds it, else the chain."""
-        return self.tier if self.here(name) and self.tier is not None else chain
+        return self.store(self.here(name), chain)
+
+    def store(self, here: bool, chain: Backend) -> Backend:
+        """This rank's memory tier for files its node holds (``here``, :meth:`here`), else the chain."""
+        return self.tier if here and self.tier is not None else chain
 
     def servers(self, needs: Sequence[Sequence[str]]) -> dict[str, int]:
         """For each file some rank needs (``needs[r]``) but its node does not hold, the rank that reads and
@@ -136,16 +146,14 @@ class LocalReads:
             return {}
         mine = sorted(name for name, rank in servers.items() if rank == self.rank)
 
+        tier = self.tier  # a rank serves only files its node holds: it has a tier when ``mine`` is not empty
+
         def read() -> tuple[None, dict[str, bytes]]:
-            assert self.tier is not None or not mine
             out = {}
             for name in mine:
-                path = self.tier.path_of(layout.in_generation(generation, name))  # type: ignore[union-attr]
-                fd = open_shared(path)
-                try:  # no more than its holder's manifest records (checked below)
-                    out[name] = read_fd_capped(fd, self.entries[name].size, path)
-                finally:
-                    os.close(fd)
+                assert tier is not None
+                # no more than its holder's manifest records (checked below)
+                out[name] = tier.read_file(layout.in_generation(generation, name), self.entries[name].size)
             return None, out
 
         _, gathered = comm.exchange_agreed(read, "sharing checkpoint files held in peer nodes' memory")

@@ -56,7 +56,7 @@ from .io.scheduler import get_scheduler
 from .loader import load
 from .saver import SaveHandle, async_save, save
 from .store import (
-    durability_of, memory_config_for, memory_keys_under, memory_levels, memory_tier_of, node_only_reason, open_store,
+    durability_of, memory_config_for, memory_keys_under, memory_levels, node_only_reason, open_store,
 )
 from .tiers.levels import recorded_level
 from .writeback.levels import Level
@@ -189,7 +189,7 @@ class CheckpointManager:
         """Whether this node's memory tier records this manager's save of ``step`` as ``replicated``; a
         record that cannot be read counts as not (the rank must still reach the agreement)."""
         try:
-            tier = memory_tier_of(open_store(self.uri_of(step), self.storage_options))
+            tier = open_store(self.uri_of(step), self.storage_options).node_memory_tier()
             committed = tier.committed() if tier is not None else None
             result = recorded_level(tier, committed.generation) if tier is not None and committed is not None else None
         except (CheckpointError, OSError, ValueError, KeyError, TypeError) as exc:

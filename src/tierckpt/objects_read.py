@@ -42,7 +42,7 @@ def fetch_objects(
     data = object_bytes(shared, {o for o in metas if o.file in shared})
     for here in (True, False):
         group = {o for o in metas if o.file not in shared and local.here(o.file) == here}
-        data.update(read_objects(local.tier if here and local.tier is not None else backend, ckpt.meta.generation, group))
+        data.update(read_objects(local.store(here, backend), ckpt.meta.generation, group))
     values: dict[str, Any] = {}
     for key, ms in wanted.items():
         decoded = [decode_object(data[o], o.codec, o.key, allow_pickle=allow_pickle) for o in ms]

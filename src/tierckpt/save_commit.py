@@ -11,6 +11,7 @@ the swap is shared with every rank, the generations it superseded are handed to 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -26,6 +27,8 @@ from .monitor import ranks_from_timings
 from .save_prepared import _Prepared
 from .save_stream import _finish_rank, _put_all
 from .store import durability_of, revocable_of
+
+log = logging.getLogger("tierckpt")
 
 
 def _finish(
@@ -49,6 +52,8 @@ def _finish(
         with p.monitor.phase("commit"):
             outcome, commit_error = _commit_gathered(p, gathered, coord.world_size)
     outcome = coord.broadcast(outcome)
+    if error is not None or commit_error is not None or outcome[0] != "ok":
+        _drop_from_node(p)
     if error is not None:
         raise error
     if commit_error is not None:
@@ -63,6 +68,18 @@ def _finish(
         _sweep_superseded(p)
     p.monitor.finish("save", p.uri, coord.rank, ranks_from_timings(value.timings))
     return value
+
+
+def _drop_from_node(p: _Prepared) -> None:
+    """Every rank of a failed save, once it knows the outcome: its node's tiers drop what they hold of the
+    generation and stop writing it down (:meth:`~tierckpt.backends.base.Backend.drop_uncommitted`), so no
+    node keeps a generation that was committed nowhere; rank 0 took back the commit itself. A failure here
+    is logged: the save's own error is what the caller gets."""
+    try:
+        get_scheduler().run(p.backend.drop_uncommitted(p.generation))
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        log.warning("rank %d: the failed save's generation %s of %s stays in this node's tier: %s",
+                    p.comm.rank, p.generation, p.uri, describe_error(exc))
 
 
 def _sweep_superseded(p: _Prepared) -> None:

@@ -27,7 +27,7 @@ from .save_prepared import _Prepared
 from .save_process import _PROCESS, _group_key, _raise_unreported
 from .errors import CheckpointError
 from .state import FlatState, flatten_state
-from .store import durability_of, identity_of, memory_tier_of, open_store
+from .store import durability_of, identity_of, open_store
 from .tiers.replication import Replication, replicator_for
 
 def _prepare(
@@ -49,14 +49,14 @@ def _prepare(
         # One collective agrees that every rank could prepare its state and carries each rank's
         # plan-cache digest and object digests, and rank 0's name for the new generation.
         (flat, offers, encoded), agreement = comm.exchange_agreed(
-            lambda: _offer(state, base, memory_tier_of(backend) is not None, persist), "preparing the state to save",
+            lambda: _offer(state, base, backend.node_memory_tier() is not None, persist), "preparing the state to save",
             same=("URI", identity_of(uri, backend)),
         )
         _check_tiers_agree(uri, [a[3] for a in agreement])
-        _check_persist(uri, [a[4] for a in agreement], memory_tier_of(backend) is not None)
+        _check_persist(uri, [a[4] for a in agreement], backend.node_memory_tier() is not None)
         generation = agreement[0][2]
         if not persist:
-            backend.keep_in_memory(generation)  # type: ignore[attr-defined]  # a MemoryLink (_check_persist)
+            backend.keep_in_memory(generation)  # the chain has a memory tier (_check_persist)
         digests = [a[0] for a in agreement]
         plan_key = (_group_key(group), align_bytes)
         cached = _PROCESS.plans.get(plan_key)
@@ -69,7 +69,7 @@ def _prepare(
             _PROCESS.plans[plan_key] = (digests, plan)
         owners = _place_objects([a[1] for a in agreement], plan)
     # The replicator is built here, in the foreground every rank reaches together (first save only).
-    tier = memory_tier_of(backend)
+    tier = backend.node_memory_tier()
     replicator, not_replicated = replicator_for(tier, group, _group_key(group))
     return _Prepared(
         uri=uri, comm=comm, backend=backend, flat=flat, encoded=encoded, plan=plan, owners=owners,

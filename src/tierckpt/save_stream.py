@@ -73,8 +73,7 @@ def _stream_staged(p: _Prepared, staging_bytes: int | None) -> FileStream | None
     size = p.plan.file_sizes[p.comm.rank]
     pin = any(e.tensor.is_cuda for e in p.flat.tensors.values()) and torch.cuda.is_available()
     key = layout.in_generation(p.generation, writes[0].file)
-    mapped = getattr(p.backend, "mapped_writer", None)
-    mapped = mapped(key, size) if mapped is not None and not pin else None
+    mapped = p.backend.mapped_writer(key, size) if not pin else None
     stream = FileStream(p.backend, key, len(writes), writer=mapped, on_written=_on_written(p))
     with stream.abort_on_error():
         if mapped is not None:

@@ -33,13 +33,13 @@ import crc32c
 
 from . import layout
 from .backends import Backend
+from .backends.base import NodeTier
 from .bounded import MAX_RECORD_BYTES
 from .comm import Comm, describe_error
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError
 from .checkpoint_reader import Checkpoint
 from .meta_read import WHOLE_PIECES_BYTES, decoded_checkpoint, read_commit
 from .metadata import MAX_HEADER_BYTES, MAX_TABLE_BYTES
-from .tiers.memory import MemoryTier
 
 logger = logging.getLogger("tierckpt")
 
@@ -63,29 +63,13 @@ class TierRead:
     """Why the tier's copy cannot be used (without ``token``)."""
 
 
-def _read(path: str, limit: int, key: str, uri: str) -> bytes:
-    """The file at ``path``, refused unread when it is larger than ``limit``."""
-    with open(path, "rb") as f:
-        size = f.seek(0, 2)
-        if size > limit:
-            raise CorruptCheckpointError(
-                f"{key!r} of checkpoint {uri!r} in the node memory tier holds {size} bytes, more than such a "
-                f"document may ({limit}); it is corrupt or crafted, so it is not read"
-            )
-        f.seek(0)
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise CorruptCheckpointError(f"{key!r} of checkpoint {uri!r} grew past {limit} bytes while being read")
-    return data
-
-
-def read_from_tier(tier: MemoryTier, chain: Backend, *, leader: bool) -> TierRead:
+def read_from_tier(tier: NodeTier, chain: Backend, *, leader: bool) -> TierRead:
     """The committed checkpoint's metadata from ``tier`` (see the module docstring); ``leader`` (rank 0)
     also reads ``COMMIT`` through ``chain`` and uses the tier's copy only if it names the same commit.
     Never raises for what it finds: a copy that cannot be used says why, and the load falls back."""
     uri = chain.root_uri
     try:
-        data = _read(tier.path_of(layout.COMMIT), MAX_COMMIT_BYTES, layout.COMMIT, uri)
+        data = tier.read_file(layout.COMMIT, MAX_COMMIT_BYTES)
         record = layout.CommitRecord.decode(data)
     except FileNotFoundError:
         return TierRead(-1, why="no COMMIT in this node's memory tier")
@@ -96,7 +80,7 @@ def read_from_tier(tier: MemoryTier, chain: Backend, *, leader: bool) -> TierRea
         return TierRead(record.seq, why="its COMMIT records no checksums of the metadata")
     try:
         def document(key: str, limit: int) -> bytes:
-            doc = _read(tier.path_of(layout.in_generation(gen, key)), limit, key, uri)
+            doc = tier.read_file(layout.in_generation(gen, key), limit)
             record.check_document(key, doc, uri)
             return doc
 

@@ -34,11 +34,16 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from ..bounded import oversized
 from ..errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError
+from ..layout import CommitRecord
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Unconditional(enum.Enum):
@@ -122,6 +127,13 @@ class ObjectWriter(abc.ABC):
     @abc.abstractmethod
     async def abort(self) -> None:
         """Discard everything written; the key is left as it was before ``open_writer``."""
+
+
+class MappedWriter(ObjectWriter):
+    """A writer whose :attr:`buffer` holds the file's own pages (:meth:`Backend.mapped_writer`): the caller
+    fills it, then streams the chunks, which the writer only checksums."""
+
+    buffer: torch.Tensor
 
 
 Segment = tuple[Sequence[int], int, memoryview]
@@ -282,7 +294,7 @@ class Backend(abc.ABC):
         """The store this one wraps (``None``: this is the URI's own backend, the end of the chain)."""
         return None
 
-    def node_memory_tier(self) -> Backend | None:
+    def node_memory_tier(self) -> NodeTier | None:
         """This URI's files in the node memory tier (tmpfs) when the chain has one, else ``None``."""
         return None
 
@@ -291,13 +303,17 @@ class Backend(abc.ABC):
         memory tier, nothing was done."""
         return False
 
-    def mapped_writer(self, key: str, nbytes: int) -> ObjectWriter | None:
+    def mapped_writer(self, key: str, nbytes: int) -> MappedWriter | None:
         """A writer whose ``buffer`` (``nbytes`` of the file's own pages) the caller fills before streaming,
         or ``None``: use :meth:`open_writer`."""
         return None
 
     def without_node_cache(self) -> Backend:
         """The chain below any node tier (what reads a directory rewritten in place, e.g. torch DCP's)."""
+        return self
+
+    def without_node_memory(self) -> Backend:
+        """The chain below the node memory tier (what ``COMMIT`` says there, beside the tier's own)."""
         return self
 
     async def forget_cached(self, key: str, start: int, end: int) -> bool:
@@ -326,7 +342,7 @@ class Link(Backend):
     def next_link(self) -> Backend | None:
         return self.below
 
-    def node_memory_tier(self) -> Backend | None:
+    def node_memory_tier(self) -> NodeTier | None:
         return self.below.node_memory_tier()
 
     def keep_in_memory(self, generation: str) -> bool:
@@ -335,8 +351,57 @@ class Link(Backend):
     def without_node_cache(self) -> Backend:
         return self.below.without_node_cache()
 
+    def without_node_memory(self) -> Backend:
+        below = self.below.without_node_memory()
+        return self if below is self.below else below
+
     async def forget_cached(self, key: str, start: int, end: int) -> bool:
         return await self.below.forget_cached(key, start, end)
 
     async def drop_uncommitted(self, generation: str) -> None:
         await self.below.drop_uncommitted(generation)
+
+
+class HeldEntry(Protocol):
+    """The sealed size and CRC-32C of one file a node tier holds."""
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def crc32c(self) -> int: ...
+
+
+class NodeTier(Backend):
+    """One URI's files in a node tier (the node memory tier, tmpfs), as :meth:`Backend.node_memory_tier`
+    hands them to the engine above the chain: a backend (reads of files the node holds), plus what a load
+    asks of the node's copy without the I/O loop (small reads, sizes, what is sealed) and what the
+    manager asks of its ``COMMIT``."""
+
+    uri: str
+    """The checkpoint URI whose files these are."""
+
+    @abc.abstractmethod
+    def committed(self) -> CommitRecord | None:
+        """The record ``COMMIT`` holds in this tier (``None``: none)."""
+
+    @abc.abstractmethod
+    def held(self, generation: str) -> Mapping[str, HeldEntry]:
+        """Key -> sealed size and CRC-32C of each file of ``generation`` the tier's manifests list."""
+
+    @abc.abstractmethod
+    def keys_of(self, generation: str) -> list[str]:
+        """Every complete file of ``generation`` in the tier, sealed or not, sorted."""
+
+    @abc.abstractmethod
+    def seal(self, generation: str, *, origin: str, keys: Iterable[str] | None = None) -> object:
+        """Record a manifest of ``keys`` (default: the files of ``generation`` this node wrote) under ``origin``."""
+
+    @abc.abstractmethod
+    def read_file(self, key: str, cap: int) -> bytes:
+        """The whole file ``key``, in the calling thread, refused unread past ``cap`` bytes
+        (:class:`~tierckpt.errors.OversizedFileError`); a missing one raises :class:`FileNotFoundError`."""
+
+    @abc.abstractmethod
+    def file_size(self, key: str) -> int:
+        """The size of the file ``key``, in the calling thread; a missing one raises :class:`FileNotFoundError`."""

@@ -100,6 +100,9 @@ class MemoryLink(Link):
     def node_memory_tier(self) -> MemoryTier:
         return self.memory_tier
 
+    def without_node_memory(self) -> Backend:
+        return self.below
+
     # -- admission -------------------------------------------------------------------------------------
     async def admit(self, generation: str, nbytes: int) -> bool:
         """Make room for ``nbytes`` more of ``generation``; ``False``: it falls back to the chain below."""

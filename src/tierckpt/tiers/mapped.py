@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 
+from ..backends.base import MappedWriter
 from ..backends.files import temp_name
 from ..errors import CheckpointError
 from .background import lower_priority
@@ -68,7 +69,7 @@ _SPARES: dict[str, _Spare] = {}
 _LOCK = threading.Lock()
 
 
-class MappedFile(CrcWriter):
+class MappedFile(CrcWriter, MappedWriter):
     """A data file whose bytes the snapshot copy wrote into :attr:`buffer`; writes only checksum them."""
 
     def __init__(self, link: LinkView, key: str, tmp: str, fd: int, buffer: torch.Tensor) -> None:

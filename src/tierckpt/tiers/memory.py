@@ -33,11 +33,11 @@ from collections.abc import Iterable
 
 import crc32c
 
-from ..backends.base import UNCONDITIONAL, ObjectWriter, Unconditional
+from ..backends.base import UNCONDITIONAL, NodeTier, ObjectWriter, Unconditional
 from ..backends.file_open import open_shared
 from ..backends.files import commit_if, is_lock_name, is_temp_name, temp_name
 from ..backends.local import LocalBackend, os_error
-from ..bounded import MAX_RECORD_BYTES, MAX_TIER_RECORD_BYTES, MAX_URI_FILE_BYTES, read_capped
+from ..bounded import MAX_RECORD_BYTES, MAX_TIER_RECORD_BYTES, MAX_URI_FILE_BYTES, read_capped, read_fd_capped
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..layout import COMMIT, CommitRecord, is_superseded
 from ..metadata import validate_generation
@@ -201,7 +201,7 @@ class IncomingFile:
             os.unlink(self._tmp)
 
 
-class MemoryTier(LocalBackend):
+class MemoryTier(LocalBackend, NodeTier):
     """One checkpoint URI's files in the node memory tier (a backend rooted in its ``objects/``)."""
 
     shared_reads = True
@@ -335,6 +335,19 @@ class MemoryTier(LocalBackend):
         manifest = Manifest(uri=self.uri, generation=generation, origin=origin, created_unix=time.time(), files=tuple(files))
         self.record(manifest)
         return manifest
+
+    def read_file(self, key: str, cap: int) -> bytes:
+        """The whole file ``key`` under its shared lock (see :attr:`shared_reads`), refused past ``cap``."""
+        path = self.path_of(key)
+        fd = open_shared(path)
+        try:
+            return read_fd_capped(fd, cap, path)
+        finally:
+            os.close(fd)
+
+    def file_size(self, key: str) -> int:
+        """One stat of the file ``key`` (no I/O loop: the tier is this node's tmpfs)."""
+        return os.path.getsize(self.path_of(key))
 
     def _entry(self, key: str) -> FileEntry:
         path = self.path_of(key)
