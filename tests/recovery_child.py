@@ -18,7 +18,7 @@ two steps before a save, compared with the full state saved beside the test, ``e
 * ``latest``: ``{"root", "seeds"}``: ``CheckpointManager(root).load_latest`` into a fresh state, the step it
   returns compared with what ``seeds[step]`` saved; or
 * ``manager``: ``{"root", "keep_last", "saves": [{"step", "seed"}]}``: synchronous ``CheckpointManager``
-  saves, each followed by a wait until this node records the step ``replicated``; the steps the manager
+  saves, each followed by a wait until every node records the step ``replicated``; the steps the manager
   sees after each save are reported.
 
 The process ends with ``os._exit`` (no exit drain, no collective teardown): a crash, as far as the
@@ -223,6 +223,7 @@ def main(spec: dict) -> None:
             deadline = time.monotonic() + 60
             while not (manager.levels(save["step"]) or {}).get("replicated") and time.monotonic() < deadline:
                 time.sleep(0.02)
+            dist.barrier()  # every node has recorded the step replicated before any rank saves the next one
             out["manager"].append({"step": save["step"], "steps": manager.steps()})
     out["write_downs"] = COPIES
     if "latest" in spec:

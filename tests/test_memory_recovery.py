@@ -33,7 +33,7 @@ class Job:
     def __init__(self, workdir: Path, nodes: list[str], layout: str, extra_env: dict[str, str] | None = None,
                  node_caches: bool = False, **spec: object) -> None:
         """``node_caches``: each node has its own node-cache directory too (``TIERCKPT_CACHE_DIR`` under the
-        node's directory, lost with it), as separate machines do; else the ranks share the default one."""
+        node's directory, lost with it), as separate machines do; else the ranks share one under ``workdir``."""
         self.workdir, self.nodes = workdir, nodes
         port = free_port()
         self.results = [workdir / f"result-{i}-{port}.json" for i in range(len(nodes))]
@@ -43,8 +43,9 @@ class Job:
                 "TIERCKPT_NODE_ID": node, "TIERCKPT_MEMORY_DIR": str(workdir / node / "shm"), "TIERCKPT_MEMORY": "on",
                 "TIERCKPT_MEMORY_BYTES": "256M", "OMP_NUM_THREADS": "1", **(extra_env or {}),
             }
-            if node_caches:
-                env["TIERCKPT_CACHE_DIR"] = str(workdir / node / "cache")
+            # Each node its own cache, or one the job's nodes share: never the session's, so uploads a job
+            # leaves pending (an unreachable remote) are not another test's to sync.
+            env["TIERCKPT_CACHE_DIR"] = str(workdir / node / "cache" if node_caches else workdir / "cache")
             body = {"launched": time.monotonic(), "rank": rank, "world": len(nodes), "port": port, "layout": layout, "result": str(self.results[rank]), **spec}
             proc = _CTX.Process(target=recovery_child.run, args=(body, env), daemon=True)
             proc.start()
