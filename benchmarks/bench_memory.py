@@ -119,9 +119,12 @@ def load_ranks(rank: int, world: int, gib: float, uri: str, opts: dict[str, Any]
         as_node(rank, memory_root)
     else:
         os.environ["TIERCKPT_MEMORY"] = "off"
+    import torch.distributed as dist
+
     targets = C.make_state(gib, 0, fill=False)
     base = _rss_kib("VmRSS")
     _reset_peak()
+    dist.barrier()  # the ranks start together: rank 0's time is the load's, not another rank's start-up
     # ``tierckpt.load`` is resolved lazily: its first use imports the loader and the store clients (pyarrow,
     # fsspec, aiohttp...). A restarted process pays that once, whatever it loads from; it is timed apart.
     start = time.perf_counter()

@@ -4,7 +4,8 @@
 The parent starts :func:`run` in a process forked from a server that imported torch once (starting
 Python and torch per rank costs seconds), with this process's node in ``env`` (``TIERCKPT_NODE_ID``,
 ``TIERCKPT_MEMORY_DIR``, ``TIERCKPT_MEMORY=on``). ``spec`` holds ``rank``, ``world``, ``port``, ``result`` (where this rank writes its JSON result),
-``layout`` (``"shard"``: DTensor ``Shard(0)`` over all ranks, as FSDP2 holds parameters; ``"replicate"``:
+``layout`` (``"shard"``: DTensor ``Shard(0)`` over all ranks, as FSDP2 holds parameters; ``"big"``: the same
+with one more tensor of 8 MiB, so each rank's part is a unit large enough to stream in peer recovery; ``"replicate"``:
 plain full tensors, as DDP does; ``"fsdp2"`` / ``"ddp"``: a small transformer and its AdamW state, trained
 two steps before a save, compared with the full state saved beside the test, ``expected``) and either
 
@@ -49,18 +50,25 @@ from tierckpt.tiers.levels import recorded_level  # noqa: E402
 from tierckpt.tiers.replica import Replicator  # noqa: E402
 
 SPECS = {"w": ((67, 24), torch.float32), "b16": ((33, 7), torch.bfloat16), "i": ((9,), torch.int64)}
+BIG = {"big": ((4096, 512), torch.float32)}
+"""The ``big`` layout's extra tensor: 2 MiB per rank of 4, at least what peer recovery streams
+(:data:`tierckpt.peer_stream.STREAM_MIN_BYTES`)."""
+
+
+def specs(layout: str) -> dict:
+    return {**SPECS, **BIG} if layout == "big" else SPECS
 
 
 def full(name: str, seed: int) -> torch.Tensor:
-    shape, dtype = SPECS[name]
+    shape, dtype = {**SPECS, **BIG}[name]
     return reference(f"{name}-{seed}", shape, dtype)
 
 
 def state(layout: str, seed: int | None) -> dict:
     """The model as this rank holds it: the values of ``seed``, or zeros to load into (``None``)."""
-    mesh = make_mesh((dist.get_world_size(),)) if layout == "shard" else None
+    mesh = make_mesh((dist.get_world_size(),)) if layout in ("shard", "big") else None
     model = {}
-    for name, (shape, dtype) in SPECS.items():
+    for name, (shape, dtype) in specs(layout).items():
         value = full(name, seed) if seed is not None else torch.zeros(shape, dtype=dtype)
         model[name] = as_dtensor(value, mesh, [Shard(0)]) if mesh is not None else value
     return {"model": model, "extra": {"step": -1 if seed is None else seed}}
@@ -205,6 +213,8 @@ def main(spec: dict) -> None:
             record["bytes_read_memory"] = counts.get("bytes_read_memory", 0)
             record["bytes_exchanged"] = counts.get("bytes_exchanged", 0)
             record["bytes_packed"] = counts.get("bytes_packed", 0)
+            record["bytes_streamed"] = counts.get("bytes_streamed", 0)
+            record["bytes_checked"] = counts.get("bytes_checked", 0)
         except Exception as exc:  # noqa: BLE001 - reported to the test
             record["error"] = f"{type(exc).__name__}: {exc}"
             record["trace"] = traceback.format_exc()

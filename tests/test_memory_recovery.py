@@ -287,3 +287,54 @@ def test_a_failed_synchronous_save_leaves_no_node_holding_its_generation(workdir
         held = sorted(p.name for p in home.glob("g-*") if not p.name.startswith(SPARE_PREFIX))  # not the async spare
         assert held == [first["generation"]], node
         assert json.loads((home / "COMMIT").read_text())["generation"] == first["generation"], node
+
+
+BIG_PART = 4096 * 512 * 4 // 4
+"""Each of 4 ranks' part of the ``big`` layout's 8 MiB tensor: a unit that streams in peer recovery."""
+
+
+def _lose_node_1_of_big(workdir: Path, uri: str) -> None:
+    saved = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "big",
+                saves=[{"uri": uri, "seed": 1, "level": "replicated"}]).wait()
+    assert all(r["saves"][uri]["ok"] for r in saved), saved
+    lose(workdir, "node-1")
+
+
+@pytest.mark.multiproc
+def test_a_lost_nodes_units_stream_from_its_peers_tier_checked_by_the_receiver(workdir: Path) -> None:
+    """Node-1 is lost; node-0 holds its replica. The replacement node's large units go from node-0's tier
+    pages straight to the wire (``bytes_streamed``: never copied into a send buffer first) and the
+    receiving ranks check their CRC-32Cs as they land (``bytes_checked``: exactly their big parts)."""
+    uri = uri_of(workdir, 1)
+    _lose_node_1_of_big(workdir, uri)
+    fresh = Job(workdir, ["node-0", "node-0", "node-2", "node-2"], "big", loads=[{"uri": uri, "seed": 1}]).wait()
+    assert_exact(fresh, uri, TENSOR_BYTES + 4 * BIG_PART)
+    loads = [r["loads"][uri] for r in fresh]
+    assert sum(load["bytes_streamed"] for load in loads[:2]) == 2 * BIG_PART  # node-1's two big parts
+    assert [load["bytes_streamed"] for load in loads[2:]] == [0, 0]
+    assert [load["bytes_checked"] for load in loads[2:]] == [BIG_PART, BIG_PART]
+    assert [load["bytes_packed"] for load in loads] == [0, 0, 0, 0]
+
+
+@pytest.mark.multiproc
+def test_a_damaged_replica_chunk_fails_the_streamed_recovery_naming_the_file_and_the_peer(workdir: Path) -> None:
+    """One byte of node-0's replica of rank 2's data file flipped (inside rank 2's big part): the receiving
+    rank's check of the streamed chunk fails, and every rank's load raises naming the file, the bytes and
+    the peer whose tier sent them (never a silent load of damaged bytes)."""
+    uri = uri_of(workdir, 1)
+    _lose_node_1_of_big(workdir, uri)
+    [replica] = [p for p in (workdir / "node-0" / "shm").rglob("rank-00002.bin")]
+    size = replica.stat().st_size
+    assert size >= BIG_PART
+    with open(replica, "r+b") as f:  # the middle of the file: inside the 2 MiB part, whatever the order
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    fresh = Job(workdir, ["node-0", "node-0", "node-2", "node-2"], "big", loads=[{"uri": uri, "seed": 1}]).wait()
+    errors = [r["loads"][uri].get("error", "") for r in fresh]
+    assert all("ChecksumMismatchError" in e or "checksum mismatch" in e for e in errors), errors
+    named = [e for e in errors if "streamed in peer recovery from rank" in e]
+    assert named, errors
+    for e in named:
+        assert "rank-00002.bin" in e and "node 'node-0'" in e, e

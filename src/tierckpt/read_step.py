@@ -33,6 +33,7 @@ from .io.scheduler import DEFAULT_PART_BYTES, ReadRequest, get_scheduler
 from .local_load import LocalReads
 from .metadata import TensorMeta, itemsize
 from .monitor import Monitor
+from .peer_stream import PeerStream
 from .planner import LoadPlan, ReadUnit
 from .planner.load_planner import COALESCE_GAP_BYTES, Delivery, whole_to_other
 from .regions import FlatRange, StoredBox
@@ -132,14 +133,21 @@ class ReadStep:
         self.coalesce_bytes = max(1, min(chunk_bytes, DEFAULT_PART_BYTES))
         runs = plan.taken if plan.taken is not None else ((u.file, u.run_offsets, u.run_bytes) for u in plan.units)
         self.taken = Taken(runs) if self.coalesce else None
+        # A peer's replica streams from its tier's pages, checked by its receiver (tierckpt.peer_stream).
+        self.stream = PeerStream(plan, comm, local, gen, checker, monitor, nodes,
+                                 lambda u, d: _contiguous_target(targets[d.target], d, _dtype(u)),
+                                 lambda u, d, data: _deliver(targets[d.target], d, data.view(_dtype(u))))
+        self.stream.checkers(self.checks)
 
     def run(self) -> None:
         """Read, check and deliver every round. A unit that fails its checksum does not end this rank's
         rounds: the other ranks wait for its part of each exchange, so it keeps exchanging and raises the
         first mismatch after the last round (the load's agreement then fails on every rank, in time)."""
         rounds = list(zip(self.plan.rounds, self.plan.exchanges))
+        with torch.no_grad():
+            self.stream.send_all()  # on the wire while this rank reads its own units
         pending = self._start(rounds[0][0]) if rounds else None
-        mismatch: CorruptCheckpointError | None = None
+        mismatch: BaseException | None = None
         for k, (_, exchange) in enumerate(rounds):
             current = pending
             current.landed.result()
@@ -150,6 +158,7 @@ class ReadStep:
                 mismatch = mismatch or exc
             with torch.no_grad():
                 self._deliver_round(current, exchange, k)
+        mismatch = mismatch or self.stream.finish()
         if mismatch is not None:
             raise mismatch
 
@@ -162,7 +171,7 @@ class ReadStep:
         placed: list[tuple[int, int, int, int]] = []
         for i in indices:
             unit = self.plan.units[i]
-            if unit.reader != me:
+            if unit.reader != me or i in self.stream:
                 continue
             size = itemsize(_dtype(unit))
             for j, d in enumerate(unit.deliveries):
@@ -179,11 +188,13 @@ class ReadStep:
         in_send: set[int] = set()
         send_sizes, send_at = self._send_layout(indices)
         send = torch.empty(sum(send_sizes), dtype=torch.uint8)
+        with torch.no_grad():
+            self.stream.receive(indices)
         reads: list[tuple[ReadUnit, memoryview]] = []
         checked: list[bool] = []
         for i in indices:
             unit = self.plan.units[i]
-            if unit.reader != self.comm.rank:
+            if unit.reader != self.comm.rank or i in self.stream:
                 continue
             buf = _direct_buffer(unit, self.targets, self.comm.rank)
             if buf is not None:
@@ -295,7 +306,7 @@ class ReadStep:
 
     def _deliver_round(self, rnd: _Round, exchange: bool, k: int) -> None:
         me = self.comm.rank
-        units = [(i, self.plan.units[i]) for i in rnd.indices]
+        units = [(i, self.plan.units[i]) for i in rnd.indices if i not in self.stream]  # streamed: peer_stream
         for i, unit in units:
             if unit.reader != me or i in rnd.direct or i in rnd.in_send:
                 continue

@@ -54,11 +54,11 @@ from ..layout import COMMIT
 from ..node import node_id
 from .levels import Level, ReplicaHandle, ReplicaResult
 from .manifest import FileEntry, Manifest
-from .memory import IncomingFile, MemoryTier
+from .memory import MemoryTier
 from .nodememory import NodeMemory
 from .peers import ReplicaPlan, plan_replicas
 from .background import background_nice, lower_priority, lower_priority_of_new, started_threads
-from .transfer import Chunks, SentFiles, adopt_commit, buffers, open_files
+from .transfer import Chunks, SentFiles, adopt_commit, buffers, open_files, receive_file
 from . import live
 from .wire import Wire
 
@@ -374,31 +374,8 @@ class Replicator:
         self._wire.recv(torch.zeros(1, dtype=torch.uint8), src, _TAG_BYE)
 
     def _receive_file(self, tier: MemoryTier, key: str, entry: FileEntry, chunks: Chunks) -> str | None:
-        """Receive one file into the tier; why it was not published (a local failure: the rest of the
-        file is still drained, so the transfer stays in step), or ``None``. Transport errors raise."""
-        failure = None
-        incoming: IncomingFile | None = None
-        try:
-            incoming = tier.receive(key, entry.size)
-        except (CheckpointError, OSError) as exc:
-            failure = f"cannot write {key}: {exc}"
-        try:
-            for _ in range(0, entry.size, self._chunk):
-                view = chunks.take()
-                if incoming is not None and failure is None:
-                    try:
-                        incoming.write(view)
-                    except OSError as exc:
-                        failure = f"writing {key} failed: {exc}"
-            if incoming is not None and failure is None:
-                incoming.finish(entry)
-                incoming = None
-        except (CheckpointError, OSError) as exc:
-            failure = str(exc)
-        finally:
-            if incoming is not None:
-                incoming.abort()
-        return failure
+        """Receive one file into the tier (:func:`.transfer.receive_file`): why it was not published, or ``None``."""
+        return receive_file(tier, key, entry, chunks, self._chunk)
 
 
 def _settled(job: _Job) -> bool:

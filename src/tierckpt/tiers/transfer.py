@@ -1,6 +1,6 @@
 """The byte-moving pieces of peer replication (:mod:`.replica`): sending a sealed generation's files
 from their pages (mapped through descriptors opened at commit), receiving a transfer's chunks into
-alternating buffers, and adopting a peer's ``COMMIT`` without ever replacing a newer one.
+alternating buffers and each file into the tier, and adopting a peer's ``COMMIT`` without ever replacing a newer one.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from ..backends.file_open import open_shared
 from ..bounded import MAX_RECORD_BYTES, read_capped
 from ..errors import CheckpointError
 from ..layout import COMMIT, CommitRecord
-from .manifest import Manifest
-from .memory import MemoryTier
+from .manifest import FileEntry, Manifest
+from .memory import IncomingFile, MemoryTier
 
 
 def buffers(chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,6 +112,35 @@ class Chunks:
         self._wait(work)
         self._taken = True
         return memoryview(view.numpy())
+
+
+def receive_file(tier: MemoryTier, key: str, entry: FileEntry, chunks: Chunks, chunk_bytes: int) -> str | None:
+    """Receive one file of a transfer into ``tier``, in chunks of ``chunk_bytes``: why it was not
+    published (a local failure: the rest of the file is still drained, so the transfer stays in step), or
+    ``None``. Transport errors raise."""
+    failure = None
+    incoming: IncomingFile | None = None
+    try:
+        incoming = tier.receive(key, entry.size)
+    except (CheckpointError, OSError) as exc:
+        failure = f"cannot write {key}: {exc}"
+    try:
+        for _ in range(0, entry.size, chunk_bytes):
+            view = chunks.take()
+            if incoming is not None and failure is None:
+                try:
+                    incoming.write(view)
+                except OSError as exc:
+                    failure = f"writing {key} failed: {exc}"
+        if incoming is not None and failure is None:
+            incoming.finish(entry)
+            incoming = None
+    except (CheckpointError, OSError) as exc:
+        failure = str(exc)
+    finally:
+        if incoming is not None:
+            incoming.abort()
+    return failure
 
 
 def adopt_commit(tier: MemoryTier, data: bytes) -> None:
