@@ -71,10 +71,12 @@ class CopySource:
             raise self.mismatch(got)
 
 
-async def copy_checked(source: CopySource, below: Backend, key: str, *, chunk: int = COPY_CHUNK) -> FileEntry:
+async def copy_checked(source: CopySource, below: Backend, key: str, *, chunk: int | None = None) -> FileEntry:
     """Copy ``source`` to ``key`` below if its bytes have the size and CRC-32C recorded; return them.
 
-    Raises ``source.mismatch(...)`` (nothing is published below) or ``source.gone()``."""
+    Raises ``source.mismatch(...)`` (nothing is published below) or ``source.gone()``. ``chunk``: the
+    largest file read and put whole, and the streaming chunk (default :data:`COPY_CHUNK`)."""
+    chunk = COPY_CHUNK if chunk is None else chunk
     try:
         fd = await asyncio.to_thread(source.opener, source.path)
     except FileNotFoundError:
