@@ -78,15 +78,13 @@ async def copy_checked(source: CopySource, below: Backend, key: str, *, chunk: i
     largest file read and put whole, and the streaming chunk (default :data:`COPY_CHUNK`)."""
     chunk = COPY_CHUNK if chunk is None else chunk
     try:
-        fd = await asyncio.to_thread(source.opener, source.path)
+        fd, size, whole = await asyncio.to_thread(_open, source, chunk)
     except FileNotFoundError:
         raise source.gone() from None
     try:
-        size = os.fstat(fd).st_size
-        if size <= chunk:
-            data = await asyncio.to_thread(os.pread, fd, size, 0)
+        if whole is not None:
+            data, got = whole
             ledger.read_back(source.tier, len(data))
-            got = FileEntry(len(data), crc32c.crc32c(data))
             source.check(got)
             await below.put(key, data)
             return got
@@ -110,6 +108,21 @@ async def copy_checked(source: CopySource, below: Backend, key: str, *, chunk: i
         return got
     finally:
         os.close(fd)
+
+
+def _open(source: CopySource, chunk: int) -> tuple[int, int, tuple[bytes, FileEntry] | None]:
+    """Open the source: its descriptor, size and, when it is at most ``chunk`` bytes, its bytes with their
+    size and CRC-32C (one thread hop for a small file)."""
+    fd = source.opener(source.path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > chunk:
+            return fd, size, None
+        data = os.pread(fd, size, 0)
+        return fd, size, (data, FileEntry(len(data), crc32c.crc32c(data)))
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 async def _stream(fd: int, size: int, writer: ObjectWriter, tier: ledger.Tier, chunk: int) -> FileEntry:
