@@ -114,3 +114,15 @@ def test_the_memory_tier_writes_down_into_the_node_cache_kernel_side(tmp_path: P
     assert delta["node-disk.landed"] >= sum(copied)
     got = tierckpt.load(uri, storage_options={"memory": False, "cache": False})
     assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+
+
+def test_the_retry_rule_grows_caps_and_stops_at_the_deadline() -> None:
+    from tierckpt import deadline
+    from tierckpt.writeback.retry import UPLOAD, WRITE_DOWN, RetryPolicy
+
+    assert [UPLOAD.pause_s(a) for a in (1, 2, 3, 6, 7, 50)] == [1.0, 2.0, 4.0, 30.0, 30.0, 30.0]
+    assert all(0.025 <= WRITE_DOWN.pause_s(1) <= 0.05 for _ in range(20))  # jittered in its upper half
+    assert all(1.0 <= WRITE_DOWN.pause_s(9) <= 2.0 for _ in range(20))
+    with deadline.operation("sync", "memory://x", 0.5):
+        assert 0.0 < UPLOAD.pause_s(5) <= 0.5  # never a pause past the waiting operation's deadline
+    assert RetryPolicy(first_s=3.0, max_s=1.0).pause_s(1) == 1.0
