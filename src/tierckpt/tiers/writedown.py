@@ -146,8 +146,10 @@ class WriteDown:
 
     async def _file(self, key: str, job: _Job) -> None:
         set_background()
-        link = self.link
-        await self._retrying(key, generation_of(key) or "", lambda: copy_down(link.memory_tier, link.below, key), job)
+        await self._retrying(key, generation_of(key) or "", lambda: self._copy(key), job)
+
+    async def _copy(self, key: str) -> None:
+        await copy_down(self.link.memory_tier, self.link.below, key)
 
     # -- commits ---------------------------------------------------------------------------------------
     async def _commit(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
