@@ -324,3 +324,28 @@ def local_root(root_uri: str) -> str:
             )
         return os.path.abspath(unquote(parsed.path))
     return os.path.abspath(os.path.expanduser(root_uri))
+
+
+def copy_range(src: int, dst: int, offset: int, length: int) -> None:
+    """Append ``length`` bytes of ``src`` from ``offset`` to ``dst`` kernel-side, with no copy through user
+    space: ``copy_file_range``, or ``sendfile`` between file systems that refuse it."""
+    end = offset + length
+    try:
+        while offset < end:
+            offset += _advanced(os.copy_file_range(src, dst, end - offset, offset), offset, end)
+        return
+    except OSError as exc:
+        if exc.errno not in _NO_KERNEL_COPY:
+            raise
+    while offset < end:
+        offset += _advanced(os.sendfile(dst, src, offset, end - offset), offset, end)
+
+
+def _advanced(n: int, offset: int, end: int) -> int:
+    if n == 0:
+        raise OSError(errno.EIO, f"the source file ended at byte {offset} of the {end} being copied")
+    return n
+
+
+_NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF}
+"""``copy_file_range`` refused between these two files (another file system, an old kernel): ``sendfile``."""

@@ -38,6 +38,7 @@ from .files import (
     WRITEBACK_BATCH_BYTES,
     WRITEBACK_PAGE_BYTES,
     commit_if,
+    copy_range,
     discard,
     list_files,
     open_temp,
@@ -87,6 +88,19 @@ class _LocalWriter(ObjectWriter):
             end = self._offset - self._offset % WRITEBACK_PAGE_BYTES
             start_writeback(self._fd, self._flushed, end - self._flushed)
             self._flushed = end
+
+    async def write_file(self, fd: int, offset: int, length: int) -> None:
+        """Append ``length`` bytes of the local file open as ``fd`` kernel-side (a
+        :class:`~tierckpt.writeback.copy.FileSink`: the write-back engine's copies land so)."""
+        self._check_open()
+        try:
+            await asyncio.to_thread(self._copy_through, fd, offset, length)
+        except OSError as exc:
+            raise write_error(exc, f"writing {self._tmp}") from exc
+
+    def _copy_through(self, fd: int, offset: int, length: int) -> None:
+        copy_range(fd, self._fd, offset, length)
+        self._offset += length
 
     async def close(self) -> None:
         self._check_open()

@@ -57,7 +57,7 @@ import crc32c
 
 from .. import layout
 from ..backends.base import UNCONDITIONAL, Backend, Link, ObjectWriter, ReadsInto, Unconditional, commit_refused
-from ..backends.files import discard, fsync_dir, open_temp, unlink, write_all
+from ..backends.files import copy_range, discard, fsync_dir, open_temp, unlink, write_all
 from ..backends.local import LocalBackend
 from ..errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError,
@@ -113,6 +113,18 @@ class _TieredWriter(CrcWriter):
             raise cache_error(self._store.config.directory, f"writing the cached copy of {self._uri}", exc) from exc
         if self._tail is not None:
             self._tail.advance(len(view))
+
+    async def write_file(self, fd: int, offset: int, length: int) -> None:
+        """Append ``length`` bytes of the local file ``fd`` kernel-side (a :class:`~tierckpt.writeback.copy.FileSink`:
+        the memory tier's write-down lands so, its CRC-32C stated)."""
+        self._check_open()
+        self._written.copied(length)
+        try:
+            await asyncio.to_thread(copy_range, fd, self._fd, offset, length)
+        except OSError as exc:
+            raise cache_error(self._store.config.directory, f"writing the cached copy of {self._uri}", exc) from exc
+        if self._tail is not None:
+            self._tail.advance(length)
 
     async def close(self) -> None:
         self._check_open()

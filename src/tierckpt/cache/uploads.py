@@ -36,17 +36,16 @@ from ..errors import (
 )
 from ..io.scheduled import set_background
 from ..io.scheduler import get_scheduler
-from ..writeback import ledger
+from ..writeback.copy import CopySource, copy_checked
 from ..writeback.journal import pid_alive
 from ..writeback.ledger import Tier
+from ..writeback.retry import UPLOAD
+from ..writeback.written import FileEntry
 from .records import Finish, GenState, Op, PendingOp
 
 logger = logging.getLogger("tierckpt.cache")
 
 UPLOAD_PART_BYTES = 16 * 2**20
-RETRY_PAUSE_S = 1.0
-"""First pause before an upload that failed transiently (after the scheduler's own retries) is tried again."""
-MAX_RETRY_PAUSE_S = 30.0
 
 
 def is_mutable(key: str) -> bool:
@@ -80,7 +79,7 @@ class UploadsMixin:
         """Upload the pending op of ``key`` (and any that replaces it meanwhile). A transient failure
         (an outage) is recorded and retried with a growing pause, so write-back covers an outage; any
         other failure is recorded and ends the task (``sync`` retries it, ``sync --drop`` discards it)."""
-        pause = RETRY_PAUSE_S
+        attempt = 1
         set_background()  # this task's remote calls queue behind loads
         try:
             while True:
@@ -103,11 +102,11 @@ class UploadsMixin:
                     retrying = isinstance(exc, TransientStorageError)
                     self.catalog.fail(self.rh, key, rec.ver, message, retrying=retrying)
                     logger.warning("upload of %s failed%s: %s", self.uri_of(key),
-                                   f" (retrying in {pause:.0f} s)" if retrying else "", message)
+                                   f" (retrying in {UPLOAD.pause_s(attempt):.0f} s)" if retrying else "", message)
                     if not retrying:
                         return
-                    await asyncio.sleep(pause)
-                    pause = min(2 * pause, MAX_RETRY_PAUSE_S)
+                    await UPLOAD.wait(attempt)
+                    attempt += 1
                     continue
                 if not performed:
                     continue
@@ -211,41 +210,20 @@ class UploadsMixin:
         return await tail.complete(rec.size, obj.crc)
 
     async def _upload_file(self, key: str, rec: PendingOp) -> None:
-        """Stream the local copy of ``key`` to the remote, checking its CRC before publishing it."""
+        """Copy the local copy of ``key`` to the remote through the engine's one checked copy
+        (:func:`~tierckpt.writeback.copy.copy_checked`): its CRC-32C is checked before it is published."""
         path = self.written.path_of(key)
         obj = self.catalog.obj(self.rh, key)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"the node-cache copy of {self.uri_of(key)} at {path} vanished before its upload; save again"
-            ) from None
-        try:
-            size = os.fstat(fd).st_size
-            expected = None if obj is None or obj.size != size else obj.crc
-            if size <= UPLOAD_PART_BYTES:
-                data = await asyncio.to_thread(os.pread, fd, size, 0)
-                ledger.read_back(Tier.NODE_DISK, len(data))
-                if expected is not None and crc32c.crc32c(data) != expected:
-                    raise self._corrupt_upload(key, path)
-                await self.remote.put(key, data)
-                return
-            writer = await self.remote.open_writer(key)
-            try:
-                crc = 0
-                for offset in range(0, size, UPLOAD_PART_BYTES):
-                    chunk = await asyncio.to_thread(os.pread, fd, min(UPLOAD_PART_BYTES, size - offset), offset)
-                    ledger.read_back(Tier.NODE_DISK, len(chunk))
-                    crc = crc32c.crc32c(chunk, crc)
-                    await writer.write(chunk)
-                if expected is not None and crc != expected:
-                    raise self._corrupt_upload(key, path)
-            except BaseException:
-                await writer.abort()
-                raise
-            await writer.close()
-        finally:
-            os.close(fd)
+
+        def gone() -> CorruptCheckpointError:
+            return CorruptCheckpointError(
+                f"the node-cache copy of {self.uri_of(key)} at {path} vanished before its upload; save again")
+
+        # A record of another size (rewritten meanwhile) is no check: the catalogue's newer op follows.
+        recorded = None if obj is None or obj.size != await asyncio.to_thread(_size_or_none, path) else \
+            FileEntry(obj.size, obj.crc)
+        source = CopySource(path, Tier.NODE_DISK, recorded, lambda _got: self._corrupt_upload(key, path), gone)
+        await copy_checked(source, self.remote, key, chunk=UPLOAD_PART_BYTES)
 
     def _corrupt_upload(self, key: str, path: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -291,3 +269,10 @@ class UploadsMixin:
                 return False
             self._files_checked.add(k)
         return True
+
+
+def _size_or_none(path: str) -> int | None:
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return None

@@ -26,16 +26,17 @@ from ..backends.base import Unconditional
 from ..comm import describe_error
 from ..bounded import MAX_RECORD_BYTES, read_capped
 from ..errors import (
-    CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError,
+    CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError,
     TransientStorageError,
 )
 from ..io.calls import Waiting
 from ..io.scheduled import set_background
 from ..io.scheduler import get_scheduler
 from ..layout import COMMIT, CommitRecord
-from ..retry import backoff_s
+from .commitbelow import CATCH_UP, commit_below
 from .copydown import copy_down
 from ..writeback.durability import durability_of
+from ..writeback.retry import WRITE_DOWN
 from .downlog import PERSIST, generation_of
 from .downdrain import ACTIVE as _ACTIVE, ACTIVE_LOCK as _ACTIVE_LOCK, MEMORY_ONLY as _MEMORY_ONLY, sync_command
 from .linkview import LinkView
@@ -52,8 +53,6 @@ _ENSURE_POLL_MAX_S = 0.4
 REPLICA_TAKEOVER_S = 30.0
 """How long the write-down of a ``COMMIT`` waits for another node's files it holds replicas of to appear
 below before it copies them itself."""
-CATCH_UP = object()
-"""``expected`` of a commit pushed by ``sync``: swap against what the chain below holds if it is older."""
 
 _LAST_COMMIT: dict[str, _Job] = {}
 """Tier home -> this process's newest COMMIT write-down of it, whichever link made it: commits go down in
@@ -117,10 +116,11 @@ class WriteDown:
 
     # -- files -----------------------------------------------------------------------------------------
     async def _retrying(self, key: str, generation: str, step: Callable[[], Awaitable[None]], job: _Job) -> None:
-        """Run ``step`` until it succeeds (or the job is dropped), logging the start, each failure and the
-        end in the tier's log."""
+        """Run ``step`` until it succeeds (or the job is dropped), pausing by the engine's retry rule
+        (:data:`~tierckpt.writeback.retry.WRITE_DOWN`) and logging the start, each failure and the end in
+        the tier's log (one ``O_APPEND`` write to tmpfs each, made on the loop: cheaper than a thread hop)."""
         down = self.link.down
-        await asyncio.to_thread(down.append, generation, "start", key)
+        down.append(generation, "start", key)
         attempt = 0
         while not job.dropped:
             attempt += 1
@@ -128,8 +128,8 @@ class WriteDown:
                 await step()
             except TransientStorageError as exc:
                 self.failures[key] = (describe_error(exc), False)
-                await asyncio.to_thread(down.append, generation, "error", key, describe_error(exc))
-                await asyncio.sleep(max(backoff_s(min(attempt, 6)), 0.05))
+                down.append(generation, "error", key, describe_error(exc))
+                await WRITE_DOWN.wait(attempt)
                 if key in (await asyncio.to_thread(down.state, generation)).done:
                     break  # another process (a sync) got it down meanwhile
                 continue
@@ -137,9 +137,9 @@ class WriteDown:
                 self.failures[key] = (describe_error(exc), True)
                 if isinstance(exc, CorruptCheckpointError):
                     self.corrupt[key] = exc
-                await asyncio.to_thread(down.append, generation, "failed", key, describe_error(exc))
+                down.append(generation, "failed", key, describe_error(exc))
                 raise
-            await asyncio.to_thread(down.append, generation, "done", key)
+            down.append(generation, "done", key)
             break
         self.failures.pop(key, None)
         self.corrupt.pop(key, None)
@@ -207,36 +207,8 @@ class WriteDown:
 
     async def commit_below(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
                             after: Mapping[str, int | None] | None) -> None:
-        """Commit ``data`` below against ``expected``; a chain below that holds an older commit than
-        ``expected`` (an earlier write-down never landed) is caught up; a newer one is a conflict."""
-        below = self.link.below
-        if expected is not CATCH_UP:
-            try:
-                await below.commit(COMMIT, data, expected=expected, after=after)  # type: ignore[arg-type]
-                return
-            except CheckpointBusyError:
-                pass
-        for _ in range(3):  # catch up; another writer of this node may land the same record meanwhile
-            try:
-                current: bytes | None = await below.get_capped(COMMIT, MAX_RECORD_BYTES)
-            except CheckpointNotFoundError:
-                current = None
-            if current == data:
-                return  # already there (a retried request that landed, or another process's sync)
-            theirs = CommitRecord.decode(current) if current is not None else None
-            if theirs is not None and theirs.seq >= record.seq:
-                raise CheckpointBusyError(
-                    f"{below.root_uri} holds generation {theirs.generation} (commit {theirs.seq}), committed by "
-                    f"another writer; generation {record.generation} (commit {record.seq}) stays in this node's "
-                    "memory tier only"
-                )
-            try:
-                await below.commit(COMMIT, data, expected=current, after=after)
-                return
-            except CheckpointBusyError:
-                continue
-        raise TransientStorageError(f"the COMMIT of {below.root_uri} keeps changing while generation "
-                                    f"{record.generation} is written down; retrying")
+        """Commit ``data`` below against ``expected`` (:func:`.commitbelow.commit_below`)."""
+        await commit_below(self.link.below, data, record, expected, after)
 
     # -- waiting ---------------------------------------------------------------------------------------
     async def wait(self, generation: str | None, timeout_s: float | None, *, through_outage: bool,

@@ -17,6 +17,9 @@ Each link is configured on the engine's shared parts, which live here:
 * :mod:`.status`: :class:`~.status.StoreStatus` and :class:`~.status.LinkStatus`, what a link reports.
 * :mod:`.drain`: the one exit drain; each link kind registers its write-behind.
 * :mod:`.written`: size and CRC-32C of the bytes a link lands on the node (:class:`~.written.CrcWriter`).
+* :mod:`.copy`: the one checked copy of a file down a link (:func:`~.copy.copy_checked`), kernel-side into
+  a :class:`~.copy.FileSink`; both links' copies down go through it.
+* :mod:`.retry`: the one retry rule (:class:`~.retry.RetryPolicy`) pacing both links' attempts.
 
 The engine imports neither link package; they import it (``cache`` and ``tiers`` never import each other).
 """

@@ -1,8 +1,9 @@
 """What the node tiers cost the node, per process: bytes each tier lands and bytes it reads back to send down.
 
 Every link of the engine counts here where bytes land on the node (:class:`~.written.WrittenCrc`, which
-every writer of a tier feeds) and where it reads them back on their way down (the memory tier's
-write-down, :mod:`tierckpt.tiers.copydown`; the node disk cache's uploads). ``benchmarks/bench_memory.py
+every writer of a tier feeds) and where it reads them back on their way down (the engine's one copy,
+:mod:`.copy`, for the memory tier's write-down and the node disk cache's uploads; the cache's upload
+that follows a file while it is written). ``benchmarks/bench_memory.py
 --parts bytes`` reports them per checkpoint; :func:`snapshot` is cheap (a dict copy under a lock).
 """
 

@@ -68,6 +68,13 @@ class WrittenCrc:
         self.size += nbytes
         ledger.landed(self._tier, nbytes)
 
+    def copied(self, nbytes: int) -> None:
+        """Count ``nbytes`` copied into the file kernel-side, unseen here: their CRC must be stated."""
+        if self._crc is not None:
+            raise CheckpointError(f"{self._uri}: bytes copied kernel-side need their CRC-32C stated first")
+        self.size += nbytes
+        ledger.landed(self._tier, nbytes)
+
     async def add_async(self, data: bytes | memoryview) -> None:
         """:meth:`add`, with large checksums in a worker thread (off the event loop)."""
         nbytes = memoryview(data).nbytes
