@@ -173,7 +173,7 @@ def load_generation(
 
 
 def prepare(
-    state: Mapping[str, Any], ckpt: Checkpoint, rank: int, tier: MemoryTier | None, table: bytes | None,
+    state: Mapping[str, Any], ckpt: Checkpoint, rank: int, tier: NodeTier | None, table: bytes | None,
 ) -> tuple[tuple[FlatState, list[TargetPiece], dict[str, list[ObjectMeta]], bytes | None], tuple[Any, ...]]:
     """Flatten this rank's state for loading: ``(kept, shared)``. Kept: the flat state, its needs, its
     objects and ``table`` (the whole pieces table, if read already). Shared (:mod:`tierckpt.load_wire`'s
