@@ -111,11 +111,9 @@ def test_indexed_plan_equals_brute_force_plan(case, store, two_nodes, scan_below
     assert normal(indexed) == normal(brute)
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.data())
-def test_indexed_plan_equals_brute_force_on_meshes_and_flat_ranges(data):
-    """Up to 16 ranks: a DTensor 1-D/2-D mesh or FSDP1 flat ranges saved, another mesh or flat tiling
-    loaded (each rank one part): the same plan both ways."""
+def mesh_or_flat_case(data, spacing: int) -> tuple[int, dict, dict, list[list[TargetPiece]]]:
+    """A random load of up to 16 ranks, ``(world, tensors, pieces, needs)``: a DTensor 1-D/2-D mesh or FSDP1
+    flat ranges saved (pieces ``spacing`` bytes apart in their files), another mesh or flat tiling loaded."""
     shape = data.draw(shapes())
     world = data.draw(st.integers(2, 16))
     tensors = {"w": TensorMeta(fqn="w", dtype="float32", shape=shape)}
@@ -130,11 +128,20 @@ def test_indexed_plan_equals_brute_force_on_meshes_and_flat_ranges(data):
         return [FlatRange(a, b) for a, b in zip(edges, edges[1:])]
 
     saved = layout()
-    pieces = {"w": [PieceMeta(fqn="w", region=r, file=f"f{i % world}", byte_offset=64 * i, byte_length=0, crc32c=0)
+    pieces = {"w": [PieceMeta(fqn="w", region=r, file=f"f{i % world}", byte_offset=spacing * i, byte_length=0, crc32c=0)
                     for i, r in enumerate(saved)]}
-    needs = [[] for _ in range(world)]
+    needs: list[list[TargetPiece]] = [[] for _ in range(world)]
     for i, region in enumerate(layout()):
         needs[i % world].append(TargetPiece(fqn="w", region=region))
+    return world, tensors, pieces, needs
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_indexed_plan_equals_brute_force_on_meshes_and_flat_ranges(data):
+    """Up to 16 ranks: a DTensor 1-D/2-D mesh or FSDP1 flat ranges saved, another mesh or flat tiling
+    loaded (each rank one part): the same plan both ways."""
+    world, tensors, pieces, needs = mesh_or_flat_case(data, 64)
     chunk = data.draw(st.sampled_from([16, 256, 32 << 20]))
     topo = topology(data.draw(st.sampled_from(["node_local", "object_store"])), "gloo", ["n"] * world)
     with pytest.MonkeyPatch.context() as mp:

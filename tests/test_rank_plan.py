@@ -12,7 +12,6 @@ takes them; each rank's buffers per round stay under ``round_bytes``.
 
 from __future__ import annotations
 
-import math
 from collections import Counter, defaultdict
 
 import pytest
@@ -20,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from test_load_planner import check_exact, save_fake, scenario
-from test_load_planner_index import mesh_layout, shapes
+from test_load_planner_index import mesh_or_flat_case
 
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.metadata import PieceMeta, TensorMeta
@@ -126,25 +125,7 @@ def test_union_of_rank_plans_is_the_group_plan(case, store, two_nodes):
 @given(st.data())
 def test_union_of_rank_plans_on_meshes_and_flat_ranges(data):
     """Up to 16 ranks: a 1-D/2-D mesh or FSDP1 flat ranges saved, another loaded; the same properties."""
-    shape = data.draw(shapes())
-    world = data.draw(st.integers(2, 16))
-    tensors = {"w": TensorMeta(fqn="w", dtype="float32", shape=shape)}
-
-    def layout():
-        if data.draw(st.booleans()):
-            return data.draw(mesh_layout(shape, world))
-        numel = math.prod(shape)
-        k = min(world, numel)
-        points = sorted(data.draw(st.sets(st.integers(1, numel - 1), min_size=k - 1, max_size=k - 1))) if numel > 1 else []
-        edges = [0, *points, numel]
-        return [FlatRange(a, b) for a, b in zip(edges, edges[1:])]
-
-    saved = layout()
-    pieces = {"w": [PieceMeta(fqn="w", region=r, file=f"f{i % world}", byte_offset=4096 * i, byte_length=0, crc32c=0)
-                    for i, r in enumerate(saved)]}
-    needs = [[] for _ in range(world)]
-    for i, region in enumerate(layout()):
-        needs[i % world].append(TargetPiece(fqn="w", region=region))
+    world, tensors, pieces, needs = mesh_or_flat_case(data, 4096)
     chunk = data.draw(st.sampled_from([16, 256, 32 << 20]))
     round_bytes = data.draw(st.sampled_from([64, 1 << 20]))
     nodes = [f"n{r * data.draw(st.sampled_from([1, 2])) // world}" for r in range(world)]

@@ -148,6 +148,11 @@ def sync(uri: str | None = None, config: CacheConfig | None = None, timeout_s: f
         catalog = uploader_of(config).catalog
         roots = catalog.roots()
         uris = sorted({roots[rh] for rh, _, _ in catalog.pending_all() if rh in roots} | set(_memory_only()))
+    return _sync_each(uris, config, options, timeout_s)
+
+
+def _sync_each(uris: list[str], config: CacheConfig, options: dict[str, Any], timeout_s: float | None) -> list[str]:
+    """Write back each of ``uris`` in turn, all within ``timeout_s`` together; the URIs synced."""
     sched = get_scheduler()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     for u in uris:
@@ -169,12 +174,7 @@ def _sync_cache_off(uri: str | None, config: CacheConfig, options: dict[str, Any
             f"of {uri or 'any store'} to write down, so nothing was synced (the node cache was not opened). Uploads "
             f"that processes with the cache on left pending finish with `TIERCKPT_CACHE=on tierckpt sync{target}`"
         )
-    sched = get_scheduler()
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    for u in uris:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        sched.run(_durable(u, config, options).sync(left), left)
-    return uris
+    return _sync_each(uris, config, options, timeout_s)
 
 
 def _setting(config: CacheConfig | None, options: Mapping[str, Any] | None = None) -> str:
