@@ -33,12 +33,11 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from ..errors import CheckpointError
 from ..metadata import PieceMeta, TensorMeta, itemsize
 from ..regions import StoredBox, stored_boxes
 from .load_order import COALESCE_GAP_BYTES, READER_SHARE, assign_rounds, choose_readers
 from .plan_types import Delivery, LoadPlan, ReadUnit, TargetPiece, whole_to_other
-from .routes import Topology, default_topology
+from .routes import Topology, topology_for
 from .slab_units import plan_tensor
 
 __all__ = [
@@ -64,12 +63,7 @@ def plan_load(
     :func:`~.routes.default_topology`, which reads each byte once per group.
     """
     world = len(needs)
-    topo = topology if topology is not None else default_topology(world)
-    if len(topo.nodes) != world:
-        raise CheckpointError(
-            f"the load topology names the nodes of {len(topo.nodes)} ranks but {world} ranks load: "
-            "give one node id per rank of the loading group"
-        )
+    topo = topology_for(topology, world)
     targets: dict[str, list[tuple[int, int, StoredBox]]] = defaultdict(list)
     for rank, rank_needs in enumerate(needs):
         for index, need in enumerate(rank_needs):

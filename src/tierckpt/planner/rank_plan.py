@@ -54,7 +54,7 @@ from ..regions import Box, StoredBox, stored_boxes
 from .box_index import BoxIndex
 from .load_order import READER_SHARE
 from .plan_types import Delivery, LoadPlan, ReadUnit, TargetPiece, whole_to_other
-from .routes import Topology, default_topology
+from .routes import Topology, topology_for
 from .slab_units import Need, Saved, check_covered, saved_box_units, saved_boxes
 
 UnitKey = tuple[str, int, str, tuple[int, ...], tuple[int, ...]]
@@ -115,12 +115,7 @@ def plan_rank(
 ) -> RankDraft:
     """Rank ``rank``'s units of a load whose rank ``r`` needs ``needs[r]`` (step 1 of the module docstring)."""
     world = len(needs)
-    topo = topology if topology is not None else default_topology(world)
-    if len(topo.nodes) != world:
-        raise CheckpointError(
-            f"the load topology names the nodes of {len(topo.nodes)} ranks but {world} ranks load: "
-            "give one node id per rank of the loading group"
-        )
+    topo = topology_for(topology, world)
     mine = {n.fqn for n in needs[rank]}
     targets: dict[str, list[tuple[int, int, StoredBox]]] = defaultdict(list)
     for r, rank_needs in enumerate(needs):

@@ -42,6 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from ..errors import CheckpointError
+
 Route = Literal["direct", "exchange"]
 DIRECT: Route = "direct"
 EXCHANGE: Route = "exchange"
@@ -152,6 +154,17 @@ def default_topology(world_size: int) -> Topology:
     """One node reading an object store over gloo: each byte is read once unless reading directly is
     cheaper even there (disjoint needs in runs of about 1 MiB or more)."""
     return topology("object_store", "gloo", ("",) * world_size)
+
+
+def topology_for(topo: Topology | None, world_size: int) -> Topology:
+    """``topo`` (default :func:`default_topology`), refused unless it names one node per loading rank."""
+    topo = topo if topo is not None else default_topology(world_size)
+    if len(topo.nodes) != world_size:
+        raise CheckpointError(
+            f"the load topology names the nodes of {len(topo.nodes)} ranks but {world_size} ranks load: "
+            "give one node id per rank of the loading group"
+        )
+    return topo
 
 
 @dataclass(frozen=True, slots=True)
