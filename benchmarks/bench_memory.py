@@ -31,6 +31,7 @@ the memory directories under ``/dev/shm``), so each node's files are replicated 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import sys
@@ -163,6 +164,9 @@ def recovery(gib: float, disk: str, memory_root: str, timeout_s: float) -> dict[
     result["local disk" + (" (cold)" if dropped else " (warm: page cache not dropped)")] = (
         C.run_ranks(load_ranks, 2, gib, uri, None, None, timeout_s=timeout_s)[0]
     )
+    if importlib.util.find_spec("moto") is None:
+        progress("recovery from S3 skipped: moto is not installed (pip install 'moto[s3]' flask flask-cors)")
+        return result
     from bench_matrix import BUCKET, MotoS3
 
     with MotoS3() as (_, s3_options):
