@@ -33,12 +33,9 @@ from .errors import CheckpointError, CheckpointNotFoundError, TransientStorageEr
 from .io.scheduler import get_scheduler
 from .loader import read_checkpoint, read_pieces
 from .progress import ByteProgress, wanted
-from .store import durability_of, memory_config_for, open_cached_store, open_store, uploader_of
+from .store import durability_of, memory_config_held, open_cached_store, open_durable_chain, open_store, uploader_of
 from .tiers.config import MemoryConfig
 from .tiers.downlog import DownLog
-from .tiers.link import MemoryLink
-from .tiers.roots import tier_uri
-from .tiers.memory import MemoryTier
 from .tiers.nodememory import NodeMemory
 
 def open_tiered(uri: str, config: CacheConfig | None = None, *, storage_options: Mapping[str, Any] | None = None,
@@ -62,41 +59,17 @@ def _tiered(uri: str, config: CacheConfig | None, storage_options: dict[str, Any
     return open_cached_store(uri, options, config)
 
 
-def _memory_for(uri: str, option: Any) -> MemoryConfig | None:
-    """The memory tier of ``uri`` for the durability commands: on by :func:`~tierckpt.store.memory_config_for`,
-    or because this node's tier (``TIERCKPT_MEMORY_DIR``) holds the URI (what a save left there is
-    reported and synced even by a process that did not turn the tier on); ``memory=False`` leaves it out."""
-    config = memory_config_for(uri, option)
-    if config is None and option is not False and not uri.startswith("memory://"):
-        env = MemoryConfig.from_env()
-        if os.path.isdir(MemoryTier(tier_uri(uri), env).home):
-            config = env
-    return config
-
-
-def _durable(uri: str, config: CacheConfig | None, storage_options: dict[str, Any]) -> Backend:
-    """The chain the durability commands act on: the node cache chain of :func:`_tiered`, behind the
-    memory link when :func:`_memory_for` says so."""
-    options = dict(storage_options)
-    memory = _memory_for(uri, options.pop("memory", None))
-    if config is not None and not config.enabled:  # sync with the node cache off: straight to where the URI points
-        chain = open_store(uri, {**options, "cache": False, "memory": False})
-    else:
-        chain = _tiered(uri, config, options)
-    return MemoryLink(chain, memory, uri) if memory is not None else chain
-
-
 def status(uri: str, config: CacheConfig | None = None, *, storage_options: Mapping[str, Any] | None = None,
            **options_kw: Any) -> StoreStatus:
     """Where the checkpoint at ``uri`` stands on this node and on the remote: the generation committed
     on each, what is still pending upload, and the upload errors; with the node memory tier (see
-    :func:`_memory_for`) a :class:`~tierckpt.tiers.linkstatus.LinkStatus`, which adds each level.
+    :func:`~tierckpt.store.memory_config_held`) a :class:`~tierckpt.tiers.linkstatus.LinkStatus`, which adds each level.
 
     With the node cache off (``TIERCKPT_CACHE=off``, ``config`` with ``enabled=False``, or the storage
     option ``cache=False``) the cache is not opened: without a memory tier holding ``uri``, nothing is
     committed or pending on this node, and the remote's ``COMMIT`` is read as it is."""
     options = merged_options("status", storage_options, options_kw)
-    chain = _durable(uri, _cache_config(config, options), options)
+    chain = open_durable_chain(uri, options, _cache_config(config, options))
     durable = durability_of(chain)
     return get_scheduler().run(durable.status() if durable is not None else _remote_status(uri, chain))
 
@@ -113,7 +86,7 @@ def wait(uri: str, timeout_s: float | None = None, config: CacheConfig | None = 
     uploads pending).
     """
     options = merged_options("wait", storage_options, options_kw)
-    durable = durability_of(_durable(uri, _cache_config(config, options), options))
+    durable = durability_of(open_durable_chain(uri, options, _cache_config(config, options)))
     if durable is None:
         raise CheckpointError(
             f"tierckpt wait {uri}: the node cache is off ({_setting(config, options)}) and this node's memory tier "
@@ -157,7 +130,7 @@ def _sync_each(uris: list[str], config: CacheConfig, options: dict[str, Any], ti
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     for u in uris:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        sched.run(_durable(u, config, options).sync(left), left)
+        sched.run(open_durable_chain(u, options, config).sync(left), left)
     return uris
 
 
@@ -166,7 +139,7 @@ def _sync_cache_off(uri: str | None, config: CacheConfig, options: dict[str, Any
     """:func:`sync` with the node cache off: write down what this node's memory tier holds for ``uri`` (or for
     every URI) straight to where it points, opening no node cache; raise when the tier holds nothing to
     write down (a success that did nothing would hide the uploads a cache-on process left pending)."""
-    uris = [u for u in ([uri] if uri is not None else _memory_only()) if _memory_for(u, options.get("memory"))]
+    uris = [u for u in ([uri] if uri is not None else _memory_only()) if memory_config_held(u, options.get("memory"))]
     if not uris:
         target = f" {uri}" if uri else ""
         raise CheckpointError(

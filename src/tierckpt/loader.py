@@ -51,6 +51,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .backends import Backend
+from .backends.base import NodeTier
 from .call_args import checked_uri
 from .checkpoint_reader import Checkpoint
 from .comm import Comm, Group
@@ -81,46 +82,40 @@ DEFAULT_ROUND_BYTES = 256 << 20
 """``load(round_bytes=)``: a rank holds about this much of read, sent and received buffers per round
 (two rounds overlap; the planner has no default)."""
 
-def _naming_an_older_commit(load_fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
-    """A :class:`MissingFileError` of a checkpoint committed in the node memory tier also names, when the
-    chain below still commits an older generation (the newer one was never written down whole: saved with
-    ``persist=False``, or a node lost before its files went down), that generation and how to load it."""
+def _template_free(load_fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """``load(uri)`` with no state: the saved state as a nested dict (:func:`read_state`)."""
 
     @functools.wraps(load_fn)
     def load(uri: str, state: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
-        if state is None:  # template-free: the saved state as a nested dict
+        if state is None:
             return read_state(uri, **kwargs)
-        try:
-            return load_fn(uri, state, **kwargs)
-        except MissingFileError as exc:
-            hint = _older_commit_below(uri, kwargs.get("storage_options"))
-            if hint is None:
-                raise
-            raise MissingFileError(f"{exc}. {hint}") from exc
+        return load_fn(uri, state, **kwargs)
 
     return load
 
 
-def _older_commit_below(uri: str, storage_options: Mapping[str, Any] | None) -> str | None:
-    store = open_store(uri, dict(storage_options or {}))
-    tier = store.node_memory_tier()
+def _naming_an_older_commit(exc: MissingFileError, uri: str, backend: Backend, tier: NodeTier | None) -> MissingFileError:
+    """``exc``, or when the node memory tier commits a generation the chain below never got whole (saved with
+    ``persist=False``, or a node lost before its files went down) while the chain below still commits an older
+    one, ``exc`` naming that generation and how to load it."""
     mine = tier.committed() if tier is not None else None
     if mine is None:
-        return None
+        return exc
     try:
-        below = read_commit(store.without_node_memory())
+        below = read_commit(backend.without_node_memory())
     except CheckpointError:
-        return None
+        return exc
     if below.seq >= mine.seq:
-        return None
-    return (
+        return exc
+    hint = (
         f"This node's memory tier commits generation {mine.generation} (commit {mine.seq}); where "
         f"{uri!r} points, COMMIT still names the older generation {below.generation} (commit {below.seq}). To load "
         "that one, pass storage_options={'memory': False}"
     )
+    return MissingFileError(f"{exc}. {hint}")
 
 
-@_naming_an_older_commit
+@_template_free
 @gc_paused  # outermost: no collection during any of the call, its deadline's set-up included
 @bounded("load")
 def load(
@@ -204,6 +199,8 @@ def load(
                     newer_commit(backend, ckpt.meta.generation) is not None if comm.rank == reading_rank else None, reading_rank
                 )
                 if not moved:
+                    if isinstance(exc, MissingFileError):
+                        raise _naming_an_older_commit(exc, uri, backend, tier) from exc
                     raise
                 if attempt == RACE_RETRIES:
                     raise CheckpointBusyError(

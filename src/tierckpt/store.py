@@ -36,7 +36,7 @@ from .io.scheduled import ScheduledBackend
 from .io.scheduler import get_scheduler
 from .tiers.config import MemoryConfig, memory_enabled_from_env
 from .tiers.link import MemoryLink
-from .tiers.roots import committed_under
+from .tiers.roots import committed_under, tier_uri
 from .tiers.memory import MemoryTier
 from .tiers.nodememory import NodeMemory
 from .writeback import drain as exit_drain
@@ -45,8 +45,8 @@ from .writeback.durability import Durable, Revocable, durability_of, revocable_o
 __all__ = [
     "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s", "forget_cached",
     "identity_of",
-    "memory_config_for", "memory_keys_under", "memory_levels", "memory_tier_of", "node_cache_over",
-    "node_only_reason", "open_cached_store", "open_store", "Revocable", "revocable_of", "uploader_of",
+    "memory_config_for", "memory_config_held", "memory_keys_under", "memory_levels", "memory_tier_of", "node_cache_over",
+    "node_only_reason", "open_cached_store", "open_durable_chain", "open_store", "Revocable", "revocable_of", "uploader_of",
     "without_node_cache",
 ]
 
@@ -134,6 +134,31 @@ def open_cached_store(uri: str, options: dict[str, Any], config: CacheConfig) ->
     node cache's own commands: status, sync, prefetch, gc on any URI). ``options`` go to the backend."""
     options = {k: v for k, v in options.items() if k != "memory"}  # the memory tier is open_store's
     return node_cache_over(open_plain_backend(uri, **options), config)
+
+
+def memory_config_held(uri: str, memory: Any = None) -> MemoryConfig | None:
+    """The memory tier of ``uri`` for the durability commands (status, wait, sync): on by
+    :func:`memory_config_for`, or because this node's tier (``TIERCKPT_MEMORY_DIR``) holds the URI — what a
+    save left there is reported and synced even by a process that did not turn the tier on; ``memory=False``
+    leaves it out."""
+    config = memory_config_for(uri, memory)
+    if config is None and memory is not False and split_uri(uri)[0] != "memory":
+        env = MemoryConfig.from_env()
+        if os.path.isdir(MemoryTier(tier_uri(uri), env).home):
+            config = env
+    return config
+
+
+def open_durable_chain(uri: str, options: dict[str, Any], cache: CacheConfig) -> Backend:
+    """The chain the durability commands act on: behind the node cache ``cache`` whatever
+    :func:`cache_config_for` says (local paths too), or straight to where ``uri`` points when ``cache`` is
+    off; behind the memory link when :func:`memory_config_held` says so."""
+    options = dict(options)
+    memory = memory_config_held(uri, options.pop("memory", None))
+    options.pop("cache", None)
+    chain: Backend = (open_cached_store(uri, options, cache) if cache.enabled
+                      else ScheduledBackend(open_plain_backend(uri, **options)))
+    return MemoryLink(chain, memory, uri) if memory is not None else chain
 
 
 def node_cache_over(remote: Backend, config: CacheConfig) -> TieredBackend:
