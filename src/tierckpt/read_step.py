@@ -26,7 +26,6 @@ import torch
 from . import layout
 from .backends import Backend
 from .comm import Comm
-from .errors import CorruptCheckpointError
 from .io.coalesce import GAPS_UNREAD, Taken, coalesce, read_group
 from .io.readcheck import DIGEST_RUN_BYTES, RUN_DIGEST, ReadChecker, checking_ranks
 from .io.scheduler import DEFAULT_PART_BYTES, ReadRequest, get_scheduler
@@ -140,27 +139,25 @@ class ReadStep:
         self.stream.checkers(self.checks)
 
     def run(self) -> None:
-        """Read, check and deliver every round. A unit that fails its checksum does not end this rank's
-        rounds: the other ranks wait for its part of each exchange, so it keeps exchanging and raises the
-        first mismatch after the last round (the load's agreement then fails on every rank, in time)."""
+        """Read, check and deliver every round. A read that fails (a unit failing its checksum, a store
+        error) does not end this rank's rounds: the other ranks wait for its part of each exchange, so it
+        keeps exchanging (whatever its buffers hold: the load fails) and raises the first failure after the
+        last round, and the load's agreement then fails on every rank, in time, with this rank's error."""
         rounds = list(zip(self.plan.rounds, self.plan.exchanges))
         with torch.no_grad():
             self.stream.send_all()  # on the wire while this rank reads its own units
         pending = self._start(rounds[0][0]) if rounds else None
-        mismatch: BaseException | None = None
+        failure: BaseException | None = None
         for k, (_, exchange) in enumerate(rounds):
             current = pending
-            current.landed.result()
+            failure = failure or _failure_of(current.landed)
             pending = self._start(rounds[k + 1][0]) if k + 1 < len(rounds) else None  # overlaps round k's checks
-            try:
-                current.reads.result()
-            except CorruptCheckpointError as exc:
-                mismatch = mismatch or exc
+            failure = failure or _failure_of(current.reads)
             with torch.no_grad():
                 self._deliver_round(current, exchange, k)
-        mismatch = mismatch or self.stream.finish()
-        if mismatch is not None:
-            raise mismatch
+        failure = failure or self.stream.finish()
+        if failure is not None:
+            raise failure
 
     def _send_layout(self, indices: tuple[int, ...]) -> tuple[list[int], dict[tuple[int, int], int]]:
         """Bytes this rank sends each rank in a round, and where each delivery to another rank lies in
@@ -381,6 +378,16 @@ class ReadStep:
         for d, buf, unit in copies:
             _deliver(self.targets[d.target], d, buf.view(_dtype(unit)))
         self.monitor.count("bytes_received_in_place", sum(b.numel() for _, b in recvs) - sum(b.numel() for _, b, _ in copies))
+
+
+def _failure_of(done: concurrent.futures.Future) -> Exception | None:
+    """Wait for ``done``; the exception it ended with (``None`` if none). Anything beyond an ``Exception``
+    (an interrupt) is raised at once."""
+    try:
+        done.result()
+    except Exception as exc:  # noqa: BLE001 - raised after the last round, then agreed by the group
+        return exc
+    return None
 
 
 def _deliver(entry: TensorEntry, delivery: Delivery, part: torch.Tensor) -> None:
