@@ -15,7 +15,8 @@ two steps before a save, compared with the full state saved beside the test, ``e
   instead (its outcome is the call's), ``"fail_write_downs": true`` makes every write-down of a data file
   fail from that save on, ``"key"`` names its result (default: the URI); or
 * ``loads``: a list of ``{"uri", "seed"}``: each is loaded and compared bit-exactly with what
-  ``seed`` saved (or the error is reported), and the level recorded in this node's tier is read; and/or
+  ``seed`` saved (or the error is reported), and the level recorded in this node's tier is read
+  (``"unopenable_tier_files": true``: this node's tier files cannot be opened to stream them); and/or
 * ``latest``: ``{"root", "seeds"}``: ``CheckpointManager(root).load_latest`` into a fresh state, the step it
   returns compared with what ``seeds[step]`` saved; or
 * ``manager``: ``{"root", "keep_last", "saves": [{"step", "seed"}]}``: synchronous ``CheckpointManager``
@@ -153,6 +154,18 @@ def fail_write_downs() -> None:
     WriteDown._copy = refused  # type: ignore[method-assign]
 
 
+def refuse_tier_opens_for_streams() -> None:
+    """This rank's node memory tier files cannot be opened to stream a peer's replica (an I/O error)."""
+    import errno
+
+    from tierckpt import peer_stream
+
+    def refused(path: str) -> int:
+        raise OSError(errno.EIO, f"injected by the test: cannot open {path}")
+
+    peer_stream.open_shared = refused  # type: ignore[assignment]
+
+
 def run(spec: dict, env: dict[str, str]) -> None:
     """One rank: ``env`` is this rank's node; ends the process with ``os._exit``."""
     os.environ.update(env)
@@ -200,6 +213,8 @@ def main(spec: dict) -> None:
             out["saves"][name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         out["saves"][name]["seconds"] = time.monotonic() - started
     for load in spec.get("loads", []):
+        if load.get("unopenable_tier_files"):
+            refuse_tier_opens_for_streams()
         modules = spec["layout"] in ("fsdp2", "ddp")
         target = model_state(spec["layout"], None, "") if modules else state(spec["layout"], None)
         record: dict = {}

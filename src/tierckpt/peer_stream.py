@@ -36,7 +36,7 @@ import torch.distributed as dist
 from . import layout
 from .backends.file_open import open_shared
 from .comm import Comm
-from .errors import ChecksumMismatchError, CollectiveError
+from .errors import ChecksumMismatchError, CollectiveError, StorageError
 from .io.readcheck import ReadChecker
 from .local_load import LocalReads
 from .monitor import Monitor
@@ -102,6 +102,8 @@ class PeerStream:
         self._inbox: queue.Queue[Receive | None] = queue.Queue()
         self._checking: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._unsent: BaseException | None = None
+        """Why a file this rank streams could not be read (its chunks went as zeros)."""
 
     def __contains__(self, index: int) -> bool:
         return index in self.receivers
@@ -115,19 +117,34 @@ class PeerStream:
         return dist.get_global_rank(self.comm.group, rank) if self.comm.group is not None else rank
 
     def send_all(self) -> None:
-        """Post every chunk this rank streams, in the plan's round order, from its tier file's mapping."""
+        """Post every chunk this rank streams, in the plan's round order, from its tier file's mapping.
+
+        A file that cannot be mapped still sends its chunks (zeros: the receiver waits for every one of them),
+        and :meth:`finish` returns its error, so the group's agreement raises it on every rank in time."""
         me = self.comm.rank
         for indices in self.plan.rounds:
             for i in indices:
                 unit = self.plan.units[i]
                 if i not in self.receivers or unit.reader != me:
                     continue
-                pages = self._mapped(unit.file)
+                pages = self._pages_of(unit)
                 for at, nbytes in chunks(unit, self.checker):
-                    self._sends.append(dist.isend(pages[at: at + nbytes], self._peer(self.receivers[i]),
-                                                  group=self.comm.group, tag=STREAM_TAG))
+                    data = pages[at: at + nbytes] if pages is not None else torch.zeros(nbytes, dtype=torch.uint8)
+                    self._sends.append(dist.isend(data, self._peer(self.receivers[i]), group=self.comm.group, tag=STREAM_TAG))
                 self.monitor.count("bytes_read", unit.nbytes)
                 self.monitor.count("bytes_streamed", unit.nbytes)
+
+    def _pages_of(self, unit: ReadUnit) -> torch.Tensor | None:
+        """The mapped bytes of ``unit``'s file, or ``None`` (its error kept for :meth:`finish`)."""
+        try:
+            return self._mapped(unit.file)
+        except (OSError, ValueError) as exc:  # ValueError: mmap of an empty (truncated) file
+            self._unsent = self._unsent or StorageError(
+                f"streaming {unit.file!r} to rank {unit.deliveries[0].rank} "
+                f"in peer recovery: this node's memory tier copy could not be read ({exc}); load again with the "
+                "remote reachable, or from another node that holds a replica"
+            )
+            return None
 
     def _mapped(self, file: str) -> torch.Tensor:
         """The bytes of ``file`` in this node's tier, mapped read-only (its shared lock held until
@@ -217,4 +234,4 @@ class PeerStream:
                 pass  # a view is still referenced: unmapped when it goes
         if isinstance(self._error, RuntimeError) and not isinstance(self._error, ChecksumMismatchError):
             self._error = CollectiveError(f"receiving a peer's streamed replica on rank {self.comm.rank} failed: {self._error}")
-        return self._error or error
+        return self._unsent or self._error or error
