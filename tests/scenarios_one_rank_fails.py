@@ -1,4 +1,4 @@
-"""Multi-rank scenario: one rank's reads fail in the middle of a load whose units are exchanged.
+"""Multi-rank scenarios: one rank's reads (or writes) fail in the middle of a load (a save).
 
 Run on every rank of tests/distributed.py's pool. The failure is injected on one rank only, at the local
 store's read calls (every way the read step reads a local file), after the metadata and the pre-read
@@ -61,3 +61,28 @@ def one_rank_fails_its_reads(path: str, failing_rank: int, timeout_s: float) -> 
         os.environ.pop(NODE_ID_ENV, None)
         dist.barrier()
     return {"type": "", "message": "the load succeeded"}
+
+
+def one_rank_fails_its_writes(path: str, failing_rank: int, timeout_s: float) -> dict[str, str]:
+    """Save two matrices ``Shard(0)`` on every rank, ``failing_rank``'s data-file writes failing. Returns this
+    rank's error type and message (every rank must raise, and nothing may be committed)."""
+    world = dist.get_world_size()
+    mesh = make_mesh((world,))
+    full = {name: reference(name, SHAPE, torch.float32) for name in ("a", "b")}
+    original = LocalBackend.open_writer
+
+    async def refused(self, key: str):
+        if "/data/" in f"/{key}":
+            raise StorageError(f"{INJECTED}: writing {key} on rank {dist.get_rank()}")
+        return await original(self, key)
+
+    if dist.get_rank() == failing_rank:
+        LocalBackend.open_writer = refused
+    try:
+        tierckpt.save(path, {k: as_dtensor(v, mesh, [Shard(0)]) for k, v in full.items()}, collective_timeout_s=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - the outcome under test
+        return {"type": type(exc).__name__, "message": str(exc), "committed": str(os.path.exists(os.path.join(path, "COMMIT")))}
+    finally:
+        LocalBackend.open_writer = original
+        dist.barrier()
+    return {"type": "", "message": "the save succeeded"}
