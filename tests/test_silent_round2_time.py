@@ -272,3 +272,16 @@ def test_a_deadline_ends_the_waits_and_foreground_work_of_its_operation_only(mon
             sched.run(retry_transient(failing, attempts=5), timeout_s=BOUND_S)  # run's own timeout is not the deadline
     assert attempts == 1
     assert sched.run(asyncio.sleep(0.01, "outside")) == "outside"  # no deadline outside an operation
+
+
+@pytest.mark.multiproc
+def test_convert_against_a_tarpit_ends_at_its_default_deadline(tmp_path: Path, tarpit: FaultProxy) -> None:
+    """``convert`` reads every byte of a checkpoint: without ``--timeout`` it ends at the data commands'
+    default deadline (it had none), naming the command, its source and the endpoint that did not answer."""
+    env = child_env(tmp_path, tarpit.endpoint)
+    proc = start(["-c", CLI_WITH_SHORT_DEFAULT, "convert", "s3://bucket/run", str(tmp_path / "out"), "--to", "safetensors"], env)
+    rc, _, err = finish(proc, "tierckpt convert")
+    assert rc == 7, (rc, err)
+    assert ("tierckpt convert s3://bucket/run did not finish within 4 s (--timeout, default 4 s; or "
+            "TIERCKPT_TIMEOUT_S) waiting for") in err, err
+    assert f"s3://bucket at {tarpit.endpoint} to answer" in err, err

@@ -9,6 +9,7 @@ import warnings
 from typing import Any
 
 from . import progress
+from .cli_deadline import add_timeout
 from .cli_exit import EXIT_OK, EXIT_USAGE
 from .errors import CheckpointError
 from .units import parse_bytes
@@ -40,6 +41,7 @@ def _add_convert(subparsers: Any) -> None:
     )
     p.add_argument("src", help="source checkpoint (a tierckpt URI, a DCP directory, or a safetensors file or folder)")
     p.add_argument("out", help="output (a directory for safetensors and DCP, a URI for tierckpt)")
+    add_timeout(p, "convert")
     p.add_argument("--to", required=True, choices=("safetensors", "dcp", "tierckpt"), help="output format")
     p.add_argument("--from", dest="source_format", default="tierckpt", choices=("tierckpt", "dcp", "safetensors", "deepspeed", "ucp"), help="source format (default tierckpt; deepspeed: a ZeRO folder, ucp: a universal checkpoint)")
     p.add_argument("--max-shard-bytes", type=_byte_size, default=convert.DEFAULT_MAX_SHARD_BYTES, help="safetensors shard size, e.g. 5GB, 500MiB, 1000000 (default 5GB)")

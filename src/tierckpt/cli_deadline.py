@@ -8,7 +8,7 @@ uploads the command left) ends at it too. No command that talks to a store runs 
 * the commands that read metadata only (``ls``, ``status``, ``inspect``, ``stats``) stop after
   :data:`tierckpt.deadline.CLI_DEFAULT_S`;
 * the commands that read or move every byte of a checkpoint (``verify``, ``sync``, ``wait``,
-  ``prefetch``, ``gc``) stop after :data:`DATA_DEFAULT_S`.
+  ``prefetch``, ``gc``, ``convert``) stop after :data:`DATA_DEFAULT_S`.
 
 A command that passes its deadline exits 7 (:class:`~tierckpt.errors.DeadlineExceededError`); the message
 names the command, its URI, what it waited for and the setting that raises the limit.
@@ -26,7 +26,7 @@ from . import deadline
 METADATA_COMMANDS = frozenset({"ls", "status", "inspect", "stats"})
 """Commands that read metadata only: without a deadline of their own they stop after ``CLI_DEFAULT_S``."""
 
-DATA_COMMANDS = frozenset({"verify", "sync", "wait", "prefetch", "gc"})
+DATA_COMMANDS = frozenset({"verify", "sync", "wait", "prefetch", "gc", "convert"})
 """Commands that read or move a checkpoint's data: without a deadline of their own they stop after
 :data:`DATA_DEFAULT_S` (a store that stopped answering, e.g. a tarpit, would hold them for good)."""
 
@@ -70,7 +70,7 @@ def bounded(args: argparse.Namespace) -> Iterator[None]:
         seconds, setting = deadline.from_env(), deadline.ENV
     if seconds is None and (default := default_s(args.command)) is not None:
         seconds, setting = default, f"--timeout, default {default:g} s; or {deadline.ENV}"
-    target = getattr(args, "uri", None) or getattr(args, "root", None) or ""
+    target = getattr(args, "uri", None) or getattr(args, "root", None) or getattr(args, "src", None) or ""
     with deadline.operation(f"tierckpt {args.command}", target, seconds, setting) as bound:
         deadline.bound_process(bound)
         yield
