@@ -1,12 +1,15 @@
-"""A peer's replica that cannot be streamed fails the recovery on every rank, naming it, at once.
+"""A peer's replica that cannot be streamed: read from where the URI points when it commits the same
+generation, else the recovery fails on every rank, naming it, at once.
 
 Node-1 is lost; node-0 holds its replica and streams the replacement node's large units from its tier's
 pages (:mod:`tierckpt.peer_stream`). When node-0 cannot open its tier file, the ranks waiting for those
-chunks must not wait for the collective timeout: every rank's load raises the holder's error.
+chunks must not wait for the collective timeout: every rank's load raises the holder's error. When the
+remote is reachable and holds the generation, a damaged replica costs a second read, not the load.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,3 +28,26 @@ def test_a_replica_the_holder_cannot_open_fails_every_rank_with_the_holders_erro
     for rank, error in enumerate(errors):
         assert "injected by the test: cannot open" in error, (rank, error)
         assert "CollectiveError" not in error.split(":", 1)[0], (rank, error)
+
+
+def test_a_damaged_replica_is_read_again_from_the_remote_when_it_commits_the_same_generation(workdir: Path) -> None:
+    """Saved down to the remote; node-1 lost (the remote kept); one byte of node-0's replica of rank 2's data
+    file flipped: the streamed chunk fails its check, and the group loads the generation again from the remote,
+    bit-exact on every rank (before: every rank's load raised the checksum mismatch)."""
+    uri = uri_of(workdir, 1)
+    saved = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "big",
+                saves=[{"uri": uri, "seed": 1, "level": ["replicated", "remote"]}]).wait()
+    assert all(r["saves"][uri]["ok"] for r in saved), saved
+    shutil.rmtree(workdir / "node-1")  # node-1 lost; the remote stays reachable
+    [replica] = list((workdir / "node-0" / "shm").rglob("rank-00002.bin"))
+    size = replica.stat().st_size
+    with open(replica, "r+b") as f:  # the middle of the file: inside rank 2's streamed part
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    fresh = Job(workdir, ["node-0", "node-0", "node-2", "node-2"], "big", loads=[{"uri": uri, "seed": 1}]).wait()
+    for r in fresh:
+        load = r["loads"][uri]
+        assert "error" not in load, load.get("trace")
+        assert load["differs"] == [], f"{r['node']}: {load['differs']} differ from what was saved"

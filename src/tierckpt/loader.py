@@ -94,6 +94,19 @@ def _template_free(load_fn: Callable[..., dict[str, Any]]) -> Callable[..., dict
     return load
 
 
+def _after_failure(backend: Backend, tier: NodeTier | None, generation: str) -> tuple[bool, bool]:
+    """After a failed load of ``generation``: whether a newer commit replaced it, and whether the chain below
+    the node memory tier ``tier`` (when there is one) commits it too (its bytes can be read from there)."""
+    if newer_commit(backend, generation) is not None:
+        return True, False
+    if tier is None:
+        return False, False
+    try:
+        return False, read_commit(backend.without_node_memory()).generation == generation
+    except CheckpointError:
+        return False, False
+
+
 def _naming_an_older_commit(exc: MissingFileError, uri: str, backend: Backend, tier: NodeTier | None) -> MissingFileError:
     """``exc``, or when the node memory tier commits a generation the chain below never got whole (saved with
     ``persist=False``, or a node lost before its files went down) while the chain below still commits an older
@@ -194,10 +207,16 @@ def load(
                 if drop_and_retry(comm, backend, exc, reread):  # a bad cached copy: read it again from below
                     logger.warning("load of %s: a node-cache copy failed its checksum (%s); reading it again", uri, exc)
                     continue
-                # Every rank raised (failures are agreed); the reading rank tells whether a newer commit explains it.
-                moved = comm.broadcast_object(
-                    newer_commit(backend, ckpt.meta.generation) is not None if comm.rank == reading_rank else None, reading_rank
+                # Every rank raised (failures are agreed); the reading rank tells whether a newer commit explains
+                # it, and whether the chain below the node memory tier commits this generation too.
+                moved, below = comm.broadcast_object(
+                    _after_failure(backend, tier, ckpt.meta.generation) if comm.rank == reading_rank else None, reading_rank
                 )
+                if not moved and below:  # the memory tiers' copies failed: the same bytes, read from below
+                    logger.warning("load of %s: reading generation %s from the node memory tiers failed (%s); "
+                                   "reading it from where the URI points", uri, ckpt.meta.generation, exc)
+                    backend, tier, start, read, reading_rank = backend.without_node_memory(), None, None, None, 0
+                    continue
                 if not moved:
                     if isinstance(exc, MissingFileError):
                         raise _naming_an_older_commit(exc, uri, backend, tier) from exc
