@@ -1,8 +1,10 @@
 """Locality-aware readers: units go to ranks whose node holds the file, each byte read once, plans still exact.
 
-Plans are executed with the pure-torch executor of ``test_load_planner``, with each unit's bytes taken
-only from the files its reader's node holds (or the remote, for units no node holds), and compared
-bit-exactly — including loads onto another world size (4 ranks on 2 nodes -> 2 ranks on 1 node).
+Each rank plans its own units (:func:`tierckpt.planner.rank_plan.plan_rank` with what the nodes' memory tiers
+hold, as :class:`tierckpt.local_load.LocalReads` gives it); the union of the rank plans is executed with the
+pure-torch executor of ``test_load_planner``, each unit's bytes taken only from the files its reader's node
+holds (or the remote, for units no node holds), and compared bit-exactly — including loads onto another world
+size (4 ranks on 2 nodes -> 2 ranks on 1 node).
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from __future__ import annotations
 import crc32c
 import pytest
 
-from test_load_planner import SIZES, check_exact, check_rounds, reference, save_fake
-from tierckpt.errors import CheckpointError
+from test_load_planner import SIZES, check_exact, reference, save_fake
+from test_rank_plan import P2P, check_union, rank_plans
+from tierckpt.local_load import HeldFile, LocalReads
 from tierckpt.planner import LoadPlan, TargetPiece, plan_load, topology
-from tierckpt.planner.locality import HeldFile, RankHoldings, UnitSpan, assign_local_readers, relocate, spans_of
+from tierckpt.planner.rank_plan import agree_rounds, local_reader, plan_rank
 from tierckpt.regions import Box
 
 MiB = 1 << 20
@@ -23,42 +26,42 @@ def held(files: dict[str, bytes], names: list[str]) -> tuple[HeldFile, ...]:
     return tuple(HeldFile(n, len(files[n]), crc32c.crc32c(files[n])) for n in names)
 
 
-# -- the pure choice on byte spans ----------------------------------------------------------------------------
-def test_a_reader_on_a_holding_node_keeps_its_units() -> None:
-    units = [UnitSpan("a", 0, 100, reader=1), UnitSpan("b", 0, 50, reader=0)]
-    holdings = [RankHoldings("n0", (HeldFile("b", 50, 1),)), RankHoldings("n0", (HeldFile("b", 50, 1),)),
-                RankHoldings("n1", (HeldFile("a", 100, 2),))]
-    result = assign_local_readers(units, holdings)
-    assert result.readers == (2, 0) and result.local == (True, True)  # "a" moves to n1's only rank
-    assert result.bytes_local == 150 and result.bytes_per_rank == (50, 0, 100)
+def local_reads(nodes: list[str], node_files: dict[str, dict[str, bytes]]) -> LocalReads:
+    """What every rank sees after the load's first collective: each rank's node and what its tier holds."""
+    return LocalReads.of(0, None, [(n, held(node_files[n], sorted(node_files[n]))) for n in nodes])
 
 
-def test_moved_units_are_balanced_by_bytes_over_the_holding_nodes_ranks() -> None:
-    units = [UnitSpan("f", i * 10, i * 10 + size, reader=3) for i, size in enumerate([40, 10, 30, 20, 10])]
-    files = (HeldFile("f", 1000, 7),)
-    holdings = [RankHoldings("a", files), RankHoldings("a", files), RankHoldings("a", files), RankHoldings("b")]
-    result = assign_local_readers(units, holdings)
-    assert sorted(result.bytes_per_rank[:3]) == [30, 40, 40] and result.bytes_per_rank[3] == 0
-    assert result.readers == (0, 2, 1, 2, 1)  # largest first, to the least-loaded rank, ties to the lowest
+def planned(tensors, pieces, needs, nodes, reads: LocalReads, round_bytes: int = SIZES["round_bytes"]):
+    """The group plan (the reference), and the union of the rank plans with the nodes' holdings."""
+    topo = topology("object_store", "gloo", nodes)
+    chunk = SIZES["chunk_bytes"]
+    group = plan_load(tensors, pieces, needs, chunk_bytes=chunk, round_bytes=round_bytes, topology=topo)
+    drafts = [plan_rank(tensors, pieces, needs, r, chunk_bytes=chunk, round_bytes=round_bytes, p2p_min_bytes=P2P,
+                        topology=topo, held=reads.holders()) for r in range(len(needs))]
+    plans = [agree_rounds(d, [x.share for x in drafts], tensors) for d in drafts]
+    return group, plans, check_union(plans, group, tensors, round_bytes)
 
 
-def test_units_no_node_holds_keep_the_remote_assignment() -> None:
-    units = [UnitSpan("x", 0, 10, reader=1), UnitSpan("y", 0, 99, reader=0)]
-    holdings = [RankHoldings("a", (HeldFile("y", 98, 5),)), RankHoldings("b")]  # y's copy is too short
-    result = assign_local_readers(units, holdings)
-    assert result.readers == (1, 0) and result.local == (False, False) and result.bytes_local == 0
+# -- the pure choice of one unit's reader ---------------------------------------------------------------------
+def test_a_reader_on_a_holding_node_keeps_its_unit() -> None:
+    assert local_reader(2, ((1, 2), 100), 0, 0, 100, 64) == 2
+
+
+def test_a_unit_moves_to_a_holder_by_the_stripe_rule() -> None:
+    readers = [local_reader(3, ((0, 1, 2), 1000), 0, at, at + 10, 64) for at in (0, 64, 128, 192)]
+    assert readers == [0, 1, 2, 0]  # successive stripes rotate over the holding node's ranks
+
+
+def test_units_no_node_holds_or_a_copy_too_short_keep_their_reader() -> None:
+    assert local_reader(1, None, 0, 0, 10, 64) == 1
+    assert local_reader(1, ((), 0), 0, 0, 10, 64) == 1
+    assert local_reader(1, ((0,), 98), 0, 0, 100, 64) == 1  # the copy ends before the unit does
 
 
 def test_copies_that_disagree_are_never_read() -> None:
-    units = [UnitSpan("f", 0, 10, reader=0)]
-    holdings = [RankHoldings("a"), RankHoldings("b", (HeldFile("f", 10, 1),)), RankHoldings("c", (HeldFile("f", 10, 2),))]
-    result = assign_local_readers(units, holdings)
-    assert result.conflicts == ("f",) and result.readers == (0,) and result.local == (False,)
-
-
-def test_a_reader_outside_the_group_is_an_error() -> None:
-    with pytest.raises(CheckpointError, match="reader 2, outside the 2 loading ranks"):
-        assign_local_readers([UnitSpan("f", 0, 1, reader=2)], [RankHoldings("a"), RankHoldings("a")])
+    reads = LocalReads.of(0, None, [("a", ()), ("b", (HeldFile("f", 10, 1),)), ("c", (HeldFile("f", 10, 2),)),
+                                    ("d", (HeldFile("g", 10, 3),))])
+    assert reads.holders() == {"g": ((3,), 10)}
 
 
 # -- real plans -------------------------------------------------------------------------------------------------
@@ -88,43 +91,43 @@ def needs_of(world: int, split_cols: bool = False) -> list[list[TargetPiece]]:
 
 
 def execute_from_nodes(plan: LoadPlan, nodes: list[str], node_files: dict[str, dict[str, bytes]],
-                       remote: dict[str, bytes], locality, refs, tensors, needs) -> None:
-    """Each unit is read from its reader's node files when local, else from the remote; results exact."""
-    per_unit_files = {}
-    for i, unit in enumerate(plan.units):
-        source = node_files[nodes[unit.reader]] if locality.local[i] else remote
-        assert unit.file in source, (i, unit.file, nodes[unit.reader])
+                       remote: dict[str, bytes], refs, tensors, needs) -> int:
+    """Each unit is read from its reader's node files when they hold it, else from the remote; results exact.
+    Returns the bytes read from the nodes' tiers."""
+    per_unit_files, local = {}, 0
+    for unit in plan.units:
+        here = node_files[nodes[unit.reader]]
+        source = here if unit.file in here else remote
+        assert unit.file in source, (unit.file, nodes[unit.reader])
         per_unit_files[unit.file] = source[unit.file]  # the same bytes wherever they come from
+        local += unit.nbytes if source is here else 0
     check_exact(refs, plan, tensors, per_unit_files, needs)
+    return local
 
 
 def test_a_replacement_node_reads_its_peers_replicas_through_the_exchange() -> None:
     refs, tensors, pieces, files = saved_by_four_ranks()
     nodes = ["a", "a", "b", "b"]
     needs = needs_of(4)
-    plan = plan_load(tensors, pieces, needs, **SIZES, topology=topology("object_store", "gloo", nodes))
-    assert {u.file for u in plan.units if u.reader >= 2} == {"data/rank-00002.bin", "data/rank-00003.bin"}
     node_files = {"a": dict(files), "b": {}}  # node b was replaced: its memory is empty; a holds b's replicas
-    everything = held(files, sorted(files))
-    holdings = [RankHoldings(n, everything if n == "a" else ()) for n in nodes]
-    locality = assign_local_readers(spans_of(plan), holdings)
-    assert all(locality.local) and locality.bytes_local == plan.bytes_read
-    moved = relocate(plan, locality.readers, round_bytes=512 * MiB)
-    assert {u.reader for u in moved.units} == {0, 1} and moved.bytes_read == plan.bytes_read
-    assert abs(moved.bytes_read_per_rank[0] - moved.bytes_read_per_rank[1]) <= max(u.nbytes for u in plan.units)
-    assert [u.deliveries for u in moved.units] == [u.deliveries for u in plan.units]
-    check_rounds(moved, 512 * MiB)
-    execute_from_nodes(moved, nodes, node_files, {}, locality, refs, tensors, needs)
+    group, plans, union = planned(tensors, pieces, needs, nodes, local_reads(nodes, node_files))
+    assert {u.reader for u in union.units} == {0, 1}
+    assert sum(p.bytes_read for p in plans) == group.bytes_read  # each byte read once per group
+    per_rank = [p.bytes_read for p in plans]
+    assert abs(per_rank[0] - per_rank[1]) <= 2 * max(u.nbytes for u in group.units)  # the stripes spread them
+    assert execute_from_nodes(union, nodes, node_files, {}, refs, tensors, needs) == group.bytes_read
 
 
 def test_each_node_holding_its_own_files_changes_nothing() -> None:
     refs, tensors, pieces, files = saved_by_four_ranks()
     nodes = ["a", "a", "b", "b"]
-    plan = plan_load(tensors, pieces, needs_of(4), **SIZES, topology=topology("object_store", "gloo", nodes))
-    own = {"a": sorted(files)[:2], "b": sorted(files)[2:]}
-    holdings = [RankHoldings(n, held(files, own[n])) for n in nodes]
-    locality = assign_local_readers(spans_of(plan), holdings)
-    assert locality.readers == tuple(u.reader for u in plan.units) and all(locality.local)
+    own = {"a": {n: files[n] for n in sorted(files)[:2]}, "b": {n: files[n] for n in sorted(files)[2:]}}
+    group, _, union = planned(tensors, pieces, needs_of(4), nodes, local_reads(nodes, own))
+    plain = rank_plans(tensors, pieces, needs_of(4), SIZES["chunk_bytes"], SIZES["round_bytes"],
+                       topology("object_store", "gloo", nodes))  # as if no node held anything
+    assert sorted((u.file, int(u.run_offsets[0]), u.reader) for u in union.units) == sorted(
+        (u.file, int(u.run_offsets[0]), u.reader) for r, p in enumerate(plain) for u in p.units if u.reader == r)
+    assert execute_from_nodes(union, nodes, own, {}, refs, tensors, needs_of(4)) == group.bytes_read
 
 
 @pytest.mark.parametrize("split_cols", [False, True], ids=["rows", "columns"])
@@ -132,17 +135,12 @@ def test_four_ranks_on_two_nodes_to_two_ranks_on_the_surviving_node(split_cols: 
     refs, tensors, pieces, files = saved_by_four_ranks()
     nodes = ["b", "b"]  # node a is lost; b holds its own files and a's replicas
     needs = needs_of(2, split_cols)
-    plan = plan_load(tensors, pieces, needs, **SIZES, topology=topology("object_store", "gloo", nodes))
-    holdings = [RankHoldings("b", held(files, sorted(files)))] * 2
-    locality = assign_local_readers(spans_of(plan), holdings)
-    assert all(locality.local) and locality.conflicts == ()
-    moved = relocate(plan, locality.readers, round_bytes=64 << 10)
-    assert moved.bytes_read == sum(t.nbytes for t in tensors.values())  # each byte read once per group
-    check_rounds(moved, 64 << 10)
-    execute_from_nodes(moved, nodes, {"b": files}, {}, locality, refs, tensors, needs)
+    _, plans, union = planned(tensors, pieces, needs, nodes, local_reads(nodes, {"b": files}), round_bytes=64 << 10)
+    assert sum(p.bytes_read for p in plans) == sum(t.nbytes for t in tensors.values())  # each byte read once
+    assert execute_from_nodes(union, nodes, {"b": files}, {}, refs, tensors, needs) == sum(p.bytes_read for p in plans)
 
 
-def test_units_going_whole_to_another_rank_count_once_in_their_rounds() -> None:
+def test_a_replacement_nodes_needs_are_read_by_the_survivor_in_bounded_rounds() -> None:
     """A replacement node's needs read by the surviving node's rank (read straight into the send buffer):
     each unit costs its reader and its receiver its bytes once, so a round holds round_bytes of them."""
     ref = reference((64, 1024), "float32")  # 256 KiB, saved as 4 row pieces by rank 0
@@ -150,29 +148,24 @@ def test_units_going_whole_to_another_rank_count_once_in_their_rounds() -> None:
     tensors, pieces, files = save_fake(refs, {"w": [(0, Box((16 * i, 0), (16, 1024))) for i in range(4)]})
     needs = [[], [TargetPiece(fqn="w", region=Box.full((64, 1024)))]]  # rank 1, on the fresh node, needs it all
     nodes = ["survivor", "fresh"]
-    plan = plan_load(tensors, pieces, needs, chunk_bytes=64 << 10, round_bytes=512 * MiB,
-                     topology=topology("object_store", "gloo", nodes))
-    holdings = [RankHoldings("survivor", held(files, sorted(files))), RankHoldings("fresh")]
-    locality = assign_local_readers(spans_of(plan), holdings)
-    assert locality.readers == (0,) * len(plan.units) and len(plan.units) == 4
-    moved = relocate(plan, locality.readers, round_bytes=128 << 10)
-    assert [len(r) for r in moved.rounds] == [2, 2]  # 64 KiB units, two per 128 KiB round (one each before)
-    check_rounds(moved, 128 << 10)
-    execute_from_nodes(moved, nodes, {"survivor": files, "fresh": {}}, {}, locality, refs, tensors, needs)
+    node_files = {"survivor": files, "fresh": {}}
+    topo = topology("object_store", "gloo", nodes)
+    drafts = [plan_rank(tensors, pieces, needs, r, chunk_bytes=64 << 10, round_bytes=128 << 10, p2p_min_bytes=P2P,
+                        topology=topo, held=local_reads(nodes, node_files).holders()) for r in range(2)]
+    plans = [agree_rounds(d, [x.share for x in drafts], tensors) for d in drafts]
+    assert [u.reader for u in plans[0].units] == [0] * 4
+    assert [len(r) for r in plans[0].rounds] == [2, 2]  # 64 KiB units, two per 128 KiB round
+    group = plan_load(tensors, pieces, needs, chunk_bytes=64 << 10, round_bytes=128 << 10, topology=topo)
+    union = check_union(plans, group, tensors, 128 << 10)
+    execute_from_nodes(union, nodes, node_files, {}, refs, tensors, needs)
 
 
 def test_partly_held_checkpoint_mixes_local_and_remote_reads() -> None:
     refs, tensors, pieces, files = saved_by_four_ranks()
     nodes = ["a", "a", "b", "b"]
     needs = needs_of(4, split_cols=True)
-    plan = plan_load(tensors, pieces, needs, **SIZES, topology=topology("object_store", "gloo", nodes))
     node_files = {"a": {"data/rank-00003.bin": files["data/rank-00003.bin"]}, "b": {}}
-    holdings = [RankHoldings(n, held(node_files[n], sorted(node_files[n]))) for n in nodes]
-    locality = assign_local_readers(spans_of(plan), holdings)
-    for unit, reader, is_local in zip(plan.units, locality.readers, locality.local):
-        assert is_local == (unit.file == "data/rank-00003.bin")
-        assert reader in ((0, 1) if is_local else (unit.reader,))
-    moved = relocate(plan, locality.readers, round_bytes=512 * MiB)
-    execute_from_nodes(moved, nodes, node_files, files, locality, refs, tensors, needs)
-    assert moved.bytes_read == plan.bytes_read and locality.bytes_local == sum(
-        u.nbytes for u in plan.units if u.file == "data/rank-00003.bin")
+    group, _, union = planned(tensors, pieces, needs, nodes, local_reads(nodes, node_files))
+    assert all(u.reader in (0, 1) for u in union.units if u.file == "data/rank-00003.bin")
+    local = execute_from_nodes(union, nodes, node_files, files, refs, tensors, needs)
+    assert local == sum(u.nbytes for u in group.units if u.file == "data/rank-00003.bin")

@@ -59,14 +59,16 @@ def check_union(plans: list[LoadPlan], group: LoadPlan, tensors, round_bytes: in
     assert len({len(p.rounds) for p in plans}) == 1
     assert len({p.exchanges for p in plans}) == 1 and len({p.point_to_point for p in plans}) == 1
     # A unit a rank receives from is the reader's, in the same round, with the reader's deliveries to it.
-    held = {(r, ident(u)): u for r, u in read}
+    held = defaultdict(list)  # a reader may read the same bytes twice for two ranks (a holder reading for a peer)
+    for r, u in read:
+        held[(r, ident(u))].append(u)
     for r, p in enumerate(plans):
         assert all(p.units[i].round == k for k, idx in enumerate(p.rounds) for i in idx)
         for u in p.units:
             if u.reader != r:
-                source = held[(u.reader, ident(u))]
-                assert source.round == u.round
-                assert u.deliveries == tuple(d for d in source.deliveries if d.rank == r) != ()
+                sources = [s for s in held[(u.reader, ident(u))]
+                           if s.round == u.round and u.deliveries == tuple(d for d in s.deliveries if d.rank == r)]
+                assert sources and u.deliveries != ()
         mine = {ident(u) for u in p.units if u.reader != r}
         for u in (u for _, u in read if u.reader != r and any(d.rank == r for d in u.deliveries)):
             assert ident(u) in mine, "a unit delivering here is missing"
@@ -179,3 +181,42 @@ def test_tensors_laid_out_alike_are_planned_once_and_placed_right(case, store, t
     group = plan_load(tensors, pieces, needs, chunk_bytes=chunk, round_bytes=round_bytes, topology=topo)
     union = check_union(rank_plans(tensors, pieces, needs, chunk, round_bytes, topo), group, tensors, round_bytes)
     check_exact(refs, union, tensors, files, needs)
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenario(), st.sampled_from(["node_local", "shared_fs", "object_store"]), st.booleans(), st.data())
+def test_units_go_to_ranks_whose_node_memory_tier_holds_their_file(case, store, two_nodes, data):
+    """Memory-tier loads plan per rank too: random files held by random nodes (some copies too short to
+    cover every unit). The union of the rank plans still reads the group plan's units once each and delivers
+    the reference bits exactly; a unit of a file some node holds in full is read by a rank of such a node,
+    by its planned reader whenever that rank's node holds it; the other units keep their planned reader."""
+    refs, layout, needs, kinds, chunk, round_bytes = case
+    tensors, pieces, files = save_fake(refs, layout)
+    world = len(needs)
+    nodes = [f"n{r % 2 if two_nodes else 0}" for r in range(world)]
+    topo = topology(store, "gloo", nodes)
+    held = {}
+    for name in sorted(files):
+        holding = data.draw(st.sets(st.sampled_from(sorted(set(nodes)))), label=name)
+        short = data.draw(st.booleans(), label=f"{name} short")
+        size = len(files[name]) // 2 if short else len(files[name])
+        held[name] = (tuple(r for r in range(world) if nodes[r] in holding), size)
+    group = plan_load(tensors, pieces, needs, chunk_bytes=chunk, round_bytes=round_bytes, topology=topo)
+    planned = {shape_of(u): u.reader for u in union_units(rank_plans(tensors, pieces, needs, chunk, round_bytes, topo))}
+    drafts = [plan_rank(tensors, pieces, needs, r, chunk_bytes=chunk, round_bytes=round_bytes, p2p_min_bytes=P2P,
+                        topology=topo, held=held) for r in range(world)]
+    plans = [agree_rounds(d, [x.share for x in drafts], tensors) for d in drafts]
+    union = check_union(plans, group, tensors, round_bytes)
+    check_exact(refs, union, tensors, files, needs)
+    for u in union.units:
+        ranks, size = held[u.file]
+        covered = bool(ranks) and size >= int(u.run_offsets.max()) + u.run_bytes
+        before = planned[shape_of(u)]
+        if covered:
+            assert u.reader in ranks and (before not in ranks or u.reader == before), (u.file, u.reader, ranks, before)
+        else:
+            assert u.reader == before
+
+
+def union_units(plans: list[LoadPlan]) -> list:
+    return [u for r, p in enumerate(plans) for u in p.units if u.reader == r]

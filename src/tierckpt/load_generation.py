@@ -39,8 +39,7 @@ from .metadata import ObjectMeta, PieceMeta, decode_pieces
 from .monitor import Monitor
 from .node import node_id
 from .objects_read import fetch_objects, wanted_objects
-from .planner import LoadPlan, TargetPiece, Topology, plan_load, topology as route_topology
-from .planner.locality import assign_local_readers, relocate, spans_of
+from .planner import LoadPlan, TargetPiece, Topology, topology as route_topology
 from .planner.rank_plan import RankDraft, RoundShare, agree_rounds, plan_rank
 from .planner.routes import store_kind
 from .read_step import P2P_MIN_BYTES, ReadStep
@@ -106,31 +105,21 @@ def load_generation(
     with monitor.phase("plan"):
         topo = opts.topology or _topology(backend, comm, [g[4] for g in gathered], min(g[8] for g in gathered))
         nodes = list(topo.nodes)
-        group_plan: LoadPlan | None = None
         mine: RankDraft | None = None
         failure: Exception | None = None
-        if local.active:  # each unit to a rank whose node's memory tier holds its file, where one does
-            group_plan = plan_load(
-                ckpt.tensors, pieces, all_needs, chunk_bytes=opts.chunk_bytes, round_bytes=opts.round_bytes, topology=topo,
-            )
-            locality = assign_local_readers(spans_of(group_plan), local.holdings)
-            group_plan = relocate(group_plan, locality.readers, opts.round_bytes)
-            monitor.count("bytes_read_memory", sum(
-                u.nbytes for u, here in zip(group_plan.units, locality.local) if here and u.reader == comm.rank
-            ))
-        else:  # this rank's units only; the rounds are agreed with the next collective
-            try:
-                mine = plan_rank(ckpt.tensors, pieces, all_needs, comm.rank, chunk_bytes=opts.chunk_bytes,
-                                 round_bytes=opts.round_bytes, p2p_min_bytes=P2P_MIN_BYTES, topology=topo)
-            except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement below, not on this one alone
-                failure = exc
+        try:  # this rank's units only (each to a rank whose node's memory tier holds its file, where one does)
+            mine = plan_rank(ckpt.tensors, pieces, all_needs, comm.rank, chunk_bytes=opts.chunk_bytes,
+                             round_bytes=opts.round_bytes, p2p_min_bytes=P2P_MIN_BYTES, topology=topo,
+                             held=local.holders() if local.active else None)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement below, not on this one alone
+            failure = exc
     gen = ckpt.meta.generation
 
     def check_and_fetch() -> tuple[dict[str, Any], RoundShare | None]:
         if failure is not None:
             raise failure
-        reads = ([(u.file, u.run_offsets, u.run_bytes) for u in group_plan.units if u.reader == comm.rank]
-                 if group_plan is not None else mine.reads())  # type: ignore[union-attr]
+        assert mine is not None
+        reads = mine.reads()
         _check_files(backend, ckpt, reads, local)
         # Objects are small: fetch, check and decode them before any tensor is modified.
         values = fetch_objects(backend, ckpt, flat, wanted, opts.allow_pickle, local, shared)
@@ -140,7 +129,10 @@ def load_generation(
         # The agreement carries each rank's round share (planner.rank_plan): no collective of its own.
         values, shares = comm.exchange_agreed(check_and_fetch, "checking the data files and loading objects")
     with monitor.phase("plan"):
-        plan = group_plan if group_plan is not None else agree_rounds(mine, shares, ckpt.tensors)  # type: ignore[arg-type]
+        assert mine is not None
+        plan = agree_rounds(mine, shares, ckpt.tensors)
+        if local.active:
+            monitor.count("bytes_read_memory", sum(u.nbytes for u in plan.units if u.reader == comm.rank and local.here(u.file)))
         _log_routes(plan, topo, comm.rank, monitor)
     if opts.verify:
         with monitor.phase("verify"):

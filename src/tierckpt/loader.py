@@ -15,8 +15,8 @@ Steps 2-5 run in :mod:`tierckpt.load_generation`:
    and findings; in strict mode any finding on any rank raises on every rank, before anything is read.
    Meanwhile each rank reads a small pieces table whole (checked against ``COMMIT``).
 3. Each rank decodes the rows of the pieces table for the tensors the group needs and plans its own
-   units (:mod:`tierckpt.planner.rank_plan`: what it reads and what it receives; with memory tiers, the
-   whole group's :class:`~tierckpt.planner.LoadPlan`, whose readers locality moves). Each rank checks the
+   units (:mod:`tierckpt.planner.rank_plan`: what it reads and what it receives; with memory tiers, each
+   unit read by a rank whose node holds its file). Each rank checks the
    sizes of the data files it will read, so a truncated or missing file fails before any tensor is
    modified, and fetches, checks and decodes its objects (weights-only unless ``allow_pickle``), agreed
    in one collective that also carries each rank's round share: every rank then forms the same rounds.
@@ -33,7 +33,7 @@ metadata from its own node's tier and prepares its state against it (:mod:`tierc
 and the group keeps that only if every rank read the same checked commit (else step 1 runs as above).
 Each rank also reports in step 2 what its node's tier holds of the generation, and every file is read
 from the cheapest place the group can reach (:mod:`tierckpt.local_load`): units go to a rank whose node
-holds their file (:func:`~tierckpt.planner.locality.assign_local_readers`), which reads them from its
+holds their file (:func:`~tierckpt.planner.rank_plan.local_reader`), which reads them from its
 memory tier; the pieces table and objects files a rank's node lacks come from a node that holds them;
 only what no node holds is read through the chain. Every check above applies to bytes read from memory too.
 

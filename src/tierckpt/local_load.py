@@ -6,9 +6,10 @@ only files whose size is the one the checkpoint's metadata records), beside its 
 first collective, so locality adds no collective of its own. Then every rank computes the same
 :class:`LocalReads`:
 
-* read units go through :func:`tierckpt.planner.locality.assign_local_readers` and ``relocate``: a
-  unit whose file a node holds is read by a rank of that node, from its :class:`MemoryTier`; the load's
-  exchange delivers it. Block CRC-32Cs are checked in the read path as for any other read.
+* read units are planned per rank with :meth:`LocalReads.holders` (:func:`tierckpt.planner.rank_plan.local_reader`):
+  a unit whose file a node holds in full is read by a rank of that node (its planned reader when that
+  rank's node holds it, else a holder by the stripe rule), from its memory tier; the load's exchange
+  delivers it. Block CRC-32Cs are checked in the read path as for any other read.
 * small whole files a rank needs itself (the pieces table, the objects files) but its node does not
   hold — a replacement node, or ranks of another layout — are read by a rank whose node holds them
   and shared with one all-gather (:meth:`LocalReads.share`), only when some rank needs one.
@@ -34,9 +35,25 @@ from .comm import Comm
 from .errors import CheckpointError
 from .metadata import CheckpointMeta
 from .node import node_id
-from .planner.locality import HeldFile, RankHoldings
 
 logger = logging.getLogger("tierckpt")
+
+
+@dataclass(frozen=True, slots=True)
+class HeldFile:
+    """A file one node's tiers hold, with the size and CRC-32C recorded when it was written."""
+
+    name: str
+    size: int
+    crc32c: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankHoldings:
+    """What one rank reports: its node, and what that node's tiers hold of the checkpoint."""
+
+    node: str
+    files: tuple[HeldFile, ...] = ()
 
 
 def held_files(tier: NodeTier | None, meta: CheckpointMeta, record: layout.CommitRecord | None) -> tuple[HeldFile, ...] | None:
@@ -111,6 +128,14 @@ class LocalReads:
         """Whether rank ``rank``'s node holds ``name`` (relative to the generation), in agreement with
         every other node that holds it (copies that disagree are never read)."""
         return name in self.held[rank]
+
+    def holders(self) -> dict[str, tuple[tuple[int, ...], int]]:
+        """Each file held somewhere in agreement: the ranks whose node holds it (ascending) and its size."""
+        ranks: dict[str, list[int]] = defaultdict(list)
+        for rank, names in enumerate(self.held):
+            for name in names:
+                ranks[name].append(rank)
+        return {name: (tuple(rs), self.entries[name].size) for name, rs in ranks.items()}
 
     def here(self, name: str) -> bool:
         """Whether this rank reads ``name`` from its own node's memory tier."""

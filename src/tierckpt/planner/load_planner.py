@@ -4,8 +4,8 @@ Inputs are the saved pieces of each tensor, what every rank of the loading group
 (:class:`TargetPiece`: the region its local tensor holds) and the :class:`~.routes.Topology` the
 routes are costed with (the store, the exchange, each rank's node). :func:`plan_load` plans the whole
 group (every rank's units) and returns a :class:`LoadPlan`; a load plans each rank's own share with
-:mod:`.rank_plan` (same slabs, routes and units; readers by a stripe rule) and uses this group plan
-where the node memory tiers move readers (:mod:`.locality`), and conversions use it:
+:mod:`.rank_plan` (same slabs, routes and units; readers by a stripe rule, moved to a rank whose node's
+memory tier holds the file where one does), and conversions use this group plan:
 
 1. Every saved piece and every target becomes *stored boxes* (a flat range is a few boxes), so all
    meetings are box ∩ box. For each tensor the saved boxes are indexed (:class:`~.box_index.BoxIndex`)

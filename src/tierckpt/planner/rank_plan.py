@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,6 +102,26 @@ def stripe_reader(candidates: Sequence[int], file_number: int, offset: int, chun
     return candidates[(file_number + offset // max(chunk_bytes, 1)) % len(candidates)]
 
 
+def local_reader(planned: int, holders: tuple[Sequence[int], int] | None, file_number: int, offset: int, end: int,
+                 chunk_bytes: int) -> int:
+    """The reader of a unit of a file the nodes' memory tiers may hold (``holders``: the ranks of the holding
+    nodes, ascending, and the file's size): its ``planned`` reader when that rank's node holds a copy that
+    covers the unit (no exchange is added) or none does (it is read through the chain), else a holder by the
+    stripe rule. Each unit keeps one reader: each byte is still read once per group."""
+    if holders is None:
+        return planned
+    ranks, size = holders
+    if not ranks or size < end or planned in ranks:
+        return planned
+    return stripe_reader(ranks, file_number, offset, chunk_bytes)
+
+
+def _end(draft: dict) -> int:
+    """The end of a unit's last run in its file."""
+    offsets = draft["run_offsets"]
+    return int(offsets.max()) + draft["run_bytes"] if len(offsets) else 0
+
+
 def plan_rank(
     tensors: dict[str, TensorMeta],
     pieces: dict[str, list[PieceMeta]],
@@ -112,11 +132,19 @@ def plan_rank(
     round_bytes: int,
     p2p_min_bytes: int,
     topology: Topology | None = None,
+    held: Mapping[str, tuple[Sequence[int], int]] | None = None,
 ) -> RankDraft:
-    """Rank ``rank``'s units of a load whose rank ``r`` needs ``needs[r]`` (step 1 of the module docstring)."""
+    """Rank ``rank``'s units of a load whose rank ``r`` needs ``needs[r]`` (step 1 of the module docstring).
+
+    ``held``: the files the nodes' memory tiers hold, each with the ranks of its holding nodes (ascending)
+    and its size: a unit of such a file is read by a holder (:func:`local_reader`)."""
     world = len(needs)
     topo = topology_for(topology, world)
-    mine = {n.fqn for n in needs[rank]}
+    held = held or {}
+    here = frozenset(f for f, (ranks, _) in held.items() if rank in ranks)  # files this rank's node holds
+    needed = {n.fqn for rank_needs in needs for n in rank_needs} if here else set()
+    # Its own tensors, and those it may read for others from its node's memory tier.
+    mine = {n.fqn for n in needs[rank]} | {f for f in needed if any(p.file in here for p in pieces.get(f, ()))}
     targets: dict[str, list[tuple[int, int, StoredBox]]] = defaultdict(list)
     for r, rank_needs in enumerate(needs):
         for index, need in enumerate(rank_needs):
@@ -134,31 +162,34 @@ def plan_rank(
         meta = tensors[fqn]
         plist = pieces.get(fqn, [])
         wanted = targets[fqn]
-        layout = (meta.shape, meta.dtype, tuple(p.region for p in plist), tuple((r, sb) for r, _, sb in wanted))
+        local = tuple(p.file in here for p in plist)
+        layout = (meta.shape, meta.dtype, tuple(p.region for p in plist), tuple((r, sb) for r, _, sb in wanted), local)
         known = layouts.get(layout)
         if known is None:
             saved, lookup = saved_boxes(meta, plist)
-            known = layouts[layout] = (saved, wanted, _entries(meta, saved, lookup, wanted, rank, chunk_bytes, topo))
+            known = layouts[layout] = (saved, wanted, _entries(meta, saved, lookup, wanted, rank, chunk_bytes, topo, here))
             target = None
         else:  # the planned tensor's units, moved to this one's files, offsets and target numbers
             saved, _ = saved_boxes(meta, plist, index=False)
             target = {(r, i): j for (r, i, _), (_, j, _) in zip(known[1], wanted)}
-        for si, d, eligible, alike, here in known[2]:
+        for si, d, eligible, alike, receives in known[2]:
             shift = saved[si][2] - known[0][si][2]
             offsets = d["run_offsets"]
             start = (int(offsets[0]) if len(offsets) else 0) + shift
-            number = files[saved[si][1]]
-            reader = stripe_reader(eligible, number, start, chunk_bytes)
-            if reader != rank and not here:
+            file = saved[si][1]
+            number = files[file]
+            planned = stripe_reader(eligible, number, start, chunk_bytes)
+            reader = local_reader(planned, held.get(file), number, start, _end(d) + shift, chunk_bytes)
+            if reader != rank and not receives:
                 continue
             # A unit this rank only receives from keeps only its deliveries here (all the read step uses).
-            deliveries = d["deliveries"] if reader == rank else tuple(d["deliveries"][k] for k in here)
+            deliveries = d["deliveries"] if reader == rank else tuple(d["deliveries"][k] for k in receives)
             if target is not None:
                 deliveries = tuple(Delivery(rank=x.rank, target=target[(x.rank, x.target)], target_box=x.target_box,
                                             box=x.box) for x in deliveries)
             kept.append({**d, "fqn": fqn, "file": saved[si][1], "run_offsets": offsets + shift if shift else offsets,
                          "reader": reader, "deliveries": deliveries})
-            shared = reader == rank and len(alike) > 1
+            shared = reader == rank == planned and len(alike) > 1  # a unit moved to a holder is exchanged
             checkers.append(stripe_reader(alike, number, start, chunk_bytes) if shared else reader)
 
     order = sorted(range(len(kept)), key=lambda i: key_of(kept[i]))
@@ -178,10 +209,12 @@ same box directly (they share its checks) and the positions of its deliveries to
 
 
 def _entries(meta: TensorMeta, saved: list[Saved], lookup: BoxIndex, wanted: list[tuple[int, int, StoredBox]],
-             rank: int, chunk_bytes: int, topo: Topology) -> list[Entry]:
-    """The units of the saved boxes ``rank``'s targets meet, routed with every rank that needs them."""
+             rank: int, chunk_bytes: int, topo: Topology, held_here: frozenset[str]) -> list[Entry]:
+    """The units of the saved boxes ``rank``'s targets meet, and of those in files its node's memory tier holds
+    (``held_here``: it may read them for others), routed with every rank that needs them."""
     partners = BoxIndex([t[2].box for t in wanted])
-    touched: set[int] = set()
+    local = [file in held_here for _, file, _ in saved]
+    touched: set[int] = {si for si, held in enumerate(local) if held}
     for r, _, target in wanted:
         if r != rank:
             continue
@@ -194,7 +227,10 @@ def _entries(meta: TensorMeta, saved: list[Saved], lookup: BoxIndex, wanted: lis
     for si in sorted(touched):
         box_needs: list[Need] = [(wanted[ti][0], wanted[ti][1], wanted[ti][2], inter)
                                  for ti, inter in partners.overlapping(saved[si][0])]
-        drafts = saved_box_units(meta, saved[si], box_needs, chunk_bytes, topo, only=rank)
+        if not box_needs:
+            continue
+        # Held here, a unit another rank would read for itself may be read here for it: keep every unit's runs.
+        drafts = saved_box_units(meta, saved[si], box_needs, chunk_bytes, topo, only=None if local[si] else rank)
         alike: dict[Box, list[int]] = defaultdict(list)  # direct units of this node reading the same box
         for d in drafts:
             if len({x.rank for x in d["deliveries"]}) == 1 and topo.nodes[d["deliveries"][0].rank] == topo.nodes[rank]:
@@ -208,7 +244,7 @@ def _entries(meta: TensorMeta, saved: list[Saved], lookup: BoxIndex, wanted: lis
             most = max(wanted_of.values())
             eligible = sorted(r for r, n in wanted_of.items() if n >= READER_SHARE * most)
             here = [k for k, x in enumerate(d["deliveries"]) if x.rank == rank]
-            if rank in eligible or here:
+            if rank in eligible or here or local[si]:
                 same = sorted(set(alike[d["box"]])) if len(wanted_of) == 1 else []
                 entries.append((si, d, eligible, same, here))
     return entries
