@@ -21,7 +21,7 @@ import tierckpt
 from tierckpt.errors import CheckpointBusyError, CheckpointError
 from tierckpt.loader import read_checkpoint
 from tierckpt.local_load import LocalReads, held_files, rereaders
-from tierckpt.planner.locality import HeldFile
+from tierckpt.local_load import HeldFile
 from tierckpt.store import open_store
 from tierckpt.tiers import MemoryConfig, NodeMemory
 from tierckpt.tiers.replication import ReplicationError
