@@ -20,14 +20,17 @@ around one collective the loader already makes (:mod:`tierckpt.load_generation`)
      same stripe rule (the group plan's :func:`tierckpt.io.readcheck.checking_ranks` balances by load).
 
    It returns a :class:`RankDraft`: the kept units in the group's order (by :data:`UnitKey`: file, first
-   byte, ...) and a small :class:`RoundShare` to all-gather: where its own usage crosses ``round_bytes``
-   (greedy, over its units in key order) and the keys of the units it reads that deliver to other
-   ranks (and of those with a delivery under the point-to-point minimum): a few per unit it reads.
-2. :func:`agree_rounds`, with every rank's share: the rounds' bounds are the union of every rank's
-   cuts, so each rank's usage in a round stays within one of its own rounds (under ``round_bytes``,
-   unless a round is one oversized unit); a round exchanges when a rank reads a unit in it that
-   delivers elsewhere, and goes point to point unless a rank sends a small delivery in it. Every rank
-   evaluates the same function of the same gathered shares: the same rounds, exchanges and messages.
+   byte, ...) and a small :class:`RoundShare` to all-gather: the bytes its buffers hold (read, sent and
+   received) in runs of consecutive keys of at most ``round_bytes / 8`` each, and the keys of the units it reads that deliver to other
+   ranks (and of those with a delivery under the point-to-point minimum): a few per unit.
+2. :func:`agree_rounds`, with every rank's share: the group plan's greedy over the merged runs, in key
+   order, a new round starting at a run when some rank's bytes in the round would pass ``round_bytes``
+   (units of one key stay in one round; a run a round's start cuts through counts whole in both), so each
+   rank's usage in a round stays under ``round_bytes`` unless a round holds one oversized key of it, and no round is cut where no rank needs it (the union of
+   each rank's own cuts, used before, split a load into up to N times the group plan's rounds, each a
+   synchronising exchange); a round exchanges when a rank reads a unit in it that delivers elsewhere, and
+   goes point to point unless a rank sends a small delivery in it. Every rank evaluates the same function
+   of the same gathered shares: the same rounds, exchanges and messages.
 
 Tensors laid out alike (shape, dtype, saved regions and every rank's regions: a model's layers) are
 planned once per rank and moved to each one's files, offsets and target numbers; a unit a rank only
@@ -42,6 +45,8 @@ Pure and deterministic like the group planner.
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -66,8 +71,11 @@ that holds a unit gives it the same key; a reader's and a receiver's units betwe
 class RoundShare:
     """What one rank all-gathers so that every rank forms the same rounds."""
 
-    cuts: tuple[UnitKey, ...]
-    """Keys where its own usage would cross ``round_bytes``: a round starts at each."""
+    usage: tuple[tuple[UnitKey, UnitKey, int], ...]
+    """The bytes its buffers hold for its units, in runs of consecutive keys (:data:`SEGMENTS`): each run's
+    first and last key and its bytes, in key order."""
+    round_bytes: int
+    """The bound it was asked for (the group takes the smallest)."""
     crossing: tuple[UnitKey, ...]
     """Keys of the units it reads that deliver to another rank."""
     small: tuple[UnitKey, ...]
@@ -263,28 +271,52 @@ def _usage(d: dict, rank: int) -> int:
     return out
 
 
+SEGMENTS = 8
+"""A rank shares its bytes per key in runs of consecutive keys of at most ``round_bytes / SEGMENTS`` each (a
+key larger than that alone): a few entries per round's worth of its bytes, whatever its number of units."""
+
+
 def _share(kept: list[dict], keys: tuple[UnitKey, ...], rank: int, round_bytes: int, p2p_min_bytes: int) -> RoundShare:
-    cuts: list[UnitKey] = []
-    usage, count = 0, 0
-    for i, d in enumerate(kept):
+    usage: list[tuple[UnitKey, UnitKey, int]] = []
+    run = round_bytes // SEGMENTS
+    for i, (key, d) in enumerate(zip(keys, kept)):
         add = _usage(d, rank)
-        fresh = i == 0 or keys[i] != keys[i - 1]  # units of one key stay in one round
-        if fresh and count and usage + add > round_bytes:
-            cuts.append(keys[i])
-            usage, count = 0, 0
-        usage += add
-        count += 1
+        same_key = i > 0 and keys[i - 1] == key  # units of one key stay in one round
+        if usage and (same_key or usage[-1][2] + add <= run):
+            usage[-1] = (usage[-1][0], key, usage[-1][2] + add)
+        else:
+            usage.append((key, key, add))
     read = [(k, d) for k, d in zip(keys, kept) if d["reader"] == rank]
     crossing = tuple(k for k, d in read if any(x.rank != rank for x in d["deliveries"]))
     small = tuple(k for k, d in read if any(x.rank != rank and x.numel * d["item"] < p2p_min_bytes for x in d["deliveries"]))
-    return RoundShare(cuts=tuple(cuts), crossing=crossing, small=small)
+    return RoundShare(usage=tuple(usage), round_bytes=round_bytes, crossing=crossing, small=small)
+
+
+def _cuts(shares: Sequence[RoundShare]) -> list[UnitKey]:
+    """The keys where rounds start after the first: the group plan's greedy over every rank's runs of keys, in
+    key order. A run that a round's start cuts through is counted whole in the new round too (its part there
+    is not known), so every rank's bytes in a round stay under ``round_bytes`` unless it is one oversized key."""
+    limit = min(s.round_bytes for s in shares)
+    cuts: list[UnitKey] = []
+    held: dict[int, int] = {}  # bytes of each rank in the current round
+    last: dict[int, tuple[UnitKey, int]] = {}  # each rank's latest run: its last key and bytes
+    merged = heapq.merge(*[[(first, rank, end, nbytes) for first, end, nbytes in s.usage] for rank, s in enumerate(shares)])
+    for key, events in itertools.groupby(merged, key=lambda e: e[0]):
+        adds = [(rank, end, nbytes) for _, rank, end, nbytes in events]
+        if held and any(held.get(rank, 0) + nbytes > limit for rank, _, nbytes in adds):
+            cuts.append(key)
+            held = {rank: nbytes for rank, (end, nbytes) in last.items() if end >= key}
+        for rank, end, nbytes in adds:
+            held[rank] = held.get(rank, 0) + nbytes
+            last[rank] = (end, nbytes)
+    return cuts
 
 
 def agree_rounds(draft: RankDraft, shares: Sequence[RoundShare], tensors: dict[str, TensorMeta]) -> LoadPlan:
     """Rank ``draft.rank``'s :class:`LoadPlan` from every rank's share (step 2 of the module docstring)."""
     if len(shares) != draft.world_size:
         raise CheckpointError(f"{len(shares)} round shares for a load of {draft.world_size} ranks")
-    cuts = sorted({c for s in shares for c in s.cuts})
+    cuts = _cuts(shares)
     count = len(cuts) + 1
     exchanges = [False] * count
     small = [False] * count
