@@ -9,9 +9,9 @@ the rest, on the I/O scheduler's loop:
 * *One task per key*: :meth:`TaskRunner.ensure` starts one, or tells the running one that a newer op
   arrived (it takes the key's op once more after the one in hand: the newer op supersedes it).
 * *Order*: before an op is performed, :meth:`Job.ready` says what it still waits for (a commit: every
-  key it depends on). Keys this runner has a task for are awaited (woken the moment one finishes);
-  the others (another process's, another node's) are asked again at pauses growing by ``job.poll``. A
-  dependency whose task here failed for good ends the op with that failure (its own record says why).
+  key it depends on, and the commit made before it). What has a task in this process is awaited (woken
+  the moment it finishes); the rest (another process's, another node's) is asked again at pauses
+  growing by ``job.poll``. A dependency that failed for good ends the op (:class:`Blocked`).
 * *Retry*: a :class:`~tierckpt.errors.TransientStorageError` (the link below is out) is recorded in the
   journal (:meth:`Job.failed`) and retried after ``job.retry``'s pause (:mod:`.retry`), so write-back
   covers an outage; any other failure is recorded and ends the task with it.
@@ -53,8 +53,9 @@ class Job(Protocol[Op]):
         failed attempts so far of the op in hand."""
 
     async def ready(self, op: Op) -> Collection[Hashable] | None:
-        """What ``op`` still waits for: runner keys not below yet (empty: perform it now; ``None``: it was
-        superseded, take again). Raising ends the op as a failed attempt."""
+        """What ``op`` still waits for: keys of this runner not below yet, or tasks (:class:`Entry`) of
+        another runner to go first (empty: perform it now; ``None``: it was superseded, take again).
+        Raising :class:`Blocked` ends the task; any other failure counts as a failed attempt."""
 
     async def perform(self, op: Op) -> bool:
         """Apply ``op`` below; ``False``: it was superseded meanwhile (take again)."""
@@ -70,8 +71,10 @@ class Job(Protocol[Op]):
 class Entry(Generic[Op]):
     """One key's task (its future completes when the task ends)."""
 
-    def __init__(self, key: Hashable) -> None:
+    def __init__(self, key: Hashable, job: Job[Op]) -> None:
         self.key = key
+        self.job = job
+        """The newest job ensured for the key: each round of the task takes from it."""
         self.future: concurrent.futures.Future[None]
         """Completes when the task ends (the coroutine's own future: cancelling it cancels the task)."""
         self.again = False
@@ -94,7 +97,10 @@ class Entry(Generic[Op]):
         return self.future.exception()
 
 
-class _DependencyFailed(Exception):
+class Blocked(Exception):
+    """Raised by :meth:`Job.ready`: a dependency failed for good, so the op is not attempted. Its task ends
+    with the dependency's failure, recorded nowhere for this key (the dependency's own record says why)."""
+
     def __init__(self, cause: BaseException) -> None:
         super().__init__(str(cause))
         self.cause = cause
@@ -110,14 +116,15 @@ class TaskRunner:
 
     # -- starting --------------------------------------------------------------------------------------
     def ensure(self, key: Hashable, job: Job) -> Entry:
-        """Make sure a task of this process handles ``key``'s op (from any thread)."""
+        """Make sure a task of this process handles ``key``'s op (from any thread): start one, or tell the
+        running one to take once more, from ``job``, after the op in hand (the newer op supersedes it)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and not entry.finished:
-                entry.again = True
+                entry.job, entry.again = job, True
                 return entry
-            entry = self._entries[key] = Entry(key)
-            entry.future = get_scheduler().submit(self._run(entry, job), background=True)
+            entry = self._entries[key] = Entry(key, job)
+            entry.future = get_scheduler().submit(self._run(entry), background=True)
         return entry
 
     def entry(self, key: Hashable) -> Entry | None:
@@ -134,12 +141,13 @@ class TaskRunner:
         return [e for e in self.entries() if e.running()]
 
     # -- the task --------------------------------------------------------------------------------------
-    async def _run(self, entry: Entry, job: Job) -> None:
+    async def _run(self, entry: Entry) -> None:
         set_background()  # its calls queue behind foreground ones; it outlives the operation that started it
         entry.task = asyncio.current_task()
         attempt = 0
         try:
             while True:
+                job = entry.job
                 op = None if entry.stopped else await job.take(attempt)
                 if op is None:
                     if self._settle(entry):
@@ -148,7 +156,7 @@ class TaskRunner:
                     continue
                 try:
                     performed = await self._ready(entry, job, op) and await job.perform(op)
-                except _DependencyFailed as dep:
+                except Blocked as dep:
                     if self._settle(entry, failed=True):
                         raise dep.cause from None
                     continue
@@ -195,13 +203,10 @@ class TaskRunner:
                 return False
             if not waiting:
                 return True
-            here = [e for e in map(self.entry, waiting) if e is not None]
-            failed = next((e.failure for e in here if e.failure is not None), None)
-            if failed is not None:
-                raise _DependencyFailed(failed)
+            here = [w if isinstance(w, Entry) else self.entry(w) for w in waiting]
             polls += 1
             pause = job.poll.pause_s(polls)
-            running = [asyncio.wrap_future(e.future) for e in here if e.running()]
+            running = [asyncio.wrap_future(e.future) for e in here if e is not None and e.running()]
             if running:  # woken the moment one of them finishes here
                 await asyncio.wait(running, timeout=pause)
             else:
