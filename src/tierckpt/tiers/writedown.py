@@ -359,7 +359,7 @@ class WriteDown:
             return
 
         async def deferred() -> None:
-            await asyncio.wait([asyncio.wrap_future(previous.future)])
+            await previous.settled()
             try:
                 await run()
             except CheckpointError as exc:

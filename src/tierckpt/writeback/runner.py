@@ -89,6 +89,10 @@ class Entry(Generic[Op]):
     def running(self) -> bool:
         return not self.future.done()
 
+    async def settled(self) -> None:
+        """Wait (on any loop) until the task ends; what it ended with stays in :attr:`failure`."""
+        await asyncio.wait([_awaitable(self)])
+
     @property
     def failure(self) -> BaseException | None:
         """The failure that ended the task for good (``None``: running, succeeded, stopped or cancelled)."""
@@ -206,7 +210,7 @@ class TaskRunner:
             here = [w if isinstance(w, Entry) else self.entry(w) for w in waiting]
             polls += 1
             pause = job.poll.pause_s(polls)
-            running = [asyncio.wrap_future(e.future) for e in here if e is not None and e.running()]
+            running = [_awaitable(e) for e in here if e is not None and e.running()]
             if running:  # woken the moment one of them finishes here
                 await asyncio.wait(running, timeout=pause)
             else:
@@ -235,7 +239,7 @@ class TaskRunner:
 
     @staticmethod
     async def _wait_all(entries: list[Entry]) -> None:
-        futures = [asyncio.wrap_future(e.future) for e in entries if e.running()]
+        futures = [_awaitable(e) for e in entries if e.running()]
         if futures:
             await asyncio.wait(futures)
 
@@ -256,3 +260,11 @@ class TaskRunner:
         """The keys this process still runs (the exit drain's view), each with its last failure."""
         me = os.getpid()
         return sorted((Outstanding(str(e.key), me, e.error) for e in self.running()), key=lambda o: o.key)
+
+
+def _awaitable(entry: Entry) -> asyncio.Future[None]:
+    """``entry``'s future on the running loop, to wait on; its failure is read by whoever holds the entry,
+    so this copy marks it retrieved (no "exception was never retrieved" log when it is collected)."""
+    future = asyncio.wrap_future(entry.future)
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
