@@ -60,8 +60,11 @@ class _Upload:
     def __init__(self, store: UploadsMixin, key: str) -> None:
         self.store, self.key = store, key
         poll_s = store.config.poll_s
-        self.poll = RetryPolicy(first_s=poll_s, max_s=max(poll_s, 0.5))
-        """Other processes' uploads are checked every ``poll_s``; the remote, for other nodes' files, less often."""
+        self._node = RetryPolicy(first_s=poll_s, max_s=poll_s)
+        self._remote = RetryPolicy(first_s=max(poll_s, 0.5), max_s=max(poll_s, 0.5))
+        self.poll = self._node
+        """Set by :meth:`ready`: the node's other processes' uploads are checked every ``poll_s``; the
+        remote (for other nodes' files: a request each time) every 0.5 s at most."""
 
     async def take(self, attempt: int) -> PendingOp | None:
         """The key's pending op, claimed (``None``: none left, or another live process of the node has it)."""
@@ -76,7 +79,12 @@ class _Upload:
                 return rec
 
     async def ready(self, rec: PendingOp) -> set[tuple[str, str]] | None:
-        return await self.store._waits_for(self.key, rec)
+        waits = await self.store._waits_for(self.key, rec)
+        if waits is None:
+            return None
+        keys, on_remote = waits
+        self.poll = self._remote if on_remote else self._node
+        return keys
 
     async def perform(self, rec: PendingOp) -> bool:
         return await self.store._perform(self.key, rec)
@@ -119,8 +127,9 @@ class UploadsMixin:
             if rec.owner == me or not pid_alive(rec.owner):
                 self.schedule(key)
 
-    async def _waits_for(self, key: str, rec: PendingOp) -> set[tuple[str, str]] | None:
-        """What the op ``rec`` of ``key`` still waits for (runner keys; ``None``: it was superseded).
+    async def _waits_for(self, key: str, rec: PendingOp) -> tuple[set[tuple[str, str]], bool] | None:
+        """What the op ``rec`` of ``key`` still waits for (runner keys, and whether it is the remote that
+        is asked for them; ``None``: it was superseded).
 
         A put waits for nothing; a delete for every commit recorded before it. A commit for what its
         writer stated (``after``: keys and sizes); a record without it (an older writer) waits for
@@ -128,7 +137,7 @@ class UploadsMixin:
         the remote must hold each listed object with its size (ranks on other nodes upload through their
         own caches)."""
         if rec.op == Op.PUT:
-            return set()
+            return set(), False
         current = self.catalog.pending(self.rh, key)
         if current is None or current.ver != rec.ver:
             return None
@@ -136,7 +145,7 @@ class UploadsMixin:
             commits = {k: r for k, r in self.catalog.pending_under(self.rh).items()
                        if r.op == Op.COMMIT and r.ver < rec.ver}
             self._adopt(commits)
-            return {(self.rh, k) for k in commits}
+            return {(self.rh, k) for k in commits}, False
         after = None if rec.order is None else rec.order.after
         base = key.rpartition("/")[0]
         pending = self.catalog.pending_under(self.rh, f"{base}/" if base else "")
@@ -147,9 +156,9 @@ class UploadsMixin:
             raise StorageError(f"not uploaded: {self.uri_of(failed[0][0])} failed ({failed[0][1]})")
         if deps:
             self._adopt(deps)
-            return {(self.rh, k) for k in deps}
+            return {(self.rh, k) for k in deps}, False
         missing = None if after is None else await self._remote_lacks(after)
-        return set() if missing is None else {(self.rh, missing)}
+        return (set(), False) if missing is None else ({(self.rh, missing)}, True)
 
     async def _perform(self, key: str, rec: PendingOp) -> bool:
         """Apply one pending op to the remote (what it waits for is below); False if it was superseded."""

@@ -45,7 +45,8 @@ class Job(Protocol[Op]):
     retry: RetryPolicy
     """The pause after a transient failure."""
     poll: RetryPolicy
-    """The pause between two asks of :meth:`ready` while what the op waits for is elsewhere."""
+    """The pause between two asks of :meth:`ready` while what the op waits for is elsewhere (read after
+    each ask: a job may pace asking its node and asking a remote differently)."""
 
     async def take(self, attempt: int) -> Op | None:
         """The key's op to perform now, claimed in the journal for this process; ``None``: nothing left
