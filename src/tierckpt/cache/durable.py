@@ -175,10 +175,7 @@ class DurableMixin:
                 tail = self.uploader.tails.get((self.rh, key))
                 if tail is not None:
                     await self._drop_tail(key, tail)
-            tasks = [t for (rh, k), t in list(self.uploader.tasks.items()) if rh == self.rh and k in keys]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.uploader.runner.stop(lambda tkey: tkey[0] == self.rh and tkey[1] in keys, cancel=True)
 
         await asyncio.wrap_future(get_scheduler().submit(cancel()))
 
@@ -198,9 +195,6 @@ class DurableMixin:
             for (rh, key), tail in list(self.uploader.tails.items()):
                 if rh == self.rh:
                     await self._drop_tail(key, tail)
-            tasks = [t for (rh, _), t in list(self.uploader.tasks.items()) if rh == self.rh]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.uploader.runner.stop(lambda tkey: tkey[0] == self.rh, cancel=True)
 
         await asyncio.wrap_future(get_scheduler().submit(cancel()))

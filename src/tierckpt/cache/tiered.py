@@ -357,21 +357,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Lin
     async def _upload_settled(self, key: str) -> None:
         """Wait for this process's upload task of ``key``, if any, to finish."""
         tkey = (self.rh, key)
-
-        async def settle() -> None:
-            task = self.uploader.tasks.get(tkey)
-            if task is not None and task is not asyncio.current_task():
-                await asyncio.wait([task])
-
-        sched = get_scheduler()
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is sched.loop:
-            await settle()
-        else:
-            await asyncio.wrap_future(sched.submit(settle()))
+        await self.uploader.runner.settle(lambda k: k == tkey)
 
     async def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix``: on the remote, in this node's cache, and what stores rooted
@@ -399,13 +385,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Lin
             dropped = self.catalog.record_delete(rh, key, deferred=False)
             await asyncio.to_thread(self._unlink_dropped, key, dropped, rh)
         self.catalog.forget_generations(rh, "")
-
-        async def settle() -> None:
-            tasks = [t for (r, _), t in list(self.uploader.tasks.items()) if r == rh]
-            if tasks:
-                await asyncio.wait(tasks)
-
-        await asyncio.wrap_future(get_scheduler().submit(settle()))
+        await self.uploader.runner.settle(lambda tkey: tkey[0] == rh)
 
     async def close(self) -> None:
         """Nothing to release: uploads keep running in the background (see :meth:`wait_durable`)."""

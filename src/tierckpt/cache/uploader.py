@@ -1,20 +1,20 @@
 """The :class:`Uploader`: what this process has in flight through one node-cache directory.
 
 One per process and cache directory (:func:`tierckpt.store.uploader_of` keeps it and shares it between
-every store of that directory), it owns the directory's catalogue (LMDB allows one handle per process), the upload task of each pending key, the uploads that follow a file
-while it is written (``tail_upload``), the limit on concurrent uploads, the files already checked,
-and the exit drain's wait for them. Everything in it is touched on the I/O scheduler's loop, except
-the checked-files set, which has its own lock.
+every store of that directory), it owns the directory's catalogue (LMDB allows one handle per process),
+the engine's task runner of its uploads (:class:`~tierckpt.writeback.runner.TaskRunner`, one task per
+``(root hash, key)``), the uploads that follow a file while it is written (``tail_upload``), the limit on
+concurrent uploads, the files already checked, and the exit drain's wait for them. The tails and the
+slots are touched on the I/O scheduler's loop; the runner and the checked-files set are thread-safe.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import time
 
-from ..io.scheduler import get_scheduler
 from ..writeback.journal import Outstanding
+from ..writeback.runner import TaskRunner
 from .catalog import Catalog
 from .local_files import VerifiedFiles
 from .tail_upload import TailUpload
@@ -32,8 +32,8 @@ class Uploader:
         """The catalogue of the directory: this process's one handle on it (LMDB allows no second)."""
         self.upload_concurrency = upload_concurrency
         self.exit_wait_s = exit_wait_s
-        self.tasks: dict[tuple[str, str], asyncio.Task] = {}
-        """(root hash, key) -> the task uploading the key's pending op."""
+        self.runner = TaskRunner()
+        """The task uploading each pending op of this process, keyed by ``(root hash, key)``."""
         self.tails: dict[tuple[str, str], TailUpload] = {}
         """(root hash, key) -> the upload following the key's file while it is written."""
         self.verified = VerifiedFiles()
@@ -55,19 +55,7 @@ class Uploader:
         def mine() -> list[tuple[str, Outstanding]]:  # the journal protocol: what this process still owes
             return [(rh, o) for rh in catalog.roots() for o in catalog.outstanding(rh) if o.owner == me]
 
-        async def wait() -> None:
-            deadline = time.monotonic() + timeout_s
-            last, since = -1, time.monotonic()
-            while self.tasks and (left := deadline - time.monotonic()) > 0:
-                await asyncio.wait(list(self.tasks.values()), timeout=min(left, 0.5))
-                recs = mine()
-                if len(recs) != last:
-                    last, since = len(recs), time.monotonic()
-                elif any(r.error for _, r in recs) and time.monotonic() - since > EXIT_STALL_S:
-                    return  # failing, and nothing reached the remote for a while: report instead
-
-        if self.tasks:
-            get_scheduler().run(wait())
+        self.runner.wait(timeout_s, stall_s=EXIT_STALL_S)  # failing and stalled: report instead
         roots = catalog.roots()
         left: dict[str, list[Outstanding]] = {}
         for rh, rec in mine():

@@ -1,7 +1,8 @@
 """Uploads of the node cache's write-back journal (a mixin of :class:`~tierckpt.cache.tiered.TieredBackend`).
 
-Lifecycle of a pending op (on the I/O scheduler's loop, one task per key, owned by the store's
-:class:`~tierckpt.cache.uploader.Uploader`):
+The engine's task runner (:mod:`tierckpt.writeback.runner`, the :class:`~tierckpt.cache.uploader.Uploader`'s)
+runs one task per key; what is the cache's own is its job, :class:`_Upload`: the catalogue's record of
+the key is its journal, the record's op its action. Lifecycle of a pending op:
 
 1. :meth:`UploadsMixin.schedule` makes sure a task handles the key; it claims the catalogue's record.
 2. ``put``: the file is streamed to the remote (or the upload that followed it while it was written is
@@ -32,14 +33,11 @@ from ..backends.base import UNCONDITIONAL, Unconditional
 from ..comm import describe_error
 from ..errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError,
-    TransientStorageError,
 )
-from ..io.scheduled import set_background
-from ..io.scheduler import get_scheduler
 from ..writeback.copy import CopySource, copy_checked
 from ..writeback.journal import pid_alive
 from ..writeback.ledger import Tier
-from ..writeback.retry import UPLOAD
+from ..writeback.retry import UPLOAD, RetryPolicy
 from ..writeback.written import FileEntry
 from .records import Finish, GenState, Op, PendingOp
 
@@ -53,20 +51,74 @@ def is_mutable(key: str) -> bool:
     return key.rpartition("/")[2] == layout.COMMIT
 
 
+class _Upload:
+    """The node cache's job for one key on the engine's runner (:class:`~tierckpt.writeback.runner.Job`):
+    its journal is the store's catalogue record of the key, its action the record's op."""
+
+    retry = UPLOAD
+
+    def __init__(self, store: UploadsMixin, key: str) -> None:
+        self.store, self.key = store, key
+        poll_s = store.config.poll_s
+        self._node = RetryPolicy(first_s=poll_s, max_s=poll_s)
+        self._remote = RetryPolicy(first_s=max(poll_s, 0.5), max_s=max(poll_s, 0.5))
+        self.poll = self._node
+        """Set by :meth:`ready`: the node's other processes' uploads are checked every ``poll_s``; the
+        remote (for other nodes' files: a request each time) every 0.5 s at most."""
+
+    async def take(self, attempt: int) -> PendingOp | None:
+        """The key's pending op, claimed (``None``: none left, or another live process of the node has it)."""
+        catalog, rh = self.store.catalog, self.store.rh
+        while True:
+            rec = catalog.pending(rh, self.key)
+            if rec is None:
+                return None
+            if rec.owner != os.getpid() and pid_alive(rec.owner):
+                return None  # another live process on this node uploads it
+            if catalog.claim(rh, self.key, rec.ver):
+                return rec
+
+    async def ready(self, rec: PendingOp) -> set[tuple[str, str]] | None:
+        waits = await self.store._waits_for(self.key, rec)
+        if waits is None:
+            return None
+        keys, on_remote = waits
+        self.poll = self._remote if on_remote else self._node
+        return keys
+
+    async def perform(self, rec: PendingOp) -> bool:
+        return await self.store._perform(self.key, rec)
+
+    async def failed(self, rec: PendingOp, exc: Exception, retrying: bool, attempt: int) -> bool:
+        store = self.store
+        current = store.catalog.pending(store.rh, self.key)
+        if current is None or current.ver != rec.ver:
+            return False  # superseded while it was uploading (rewritten or deleted)
+        message = describe_error(exc) or ""
+        store.catalog.fail(store.rh, self.key, rec.ver, message, retrying=retrying)
+        logger.warning("upload of %s failed%s: %s", store.uri_of(self.key),
+                       f" (retrying in {self.retry.pause_s(attempt):.0f} s)" if retrying else "", message)
+        return True
+
+    async def done(self, rec: PendingOp) -> bool:
+        store, key = self.store, self.key
+        outcome = store.catalog.finish(store.rh, key, rec.ver)
+        if outcome == Finish.GONE and rec.op != Op.DELETE and store.catalog.obj(store.rh, key) is None:
+            try:  # deleted while it was uploading: do not leave it behind on the remote
+                await store.link.delete(key)
+            except CheckpointError as exc:
+                logger.warning("could not remove %s after a delete: %s", store.uri_of(key), exc)
+        return outcome == Finish.CHANGED
+
+
 class UploadsMixin:
-    """The upload engine of a tiered store; see the module docstring. It uses the store's ``catalog``,
+    """The upload actions of a tiered store; see the module docstring. It uses the store's ``catalog``,
     ``rh``, ``link`` (the remote behind its scheduling link), ``remote``, ``written``, ``config``,
     ``uploader`` and ``uri_of``/``get``/``_drop_tail``."""
 
     def schedule(self, key: str) -> None:
-        """Make sure an upload task of this process handles the pending op of ``key``."""
-        loop = get_scheduler().loop
-        loop.call_soon_threadsafe(self._ensure_task, key)
-
-    def _ensure_task(self, key: str) -> None:
-        tkey = (self.rh, key)
-        if tkey not in self.uploader.tasks:
-            self.uploader.tasks[tkey] = asyncio.get_running_loop().create_task(self._drain(key, tkey))
+        """Make sure an upload task of this process handles the pending op of ``key`` (from any thread)."""
+        self.uploader.runner.ensure((self.rh, key), _Upload(self, key))
 
     def _adopt(self, records: dict[str, PendingOp]) -> None:
         """Schedule ops whose owner is this process or dead (a crashed save)."""
@@ -75,55 +127,41 @@ class UploadsMixin:
             if rec.owner == me or not pid_alive(rec.owner):
                 self.schedule(key)
 
-    async def _drain(self, key: str, tkey: tuple[str, str]) -> None:
-        """Upload the pending op of ``key`` (and any that replaces it meanwhile). A transient failure
-        (an outage) is recorded and retried with a growing pause, so write-back covers an outage; any
-        other failure is recorded and ends the task (``sync`` retries it, ``sync --drop`` discards it)."""
-        attempt = 1
-        set_background()  # this task's remote calls queue behind loads
-        try:
-            while True:
-                rec = self.catalog.pending(self.rh, key)
-                if rec is None:
-                    return
-                if rec.owner != os.getpid() and pid_alive(rec.owner):
-                    return  # another live process on this node uploads it
-                if not self.catalog.claim(self.rh, key, rec.ver):
-                    continue
-                try:
-                    performed = await self._perform(key, rec)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - recorded; wait()/sync() report it
-                    current = self.catalog.pending(self.rh, key)
-                    if current is None or current.ver != rec.ver:
-                        continue  # superseded while it was uploading (rewritten or deleted)
-                    message = describe_error(exc)
-                    retrying = isinstance(exc, TransientStorageError)
-                    self.catalog.fail(self.rh, key, rec.ver, message, retrying=retrying)
-                    logger.warning("upload of %s failed%s: %s", self.uri_of(key),
-                                   f" (retrying in {UPLOAD.pause_s(attempt):.0f} s)" if retrying else "", message)
-                    if not retrying:
-                        return
-                    await UPLOAD.wait(attempt)
-                    attempt += 1
-                    continue
-                if not performed:
-                    continue
-                outcome = self.catalog.finish(self.rh, key, rec.ver)
-                if outcome == Finish.GONE and rec.op != Op.DELETE and self.catalog.obj(self.rh, key) is None:
-                    try:  # deleted while it was uploading: do not leave it behind on the remote
-                        await self.link.delete(key)
-                    except CheckpointError as exc:
-                        logger.warning("could not remove %s after a delete: %s", self.uri_of(key), exc)
-                if outcome != Finish.CHANGED:
-                    return
-        finally:
-            if self.uploader.tasks.get(tkey) is asyncio.current_task():
-                del self.uploader.tasks[tkey]
+    async def _waits_for(self, key: str, rec: PendingOp) -> tuple[set[tuple[str, str]], bool] | None:
+        """What the op ``rec`` of ``key`` still waits for (runner keys, and whether it is the remote that
+        is asked for them; ``None``: it was superseded).
+
+        A put waits for nothing; a delete for every commit recorded before it. A commit for what its
+        writer stated (``after``: keys and sizes); a record without it (an older writer) waits for
+        everything pending under its directory. Objects pending in this node's catalogue go first; then
+        the remote must hold each listed object with its size (ranks on other nodes upload through their
+        own caches)."""
+        if rec.op == Op.PUT:
+            return set(), False
+        current = self.catalog.pending(self.rh, key)
+        if current is None or current.ver != rec.ver:
+            return None
+        if rec.op == Op.DELETE:
+            commits = {k: r for k, r in self.catalog.pending_under(self.rh).items()
+                       if r.op == Op.COMMIT and r.ver < rec.ver}
+            self._adopt(commits)
+            return {(self.rh, k) for k in commits}, False
+        after = None if rec.order is None else rec.order.after
+        base = key.rpartition("/")[0]
+        pending = self.catalog.pending_under(self.rh, f"{base}/" if base else "")
+        deps = {k: r for k, r in pending.items()
+                if k != key and r.op != Op.DELETE and not is_mutable(k) and (after is None or k in after)}
+        failed = sorted((k, r.error) for k, r in deps.items() if r.error and not r.retrying)
+        if failed:
+            raise StorageError(f"not uploaded: {self.uri_of(failed[0][0])} failed ({failed[0][1]})")
+        if deps:
+            self._adopt(deps)
+            return {(self.rh, k) for k in deps}, False
+        missing = None if after is None else await self._remote_lacks(after)
+        return (set(), False) if missing is None else ({(self.rh, missing)}, True)
 
     async def _perform(self, key: str, rec: PendingOp) -> bool:
-        """Apply one pending op to the remote; False if it was superseded while waiting."""
+        """Apply one pending op to the remote (what it waits for is below); False if it was superseded."""
         if rec.op == Op.PUT:
             if await self._complete_tail(key, rec):
                 return True
@@ -131,24 +169,12 @@ class UploadsMixin:
                 await self.link.call("upload", self._upload_file, key, rec, nbytes=rec.size)
             return True
         if rec.op == Op.COMMIT:
-            if not await self._wait_for_generation(key, rec):
-                return False
             data = await self.written.get(key)
             obj = self.catalog.obj(self.rh, key)
             if obj is None or crc32c.crc32c(data) != obj.crc:
                 return False  # rewritten meanwhile
             await self.link.call("commit", self._upload_commit, key, data, rec, nbytes=len(data))
             return True
-        while True:  # delete: after every commit recorded before it
-            current = self.catalog.pending(self.rh, key)
-            if current is None or current.ver != rec.ver:
-                return False
-            commits = {k: r for k, r in self.catalog.pending_under(self.rh).items()
-                       if r.op == Op.COMMIT and r.ver < rec.ver}
-            if not commits:
-                break
-            self._adopt(commits)
-            await asyncio.sleep(self.config.poll_s)
         await self.link.delete(key)
         return True
 
@@ -231,44 +257,19 @@ class UploadsMixin:
             "Save the checkpoint again"
         )
 
-    async def _wait_for_generation(self, key: str, rec: PendingOp) -> bool:
-        """Wait until what a commit depends on is on the remote; ``False`` if it was superseded meanwhile.
-
-        The writer stated it (``after``: keys and sizes); a record without it (an older writer) waits for
-        everything pending under its directory. Objects pending in this node's catalogue go first; then
-        the remote must hold each listed object with its size (ranks on other nodes upload through their
-        own caches)."""
-        after = None if rec.order is None else rec.order.after
-        base = key.rpartition("/")[0]
-        prefix = f"{base}/" if base else ""
-        while True:
-            current = self.catalog.pending(self.rh, key)
-            if current is None or current.ver != rec.ver:
-                return False
-            pending = self.catalog.pending_under(self.rh, prefix)
-            deps = {k: r for k, r in pending.items()
-                    if k != key and r.op != Op.DELETE and not is_mutable(k) and (after is None or k in after)}
-            failed = sorted((k, r.error) for k, r in deps.items() if r.error and not r.retrying)
-            if failed:
-                raise StorageError(f"not uploaded: {self.uri_of(failed[0][0])} failed ({failed[0][1]})")
-            if not deps and (after is None or await self._remote_has_all(after)):
-                return True
-            self._adopt(deps)
-            await asyncio.sleep(self.config.poll_s if deps else max(self.config.poll_s, 0.5))
-
-    async def _remote_has_all(self, after: Mapping[str, int | None]) -> bool:
-        """Whether the remote holds every object of ``after`` (with its size where given)."""
+    async def _remote_lacks(self, after: Mapping[str, int | None]) -> str | None:
+        """An object of ``after`` the remote does not hold (with its size where given) yet; ``None``: none."""
         for k, size in sorted(after.items()):
             if k in self._files_checked:
                 continue
             try:
                 actual = await self.link.size(k)
             except CheckpointNotFoundError:
-                return False  # not there yet (a rank on another node still uploads it)
+                return k  # not there yet (a rank on another node still uploads it)
             if size is not None and actual != size:
-                return False
+                return k
             self._files_checked.add(k)
-        return True
+        return None
 
 
 def _size_or_none(path: str) -> int | None:

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from ..errors import CheckpointError
 from ..writeback import drain as exit_drain
+from ..writeback.runner import TaskRunner
 from .config import DIR_ENV
 from .linkview import LinkView
 
@@ -23,10 +24,11 @@ class Writing(Protocol):
     """What the drain sees of a write-down."""
 
     link: LinkView
-    failures: dict[str, tuple[str, bool]]
+    runner: TaskRunner
+    """Its tasks: what it still runs (:meth:`~tierckpt.writeback.runner.TaskRunner.outstanding`) is the drain's view."""
 
     def pending(self) -> list[concurrent.futures.Future[None]]:
-        """Its jobs not done yet."""
+        """Its tasks not done yet, and the deletes waiting for them."""
 
 
 ACTIVE: weakref.WeakSet[Writing] = weakref.WeakSet()
@@ -62,7 +64,7 @@ def drain(timeout_s: float) -> list[str]:
         left = w.pending()
         if not left:
             continue
-        errors = [why for why, _ in w.failures.values()]
+        errors = [o.error for o in w.runner.outstanding() if o.error]
         why = f"failing: {errors[0]}" if errors else "not finished"
         lines.append(
             f"tierckpt: {len(left)} write-down(s) of {w.link.memory_tier.uri} from the node memory tier did not "

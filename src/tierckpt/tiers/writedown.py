@@ -1,8 +1,10 @@
 """The write-down of a :class:`~.link.MemoryLink`: this process's copies from the memory tier to the chain below.
 
-Every file the link puts into the tier is copied down by a background task on the I/O scheduler's
-loop (:meth:`WriteDown.file`), retried through outages. A ``COMMIT`` committed in the tier is committed
-below by one task per commit (:meth:`WriteDown.commit`), in the order of the commits: it seals the
+Both run on the engine's task runner (:mod:`tierckpt.writeback.runner`), as jobs whose journal is the
+tier's write-down log. Every file the link puts into the tier is copied down by a background task on
+the I/O scheduler's loop (:meth:`WriteDown.file`, :class:`_FileCopy`), retried through outages. A
+``COMMIT`` committed in the tier is committed below by one task per commit (:meth:`WriteDown.commit`,
+:class:`_CommitDown`), in the order of the commits: it seals the
 generation's manifest, waits until every file the commit depends on is below (this process's copies;
 copies of the node's other processes, taken over when their process is gone; other nodes' files,
 asked of the chain below), then commits there as a compare-and-swap against the base the saver gave.
@@ -20,7 +22,7 @@ import concurrent.futures
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 
 from ..backends.base import Unconditional
 from ..comm import describe_error
@@ -30,13 +32,13 @@ from ..errors import (
     TransientStorageError,
 )
 from ..io.calls import Waiting
-from ..io.scheduled import set_background
 from ..io.scheduler import get_scheduler
 from ..layout import COMMIT, CommitRecord
 from .commitbelow import CATCH_UP, commit_below
 from .copydown import copy_down
 from ..writeback.durability import durability_of
-from ..writeback.retry import WRITE_DOWN
+from ..writeback.retry import WRITE_DOWN, RetryPolicy
+from ..writeback.runner import Blocked, Entry, TaskRunner
 from .downlog import PERSIST, generation_of
 from .downdrain import ACTIVE as _ACTIVE, ACTIVE_LOCK as _ACTIVE_LOCK, MEMORY_ONLY as _MEMORY_ONLY, sync_command
 from .linkview import LinkView
@@ -54,20 +56,133 @@ REPLICA_TAKEOVER_S = 30.0
 """How long the write-down of a ``COMMIT`` waits for another node's files it holds replicas of to appear
 below before it copies them itself."""
 
-_LAST_COMMIT: dict[str, _Job] = {}
+_LAST_COMMIT: dict[str, Entry] = {}
 """Tier home -> this process's newest COMMIT write-down of it, whichever link made it: commits go down in
 the order they were made, even when each save opened its own store."""
 
 
-class _Job:
-    """One write-down task; ``dropped`` tells it to stop before its next attempt (its key was deleted)."""
+class _Down:
+    """What a file's copy and a commit's share as jobs on the engine's runner: the tier's log is their
+    journal (``start`` once, ``error``/``failed`` per failure, ``done``), retried by ``WRITE_DOWN``."""
 
-    def __init__(self) -> None:
-        self.dropped = False
-        self.future: concurrent.futures.Future[None] = concurrent.futures.Future()
+    retry = WRITE_DOWN
+    poll = RetryPolicy(first_s=_POLL_S / 2, max_s=_ENSURE_POLL_MAX_S)
+    """While a commit waits for what the chain below must hold first: other nodes' files take a while."""
 
-    def done(self) -> bool:
-        return self.future.done()
+    def __init__(self, writedown: WriteDown, key: str, generation: str) -> None:
+        self.writedown, self.key, self.generation = writedown, key, generation
+
+    async def take(self, attempt: int) -> str | None:
+        """The key, unless a retry finds it below already (another process, a sync, got it down)."""
+        if attempt and self.key in (await asyncio.to_thread(self.writedown.link.down.state, self.generation)).done:
+            self._forget_failure()
+            return None
+        return self.key
+
+    async def failed(self, op: str, exc: Exception, retrying: bool, attempt: int) -> bool:
+        """Log it (one ``O_APPEND`` write to tmpfs, made on the loop: cheaper than a thread hop)."""
+        why = describe_error(exc) or ""
+        self.writedown.failures[self.key] = (why, not retrying)
+        if isinstance(exc, CorruptCheckpointError):
+            self.writedown.corrupt[self.key] = exc
+        self.writedown.link.down.append(self.generation, "error" if retrying else "failed", self.key, why)
+        return True
+
+    async def done(self, op: str) -> bool:
+        self.writedown.link.down.append(self.generation, "done", self.key)
+        self._forget_failure()
+        return False
+
+    def _forget_failure(self) -> None:
+        self.writedown.failures.pop(self.key, None)
+        self.writedown.corrupt.pop(self.key, None)
+
+
+class _FileCopy(_Down):
+    """A tier file copied down (:func:`.copydown.copy_down`); it waits for nothing."""
+
+    def __init__(self, writedown: WriteDown, key: str) -> None:
+        super().__init__(writedown, key, generation_of(key) or "")
+
+    async def take(self, attempt: int) -> str | None:
+        if not attempt:
+            self.writedown.link.down.append(self.generation, "start", self.key)
+        return await super().take(attempt)
+
+    async def ready(self, op: str) -> tuple[()]:
+        return ()
+
+    async def perform(self, op: str) -> bool:
+        await self.writedown._copy(self.key)
+        return True
+
+
+class _CommitDown(_Down):
+    """A ``COMMIT`` committed below, after the commit made before it and every file it depends on."""
+
+    def __init__(self, writedown: WriteDown, data: bytes, record: CommitRecord,
+                 expected: bytes | None | Unconditional | object, after: Mapping[str, int | None] | None,
+                 previous: Entry | None) -> None:
+        super().__init__(writedown, COMMIT, record.generation)
+        self.data, self.record, self.expected, self.after, self.previous = data, record, expected, after, previous
+        self.need: dict[str, int | None] = {}
+        """The keys the chain below must hold first (key -> size, ``None``: unknown)."""
+        self.pending: set[str] | None = None
+        """Those not known to be below yet (``None``: not sealed yet); empty once it may go."""
+        self.takeover_at = 0.0
+
+    async def ready(self, op: str) -> set[Hashable] | None:
+        if self.previous is not None and self.previous.running():
+            return {self.previous}  # in the order they were made
+        if self.pending is None:
+            tier = self.writedown.link.memory_tier
+            await self.writedown.link.seal(self.generation)
+            self.need = dict.fromkeys(await asyncio.to_thread(tier.keys_of, self.generation))
+            self.need.update(self.after or {})
+            self.pending = set(self.need)
+            self.takeover_at = time.monotonic() + REPLICA_TAKEOVER_S
+        if self.pending:
+            await self._check_below()
+            if not self.pending:  # its attempts begin
+                self.writedown.link.down.append(self.generation, "start", COMMIT)
+        return set(self.pending)
+
+    async def _check_below(self) -> None:
+        """One look at what the chain below holds of :attr:`pending`.
+
+        A file of this node that no live process copies is copied here (its process is gone). A replica
+        another node sent is that node's to write down: it is copied here only if it is still not below
+        :data:`REPLICA_TAKEOVER_S` after the wait began (its node is likely lost)."""
+        assert self.pending is not None
+        wd = self.writedown
+        below, tier, down, generation = wd.link.below, wd.link.memory_tier, wd.link.down, self.generation
+        write_back = durability_of(below) is not None  # its own commit waits for what other nodes write
+        state = await asyncio.to_thread(down.state, generation)
+        replicas = () if time.monotonic() > self.takeover_at else await asyncio.to_thread(
+            down.replicas, generation, wd.link.origin)
+        for key in sorted(self.pending):
+            entry = wd.runner.entry(key)
+            if key in state.done:
+                self.pending.discard(key)
+            elif entry is not None and entry.failure is not None:
+                raise Blocked(entry.failure)
+            elif entry is not None or key in state.busy:
+                continue
+            elif key not in replicas and os.path.isfile(tier.path_of(key)):
+                wd.file(key)  # the node's process that wrote it is gone (or its node): copy it here
+            elif write_back:
+                self.pending.discard(key)
+            else:
+                try:
+                    size = await below.size(key)
+                except CheckpointNotFoundError:
+                    continue
+                if self.need[key] is None or size == self.need[key]:
+                    self.pending.discard(key)
+
+    async def perform(self, op: str) -> bool:
+        await self.writedown.commit_below(self.data, self.record, self.expected, self.after)
+        return True
 
 
 class WriteDown:
@@ -75,8 +190,8 @@ class WriteDown:
 
     def __init__(self, link: LinkView) -> None:
         self.link = link
-        self.files: dict[str, _Job] = {}
-        self.commits: dict[str, _Job] = {}
+        self.runner = TaskRunner()
+        """One task per file (keyed by the file's key) and per commit (``(COMMIT, generation)``)."""
         self.deferred: list[concurrent.futures.Future[None]] = []
         self.failures: dict[str, tuple[str, bool]] = {}
         """key -> (why its copy failed, whether for good); cleared when it succeeds."""
@@ -86,20 +201,17 @@ class WriteDown:
             _ACTIVE.add(self)
 
     # -- starting --------------------------------------------------------------------------------------
-    def file(self, key: str) -> _Job:
-        job = self.files[key] = _Job()
-        job.future = get_scheduler().submit(self._file(key, job), background=True)
-        return job
+    def file(self, key: str) -> Entry:
+        return self.runner.ensure(key, _FileCopy(self, key))
 
     def commit(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
                after: Mapping[str, int | None] | None) -> None:
-        job = _Job()
-        home = self.link.memory_tier.home
+        home, key = self.link.memory_tier.home, (COMMIT, record.generation)
         with _ACTIVE_LOCK:
             previous = _LAST_COMMIT.get(home)
-            _LAST_COMMIT[home] = job
-        job.future = get_scheduler().submit(self._commit(data, record, expected, after, previous, job), background=True)
-        self.commits[record.generation] = job
+            if previous is not None and previous is self.runner.entry(key):
+                previous = None  # the same generation's commit again: it supersedes that one
+            _LAST_COMMIT[home] = self.runner.ensure(key, _CommitDown(self, data, record, expected, after, previous))
 
     def held_in_memory(self, generation: str) -> None:
         """``generation`` was committed in the tier to stay there only (``persist=False``)."""
@@ -111,99 +223,11 @@ class WriteDown:
         return _writedowns(self.link.memory_tier.home)
 
     def pending(self) -> list[concurrent.futures.Future[None]]:
-        jobs = [j.future for j in (*self.files.values(), *self.commits.values())]
-        return [f for f in (*jobs, *self.deferred) if not f.done()]
-
-    # -- files -----------------------------------------------------------------------------------------
-    async def _retrying(self, key: str, generation: str, step: Callable[[], Awaitable[None]], job: _Job) -> None:
-        """Run ``step`` until it succeeds (or the job is dropped), pausing by the engine's retry rule
-        (:data:`~tierckpt.writeback.retry.WRITE_DOWN`) and logging the start, each failure and the end in
-        the tier's log (one ``O_APPEND`` write to tmpfs each, made on the loop: cheaper than a thread hop)."""
-        down = self.link.down
-        down.append(generation, "start", key)
-        attempt = 0
-        while not job.dropped:
-            attempt += 1
-            try:
-                await step()
-            except TransientStorageError as exc:
-                self.failures[key] = (describe_error(exc), False)
-                down.append(generation, "error", key, describe_error(exc))
-                await WRITE_DOWN.wait(attempt)
-                if key in (await asyncio.to_thread(down.state, generation)).done:
-                    break  # another process (a sync) got it down meanwhile
-                continue
-            except CheckpointError as exc:
-                self.failures[key] = (describe_error(exc), True)
-                if isinstance(exc, CorruptCheckpointError):
-                    self.corrupt[key] = exc
-                down.append(generation, "failed", key, describe_error(exc))
-                raise
-            down.append(generation, "done", key)
-            break
-        self.failures.pop(key, None)
-        self.corrupt.pop(key, None)
-
-    async def _file(self, key: str, job: _Job) -> None:
-        set_background()
-        await self._retrying(key, generation_of(key) or "", lambda: self._copy(key), job)
+        return [e.future for e in self.runner.running()] + [f for f in self.deferred if not f.done()]
 
     async def _copy(self, key: str) -> None:
+        """Copy the tier's ``key`` below (:func:`.copydown.copy_down`): the action of a file's job."""
         await copy_down(self.link.memory_tier, self.link.below, key)
-
-    # -- commits ---------------------------------------------------------------------------------------
-    async def _commit(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
-                      after: Mapping[str, int | None] | None, previous: _Job | None, job: _Job) -> None:
-        set_background()
-        while previous is not None and not previous.done() and not job.dropped:  # in the order they were made
-            await asyncio.wait([asyncio.wrap_future(previous.future)], timeout=_POLL_S)
-        if job.dropped:
-            return
-        tier, generation = self.link.memory_tier, record.generation
-        await self.link.seal(generation)
-        need: dict[str, int | None] = dict.fromkeys(await asyncio.to_thread(tier.keys_of, generation))
-        need.update(after or {})
-        await self._ensure_below(generation, need, job)
-        await self._retrying(COMMIT, generation, lambda: self.commit_below(data, record, expected, after), job)
-
-    async def _ensure_below(self, generation: str, need: dict[str, int | None], job_of_commit: _Job) -> None:
-        """Wait until the chain below holds every key of ``need`` (key -> size, ``None``: unknown).
-
-        A file of this node that no live process copies is copied here (its process is gone). A replica
-        another node sent is that node's to write down: it is copied here only if it is still not below
-        :data:`REPLICA_TAKEOVER_S` after the wait began (its node is likely lost)."""
-        below, tier, down = self.link.below, self.link.memory_tier, self.link.down
-        write_back = durability_of(below) is not None  # its own commit waits for what other nodes write
-        pending = set(need)
-        takeover_at = time.monotonic() + REPLICA_TAKEOVER_S
-        pause = _POLL_S / 2
-        while pending and not job_of_commit.dropped:
-            state = await asyncio.to_thread(down.state, generation)
-            replicas = () if time.monotonic() > takeover_at else await asyncio.to_thread(
-                down.replicas, generation, self.link.origin)
-            for key in sorted(pending):
-                job = self.files.get(key)
-                if key in state.done:
-                    pending.discard(key)
-                elif job is not None and job.done():
-                    job.future.result()  # raises its failure
-                    pending.discard(key)
-                elif job is not None or key in state.busy:
-                    continue
-                elif key not in replicas and os.path.isfile(tier.path_of(key)):
-                    self.file(key)  # the node's process that wrote it is gone (or its node): copy it here
-                elif write_back:
-                    pending.discard(key)
-                else:
-                    try:
-                        size = await below.size(key)
-                    except CheckpointNotFoundError:
-                        continue
-                    if need[key] is None or size == need[key]:
-                        pending.discard(key)
-            if pending:  # other nodes' files may take a while: ask below less and less often
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, _ENSURE_POLL_MAX_S)
 
     async def commit_below(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
                             after: Mapping[str, int | None] | None) -> None:
@@ -229,15 +253,12 @@ class WriteDown:
         while True:
             waiting.note(lambda: f"the write-down of {link.memory_tier.uri} from the node memory tier"
                          + (f" (failing, retried: {min(self.failures.values())[0]})" if self.failures else ""))
-            mine = [k for k in self.files if name is None or generation_of(k) == name]
-            jobs = [self.files[k].future for k in mine]
-            if commit:
-                jobs += [j.future for g, j in self.commits.items() if name is None or g == name]
+            jobs = self.runner.entries(lambda k: _of(k, name, commits=commit))
             failed = {k: why for k, (why, final) in self.failures.items()
                       if (name is None or generation_of(k) == name or k == COMMIT) and (final or not through_outage)}
             for job in jobs:
-                if job.done() and not job.cancelled() and job.exception() is not None:
-                    failed.setdefault(name or COMMIT, describe_error(job.exception()))
+                if job.failure is not None:
+                    failed.setdefault(name or COMMIT, describe_error(job.failure))
             corrupt = sorted((k, e) for k, e in self.corrupt.items() if name is None or generation_of(k) == name)
             if corrupt:  # a tier file that differs from its save: no fix of the storage helps
                 raise CorruptCheckpointError(
@@ -249,7 +270,7 @@ class WriteDown:
                     f"writing {link.uri_of(key)} down from the node memory tier failed ({why}); the checkpoint is "
                     f"committed in this node's memory only. Fix the storage, then run: {sync_command(link)}"
                 )
-            left = [j for j in jobs if not j.done()]
+            left = [j for j in jobs if j.running()]
             if not left and (not commit or name is None or await self._node_files_below(name)):
                 return
             if deadline is not None and time.monotonic() > deadline:
@@ -290,9 +311,9 @@ class WriteDown:
             await asyncio.to_thread(down.append, generation, PERSIST, generation)
             self.link.memory_only.discard(generation)
         for key in await asyncio.to_thread(down.pending, generation, state):
-            if key != COMMIT and key not in state.busy and not _running(self.files.get(key)):
+            if key != COMMIT and key not in state.busy and not _running(self.runner.entry(key)):
                 self.file(key)
-        if COMMIT not in state.done and COMMIT not in state.busy and not _running(self.commits.get(generation)):
+        if COMMIT not in state.done and COMMIT not in state.busy and not _running(self.runner.entry((COMMIT, generation))):
             data = read_capped(tier.path_of(COMMIT), MAX_RECORD_BYTES)
             if CommitRecord.decode(data).generation == generation:
                 self.commit(data, record, CATCH_UP, None)
@@ -304,23 +325,17 @@ class WriteDown:
         store of the URI: no new attempt starts, and the one in flight is waited for (so nothing lands
         below after a delete)."""
 
-        def hit(key: str) -> bool:
-            return key == what if exact else key.startswith(what)
+        def hit(key: Hashable) -> bool:
+            if isinstance(key, tuple):  # a commit's: (COMMIT, generation)
+                return not exact and f"{key[1]}/".startswith(what)
+            return key == what if exact else str(key).startswith(what)
 
         peers = self._same_tier()
-        jobs = [j for w in peers for k, j in w.files.items() if hit(k)]
-        jobs += [j for w in peers for g, j in w.commits.items() if not exact and hit(f"{g}/")]
-        for job in jobs:
-            job.dropped = True
-        if jobs:
-            await asyncio.wait([asyncio.wrap_future(j.future) for j in jobs])
+        await asyncio.gather(*(w.runner.stop(hit) for w in peers))
         for w in peers:
-            for key in [k for k in w.files if hit(k)]:
-                del w.files[key]
+            for key in [k for k in w.failures if hit(k)]:
                 w.failures.pop(key, None)
                 w.corrupt.pop(key, None)
-            for gen in [g for g in w.commits if not exact and hit(f"{g}/")]:
-                del w.commits[gen]
 
     async def after_commits(self, step: Callable[[], Awaitable[None]], *, superseded: str | None = None) -> None:
         """Run ``step`` (a delete below) now, or after the pending ``COMMIT`` write-down when there is one.
@@ -332,20 +347,19 @@ class WriteDown:
             previous = _LAST_COMMIT.get(self.link.memory_tier.home)
 
         async def run() -> None:
-            failed = superseded is not None and previous is not None and not previous.future.cancelled() \
-                and previous.future.exception()
+            failed = superseded is not None and previous is not None and previous.failure
             if failed:
                 log.warning("%s: generation %s is kept below: the write-down of the newer COMMIT failed (%s)",
                             self.link.memory_tier.uri, superseded, describe_error(failed))
                 return
             await step()
 
-        if previous is None or previous.done():
+        if previous is None or not previous.running():
             await run()
             return
 
         async def deferred() -> None:
-            await asyncio.wait([asyncio.wrap_future(previous.future)])
+            await previous.settled()
             try:
                 await run()
             except CheckpointError as exc:
@@ -358,14 +372,8 @@ async def drop_tier(home: str) -> None:
     """Stop every write-down of this process from the tier at ``home`` (its URI is being deleted) and
     wait for the attempts in flight."""
     peers = _writedowns(home)
-    jobs = [j for w in peers for j in (*w.files.values(), *w.commits.values())]
-    for job in jobs:
-        job.dropped = True
-    if jobs:
-        await asyncio.wait([asyncio.wrap_future(j.future) for j in jobs])
+    await asyncio.gather(*(w.runner.stop(lambda _key: True) for w in peers))
     for w in peers:
-        w.files.clear()
-        w.commits.clear()
         w.failures.clear()
         w.corrupt.clear()
 
@@ -376,8 +384,16 @@ def _writedowns(home: str) -> list[WriteDown]:
         return [w for w in _ACTIVE if isinstance(w, WriteDown) and w.link.memory_tier.home == home]
 
 
-def _running(job: _Job | None) -> bool:
-    return job is not None and not job.done()
+def _running(entry: Entry | None) -> bool:
+    return entry is not None and entry.running()
+
+
+def _of(key: Hashable, generation: str | None, *, commits: bool) -> bool:
+    """Whether the runner key ``key`` is a file of ``generation`` (``None``: any) or, with ``commits``,
+    its commit."""
+    if isinstance(key, tuple):
+        return commits and (generation is None or key[1] == generation)
+    return generation is None or generation_of(str(key)) == generation
 
 
 def _forget_after_fork() -> None:

@@ -20,6 +20,8 @@ Each link is configured on the engine's shared parts, which live here:
 * :mod:`.copy`: the one checked copy of a file down a link (:func:`~.copy.copy_checked`), kernel-side into
   a :class:`~.copy.FileSink`; both links' copies down go through it.
 * :mod:`.retry`: the one retry rule (:class:`~.retry.RetryPolicy`) pacing both links' attempts.
+* :mod:`.runner`: the one task runner (:class:`~.runner.TaskRunner`): both links' write-behind tasks,
+  one per key, each link plugging in its journal and its op's action as a :class:`~.runner.Job`.
 
 The engine imports neither link package; they import it (``cache`` and ``tiers`` never import each other).
 """
