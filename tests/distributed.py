@@ -1,8 +1,10 @@
 """A pool of real torch.distributed (gloo) worker processes for multi-rank tests.
 
-Starting Python + torch in a fresh process costs seconds, so the pool spawns ``world_size`` workers
+Starting Python + torch in a fresh process costs seconds, so the pool starts ``world_size`` workers
 once per test session, joins them in one gloo group, and runs each scenario (a top-level, picklable
-function) on every rank. Scenarios that need fewer ranks use :func:`subgroup`. A scenario that
+function) on every rank. Workers are forked from a ``forkserver`` that has imported torch once (a
+fresh interpreter per worker paid that import on every rank, and again at every restart), and leave
+with ``os._exit`` once their group is destroyed (tearing down torch's modules at exit took as long). Scenarios that need fewer ranks use :func:`subgroup`. A scenario that
 fails on any rank raises in the test with every rank's traceback; one that hangs is killed at its
 timeout and the pool is restarted for the next test.
 """
@@ -19,6 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 _GROUPS: dict[tuple[int, ...], Any] = {}
+
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor"]
+"""Imported once by the forkserver the workers are forked from (no threads are started by these imports)."""
 
 
 def free_port() -> int:
@@ -47,6 +52,9 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
         except BaseException:  # noqa: BLE001 - reported to the test
             results.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
+    results.close()
+    results.join_thread()  # every result is in the pipe before the process goes
+    os._exit(0)
 
 
 def subgroup(size: int) -> Any | None:
@@ -65,7 +73,8 @@ class WorkerPool:
         self._procs: list[Any] = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
         port = free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
@@ -73,8 +82,14 @@ class WorkerPool:
             ctx.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results), daemon=True)
             for r in range(self.world_size)
         ]
-        for p in self._procs:
-            p.start()
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # the forkserver (started by the first start) imports torch
+        try:
+            for p in self._procs:
+                p.start()
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 180) -> list[Any]:
         """Run ``fn(*args)`` on every rank; return the per-rank results."""
