@@ -119,9 +119,6 @@ def generations(uri: str) -> list[str]:
 
 
 def race(uri: str, role: int, rounds: int, gates: Path) -> None:
-    # No load races these saves' sweeps (each round's check loads after both jobs waited for theirs): the
-    # sweep runs at once instead of a grace of tierckpt.cleanup.GRACE_S later (a second per round).
-    cleanup.GRACE_S = 0.0
     barrier = BaseReadBarrier(gates, role)
     for r in range(rounds):
         value = 1000 * (r + 1) + role
