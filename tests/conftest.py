@@ -26,6 +26,16 @@ def _reset_memory_backends() -> Iterator[None]:
     reset_memory_stores()
 
 
+@pytest.fixture
+def no_sweep_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sweeps of superseded generations run at once after their commit, not :data:`tierckpt.cleanup.GRACE_S`
+    later: for tests where no load races the sweep and ``cleanup.wait_pending()`` would only wait out the
+    grace (what a sweep deletes is decided by commit sequences, never by the clock)."""
+    from tierckpt import cleanup
+
+    monkeypatch.setattr(cleanup, "GRACE_S", 0.0)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:

@@ -20,6 +20,10 @@ from tierckpt.errors import (
 )
 from tierckpt.loader import read_checkpoint
 
+# Every save here is followed by loads in the same thread, never raced: superseded generations are swept at
+# once, and the tests that wait for the sweeps do not wait out the grace for racing loads.
+pytestmark = pytest.mark.usefixtures("no_sweep_grace")
+
 
 class Custom:
     """A user class: torch.load(weights_only=True) cannot rebuild it, so it is stored as a pickle."""

@@ -224,8 +224,10 @@ def test_missing_rank_times_out(tmp_path: Path) -> None:
 
     from conftest import free_port
 
+    # Forked from the session's forkserver (torch imported there once when the worker pool started it); the
+    # workers leave with os._exit either way.
     ctx = tmp.start_processes(
-        _collective_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn",
+        _collective_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=False, start_method="forkserver",
     )
     report = tmp_path / "rank0.txt"
     deadline = time.monotonic() + GROUP_TIMEOUT_S + 20  # start-up (spawn + import torch) is included

@@ -74,7 +74,7 @@ def test_gc_during_a_save_from_a_host_whose_clock_is_60s_behind(tmp_path: Path) 
     assert not (Path(uri) / previous).exists(), "the save removed the generation it replaced"
 
 
-def test_gc_removes_generations_that_can_never_commit_and_keeps_those_in_flight(tmp_path: Path) -> None:
+def test_gc_removes_generations_that_can_never_commit_and_keeps_those_in_flight(tmp_path: Path, no_sweep_grace: None) -> None:
     uri = str(tmp_path / "ckpt")
     tierckpt.save(uri, make_state(1))                          # commit sequence 1
     cleanup.wait_pending()                                     # its own sweep is over before the leftovers appear

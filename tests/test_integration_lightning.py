@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from collections import OrderedDict, namedtuple
 from pathlib import Path
@@ -28,7 +27,7 @@ from tierckpt.integrations.lightning import STRUCTURE_KEY, TierckptCheckpointIO 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import free_port  # noqa: E402
 from lightning_child import fit, trained_state  # noqa: E402
-from processes import communicate_all  # noqa: E402
+from processes import RankForks  # noqa: E402
 import scenarios_rank_local  # noqa: E402
 
 Pair = namedtuple("Pair", "x y")
@@ -155,33 +154,41 @@ def test_group_self_on_rank_zero_alone_while_others_wait(dist_pool, tmp_path: Pa
     assert results == [(1, [0.0, 1.0, 2.0, 3.0])] * 4
 
 
-def _run_ddp(mode: str, ckpt_dir: Path, out: Path, max_steps: int, strategy: str, world: int = 2) -> None:
+@pytest.fixture(scope="module")
+def forks():
+    """Lightning imported once; each rank of each run below is a fork of that server (tests/rank_forks.py)."""
+    server = RankForks("lightning_child")
+    yield server
+    server.close()
+
+
+def _run_ddp(forks: RankForks, mode: str, ckpt_dir: Path, out: Path, max_steps: int, strategy: str,
+             world: int = 2) -> None:
     """Run ``lightning_child.py`` as ``world`` ranks (torchrun's environment) with ``strategy`` (``ddp`` or
     ``fsdp2``); fail on a hang or a failed rank."""
     port = free_port()
-    procs = []
+    ranks = []
     for rank in range(world):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1",
                "TORCHELASTIC_RUN_ID": "tierckpt-test", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(world),
                "LOCAL_WORLD_SIZE": str(world), "LIGHTNING_CHILD_STRATEGY": strategy}
-        procs.append(subprocess.Popen([sys.executable, CHILD, mode, str(ckpt_dir), str(out), str(max_steps)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = communicate_all(procs, 240, f"Lightning {strategy} {mode}")
+        ranks.append(([CHILD, mode, str(ckpt_dir), str(out), str(max_steps)], env))
+    results = forks.run(ranks, out.parent, 240, f"Lightning {strategy} {mode}")
     for rank, r in enumerate(results):
         assert r.returncode == 0 and "done" in r.stdout, f"rank {rank} of {mode}: rc {r.returncode}\n{r.stderr[-3000:]}"
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_multi_process_resume_from_last_is_exact_and_never_hangs(tmp_path: Path, strategy: str) -> None:
+def test_multi_process_resume_from_last_is_exact_and_never_hangs(forks: RankForks, tmp_path: Path, strategy: str) -> None:
     """DDP: Lightning saves and removes on rank 0 only, and the plugin's rank-local saves let it.
     FSDP2 (``TierckptModelParallelStrategy``): every rank saves its shards in one collective save. Resume is
     exact either way."""
     total = 3 * DDP_STEPS_PER_EPOCH
     ckpt_dir = tmp_path / "ckpt"
-    _run_ddp("plain", ckpt_dir, tmp_path / "plain", total, strategy)
-    _run_ddp("first", ckpt_dir, tmp_path / "first", 2 * DDP_STEPS_PER_EPOCH, strategy)
+    _run_ddp(forks, "plain", ckpt_dir, tmp_path / "plain", total, strategy)
+    _run_ddp(forks, "first", ckpt_dir, tmp_path / "first", 2 * DDP_STEPS_PER_EPOCH, strategy)
     assert sorted(os.listdir(ckpt_dir)) == ["epoch=1-step=4.ckpt", "last.ckpt"]
     saved = tierckpt.read_checkpoint(tierckpt.store.open_store(str(ckpt_dir / "last.ckpt")))
     if strategy == "fsdp2":  # sharded: each rank wrote its shards, no full copy gathered anywhere
@@ -191,19 +198,19 @@ def test_multi_process_resume_from_last_is_exact_and_never_hangs(tmp_path: Path,
             TierckptCheckpointIO().load_checkpoint(ckpt_dir / "last.ckpt")  # not a dict without its weights
     else:  # rank 0 alone
         assert saved.meta.world_size == 1 and "optimizer_states.0.state.0.exp_avg" in saved.tensors
-    _run_ddp("resume", ckpt_dir, tmp_path / "resume", total, strategy)
+    _run_ddp(forks, "resume", ckpt_dir, tmp_path / "resume", total, strategy)
     want = torch.load(tmp_path / "plain.0.pt")
     for rank in range(2):
         assert_same(torch.load(tmp_path / f"resume.{rank}.pt"), want, f"rank {rank}")
 
 
 @pytest.mark.multiproc
-def test_fsdp2_checkpoint_loads_onto_three_ranks(tmp_path: Path) -> None:
+def test_fsdp2_checkpoint_loads_onto_three_ranks(forks: RankForks, tmp_path: Path) -> None:
     """A checkpoint of FSDP2 on 2 ranks restores FSDP2 on 3 (resharded): resuming at the saved step trains
     nothing, and every rank holds the saved parameters and optimizer state, whole, bit for bit."""
     ckpt_dir = tmp_path / "ckpt"
-    _run_ddp("first", ckpt_dir, tmp_path / "first", 2 * DDP_STEPS_PER_EPOCH, "fsdp2")
-    _run_ddp("resume", ckpt_dir, tmp_path / "three", 2 * DDP_STEPS_PER_EPOCH, "fsdp2", world=3)
+    _run_ddp(forks, "first", ckpt_dir, tmp_path / "first", 2 * DDP_STEPS_PER_EPOCH, "fsdp2")
+    _run_ddp(forks, "resume", ckpt_dir, tmp_path / "three", 2 * DDP_STEPS_PER_EPOCH, "fsdp2", world=3)
     want = torch.load(tmp_path / "first.0.pt")
     for rank in range(3):
         assert_same(torch.load(tmp_path / f"three.{rank}.pt"), want, f"rank {rank} of 3")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import scenarios  # noqa: E402
 import tierckpt  # noqa: E402
 from distributed import subgroup  # noqa: E402
 from hf_trainer_child import STEPS, CountSteps, dataset, tiny_model, training_args  # noqa: E402
-from processes import communicate_all  # noqa: E402
+from processes import RankForks  # noqa: E402
 from conftest import free_port  # noqa: E402
 from tierckpt.errors import CheckpointError, CheckpointNotFoundError  # noqa: E402
 from tierckpt.integrations.transformers import TierckptTrainer, checkpoint_steps, latest_checkpoint  # noqa: E402
@@ -264,30 +263,38 @@ def test_sharded_safetensors_folder_loads_resharded_on_3_ranks(dist_pool, tmp_pa
     assert sum(s.get("bytes_read", 0) for s in stats) == needed
 
 # -- DDP, 2 ranks --------------------------------------------------------------------------------------
-def run_ddp(mode: str, output_dir: Path, result: Path, world: int = 2) -> list[dict]:
-    """``world`` ranks of hf_trainer_child.py on gloo (torchrun's variables); each rank's result."""
+@pytest.fixture
+def forks():
+    """transformers' Trainer imported once; each rank of each run is a fork of that server."""
+    server = RankForks("hf_trainer_child", "tierckpt.integrations.transformers")
+    yield server
+    server.close()
+
+
+def run_ddp(forks: RankForks, mode: str, output_dir: Path, result: Path, world: int = 2) -> list[dict]:
+    """``world`` ranks of hf_trainer_child.py on gloo (torchrun's variables), forked from a server that imported
+    transformers' Trainer once (tests/rank_forks.py); each rank's result."""
     port = free_port()
-    procs = []
+    ranks = []
     for rank in range(world):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1", "RANK": str(rank),
                "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, CHILD, mode, str(output_dir), str(result)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for rank, done in enumerate(communicate_all(procs, 240, f"DDP {mode} run")):
+        ranks.append(([CHILD, mode, str(output_dir), str(result)], env))
+    for rank, done in enumerate(forks.run(ranks, result.parent, 240, f"DDP {mode} run")):
         assert done.returncode == 0, f"rank {rank}:\n{done.stderr[-4000:]}"
     return [torch.load(f"{result}-{rank}.pt", weights_only=True) for rank in range(world)]
 
 
 @pytest.mark.multiproc
-def test_ddp_two_ranks_resume_is_bit_exact(tmp_path: Path) -> None:
-    full = run_ddp("full", tmp_path / "full", tmp_path / "full-result")
+def test_ddp_two_ranks_resume_is_bit_exact(forks: RankForks, tmp_path: Path) -> None:
+    full = run_ddp(forks, "full", tmp_path / "full", tmp_path / "full-result")
     assert full[0]["world"] == 2
     assert list(checkpoint_steps(str(tmp_path / "full"))) == [5, 10]
     run = tmp_path / "run"
     run.mkdir()
     shutil.copytree(tmp_path / "full" / "checkpoint-5", run / "checkpoint-5")
-    resumed = run_ddp("resume", run, tmp_path / "resumed-result")
+    resumed = run_ddp(forks, "resume", run, tmp_path / "resumed-result")
     for rank in range(2):
         a, b = full[rank], resumed[rank]
         assert b["steps"] == [6, 7, 8, 9, 10]

@@ -261,7 +261,8 @@ async def test_a_pool_after_its_process_exits(shm: Path, crash: bool) -> None:
     assert tier.generations() == [committed.generation]
 
 
-def test_async_saves_reuse_the_superseded_generation_pages(shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_async_saves_reuse_the_superseded_generation_pages(shm: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            no_sweep_grace: None) -> None:
     """Through the saver: each sweep pools the superseded generation's file, the next spare claims it,
     and every checkpoint loads bit-exact."""
     claims: list[bool] = []
@@ -276,7 +277,7 @@ def test_async_saves_reuse_the_superseded_generation_pages(shm: Path, monkeypatc
     for step in range(5):
         state = {"w": torch.full((512, 1024), float(step)), "step": step}
         tierckpt.async_save(uri, state, storage_options=opts).wait()
-        cleanup.wait_pending()  # the sweep of the superseded generation (after its grace)
+        cleanup.wait_pending()  # the sweep of the superseded generation
         mapped_spare_ready(shm)
         target = {"w": torch.zeros(512, 1024), "step": -1}
         tierckpt.load(uri, target, storage_options=opts)
