@@ -8,9 +8,10 @@ Commands (each prints one JSON object per line on stdout)::
         both saves start from the same COMMIT. Prints ``{"round", "role", "outcome", "generation"}``;
         ROLE 0 then checks the round (the winner's state loads bit-exactly and verifies, the
         root holds only the winner's generation) and prints ``{"round", "check"}``.
-    python tests/racing_child.py pause URI VALUE DIR [--skew-s S] [--keep-previous]
+    python tests/racing_child.py pause URI VALUE DIR [--skew-s S] [--keep-previous] [--while-writing]
         saves make_state(VALUE) with this host's clock S seconds off, writes DIR/paused once every data
-        file is written, waits for DIR/go before committing, and prints ``{"outcome", "generation"}``.
+        file is written (``--while-writing``: before its data file is put in place), waits for DIR/go
+        before committing (closing it), and prints ``{"outcome", "generation"}``.
     python tests/racing_child.py save-loop URI SECONDS
         saves make_state(1), make_state(2), ... to URI for SECONDS; prints ``{"saved": n}``.
     python tests/racing_child.py save-once URI VALUE
@@ -139,17 +140,29 @@ def race(uri: str, role: int, rounds: int, gates: Path) -> None:
                                  "committed": report.generation, "generations": generations(uri)})
 
 
-def pause(uri: str, value: int, directory: Path, skew_s: float, keep_previous: bool) -> None:
+def pause(uri: str, value: int, directory: Path, skew_s: float, keep_previous: bool, writing: bool = False) -> None:
     wall = time.time
     time.time = lambda: wall() + skew_s  # this host's clock is off by skew_s
-    original = save_commit._commit
+    if writing:  # paused with its data file written but not yet in place (its writer not closed)
+        from tierckpt.backends import local
 
-    def paused_commit(p: Any, meta: Any, pieces: Any) -> None:
-        (directory / "paused").write_text(p.generation)
-        wait_for(directory / "go", timeout_s=120)
-        original(p, meta, pieces)
+        close = local._LocalWriter.close
 
-    save_commit._commit = paused_commit  # type: ignore[assignment]
+        async def paused_close(self: Any) -> None:
+            (directory / "paused").write_text(Path(self._tmp).parent.parent.name)
+            await asyncio.to_thread(wait_for, directory / "go", 120)
+            await close(self)
+
+        local._LocalWriter.close = paused_close  # type: ignore[method-assign]
+    else:
+        original = save_commit._commit
+
+        def paused_commit(p: Any, meta: Any, pieces: Any) -> None:
+            (directory / "paused").write_text(p.generation)
+            wait_for(directory / "go", timeout_s=120)
+            original(p, meta, pieces)
+
+        save_commit._commit = paused_commit  # type: ignore[assignment]
     try:
         meta = tierckpt.save(uri, make_state(value), keep_previous=keep_previous, storage_options=options(uri))
         emit(outcome="committed", generation=meta.generation)
@@ -203,7 +216,7 @@ def main(argv: list[str]) -> None:
         race(uri, int(argv[2]), int(argv[3]), Path(argv[4]))
     elif command == "pause":
         skew = float(argv[argv.index("--skew-s") + 1]) if "--skew-s" in argv else 0.0
-        pause(uri, int(argv[2]), Path(argv[3]), skew, "--keep-previous" in argv)
+        pause(uri, int(argv[2]), Path(argv[3]), skew, "--keep-previous" in argv, "--while-writing" in argv)
     elif command == "save-once":
         tierckpt.save(uri, make_state(int(argv[2])) | {"hook": SaveHook(uri)}, storage_options=options(uri))
     elif command == "save-loop":

@@ -54,6 +54,10 @@ def _finish(
     outcome = coord.broadcast(outcome)
     if error is not None or commit_error is not None or outcome[0] != "ok":
         _drop_from_node(p)
+    if outcome[0] == "busy":  # lost the race (whatever failed on the way): every rank says so
+        if isinstance(commit_error, CheckpointBusyError):
+            raise commit_error
+        raise CheckpointBusyError(outcome[1]) from (error or commit_error)
     if error is not None:
         raise error
     if commit_error is not None:
@@ -97,6 +101,9 @@ def _commit_gathered(p: _Prepared, gathered: Any, world_size: int) -> tuple[tupl
     failures = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e is not None]
     if failures:
         _discard_generation(p)
+        winner = _committed_meanwhile(p)
+        if winner is not None:  # its sweep may have removed this save's files under it: that is the cause
+            return ("busy", _busy_message(p, winner, f"; this save failed meanwhile: {'; '.join(failures)}")), None
         return ("error", "; ".join(failures)), None
     records = [r for r, _ in gathered]
     meta = CheckpointMeta(
@@ -115,10 +122,41 @@ def _commit_gathered(p: _Prepared, gathered: Any, world_size: int) -> tuple[tupl
     )
     try:
         _commit(p, meta, [piece for r in records for piece in r[0]])
+    except CheckpointBusyError as exc:
+        return ("busy", str(exc)), exc
     except Exception as exc:  # noqa: BLE001 - rank 0 raises it; the others get its description
         _discard_uncommitted(p)
+        winner = _committed_meanwhile(p)
+        if winner is not None:
+            return ("busy", _busy_message(p, winner, f"; this save failed meanwhile: {describe_error(exc)}")), None
         return ("error", f"rank 0: {describe_error(exc)}"), exc
     return ("ok", meta), None
+
+
+def _committed_meanwhile(p: _Prepared) -> str | None:
+    """Rank 0, after a failed save: the generation another job committed since this save read its base
+    (``None``: none, or it cannot tell). Its sweep removes this save's generation (it can never commit over
+    the newer record), so a save that lost the race may fail writing its own files first."""
+    base = p.base.result() if p.base is not None else None
+    try:
+        current = get_scheduler().run(_read_commit(p.backend))
+    except CheckpointError:
+        return None
+    if current is None or current == base:
+        return None
+    record = layout.CommitRecord.decode(current)
+    if record.generation == p.generation or (base is not None and record.seq <= layout.CommitRecord.decode(base).seq):
+        return None
+    return record.generation
+
+
+def _busy_message(p: _Prepared, winner: str | None, detail: str = "") -> str:
+    """Why a save that lost the race to ``winner`` was not committed."""
+    base = p.base.result() if p.base is not None else None
+    started = layout.CommitRecord.decode(base).generation if base else None
+    return (f"another job committed {winner!r} to {p.uri!r} while this save was running (it started from "
+            f"{started!r}); this save was not committed and its generation {p.generation!r} was removed; the other "
+            f"job's checkpoint is intact. Give concurrent jobs different URIs{detail}")
 
 
 def _discard_uncommitted(p: _Prepared) -> None:
@@ -183,12 +221,7 @@ def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None
         if current != record:  # not a retried request whose first attempt landed: another job won
             sched.run(backend.delete_prefix(f"{gen}/"))
             winner = layout.CommitRecord.decode(current).generation if current else None
-            started = layout.CommitRecord.decode(base).generation if base else None
-            raise CheckpointBusyError(
-                f"another job committed {winner!r} to {p.uri!r} while this save was running (it started from "
-                f"{started!r}); this save was not committed and its generation {gen!r} was removed; the other "
-                "job's checkpoint is intact. Give concurrent jobs different URIs"
-            ) from exc
+            raise CheckpointBusyError(_busy_message(p, winner)) from exc
     durable = durability_of(backend)
     if durable is not None and not p.write_back and p.persist:  # a synchronous save commits where the URI points
         try:
