@@ -107,14 +107,8 @@ def test_a_generation_of_a_save_in_flight_in_another_process_is_kept(tmp_path: P
     tierckpt.save(uri, make_state(1))
     cleanup.wait_pending(60)
     control = tmp_path / "control"
-    control.mkdir()
-    saver = subprocess.Popen([sys.executable, str(HERE / "racing_child.py"), "pause", uri, "2", str(control)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    saver, in_flight = paused_save(uri, control)
     try:
-        while not (control / "paused").exists():
-            assert saver.poll() is None, saver.communicate()
-            time.sleep(0.01)
-        in_flight = (control / "paused").read_text()
         before = files_of(uri, in_flight)
         assert before
         committed = record(uri)
@@ -208,56 +202,32 @@ def test_a_checkpoint_deleted_and_saved_afresh_keeps_its_new_generation(tmp_path
     assert matches(loaded) and loaded["step"] == 3
 
 
-def test_a_save_whose_generation_a_winners_sweep_removed_says_another_job_committed(tmp_path: Path) -> None:
+def paused_save(uri: str, control: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """A save of make_state(2) in another process, paused (racing_child.py ``pause``); its generation."""
+    control.mkdir()
+    saver = subprocess.Popen([sys.executable, str(HERE / "racing_child.py"), "pause", uri, "2", str(control), *flags],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (control / "paused").exists():
+        assert saver.poll() is None, saver.communicate()
+        time.sleep(0.01)
+    return saver, (control / "paused").read_text()
+
+
+@pytest.mark.parametrize("flags", [(), ("--while-writing",)], ids=["before-its-commit", "while-writing-its-data"])
+def test_a_save_whose_generation_a_winners_sweep_removed_says_another_job_committed(tmp_path: Path, flags) -> None:
     """Two jobs save from the same COMMIT; the one that commits first sweeps the other's generation (it can
-    never commit over the new record) while that one is still writing. The loser raises CheckpointBusyError
-    naming the job that committed, never a not-found error about its own files, and the winner's checkpoint
-    stays the one committed."""
+    never commit over the new record) while that one is paused before its commit, or still writing its data
+    file. The loser raises CheckpointBusyError naming the winner, never an error about its own files (while
+    writing it said to choose a writable file system), and the winner's checkpoint stays committed."""
     uri = str(tmp_path / "ckpt")
     tierckpt.save(uri, make_state(1))
     cleanup.wait_pending(60)
     control = tmp_path / "control"
-    control.mkdir()
-    loser = subprocess.Popen([sys.executable, str(HERE / "racing_child.py"), "pause", uri, "2", str(control)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    loser, in_flight = paused_save(uri, control, *flags)
     try:
-        while not (control / "paused").exists():
-            assert loser.poll() is None, loser.communicate()
-            time.sleep(0.01)
-        in_flight = (control / "paused").read_text()
         winner = tierckpt.save(uri, make_state(3)).generation  # from the same COMMIT: it wins
         assert cleanup.wait_pending(60) == []
-        assert in_flight not in generations(uri)  # swept while the loser still writes
-        (control / "go").touch()
-        out, err = loser.communicate(timeout=120)
-    finally:
-        (control / "go").touch()
-        loser.wait(timeout=120)
-    outcome = json.loads(out.splitlines()[-1])["outcome"]
-    assert outcome.startswith("error: CheckpointBusyError: ") and "another job committed" in outcome, (outcome, err[-2000:])
-    assert winner in outcome
-    loaded = load(uri)
-    assert loaded["step"] == 3 and matches(loaded) and verify(uri).ok
-
-
-def test_a_save_swept_while_it_writes_its_data_says_another_job_committed(tmp_path: Path) -> None:
-    """The same race, the loser's generation swept while its data file is still being written (not yet put
-    in place): it raises CheckpointBusyError naming the winner, not a not-found error about its own file."""
-    uri = str(tmp_path / "ckpt")
-    tierckpt.save(uri, make_state(1))
-    cleanup.wait_pending(60)
-    control = tmp_path / "control"
-    control.mkdir()
-    loser = subprocess.Popen([sys.executable, str(HERE / "racing_child.py"), "pause", uri, "2", str(control),
-                              "--while-writing"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        while not (control / "paused").exists():
-            assert loser.poll() is None, loser.communicate()
-            time.sleep(0.01)
-        in_flight = (control / "paused").read_text()
-        winner = tierckpt.save(uri, make_state(3)).generation
-        assert cleanup.wait_pending(60) == []
-        assert in_flight not in generations(uri)
+        assert in_flight not in generations(uri)  # swept while the loser still runs
         (control / "go").touch()
         out, err = loser.communicate(timeout=120)
     finally:
