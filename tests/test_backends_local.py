@@ -60,6 +60,24 @@ class TestLocalBackend(BackendContract):
             await backend.get("nope.bin")
 
 
+    async def test_links_out_of_the_root_are_refused_and_a_linked_root_is_not(self, tmp_path: Path) -> None:
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (outside / "secret").write_bytes(b"not a checkpoint's")
+        real_root = tmp_path / "real-root"
+        (real_root / "gen").mkdir(parents=True)
+        (real_root / "gen" / "inside").write_bytes(b"ok")
+        (tmp_path / "linked-root").symlink_to(real_root)  # a root reached through a link is the user's choice
+        backend = LocalBackend(str(tmp_path / "linked-root"))
+        assert await backend.get("gen/inside") == b"ok"
+        (real_root / "gen" / "file-link").symlink_to(outside / "secret")  # the last component a link
+        (real_root / "dir-link").symlink_to(outside)  # a directory below the root a link
+        (real_root / "gen" / "kept-inside").symlink_to(real_root / "gen" / "inside")
+        for key in ("gen/file-link", "dir-link/secret"):
+            with pytest.raises(CheckpointError, match="leads outside the checkpoint root"):
+                await backend.get(key)
+        assert await backend.get("gen/kept-inside") == b"ok"
+
 # -- open_backend ----------------------------------------------------------------------------------
 def test_split_uri() -> None:
     assert split_uri("s3://bucket/prefix") == ("s3", "bucket/prefix")

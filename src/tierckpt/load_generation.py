@@ -11,7 +11,7 @@ caller (:func:`tierckpt.loader.load`) decides whether a newer commit explains th
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -27,7 +27,6 @@ from .backends.base import NodeTier
 from .checkpoint_reader import Checkpoint
 from .comm import Comm
 from .errors import CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, MissingFileError
-from .deadline import carried
 from .io.readcheck import ReadChecker
 from .io.scheduler import get_scheduler
 from .load_cast import refuse_meta_tensors
@@ -239,11 +238,12 @@ def _check_files(backend: Backend, ckpt: Checkpoint, reads: Iterable[tuple[str, 
         if len(offsets):
             ends[file] = max(ends.get(file, 0), int(offsets.max()) + run_bytes)
     files = sorted(ends)
-    sizes = {file: _checked_size(backend, ckpt, file, local.tier) for file in files if local.here(file)}
+    listed = {f.key: f.size for f in ckpt.meta.files}
+    sizes = {file: _expected_size(backend, ckpt, listed, file, _tier_size(local.tier, ckpt, backend, file))
+             for file in files if local.here(file)}
     remote = [file for file in files if file not in sizes]
-    if remote:  # every size at once: on an object store each check is a round trip
-        with concurrent.futures.ThreadPoolExecutor(min(len(remote), PARALLEL_METADATA)) as pool:
-            sizes.update(zip(remote, pool.map(carried(lambda file: _checked_size(backend, ckpt, file)), remote)))
+    if remote:  # every size at once on the I/O loop: on an object store each one is a round trip
+        sizes.update(zip(remote, get_scheduler().run(_chain_sizes(backend, ckpt, listed, remote))))
     for file in files:
         end, size = ends[file], sizes[file]
         if end > size:
@@ -253,19 +253,42 @@ def _check_files(backend: Backend, ckpt: Checkpoint, reads: Iterable[tuple[str, 
             )
 
 
-def _checked_size(backend: Backend, ckpt: Checkpoint, file: str, tier: NodeTier | None = None) -> int:
-    """The size of ``file``, which must exist and match the header's, before any buffer is sized from metadata
-    (in this node's memory ``tier`` when given: one stat, without the I/O loop)."""
-    sizes = {f.key: f.size for f in ckpt.meta.files}
-    key = layout.in_generation(ckpt.meta.generation, file)
+def _missing(backend: Backend, ckpt: Checkpoint, file: str) -> MissingFileError:
+    return MissingFileError(f"file {layout.in_generation(ckpt.meta.generation, file)!r} of checkpoint "
+                            f"{backend.root_uri!r} is missing")
+
+
+def _tier_size(tier: NodeTier | None, ckpt: Checkpoint, backend: Backend, file: str) -> int:
+    """The size of ``file`` in this node's memory tier (one stat, without the I/O loop)."""
+    assert tier is not None  # LocalReads.here() holds only with a tier
     try:
-        actual = tier.file_size(key) if tier is not None else get_scheduler().run(backend.size(key))
+        return tier.file_size(layout.in_generation(ckpt.meta.generation, file))
     except (CheckpointNotFoundError, FileNotFoundError):
-        raise MissingFileError(f"file {key!r} of checkpoint {backend.root_uri!r} is missing") from None
-    if file not in sizes or actual != sizes[file]:
+        raise _missing(backend, ckpt, file) from None
+
+
+async def _chain_sizes(backend: Backend, ckpt: Checkpoint, listed: Mapping[str, int], files: list[str]) -> list[int]:
+    """The checked sizes of ``files`` through the chain, at most :data:`PARALLEL_METADATA` asked at once."""
+    limit = asyncio.Semaphore(PARALLEL_METADATA)
+
+    async def one(file: str) -> int:
+        async with limit:
+            try:
+                actual = await backend.size(layout.in_generation(ckpt.meta.generation, file))
+            except (CheckpointNotFoundError, FileNotFoundError):
+                raise _missing(backend, ckpt, file) from None
+        return _expected_size(backend, ckpt, listed, file, actual)
+
+    return list(await asyncio.gather(*(one(file) for file in files)))
+
+
+def _expected_size(backend: Backend, ckpt: Checkpoint, listed: Mapping[str, int], file: str, actual: int) -> int:
+    """``actual``, the size of ``file``, when it is the header's (``listed``), checked before any buffer is
+    sized from metadata."""
+    if file not in listed or actual != listed[file]:
         raise CorruptCheckpointError(
-            f"file {key!r} of checkpoint {backend.root_uri!r} has {actual} bytes, the metadata says "
-            f"{sizes.get(file, 'nothing')}: it is truncated or was replaced"
+            f"file {layout.in_generation(ckpt.meta.generation, file)!r} of checkpoint {backend.root_uri!r} has "
+            f"{actual} bytes, the metadata says {listed.get(file, 'nothing')}: it is truncated or was replaced"
         )
     return actual
 

@@ -26,6 +26,7 @@ import asyncio
 import functools
 import os
 import shutil
+import stat
 from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import CorruptCheckpointError
@@ -133,8 +134,15 @@ class LocalBackend(ReadsInto, Backend):
         self.root = local_root(root_uri)
 
     def path_of(self, key: str) -> str:
-        """Absolute path of the file that holds ``key``; refuses paths that symlinks lead out of the root."""
-        path = os.path.join(self.root, *validate_key(key).split("/"))
+        """Absolute path of the file that holds ``key``; refuses paths that symlinks lead out of the root.
+
+        Only a symbolic link below the root can lead out of it (keys hold no ``..``), so the components
+        below the root are looked at (one ``lstat`` each, a few per key: this runs for every read) and the
+        whole path is resolved only when one of them is a link."""
+        parts = validate_key(key).split("/")
+        path = os.path.join(self.root, *parts)
+        if not _link_below(self.root, parts):
+            return path
         real_root = os.path.realpath(self.root)
         real = os.path.realpath(path)
         if real != path and not real.startswith(real_root + os.sep):
@@ -259,3 +267,18 @@ class LocalBackend(ReadsInto, Backend):
             raise os_error(exc, f"committing {path}") from exc
         if not done:
             raise commit_refused(path, expected, found)  # type: ignore[arg-type]
+
+
+def _link_below(root: str, parts: Sequence[str]) -> bool:
+    """Whether a component of ``root/parts...`` below ``root`` is a symbolic link (or could not be looked at)."""
+    at = root
+    for part in parts:
+        at = os.path.join(at, part)
+        try:
+            if stat.S_ISLNK(os.lstat(at).st_mode):
+                return True
+        except FileNotFoundError:
+            return False  # nothing exists below here: no link leads anywhere
+        except OSError:
+            return True  # let the whole path's resolution decide
+    return False
