@@ -412,9 +412,9 @@ def publish(body: str, out: str | None, section: str) -> None:
         print(f"\nwritten to {out}")
 
 
-def scratch_dir(prefix: str) -> str:
-    """A fresh temp dir (on the disk holding ``$TMPDIR``); removed by the caller."""
-    return tempfile.mkdtemp(prefix=prefix)
+def scratch_dir(prefix: str, under: str | None = None) -> str:
+    """A fresh temp dir (under ``under``, else on the disk holding ``$TMPDIR``); removed by the caller."""
+    return tempfile.mkdtemp(prefix=prefix, dir=under)
 
 
 def rmtree(path: str) -> None:

@@ -1,14 +1,17 @@
 """Asynchronous save: how long training is blocked, against a memcpy and DCP ``async_save``, plus memory.
 
-    python benchmarks/bench_async.py [--gib 1.0] [--repeats 3] [--out docs/benchmarks.md]
+    python benchmarks/bench_async.py [--gib 1.0] [--repeats 3] [--ranks 2] [--memory] [--out docs/benchmarks.md]
 
-Each library runs in its own 2-rank gloo group (so peak memory is its own), on the same ``--gib`` GiB of
-fp32 DTensors (``Shard(0)``) written to the same disk:
+Each library runs in its own gloo group of ``--ranks`` ranks on one node (so peak memory is its own), on
+the same ``--gib`` GiB of fp32 DTensors (``Shard(0)``) written to the same disk; ``--memory``: tierckpt
+saves through the node memory tier (in ``/dev/shm``; the snapshot lands in the tier's spare file):
 
 * stall: seconds from the call to its return (training may continue; tierckpt has copied the state
   into its reusable staging buffer, DCP into its CPU copy), median of ``--repeats`` after one warm-up;
 * committed: seconds from the call until the checkpoint is committed (``handle.wait()`` / ``future.result()``);
-* memcpy: in the same processes, one warm copy of the rank's state into preallocated memory;
+* memcpy: in the same processes, a warm copy of the rank's state into preallocated memory, every rank at
+  once after a barrier as the saves start (ranks copying together share the memory bandwidth), median of
+  one per repeat;
 * memory: peak RSS above the RSS with the state loaded, per rank, over the saves (the warm-up included,
   so staging memory a library keeps between saves counts), and during a
   load resharded to ``Shard(1)`` (above the RSS with the target tensors allocated). The peak is reset
@@ -44,11 +47,11 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _warm_memcpy(state: dict[str, Any]) -> float:
-    sources = [t.to_local() for t in state.values()]
-    targets = [torch.empty_like(s) for s in sources]
-    for dst, src in zip(targets, sources):
-        dst.copy_(src)  # first touch of the destination pages
+def _memcpy_seconds(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
+    """A warm copy of the rank's state, started by every rank at once."""
+    import torch.distributed as dist
+
+    dist.barrier()
     start = time.perf_counter()
     for dst, src in zip(targets, sources):
         dst.copy_(src)
@@ -69,39 +72,53 @@ def _wait(lib: str, handle: Any) -> None:
     handle.wait() if lib == "tierckpt" else handle.result()
 
 
-def async_ranks(rank: int, world: int, lib: str, gib: float, repeats: int, root: str) -> dict[str, Any]:
+def async_ranks(rank: int, world: int, lib: str, gib: float, repeats: int, root: str, memory: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
     import tierckpt
 
+    if memory:
+        os.environ["TIERCKPT_MEMORY"] = "on"
+        os.environ["TIERCKPT_MEMORY_DIR"] = os.path.join(root, "memory-tier")
     state = C.make_state(gib, 0, fill=True)
-    memcpy = _warm_memcpy(state)
+    sources = [t.to_local() for t in state.values()]
+    copies = [s.clone() for s in sources]  # the memcpy's destination, its pages touched before any timing
     base = _rss_kib("VmRSS")  # before the warm-up: the staging memory a library keeps counts as its cost
     _reset_peak()
     first = tierckpt.Monitor()
-    warm = _save(lib, os.path.join(root, f"{lib}-warmup"), state, first)
+    # Through the memory tier, every save goes to one URI, as a training job's do (each a new generation of
+    # it): the tier's spare file for the next snapshot is made per URI.
+    uri = (lambda i: os.path.join(root, lib)) if memory else (lambda i: os.path.join(root, f"{lib}-{i}"))
+    warm = _save(lib, uri("warmup"), state, first)
     _wait(lib, warm)
-    stalls, totals, phases, hits = [], [], [], 0
+    if memory:
+        warm.wait("remote")
+    stalls, totals, phases, hits, into_tier = [], [], [], 0, 0
+    memcpys = []
     for i in range(repeats):
+        memcpys.append(_memcpy_seconds(sources, copies))
         dist.barrier()
         monitor = tierckpt.Monitor()
         start = time.perf_counter()
-        handle = _save(lib, os.path.join(root, f"{lib}-{i}"), state, monitor)
+        handle = _save(lib, uri(i), state, monitor)
         stalls.append(time.perf_counter() - start)
         _wait(lib, handle)
         totals.append(time.perf_counter() - start)
+        if memory:  # written down too (untimed), so no save's background work runs into the next one's stall
+            handle.wait("remote")
         phases.append(dict(monitor.seconds))
         hits += monitor.counters.get("plan_cache_hits", 0)
+        into_tier += monitor.counters.get("snapshots_into_tier", 0)
     save_peak = _rss_kib("VmHWM") - base
     dist.barrier()
     targets = C.make_state(gib, 1, fill=False)
     base = _rss_kib("VmRSS")
     _reset_peak()
-    C.do_load(lib, os.path.join(root, f"{lib}-0"), None, targets, tierckpt.Monitor())
+    C.do_load(lib, uri(0), None, targets, tierckpt.Monitor())
     load_peak = _rss_kib("VmHWM") - base
     C.check_state(targets, gib)
-    return {"stall": stalls, "total": totals, "memcpy": memcpy, "phases": phases,
-            "first_plan": first.seconds.get("plan", 0.0), "plan_cache_hits": hits,
+    return {"stall": stalls, "total": totals, "memcpy": C.median(memcpys), "phases": phases,
+            "first_plan": first.seconds.get("plan", 0.0), "plan_cache_hits": hits, "into_tier": into_tier,
             "save_peak_kib": save_peak, "load_peak_kib": load_peak}
 
 
@@ -109,17 +126,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ranks", type=int, default=2, help="ranks of each library's group, on this one node")
+    ap.add_argument("--memory", action="store_true", help="tierckpt saves through the node memory tier (/dev/shm)")
     ap.add_argument("--out", default=None, help="Markdown file to write the section into (default: print only)")
     args = ap.parse_args()
     root = C.scratch_dir("tierckpt-bench-async-")
+    memory_root = C.scratch_dir("tierckpt-bench-async-tier-", "/dev/shm") if args.memory else root
     try:
-        results = {lib: C.run_ranks(async_ranks, 2, lib, args.gib, args.repeats, root) for lib in C.LIBS}
+        results = {lib: C.run_ranks(async_ranks, args.ranks, lib, args.gib, args.repeats, root if lib == "dcp" else memory_root,
+                                    args.memory and lib == "tierckpt") for lib in C.LIBS}
     finally:
         C.rmtree(root)
-    per_rank = C.state_bytes(args.gib) / 2
+        if args.memory:
+            C.rmtree(memory_root)
+    per_rank = C.state_bytes(args.gib) / args.ranks
     rows = []
     med = {lib: {k: C.median(r[0][k]) for k in ("stall", "total")} for lib, r in results.items()}
-    memcpy = C.median([r["memcpy"] for rs in results.values() for r in rs])
+    memcpy = C.median([r["memcpy"] for rs in results.values() for r in rs[:1]])  # rank 0's, as the stalls
     for lib, rs in results.items():
         rows.append([
             lib, f"{med[lib]['stall']:.3f}", f"{med[lib]['stall'] / memcpy:.2f}x", f"{med[lib]['total']:.2f}",
@@ -135,11 +158,16 @@ def main() -> None:
         [["seconds", *(f"{phase_seconds[name]:.3f}" for name in PHASES)]],
     )
     text = (
-        f"`python benchmarks/bench_async.py --gib {args.gib} --repeats {args.repeats}`; "
-        f"{C.fmt_bytes(C.state_bytes(args.gib))} of fp32 DTensors on 2 ranks ({C.fmt_bytes(per_rank)} per rank); "
-        f"warm memcpy of a rank's state in the same processes: {memcpy:.3f} s.\n\n{table}\n\n"
-        f"tierckpt stall = {ratio:.2f}x DCP's (target <= 0.75x) and {med['tierckpt']['stall'] / memcpy:.2f}x a memcpy "
-        f"(target <= 1.25x).\n\n{phase_table}\n\n"
+        f"`python benchmarks/bench_async.py --gib {args.gib} --repeats {args.repeats} --ranks {args.ranks}"
+        f"{' --memory' if args.memory else ''}`; "
+        f"{C.fmt_bytes(C.state_bytes(args.gib))} of fp32 DTensors on {args.ranks} ranks ({C.fmt_bytes(per_rank)} per rank)"
+        f"{', tierckpt through the node memory tier' if args.memory else ''}; "
+        f"warm memcpy of a rank's state, every rank at once, in the same processes: {memcpy:.3f} s.\n\n{table}\n\n"
+        f"tierckpt stall = {ratio:.2f}x DCP's (target <= 0.5x) and {med['tierckpt']['stall'] / memcpy:.2f}x a memcpy "
+        f"(target <= 1.1x)."
+        + (f" Snapshots straight into the tier's spare file: {results['tierckpt'][0]['into_tier']} of {args.repeats} "
+           "(rank 0; the others went through the staging buffer)." if args.memory else "")
+        + f"\n\n{phase_table}\n\n"
         "`plan` and `stage` (the snapshot copy) block training; `checksum` and `file_write` are busy times in "
         "the background that overlap each other (a chunk is checksummed while the previous one is written) and "
         "the copy when the state streams through the ping-pong halves; `gather` and `commit` follow. Plan cache: the first save of the layout (the warm-up) planned in "

@@ -77,6 +77,7 @@ def _stream_staged(p: _Prepared, staging_bytes: int | None) -> FileStream | None
     stream = FileStream(p.backend, key, len(writes), writer=mapped, on_written=_on_written(p))
     with stream.abort_on_error():
         if mapped is not None:
+            p.monitor.count("snapshots_into_tier")  # the copy went straight into the tier's spare file
             stage_into(stream, _pieces(p), mapped.buffer)
         else:
             capacity = min(size, staging_bytes) if staging_bytes else size
