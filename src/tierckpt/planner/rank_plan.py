@@ -33,11 +33,15 @@ around one collective the loader already makes (:mod:`tierckpt.load_generation`)
    of the same gathered shares: the same rounds, exchanges and messages.
 
 Tensors laid out alike (shape, dtype, saved regions and every rank's regions: a model's layers) are
-planned once per rank and moved to each one's files, offsets and target numbers; a unit a rank only
-receives from keeps only its deliveries to that rank (all the read step reads of it).
+planned once per rank and moved to each one's files, offsets and target numbers (those of the piece each
+saved box lies in, and of the need at the same place); a unit a rank only receives from keeps only its
+deliveries to that rank (all the read step reads of it). Its ``taken`` covers the pieces of the files it
+reads: its own coalesced requests read through no gap another read needs, and it lists nothing else.
 
 Costs: a rank's work is, per layout, the saved boxes it touches times the ranks that need each (its
-partners), plus indexing the group's target boxes of its tensors and its tensors' saved boxes (linear). Each byte is read once per
+partners), plus indexing the group's target boxes and the saved boxes of the layout's first tensor
+(linear); per tensor, comparing every rank's and every piece's region with its layout's (plain tuples:
+linear, but a fraction of a microsecond each) and moving the units it keeps. Each byte is read once per
 group on exchanged units (one reader each) and the group's routes, coalescing and memory bound hold.
 Pure and deterministic like the group planner.
 """
@@ -55,7 +59,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..metadata import PieceMeta, TensorMeta, itemsize
-from ..regions import Box, StoredBox, stored_boxes
+from ..regions import Box, Region, StoredBox, stored_boxes
 from .box_index import BoxIndex
 from .load_order import READER_SHARE
 from .plan_types import Delivery, LoadPlan, ReadUnit, TargetPiece, whole_to_other
@@ -153,38 +157,38 @@ def plan_rank(
     needed = {n.fqn for rank_needs in needs for n in rank_needs} if here else set()
     # Its own tensors, and those it may read for others from its node's memory tier.
     mine = {n.fqn for n in needs[rank]} | {f for f in needed if any(p.file in here for p in pieces.get(f, ()))}
-    targets: dict[str, list[tuple[int, int, StoredBox]]] = defaultdict(list)
+    theirs: dict[str, list[tuple[int, int, Region]]] = defaultdict(list)  # every rank's needs of them, in rank order
     for r, rank_needs in enumerate(needs):
         for index, need in enumerate(rank_needs):
             if need.fqn in mine:
-                for sb in stored_boxes(need.region, tensors[need.fqn].shape):
-                    targets[need.fqn].append((r, index, sb))
+                theirs[need.fqn].append((r, index, need.region))
     files = {f: i for i, f in enumerate(sorted({p.file for plist in pieces.values() for p in plist}))}
 
     kept: list[dict] = []
     checkers: list[int] = []
     # Tensors laid out alike (the same shape, dtype, saved regions and every rank's regions: a model's
     # layers) have the same units up to their files, offsets and target numbers: planned once, reused.
-    layouts: dict[tuple, tuple[list[Saved], list[tuple[int, int, StoredBox]], list[Entry]]] = {}
+    layouts: dict[tuple, tuple[list[PieceMeta], list[int], dict[tuple[int, int], int], list[Entry]]] = {}
     for fqn in sorted(mine):
         meta = tensors[fqn]
         plist = pieces.get(fqn, [])
-        wanted = targets[fqn]
-        local = tuple(p.file in here for p in plist)
-        layout = (meta.shape, meta.dtype, tuple(p.region for p in plist), tuple((r, sb) for r, _, sb in wanted), local)
+        wants = theirs[fqn]
+        layout = (meta.shape, meta.dtype, tuple(_region_key(p.region) for p in plist),
+                  tuple((r, _region_key(region)) for r, _, region in wants), tuple(p.file in here for p in plist) if here else ())
         known = layouts.get(layout)
+        moved = known is not None  # the planned tensor's units, moved to this one's files, offsets and target numbers
         if known is None:
-            saved, lookup = saved_boxes(meta, plist)
-            known = layouts[layout] = (saved, wanted, _entries(meta, saved, lookup, wanted, rank, chunk_bytes, topo, here))
-            target = None
-        else:  # the planned tensor's units, moved to this one's files, offsets and target numbers
-            saved, _ = saved_boxes(meta, plist, index=False)
-            target = {(r, i): j for (r, i, _), (_, j, _) in zip(known[1], wanted)}
-        for si, d, eligible, alike, receives in known[2]:
-            shift = saved[si][2] - known[0][si][2]
+            wanted = [(r, index, sb) for r, index, region in wants for sb in stored_boxes(region, meta.shape)]
+            saved, lookup, piece_of = saved_boxes(meta, plist)
+            entries = _entries(meta, saved, lookup, wanted, rank, chunk_bytes, topo, here)
+            known = layouts[layout] = (plist, piece_of, {(r, index): k for k, (r, index, _) in enumerate(wants)}, entries)
+        first, piece_of, position, entries = known
+        for si, d, eligible, alike, receives in entries:
+            piece = plist[piece_of[si]]
+            shift = piece.byte_offset - first[piece_of[si]].byte_offset
             offsets = d["run_offsets"]
             start = (int(offsets[0]) if len(offsets) else 0) + shift
-            file = saved[si][1]
+            file = piece.file
             number = files[file]
             planned = stripe_reader(eligible, number, start, chunk_bytes)
             reader = local_reader(planned, held.get(file), number, start, _end(d) + shift, chunk_bytes)
@@ -192,10 +196,10 @@ def plan_rank(
                 continue
             # A unit this rank only receives from keeps only its deliveries here (all the read step uses).
             deliveries = d["deliveries"] if reader == rank else tuple(d["deliveries"][k] for k in receives)
-            if target is not None:
-                deliveries = tuple(Delivery(rank=x.rank, target=target[(x.rank, x.target)], target_box=x.target_box,
-                                            box=x.box) for x in deliveries)
-            kept.append({**d, "fqn": fqn, "file": saved[si][1], "run_offsets": offsets + shift if shift else offsets,
+            if moved:
+                deliveries = tuple(Delivery(rank=x.rank, target=wants[position[(x.rank, x.target)]][1],
+                                            target_box=x.target_box, box=x.box) for x in deliveries)
+            kept.append({**d, "fqn": fqn, "file": file, "run_offsets": offsets + shift if shift else offsets,
                          "reader": reader, "deliveries": deliveries})
             shared = reader == rank == planned and len(alike) > 1  # a unit moved to a holder is exchanged
             checkers.append(stripe_reader(alike, number, start, chunk_bytes) if shared else reader)
@@ -204,10 +208,27 @@ def plan_rank(
     kept = [kept[i] for i in order]
     keys = tuple(key_of(d) for d in kept)
     share = _share(kept, keys, rank, round_bytes, p2p_min_bytes)
-    taken = tuple((p.file, np.array([p.byte_offset], dtype=np.int64), p.byte_length)
-                  for plist in pieces.values() for p in plist)
     return RankDraft(rank=rank, world_size=world, drafts=tuple(kept), keys=keys,
-                     checkers=tuple(checkers[i] for i in order), share=share, taken=taken)
+                     checkers=tuple(checkers[i] for i in order), share=share, taken=_taken(kept, rank, pieces))
+
+
+def _region_key(region: Region) -> tuple:
+    """What a region is, as plain tuples (compared and hashed without the dataclasses' Python methods)."""
+    return (region.offsets, region.lengths) if type(region) is Box else (region.start, region.stop)
+
+
+def _taken(kept: list[dict], rank: int, pieces: dict[str, list[PieceMeta]]) -> tuple[tuple[str, np.ndarray, int], ...]:
+    """The pieces of the files ``rank`` reads, by file and length: all a coalesced read of its own may
+    read through must avoid (a gap of a file is free where no piece lies; other files it never reads)."""
+    reads = {d["file"] for d in kept if d["reader"] == rank}
+    if not reads:
+        return ()
+    starts: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for plist in pieces.values():
+        for p in plist:
+            if p.file in reads:
+                starts[(p.file, p.byte_length)].append(p.byte_offset)
+    return tuple((file, np.array(offsets, dtype=np.int64), nbytes) for (file, nbytes), offsets in starts.items())
 
 
 Entry = tuple[int, dict, list[int], list[int], list[int]]
