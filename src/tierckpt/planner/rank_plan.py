@@ -157,11 +157,16 @@ def plan_rank(
     needed = {n.fqn for rank_needs in needs for n in rank_needs} if here else set()
     # Its own tensors, and those it may read for others from its node's memory tier.
     mine = {n.fqn for n in needs[rank]} | {f for f in needed if any(p.file in here for p in pieces.get(f, ()))}
-    theirs: dict[str, list[tuple[int, int, Region]]] = defaultdict(list)  # every rank's needs of them, in rank order
+    # Every rank's needs of them, in rank order: their regions as plain tuples (:func:`_region_key`) and their numbers.
+    theirs: dict[str, list[tuple[int, tuple]]] = {fqn: [] for fqn in mine}
+    where: dict[str, list[int]] = {fqn: [] for fqn in mine}
     for r, rank_needs in enumerate(needs):
         for index, need in enumerate(rank_needs):
-            if need.fqn in mine:
-                theirs[need.fqn].append((r, index, need.region))
+            alike = theirs.get(need.fqn)
+            if alike is not None:
+                region = need.region
+                alike.append((r, (region.offsets, region.lengths) if type(region) is Box else (region.start, region.stop)))
+                where[need.fqn].append(index)
     files = {f: i for i, f in enumerate(sorted({p.file for plist in pieces.values() for p in plist}))}
 
     kept: list[dict] = []
@@ -172,16 +177,19 @@ def plan_rank(
     for fqn in sorted(mine):
         meta = tensors[fqn]
         plist = pieces.get(fqn, [])
-        wants = theirs[fqn]
-        layout = (meta.shape, meta.dtype, tuple(_region_key(p.region) for p in plist),
-                  tuple((r, _region_key(region)) for r, _, region in wants), tuple(p.file in here for p in plist) if here else ())
+        numbers = where[fqn]
+        layout = (meta.shape, meta.dtype, tuple([_region_key(p.region) for p in plist]), tuple(theirs[fqn]),
+                  tuple(p.file in here for p in plist) if here else ())
         known = layouts.get(layout)
         moved = known is not None  # the planned tensor's units, moved to this one's files, offsets and target numbers
         if known is None:
-            wanted = [(r, index, sb) for r, index, region in wants for sb in stored_boxes(region, meta.shape)]
-            saved, lookup, piece_of = saved_boxes(meta, plist)
+            wanted = [(r, index, sb) for (r, _), index in zip(theirs[fqn], numbers)
+                      for sb in stored_boxes(needs[r][index].region, meta.shape)]
+            saved, piece_of = saved_boxes(meta, plist)
+            lookup = BoxIndex([s[0] for s in saved], queries=sum(t[0] == rank for t in wanted))
             entries = _entries(meta, saved, lookup, wanted, rank, chunk_bytes, topo, here)
-            known = layouts[layout] = (plist, piece_of, {(r, index): k for k, (r, index, _) in enumerate(wants)}, entries)
+            position = {(r, index): k for k, ((r, _), index) in enumerate(zip(theirs[fqn], numbers))}
+            known = layouts[layout] = (plist, piece_of, position, entries)
         first, piece_of, position, entries = known
         for si, d, eligible, alike, receives in entries:
             piece = plist[piece_of[si]]
@@ -191,29 +199,32 @@ def plan_rank(
             file = piece.file
             number = files[file]
             planned = stripe_reader(eligible, number, start, chunk_bytes)
-            reader = local_reader(planned, held.get(file), number, start, _end(d) + shift, chunk_bytes)
+            reader = planned if file not in held else local_reader(planned, held[file], number, start, _end(d) + shift,
+                                                                   chunk_bytes)
             if reader != rank and not receives:
                 continue
             # A unit this rank only receives from keeps only its deliveries here (all the read step uses).
             deliveries = d["deliveries"] if reader == rank else tuple(d["deliveries"][k] for k in receives)
             if moved:
-                deliveries = tuple(Delivery(rank=x.rank, target=wants[position[(x.rank, x.target)]][1],
+                deliveries = tuple(Delivery(rank=x.rank, target=numbers[position[(x.rank, x.target)]],
                                             target_box=x.target_box, box=x.box) for x in deliveries)
             kept.append({**d, "fqn": fqn, "file": file, "run_offsets": offsets + shift if shift else offsets,
                          "reader": reader, "deliveries": deliveries})
             shared = reader == rank == planned and len(alike) > 1  # a unit moved to a holder is exchanged
             checkers.append(stripe_reader(alike, number, start, chunk_bytes) if shared else reader)
 
-    order = sorted(range(len(kept)), key=lambda i: key_of(kept[i]))
+    unsorted = [key_of(d) for d in kept]
+    order = sorted(range(len(kept)), key=unsorted.__getitem__)
     kept = [kept[i] for i in order]
-    keys = tuple(key_of(d) for d in kept)
+    keys = tuple(unsorted[i] for i in order)
     share = _share(kept, keys, rank, round_bytes, p2p_min_bytes)
     return RankDraft(rank=rank, world_size=world, drafts=tuple(kept), keys=keys,
                      checkers=tuple(checkers[i] for i in order), share=share, taken=_taken(kept, rank, pieces))
 
 
 def _region_key(region: Region) -> tuple:
-    """What a region is, as plain tuples (compared and hashed without the dataclasses' Python methods)."""
+    """What a region is, as plain tuples: compared and hashed in C, not by the dataclasses' generated methods
+    (:func:`plan_rank` compares every rank's need and every piece of each tensor with its layout's)."""
     return (region.offsets, region.lengths) if type(region) is Box else (region.start, region.stop)
 
 
@@ -241,7 +252,6 @@ def _entries(meta: TensorMeta, saved: list[Saved], lookup: BoxIndex, wanted: lis
              rank: int, chunk_bytes: int, topo: Topology, held_here: frozenset[str]) -> list[Entry]:
     """The units of the saved boxes ``rank``'s targets meet, and of those in files its node's memory tier holds
     (``held_here``: it may read them for others), routed with every rank that needs them."""
-    partners = BoxIndex([t[2].box for t in wanted])
     local = [file in held_here for _, file, _ in saved]
     touched: set[int] = {si for si, held in enumerate(local) if held}
     for r, _, target in wanted:
@@ -252,6 +262,7 @@ def _entries(meta: TensorMeta, saved: list[Saved], lookup: BoxIndex, wanted: lis
             touched.add(si)
             covered += inter.numel
         check_covered(meta, rank, target, covered)
+    partners = BoxIndex([t[2].box for t in wanted], queries=len(touched))
     entries: list[Entry] = []
     for si in sorted(touched):
         box_needs: list[Need] = [(wanted[ti][0], wanted[ti][1], wanted[ti][2], inter)
@@ -347,16 +358,18 @@ def agree_rounds(draft: RankDraft, shares: Sequence[RoundShare], tensors: dict[s
                 flags[bisect.bisect_right(cuts, key)] = True
     units: list[ReadUnit] = []
     rounds: list[list[int]] = [[] for _ in range(count)]
+    bytes_read = bytes_delivered = 0
     for d, key in zip(draft.drafts, draft.keys):
         k = bisect.bisect_right(cuts, key)
         rounds[k].append(len(units))
-        units.append(ReadUnit(round=k, **{f: v for f, v in d.items() if f != "item"}))
-    mine = [u for u in units if u.reader == draft.rank]
+        units.append(ReadUnit(fqn=d["fqn"], dtype=d["dtype"], box=d["box"], file=d["file"], run_offsets=d["run_offsets"],
+                              run_bytes=d["run_bytes"], reader=d["reader"], deliveries=d["deliveries"], round=k))
+        if d["reader"] == draft.rank:
+            bytes_read += units[-1].nbytes
+            bytes_delivered += sum(x.numel for x in d["deliveries"]) * itemsize(tensors[d["fqn"]].torch_dtype)
     return LoadPlan(
         units=tuple(units), rounds=tuple(tuple(r) for r in rounds), exchanges=tuple(exchanges),
-        world_size=draft.world_size, rank=draft.rank,
-        bytes_read=sum(u.nbytes for u in mine),
-        bytes_delivered=sum(x.numel * itemsize(tensors[u.fqn].torch_dtype) for u in mine for x in u.deliveries),
+        world_size=draft.world_size, rank=draft.rank, bytes_read=bytes_read, bytes_delivered=bytes_delivered,
         point_to_point=tuple(e and not s for e, s in zip(exchanges, small)),
         checkers=draft.checkers, taken=draft.taken,
     )

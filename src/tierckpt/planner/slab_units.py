@@ -24,10 +24,10 @@ Saved = tuple[Box, str, int]
 """A saved box, its file and the byte offset of its first element there."""
 
 
-def saved_boxes(meta: TensorMeta, pieces: list[PieceMeta]) -> tuple[list[Saved], BoxIndex, list[int]]:
-    """The saved boxes of a tensor in the planner's order (by first row), their index, and the number (in
-    ``pieces``) of the piece each lies in: a tensor whose pieces have the same regions has the same boxes
-    in the same order, each at its own piece's file and offset (:mod:`.rank_plan` plans such tensors once)."""
+def saved_boxes(meta: TensorMeta, pieces: list[PieceMeta]) -> tuple[list[Saved], list[int]]:
+    """The saved boxes of a tensor in the planner's order (by first row) and the number (in ``pieces``) of
+    the piece each lies in: a tensor whose pieces have the same regions has the same boxes in the same
+    order, each at its own piece's file and offset (:mod:`.rank_plan` plans such tensors once)."""
     item = itemsize(meta.torch_dtype)
     placed: list[tuple[Saved, int]] = []
     for pi, p in enumerate(pieces):
@@ -36,7 +36,7 @@ def saved_boxes(meta: TensorMeta, pieces: list[PieceMeta]) -> tuple[list[Saved],
     if meta.shape:
         placed.sort(key=lambda s: s[0][0].offsets[0])
     saved = [s for s, _ in placed]
-    return saved, BoxIndex([s[0] for s in saved]), [pi for _, pi in placed]
+    return saved, [pi for _, pi in placed]
 
 
 def check_covered(meta: TensorMeta, rank: int, target: StoredBox, covered: int) -> None:
@@ -70,7 +70,8 @@ def plan_tensor(
     drafts: list[dict],
 ) -> None:
     """Append to ``drafts`` the units of every saved box of ``meta`` that the group's targets ``wanted`` meet."""
-    saved, lookup, _ = saved_boxes(meta, pieces)
+    saved, _ = saved_boxes(meta, pieces)
+    lookup = BoxIndex([s[0] for s in saved])
     needs_of: dict[int, list[Need]] = defaultdict(list)
     for rank, index, target in wanted:
         covered = 0
