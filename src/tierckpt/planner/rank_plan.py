@@ -39,9 +39,11 @@ deliveries to that rank (all the read step reads of it). Its ``taken`` covers th
 reads: its own coalesced requests read through no gap another read needs, and it lists nothing else.
 
 Costs: a rank's work is, per layout, the saved boxes it touches times the ranks that need each (its
-partners), plus indexing the group's target boxes and the saved boxes of the layout's first tensor
-(linear); per tensor, comparing every rank's and every piece's region with its layout's (plain tuples:
-linear, but a fraction of a microsecond each) and moving the units it keeps. Each byte is read once per
+partners), plus the stored boxes of the group's targets and the saved boxes of the layout's first tensor
+(linear; indexed only where its queries would cost more scanned: :class:`~.box_index.BoxIndex`); per
+tensor, comparing every rank's and every piece's region with its layout's (plain tuples, a fraction of a
+microsecond each: linear in the ranks) and moving the units it keeps; once, numbering the checkpoint's
+files and listing the pieces of the files it reads (linear in the pieces). Each byte is read once per
 group on exchanged units (one reader each) and the group's routes, coalescing and memory bound hold.
 Pure and deterministic like the group planner.
 """
