@@ -255,7 +255,8 @@ def test_a_rank_lists_the_pieces_of_the_files_it_reads_as_taken():
     needs = [[TargetPiece(fqn="u", region=Box((2 * r, 0), (2, 8)))] for r in range(2)]
     plans = rank_plans(tensors, pieces, needs, 1 << 20, 1 << 20, topology("object_store", "gloo", ["n", "n"]))
     assert {u.file for u in plans[1].units if u.reader == 1} == {"b"}
-    assert sorted((f, int(o), n) for f, offsets, n in plans[1].taken for o in offsets) == [("b", 256, 64), ("b", 384, 64)]
+    taken = sorted((f, int(o), n) for f, offsets, n in plans[1].taken for o in offsets)
+    assert taken == [("b", 256, 64), ("b", 384, 64)]
 
 
 def test_an_index_told_its_few_queries_scans_and_finds_the_same():

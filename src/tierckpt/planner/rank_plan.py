@@ -159,15 +159,16 @@ def plan_rank(
     needed = {n.fqn for rank_needs in needs for n in rank_needs} if here else set()
     # Its own tensors, and those it may read for others from its node's memory tier.
     mine = {n.fqn for n in needs[rank]} | {f for f in needed if any(p.file in here for p in pieces.get(f, ()))}
-    # Every rank's needs of them, in rank order: their regions as plain tuples (:func:`_region_key`) and their numbers.
+    # Every rank's needs of them, in rank order: their regions as plain tuples (as :func:`_region_key`, inline:
+    # this reads every rank's need of each tensor) and their numbers.
     theirs: dict[str, list[tuple[int, tuple]]] = {fqn: [] for fqn in mine}
     where: dict[str, list[int]] = {fqn: [] for fqn in mine}
     for r, rank_needs in enumerate(needs):
         for index, need in enumerate(rank_needs):
-            alike = theirs.get(need.fqn)
-            if alike is not None:
+            listed = theirs.get(need.fqn)
+            if listed is not None:
                 region = need.region
-                alike.append((r, (region.offsets, region.lengths) if type(region) is Box else (region.start, region.stop)))
+                listed.append((r, (region.offsets, region.lengths) if type(region) is Box else (region.start, region.stop)))
                 where[need.fqn].append(index)
     files = {f: i for i, f in enumerate(sorted({p.file for plist in pieces.values() for p in plist}))}
 
@@ -364,8 +365,9 @@ def agree_rounds(draft: RankDraft, shares: Sequence[RoundShare], tensors: dict[s
     for d, key in zip(draft.drafts, draft.keys):
         k = bisect.bisect_right(cuts, key)
         rounds[k].append(len(units))
-        units.append(ReadUnit(fqn=d["fqn"], dtype=d["dtype"], box=d["box"], file=d["file"], run_offsets=d["run_offsets"],
-                              run_bytes=d["run_bytes"], reader=d["reader"], deliveries=d["deliveries"], round=k))
+        units.append(ReadUnit(fqn=d["fqn"], dtype=d["dtype"], box=d["box"], file=d["file"],
+                              run_offsets=d["run_offsets"], run_bytes=d["run_bytes"], reader=d["reader"],
+                              deliveries=d["deliveries"], round=k))
         if d["reader"] == draft.rank:
             bytes_read += units[-1].nbytes
             bytes_delivered += sum(x.numel for x in d["deliveries"]) * itemsize(tensors[d["fqn"]].torch_dtype)
