@@ -22,7 +22,9 @@ Reported: CPU milliseconds per plan (``time.process_time``, best of ``--repeat``
 thread of pure Python, and CPU time stays meaningful on a shared, loaded machine; with the cyclic
 garbage collector paused, as :func:`tierckpt.load` runs it): the group plan, and a rank's plan (the
 slowest of ranks 0, N/2 and N-1); pieces touched (saved piece, target pairs that share an element) by
-the group and by the slowest rank's targets, and microseconds per piece touched.
+the group and by the slowest rank's targets, and microseconds per piece touched; the units that rank's plan
+holds (those it reads or receives from: a flat range's pieces are up to three boxes each, so a rank
+touching more of them holds more units per piece).
 
     PYTHONPATH=src python benchmarks/bench_plan_scale.py [--ranks 2 4 8 16 64] [--repeat 3]
 """
@@ -167,8 +169,9 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="loads from node memory tiers after a node loss")
     args = parser.parse_args()
     print(f"{platform.machine()}, Python {platform.python_version()}, one process")
-    print("| layout | N | group plan CPU ms | pairs (group) | µs per pair | rank plan CPU ms | pairs (rank) | µs per pair |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| layout | N | group plan CPU ms | pairs (group) | µs per pair | rank plan CPU ms | pairs (rank) | µs per pair "
+          "| units (rank) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in layouts(2):
         for n in args.ranks:
             save, load = layouts(n)[name]
@@ -188,8 +191,9 @@ def main() -> None:
                 if t >= slowest:
                     slowest, rank = t, r
             mine = touched(tensors, pieces, needs, [rank])
+            units = len(plan_rank(tensors, pieces, needs, rank, topology=topo, held=held, **SIZES).drafts)
             print(f"| {name} | {n} | {best * 1e3:.1f} | {pairs} | {best * 1e6 / pairs:.0f} | {slowest * 1e3:.1f} | {mine} "
-                  f"| {slowest * 1e6 / mine:.0f} |", flush=True)
+                  f"| {slowest * 1e6 / mine:.0f} | {units} |", flush=True)
 
 
 if __name__ == "__main__":

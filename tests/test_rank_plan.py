@@ -24,6 +24,7 @@ from test_load_planner_index import mesh_or_flat_case
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.metadata import PieceMeta, TensorMeta
 from tierckpt.planner import LoadPlan, TargetPiece, plan_load, topology
+from tierckpt.planner.box_index import BoxIndex
 from tierckpt.planner.rank_plan import agree_rounds, plan_rank
 from tierckpt.planner.plan_types import whole_to_other
 from tierckpt.regions import Box, FlatRange
@@ -242,3 +243,26 @@ def test_rank_plans_cut_about_as_many_rounds_as_the_group_plan(world):
     plans = rank_plans(tensors, pieces, needs, 32 << 20, 256 << 20, topo)
     check_union(plans, group, tensors, 256 << 20)
     assert len(plans[0].rounds) <= len(group.rounds) + 1, (len(plans[0].rounds), len(group.rounds))
+
+
+def test_a_rank_lists_the_pieces_of_the_files_it_reads_as_taken():
+    """Two tensors in two files, padded apart; rank 1 reads only file ``b``: its plan's ``taken`` lists
+    every piece of ``b`` (of either tensor: a gap its coalesced request would read through is taken where
+    any piece lies) and nothing of ``a``, which it never reads."""
+    tensors = {k: TensorMeta(fqn=k, dtype="float32", shape=(4, 8)) for k in ("u", "v")}
+    pieces = {k: [PieceMeta(fqn=k, region=Box((2 * i, 0), (2, 8)), file="ab"[i], byte_offset=256 * i + 128 * t,
+                            byte_length=64, crc32c=0) for i in range(2)] for t, k in enumerate(("u", "v"))}
+    needs = [[TargetPiece(fqn="u", region=Box((2 * r, 0), (2, 8)))] for r in range(2)]
+    plans = rank_plans(tensors, pieces, needs, 1 << 20, 1 << 20, topology("object_store", "gloo", ["n", "n"]))
+    assert {u.file for u in plans[1].units if u.reader == 1} == {"b"}
+    taken = sorted((f, int(o), n) for f, offsets, n in plans[1].taken for o in offsets)
+    assert taken == [("b", 256, 64), ("b", 384, 64)]
+
+
+def test_an_index_told_its_few_queries_scans_and_finds_the_same():
+    """16 column shards queried once: scanned (no axes built), the same answers as the built index."""
+    boxes = [Box((0, 4 * i), (8, 4)) for i in range(16)]
+    once, built = BoxIndex(boxes, queries=1), BoxIndex(boxes, queries=16)
+    assert not once.axes and built.axes
+    for q in (Box((0, 6), (8, 4)), Box((3, 0), (2, 64)), Box((0, 63), (1, 1))):
+        assert once.overlapping(q) == built.overlapping(q) == BoxIndex(boxes).overlapping(q)

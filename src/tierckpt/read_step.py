@@ -127,7 +127,8 @@ class ReadStep:
         self.sched = get_scheduler()
         # Neighbouring units of a file, of at most the size the load reads in one unit, become one request
         # where requests are dear (io.coalesce: across padding nobody reads, ``taken``) and one call (one
-        # thread hop) for a file on this node, whose gaps are never read (see _start).
+        # thread hop) for a file on this node, whose gaps are never read (see _start). A rank's own plan
+        # lists the pieces of the files it reads (all its requests may read through); the group plan, its units.
         self.coalesce = not backend.capabilities.local_path
         self.coalesce_bytes = max(1, min(chunk_bytes, DEFAULT_PART_BYTES))
         runs = plan.taken if plan.taken is not None else ((u.file, u.run_offsets, u.run_bytes) for u in plan.units)

@@ -58,22 +58,30 @@ SCAN_BELOW = 8
 """Fewer boxes than this are scanned, not indexed: sorting them costs more than testing each (a tensor
 saved whole, or by a few ranks)."""
 
+SCAN_WORK = 24
+"""An index told its number of queries scans when queries x boxes stay under this: a scan tests each box
+(about a microsecond), building the index costs about as much as testing 0.6 of them each and a query
+a few microseconds (a rank whose one target meets one of 16 column shards scans them once)."""
+
 
 class BoxIndex:
-    """The saved boxes of one tensor (all of one number of dimensions), queried by :meth:`overlapping`."""
+    """The saved boxes of one tensor (all of one number of dimensions), queried by :meth:`overlapping`.
+
+    ``queries``: how many queries it will answer, if known (:data:`SCAN_WORK`)."""
 
     __slots__ = ("boxes", "axes")
 
-    def __init__(self, boxes: Sequence[Box]) -> None:
+    def __init__(self, boxes: Sequence[Box], queries: int | None = None) -> None:
         self.boxes = list(boxes)
-        ndim = self.boxes[0].ndim if self.boxes and len(self.boxes) >= SCAN_BELOW else 0
+        scan = len(self.boxes) < SCAN_BELOW or (queries is not None and queries * len(self.boxes) < SCAN_WORK)
+        ndim = self.boxes[0].ndim if self.boxes and not scan else 0
         self.axes = [
             _Axis([(b.offsets[d], b.offsets[d] + b.lengths[d]) for b in self.boxes]) for d in range(ndim)
         ]
 
     def overlapping(self, box: Box) -> list[tuple[int, Box]]:
         """``(index, intersection)`` of every indexed box that shares an element with ``box``, by index."""
-        if not self.axes:  # few boxes, or a 0-d tensor's one: test each
+        if not self.axes:  # few boxes or queries, or a 0-d tensor's one: test each
             return [(i, inter) for i, b in enumerate(self.boxes) if (inter := b.intersect(box)) is not None]
         if box.numel == 0:
             return []

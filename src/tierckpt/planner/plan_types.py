@@ -87,8 +87,9 @@ class LoadPlan:
     """The rank that checks each unit's checksums (empty: :func:`tierckpt.io.readcheck.checking_ranks`
     of the units, which then must be every rank's)."""
     taken: tuple[tuple[str, np.ndarray, int], ...] | None = None
-    """``(file, run offsets, run bytes)`` covering every byte any rank may read (``None``: the units'):
-    a coalesced request reads through a gap only where none lies."""
+    """``(file, run offsets, run bytes)`` covering every byte any rank may read of each file this plan's
+    rank reads (``None``: the units', which then must be every rank's): a coalesced request reads
+    through a gap only where none lies."""
 
     @property
     def requests(self) -> int:

@@ -33,11 +33,17 @@ around one collective the loader already makes (:mod:`tierckpt.load_generation`)
    of the same gathered shares: the same rounds, exchanges and messages.
 
 Tensors laid out alike (shape, dtype, saved regions and every rank's regions: a model's layers) are
-planned once per rank and moved to each one's files, offsets and target numbers; a unit a rank only
-receives from keeps only its deliveries to that rank (all the read step reads of it).
+planned once per rank and moved to each one's files, offsets and target numbers (those of the piece each
+saved box lies in, and of the need at the same place); a unit a rank only receives from keeps only its
+deliveries to that rank (all the read step reads of it). Its ``taken`` covers the pieces of the files it
+reads: its own coalesced requests read through no gap another read needs, and it lists nothing else.
 
 Costs: a rank's work is, per layout, the saved boxes it touches times the ranks that need each (its
-partners), plus indexing the group's target boxes of its tensors and its tensors' saved boxes (linear). Each byte is read once per
+partners), plus the stored boxes of the group's targets and the saved boxes of the layout's first tensor
+(linear; indexed only where its queries would cost more scanned: :class:`~.box_index.BoxIndex`); per
+tensor, comparing every rank's and every piece's region with its layout's (plain tuples, a fraction of a
+microsecond each: linear in the ranks) and moving the units it keeps; once, numbering the checkpoint's
+files and listing the pieces of the files it reads (linear in the pieces). Each byte is read once per
 group on exchanged units (one reader each) and the group's routes, coalescing and memory bound hold.
 Pure and deterministic like the group planner.
 """
@@ -55,7 +61,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..metadata import PieceMeta, TensorMeta, itemsize
-from ..regions import Box, StoredBox, stored_boxes
+from ..regions import Box, Region, StoredBox, stored_boxes
 from .box_index import BoxIndex
 from .load_order import READER_SHARE
 from .plan_types import Delivery, LoadPlan, ReadUnit, TargetPiece, whole_to_other
@@ -153,61 +159,90 @@ def plan_rank(
     needed = {n.fqn for rank_needs in needs for n in rank_needs} if here else set()
     # Its own tensors, and those it may read for others from its node's memory tier.
     mine = {n.fqn for n in needs[rank]} | {f for f in needed if any(p.file in here for p in pieces.get(f, ()))}
-    targets: dict[str, list[tuple[int, int, StoredBox]]] = defaultdict(list)
+    # Every rank's needs of them, in rank order: their regions as plain tuples (as :func:`_region_key`, inline:
+    # this reads every rank's need of each tensor) and their numbers.
+    theirs: dict[str, list[tuple[int, tuple]]] = {fqn: [] for fqn in mine}
+    where: dict[str, list[int]] = {fqn: [] for fqn in mine}
     for r, rank_needs in enumerate(needs):
         for index, need in enumerate(rank_needs):
-            if need.fqn in mine:
-                for sb in stored_boxes(need.region, tensors[need.fqn].shape):
-                    targets[need.fqn].append((r, index, sb))
+            listed = theirs.get(need.fqn)
+            if listed is not None:
+                region = need.region
+                listed.append((r, (region.offsets, region.lengths) if type(region) is Box else (region.start, region.stop)))
+                where[need.fqn].append(index)
     files = {f: i for i, f in enumerate(sorted({p.file for plist in pieces.values() for p in plist}))}
 
     kept: list[dict] = []
     checkers: list[int] = []
     # Tensors laid out alike (the same shape, dtype, saved regions and every rank's regions: a model's
     # layers) have the same units up to their files, offsets and target numbers: planned once, reused.
-    layouts: dict[tuple, tuple[list[Saved], list[tuple[int, int, StoredBox]], list[Entry]]] = {}
+    layouts: dict[tuple, tuple[list[PieceMeta], list[int], dict[tuple[int, int], int], list[Entry]]] = {}
     for fqn in sorted(mine):
         meta = tensors[fqn]
         plist = pieces.get(fqn, [])
-        wanted = targets[fqn]
-        local = tuple(p.file in here for p in plist)
-        layout = (meta.shape, meta.dtype, tuple(p.region for p in plist), tuple((r, sb) for r, _, sb in wanted), local)
+        numbers = where[fqn]
+        layout = (meta.shape, meta.dtype, tuple([_region_key(p.region) for p in plist]), tuple(theirs[fqn]),
+                  tuple(p.file in here for p in plist) if here else ())
         known = layouts.get(layout)
+        moved = known is not None  # the planned tensor's units, moved to this one's files, offsets and target numbers
         if known is None:
-            saved, lookup = saved_boxes(meta, plist)
-            known = layouts[layout] = (saved, wanted, _entries(meta, saved, lookup, wanted, rank, chunk_bytes, topo, here))
-            target = None
-        else:  # the planned tensor's units, moved to this one's files, offsets and target numbers
-            saved, _ = saved_boxes(meta, plist, index=False)
-            target = {(r, i): j for (r, i, _), (_, j, _) in zip(known[1], wanted)}
-        for si, d, eligible, alike, receives in known[2]:
-            shift = saved[si][2] - known[0][si][2]
+            wanted = [(r, index, sb) for (r, _), index in zip(theirs[fqn], numbers)
+                      for sb in stored_boxes(needs[r][index].region, meta.shape)]
+            saved, piece_of = saved_boxes(meta, plist)
+            lookup = BoxIndex([s[0] for s in saved], queries=sum(t[0] == rank for t in wanted))
+            entries = _entries(meta, saved, lookup, wanted, rank, chunk_bytes, topo, here)
+            position = {(r, index): k for k, ((r, _), index) in enumerate(zip(theirs[fqn], numbers))}
+            known = layouts[layout] = (plist, piece_of, position, entries)
+        first, piece_of, position, entries = known
+        for si, d, eligible, alike, receives in entries:
+            piece = plist[piece_of[si]]
+            shift = piece.byte_offset - first[piece_of[si]].byte_offset
             offsets = d["run_offsets"]
             start = (int(offsets[0]) if len(offsets) else 0) + shift
-            file = saved[si][1]
+            file = piece.file
             number = files[file]
             planned = stripe_reader(eligible, number, start, chunk_bytes)
-            reader = local_reader(planned, held.get(file), number, start, _end(d) + shift, chunk_bytes)
+            reader = planned if file not in held else local_reader(planned, held[file], number, start, _end(d) + shift,
+                                                                   chunk_bytes)
             if reader != rank and not receives:
                 continue
             # A unit this rank only receives from keeps only its deliveries here (all the read step uses).
             deliveries = d["deliveries"] if reader == rank else tuple(d["deliveries"][k] for k in receives)
-            if target is not None:
-                deliveries = tuple(Delivery(rank=x.rank, target=target[(x.rank, x.target)], target_box=x.target_box,
-                                            box=x.box) for x in deliveries)
-            kept.append({**d, "fqn": fqn, "file": saved[si][1], "run_offsets": offsets + shift if shift else offsets,
+            if moved:
+                deliveries = tuple(Delivery(rank=x.rank, target=numbers[position[(x.rank, x.target)]],
+                                            target_box=x.target_box, box=x.box) for x in deliveries)
+            kept.append({**d, "fqn": fqn, "file": file, "run_offsets": offsets + shift if shift else offsets,
                          "reader": reader, "deliveries": deliveries})
             shared = reader == rank == planned and len(alike) > 1  # a unit moved to a holder is exchanged
             checkers.append(stripe_reader(alike, number, start, chunk_bytes) if shared else reader)
 
-    order = sorted(range(len(kept)), key=lambda i: key_of(kept[i]))
+    unsorted = [key_of(d) for d in kept]
+    order = sorted(range(len(kept)), key=unsorted.__getitem__)
     kept = [kept[i] for i in order]
-    keys = tuple(key_of(d) for d in kept)
+    keys = tuple(unsorted[i] for i in order)
     share = _share(kept, keys, rank, round_bytes, p2p_min_bytes)
-    taken = tuple((p.file, np.array([p.byte_offset], dtype=np.int64), p.byte_length)
-                  for plist in pieces.values() for p in plist)
     return RankDraft(rank=rank, world_size=world, drafts=tuple(kept), keys=keys,
-                     checkers=tuple(checkers[i] for i in order), share=share, taken=taken)
+                     checkers=tuple(checkers[i] for i in order), share=share, taken=_taken(kept, rank, pieces))
+
+
+def _region_key(region: Region) -> tuple:
+    """What a region is, as plain tuples: compared and hashed in C, not by the dataclasses' generated methods
+    (:func:`plan_rank` compares every rank's need and every piece of each tensor with its layout's)."""
+    return (region.offsets, region.lengths) if type(region) is Box else (region.start, region.stop)
+
+
+def _taken(kept: list[dict], rank: int, pieces: dict[str, list[PieceMeta]]) -> tuple[tuple[str, np.ndarray, int], ...]:
+    """The pieces of the files ``rank`` reads, by file and length: all a coalesced read of its own may
+    read through must avoid (a gap of a file is free where no piece lies; other files it never reads)."""
+    reads = {d["file"] for d in kept if d["reader"] == rank}
+    if not reads:
+        return ()
+    starts: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for plist in pieces.values():
+        for p in plist:
+            if p.file in reads:
+                starts[(p.file, p.byte_length)].append(p.byte_offset)
+    return tuple((file, np.array(offsets, dtype=np.int64), nbytes) for (file, nbytes), offsets in starts.items())
 
 
 Entry = tuple[int, dict, list[int], list[int], list[int]]
@@ -220,7 +255,6 @@ def _entries(meta: TensorMeta, saved: list[Saved], lookup: BoxIndex, wanted: lis
              rank: int, chunk_bytes: int, topo: Topology, held_here: frozenset[str]) -> list[Entry]:
     """The units of the saved boxes ``rank``'s targets meet, and of those in files its node's memory tier holds
     (``held_here``: it may read them for others), routed with every rank that needs them."""
-    partners = BoxIndex([t[2].box for t in wanted])
     local = [file in held_here for _, file, _ in saved]
     touched: set[int] = {si for si, held in enumerate(local) if held}
     for r, _, target in wanted:
@@ -231,6 +265,7 @@ def _entries(meta: TensorMeta, saved: list[Saved], lookup: BoxIndex, wanted: lis
             touched.add(si)
             covered += inter.numel
         check_covered(meta, rank, target, covered)
+    partners = BoxIndex([t[2].box for t in wanted], queries=len(touched))
     entries: list[Entry] = []
     for si in sorted(touched):
         box_needs: list[Need] = [(wanted[ti][0], wanted[ti][1], wanted[ti][2], inter)
@@ -326,16 +361,19 @@ def agree_rounds(draft: RankDraft, shares: Sequence[RoundShare], tensors: dict[s
                 flags[bisect.bisect_right(cuts, key)] = True
     units: list[ReadUnit] = []
     rounds: list[list[int]] = [[] for _ in range(count)]
+    bytes_read = bytes_delivered = 0
     for d, key in zip(draft.drafts, draft.keys):
         k = bisect.bisect_right(cuts, key)
         rounds[k].append(len(units))
-        units.append(ReadUnit(round=k, **{f: v for f, v in d.items() if f != "item"}))
-    mine = [u for u in units if u.reader == draft.rank]
+        units.append(ReadUnit(fqn=d["fqn"], dtype=d["dtype"], box=d["box"], file=d["file"],
+                              run_offsets=d["run_offsets"], run_bytes=d["run_bytes"], reader=d["reader"],
+                              deliveries=d["deliveries"], round=k))
+        if d["reader"] == draft.rank:
+            bytes_read += units[-1].nbytes
+            bytes_delivered += sum(x.numel for x in d["deliveries"]) * itemsize(tensors[d["fqn"]].torch_dtype)
     return LoadPlan(
         units=tuple(units), rounds=tuple(tuple(r) for r in rounds), exchanges=tuple(exchanges),
-        world_size=draft.world_size, rank=draft.rank,
-        bytes_read=sum(u.nbytes for u in mine),
-        bytes_delivered=sum(x.numel * itemsize(tensors[u.fqn].torch_dtype) for u in mine for x in u.deliveries),
+        world_size=draft.world_size, rank=draft.rank, bytes_read=bytes_read, bytes_delivered=bytes_delivered,
         point_to_point=tuple(e and not s for e, s in zip(exchanges, small)),
         checkers=draft.checkers, taken=draft.taken,
     )

@@ -24,16 +24,19 @@ Saved = tuple[Box, str, int]
 """A saved box, its file and the byte offset of its first element there."""
 
 
-def saved_boxes(meta: TensorMeta, pieces: list[PieceMeta], index: bool = True) -> tuple[list[Saved], BoxIndex | None]:
-    """The saved boxes of a tensor in the planner's order (by first row), and their index (if ``index``)."""
+def saved_boxes(meta: TensorMeta, pieces: list[PieceMeta]) -> tuple[list[Saved], list[int]]:
+    """The saved boxes of a tensor in the planner's order (by first row) and the number (in ``pieces``) of
+    the piece each lies in: a tensor whose pieces have the same regions has the same boxes in the same
+    order, each at its own piece's file and offset (:mod:`.rank_plan` plans such tensors once)."""
     item = itemsize(meta.torch_dtype)
-    saved: list[Saved] = []
-    for p in pieces:
+    placed: list[tuple[Saved, int]] = []
+    for pi, p in enumerate(pieces):
         for sb in stored_boxes(p.region, meta.shape):
-            saved.append((sb.box, p.file, p.byte_offset + sb.element_offset * item))
+            placed.append(((sb.box, p.file, p.byte_offset + sb.element_offset * item), pi))
     if meta.shape:
-        saved.sort(key=lambda s: s[0].offsets[0])
-    return saved, BoxIndex([s[0] for s in saved]) if index else None
+        placed.sort(key=lambda s: s[0][0].offsets[0])
+    saved = [s for s, _ in placed]
+    return saved, [pi for _, pi in placed]
 
 
 def check_covered(meta: TensorMeta, rank: int, target: StoredBox, covered: int) -> None:
@@ -67,8 +70,8 @@ def plan_tensor(
     drafts: list[dict],
 ) -> None:
     """Append to ``drafts`` the units of every saved box of ``meta`` that the group's targets ``wanted`` meet."""
-    saved, lookup = saved_boxes(meta, pieces)
-    assert lookup is not None
+    saved, _ = saved_boxes(meta, pieces)
+    lookup = BoxIndex([s[0] for s in saved])
     needs_of: dict[int, list[Need]] = defaultdict(list)
     for rank, index, target in wanted:
         covered = 0
