@@ -98,15 +98,39 @@ class Comm:
         return list(out.cpu().numpy().reshape(self.world_size, slot))
 
     def broadcast_object(self, obj: T | None, src: int = 0) -> T:
+        """Rank ``src``'s ``obj`` on every rank (``src`` keeps its own). Pickled, in one broadcast of a
+        fixed slot when it fits (:data:`OBJECT_SLOT_BYTES`), else a second one of the rest: torch's
+        ``broadcast_object_list`` always takes two (the sizes, then the data), and what the loader and the
+        saver broadcast is small."""
         if self.world_size == 1:
             return obj  # type: ignore[return-value]
-        box = [obj]
         src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
+        device = self._device()
+        head = OBJECT_SLOT_BYTES - _LENGTH.itemsize
+        slot = torch.zeros(OBJECT_SLOT_BYTES, dtype=torch.uint8)
+        data = b""
+        if self.rank == src:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            view = slot.numpy()
+            view[: _LENGTH.itemsize].view(_LENGTH)[0] = len(data)
+            fits = min(len(data), head)
+            view[_LENGTH.itemsize : _LENGTH.itemsize + fits] = np.frombuffer(data, dtype=np.uint8, count=fits)
         try:
-            dist.broadcast_object_list(box, src=src_global, group=self.group)
+            sent = slot.to(device)
+            dist.broadcast(sent, src=src_global, group=self.group)
+            first = sent.cpu().numpy()
+            size = int(first[: _LENGTH.itemsize].view(_LENGTH)[0])
+            tail = b""
+            if size > head:  # the rest, whose size every rank now knows
+                more = (torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8) if self.rank == src
+                        else torch.empty(size - head, dtype=torch.uint8)).to(device)
+                dist.broadcast(more, src=src_global, group=self.group)
+                tail = more.cpu().numpy().tobytes()
         except RuntimeError as exc:
             raise CollectiveError(f"broadcast from rank {src} failed on rank {self.rank}: {exc}") from exc
-        return box[0]
+        if self.rank == src:
+            return obj  # type: ignore[return-value]
+        return pickle.loads(first[_LENGTH.itemsize : _LENGTH.itemsize + min(size, head)].tobytes() + tail)
 
     def timeout_s(self) -> float:
         """The group's own collective timeout (what torch.distributed was initialized with)."""
