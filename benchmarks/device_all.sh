@@ -5,6 +5,8 @@
 #   2. 2 simulated nodes x 4 ranks, one torchrun per node, beside DCP (bench_nodes.py);
 #   3. the memory tier: save stall, training-loop overhead and CPU per checkpoint beside DCP, and peer
 #      recovery against the cold local disk (bench_memory.py; its S3 cell runs only where moto is installed).
+# Not here, for a device call of its own (these three take most of a call's 10 minutes): the async-save stall
+# of 8 ranks on one node, `python benchmarks/bench_async.py --ranks 8 --gib 1.0 --repeats 3 [--memory]`.
 #
 #   OUT=/some/dir bash benchmarks/device_all.sh      # Markdown tables and logs in $OUT
 #
