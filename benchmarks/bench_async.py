@@ -139,6 +139,7 @@ def main() -> None:
         C.rmtree(root)
         if args.memory:
             C.rmtree(memory_root)
+    machine = C.machine_info(os.path.dirname(root))
     per_rank = C.state_bytes(args.gib) / args.ranks
     rows = []
     med = {lib: {k: C.median(r[0][k]) for k in ("stall", "total")} for lib, r in results.items()}
@@ -162,7 +163,7 @@ def main() -> None:
         f"{' --memory' if args.memory else ''}`; "
         f"{C.fmt_bytes(C.state_bytes(args.gib))} of fp32 DTensors on {args.ranks} ranks ({C.fmt_bytes(per_rank)} per rank)"
         f"{', tierckpt through the node memory tier' if args.memory else ''}; "
-        f"warm memcpy of a rank's state, every rank at once, in the same processes: {memcpy:.3f} s.\n\n{table}\n\n"
+        f"warm memcpy of a rank's state, every rank at once, in the same processes: {memcpy:.3f} s.\n\n{machine}\n\n{table}\n\n"
         f"tierckpt stall = {ratio:.2f}x DCP's (target <= 0.5x) and {med['tierckpt']['stall'] / memcpy:.2f}x a memcpy "
         f"(target <= 1.1x)."
         + (f" Snapshots straight into the tier's spare file: {results['tierckpt'][0]['into_tier']} of {args.repeats} "
