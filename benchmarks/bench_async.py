@@ -93,7 +93,7 @@ def async_ranks(rank: int, world: int, lib: str, gib: float, repeats: int, root:
     _wait(lib, warm)
     if memory:
         warm.wait("remote")
-    stalls, totals, phases, hits, into_tier = [], [], [], 0, 0
+    stalls, totals, phases, hits, into_tier, aside = [], [], [], 0, 0, 0
     memcpys = []
     for i in range(repeats):
         memcpys.append(_memcpy_seconds(sources, copies))
@@ -109,6 +109,7 @@ def async_ranks(rank: int, world: int, lib: str, gib: float, repeats: int, root:
         phases.append(dict(monitor.seconds))
         hits += monitor.counters.get("plan_cache_hits", 0)
         into_tier += monitor.counters.get("snapshots_into_tier", 0)
+        aside += monitor.counters.get("snapshots_while_agreeing", 0)
     save_peak = _rss_kib("VmHWM") - base
     dist.barrier()
     targets = C.make_state(gib, 1, fill=False)
@@ -119,6 +120,7 @@ def async_ranks(rank: int, world: int, lib: str, gib: float, repeats: int, root:
     C.check_state(targets, gib)
     return {"stall": stalls, "total": totals, "memcpy": C.median(memcpys), "phases": phases,
             "first_plan": first.seconds.get("plan", 0.0), "plan_cache_hits": hits, "into_tier": into_tier,
+            "while_agreeing": aside,
             "save_peak_kib": save_peak, "load_peak_kib": load_peak}
 
 
@@ -167,9 +169,12 @@ def main() -> None:
         f"tierckpt stall = {ratio:.2f}x DCP's (target <= 0.5x) and {med['tierckpt']['stall'] / memcpy:.2f}x a memcpy "
         f"(target <= 1.1x)."
         + (f" Snapshots straight into the tier's spare file: {results['tierckpt'][0]['into_tier']} of {args.repeats} "
-           "(rank 0; the others went through the staging buffer)." if args.memory else "")
+           "(counted on rank 0; a save that finds no spare copies through the staging buffer)." if args.memory else "")
         + f"\n\n{phase_table}\n\n"
-        "`plan` and `stage` (the snapshot copy) block training; `checksum` and `file_write` are busy times in "
+        "`flatten` and `stage` (the snapshot copy) block training, and so does `plan` (check-in, one all-gather, "
+        "rank 0 naming the generation) where it outlasts the copy: a rank whose offers match its previous save "
+        f"copies while the group agrees ({results['tierckpt'][0]['while_agreeing']} of the {args.repeats} timed saves "
+        "on rank 0), else it agrees first. `checksum` and `file_write` are busy times in "
         "the background that overlap each other (a chunk is checksummed while the previous one is written) and "
         "the copy when the state streams through the ping-pong halves; `gather` and `commit` follow. Plan cache: the first save of the layout (the warm-up) planned in "
         f"{results['tierckpt'][0]['first_plan'] * 1e3:.1f} ms; the {args.repeats} timed saves hit the cache "
@@ -182,7 +187,7 @@ def main() -> None:
         C.write_section(args.out, "bench_async", "## Async save: stall, commit and memory (`benchmarks/bench_async.py`)\n\n" + text)
 
 
-PHASES = ("plan", "stage", "checksum", "file_write", "gather", "commit")
+PHASES = ("flatten", "plan", "stage", "checksum", "file_write", "gather", "commit")
 """tierckpt's save phases, in pipeline order (see the Monitor's phases in docs/user-guide.md)."""
 
 
@@ -209,11 +214,11 @@ def _plot(results: dict[str, list[dict[str, Any]]], memcpy: float, phase_seconds
     ax.set_xlabel("seconds (rank 0, median)")
     ax.legend(loc="lower right", fontsize=8)
     names = list(reversed(PHASES))
-    blocking = {"plan", "stage"}
+    blocking = {"flatten", "stage"}
     phases_ax.barh(names, [phase_seconds[n] for n in names],
                    color=["#c0392b" if n in blocking else "#95a5a6" for n in names])
     phases_ax.set_xlabel("tierckpt seconds per phase (rank 0, median)")
-    phases_ax.set_title("red: blocks training", fontsize=8)
+    phases_ax.set_title("red: blocks training (plan: only where it outlasts the copy)", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

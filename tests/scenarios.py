@@ -234,6 +234,39 @@ def async_then_reshard(path: str) -> bool:
     return True
 
 
+def async_saves_copy_while_agreeing(path: str) -> list[dict[str, int]]:
+    """Four ranks save asynchronously five times, mutating their tensors as soon as each call returns: from
+    the second save on, a rank whose offers are unchanged copies its snapshot while the group agrees. At the
+    fourth, rank 1 adds a tensor: the others copied under the old plan and take their snapshot again under
+    the new one. Every checkpoint holds the values at the call, bit for bit. Returns each save's counters."""
+    group = subgroup(4)
+    if group is None:
+        return []
+    rank = dist.get_rank()
+
+    def state(step: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(step)  # plain tensors are replicated: equal on every rank
+        tensors = {"w": torch.randn(64, 33), "b": torch.randn(17).to(torch.bfloat16)}
+        tensors[f"r{rank}"] = torch.full((9, 5), 100.0 * step + rank)
+        if step >= 3 and rank == 1:
+            tensors["extra"] = torch.full((12,), float(step))
+        return tensors
+
+    counters = []
+    for step in range(5):
+        live = state(step)
+        monitor = tierckpt.Monitor()
+        handle = tierckpt.async_save(f"{path}/{step}", live, group=group, monitor=monitor)
+        for tensor in live.values():
+            tensor.add_(1)  # training goes on at once
+        handle.wait(timeout_s=60)
+        counters.append({k: int(v) for k, v in monitor.counters.items() if k.startswith(("snapshots", "plan_cache"))})
+        expected = state(step)
+        loaded = tierckpt.load(f"{path}/{step}", {k: torch.zeros_like(v) for k, v in expected.items()}, group=group)
+        assert all(torch.equal(loaded[k], v) for k, v in expected.items()), f"save {step} on rank {rank}"
+    return counters
+
+
 def staging_fails_on_one_rank(path: str) -> str:
     """Rank 1 cannot stage its async save: it raises at once; rank 0, already back in training,
     learns it from ``wait()``; nothing is committed and the previous checkpoint stays loadable."""

@@ -118,3 +118,20 @@ def test_staging_failure_on_one_rank_reaches_every_rank(dist_pool, tmp_path):
     outcomes = dist_pool.run(scenarios.staging_fails_on_one_rank, str(tmp_path / "ckpt"))
     assert outcomes[1] == "raised: no pinned memory left"
     assert outcomes[0].startswith("wait: ") and "rank 1: RuntimeError: no pinned memory left" in outcomes[0]
+
+
+@pytest.mark.multiproc
+def test_a_rank_copies_its_snapshot_while_the_group_agrees(dist_pool, tmp_path):
+    """A rank whose offers match its previous save copies while the group agrees on plan and generation;
+    when another rank's offers changed, it takes the snapshot again under the new plan (bit-exact loads are
+    checked in the scenario)."""
+    counters = dist_pool.run(scenarios.async_saves_copy_while_agreeing, str(tmp_path / "ckpt"))
+    for rank in range(4):
+        while_agreeing = [c.get("snapshots_while_agreeing", 0) for c in counters[rank]]
+        taken_again = [c.get("snapshots_taken_again", 0) for c in counters[rank]]
+        cache_hits = [c.get("plan_cache_hits", 0) for c in counters[rank]]
+        # save 3: rank 1's offers changed (it adds a tensor), so it waits for the new plan; the others
+        # copied under the old one and copy again.
+        assert while_agreeing == [0, 1, 1, int(rank != 1), 1], (rank, counters[rank])
+        assert taken_again == [0, 0, 0, int(rank != 1), 0], (rank, counters[rank])
+        assert cache_hits == [0, 1, 1, 0, 1], (rank, counters[rank])

@@ -32,3 +32,20 @@ def test_async_save_of_cuda_tensors_uses_pinned_staging_and_loads_back(tmp_path,
     tierckpt.load(str(tmp_path / "c"), target)
     for key, value in expected.items():
         assert target[key].is_cuda and torch.equal(target[key], value), key
+
+
+def test_an_async_save_of_an_unchanged_layout_copies_from_cuda_while_agreeing(tmp_path):
+    """The second save of the same CUDA state copies its snapshot (side streams, pinned buffer) while the
+    group agrees; what it holds is the values at the call."""
+    state = {"w": torch.randn(512, 256, device="cuda"), "b": torch.randn(33, device="cuda").half()}
+    for step in range(2):
+        expected = {k: v.clone() for k, v in state.items()}
+        monitor = tierckpt.Monitor()
+        handle = tierckpt.async_save(str(tmp_path / f"c{step}"), state, monitor=monitor)
+        for value in state.values():
+            value.mul_(3).add_(1)
+        handle.wait()
+        assert monitor.counters.get("snapshots_while_agreeing", 0) == step
+        target = {k: torch.zeros_like(v) for k, v in expected.items()}
+        tierckpt.load(str(tmp_path / f"c{step}"), target)
+        assert all(torch.equal(target[k], v) for k, v in expected.items())

@@ -410,6 +410,52 @@ def test_async_snapshot_goes_straight_into_the_tier(tmp_path: Path, memdir: Path
         mapped._drop_spares()
 
 
+def test_a_spare_evicted_during_the_copy_is_written_the_usual_way(
+    tmp_path: Path, memdir: Path, monkeypatch: pytest.MonkeyPatch, mapped_uses: list[bool],
+) -> None:
+    """The snapshot is copied into the spare before the file is named; when eviction unlinks the spare in
+    that window, the bytes still in its mapping are written through the tier's usual writer: the checkpoint
+    is bit-exact and the spare's file is gone from the tier."""
+    import time
+
+    from tierckpt.tiers import link as link_module
+    from tierckpt.tiers import mapped
+
+    path, config = str(tmp_path / "ckpt"), mem(memdir)
+    store = open_store(path, {"memory": config})
+    taken = []
+
+    def evicted_while_copied(link: Any, nbytes: int) -> Any:
+        spare = mapped.take_spare(link, nbytes)
+        if spare is not None:
+            os.unlink(spare.path)  # what eviction does to a spare
+            taken.append(spare.path)
+        return spare
+
+    monkeypatch.setattr(link_module, "take_spare", evicted_while_copied)
+    try:
+        for i in range(2):
+            live = {"w": state()["w"] * (i + 2), "b": state()["b"] - i, "step": i}
+            want = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in live.items()}
+            handle = tierckpt.async_save(path, live, storage_options={"memory": config})
+            for value in live.values():
+                if isinstance(value, torch.Tensor):
+                    value.add_(100)  # training goes on: the checkpoint holds the values at the call
+            handle.wait()
+            handle.wait_durable(timeout_s=60)  # written down too, for the load without the tier
+            for memory in (config, False):
+                got = target()
+                tierckpt.load(path, got, storage_options={"memory": memory})
+                assert_same(got, want)
+            deadline = time.monotonic() + 60
+            while store.memory_tier.home not in mapped._SPARES and time.monotonic() < deadline:
+                time.sleep(0.05)  # the next save's spare is made in the background
+        assert len(taken) == 1 and not os.path.exists(taken[0])
+        assert mapped_uses == [False, False]
+    finally:
+        mapped._drop_spares()
+
+
 def test_ranks_that_disagree_on_the_tier_fail_together(dist_pool: Any, tmp_path: Path, memdir: Path) -> None:
     """The memory tier on for rank 0 only: every rank raises the same error, naming the ranks and the
     setting to fix, and nothing is committed — neither where the URI points nor in the node's memory."""

@@ -62,7 +62,7 @@ def test_the_hooks_answer_for_the_chain(tmp_path: Path) -> None:
     assert isinstance(below, ScheduledBackend) and below.next_link() is not None
     assert store.durability_of(both) is both and store.durability_of(plain) is None
     assert both.keep_in_memory("g-00000001-0000000000001-aaaa") is True
-    assert plain.keep_in_memory("g-00000001-0000000000001-aaaa") is False and plain.mapped_writer("k", 8) is None
+    assert plain.keep_in_memory("g-00000001-0000000000001-aaaa") is False and plain.take_spare(8) is None and plain.mapped_writer("k", 8, None) is None
     local = LocalBackend(str(tmp_path / "x"))
     assert local.next_link() is None and local.without_node_cache() is local
     assert store.identity_of(f"local://{tmp_path / 'remote'}", both) == store.identity_of(

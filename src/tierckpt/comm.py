@@ -185,7 +185,7 @@ class Comm:
 
     def run_agreed(self, fn: Callable[[], T], what: str) -> T:
         """Run ``fn`` on every rank; if it failed on any rank, raise on all of them (none is left waiting)."""
-        result, error = _attempt(fn)
+        result, error = attempt(fn)
         self.agree(error, what)
         return result  # type: ignore[return-value]
 
@@ -197,13 +197,20 @@ class Comm:
 
         ``same``: ``(name, value)`` that every rank must pass equal (the URI of a save or load), carried by
         the same collective and checked first, since a disagreement explains any other failure."""
-        result, error = _attempt(fn)
+        result, error = attempt(fn)
         kept, shared = result if result is not None else (None, None)
+        return kept, self.share_attempt(shared, error, what, same)  # type: ignore[return-value]
+
+    def share_attempt(
+        self, shared: S | None, error: BaseException | None, what: str, same: tuple[str, Any] | None = None,
+    ) -> list[S]:
+        """Every rank's ``shared`` of a step each rank already attempted (``error``: how it failed here),
+        in one all-gather that agrees on failures as :meth:`exchange_agreed` does."""
         gathered = self.all_gather_object((shared, describe_error(error), None if same is None else same[1]))
         if same is not None:
             check_same_on_every_rank(same[0], [value for _, _, value in gathered], what)
         self.raise_failures(error, [message for _, message, _ in gathered], what)
-        return kept, [s for s, _, _ in gathered]  # type: ignore[return-value]
+        return [s for s, _, _ in gathered]  # type: ignore[misc]
 
     def raise_failures(self, error: BaseException | None, messages: list[str | None], what: str) -> None:
         """Raise on this rank if any rank failed (``messages[r]``: :func:`describe_error` of rank ``r``'s
@@ -278,7 +285,8 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[:8]}" + (" ..." if len(ranks) > 8 else "")
 
 
-def _attempt(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:
+def attempt(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:
+    """``(fn(), None)``, or ``(None, error)`` when it raised: a rank's part of a step, kept to share."""
     try:
         return fn(), None
     except Exception as exc:  # noqa: BLE001 - shared with every rank, then raised

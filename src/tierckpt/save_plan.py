@@ -1,9 +1,13 @@
 """A save's first step, on every rank: flatten and encode the state, agree on the plan and the new generation.
 
-Rank 0 reads the base ``COMMIT`` on the I/O loop while the state is flattened; one collective agrees that
-every rank could prepare its state and carries the plan-cache digests, object digests and rank 0's name
-for the new generation; the plan is reused when every digest matches the cached plan's, else the offers
-are all-gathered and every rank computes the same :class:`~tierckpt.planner.SavePlan`.
+It has two halves. :func:`_prepare_local` is this rank's alone, with no collective: flatten the state
+into the pieces it offers and encode its objects, while rank 0 reads the base ``COMMIT`` on the I/O
+loop. :func:`_agree` is the group's: a check-in, then one collective that agrees that every rank could
+prepare its state and carries the plan-cache digests, the object digests and rank 0's name for the new
+generation; the plan is reused when every digest matches the cached plan's, else the offers are
+all-gathered and every rank computes the same :class:`~tierckpt.planner.SavePlan`. Between the halves,
+an async save whose offers match its previous save's may copy its snapshot while the group agrees
+(:func:`cached_plan`, :mod:`tierckpt.saver`).
 """
 
 from __future__ import annotations
@@ -11,12 +15,14 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import crc32c
 
 from . import layout, save_commit
-from .comm import Comm, Group
+from .backends import Backend
+from .comm import Comm, Group, attempt
 from .io.scheduler import get_scheduler
 from .metadata import dtype_name
 from .monitor import Monitor
@@ -30,35 +36,99 @@ from .state import FlatState, flatten_state
 from .store import durability_of, identity_of, open_store
 from .tiers.replication import Replication, replicator_for
 
+_Kept = tuple[FlatState, list[LocalPiece], dict[str, tuple[bytes, str]]]
+"""What a rank keeps of its prepared state: the flattened state, the pieces it offers, its encoded objects."""
+_Shared = tuple[str, dict[str, tuple[int, int]], bool, bool]
+"""What a rank shares of it: the offers' plan-cache digest, ``(crc, size)`` of each encoded object,
+whether its chain has the node memory tier, its ``persist``."""
+
+
+@dataclass
+class _Local:
+    """One rank's half of a save's first step (:func:`_prepare_local`): its store, its state as it
+    prepared it (or how that failed), and rank 0's read of the base ``COMMIT``."""
+
+    uri: str
+    group: Group
+    comm: Comm
+    backend: Backend
+    started: float
+    base: concurrent.futures.Future[bytes | None] | None
+    kept: _Kept | None
+    shared: _Shared | None
+    error: Exception | None
+    monitor: Monitor
+    write_back: bool
+    persist: bool
+
+
 def _prepare(
     uri: str, state: Mapping[str, Any], group: Group, storage_options: Mapping[str, Any] | None,
     tags: Mapping[str, str] | None, keep_previous: bool, align_bytes: int, monitor: Monitor,
     collective_timeout_s: float | None, write_back: bool, persist: bool,
 ) -> _Prepared:
+    """Both halves, one after the other."""
+    local = _prepare_local(uri, state, group, storage_options, write_back, persist, monitor)
+    return _agree(local, tags, keep_previous, align_bytes, collective_timeout_s)
+
+
+def _prepare_local(
+    uri: str, state: Mapping[str, Any], group: Group, storage_options: Mapping[str, Any] | None,
+    write_back: bool, persist: bool, monitor: Monitor,
+) -> _Local:
+    """This rank's half, no collective: open the store, start rank 0's read of ``COMMIT`` on the I/O loop
+    (a remote round trip then overlaps the rest), flatten and encode the state. A failure to prepare the
+    state is kept, to be shared by :func:`_agree`."""
     _raise_unreported()
     comm = Comm(group)
-    comm.check_in(f"save to {uri!r}", collective_timeout_s)
     backend = open_store(uri, dict(storage_options or {}))
     started = time.time()
-    # Rank 0 reads COMMIT on the I/O loop while the state is flattened (a remote round trip then adds
-    # nothing to the stall); its commit sequence names the new generation. A write-back save reads the
-    # node's view (its pending COMMIT first) and may start while the remote is unreachable.
+    # A write-back save reads the node's view (its pending COMMIT first) and may start while the remote
+    # is unreachable.
     offline_ok = write_back and durability_of(backend) is not None
     base = get_scheduler().submit(save_commit._read_commit(backend, offline_ok)) if comm.rank == 0 else None
+    with monitor.phase("flatten"):
+        result, error = attempt(lambda: _offer(state, backend.node_memory_tier() is not None, persist))
+    kept, shared = result if result is not None else (None, None)
+    return _Local(uri, group, comm, backend, started, base, kept, shared, error, monitor, write_back, persist)
+
+
+def cached_plan(local: _Local, align_bytes: int) -> SavePlan | None:
+    """The plan of the group's previous save when this rank offers the same pieces as then: the plan the
+    group will agree on unless another rank's offers changed (:func:`_agree` tells)."""
+    cached = _PROCESS.plans.get((_group_key(local.group), align_bytes))
+    if cached is None or local.shared is None or local.comm.rank >= len(cached[0]):
+        return None
+    return cached[1] if cached[0][local.comm.rank] == local.shared[0] else None
+
+
+def _agree(
+    local: _Local, tags: Mapping[str, str] | None, keep_previous: bool, align_bytes: int,
+    collective_timeout_s: float | None,
+) -> _Prepared:
+    """The group's half: check in, share what each rank prepared (raising on every rank if any failed),
+    take rank 0's name for the new generation, and reuse or compute the plan."""
+    comm, backend, uri, monitor, persist = local.comm, local.backend, local.uri, local.monitor, local.persist
+    comm.check_in(f"save to {uri!r}", collective_timeout_s)
     with monitor.phase("plan"):
         # One collective agrees that every rank could prepare its state and carries each rank's
-        # plan-cache digest and object digests, and rank 0's name for the new generation.
-        (flat, offers, encoded), agreement = comm.exchange_agreed(
-            lambda: _offer(state, base, backend.node_memory_tier() is not None, persist), "preparing the state to save",
-            same=("URI", identity_of(uri, backend)),
+        # plan-cache digest and object digests, and rank 0's name for the new generation (named after
+        # the base COMMIT's sequence).
+        proposal, error = attempt(
+            lambda: None if local.base is None else layout.new_generation(layout.next_seq(local.base.result()))
         )
-        _check_tiers_agree(uri, [a[3] for a in agreement])
-        _check_persist(uri, [a[4] for a in agreement], backend.node_memory_tier() is not None)
-        generation = agreement[0][2]
+        error = local.error or error
+        shared = None if error is not None or local.shared is None else (*local.shared, proposal)
+        agreement = comm.share_attempt(shared, error, "preparing the state to save", same=("URI", identity_of(uri, backend)))
+        assert local.kept is not None and local.shared is not None  # else share_attempt raised
+        flat, offers, encoded = local.kept
+        _check_tiers_agree(uri, [a[2] for a in agreement])
+        _check_persist(uri, [a[3] for a in agreement], backend.node_memory_tier() is not None)
+        generation = agreement[0][4]
         if not persist:
             backend.keep_in_memory(generation)  # the chain has a memory tier (_check_persist)
         digests = [a[0] for a in agreement]
-        plan_key = (_group_key(group), align_bytes)
+        plan_key = (_group_key(local.group), align_bytes)
         cached = _PROCESS.plans.get(plan_key)
         if cached is not None and cached[0] == digests:
             plan = cached[1]
@@ -70,23 +140,17 @@ def _prepare(
         owners = _place_objects([a[1] for a in agreement], plan)
     # The replicator is built here, in the foreground every rank reaches together (first save only).
     tier = backend.node_memory_tier()
-    replicator, not_replicated = replicator_for(tier, group, _group_key(group))
+    replicator, not_replicated = replicator_for(tier, local.group, _group_key(local.group))
     return _Prepared(
         uri=uri, comm=comm, backend=backend, flat=flat, encoded=encoded, plan=plan, owners=owners,
-        generation=generation, started=started, monitor=monitor, tags=dict(tags or {}), keep_previous=keep_previous,
-        base=base, write_back=write_back, replication=Replication(uri, tier, replicator, not_replicated),
-        persist=persist,
+        generation=generation, started=local.started, monitor=monitor, tags=dict(tags or {}),
+        keep_previous=keep_previous, base=local.base, write_back=local.write_back,
+        replication=Replication(uri, tier, replicator, not_replicated), persist=persist,
     )
 
 
-def _offer(
-    state: Mapping[str, Any], base: concurrent.futures.Future[bytes | None] | None, memory_tier: bool, persist: bool,
-) -> tuple[tuple[FlatState, list[LocalPiece], dict[str, tuple[bytes, str]]],
-           tuple[str, dict[str, tuple[int, int]], str | None, bool, bool]]:
-    """Flatten and encode this rank's state: ``(kept, shared)``, shared being the plan-cache digest of
-    the offered pieces, ``(crc, size)`` of each encoded object, rank 0's generation proposal (named
-    after the base ``COMMIT``'s sequence), whether this rank's chain has the node memory tier and its
-    ``persist``."""
+def _offer(state: Mapping[str, Any], memory_tier: bool, persist: bool) -> tuple[_Kept, _Shared]:
+    """Flatten and encode this rank's state: ``(kept, shared)`` (see :data:`_Kept`, :data:`_Shared`)."""
     flat = flatten_state(state, for_load=False)
     offers = [
         LocalPiece(fqn=e.fqn, dtype=dtype_name(e.tensor.dtype), shape=e.shape, region=e.region)
@@ -94,8 +158,7 @@ def _offer(
     ]
     encoded = {key: encode_object(entry.value) for key, entry in flat.objects.items()}
     digests = {key: (crc32c.crc32c(data), len(data)) for key, (data, _) in encoded.items()}
-    proposal = None if base is None else layout.new_generation(layout.next_seq(base.result()))
-    return (flat, offers, encoded), (offers_digest([offers]), digests, proposal, memory_tier, persist)
+    return (flat, offers, encoded), (offers_digest([offers]), digests, memory_tier, persist)
 
 
 def _check_tiers_agree(uri: str, memory_tier: list[bool]) -> None:

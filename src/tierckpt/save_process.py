@@ -13,10 +13,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
 
 from . import cleanup
-from .comm import Group, describe_error
+from .comm import Comm, Group, describe_error
 from .deadline import process_left
 from .errors import CheckpointError
 from .io.staging import StagingBuffer
@@ -25,6 +28,9 @@ from .save_handle import SaveHandle
 from .store import drain_write_back, exit_wait_s
 from .tiers.replication import exit_wait_s as replication_exit_wait_s
 from .tiers.replication import stop_replicators
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -38,10 +44,26 @@ class _Process:
     in_flight: dict[str, SaveHandle] = field(default_factory=dict)
     unreported: list[SaveHandle] = field(default_factory=list)
 
+    agreement: concurrent.futures.ThreadPoolExecutor | None = None
+
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self.background is None:
             self.background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-save")
         return self.background
+
+    def agree_aside(self, agree: Callable[[], T], comm: Comm) -> concurrent.futures.Future[T]:
+        """Run a save's agreement (its collectives) in the agreement thread while the caller copies its
+        snapshot; on an NCCL group the thread uses the caller's CUDA device."""
+        if self.agreement is None:
+            self.agreement = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-agree")
+        device = torch.cuda.current_device() if comm.backend == "nccl" else None
+
+        def run() -> T:
+            if device is not None:
+                torch.cuda.set_device(device)
+            return agree()
+
+        return self.agreement.submit(run)
 
 
 _PROCESS = _Process()

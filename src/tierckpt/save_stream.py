@@ -18,22 +18,12 @@ import torch
 
 from . import layout
 from .backends import Backend
-from .errors import CheckpointError
 from .io.scheduler import get_scheduler
 from .io.staging import Chunk, FileStream, stage_into
 from .metadata import FileMeta, ObjectMeta, PieceMeta
-from .regions import Box, FlatRange, Region
 from .save_prepared import _Prepared
 from .save_process import _PROCESS
-from .state import TensorEntry
-
-
-def _pieces(p: _Prepared) -> list[tuple[int, int, torch.Tensor]]:
-    """``(index, byte_offset, tensor)`` of every piece this rank writes, in file order."""
-    return [
-        (i, w.byte_offset, _piece_tensor(p.flat.tensors[w.fqn], w.region))
-        for i, w in enumerate(p.plan.writes[p.comm.rank])
-    ]
+from .save_snapshot import rank_pieces, take_snapshot
 
 
 def _on_written(p: _Prepared) -> Any:
@@ -55,7 +45,7 @@ def _stream_direct(p: _Prepared) -> FileStream | None:
         return None
     with stream.abort_on_error():
         position = 0
-        for index, offset, tensor in _pieces(p):
+        for index, offset, tensor in rank_pieces(p.flat, p.plan, p.comm.rank):
             if offset > position:
                 stream.put(Chunk(memoryview(bytes(offset - position))))
             data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
@@ -65,26 +55,29 @@ def _stream_direct(p: _Prepared) -> FileStream | None:
 
 
 def _stream_staged(p: _Prepared, staging_bytes: int | None) -> FileStream | None:
-    """Asynchronous path: copy pieces through the reusable staging buffer — or, through the node memory
-    tier, straight into the tier's file (``mapped_writer``) — and return when all are copied."""
-    writes = p.plan.writes[p.comm.rank]
-    if not writes:
-        return None
+    """Asynchronous path: take the snapshot whole (:mod:`tierckpt.save_snapshot`) — or, when the file
+    exceeds ``staging_bytes``, copy it through the staging buffer's halves as they are written — and
+    return when every byte is copied."""
+    snapshot = take_snapshot(p.flat, p.plan, p.comm.rank, p.backend, staging_bytes, p.monitor)
+    if snapshot is not None:
+        return snapshot.stream(p, _on_written(p))
     size = p.plan.file_sizes[p.comm.rank]
-    pin = any(e.tensor.is_cuda for e in p.flat.tensors.values()) and torch.cuda.is_available()
-    key = layout.in_generation(p.generation, writes[0].file)
-    mapped = p.backend.mapped_writer(key, size) if not pin else None
-    stream = FileStream(p.backend, key, len(writes), writer=mapped, on_written=_on_written(p))
-    with stream.abort_on_error():
-        if mapped is not None:
-            p.monitor.count("snapshots_into_tier")  # the copy went straight into the tier's spare file
-            stage_into(stream, _pieces(p), mapped.buffer)
-        else:
-            capacity = min(size, staging_bytes) if staging_bytes else size
-            stage_into(stream, _pieces(p), _PROCESS.staging.acquire(capacity, pin=pin)[:capacity])
+    capacity = staging_bytes or size  # set: take_snapshot declined a file larger than it
+    with p.monitor.phase("stage"):
+        stream = _open_stream(p)
+        assert stream is not None  # a file larger than the staging buffer has pieces
+        if not _pinned(p):  # no spare to copy into: one is wanted for the next save
+            p.backend.mapped_writer(layout.in_generation(p.generation, p.plan.writes[p.comm.rank][0].file), size, None)
+        with stream.abort_on_error():
+            stage_into(stream, rank_pieces(p.flat, p.plan, p.comm.rank),
+                       _PROCESS.staging.acquire(capacity, pin=_pinned(p))[:capacity])
     p.monitor.count("bytes_staged", size)
     return stream
 
+
+def _pinned(p: _Prepared) -> bool:
+    """Whether the snapshot copies from CUDA (then the staging buffer is pinned)."""
+    return any(e.tensor.is_cuda for e in p.flat.tensors.values()) and torch.cuda.is_available()
 
 
 def _finish_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMeta], list[ObjectMeta], list[FileMeta], dict[str, float]]:
@@ -161,12 +154,3 @@ def _objects_of_rank(p: _Prepared) -> tuple[list[ObjectMeta], bytes]:
         blobs.append(data)
         offset += len(data)
     return objects, b"".join(blobs)
-
-
-def _piece_tensor(entry: TensorEntry, region: Region) -> torch.Tensor:
-    """The part of an entry's local tensor that holds ``region``."""
-    if isinstance(region, FlatRange) and isinstance(entry.region, FlatRange):
-        return entry.tensor.reshape(-1)[region.start - entry.region.start : region.stop - entry.region.start]
-    if isinstance(region, Box) and isinstance(entry.region, Box):
-        return entry.tensor[region.relative_to(entry.region).slices()]
-    raise CheckpointError(f"piece of {entry.fqn!r}: a {type(region).__name__} cannot be cut from a {type(entry.region).__name__}")

@@ -3,14 +3,17 @@
 Lifecycle (every rank of the group unless noted):
 
 1. *Prepare* (caller's thread; :mod:`tierckpt.save_plan`): flatten the state into tensor entries and
-   objects; encode the objects. Ranks exchange a digest of their offers: when it matches the cached
-   plan's, the plan is reused; otherwise offers are all-gathered and every rank computes the same
-   :class:`~tierckpt.planner.SavePlan`. Rank 0 reads ``COMMIT`` (the *base*, read on the I/O loop
-   while the state is flattened) and names a fresh generation with the next commit sequence.
+   objects; encode the objects, while rank 0 reads ``COMMIT`` (the *base*) on the I/O loop. Then the
+   group agrees: a check-in, and one collective of each rank's digest of its offers: when they match the
+   cached plan's, the plan is reused; otherwise offers are all-gathered and every rank computes the same
+   :class:`~tierckpt.planner.SavePlan`. Rank 0 names a fresh generation with the base's next commit
+   sequence.
 2. *Snapshot and write* (:mod:`tierckpt.save_stream`): each rank streams its assigned pieces into its
    data file (:class:`~tierckpt.io.staging.FileStream`, CRC-32C computed on the I/O loop). A synchronous
    save streams straight from tensor memory. An asynchronous save first copies the pieces into the
-   reusable staging buffer (pinned for CUDA) and returns to training once every byte is copied.
+   node memory tier's spare file or the reusable staging buffer (pinned for CUDA) and returns to training
+   once every byte is copied; a rank whose offers match its previous save's copies under that save's
+   plan while the group agrees, in the agreement thread (:mod:`tierckpt.save_snapshot`).
 3. *Finish* (caller's thread for ``save``, a background thread for ``async_save``;
    :mod:`tierckpt.save_commit`): close the files, write the objects, gather piece and object records on
    rank 0. A background save coordinates through the group's key-value store
@@ -39,7 +42,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar, cast
 
 from .call_args import checked_uri
-from .comm import Group, StoreCoordinator
+from .comm import Group, StoreCoordinator, attempt
 from .deadline import bounded
 from .errors import CheckpointBusyError, CheckpointError
 from .gc_pause import gc_paused
@@ -48,8 +51,11 @@ from .monitor import Monitor
 from .progress import attached
 from .save_commit import _finish
 from .save_handle import LEVELS, SaveHandle
-from .save_plan import _prepare
+from .save_plan import _agree, _Local, _prepare, _prepare_local, cached_plan
+from .save_prepared import _Prepared
+from .save_snapshot import Snapshot, take_snapshot
 from .save_process import _PROCESS
+from .io.staging import FileStream
 from .save_stream import _stream_direct, _stream_staged
 
 __all__ = ["IF_BUSY", "LEVELS", "SaveHandle", "async_save", "save"]
@@ -105,9 +111,9 @@ def _save(
         if if_busy == "error":
             raise CheckpointBusyError(f"an async save to {uri!r} is still in flight; wait() for it or pass if_busy='wait'")
         previous.wait()
-    p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor, collective_timeout_s,
-                 write_back=background, persist=persist)
     if not background:
+        p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor,
+                     collective_timeout_s, write_back=False, persist=persist)
         rank = p.comm.rank
         total = p.plan.file_sizes[rank] if rank < len(p.plan.file_sizes) else None
         with attached(monitor, f"save {uri}", progress, rank, total=total):
@@ -117,17 +123,10 @@ def _save(
         if replicated:
             p.replication.wait(meta.generation)
         return meta
-    _PROCESS.staging_lock.acquire()  # the staging buffer serves one save at a time
-    try:
-        # No collective after the copy: each rank returns to training as soon as its own copy is done.
-        with monitor.phase("stage"):
-            staged = _stream_staged(p, staging_bytes)
-    except BaseException as exc:
-        _PROCESS.staging_lock.release()
-        # The other ranks may be back in training already: the background coordination tells them
-        # (their handles' wait() raises and nothing is committed); this rank raises now.
-        _PROCESS.executor().submit(_finish, p, None, StoreCoordinator(p.comm, p.generation), exc)
-        raise
+    local = _prepare_local(uri, state, group, storage_options, True, persist, monitor)
+    p, staged = _snapshot_while_agreeing(
+        local, align_bytes, staging_bytes, lambda: _agree(local, tags, keep_previous, align_bytes, collective_timeout_s),
+    )
 
     def finish() -> CheckpointMeta:
         try:
@@ -143,6 +142,56 @@ def _save(
     _PROCESS.in_flight[uri] = handle
     _PROCESS.unreported.append(handle)
     return handle
+
+
+def _snapshot_while_agreeing(
+    local: _Local, align_bytes: int, staging_bytes: int | None, agree: Callable[[], _Prepared],
+) -> tuple[_Prepared, FileStream | None]:
+    """An async save's snapshot and the group's agreement on its plan and generation (``agree``); returns
+    with every byte copied and the staging lock held (the save's ``finish`` releases it).
+
+    Where this rank offers the pieces of its previous save, the snapshot is copied under that save's plan
+    while the group agrees in the agreement thread (:mod:`tierckpt.save_snapshot`), so training waits for
+    the longer of the two; it is taken again in the rare case the group agreed on another plan. Else the
+    group agrees first. No collective follows the copy: each rank returns to training as soon as its own
+    copy is done.
+    """
+    plan = cached_plan(local, align_bytes)
+    agreeing = _PROCESS.agree_aside(agree, local.comm) if plan is not None else None
+    _PROCESS.staging_lock.acquire()  # the staging buffer serves one save at a time
+    snapshot: Snapshot | None = None
+    copy_error: Exception | None = None
+    try:
+        if agreeing is not None and plan is not None and local.kept is not None:
+            flat = local.kept[0]
+            snapshot, copy_error = attempt(
+                lambda: take_snapshot(flat, plan, local.comm.rank, local.backend, staging_bytes, local.monitor)
+            )
+            if snapshot is not None:
+                local.monitor.count("snapshots_while_agreeing")
+            p = agreeing.result()
+        else:
+            p = agree()
+    except BaseException:
+        if snapshot is not None:
+            snapshot.release()
+        _PROCESS.staging_lock.release()
+        raise
+    try:
+        if copy_error is not None:
+            raise copy_error
+        if snapshot is not None and p.plan is snapshot.plan:
+            return p, snapshot.stream(p)
+        if snapshot is not None:
+            snapshot.release()  # another rank's offers changed: the group planned anew
+            p.monitor.count("snapshots_taken_again")
+        return p, _stream_staged(p, staging_bytes)
+    except BaseException as exc:
+        _PROCESS.staging_lock.release()
+        # The other ranks may be back in training already: the background coordination tells them
+        # (their handles' wait() raises and nothing is committed); this rank raises now.
+        _PROCESS.executor().submit(_finish, p, None, StoreCoordinator(p.comm, p.generation), exc)
+        raise
 
 
 # -- public API ------------------------------------------------------------------------------------

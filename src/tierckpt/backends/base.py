@@ -24,7 +24,7 @@ A store is a chain: the URI's backend, wrapped in *links* (:class:`Link`, zarr's
 with one job (scheduling, the node disk cache, the node memory tier). Code above the chain asks a store
 for what it needs through the *capability hooks* every backend has (:meth:`Backend.uri_of`,
 :meth:`~Backend.next_link`, :meth:`~Backend.node_memory_tier`, :meth:`~Backend.keep_in_memory`,
-:meth:`~Backend.mapped_writer`, :meth:`~Backend.without_node_cache`, :meth:`~Backend.forget_cached`):
+:meth:`~Backend.take_spare`, :meth:`~Backend.mapped_writer`, :meth:`~Backend.without_node_cache`, :meth:`~Backend.forget_cached`):
 a plain backend answers "not here", a link passes them down unless it answers them itself. Nobody
 above the chain asks which class a link is or probes it for attributes.
 """
@@ -131,9 +131,17 @@ class ObjectWriter(abc.ABC):
 
 class MappedWriter(ObjectWriter):
     """A writer whose :attr:`buffer` holds the file's own pages (:meth:`Backend.mapped_writer`): the caller
-    fills it, then streams the chunks, which the writer only checksums."""
+    filled it, then streams the chunks, which the writer only checksums."""
 
     buffer: torch.Tensor
+
+
+class Spare(Protocol):
+    """Memory that can become a data file of a store (:meth:`Backend.take_spare`)."""
+    buffer: torch.Tensor
+
+    def release(self) -> None:
+        """Give the memory up, unless it became a file (:meth:`Backend.mapped_writer`)."""
 
 
 Segment = tuple[Sequence[int], int, memoryview]
@@ -303,9 +311,14 @@ class Backend(abc.ABC):
         memory tier, nothing was done."""
         return False
 
-    def mapped_writer(self, key: str, nbytes: int) -> MappedWriter | None:
-        """A writer whose ``buffer`` (``nbytes`` of the file's own pages) the caller fills before streaming,
-        or ``None``: use :meth:`open_writer`."""
+    def take_spare(self, nbytes: int) -> Spare | None:
+        """Memory of ``nbytes`` or more for an async save's snapshot that can become the file once named
+        (:meth:`mapped_writer`); ``None``: use the staging buffer."""
+        return None
+
+    def mapped_writer(self, key: str, nbytes: int, spare: Spare | None) -> MappedWriter | None:
+        """``spare``, whose ``buffer`` holds the file's ``nbytes``, made the writer of ``key``: its writes only
+        checksum what is there. ``None``: write the bytes with :meth:`open_writer` (then release the spare)."""
         return None
 
     def without_node_cache(self) -> Backend:

@@ -116,9 +116,11 @@ class FileStream:
     """Writes chunks of one file in order on the I/O loop (see the module docstring)."""
 
     def __init__(self, backend: Backend, key: str, num_pieces: int, writer: ObjectWriter | None = None,
-                 on_written: Callable[[int], None] | None = None) -> None:
+                 on_written: Callable[[int], None] | None = None, release: Callable[[], None] | None = None) -> None:
         self._on_written = on_written
         """Told the size of each chunk once written (a progress bar: :mod:`tierckpt.progress`)."""
+        self._release = release
+        """Called (in a worker thread) once the file is closed or aborted: the memory its chunks came from may go."""
         self.checksums = [BlockAccumulator() for _ in range(num_pieces)]
         self.file_crc32c: int | None = None
         """The whole file's CRC-32C, when its writer took it from the stream (see the module docstring)."""
@@ -166,6 +168,13 @@ class FileStream:
             raise
 
     async def _drain(self, backend: Backend, key: str, writer: ObjectWriter | None) -> None:
+        try:
+            await self._write_file(backend, key, writer)
+        finally:
+            if self._release is not None:
+                await asyncio.to_thread(self._release)
+
+    async def _write_file(self, backend: Backend, key: str, writer: ObjectWriter | None) -> None:
         """Checksum each chunk while the previous one is being written, then write it (in order)."""
         writer = writer if writer is not None else await backend.open_writer(key)
         in_flight: asyncio.Task[None] | None = None
@@ -333,9 +342,9 @@ def stage_into(stream: FileStream, pieces: Iterable[tuple[int, int, torch.Tensor
     copy waits for a half to drain. The last chunks may still be in flight (``stream.finish()`` waits).
     """
     pieces = list(pieces)
-    total = max((offset + t.numel() * t.element_size() for _, offset, t in pieces), default=0)
+    total = file_bytes(pieces)
     if total <= buffer.numel():
-        _stage_whole(stream, pieces, buffer[:total])
+        queue_whole(stream, buffer[:total], copy_whole(pieces, buffer[:total]))
         return
     pingpong = PingPong(stream, buffer)
     position = 0
@@ -348,10 +357,20 @@ def stage_into(stream: FileStream, pieces: Iterable[tuple[int, int, torch.Tensor
     pingpong.flush()
 
 
-def _stage_whole(stream: FileStream, pieces: list[tuple[int, int, torch.Tensor]], buffer: torch.Tensor) -> None:
-    """Copy every piece to its file offset in ``buffer`` (padding zeroed), then stream the buffer."""
+def file_bytes(pieces: Iterable[tuple[int, int, torch.Tensor]]) -> int:
+    """The size of the file that ``(index, byte_offset, tensor)`` pieces make (its last piece's end)."""
+    return max((offset + t.numel() * t.element_size() for _, offset, t in pieces), default=0)
+
+
+Spans = list[tuple[int, int, int]]
+"""``(piece index, byte offset, length)`` of each piece copied into a whole-file buffer, in file order."""
+
+
+def copy_whole(pieces: list[tuple[int, int, torch.Tensor]], buffer: torch.Tensor) -> Spans:
+    """Copy every piece to its file offset in ``buffer`` (padding zeroed); return where each went. Returns
+    once every byte is copied (CUDA sources too)."""
     position = 0
-    spans: list[tuple[int, int, int]] = []
+    spans: Spans = []
     copies = DeviceCopies()
     for index, offset, tensor in pieces:
         if offset > position:
@@ -361,6 +380,11 @@ def _stage_whole(stream: FileStream, pieces: list[tuple[int, int, torch.Tensor]]
         spans.append((index, offset, data.numel()))
         position = offset + data.numel()
     copies.wait()
+    return spans
+
+
+def queue_whole(stream: FileStream, buffer: torch.Tensor, spans: Spans) -> None:
+    """Hand a whole-file buffer filled by :func:`copy_whole` to ``stream``, for its ``finish()`` to write."""
     view = memoryview(buffer.numpy())
     for start in range(0, len(view), STREAM_CHUNK_BYTES):
         end = min(start + STREAM_CHUNK_BYTES, len(view))

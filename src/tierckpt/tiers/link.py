@@ -34,10 +34,12 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from ..bounded import MAX_RECORD_BYTES, oversized, read_capped
-from ..backends.base import UNCONDITIONAL, Backend, Capabilities, Link, ObjectWriter, Segment, Unconditional, commit_refused
+from ..backends.base import (
+    UNCONDITIONAL, Backend, Capabilities, Link, ObjectWriter, Segment, Spare, Unconditional, commit_refused,
+)
 from ..errors import CheckpointError, CheckpointNotFoundError, TransientStorageError
 from ..keys import validate_key
 from ..layout import COMMIT
@@ -48,7 +50,7 @@ from .downlog import MEMORY_ONLY, DownLog, durable_copies, generation_of
 from ..writeback.status import LinkStatus
 from .linkstatus import link_status
 from .linkwriter import LinkWriter
-from .mapped import MappedFile, is_spare, open_mapped, prepare_in_background
+from .mapped import MappedFile, SpareFile, is_spare, open_mapped, prepare_in_background, take_spare
 from .memory import MemoryTier
 from .nodememory import NodeMemory
 from .roots import commit_seq, record_of, tier_uri
@@ -197,10 +199,14 @@ class MemoryLink(Link):
         incoming = await asyncio.to_thread(self.memory_tier.receive, key)
         return LinkWriter(self, key, generation, incoming)
 
-    def mapped_writer(self, key: str, nbytes: int) -> MappedFile | None:
-        """A writer of ``key`` whose ``buffer`` (``nbytes``, the tier file's own pages) the caller fills
-        before streaming it (see :mod:`.mapped`), or ``None``: use :meth:`open_writer`."""
-        return open_mapped(self, validate_key(key), nbytes)
+    def take_spare(self, nbytes: int) -> Spare | None:
+        """This process's spare file of the tier, for a snapshot to be copied into (see :mod:`.mapped`)."""
+        return take_spare(self, nbytes)
+
+    def mapped_writer(self, key: str, nbytes: int, spare: Spare | None) -> MappedFile | None:
+        """``spare`` (from :meth:`take_spare`) made the tier's file of ``key``, or ``None``: use
+        :meth:`open_writer` (and a spare is prepared for the next save once ``key`` is written)."""
+        return open_mapped(self, validate_key(key), nbytes, cast("SpareFile | None", spare))
 
     async def commit(
         self, key: str, data: bytes | memoryview, *, expected: bytes | None | Unconditional = UNCONDITIONAL,

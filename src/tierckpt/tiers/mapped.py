@@ -1,9 +1,10 @@
 """Async snapshots straight into the node memory tier: the staging buffer *is* the tier's file.
 
-An ``async_save`` through a :class:`~.link.LinkView` asks :func:`open_mapped` for its rank's data file.
-When the process holds a *spare* — a file of the tier, already allocated, mapped (``mmap``, shared)
-with every page writable (:func:`populate_writable`), prepared in the background after the previous
-save — the snapshot copy writes into its pages: one copy from training memory to a node-durable copy, at memcpy speed. The file is then only
+An ``async_save`` through a :class:`~.link.LinkView` takes the process's *spare* (:func:`take_spare`) for
+its rank's snapshot: a file of the tier, already allocated, mapped (``mmap``, shared) with every page
+writable (:func:`populate_writable`), prepared in the background after the previous save. The snapshot
+copy writes into its pages: one copy from training memory to a node-durable copy, at memcpy speed. Once
+the group has named the file, the spare becomes it (:func:`open_mapped`, a rename); the file is then only
 checksummed (:class:`MappedFile`'s writes add the CRC-32C, or the save's stream states it, combined
 from its pieces' checksums) and renamed into place on close, and written
 down like any file of the tier; the next spare is prepared then (not during the copy, whose memory
@@ -29,6 +30,7 @@ import logging
 import mmap
 import os
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,15 +58,24 @@ def is_spare(key: str) -> bool:
     return key.startswith(SPARE_PREFIX)
 
 
-@dataclass
-class _Spare:
+@dataclass(eq=False)
+class SpareFile:
     path: str
     fd: int
     buffer: torch.Tensor
     """The whole file, mapped, every page populated writable."""
+    placed: bool = False
+    """It became a data file (:func:`open_mapped`), which owns its descriptor now."""
+
+    def release(self) -> None:
+        """Delete the spare unless it became a data file (its pages go with the last view of the mapping).
+        Its directory stays: the next spare, prepared meanwhile, may be made in it."""
+        if not self.placed:
+            self.placed = True
+            _discard(self.fd, self.path)
 
 
-_SPARES: dict[str, _Spare] = {}
+_SPARES: dict[str, SpareFile] = {}
 """Tier home -> this process's spare."""
 _LOCK = threading.Lock()
 
@@ -124,34 +135,41 @@ def _discard(fd: int, tmp: str) -> None:
         pass
 
 
-def open_mapped(link: LinkView, key: str, nbytes: int) -> MappedFile | None:
-    """The tier's file for ``key`` with this process's spare as its pages, or ``None`` (then the caller
-    takes the usual path, and a spare of ``nbytes`` is prepared in the background for the next save)."""
-    generation = generation_of(key)
-    if generation is None or generation in link.fallback or nbytes < 1:
-        return None
-    home = link.memory_tier.home
+def take_spare(link: LinkView, nbytes: int) -> SpareFile | None:
+    """This process's spare of the tier, when it has one of at least ``nbytes``, for a snapshot to be copied
+    into before its file is named (:func:`open_mapped`); else ``None`` (a smaller one is deleted)."""
     with _LOCK:
-        spare = _SPARES.pop(home, None)
-    if spare is not None and spare.buffer.numel() >= nbytes:
-        path = link.memory_tier.path_of(key)
-        tmp = os.path.join(os.path.dirname(path), temp_name(os.path.basename(path)))
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            if os.fstat(spare.fd).st_nlink == 0:
-                raise FileNotFoundError(spare.path)  # evicted: its pages go when the mapping does
-            os.replace(spare.path, tmp)  # its bytes were admitted when it was made
-            if spare.buffer.numel() > nbytes:
-                os.ftruncate(spare.fd, nbytes)
-            _drop_dir(spare.path)
-            return MappedFile(link, key, tmp, spare.fd, spare.buffer[:nbytes])
-        except OSError as exc:
-            log.info("the memory tier's spare of %s is gone (%s); staging as usual", link.memory_tier.uri, exc)
-    if spare is not None:
-        _discard(spare.fd, spare.path)
-        _drop_dir(spare.path)
-    link.spare_wanted[key] = nbytes  # made once this file is written (not during its copy)
-    return None
+        spare = _SPARES.pop(link.memory_tier.home, None)
+    if spare is not None and spare.buffer.numel() < nbytes:
+        spare.release()
+        return None
+    return spare
+
+
+def open_mapped(link: LinkView, key: str, nbytes: int, spare: SpareFile | None) -> MappedFile | None:
+    """``spare`` (from :func:`take_spare`, holding the file's ``nbytes``) as the tier's file for ``key``,
+    or ``None``: then the caller writes its bytes the usual way and releases the spare, and a spare of
+    ``nbytes`` is prepared in the background for the next save once ``key`` is written."""
+    generation = generation_of(key)
+    if spare is None or generation is None or generation in link.fallback or nbytes < 1:
+        link.spare_wanted[key] = nbytes  # made once this file is written (not during its copy)
+        return None
+    path = link.memory_tier.path_of(key)
+    tmp = os.path.join(os.path.dirname(path), temp_name(os.path.basename(path)))
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if os.fstat(spare.fd).st_nlink == 0:
+            raise FileNotFoundError(spare.path)  # evicted: its pages go when the mapping does
+        os.replace(spare.path, tmp)  # its bytes were admitted when it was made
+        if spare.buffer.numel() > nbytes:
+            os.ftruncate(spare.fd, nbytes)
+    except OSError as exc:
+        log.info("the memory tier's spare of %s is gone (%s); writing the snapshot as usual", link.memory_tier.uri, exc)
+        link.spare_wanted[key] = nbytes
+        return None
+    spare.placed = True
+    _drop_dir(spare.path)
+    return MappedFile(link, key, tmp, spare.fd, spare.buffer[:nbytes])
 
 
 def prepare_in_background(link: LinkView, nbytes: int) -> None:
@@ -188,7 +206,8 @@ def _prepare(link: LinkView, nbytes: int) -> None:
 def _make(link: LinkView, nbytes: int) -> None:
     tier = link.memory_tier
     generation = f"{SPARE_PREFIX}{os.getpid():x}"
-    path = tier.path_of(f"{generation}/data/spare.bin")
+    # A name of its own: a spare taken by a save may be released (deleted by name) after this one is made.
+    path = tier.path_of(f"{generation}/data/spare-{uuid.uuid4().hex}.bin")
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         # A pooled file's bytes are in the budget already (the spare takes them over): no admission.
@@ -211,7 +230,7 @@ def _make(link: LinkView, nbytes: int) -> None:
         _drop_dir(path)
         return
     with _LOCK:
-        _SPARES[tier.home] = _Spare(path, fd, buffer)
+        _SPARES[tier.home] = SpareFile(path, fd, buffer)
 
 
 MADV_POPULATE_WRITE = 23
@@ -269,7 +288,7 @@ def _drop_spares() -> None:
         spares = list(_SPARES.values())
         _SPARES.clear()
     for spare in spares:
-        _discard(spare.fd, spare.path)
+        spare.release()
         _drop_dir(spare.path)
 
 
