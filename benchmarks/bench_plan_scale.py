@@ -20,12 +20,13 @@ alone, a lower bound of that); now each rank plans its own units and those of th
 
 Reported: CPU milliseconds per plan (``time.process_time``, best of ``--repeat``: the planner is one
 thread of pure Python, and CPU time stays meaningful on a shared, loaded machine; with the cyclic
-garbage collector paused, as :func:`tierckpt.load` runs it): the group plan, and a rank's plan (every
-rank's needs decoded from the form the needs all-gather carries, :func:`tierckpt.load_wire.unpack_needs`,
-then :func:`plan_rank` and :func:`agree_rounds`; the slowest of ranks 0, N/2 and N-1); pieces touched (saved piece, target pairs that share an element) by
+garbage collector paused, as :func:`tierckpt.load` runs it): the group plan, and a rank's plan
+(:func:`plan_rank` and :func:`agree_rounds`, the slowest of ranks 0, N/2 and N-1); pieces touched (saved piece, target pairs that share an element) by
 the group and by the slowest rank's targets, and microseconds per piece touched; the units that rank's plan
 holds (those it reads or receives from: a flat range's pieces are up to three boxes each, so a rank
-touching more of them holds more units per piece).
+touching more of them holds more units per piece); and decoding every rank's needs from the form the
+needs all-gather carries (:func:`tierckpt.load_wire.unpack_needs`, once per load on every rank, before
+its plan: microseconds in all).
 
     PYTHONPATH=src python benchmarks/bench_plan_scale.py [--ranks 2 4 8 16 64] [--repeat 3]
 """
@@ -147,11 +148,17 @@ def wired(tensors, needs):
 
 
 @gc_paused
-def timed_rank_plan(tensors, pieces, wire, topo, rank, shares, held=None) -> float:
-    """CPU seconds of one rank's plan: every rank's needs decoded, its units, then the rounds from every rank's share."""
+def timed_decode(ckpt, wires) -> float:
+    """CPU seconds of decoding every rank's needs (as :func:`tierckpt.load_wire.unpack` does)."""
     t0 = time.process_time()
-    ckpt, wires = wire
-    group = unpack_needs(wires, ckpt, sorted(ckpt.tensors))
+    unpack_needs(wires, ckpt, sorted(ckpt.tensors))
+    return time.process_time() - t0
+
+
+@gc_paused
+def timed_rank_plan(tensors, pieces, group, topo, rank, shares, held=None) -> float:
+    """CPU seconds of one rank's plan: its units, then the rounds from every rank's share."""
+    t0 = time.process_time()
     draft = plan_rank(tensors, pieces, group, rank, topology=topo, held=held, **SIZES)
     agree_rounds(draft, shares, tensors)
     return time.process_time() - t0
@@ -182,8 +189,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{platform.machine()}, Python {platform.python_version()}, one process")
     print("| layout | N | group plan CPU ms | pairs (group) | µs per pair | rank plan CPU ms | pairs (rank) | µs per pair "
-          "| units (rank) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| units (rank) | needs decode µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in layouts(2):
         for n in args.ranks:
             save, load = layouts(n)[name]
@@ -196,17 +203,19 @@ def main() -> None:
             for _ in range(args.repeat):
                 best = min(best, timed_plan(tensors, pieces, needs, topo))
             pairs = touched(tensors, pieces, needs)
-            shares = [plan_rank(tensors, pieces, needs, r, topology=topo, held=held, **SIZES).share for r in range(n)]
             slowest, rank = 0.0, 0
-            wire = wired(tensors, needs)
+            ckpt, wires = wired(tensors, needs)
+            group = unpack_needs(wires, ckpt, sorted(tensors))
+            shares = [plan_rank(tensors, pieces, group, r, topology=topo, held=held, **SIZES).share for r in range(n)]
+            decode = min(timed_decode(ckpt, wires) for _ in range(args.repeat))
             for r in sorted({0, n // 2, n - 1}):
-                t = min(timed_rank_plan(tensors, pieces, wire, topo, r, shares, held) for _ in range(args.repeat))
+                t = min(timed_rank_plan(tensors, pieces, group, topo, r, shares, held) for _ in range(args.repeat))
                 if t >= slowest:
                     slowest, rank = t, r
             mine = touched(tensors, pieces, needs, [rank])
-            units = len(plan_rank(tensors, pieces, needs, rank, topology=topo, held=held, **SIZES).drafts)
+            units = len(plan_rank(tensors, pieces, group, rank, topology=topo, held=held, **SIZES).drafts)
             print(f"| {name} | {n} | {best * 1e3:.1f} | {pairs} | {best * 1e6 / pairs:.0f} | {slowest * 1e3:.1f} | {mine} "
-                  f"| {slowest * 1e6 / mine:.0f} | {units} |", flush=True)
+                  f"| {slowest * 1e6 / mine:.0f} | {units} | {decode * 1e6:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -142,10 +142,9 @@ class GroupNeeds:
         several = self.several.get(position)
         if several is not None:
             return [(r, number, self.region(c, position)) for r, number, c in several]
-        row = self.classes[position]
-        ranks = np.flatnonzero(row >= 0).tolist()
-        numbers = self.numbers[position]
-        return [(r, int(numbers[r]), self.region(int(row[r]), position)) for r in ranks]
+        row = self.classes[position].tolist()
+        numbers = self.numbers[position].tolist()
+        return [(r, numbers[r], self.region(c, position)) for r, c in enumerate(row) if c >= 0]
 
     def numbers_of(self, position: int) -> list[int]:
         """The need number of the tensor at ``position`` on each rank (-1 where a rank does not need it; not
