@@ -14,9 +14,8 @@ whatever the number of ranks; a tensor's every need is decoded only for the firs
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 import itertools
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 

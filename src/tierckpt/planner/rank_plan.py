@@ -34,8 +34,9 @@ around one collective the loader already makes (:mod:`tierckpt.load_generation`)
 
 Tensors laid out alike (shape, dtype, saved regions and every rank's regions: a model's layers) are
 recognised by one digest of every rank's needs (:class:`~.group_needs.GroupNeeds`, as the needs all-gather
-carries them: no rank's need is read per tensor) and their pieces' regions, and planned once per rank and moved to each one's files, offsets and target numbers (those of the piece each
-saved box lies in, and of the need at the same place); a unit a rank only receives from keeps only its
+carries them: no rank's need is read per tensor) and their pieces' regions, planned once per rank and
+moved to each one's files, offsets and target numbers (those of the piece each saved box lies in, and of
+the need at the same place); a unit a rank only receives from keeps only its
 deliveries to that rank (all the read step reads of it). Its ``taken`` covers the pieces of the files it
 reads: its own coalesced requests read through no gap another read needs, and it lists nothing else.
 
@@ -45,8 +46,8 @@ partners), plus the stored boxes of the group's targets and the saved boxes of t
 tensor, its needs' digest, its pieces' regions compared with its layout's (in C, by identity where the
 pieces table's decoding shared equal regions: linear in the pieces, a few nanoseconds each) and moving the
 units it keeps; once, numbering the checkpoint's files and listing the pieces of the files it reads
-(linear in the pieces). Each byte is read once per
-group on exchanged units (one reader each) and the group's routes, coalescing and memory bound hold.
+(linear in the pieces). Each byte is read once per group on exchanged units (one reader each) and the
+group's routes, coalescing and memory bound hold.
 Pure and deterministic like the group planner.
 """
 
@@ -155,7 +156,9 @@ def plan_rank(
     topology: Topology | None = None,
     held: Mapping[str, tuple[Sequence[int], int]] | None = None,
 ) -> RankDraft:
-    """Rank ``rank``'s units of a load whose rank ``r`` needs ``needs[r]`` (step 1 of the module docstring).
+    """Rank ``rank``'s units of a load (step 1 of the module docstring). ``needs``: every rank's needs, as a
+    load decodes them from its all-gather (:class:`~.group_needs.GroupNeeds`) or as lists (``needs[r]``: rank
+    ``r``'s, grouped here).
 
     ``held``: the files the nodes' memory tiers hold, each with the ranks of its holding nodes (ascending)
     and its size: a unit of such a file is read by a holder (:func:`local_reader`)."""
