@@ -54,7 +54,6 @@ Pure and deterministic like the group planner.
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
 import operator
 from collections import defaultdict
@@ -335,7 +334,8 @@ def _cuts(shares: Sequence[RoundShare]) -> list[UnitKey]:
     cuts: list[UnitKey] = []
     held: dict[int, int] = {}  # bytes of each rank in the current round
     last: dict[int, tuple[UnitKey, int]] = {}  # each rank's latest run: its last key and bytes
-    merged = heapq.merge(*[[(first, rank, end, nbytes) for first, end, nbytes in s.usage] for rank, s in enumerate(shares)])
+    # Every rank's runs in key order: one sort in C (each rank's already sorted), not a merge generator's N-way heap.
+    merged = sorted([(first, rank, end, nbytes) for rank, s in enumerate(shares) for first, end, nbytes in s.usage])
     for key, events in itertools.groupby(merged, key=lambda e: e[0]):
         adds = [(rank, end, nbytes) for _, rank, end, nbytes in events]
         if held and any(held.get(rank, 0) + nbytes > limit for rank, _, nbytes in adds):
