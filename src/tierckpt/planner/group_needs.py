@@ -112,7 +112,9 @@ class GroupNeeds:
         region = self.regions[cls_number]
         if region is None:
             return Box.full(self.tensors[self.names[position]].shape)
-        return Box(*region) if type(region) is tuple else region
+        if type(region) is tuple:  # as sent: decoded once, for every layout that reads it
+            region = self.regions[cls_number] = Box(*region)
+        return region
 
     def positions(self, rank: int) -> np.ndarray:
         """The positions of rank ``rank``'s tensors, in its order."""

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import operator
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -71,9 +70,6 @@ from .load_order import READER_SHARE
 from .plan_types import Delivery, LoadPlan, ReadUnit, TargetPiece, whole_to_other
 from .routes import Topology, topology_for
 from .slab_units import Need, Saved, check_covered, saved_box_units, saved_boxes
-
-_REGION = operator.attrgetter("region")
-_FILE = operator.attrgetter("file")
 
 UnitKey = tuple[str, int, str, tuple[int, ...], tuple[int, ...]]
 """A unit's place in the group's order: file, first byte, tensor, box offsets and lengths. Every rank
@@ -171,7 +167,7 @@ def plan_rank(
     mine = set(group.positions(rank).tolist())
     if here:
         mine.update(p for p in group.needed() if any(x.file in here for x in pieces.get(names[p], ())))
-    files = {f: i for i, f in enumerate(sorted(set(map(_FILE, itertools.chain.from_iterable(pieces.values())))))}
+    files = {f: i for i, f in enumerate(sorted({p.file for plist in pieces.values() for p in plist}))}
 
     kept: list[dict] = []
     checkers: list[int] = []
@@ -184,7 +180,7 @@ def plan_rank(
         fqn = names[position]
         meta = tensors[fqn]
         plist = pieces.get(fqn, [])
-        regions = list(map(_REGION, plist))
+        regions = [p.region for p in plist]
         alike = layouts.setdefault((meta.shape, meta.dtype, group.digest(position),
                                     tuple(p.file in here for p in plist) if here else ()), [])
         known = next((k for k in alike if k[0] == regions), None)
