@@ -20,11 +20,13 @@ alone, a lower bound of that); now each rank plans its own units and those of th
 
 Reported: CPU milliseconds per plan (``time.process_time``, best of ``--repeat``: the planner is one
 thread of pure Python, and CPU time stays meaningful on a shared, loaded machine; with the cyclic
-garbage collector paused, as :func:`tierckpt.load` runs it): the group plan, and a rank's plan (the
-slowest of ranks 0, N/2 and N-1); pieces touched (saved piece, target pairs that share an element) by
+garbage collector paused, as :func:`tierckpt.load` runs it): the group plan, and a rank's plan
+(:func:`plan_rank` and :func:`agree_rounds`, the slowest of ranks 0, N/2 and N-1); pieces touched (saved piece, target pairs that share an element) by
 the group and by the slowest rank's targets, and microseconds per piece touched; the units that rank's plan
 holds (those it reads or receives from: a flat range's pieces are up to three boxes each, so a rank
-touching more of them holds more units per piece).
+touching more of them holds more units per piece); and decoding every rank's needs from the form the
+needs all-gather carries (:func:`tierckpt.load_wire.unpack_needs`, once per load on every rank, before
+its plan: microseconds in all).
 
     PYTHONPATH=src python benchmarks/bench_plan_scale.py [--ranks 2 4 8 16 64] [--repeat 3]
 """
@@ -37,10 +39,12 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tierckpt.gc_pause import gc_paused  # noqa: E402
+from tierckpt.load_wire import pack_needs, unpack_needs  # noqa: E402
 from tierckpt.loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES  # noqa: E402
 from tierckpt.metadata import PieceMeta, TensorMeta  # noqa: E402
 from tierckpt.planner import TargetPiece, plan_load, topology  # noqa: E402
@@ -99,12 +103,13 @@ def case(n: int, save: Callable[[int, int], Region], load: Callable[[int, int], 
     """The planner's inputs for ``n`` ranks saving by ``save`` and loading by ``load``."""
     tensors, pieces = {}, {}
     item = 4
+    saved = [save(n, i) for i in range(n)]  # equal regions are one object, as the pieces table's decoding gives them
     for m in range(MATRICES):
         fqn = f"layer{m}.weight"
         tensors[fqn] = TensorMeta(fqn=fqn, dtype="float32", shape=SHAPE)
         pieces[fqn] = []
         for i in range(n):
-            region = save(n, i)
+            region = saved[i]
             nbytes = sum(s.box.numel for s in stored_boxes(region, SHAPE)) * item
             pieces[fqn].append(PieceMeta(fqn=fqn, region=region, file=f"data_{i}", byte_offset=m * SHAPE[0] * SHAPE[1] * item // n,
                                          byte_length=nbytes, crc32c=0))
@@ -136,11 +141,25 @@ def timed_plan(tensors, pieces, needs, topo) -> float:
 SIZES = dict(chunk_bytes=DEFAULT_CHUNK_BYTES, round_bytes=DEFAULT_ROUND_BYTES, p2p_min_bytes=1 << 20)
 
 
+def wired(tensors, needs):
+    """A stand-in checkpoint and every rank's needs as the needs all-gather carries them (:func:`pack_needs`)."""
+    ckpt = SimpleNamespace(tensors=tensors, meta=SimpleNamespace(objects=[]))
+    return ckpt, [pack_needs(n, ckpt) for n in needs]
+
+
 @gc_paused
-def timed_rank_plan(tensors, pieces, needs, topo, rank, shares, held=None) -> float:
+def timed_decode(ckpt, wires) -> float:
+    """CPU seconds of decoding every rank's needs (as :func:`tierckpt.load_wire.unpack` does)."""
+    t0 = time.process_time()
+    unpack_needs(wires, ckpt, sorted(ckpt.tensors))
+    return time.process_time() - t0
+
+
+@gc_paused
+def timed_rank_plan(tensors, pieces, group, topo, rank, shares, held=None) -> float:
     """CPU seconds of one rank's plan: its units, then the rounds from every rank's share."""
     t0 = time.process_time()
-    draft = plan_rank(tensors, pieces, needs, rank, topology=topo, held=held, **SIZES)
+    draft = plan_rank(tensors, pieces, group, rank, topology=topo, held=held, **SIZES)
     agree_rounds(draft, shares, tensors)
     return time.process_time() - t0
 
@@ -170,8 +189,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{platform.machine()}, Python {platform.python_version()}, one process")
     print("| layout | N | group plan CPU ms | pairs (group) | µs per pair | rank plan CPU ms | pairs (rank) | µs per pair "
-          "| units (rank) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| units (rank) | needs decode µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in layouts(2):
         for n in args.ranks:
             save, load = layouts(n)[name]
@@ -184,16 +203,19 @@ def main() -> None:
             for _ in range(args.repeat):
                 best = min(best, timed_plan(tensors, pieces, needs, topo))
             pairs = touched(tensors, pieces, needs)
-            shares = [plan_rank(tensors, pieces, needs, r, topology=topo, held=held, **SIZES).share for r in range(n)]
             slowest, rank = 0.0, 0
+            ckpt, wires = wired(tensors, needs)
+            group = unpack_needs(wires, ckpt, sorted(tensors))
+            shares = [plan_rank(tensors, pieces, group, r, topology=topo, held=held, **SIZES).share for r in range(n)]
+            decode = min(timed_decode(ckpt, wires) for _ in range(args.repeat))
             for r in sorted({0, n // 2, n - 1}):
-                t = min(timed_rank_plan(tensors, pieces, needs, topo, r, shares, held) for _ in range(args.repeat))
+                t = min(timed_rank_plan(tensors, pieces, group, topo, r, shares, held) for _ in range(args.repeat))
                 if t >= slowest:
                     slowest, rank = t, r
             mine = touched(tensors, pieces, needs, [rank])
-            units = len(plan_rank(tensors, pieces, needs, rank, topology=topo, held=held, **SIZES).drafts)
+            units = len(plan_rank(tensors, pieces, group, rank, topology=topo, held=held, **SIZES).drafts)
             print(f"| {name} | {n} | {best * 1e3:.1f} | {pairs} | {best * 1e6 / pairs:.0f} | {slowest * 1e3:.1f} | {mine} "
-                  f"| {slowest * 1e6 / mine:.0f} | {units} |", flush=True)
+                  f"| {slowest * 1e6 / mine:.0f} | {units} | {decode * 1e6:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -86,15 +86,14 @@ def load_generation(
                 lambda: prepare(state, ckpt, comm.rank, tier, whole_pieces(backend, ckpt) if tier is None else None),
                 "preparing the state to load", same=("URI", identity_of(uri, backend)),
             )
-        gathered = unpack(gathered, ckpt)  # needs and keys travel as positions in the checkpoint (load_wire)
+        group, gathered = unpack(gathered, ckpt)  # needs and keys travel as positions in the checkpoint (load_wire)
         report(gathered, ckpt, opts.strict, uri)
         local = LocalReads.of(comm.rank, tier, [(g[4], g[5]) for g in gathered])
         preread = all(g[7] for g in gathered)
         # Small files a rank needs and its node lacks come from a node that holds them (one collective, if any).
         shared = local.share(comm, ckpt.meta.generation, [[*([] if preread else [layout.PIECES]), *g[6]] for g in gathered]
                              ) if local.active else {}
-        all_needs = [g[0] for g in gathered]
-        fqns = {n.fqn for rank_needs in all_needs for n in rank_needs}
+        fqns = {group.names[p] for p in group.needed()}
         if preread:
             # Every rank holds the same bytes, checked against COMMIT, and decodes them for the same tensors:
             # the same pieces on every rank, or the same error raised on every rank (nothing to agree on).
@@ -107,7 +106,7 @@ def load_generation(
         mine: RankDraft | None = None
         failure: Exception | None = None
         try:  # this rank's units only (each to a rank whose node's memory tier holds its file, where one does)
-            mine = plan_rank(ckpt.tensors, pieces, all_needs, comm.rank, chunk_bytes=opts.chunk_bytes,
+            mine = plan_rank(ckpt.tensors, pieces, group, comm.rank, chunk_bytes=opts.chunk_bytes,
                              round_bytes=opts.round_bytes, p2p_min_bytes=P2P_MIN_BYTES, topology=topo,
                              held=local.holders() if local.active else None)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement below, not on this one alone

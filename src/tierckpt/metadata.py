@@ -281,6 +281,9 @@ def decode_pieces(
         raise CorruptCheckpointError("the pieces table has an unexpected schema")
     wanted_set = None if wanted is None else set(wanted)
     out: dict[str, list[PieceMeta]] = {}
+    # Equal regions are one object: a load's plan compares the pieces' regions of tensors to find those saved
+    # alike (planner.rank_plan), by identity first (in C), field by field only where they differ.
+    shared: dict[Region, Region] = {}
     columns = [_column(table, name, "pieces") for name in schema.names]
     if schema == _PIECE_SCHEMA_WITHOUT_BLOCKS:
         columns += [[0] * table.num_rows, [[]] * table.num_rows]
@@ -291,6 +294,7 @@ def decode_pieces(
         if tensor is None:
             raise CorruptCheckpointError(f"piece of unknown tensor {fqn!r} in checkpoint metadata")
         region = _region(kind, offsets, lengths, tensor)
+        region = shared.setdefault(region, region)
         expected = region.numel * itemsize(tensor.torch_dtype)
         if byte_length != expected:
             raise CorruptCheckpointError(

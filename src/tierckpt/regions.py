@@ -40,11 +40,16 @@ class Box:
         return tuple(o + n for o, n in zip(self.offsets, self.lengths))
 
     def intersect(self, other: Box) -> Box | None:
-        """The common box, or ``None`` when the two share no element."""
+        """The common box, or ``None`` when the two share no element (comparisons, not ``max``/``min`` calls:
+        a rank's plan tests every target of a layout against the saved boxes it touches)."""
         offsets = []
         lengths = []
         for a0, an, b0, bn in zip(self.offsets, self.lengths, other.offsets, other.lengths):
-            lo, hi = max(a0, b0), min(a0 + an, b0 + bn)
+            lo = a0 if a0 > b0 else b0
+            hi = a0 + an
+            end = b0 + bn
+            if end < hi:
+                hi = end
             if hi <= lo:
                 return None
             offsets.append(lo)

@@ -33,25 +33,27 @@ around one collective the loader already makes (:mod:`tierckpt.load_generation`)
    of the same gathered shares: the same rounds, exchanges and messages.
 
 Tensors laid out alike (shape, dtype, saved regions and every rank's regions: a model's layers) are
-planned once per rank and moved to each one's files, offsets and target numbers (those of the piece each
-saved box lies in, and of the need at the same place); a unit a rank only receives from keeps only its
+recognised by one digest of every rank's needs (:class:`~.group_needs.GroupNeeds`, as the needs all-gather
+carries them: no rank's need is read per tensor) and their pieces' regions, planned once per rank and
+moved to each one's files, offsets and target numbers (those of the piece each saved box lies in, and of
+the need at the same place); a unit a rank only receives from keeps only its
 deliveries to that rank (all the read step reads of it). Its ``taken`` covers the pieces of the files it
 reads: its own coalesced requests read through no gap another read needs, and it lists nothing else.
 
 Costs: a rank's work is, per layout, the saved boxes it touches times the ranks that need each (its
 partners), plus the stored boxes of the group's targets and the saved boxes of the layout's first tensor
 (linear; indexed only where its queries would cost more scanned: :class:`~.box_index.BoxIndex`); per
-tensor, comparing every rank's and every piece's region with its layout's (plain tuples, a fraction of a
-microsecond each: linear in the ranks) and moving the units it keeps; once, numbering the checkpoint's
-files and listing the pieces of the files it reads (linear in the pieces). Each byte is read once per
-group on exchanged units (one reader each) and the group's routes, coalescing and memory bound hold.
+tensor, its needs' digest, its pieces' regions compared with its layout's (in C, by identity where the
+pieces table's decoding shared equal regions: linear in the pieces, a few nanoseconds each) and moving the
+units it keeps; once, numbering the checkpoint's files and listing the pieces of the files it reads
+(linear in the pieces). Each byte is read once per group on exchanged units (one reader each) and the
+group's routes, coalescing and memory bound hold.
 Pure and deterministic like the group planner.
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -63,6 +65,7 @@ from ..errors import CheckpointError
 from ..metadata import PieceMeta, TensorMeta, itemsize
 from ..regions import Box, Region, StoredBox, stored_boxes
 from .box_index import BoxIndex
+from .group_needs import GroupNeeds
 from .load_order import READER_SHARE
 from .plan_types import Delivery, LoadPlan, ReadUnit, TargetPiece, whole_to_other
 from .routes import Topology, topology_for
@@ -139,7 +142,7 @@ def _end(draft: dict) -> int:
 def plan_rank(
     tensors: dict[str, TensorMeta],
     pieces: dict[str, list[PieceMeta]],
-    needs: Sequence[Sequence[TargetPiece]],
+    needs: GroupNeeds | Sequence[Sequence[TargetPiece]],
     rank: int,
     *,
     chunk_bytes: int,
@@ -148,53 +151,51 @@ def plan_rank(
     topology: Topology | None = None,
     held: Mapping[str, tuple[Sequence[int], int]] | None = None,
 ) -> RankDraft:
-    """Rank ``rank``'s units of a load whose rank ``r`` needs ``needs[r]`` (step 1 of the module docstring).
+    """Rank ``rank``'s units of a load (step 1 of the module docstring). ``needs``: every rank's needs, as a
+    load decodes them from its all-gather (:class:`~.group_needs.GroupNeeds`) or as lists (``needs[r]``: rank
+    ``r``'s, grouped here).
 
     ``held``: the files the nodes' memory tiers hold, each with the ranks of its holding nodes (ascending)
     and its size: a unit of such a file is read by a holder (:func:`local_reader`)."""
-    world = len(needs)
+    group = needs if isinstance(needs, GroupNeeds) else GroupNeeds.of(needs, tensors)
+    world = group.world
     topo = topology_for(topology, world)
     held = held or {}
     here = frozenset(f for f, (ranks, _) in held.items() if rank in ranks)  # files this rank's node holds
-    needed = {n.fqn for rank_needs in needs for n in rank_needs} if here else set()
+    names = group.names
     # Its own tensors, and those it may read for others from its node's memory tier.
-    mine = {n.fqn for n in needs[rank]} | {f for f in needed if any(p.file in here for p in pieces.get(f, ()))}
-    # Every rank's needs of them, in rank order: their regions as plain tuples (as :func:`_region_key`, inline:
-    # this reads every rank's need of each tensor) and their numbers.
-    theirs: dict[str, list[tuple[int, tuple]]] = {fqn: [] for fqn in mine}
-    where: dict[str, list[int]] = {fqn: [] for fqn in mine}
-    for r, rank_needs in enumerate(needs):
-        for index, need in enumerate(rank_needs):
-            listed = theirs.get(need.fqn)
-            if listed is not None:
-                region = need.region
-                listed.append((r, (region.offsets, region.lengths) if type(region) is Box else (region.start, region.stop)))
-                where[need.fqn].append(index)
+    mine = set(group.positions(rank).tolist())
+    if here:
+        mine.update(p for p in group.needed() if any(x.file in here for x in pieces.get(names[p], ())))
     files = {f: i for i, f in enumerate(sorted({p.file for plist in pieces.values() for p in plist}))}
 
     kept: list[dict] = []
     checkers: list[int] = []
     # Tensors laid out alike (the same shape, dtype, saved regions and every rank's regions: a model's
-    # layers) have the same units up to their files, offsets and target numbers: planned once, reused.
-    layouts: dict[tuple, tuple[list[PieceMeta], list[int], dict[tuple[int, int], int], list[Entry]]] = {}
-    for fqn in sorted(mine):
+    # layers) have the same units up to their files, offsets and target numbers: planned once, reused. A
+    # layout is found by its shape, dtype and every rank's needs (one digest), then its saved regions (equal
+    # lists: the same objects where the pieces table's decoding shared them, compared in C).
+    layouts: dict[tuple, list[tuple[list[Region], list[PieceMeta], list[int], list[Entry]]]] = {}
+    for position in sorted(mine):
+        fqn = names[position]
         meta = tensors[fqn]
         plist = pieces.get(fqn, [])
-        numbers = where[fqn]
-        layout = (meta.shape, meta.dtype, tuple([_region_key(p.region) for p in plist]), tuple(theirs[fqn]),
-                  tuple(p.file in here for p in plist) if here else ())
-        known = layouts.get(layout)
+        regions = [p.region for p in plist]
+        alike = layouts.setdefault((meta.shape, meta.dtype, group.digest(position),
+                                    tuple(p.file in here for p in plist) if here else ()), [])
+        known = next((k for k in alike if k[0] == regions), None)
         moved = known is not None  # the planned tensor's units, moved to this one's files, offsets and target numbers
         if known is None:
-            wanted = [(r, index, sb) for (r, _), index in zip(theirs[fqn], numbers)
-                      for sb in stored_boxes(needs[r][index].region, meta.shape)]
+            wanted = [(r, index, sb) for r, index, region in group.needs_of(position)
+                      for sb in stored_boxes(region, meta.shape)]
             saved, piece_of = saved_boxes(meta, plist)
             lookup = BoxIndex([s[0] for s in saved], queries=sum(t[0] == rank for t in wanted))
             entries = _entries(meta, saved, lookup, wanted, rank, chunk_bytes, topo, here)
-            position = {(r, index): k for k, ((r, _), index) in enumerate(zip(theirs[fqn], numbers))}
-            known = layouts[layout] = (plist, piece_of, position, entries)
-        first, piece_of, position, entries = known
-        for si, d, eligible, alike, receives in entries:
+            known = (regions, plist, piece_of, entries)
+            alike.append(known)
+        _, first, piece_of, entries = known
+        numbers = group.numbers_of(position) if moved else []
+        for si, d, eligible, same, receives in entries:
             piece = plist[piece_of[si]]
             shift = piece.byte_offset - first[piece_of[si]].byte_offset
             offsets = d["run_offsets"]
@@ -209,12 +210,12 @@ def plan_rank(
             # A unit this rank only receives from keeps only its deliveries here (all the read step uses).
             deliveries = d["deliveries"] if reader == rank else tuple(d["deliveries"][k] for k in receives)
             if moved:
-                deliveries = tuple(Delivery(rank=x.rank, target=numbers[position[(x.rank, x.target)]],
-                                            target_box=x.target_box, box=x.box) for x in deliveries)
+                deliveries = tuple(Delivery(rank=x.rank, target=numbers[x.rank], target_box=x.target_box, box=x.box)
+                                   for x in deliveries)
             kept.append({**d, "fqn": fqn, "file": file, "run_offsets": offsets + shift if shift else offsets,
                          "reader": reader, "deliveries": deliveries})
-            shared = reader == rank == planned and len(alike) > 1  # a unit moved to a holder is exchanged
-            checkers.append(stripe_reader(alike, number, start, chunk_bytes) if shared else reader)
+            shared = reader == rank == planned and len(same) > 1  # a unit moved to a holder is exchanged
+            checkers.append(stripe_reader(same, number, start, chunk_bytes) if shared else reader)
 
     unsorted = [key_of(d) for d in kept]
     order = sorted(range(len(kept)), key=unsorted.__getitem__)
@@ -223,12 +224,6 @@ def plan_rank(
     share = _share(kept, keys, rank, round_bytes, p2p_min_bytes)
     return RankDraft(rank=rank, world_size=world, drafts=tuple(kept), keys=keys,
                      checkers=tuple(checkers[i] for i in order), share=share, taken=_taken(kept, rank, pieces))
-
-
-def _region_key(region: Region) -> tuple:
-    """What a region is, as plain tuples: compared and hashed in C, not by the dataclasses' generated methods
-    (:func:`plan_rank` compares every rank's need and every piece of each tensor with its layout's)."""
-    return (region.offsets, region.lengths) if type(region) is Box else (region.start, region.stop)
 
 
 def _taken(kept: list[dict], rank: int, pieces: dict[str, list[PieceMeta]]) -> tuple[tuple[str, np.ndarray, int], ...]:
@@ -335,7 +330,8 @@ def _cuts(shares: Sequence[RoundShare]) -> list[UnitKey]:
     cuts: list[UnitKey] = []
     held: dict[int, int] = {}  # bytes of each rank in the current round
     last: dict[int, tuple[UnitKey, int]] = {}  # each rank's latest run: its last key and bytes
-    merged = heapq.merge(*[[(first, rank, end, nbytes) for first, end, nbytes in s.usage] for rank, s in enumerate(shares)])
+    # Every rank's runs in key order: one sort in C (each rank's already sorted), not a merge generator's N-way heap.
+    merged = sorted([(first, rank, end, nbytes) for rank, s in enumerate(shares) for first, end, nbytes in s.usage])
     for key, events in itertools.groupby(merged, key=lambda e: e[0]):
         adds = [(rank, end, nbytes) for _, rank, end, nbytes in events]
         if held and any(held.get(rank, 0) + nbytes > limit for rank, _, nbytes in adds):

@@ -31,7 +31,12 @@ def saved_boxes(meta: TensorMeta, pieces: list[PieceMeta]) -> tuple[list[Saved],
     item = itemsize(meta.torch_dtype)
     placed: list[tuple[Saved, int]] = []
     for pi, p in enumerate(pieces):
-        for sb in stored_boxes(p.region, meta.shape):
+        region = p.region
+        if type(region) is Box:  # its one stored box, at the piece's first byte (no StoredBox built)
+            if region.numel:
+                placed.append(((region, p.file, p.byte_offset), pi))
+            continue
+        for sb in stored_boxes(region, meta.shape):
             placed.append(((sb.box, p.file, p.byte_offset + sb.element_offset * item), pi))
     if meta.shape:
         placed.sort(key=lambda s: s[0][0].offsets[0])
