@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tierckpt.backends.local import LocalBackend
-from tierckpt.io.staging import FileStream, stage_into
+from tierckpt.io.staging import FileStream, copy_whole, queue_whole
 
 
 def _pieces() -> list[tuple[int, int, torch.Tensor]]:
@@ -34,7 +34,7 @@ def test_whole_file_is_written_only_by_finish(tmp_path):
     buffer = torch.empty(len(expected), dtype=torch.uint8)
     stream = FileStream(backend, "data/f.bin", len(pieces))
     with stream.abort_on_error():
-        stage_into(stream, pieces, buffer)
+        queue_whole(stream, buffer, copy_whole(pieces, buffer))
     assert stream.bytes_written == 0  # nothing handed to the writer during the snapshot call
     assert not os.path.exists(tmp_path / "data" / "f.bin")
     checksums = stream.finish()
@@ -52,7 +52,7 @@ def test_a_failed_snapshot_never_writes_its_deferred_chunks(tmp_path):
     stream = FileStream(backend, "data/f.bin", len(pieces))
     with pytest.raises(RuntimeError, match="staging broke"):
         with stream.abort_on_error():
-            stage_into(stream, pieces, buffer)
+            queue_whole(stream, buffer, copy_whole(pieces, buffer))
             raise RuntimeError("staging broke")
     with pytest.raises(Exception, match="abandoned"):
         stream.finish()  # the writer was aborted: finishing reports it

@@ -77,7 +77,7 @@ def take_snapshot(
     ``_PROCESS.staging_lock``."""
     pieces = rank_pieces(flat, plan, rank)
     size = file_bytes(pieces)
-    pin = any(e.tensor.is_cuda for e in flat.tensors.values()) and torch.cuda.is_available()
+    pin = pinned(flat)
     spare = backend.take_spare(size) if size and not pin else None
     if spare is not None:
         buffer = spare.buffer[:size]
@@ -93,6 +93,11 @@ def take_snapshot(
             spare.release()
         raise
     return Snapshot(plan, buffer, spans, spare, pin)
+
+
+def pinned(flat: FlatState) -> bool:
+    """Whether a snapshot of ``flat`` copies from CUDA (then through pinned memory, never a spare)."""
+    return any(e.tensor.is_cuda for e in flat.tensors.values()) and torch.cuda.is_available()
 
 
 def rank_pieces(flat: FlatState, plan: SavePlan, rank: int) -> list[tuple[int, int, torch.Tensor]]:

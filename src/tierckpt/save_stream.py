@@ -19,11 +19,11 @@ import torch
 from . import layout
 from .backends import Backend
 from .io.scheduler import get_scheduler
-from .io.staging import Chunk, FileStream, stage_into
+from .io.staging import Chunk, FileStream, stream_through_halves
 from .metadata import FileMeta, ObjectMeta, PieceMeta
 from .save_prepared import _Prepared
 from .save_process import _PROCESS
-from .save_snapshot import rank_pieces, take_snapshot
+from .save_snapshot import pinned, rank_pieces, take_snapshot
 
 
 def _on_written(p: _Prepared) -> Any:
@@ -66,18 +66,13 @@ def _stream_staged(p: _Prepared, staging_bytes: int | None) -> FileStream | None
     with p.monitor.phase("stage"):
         stream = _open_stream(p)
         assert stream is not None  # a file larger than the staging buffer has pieces
-        if not _pinned(p):  # no spare to copy into: one is wanted for the next save
+        if not pinned(p.flat):  # no spare to copy into: one is wanted for the next save
             p.backend.mapped_writer(layout.in_generation(p.generation, p.plan.writes[p.comm.rank][0].file), size, None)
         with stream.abort_on_error():
-            stage_into(stream, rank_pieces(p.flat, p.plan, p.comm.rank),
-                       _PROCESS.staging.acquire(capacity, pin=_pinned(p))[:capacity])
+            stream_through_halves(stream, rank_pieces(p.flat, p.plan, p.comm.rank),
+                                  _PROCESS.staging.acquire(capacity, pin=pinned(p.flat))[:capacity])
     p.monitor.count("bytes_staged", size)
     return stream
-
-
-def _pinned(p: _Prepared) -> bool:
-    """Whether the snapshot copies from CUDA (then the staging buffer is pinned)."""
-    return any(e.tensor.is_cuda for e in p.flat.tensors.values()) and torch.cuda.is_available()
 
 
 def _finish_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMeta], list[ObjectMeta], list[FileMeta], dict[str, float]]:

@@ -20,7 +20,7 @@ Lifecycle of one file (the saving rank):
 2. ``stream.put(chunk)`` for each chunk, in file order (from any one thread) — or ``put_later`` for
    chunks of a fully staged file, handed to the writer only by ``finish()``: a whole-file snapshot
    returns to training before any checksum or write starts, so none competes with the caller's last
-   steps for the cores (measured: 1.5-4 ms of a 256 MiB snapshot's stall on 2 cores, see ``stage_into``).
+   steps for the cores (measured: 1.5-4 ms of a 256 MiB snapshot's stall on 2 cores, see ``queue_whole``).
 3. ``stream.finish()`` closes the writer (the file becomes visible atomically) and returns the
    per-piece checksums; on any failure the writer is aborted and nothing is left behind.
 
@@ -332,20 +332,12 @@ STREAM_CHUNK_BYTES = 64 << 20
 """Size of the chunks a fully staged file is streamed in."""
 
 
-def stage_into(stream: FileStream, pieces: Iterable[tuple[int, int, torch.Tensor]], buffer: torch.Tensor) -> None:
-    """Copy ``(index, byte_offset, tensor)`` pieces, in file order, through ``buffer`` into ``stream``.
-
-    Returns once every byte has been copied, so the caller may mutate its tensors. When the whole file
-    fits in ``buffer`` it is copied first and handed to the stream by ``stream.finish()``
-    (:meth:`FileStream.put_later`), so neither a checksum nor a write competes with the snapshot or with
-    the caller's return to training; otherwise the two halves of the buffer are used ping-pong and the
-    copy waits for a half to drain. The last chunks may still be in flight (``stream.finish()`` waits).
-    """
-    pieces = list(pieces)
-    total = file_bytes(pieces)
-    if total <= buffer.numel():
-        queue_whole(stream, buffer[:total], copy_whole(pieces, buffer[:total]))
-        return
+def stream_through_halves(stream: FileStream, pieces: Iterable[tuple[int, int, torch.Tensor]], buffer: torch.Tensor) -> None:
+    """Copy ``(index, byte_offset, tensor)`` pieces, in file order, into ``stream`` through the two halves
+    of ``buffer`` in turn (a file larger than the buffer): while one half is written the next pieces are
+    copied into the other, and the copy waits for a half to drain. Returns once every byte has been copied,
+    so the caller may mutate its tensors; the last chunks may still be in flight (``stream.finish()`` waits).
+    A file that fits is copied whole instead (:func:`copy_whole`, :func:`queue_whole`)."""
     pingpong = PingPong(stream, buffer)
     position = 0
     for index, offset, tensor in pieces:
@@ -384,7 +376,8 @@ def copy_whole(pieces: list[tuple[int, int, torch.Tensor]], buffer: torch.Tensor
 
 
 def queue_whole(stream: FileStream, buffer: torch.Tensor, spans: Spans) -> None:
-    """Hand a whole-file buffer filled by :func:`copy_whole` to ``stream``, for its ``finish()`` to write."""
+    """Hand a whole-file buffer filled by :func:`copy_whole` to ``stream``, for its ``finish()`` to write:
+    the snapshot returns to training before any checksum or write starts (:meth:`FileStream.put_later`)."""
     view = memoryview(buffer.numpy())
     for start in range(0, len(view), STREAM_CHUNK_BYTES):
         end = min(start + STREAM_CHUNK_BYTES, len(view))
