@@ -15,6 +15,11 @@ its exit before rank 1 read the outcome. Every rank prints ``committed <generati
 
 MODE ``stuck-peer``: one save whose replication to node 1 cannot finish (node 1's receiver hangs), with an
 exit wait of 3 s: the exit drain gives up, says so on stderr, and node 0's level stays ``memory``.
+
+MODE ``interrupted`` (no memory tier): two ``async_save`` calls on both ranks (the second copies while the
+group agrees); then rank 1 stays away from the third for ``AWAY_S`` seconds while rank 0 makes it and is
+interrupted (``KeyboardInterrupt``, as from Ctrl-C) two seconds in, its agreement still waiting for rank 1.
+Rank 0 must exit at once, not when rank 1 leaves or the group's timeout ends the collective.
 """
 
 from __future__ import annotations
@@ -79,6 +84,30 @@ def stuck_peer(workdir: str, rank: int) -> None:
     print(f"generation {handle.wait(60).generation}", flush=True)
 
 
+AWAY_S = 45.0
+"""How long rank 1 stays out of the third save in MODE ``interrupted``."""
+
+
+def interrupted(workdir: str, rank: int) -> None:
+    import signal
+
+    uri = os.path.join(workdir, "remote", "ckpt")
+    state = {"w": torch.arange(1 << 20, dtype=torch.float32) + rank, "step": 0}
+    for _ in range(2):
+        tierckpt.async_save(uri, state).wait(60)
+    if rank == 1:
+        time.sleep(AWAY_S)
+        return
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(2)
+    print("saving", flush=True)
+    tierckpt.async_save(uri, state)
+
+
 def main() -> None:
     mode, workdir, rank, world, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     torch.set_num_threads(1)
@@ -89,6 +118,9 @@ def main() -> None:
         return
     if mode == "stuck-peer":
         stuck_peer(workdir, rank)
+        return
+    if mode == "interrupted":
+        interrupted(workdir, rank)
         return
     torch.manual_seed(0)
     model = DistributedDataParallel(TinyTransformer())

@@ -11,12 +11,14 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import free_port  # noqa: E402
+from exit_child import AWAY_S  # noqa: E402
 from processes import communicate_all  # noqa: E402
 
 CHILD = str(Path(__file__).parent / "exit_child.py")
@@ -25,6 +27,11 @@ LIMIT_S = 150
 
 def _run(mode: str, workdir: Path, world: int = 2, env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
     """Launch ``world`` ranks, each its own simulated node; their completed processes."""
+    return communicate_all(_launch(mode, workdir, world, env), LIMIT_S, mode)
+
+
+def _launch(mode: str, workdir: Path, world: int = 2, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Start ``world`` ranks of ``exit_child.py MODE``, each its own simulated node."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -33,7 +40,7 @@ def _run(mode: str, workdir: Path, world: int = 2, env: dict[str, str] | None = 
                      "TIERCKPT_MEMORY_BYTES": "512M", **(env or {})}
         procs.append(subprocess.Popen([sys.executable, CHILD, mode, str(workdir), str(rank), str(world), str(port)],
                                       env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return communicate_all(procs, LIMIT_S, mode)
+    return procs
 
 
 def _levels(workdir: Path, node: str) -> dict[str, dict]:
@@ -88,3 +95,22 @@ def test_a_replication_the_exit_drain_gives_up_on_stays_memory(tmp_path: Path) -
     # Node 1's own files reached node 0; what it failed to take is named on its stderr.
     assert _levels(tmp_path, "node-1")[generation]["level"] == "replicated", runs[1].stderr
     assert "this node did not take every peer's replica" in runs[1].stderr, runs[1].stderr
+
+
+def test_an_interrupted_save_does_not_hold_the_exit_for_its_agreement(tmp_path: Path) -> None:
+    # Rank 0 is interrupted while its agreement thread waits in the check-in for rank 1, which stays away
+    # AWAY_S seconds: the process exits with the KeyboardInterrupt at once, not once rank 1 leaves.
+    procs = _launch("interrupted", tmp_path, env={"TIERCKPT_MEMORY": "off"})
+    start = time.monotonic()
+    try:
+        stdout, stderr = procs[0].communicate(timeout=AWAY_S - 10)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"rank 0 did not exit within {AWAY_S - 10} s of its interrupted save: its agreement held the exit")
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert "saving" in stdout, stderr
+    assert "KeyboardInterrupt" in stderr and procs[0].returncode != 0, stderr
+    assert time.monotonic() - start < AWAY_S - 10

@@ -9,6 +9,7 @@ process exits (see :mod:`tierckpt.saver` for the save's steps).
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 import sys
 import threading
 import time
@@ -33,6 +34,40 @@ from .tiers.replication import stop_replicators
 T = TypeVar("T")
 
 
+class _DaemonWorker:
+    """One daemon thread that runs the calls submitted to it in order, each answered by a future.
+
+    For the agreement thread: a ``ThreadPoolExecutor``'s workers are joined at interpreter exit, so an
+    agreement left waiting in a collective by an exception in the caller (a ``KeyboardInterrupt`` during
+    the copy, while another rank never arrives) would hold the process's exit until the group's timeout.
+    A daemon thread does not: the process exits with the caller's error."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self._thread is None or not self._thread.is_alive():  # not alive: a fork's child
+            self._calls = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        self._calls.put((fn, future))
+        return future
+
+    def _run(self) -> None:
+        calls = self._calls
+        while True:
+            fn, future = calls.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - the caller's future raises it
+                future.set_exception(exc)
+
+
 @dataclass
 class _Process:
     """What outlives one save in this process: plan cache, staging buffer, background saves."""
@@ -44,7 +79,7 @@ class _Process:
     in_flight: dict[str, SaveHandle] = field(default_factory=dict)
     unreported: list[SaveHandle] = field(default_factory=list)
 
-    agreement: concurrent.futures.ThreadPoolExecutor | None = None
+    agreement: _DaemonWorker = field(default_factory=lambda: _DaemonWorker("tierckpt-agree"))
 
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self.background is None:
@@ -54,8 +89,6 @@ class _Process:
     def agree_aside(self, agree: Callable[[], T], comm: Comm) -> concurrent.futures.Future[T]:
         """Run a save's agreement (its collectives) in the agreement thread while the caller copies its
         snapshot; on an NCCL group the thread uses the caller's CUDA device."""
-        if self.agreement is None:
-            self.agreement = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-agree")
         device = torch.cuda.current_device() if comm.backend == "nccl" else None
 
         def run() -> T:
