@@ -466,3 +466,29 @@ def test_ranks_that_disagree_on_the_tier_fail_together(dist_pool: Any, tmp_path:
     assert len(set(messages)) == 1 and "on for ranks [0], off for ranks [1, 2, 3]" in messages[0]
     assert "TIERCKPT_MEMORY" in messages[0]
     assert not (path / "COMMIT").exists() and not list(memdir.rglob("COMMIT"))
+
+
+def test_a_save_through_the_staging_halves_asks_a_spare_for_the_next(tmp_path: Path, memdir: Path, mapped_uses: list[bool]) -> None:
+    """A file larger than ``staging_bytes`` streams through the staging buffer's halves (no spare could hold
+    its copy before the file was named): the store is told a spare is wanted, and the next save finds it."""
+    import time
+
+    from tierckpt.tiers import mapped
+
+    path, config = str(tmp_path / "ckpt"), mem(memdir)
+    store = open_store(path, {"memory": config})
+    try:
+        want = {"w": state()["w"], "b": state()["b"], "step": 0}
+        tierckpt.async_save(path, want, storage_options={"memory": config}, staging_bytes=4096).wait()
+        deadline = time.monotonic() + 60
+        while store.memory_tier.home not in mapped._SPARES and time.monotonic() < deadline:
+            time.sleep(0.05)  # made in the background once the file is written
+        assert store.memory_tier.home in mapped._SPARES, "no spare was prepared after a save through the halves"
+        want = {"w": state()["w"] + 1, "b": state()["b"], "step": 1}
+        tierckpt.async_save(path, want, storage_options={"memory": config}).wait()
+        assert mapped_uses == [True]  # the first save never asked for a mapped file; the second got one
+        got = target()
+        tierckpt.load(path, got, storage_options={"memory": config})
+        assert_same(got, want)
+    finally:
+        mapped._drop_spares()

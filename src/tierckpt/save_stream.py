@@ -67,7 +67,7 @@ def _stream_staged(p: _Prepared, staging_bytes: int | None) -> FileStream | None
         stream = _open_stream(p)
         assert stream is not None  # a file larger than the staging buffer has pieces
         if not pinned(p.flat):  # no spare to copy into: one is wanted for the next save
-            p.backend.mapped_writer(layout.in_generation(p.generation, p.plan.writes[p.comm.rank][0].file), size, None)
+            p.backend.want_spare(layout.in_generation(p.generation, p.plan.writes[p.comm.rank][0].file), size)
         with stream.abort_on_error():
             stream_through_halves(stream, rank_pieces(p.flat, p.plan, p.comm.rank),
                                   _PROCESS.staging.acquire(capacity, pin=pinned(p.flat))[:capacity])

@@ -24,7 +24,7 @@ A store is a chain: the URI's backend, wrapped in *links* (:class:`Link`, zarr's
 with one job (scheduling, the node disk cache, the node memory tier). Code above the chain asks a store
 for what it needs through the *capability hooks* every backend has (:meth:`Backend.uri_of`,
 :meth:`~Backend.next_link`, :meth:`~Backend.node_memory_tier`, :meth:`~Backend.keep_in_memory`,
-:meth:`~Backend.take_spare`, :meth:`~Backend.mapped_writer`, :meth:`~Backend.without_node_cache`, :meth:`~Backend.forget_cached`):
+:meth:`~Backend.take_spare`, :meth:`~Backend.mapped_writer`, :meth:`~Backend.want_spare`, :meth:`~Backend.without_node_cache`, :meth:`~Backend.forget_cached`):
 a plain backend answers "not here", a link passes them down unless it answers them itself. Nobody
 above the chain asks which class a link is or probes it for attributes.
 """
@@ -320,6 +320,10 @@ class Backend(abc.ABC):
         """``spare``, whose ``buffer`` holds the file's ``nbytes``, made the writer of ``key``: its writes only
         checksum what is there. ``None``: write the bytes with :meth:`open_writer` (then release the spare)."""
         return None
+
+    def want_spare(self, key: str, nbytes: int) -> None:
+        """Note that a save copied ``key``'s ``nbytes`` without a spare (:meth:`take_spare`): the store may
+        prepare one for the next save once ``key`` is written. Nothing by default."""
 
     def without_node_cache(self) -> Backend:
         """The chain below any node tier (what reads a directory rewritten in place, e.g. torch DCP's)."""

@@ -208,6 +208,10 @@ class MemoryLink(Link):
         :meth:`open_writer` (and a spare is prepared for the next save once ``key`` is written)."""
         return open_mapped(self, validate_key(key), nbytes, cast("SpareFile | None", spare))
 
+    def want_spare(self, key: str, nbytes: int) -> None:
+        """A spare of ``nbytes`` is prepared in the background once ``key`` is written (see :mod:`.mapped`)."""
+        self.spare_wanted[validate_key(key)] = nbytes
+
     async def commit(
         self, key: str, data: bytes | memoryview, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
         after: Mapping[str, int | None] | None = None,
