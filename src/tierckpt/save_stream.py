@@ -23,7 +23,7 @@ from .io.staging import Chunk, FileStream, stream_through_halves
 from .metadata import FileMeta, ObjectMeta, PieceMeta
 from .save_prepared import _Prepared
 from .save_process import _PROCESS
-from .save_snapshot import pinned, rank_pieces, take_snapshot
+from .save_snapshot import OpenStream, pinned, rank_pieces, take_snapshot
 
 
 def _on_written(p: _Prepared) -> Any:
@@ -54,13 +54,13 @@ def _stream_direct(p: _Prepared) -> FileStream | None:
     return stream
 
 
-def _stream_staged(p: _Prepared, staging_bytes: int | None) -> FileStream | None:
-    """Asynchronous path: take the snapshot whole (:mod:`tierckpt.save_snapshot`) — or, when the file
-    exceeds ``staging_bytes``, copy it through the staging buffer's halves as they are written — and
-    return when every byte is copied."""
+def _stream_staged(p: _Prepared, staging_bytes: int | None) -> OpenStream:
+    """Asynchronous path: take the snapshot whole (:mod:`tierckpt.save_snapshot`; its file is named by the
+    background finish) — or, when the file exceeds ``staging_bytes``, copy it through the staging buffer's
+    halves as they are written — and return when every byte is copied."""
     snapshot = take_snapshot(p.flat, p.plan, p.comm.rank, p.backend, staging_bytes, p.monitor)
     if snapshot is not None:
-        return snapshot.stream(p, _on_written(p))
+        return snapshot.deferred(p, _on_written(p))
     size = p.plan.file_sizes[p.comm.rank]
     capacity = staging_bytes or size  # set: take_snapshot declined a file larger than it
     with p.monitor.phase("stage"):
@@ -72,7 +72,7 @@ def _stream_staged(p: _Prepared, staging_bytes: int | None) -> FileStream | None
             stream_through_halves(stream, rank_pieces(p.flat, p.plan, p.comm.rank),
                                   _PROCESS.staging.acquire(capacity, pin=pinned(p.flat))[:capacity])
     p.monitor.count("bytes_staged", size)
-    return stream
+    return lambda: stream
 
 
 def _finish_rank(p: _Prepared, stream: FileStream | None) -> tuple[list[PieceMeta], list[ObjectMeta], list[FileMeta], dict[str, float]]:

@@ -53,7 +53,7 @@ from .save_commit import _finish
 from .save_handle import LEVELS, SaveHandle
 from .save_plan import _agree, _Local, _prepare, _prepare_local, cached_plan
 from .save_prepared import _Prepared
-from .save_snapshot import Snapshot, take_snapshot
+from .save_snapshot import OpenStream, Snapshot, take_snapshot
 from .save_process import _PROCESS
 from .io.staging import FileStream
 from .save_stream import _stream_direct, _stream_staged
@@ -124,19 +124,24 @@ def _save(
             p.replication.wait(meta.generation)
         return meta
     local = _prepare_local(uri, state, group, storage_options, True, persist, monitor)
-    p, staged = _snapshot_while_agreeing(
+    p, open_stream = _snapshot_while_agreeing(
         local, align_bytes, staging_bytes, lambda: _agree(local, tags, keep_previous, align_bytes, collective_timeout_s),
     )
 
     def finish() -> CheckpointMeta:
+        stream: FileStream | None = None
+        failure: BaseException | None = None
         try:
-            if staged is not None:
-                staged.finish()
-        except BaseException:
-            pass  # the error is raised again by _finish on this rank and shared with the others
+            stream = open_stream()  # a snapshot becomes the data file here, off the training thread
+            if stream is not None:
+                stream.finish()
+        except BaseException as exc:  # noqa: BLE001 - reported to the group by _finish
+            if stream is None:
+                failure = exc  # the file could not be named: no rank commits
+            # else: the stream's error is raised again by _finish on this rank and shared with the others
         finally:
             _PROCESS.staging_lock.release()
-        return _finish(p, staged, StoreCoordinator(p.comm, p.generation))
+        return _finish(p, stream, StoreCoordinator(p.comm, p.generation), failure)
 
     handle = SaveHandle(uri, _PROCESS.executor().submit(finish), monitor, p.backend, p.replication)
     _PROCESS.in_flight[uri] = handle
@@ -146,9 +151,10 @@ def _save(
 
 def _snapshot_while_agreeing(
     local: _Local, align_bytes: int, staging_bytes: int | None, agree: Callable[[], _Prepared],
-) -> tuple[_Prepared, FileStream | None]:
+) -> tuple[_Prepared, OpenStream]:
     """An async save's snapshot and the group's agreement on its plan and generation (``agree``); returns
-    with every byte copied and the staging lock held (the save's ``finish`` releases it).
+    with every byte copied and the staging lock held (the save's ``finish`` opens the file's stream and
+    releases the lock).
 
     Where this rank offers the pieces of its previous save, the snapshot is copied under that save's plan
     while the group agrees in the agreement thread (:mod:`tierckpt.save_snapshot`), so training waits for
@@ -181,7 +187,7 @@ def _snapshot_while_agreeing(
         if copy_error is not None:
             raise copy_error
         if snapshot is not None and p.plan is snapshot.plan:
-            return p, snapshot.stream(p)
+            return p, snapshot.deferred(p)
         if snapshot is not None:
             snapshot.release()  # another rank's offers changed: the group planned anew
             p.monitor.count("snapshots_taken_again")

@@ -61,10 +61,8 @@ def commit_refused(uri: str, expected: bytes | None, current: bytes | None | str
     a description) instead of ``expected`` at ``uri``."""
     found = current if isinstance(current, str) else "no object" if current is None else f"{len(current)} other bytes"
     wanted = "no object" if expected is None else f"the {len(expected)} bytes read before"
-    return CheckpointBusyError(
-        f"commit of {uri} refused: it expected {wanted} there and found {found}; another writer "
-        "committed meanwhile"
-    )
+    return CheckpointBusyError(f"commit of {uri} refused: it expected {wanted} there and found {found}; another "
+                               "writer committed meanwhile")
 
 
 async def check_expected(backend: Backend, key: str, expected: bytes | None | Unconditional, uri: str) -> None:
@@ -280,10 +278,9 @@ class Backend(abc.ABC):
     async def read_segments(
         self, key: str, segments: Sequence[Segment], digest: Callable[[memoryview], int] | None = None,
     ) -> list[list[int] | None]:
-        """:meth:`read_runs` of each ``(offsets, run_bytes, out)`` of ``segments``; each one's digests.
-
-        A load reads a file's neighbouring units at once this way. The default reads the segments one
-        after another; local files read them all in one worker thread with one open of the file."""
+        """:meth:`read_runs` of each ``(offsets, run_bytes, out)`` of ``segments``; each one's digests. A load
+        reads a file's neighbouring units at once this way. The default reads the segments one after
+        another; local files read them all in one worker thread with one open of the file."""
         return [await self.read_runs(key, offsets, run_bytes, out, digest) for offsets, run_bytes, out in segments]
 
     async def delete_prefix(self, prefix: str) -> None:
@@ -322,8 +319,7 @@ class Backend(abc.ABC):
         return None
 
     def want_spare(self, key: str, nbytes: int) -> None:
-        """Note that a save copied ``key``'s ``nbytes`` without a spare (:meth:`take_spare`): the store may
-        prepare one for the next save once ``key`` is written. Nothing by default."""
+        """A save copied ``key``'s ``nbytes`` without a spare: the store may make one for the next save."""
 
     def without_node_cache(self) -> Backend:
         """The chain below any node tier (what reads a directory rewritten in place, e.g. torch DCP's)."""
