@@ -66,6 +66,7 @@ class _DaemonWorker:
                 future.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - the caller's future raises it
                 future.set_exception(exc)
+            del fn, future  # nothing of a finished call outlives it here (its state, its result)
 
 
 @dataclass
