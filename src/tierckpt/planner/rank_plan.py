@@ -69,7 +69,7 @@ from .group_needs import GroupNeeds
 from .load_order import READER_SHARE
 from .plan_types import Delivery, LoadPlan, ReadUnit, TargetPiece, whole_to_other
 from .routes import Topology, topology_for
-from .slab_units import Need, Saved, check_covered, saved_box_units, saved_boxes
+from .slab_units import Need, Saved, check_covered, flat_span, saved_box_units, saved_boxes
 
 UnitKey = tuple[str, int, str, tuple[int, ...], tuple[int, ...]]
 """A unit's place in the group's order: file, first byte, tensor, box offsets and lengths. Every rank
@@ -188,7 +188,8 @@ def plan_rank(
         if known is None:
             wanted = [(r, index, sb) for r, index, region in group.needs_of(position)
                       for sb in stored_boxes(region, meta.shape)]
-            saved, piece_of = saved_boxes(meta, plist)
+            near = [flat_span(t[2].box, meta.shape) for t in wanted if t[0] == rank]
+            saved, piece_of = saved_boxes(meta, plist, near, here)
             lookup = BoxIndex([s[0] for s in saved], queries=sum(t[0] == rank for t in wanted))
             entries = _entries(meta, saved, lookup, wanted, rank, chunk_bytes, topo, here)
             known = (regions, plist, piece_of, entries)
