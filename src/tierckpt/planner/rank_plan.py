@@ -42,7 +42,8 @@ reads: its own coalesced requests read through no gap another read needs, and it
 
 Costs: a rank's work is, per layout, the saved boxes it touches times the ranks that need each (its
 partners), plus the stored boxes of the group's targets and the saved boxes of the layout's first tensor
-(linear; indexed only where its queries would cost more scanned: :class:`~.box_index.BoxIndex`); per
+(linear; a flat range split into boxes only where it can meet this rank's targets; indexed only where its
+queries would cost more scanned: :class:`~.box_index.BoxIndex`); per
 tensor, its needs' digest, its pieces' regions compared with its layout's (in C, by identity where the
 pieces table's decoding shared equal regions: linear in the pieces, a few nanoseconds each) and moving the
 units it keeps; once, numbering the checkpoint's files and listing the pieces of the files it reads
