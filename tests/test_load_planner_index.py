@@ -66,7 +66,8 @@ def shapes(draw) -> tuple[int, ...]:
 @given(st.data())
 def test_index_finds_exactly_the_boxes_brute_force_finds(data):
     """Saved boxes of a grid or a flat-range tiling (FSDP1), queried with boxes of another tiling and
-    with arbitrary boxes: the same indices and intersections as testing every box."""
+    with arbitrary boxes: the same indices and intersections as testing every box, built as an index or
+    scanned (few boxes, or few queries told: each box's first and last extents compared first)."""
     shape = data.draw(shapes())
     if data.draw(st.booleans()):
         saved = data.draw(mesh_layout(shape, 8))
@@ -74,7 +75,7 @@ def test_index_finds_exactly_the_boxes_brute_force_finds(data):
         saved = [s.box for r in data.draw(partition(shape, max_parts=12)) for s in stored_boxes(r, shape)]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(box_index, "SCAN_BELOW", data.draw(st.sampled_from([0, box_index.SCAN_BELOW])))
-        index = BoxIndex(saved)
+        index = BoxIndex(saved, queries=data.draw(st.sampled_from([None, 1, box_index.SCAN_QUERIES])))
     brute = BruteIndex(saved)
     queries = [s.box for r in data.draw(partition(shape, max_parts=12)) for s in stored_boxes(r, shape)]
     offsets = tuple(data.draw(st.integers(0, n - 1)) for n in shape)
@@ -90,6 +91,9 @@ def test_index_on_overlapping_and_zero_dim_boxes(monkeypatch):
     boxes = [Box((0, 0), (10, 10)), Box((2, 3), (1, 1)), Box((5, 0), (5, 10)), Box((9, 9), (1, 1))]
     assert BoxIndex(boxes).overlapping(Box((4, 4), (6, 6))) == BruteIndex(boxes).overlapping(Box((4, 4), (6, 6)))
     assert [i for i, _ in BoxIndex(boxes).overlapping(Box((4, 4), (6, 6)))] == [0, 2, 3]
+    scanned = BoxIndex(boxes, queries=1)  # few queries told: scanned, extents compared first
+    for q in (Box((4, 4), (6, 6)), Box((2, 3), (1, 1)), Box((2, 3), (0, 4)), Box((0, 9), (10, 1))):
+        assert scanned.overlapping(q) == BruteIndex(boxes).overlapping(q), q
     assert BoxIndex([Box((), ())]).overlapping(Box((), ())) == [(0, Box((), ()))]
     assert BoxIndex([]).overlapping(Box((0,), (3,))) == []
 

@@ -188,6 +188,8 @@ def box_runs(inner: Box, outer: Box) -> tuple[np.ndarray, int]:
     split = _run_dim(rel, outer)  # the run covers dims split..ndim-1
     length = rel.lengths[split] * strides[split]
     base = sum(o * s for o, s in zip(rel.offsets, strides))
+    if split == 1 and strides[0]:  # one run per index of dimension 0 (a column block of a matrix): one arange
+        return np.arange(base, base + rel.lengths[0] * strides[0], strides[0], dtype=np.int64), length
     starts = np.zeros(1, dtype=np.int64) + base
     for d in range(split):
         steps = np.arange(rel.lengths[d], dtype=np.int64) * strides[d]

@@ -42,7 +42,8 @@ reads: its own coalesced requests read through no gap another read needs, and it
 
 Costs: a rank's work is, per layout, the saved boxes it touches times the ranks that need each (its
 partners), plus the stored boxes of the group's targets and the saved boxes of the layout's first tensor
-(linear; indexed only where its queries would cost more scanned: :class:`~.box_index.BoxIndex`); per
+(linear; a flat range split into boxes only where it can meet this rank's targets; indexed only where its
+queries would cost more scanned: :class:`~.box_index.BoxIndex`); per
 tensor, its needs' digest, its pieces' regions compared with its layout's (in C, by identity where the
 pieces table's decoding shared equal regions: linear in the pieces, a few nanoseconds each) and moving the
 units it keeps; once, numbering the checkpoint's files and listing the pieces of the files it reads
@@ -69,7 +70,7 @@ from .group_needs import GroupNeeds
 from .load_order import READER_SHARE
 from .plan_types import Delivery, LoadPlan, ReadUnit, TargetPiece, whole_to_other
 from .routes import Topology, topology_for
-from .slab_units import Need, Saved, check_covered, saved_box_units, saved_boxes
+from .slab_units import Need, Saved, check_covered, flat_span, saved_box_units, saved_boxes
 
 UnitKey = tuple[str, int, str, tuple[int, ...], tuple[int, ...]]
 """A unit's place in the group's order: file, first byte, tensor, box offsets and lengths. Every rank
@@ -188,7 +189,8 @@ def plan_rank(
         if known is None:
             wanted = [(r, index, sb) for r, index, region in group.needs_of(position)
                       for sb in stored_boxes(region, meta.shape)]
-            saved, piece_of = saved_boxes(meta, plist)
+            near = [flat_span(t[2].box, meta.shape) for t in wanted if t[0] == rank]
+            saved, piece_of = saved_boxes(meta, plist, near, here)
             lookup = BoxIndex([s[0] for s in saved], queries=sum(t[0] == rank for t in wanted))
             entries = _entries(meta, saved, lookup, wanted, rank, chunk_bytes, topo, here)
             known = (regions, plist, piece_of, entries)

@@ -24,10 +24,16 @@ Saved = tuple[Box, str, int]
 """A saved box, its file and the byte offset of its first element there."""
 
 
-def saved_boxes(meta: TensorMeta, pieces: list[PieceMeta]) -> tuple[list[Saved], list[int]]:
+def saved_boxes(meta: TensorMeta, pieces: list[PieceMeta], near: list[tuple[int, int]] | None = None,
+                files: frozenset[str] = frozenset()) -> tuple[list[Saved], list[int]]:
     """The saved boxes of a tensor in the planner's order (by first row) and the number (in ``pieces``) of
     the piece each lies in: a tensor whose pieces have the same regions has the same boxes in the same
-    order, each at its own piece's file and offset (:mod:`.rank_plan` plans such tensors once)."""
+    order, each at its own piece's file and offset (:mod:`.rank_plan` plans such tensors once).
+
+    ``near``: the flat spans (:func:`flat_span`) of the only targets that will query the boxes (one rank's):
+    a flat-range piece whose range meets none of them, and in none of ``files``, is left out unsplit (none
+    of its boxes meets them; splitting every rank's flat range was a rank's plan's largest cost that grows
+    with the ranks). Leaving pieces out keeps the others' order."""
     item = itemsize(meta.torch_dtype)
     placed: list[tuple[Saved, int]] = []
     for pi, p in enumerate(pieces):
@@ -36,12 +42,27 @@ def saved_boxes(meta: TensorMeta, pieces: list[PieceMeta]) -> tuple[list[Saved],
             if region.numel:
                 placed.append(((region, p.file, p.byte_offset), pi))
             continue
+        if near is not None and p.file not in files and not any(
+                first < region.stop and region.start < end for first, end in near):
+            continue
         for sb in stored_boxes(region, meta.shape):
             placed.append(((sb.box, p.file, p.byte_offset + sb.element_offset * item), pi))
     if meta.shape:
         placed.sort(key=lambda s: s[0][0].offsets[0])
     saved = [s for s, _ in placed]
     return saved, [pi for _, pi in placed]
+
+
+def flat_span(box: Box, shape: tuple[int, ...]) -> tuple[int, int]:
+    """``[first, end)``: the flat indices (row-major, in a tensor of ``shape``) from ``box``'s first element
+    to one past its last; a box with no element is not asked."""
+    first = last = 0
+    stride = 1
+    for d in reversed(range(len(shape))):
+        first += box.offsets[d] * stride
+        last += (box.offsets[d] + box.lengths[d] - 1) * stride
+        stride *= shape[d]
+    return first, last + 1
 
 
 def check_covered(meta: TensorMeta, rank: int, target: StoredBox, covered: int) -> None:
