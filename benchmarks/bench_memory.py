@@ -17,8 +17,9 @@ the memory directories under ``/dev/shm``), so each node's files are replicated 
   memory with the remote moved away; after a node loss (node 1's memory directory deleted; its rank comes
   back on an empty node), from node 0's memory and its replica of node 1's files, the remote still away; and,
   for comparison, the same checkpoint from the local disk (page cache dropped where the machine allows,
-  else said) and from S3 (moto on loopback, node cache off); the ``tierckpt.load`` call alone, and with the
-  import its first use pays in a fresh process (the loader and the store clients), reported side by side.
+  else said) and from S3 (moto on loopback, node cache off); ``--repeats`` loads per case, each in fresh
+  processes, their median and each one; the ``tierckpt.load`` call alone, and with the import its first use
+  pays in a fresh process (the loader and the store clients), reported side by side.
 * **training loop**: a small MLP + AdamW trained ``--steps`` steps on the 2 ranks (DDP), checkpointed every
   ``--every`` steps — no checkpoint, tierckpt ``async_save`` with the memory tier (every checkpoint
   written down, and only one in ``--persist-every``, the others ``persist=False``), DCP ``async_save`` —
@@ -34,6 +35,7 @@ import argparse
 import importlib.util
 import os
 import shutil
+import statistics
 import sys
 import time
 from typing import Any
@@ -148,22 +150,32 @@ def progress(what: str) -> None:
     print(f"bench_memory: {what} ...", file=sys.stderr, flush=True)
 
 
-def recovery(gib: float, disk: str, memory_root: str, timeout_s: float) -> dict[str, Any]:
-    """Seconds of each recovery (rank 0's wall time; the ranks start the load together)."""
+def recovery(gib: float, disk: str, memory_root: str, timeout_s: float, repeats: int = 1) -> dict[str, Any]:
+    """Seconds of each recovery (rank 0's wall time; the ranks start the load together), ``repeats`` loads
+    per case in fresh processes: the median, and every load's time (one load spreads widely)."""
     uri = os.path.join(disk, "tierckpt")
     away = uri + ".away"
     result: dict[str, Any] = {}
+
+    def repeated(name: str, before: Any, *args: Any) -> None:
+        runs = []
+        for _ in range(repeats):
+            before()
+            runs.append(C.run_ranks(load_ranks, 2, gib, *args, timeout_s=timeout_s)[0])
+        result[name] = {
+            "seconds": statistics.median(r["seconds"] for r in runs), "samples": [r["seconds"] for r in runs],
+            "import_s": statistics.median(r["import_s"] for r in runs), "peak_kib": max(r["peak_kib"] for r in runs),
+        }
+
     os.rename(uri, away)  # the remote is down: only the memory tiers can serve the load
     try:
-        result["memory (process crash)"] = C.run_ranks(load_ranks, 2, gib, uri, None, memory_root, timeout_s=timeout_s)[0]
-        C.rmtree(os.path.join(memory_root, "node1"))  # node 1 is lost; its rank restarts on an empty node
-        result["peer memory (node loss)"] = C.run_ranks(load_ranks, 2, gib, uri, None, memory_root, timeout_s=timeout_s)[0]
+        repeated("memory (process crash)", lambda: None, uri, None, memory_root)
+        # Node 1 is lost; its rank restarts on an empty node (its directory deleted again before each load).
+        repeated("peer memory (node loss)", lambda: C.rmtree(os.path.join(memory_root, "node1")), uri, None, memory_root)
     finally:
         os.rename(away, uri)
     dropped = C.drop_caches()
-    result["local disk" + (" (cold)" if dropped else " (warm: page cache not dropped)")] = (
-        C.run_ranks(load_ranks, 2, gib, uri, None, None, timeout_s=timeout_s)[0]
-    )
+    repeated("local disk" + (" (cold)" if dropped else " (warm: page cache not dropped)"), C.drop_caches, uri, None, None)
     if importlib.util.find_spec("moto") is None:
         progress("recovery from S3 skipped: moto is not installed (pip install 'moto[s3]' flask flask-cors)")
         return result
@@ -172,7 +184,7 @@ def recovery(gib: float, disk: str, memory_root: str, timeout_s: float) -> dict[
     with MotoS3() as (_, s3_options):
         s3_uri, opts = f"s3://{BUCKET}/memory-bench", {**s3_options, "cache": False}
         C.run_ranks(s3_save_ranks, 2, gib, s3_uri, opts, timeout_s=timeout_s)
-        result["S3 (moto, node cache off)"] = C.run_ranks(load_ranks, 2, gib, s3_uri, opts, None, timeout_s=timeout_s)[0]
+        repeated("S3 (moto, node cache off)", lambda: None, s3_uri, opts, None)
     return result
 
 
@@ -296,12 +308,13 @@ def recovery_section(rec: dict[str, Any]) -> list[str]:
     for name, value in rec.items():
         ratio = "" if name.startswith(("memory", "peer")) else (
             f"{value['seconds'] / mem:.1f}x the memory recovery, {value['seconds'] / peer:.1f}x the peer recovery")
-        rec_rows.append([name, f"{value['seconds']:.3f}", f"{value['import_s'] + value['seconds']:.3f}",
-                         C.fmt_bytes(value["peak_kib"] * 1024), ratio])
+        rec_rows.append([name, f"{value['seconds']:.3f}", " / ".join(f"{x:.3f}" for x in value["samples"]),
+                         f"{value['import_s'] + value['seconds']:.3f}", C.fmt_bytes(value["peak_kib"] * 1024), ratio])
     return ["Recovery in fresh processes, remote away for the memory cases (seconds, rank 0; \"load call\": "
-            "`tierckpt.load` alone, ratios of these; \"with imports\": plus its first use's import of the loader "
-            "and the store clients; peak RSS above the targets):\n\n"
-            + C.md_table(["from", "load call", "with imports", "peak RSS", "ratio (load calls)"], rec_rows)]
+            "`tierckpt.load` alone, the median of the loads listed beside it, ratios of these medians; \"with "
+            "imports\": plus its first use's import of the loader and the store clients; peak RSS above the "
+            "targets, the largest):\n\n"
+            + C.md_table(["from", "load call", "each load", "with imports", "peak RSS", "ratio (load calls)"], rec_rows)]
 
 
 def training_section(args: argparse.Namespace, train: dict[str, list[dict[str, float]]]) -> list[str]:
@@ -370,7 +383,7 @@ def main() -> None:
             saves = C.run_ranks(save_ranks, 2, args.gib, args.repeats, disk, memory_root, timeout_s=args.timeout)
         if "recovery" in parts:
             progress("recovery")
-            rec = recovery(args.gib, disk, memory_root, args.timeout)
+            rec = recovery(args.gib, disk, memory_root, args.timeout, args.repeats)
         shutil.rmtree(memory_root, ignore_errors=True)
         if "training" in parts:
             progress("training loop")
