@@ -71,6 +71,29 @@ def test_background_failure_surfaces_on_wait_and_leaves_no_commit(tmp_path, monk
     assert torch.equal(loaded["big"], _state(1)["big"]), "the last committed checkpoint must be intact"
 
 
+def test_a_snapshot_whose_file_cannot_be_named_fails_the_save_and_keeps_the_last_commit(tmp_path, monkeypatch):
+    """The snapshot becomes the data file in the background finish: a failure there fails the save on
+    wait() (nothing committed, the staging buffer free again), and the next save commits."""
+    from tierckpt.save_snapshot import Snapshot
+
+    good = tmp_path / "c"
+    tierckpt.save(str(good), _state(1))
+
+    def unnamed(self, p, on_written=None):
+        raise OSError("no room to name the file")
+
+    monkeypatch.setattr(Snapshot, "stream", unnamed)
+    handle = tierckpt.async_save(str(good), _state(2))
+    with pytest.raises(OSError, match="no room to name the file"):
+        handle.wait()
+    loaded = tierckpt.load(str(good), _zeros_like(_state()))
+    assert torch.equal(loaded["big"], _state(1)["big"]), "the last committed checkpoint must be intact"
+    monkeypatch.undo()
+    tierckpt.async_save(str(good), _state(3)).wait(timeout_s=60)
+    loaded = tierckpt.load(str(good), _zeros_like(_state()))
+    assert torch.equal(loaded["big"], _state(3)["big"])
+
+
 def test_unwaited_failure_is_raised_by_the_next_save(tmp_path, monkeypatch):
     def broken_commit(*args, **kwargs):
         raise OSError("disk vanished")
