@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ import tierckpt
 from tierckpt.backends import run_reads
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.monitor import Monitor
+from tierckpt.read_step import _strided_groups
+from tierckpt.sharded import ShardedTensor
 from tierckpt.tiers import MemoryConfig
 
 
@@ -86,3 +89,43 @@ def test_the_memory_tier_reads_small_units_in_one_call(
     tierckpt.load(root, target, storage_options=options)
     assert all(torch.equal(target[k], state[k]) for k in state)
     assert len(counted) == 1 and counted[0] >= len(state)
+
+
+def _columns(state: dict[str, torch.Tensor], first: int, width: int) -> dict[str, ShardedTensor]:
+    """A column window of each saved matrix: every row of it a run of its own in the file (a strided unit)."""
+    return {k: ShardedTensor(torch.zeros(v.shape[0], width), tuple(v.shape), (0, first)) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("mapped", ["on", "off"])
+def test_strided_units_of_a_local_file_are_read_in_one_call(
+    tmp_path: Path, counted: list[int], monkeypatch: pytest.MonkeyPatch, mapped: str,
+) -> None:
+    """A column window of each of six matrices saved in one file: six strided units, read in one call
+    (through one thread hop), each run's bytes exact and every block still checked."""
+    monkeypatch.setenv("TIERCKPT_MAPPED_READS", mapped)
+    g = torch.Generator().manual_seed(3)
+    state = {f"layer{i}.w": torch.randn(256, 1024, generator=g) for i in range(6)}
+    root = str(tmp_path / "ckpt")
+    tierckpt.save(root, state)
+    target, monitor = _columns(state, 384, 128), Monitor()
+    tierckpt.load(root, target, monitor=monitor)
+    assert all(torch.equal(target[k].local, state[k][:, 384:512]) for k in state)
+    assert counted == [len(state)]
+    assert monitor.ranks[0]["bytes_read"] == sum(t.local.numel() * 4 for t in target.values())
+    file, first, _, fqn = piece_bits(tmp_path / "ckpt")[2]
+    flip(file, first + 5 * 4096 + 400 * 4, 3)  # row 5, column 400 of the third matrix: inside the window
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        tierckpt.load(root, _columns(state, 384, 128))
+
+
+def test_strided_groups_split_by_file_by_digest_and_by_size() -> None:
+    """Strided units join their file's open group while it stays within the bytes a call reads; units
+    whose runs' CRCs are taken and units read plain never share a call; other units are left out."""
+    units = [
+        SimpleNamespace(file="a", nbytes=10), SimpleNamespace(file="b", nbytes=10), SimpleNamespace(file="a", nbytes=15),
+        SimpleNamespace(file="a", nbytes=10), SimpleNamespace(file="a", nbytes=40), SimpleNamespace(file="a", nbytes=5),
+        SimpleNamespace(file="a", nbytes=5),
+    ]
+    strided = [True, True, True, True, True, True, False]
+    digested = [True, True, True, False, True, True, True]
+    assert _strided_groups(units, strided, digested, 30) == [[0, 2], [1], [3], [4], [5]]

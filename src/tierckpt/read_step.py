@@ -30,49 +30,39 @@ from .io.coalesce import GAPS_UNREAD, Taken, coalesce, read_group
 from .io.readcheck import DIGEST_RUN_BYTES, RUN_DIGEST, ReadChecker, checking_ranks
 from .io.scheduler import DEFAULT_PART_BYTES, ReadRequest, get_scheduler
 from .local_load import LocalReads
-from .metadata import TensorMeta, itemsize
+from .metadata import itemsize
 from .monitor import Monitor
 from .peer_stream import PeerStream
 from .planner import LoadPlan, ReadUnit
-from .planner.load_planner import COALESCE_GAP_BYTES, Delivery, whole_to_other
-from .regions import FlatRange, StoredBox
+from .planner.load_planner import COALESCE_GAP_BYTES, whole_to_other
+from .read_targets import contiguous_target, deliver, direct_buffer, unit_dtype
 from .state import TensorEntry
 
 
-def _target_view(entry: TensorEntry, stored: StoredBox) -> torch.Tensor:
-    """The target's storage for one stored box, shaped like the box (global-offset coordinates)."""
-    if isinstance(entry.region, FlatRange):
-        flat = entry.tensor.reshape(-1)
-        return flat[stored.element_offset : stored.element_offset + stored.box.numel].view(stored.box.lengths)
-    return entry.tensor
+def _digest(unit: ReadUnit, checked: bool) -> Any:
+    """What a strided read of ``unit`` takes of each run: its CRC-32C as it is read when this rank checks the
+    unit and its runs are short (:data:`~tierckpt.io.readcheck.DIGEST_RUN_BYTES`), else nothing."""
+    return RUN_DIGEST if checked and unit.run_bytes <= DIGEST_RUN_BYTES else None
 
 
-def _delivery_target(entry: TensorEntry, delivery: Delivery) -> torch.Tensor:
-    """The part of a target that one delivery fills, shaped like the delivery's box."""
-    return _target_view(entry, delivery.target_box)[delivery.box.relative_to(delivery.target_box.box).slices()]
-
-
-def _contiguous_target(entry: TensorEntry, delivery: Delivery, dtype: torch.dtype) -> torch.Tensor | None:
-    """The bytes of a delivery's target, when it is one contiguous CPU part of ``dtype`` (bytes can land there
-    as read or received)."""
-    target = _delivery_target(entry, delivery)
-    if target.device.type != "cpu" or target.dtype != dtype or not target.is_contiguous():
-        return None
-    return target.reshape(-1).view(torch.uint8)
-
-
-def _direct_buffer(unit: ReadUnit, targets: list[TensorEntry], rank: int) -> torch.Tensor | None:
-    """The target memory to read ``unit`` into when it is exactly one contiguous CPU part of one target."""
-    if len(unit.deliveries) != 1:
-        return None
-    d = unit.deliveries[0]
-    if d.rank != rank or d.box != unit.box:
-        return None
-    return _contiguous_target(targets[d.target], d, _dtype(unit))
-
-
-def _dtype(unit: ReadUnit) -> torch.dtype:
-    return TensorMeta(fqn=unit.fqn, dtype=unit.dtype, shape=()).torch_dtype
+def _strided_groups(units: list[ReadUnit], strided: list[bool], digested: list[bool], max_bytes: int) -> list[list[int]]:
+    """The positions of the ``strided`` units (many runs, a local file), grouped by file and by whether their
+    runs' CRCs are taken (``digested``), in order, each group of at most ``max_bytes`` (a larger unit alone):
+    a group is read in one call (one thread hop, one open). A column window of a resharded load reads a window
+    of every saved piece of a file, 64 units per rank at 8 ranks, each a hop before."""
+    groups: list[list[int]] = []
+    open_group: dict[tuple[str, bool], tuple[list[int], int]] = {}
+    for i, unit in enumerate(units):
+        if not strided[i]:
+            continue
+        key = (unit.file, digested[i])
+        group, nbytes = open_group.get(key, ([], max_bytes))
+        if nbytes + unit.nbytes > max_bytes:
+            group, nbytes = [], 0
+            groups.append(group)
+        group.append(i)
+        open_group[key] = (group, nbytes + unit.nbytes)
+    return groups
 
 
 EXCHANGE_ALIGN = 16
@@ -135,8 +125,8 @@ class ReadStep:
         self.taken = Taken(runs) if self.coalesce else None
         # A peer's replica streams from its tier's pages, checked by its receiver (tierckpt.peer_stream).
         self.stream = PeerStream(plan, comm, local, gen, checker, monitor, nodes,
-                                 lambda u, d: _contiguous_target(targets[d.target], d, _dtype(u)),
-                                 lambda u, d, data: _deliver(targets[d.target], d, data.view(_dtype(u))))
+                                 lambda u, d: contiguous_target(targets[d.target], d, unit_dtype(u)),
+                                 lambda u, d, data: deliver(targets[d.target], d, data.view(unit_dtype(u))))
         self.stream.checkers(self.checks)
 
     def run(self) -> None:
@@ -171,7 +161,7 @@ class ReadStep:
             unit = self.plan.units[i]
             if unit.reader != me or i in self.stream:
                 continue
-            size = itemsize(_dtype(unit))
+            size = itemsize(unit_dtype(unit))
             for j, d in enumerate(unit.deliveries):
                 if d.rank != me:
                     placed.append((i, j, d.rank, sizes[d.rank]))
@@ -194,7 +184,7 @@ class ReadStep:
             unit = self.plan.units[i]
             if unit.reader != self.comm.rank or i in self.stream:
                 continue
-            buf = _direct_buffer(unit, self.targets, self.comm.rank)
+            buf = direct_buffer(unit, self.targets, self.comm.rank)
             if buf is not None:
                 direct.add(i)
             elif whole_to_other(unit.reader, unit.box, unit.deliveries):
@@ -213,10 +203,14 @@ class ReadStep:
         local = [self.local.source(u.file, self.backend).capabilities.local_path for u, _ in reads]
         ranges = [(u.file, int(u.run_offsets[0]), u.nbytes) if len(u.run_offsets) == 1 else None for u, _ in reads]
         grouped = [r is not None and here for r, here in zip(ranges, local)]  # contiguous units of local files
+        strided = [len(u.run_offsets) > 1 and here for (u, _), here in zip(reads, local)]  # strided units of local files
         groups = [g for g in coalesce([r if here else None for r, here in zip(ranges, grouped)],
                                       self.coalesce_bytes, self.coalesce_bytes, GAPS_UNREAD) if grouped[g[0]]]
+        groups += _strided_groups([u for u, _ in reads], strided, [_digest(u, c) is not None for (u, _), c in zip(reads, checked)],
+                                  self.coalesce_bytes)
         groups += [g for g in coalesce([r if self.coalesce and not here else None for r, here in zip(ranges, grouped)],
-                                       self.coalesce_bytes, COALESCE_GAP_BYTES, self.taken) if not grouped[g[0]]]
+                                       self.coalesce_bytes, COALESCE_GAP_BYTES, self.taken)
+                   if not grouped[g[0]] and not strided[g[0]]]
         self.monitor.count("requests", sum(
             1 if len(g) > 1 and not local[g[0]] else sum(len(reads[j][0].run_offsets) for j in g) for g in groups))
         landed: concurrent.futures.Future = concurrent.futures.Future()
@@ -242,9 +236,14 @@ class ReadStep:
             unit, view = reads[i]
             backend = self.local.source(unit.file, self.backend)  # its node's memory tier, or the chain
             key = layout.in_generation(self.gen, unit.file)
-            if len(unit.run_offsets) > 1:
-                digest = RUN_DIGEST if checked[i] and unit.run_bytes <= DIGEST_RUN_BYTES else None
-                got = await backend.read_runs(key, unit.run_offsets.tolist(), unit.run_bytes, view, digest)
+            if len(unit.run_offsets) > 1 and backend.capabilities.local_path:  # one call for the group (_strided_groups)
+                got = await backend.read_segments(
+                    key, [(reads[j][0].run_offsets.tolist(), reads[j][0].run_bytes, reads[j][1]) for j in group],
+                    _digest(unit, checked[i]))
+                segments.update((j, [(reads[j][0].run_offsets, reads[j][0].run_bytes, reads[j][1], crcs)])
+                                for j, crcs in zip(group, got))
+            elif len(unit.run_offsets) > 1:
+                got = await backend.read_runs(key, unit.run_offsets.tolist(), unit.run_bytes, view, _digest(unit, checked[i]))
                 segments[i] = [(unit.run_offsets, unit.run_bytes, view, got)]
             elif backend.capabilities.local_path:
                 segments.update(await _read_local(backend, key, group))
@@ -274,21 +273,29 @@ class ReadStep:
                     out.setdefault(j, []).append((np.array(offsets, dtype=np.int64), n, part, got))
             return out
 
-        def check_unit(unit: ReadUnit, parts: list[tuple[Any, int, memoryview, list[int] | None]]) -> None:
-            for offsets, run_bytes, data, crcs in parts:
-                checker.add(checker.check(unit.fqn, unit.file, offsets, run_bytes, data, crcs))
+        def check_units(units: list[tuple[ReadUnit, list[tuple[Any, int, memoryview, list[int] | None]]]]) -> None:
+            for unit, parts in units:
+                for offsets, run_bytes, data, crcs in parts:
+                    checker.add(checker.check(unit.fqn, unit.file, offsets, run_bytes, data, crcs))
 
-        async def check(i: int, task: asyncio.Future, unit: ReadUnit, view: memoryview) -> None:
+        async def check(group: list[int], task: asyncio.Future) -> None:
+            """Check the units of ``group`` this rank checks, once the group is read: on the I/O loop those whose
+            read took every block's CRC (a compare, cheaper than a thread hop), the rest in one worker thread
+            (folding many runs' CRCs or checksumming the bytes)."""
             await task
-            parts = segments.get(i, [(unit.run_offsets, unit.run_bytes, view, None)])
-            if len(unit.run_offsets) == 1 and all(crcs is not None for *_, crcs in parts):
-                check_unit(unit, parts)  # block by block: compares the CRCs the read took, cheaper than a thread hop
-            else:  # folds many runs' CRCs or checksums the bytes: off the event loop
-                await asyncio.to_thread(check_unit, unit, parts)
+            inline, threaded = [], []
+            for i in group:
+                if checked[i]:
+                    unit, view = reads[i]
+                    parts = segments.get(i, [(unit.run_offsets, unit.run_bytes, view, None)])
+                    contiguous = len(unit.run_offsets) == 1 and all(crcs is not None for *_, crcs in parts)
+                    (inline if contiguous else threaded).append((unit, parts))
+            check_units(inline)
+            if threaded:
+                await asyncio.to_thread(check_units, threaded)
 
         tasks = [asyncio.ensure_future(read(g)) for g in groups]
-        task_of = {i: t for g, t in zip(groups, tasks) for i in g}
-        checks = [asyncio.ensure_future(check(i, task_of[i], *r)) for i, r in enumerate(reads) if checked[i]]
+        checks = [asyncio.ensure_future(check(g, t)) for g, t in zip(groups, tasks) if any(checked[i] for i in g)]
         try:
             await asyncio.gather(*tasks)
         except BaseException as exc:
@@ -308,11 +315,11 @@ class ReadStep:
         for i, unit in units:
             if unit.reader != me or i in rnd.direct or i in rnd.in_send:
                 continue
-            source = rnd.buffers.pop(i).view(_dtype(unit)).view(unit.box.lengths)
+            source = rnd.buffers.pop(i).view(unit_dtype(unit)).view(unit.box.lengths)
             for j, d in enumerate(unit.deliveries):
                 part = source[d.box.relative_to(unit.box).slices()]
                 if d.rank == me:
-                    _deliver(self.targets[d.target], d, part)
+                    deliver(self.targets[d.target], d, part)
                 else:
                     at, nbytes = rnd.send_at[(i, j)], d.numel * part.element_size()
                     rnd.send[at : at + nbytes].view(part.dtype).view(d.box.lengths).copy_(part)
@@ -330,7 +337,7 @@ class ReadStep:
                 continue
             for d in unit.deliveries:
                 if d.rank == me:
-                    nbytes = d.numel * itemsize(_dtype(unit))
+                    nbytes = d.numel * itemsize(unit_dtype(unit))
                     recv_sizes[unit.reader] += _padded(nbytes)
                     incoming.append((unit, d, nbytes))
         self.monitor.count("bytes_exchanged", sum(recv_sizes))
@@ -342,7 +349,7 @@ class ReadStep:
         for unit, d, nbytes in incoming:
             at = cursors[unit.reader]
             cursors[unit.reader] += _padded(nbytes)
-            _deliver(self.targets[d.target], d, received[unit.reader][at : at + nbytes].view(_dtype(unit)))
+            deliver(self.targets[d.target], d, received[unit.reader][at : at + nbytes].view(unit_dtype(unit)))
 
     def _point_to_point(self, units: list[tuple[int, ReadUnit]], k: int) -> bool:
         """Whether a round's deliveries between ranks go as one message each, straight into their targets,
@@ -354,7 +361,7 @@ class ReadStep:
         if self.plan.point_to_point:  # a rank's own plan: the group agreed on round k (planner.rank_plan)
             return self.plan.point_to_point[k]
         return all(
-            d.numel * itemsize(_dtype(unit)) >= P2P_MIN_BYTES
+            d.numel * itemsize(unit_dtype(unit)) >= P2P_MIN_BYTES
             for _, unit in units for d in unit.deliveries if d.rank != unit.reader
         )
 
@@ -365,19 +372,19 @@ class ReadStep:
         into a buffer, then copied)."""
         me = self.comm.rank
         sends = [
-            (d.rank, rnd.send[rnd.send_at[(i, j)] : rnd.send_at[(i, j)] + d.numel * itemsize(_dtype(unit))])
+            (d.rank, rnd.send[rnd.send_at[(i, j)] : rnd.send_at[(i, j)] + d.numel * itemsize(unit_dtype(unit))])
             for i, unit in units if unit.reader == me for j, d in enumerate(unit.deliveries) if d.rank != me
         ]
         recvs, copies = [], []
         for unit, d, nbytes in incoming:
-            into = _contiguous_target(self.targets[d.target], d, _dtype(unit))
+            into = contiguous_target(self.targets[d.target], d, unit_dtype(unit))
             if into is None:
                 into = torch.empty(nbytes, dtype=torch.uint8)
                 copies.append((d, into, unit))
             recvs.append((unit.reader, into))
         self.comm.send_recv(sends, recvs)
         for d, buf, unit in copies:
-            _deliver(self.targets[d.target], d, buf.view(_dtype(unit)))
+            deliver(self.targets[d.target], d, buf.view(unit_dtype(unit)))
         self.monitor.count("bytes_received_in_place", sum(b.numel() for _, b in recvs) - sum(b.numel() for _, b, _ in copies))
 
 
@@ -389,7 +396,3 @@ def _failure_of(done: concurrent.futures.Future) -> Exception | None:
     except Exception as exc:  # noqa: BLE001 - raised after the last round, then agreed by the group
         return exc
     return None
-
-
-def _deliver(entry: TensorEntry, delivery: Delivery, part: torch.Tensor) -> None:
-    _delivery_target(entry, delivery).copy_(part.reshape(delivery.box.lengths))
