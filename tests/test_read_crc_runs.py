@@ -233,7 +233,7 @@ def _aligned_load(data: bytes, stored: bytes) -> tuple[list, list]:
             rank.add(rank.check("w", "d0", offsets[lo:hi], run, view[lo * run : hi * run], crcs[lo:hi]))
         gathered.append(rank.partials())
     incomplete = ReadChecker("g", {"w": [piece]}).settle(gathered)
-    return incomplete, [{k: tuple(a.tolist() for a in v) for k, v in p.items()} for p in gathered]
+    return incomplete, [(keys, *(a.tolist() for a in arrays)) for keys, *arrays in gathered]
 
 
 @pytest.mark.slow

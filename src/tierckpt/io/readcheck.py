@@ -54,6 +54,11 @@ PieceKey = tuple[str, int]
 """A piece, named the same on every rank: ``(file, byte_offset)``."""
 Partials = dict[PieceKey, tuple[np.ndarray, np.ndarray, np.ndarray]]
 """Per piece: block indices, the XOR of their parts' shifted raw CRCs, and the bytes covered."""
+RankPartials = tuple[list[PieceKey], np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""One rank's partial blocks as the load's agreement carries them: its pieces, then per block the piece's
+position in that list, the block index, the XOR of its parts' shifted raw CRCs and the bytes covered. Four
+arrays whatever the count of pieces: a rank of a resharded load holds parts of every piece it touches
+(64 at 8 ranks, 64 MiB), and three arrays per piece cost the group's unpickling 1,536 arrays per load."""
 
 DIGEST_RUN_BYTES = 64 << 10
 """Runs of a strided read up to this long have their CRC taken as each lands, in the read's own
@@ -227,28 +232,34 @@ class ReadChecker:
         for key, parts in partials.items():
             self._parts[key].append(parts)
 
-    def partials(self) -> Partials:
+    def partials(self) -> RankPartials:
         """This rank's partial blocks, reduced per block (what :func:`settle` gathers from every rank)."""
-        return {key: _reduce(parts) for key, parts in self._parts.items()}
+        keys = list(self._parts)
+        parts = [(i, part) for i, key in enumerate(keys) for part in self._parts[key]]
+        if not parts:
+            return keys, *(np.zeros(0, dtype=t) for t in (np.int64, np.int64, np.uint64, np.int64))
+        owner = np.concatenate([np.full(len(part[0]), i, dtype=np.int64) for i, part in parts])
+        raw, covered, pair = _reduce_by((owner << 32) | np.concatenate([part[0] for _, part in parts]),
+                                        np.concatenate([part[1] for _, part in parts]),
+                                        np.concatenate([part[2] for _, part in parts]))
+        return keys, pair >> 32, pair & 0xFFFFFFFF, raw, covered
 
-    def settle(self, gathered: Sequence[Partials]) -> list[tuple[PieceMeta, int]]:
+    def settle(self, gathered: Sequence[RankPartials]) -> list[tuple[PieceMeta, int]]:
         """Check every block the group's parts complete; return the blocks the group read only in part.
 
         Pure given ``gathered`` (every rank's :meth:`partials`): every rank computes the same outcome,
         raising the same error on a mismatch, so no collective is needed to agree on it.
         """
-        keys = sorted({key for rank_partials in gathered for key in rank_partials})
+        keys = sorted({key for rank_keys, *_ in gathered for key in rank_keys})
         if not keys:
             return []
         index = {key: i for i, key in enumerate(keys)}
-        parts = [
-            (np.full(len(p[0]), index[key], dtype=np.int64), *p)
-            for rank_partials in gathered for key, p in rank_partials.items()
-        ]
-        # One pass over every block of every piece: (piece, block) pairs keyed as one int64.
-        owner = np.concatenate([p[0] for p in parts])
-        key_of = (owner << 32) | np.concatenate([p[1] for p in parts])
-        raw, covered, pair = _reduce_by(key_of, np.concatenate([p[2] for p in parts]), np.concatenate([p[3] for p in parts]))
+        # Each rank's pieces renumbered in the group's order: (piece, block) pairs keyed as one int64.
+        owner = np.concatenate([np.array([index[k] for k in rank_keys], dtype=np.int64)[rank_owner]
+                                for rank_keys, rank_owner, *_ in gathered if len(rank_keys)])
+        key_of = (owner << 32) | np.concatenate([p[2] for p in gathered if len(p[0])])
+        raw, covered, pair = _reduce_by(key_of, np.concatenate([p[3] for p in gathered if len(p[0])]),
+                                        np.concatenate([p[4] for p in gathered if len(p[0])]))
         which, blocks = pair >> 32, pair & 0xFFFFFFFF
         pieces = [self._pieces[k] for k in keys]
         block = np.array([p.blocks()[0] for p in pieces], dtype=np.int64)[which]
@@ -290,13 +301,6 @@ class ReadChecker:
 def _zeros_crc_of(nbytes: int) -> int:
     """The CRC-32C of ``nbytes`` zero bytes: what turns the CRC-32C of ``nbytes`` bytes into their raw CRC."""
     return int(zeros_crc(np.array(nbytes, dtype=np.uint64)))
-
-
-def _reduce(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Parts of blocks -> one entry per block: the XOR of the raw CRCs and the sum of the bytes covered."""
-    blocks = np.concatenate([p[0] for p in parts])
-    raw, covered, blocks = _reduce_by(blocks, np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts]))
-    return blocks, raw, covered
 
 
 def _reduce_by(keys: np.ndarray, raw: np.ndarray, covered: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
