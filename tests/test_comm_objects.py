@@ -38,3 +38,44 @@ def broadcast_from(src: int, payload_bytes: int) -> tuple[bool, int] | None:
 def test_every_rank_gets_the_object_in_one_broadcast_when_it_fits(dist_pool, src: int, payload: int, broadcasts: int) -> None:
     results = [r for r in dist_pool.run(broadcast_from, src, payload) if r is not None]
     assert results == [(True, broadcasts)] * 3
+
+
+_TAIL_GROUPS: dict[int, object] = {}
+
+
+def gather_on_ranks_1_to_3(payload_bytes: int) -> tuple[bool, int, int] | None:
+    """All-gather over the group of global ranks 1, 2, 3 (its first rank is not the world's) of an object per
+    rank pickling to about ``payload_bytes``; ``(every rank's object, in order, received; gathers made,
+    broadcasts made)`` on the group's ranks."""
+    if 4 not in _TAIL_GROUPS:
+        _TAIL_GROUPS[4] = dist.new_group([1, 2, 3])  # every rank of the world creates it
+    if dist.get_rank() == 0:
+        return None
+    comm = Comm(_TAIL_GROUPS[4])
+    sent = [{"rank": r, "blob": bytes([r]) * (payload_bytes + 97 * r)} for r in range(3)]
+    calls = {"gather": 0, "broadcast": 0}
+    originals = {name: getattr(dist, name) for name in calls}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in calls:
+        setattr(dist, name, counted(name))
+    try:
+        got = comm.all_gather_object(sent[comm.rank])
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return got == sent, calls["gather"], calls["broadcast"]
+
+
+@pytest.mark.parametrize("payload, rounds", [(1 << 10, 1), (OBJECT_SLOT_BYTES + (100 << 10), 2)])
+def test_every_rank_gets_every_object_by_a_gather_and_a_broadcast_per_round(dist_pool, payload: int, rounds: int) -> None:
+    """Over gloo a small group all-gathers as a gather to its first rank and a broadcast from it
+    (:data:`~tierckpt.comm.STAR_GATHER_MAX_RANKS`), one of each per round: the objects arrive whole, in
+    rank order, also when the group's first rank is not the world's."""
+    results = [r for r in dist_pool.run(gather_on_ranks_1_to_3, payload) if r is not None]
+    assert results == [(True, rounds, rounds)] * 3
