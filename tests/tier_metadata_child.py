@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "all_gather_object", "broadcast_object_list", "broadcast", "all_gather",
-               "monitored_barrier", "barrier", "all_to_all_single", "gather_object")
+               "monitored_barrier", "barrier", "all_to_all_single", "gather_object", "gather")
 
 
 def make() -> dict[str, torch.Tensor]:
