@@ -284,6 +284,7 @@ def decode_pieces(
     # Equal regions are one object: a load's plan compares the pieces' regions of tensors to find those saved
     # alike (planner.rank_plan), by identity first (in C), field by field only where they differ.
     shared: dict[Region, Region] = {}
+    keys: dict[str, str] = {}  # each file's name checked once (a file holds many pieces)
     columns = [_column(table, name, "pieces") for name in schema.names]
     if schema == _PIECE_SCHEMA_WITHOUT_BLOCKS:
         columns += [[0] * table.num_rows, [[]] * table.num_rows]
@@ -304,7 +305,7 @@ def decode_pieces(
             PieceMeta(
                 fqn=fqn,
                 region=region,
-                file=validate_key(file),
+                file=keys[file] if file in keys else keys.setdefault(file, validate_key(file)),
                 byte_offset=_int(byte_offset, "byte offset"),
                 byte_length=byte_length,
                 crc32c=_int(crc, "checksum", 0, 2**32 - 1),
@@ -323,14 +324,15 @@ def _pieces_schema(schema: pa.Schema) -> pa.Schema:
 
 
 def _block_checksums(block_bytes: Any, crcs: Any, byte_length: int, fqn: str, file: str) -> dict[str, Any]:
-    """A piece's validated ``block_bytes`` and ``block_crc32c`` (one CRC per block, none when 0)."""
-    what = f"block checksums of a piece of {fqn!r} in {file!r}"
+    """A piece's validated ``block_bytes`` and ``block_crc32c`` (one CRC per block, none when 0). The CRCs
+    are a list of uint32 by the table's checked schema: only a null can be wrong in it."""
     block_bytes = _int(block_bytes, f"crc_block_bytes of a piece of {fqn!r} in {file!r}", 0, MAX_BLOCK_BYTES)
     expected = -(-byte_length // block_bytes) if block_bytes else 0
-    if not isinstance(crcs, list) or len(crcs) != expected:
+    if not isinstance(crcs, list) or len(crcs) != expected or None in crcs:
         count = len(crcs) if isinstance(crcs, list) else crcs
-        raise CorruptCheckpointError(f"invalid {what}: {count} for {byte_length} bytes in blocks of {block_bytes}")
-    return {"block_bytes": block_bytes, "block_crc32c": tuple(_int(c, what, 0, 2**32 - 1) for c in crcs)}
+        raise CorruptCheckpointError(f"invalid block checksums of a piece of {fqn!r} in {file!r}: {count} (nulls: "
+                                     f"{isinstance(crcs, list) and None in crcs}) for {byte_length} bytes in blocks of {block_bytes}")
+    return {"block_bytes": block_bytes, "block_crc32c": tuple(crcs)}
 
 
 def _group_may_hold(stats: Any, wanted: list[str]) -> bool:
@@ -341,25 +343,28 @@ def _group_may_hold(stats: Any, wanted: list[str]) -> bool:
 
 
 def _region(kind: Any, offsets: Any, lengths: Any, tensor: TensorMeta) -> Region:
+    """A piece's region from its table row, checked against its tensor's shape. The table's schema was
+    checked (lists of int64): a value can only be an int or a null, so nulls are all there is to look for."""
     shape = tensor.shape
-    bad = CorruptCheckpointError(f"invalid {kind} region {offsets}/{lengths} for tensor {tensor.fqn!r} of shape {shape}")
-    if not isinstance(offsets, list) or not isinstance(lengths, list):
-        raise bad
-    if any(isinstance(v, bool) or not isinstance(v, int) for v in offsets + lengths):  # nulls in the lists
-        raise bad
+    if offsets is None or lengths is None or None in offsets or None in lengths:
+        raise _bad_region(kind, offsets, lengths, tensor)
     if kind == "box":
         if len(offsets) != len(shape) or len(lengths) != len(shape):
-            raise bad
+            raise _bad_region(kind, offsets, lengths, tensor)
         if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, lengths, shape)):
-            raise bad
+            raise _bad_region(kind, offsets, lengths, tensor)
         return Box(tuple(offsets), tuple(lengths))
     if kind == "flat":
         if len(offsets) != 1 or len(lengths) != 1 or offsets[0] < 0 or lengths[0] < 0:
-            raise bad
+            raise _bad_region(kind, offsets, lengths, tensor)
         if offsets[0] + lengths[0] > math.prod(shape):
-            raise bad
+            raise _bad_region(kind, offsets, lengths, tensor)
         return FlatRange(offsets[0], offsets[0] + lengths[0])
-    raise bad
+    raise _bad_region(kind, offsets, lengths, tensor)
+
+
+def _bad_region(kind: Any, offsets: Any, lengths: Any, tensor: TensorMeta) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"invalid {kind} region {offsets}/{lengths} for tensor {tensor.fqn!r} of shape {tensor.shape}")
 
 
 def _column(table: pa.Table, name: str, what: str) -> list[Any]:
