@@ -8,12 +8,12 @@ size and CRC-32C that ``COMMIT`` records for it. Which reader reads a directory 
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
+from collections.abc import Sequence
 
 from . import layout
 from .backends import Backend
 from .checkpoint_reader import NATIVE_FORMAT, Checkpoint, Root
-from .deadline import carried
 from .bounded import MAX_RECORD_BYTES
 from .foreign import missing_commit_error
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, MissingFileError
@@ -51,12 +51,21 @@ def newer_commit(backend: Backend, generation: str) -> layout.CommitRecord | Non
     return record if record.generation != generation else None
 
 
-def _document(backend: Backend, record: layout.CommitRecord, key: str, limit: int) -> bytes:
-    """One metadata document of the committed generation (at most ``limit`` bytes), checked against
-    ``COMMIT``'s checksum."""
-    data = read_document(backend, layout.in_generation(record.generation, key), _cap(record, key, limit))
-    record.check_document(key, data, backend.root_uri)
-    return data
+def _documents(backend: Backend, record: layout.CommitRecord, wanted: Sequence[tuple[str, int]]) -> list[bytes]:
+    """Metadata documents of the committed generation (``(key, at most this many bytes)`` each), read at
+    once on the I/O loop (on an object store each is two round trips: size, then read) and each checked
+    against ``COMMIT``'s checksum; the first failure, in ``wanted``'s order, is raised."""
+    async def read_all() -> list[bytes | BaseException]:
+        return await asyncio.gather(*(
+            backend.get_capped(layout.in_generation(record.generation, key), _cap(record, key, limit)) for key, limit in wanted
+        ), return_exceptions=True)
+
+    documents = get_scheduler().run(read_all())
+    for (key, _), data in zip(wanted, documents):
+        if isinstance(data, BaseException):
+            raise data
+        record.check_document(key, data, backend.root_uri)
+    return documents  # type: ignore[return-value]
 
 
 class NativeReader:
@@ -93,12 +102,8 @@ def read_committed(backend: Backend) -> Checkpoint:
     while True:
         gen = record.generation
         try:
-            # Both documents at once: on an object store each is two round trips (size, then read).
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                read = carried(_document)  # with the operation's deadline
-                header = pool.submit(read, backend, record, layout.HEADER, MAX_HEADER_BYTES)
-                table = pool.submit(read, backend, record, layout.TENSORS, MAX_TABLE_BYTES)
-                return decoded_checkpoint(record, header.result(), table.result())
+            header, table = _documents(backend, record, ((layout.HEADER, MAX_HEADER_BYTES), (layout.TENSORS, MAX_TABLE_BYTES)))
+            return decoded_checkpoint(record, header, table)
         except CheckpointNotFoundError as exc:
             newer = newer_commit(backend, gen)
             if newer is not None and attempt < RACE_RETRIES:
