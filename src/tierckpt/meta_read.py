@@ -42,6 +42,16 @@ def read_commit(backend: Backend) -> layout.CommitRecord:
         raise missing_commit_error(backend.root_uri, sched.run(backend.list(""))) from None
 
 
+def committed_record(backend: Backend) -> layout.CommitRecord | None:
+    """The decoded ``COMMIT`` record, or ``None`` where the root has none (what the root is then, the readers'
+    probes say: :func:`tierckpt.readers.reader_for`)."""
+    try:
+        data = get_scheduler().run(backend.get_capped(layout.COMMIT, MAX_RECORD_BYTES))
+    except CheckpointNotFoundError:
+        return None
+    return layout.CommitRecord.decode(data)
+
+
 def newer_commit(backend: Backend, generation: str) -> layout.CommitRecord | None:
     """The ``COMMIT`` record if it now names another generation than ``generation`` (else ``None``)."""
     try:
@@ -94,10 +104,10 @@ class NativeReader:
 NATIVE = NativeReader()
 
 
-def read_committed(backend: Backend) -> Checkpoint:
-    """Follow ``COMMIT`` to the committed generation and read its header and tensor table (following a
-    newer ``COMMIT`` when a save deleted the generation meanwhile)."""
-    record = read_commit(backend)
+def read_committed(backend: Backend, record: layout.CommitRecord | None = None) -> Checkpoint:
+    """Follow ``COMMIT`` (``record``, when already read) to the committed generation and read its header and
+    tensor table (following a newer ``COMMIT`` when a save deleted the generation meanwhile)."""
+    record = record or read_commit(backend)
     attempt = 0
     while True:
         gen = record.generation
