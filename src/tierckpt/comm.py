@@ -30,9 +30,14 @@ GATHER_SLOTS_BYTES = 4 << 20
 """... with smaller slots in large groups, so that one rank receives at most this much in the first round."""
 STAR_GATHER_MAX_RANKS = 64
 """Over gloo, groups of at most this many ranks all-gather objects as a gather to their first rank and a
-broadcast: two steps where gloo's all-gather is a ring of ``world_size - 1`` (8 ranks on the 2-core test VM:
-2-3 ms against 10-12 ms per all-gather, 0.3-0.4 ms of CPU per rank against 0.7-1.3). Larger groups keep the
-ring, whose steps each move one slot while the first rank of a star would send every slot to every rank."""
+broadcast of every slot (gloo's is a binomial tree): ``1 + log2(world_size)`` steps where gloo's all-gather is a
+ring of ``world_size - 1`` (8 ranks on the 2-core test VM: 2-3 ms against 10-12 ms per all-gather, 0.3-0.4 ms
+of CPU per rank against 0.7-1.3). Larger groups keep the ring: each of its steps moves one slot, each step of
+the tree all of them."""
+STAR_GATHER_BYTES = 256 << 10
+"""... and the slots of such a gather are smaller (at most this much in all, 32 KiB a rank at 8 ranks, 4 KiB at
+64): the tree's steps move every slot, so a larger object takes a second round rather than every object
+carrying padding."""
 _LENGTH = np.dtype("<i8")
 
 SELF = "self"
@@ -74,7 +79,8 @@ class Comm:
         if self.world_size == 1:
             return [obj]
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        slot = max(_LENGTH.itemsize + 1024, min(OBJECT_SLOT_BYTES, GATHER_SLOTS_BYTES // self.world_size))
+        budget = STAR_GATHER_BYTES if self._star_gather() else GATHER_SLOTS_BYTES
+        slot = max(_LENGTH.itemsize + 1024, min(OBJECT_SLOT_BYTES, budget // self.world_size))
         try:
             first = self._gather_slots(data, slot, with_length=True)
             sizes = [int(row[: _LENGTH.itemsize].view(_LENGTH)[0]) for row in first]
@@ -98,7 +104,7 @@ class Comm:
         view[at : at + fits] = np.frombuffer(data, dtype=np.uint8, count=fits)
         device = self._device()
         out = torch.empty(slot * self.world_size, dtype=torch.uint8, device=device)
-        if self.backend == "gloo" and self.world_size <= STAR_GATHER_MAX_RANKS:
+        if self._star_gather():
             first = dist.get_global_rank(self.group, 0) if self.group is not None else 0
             dist.gather(send, list(out.chunk(self.world_size)) if self.rank == 0 else None, dst=first, group=self.group)
             dist.broadcast(out, src=first, group=self.group)
@@ -106,6 +112,10 @@ class Comm:
             all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the older name
             all_gather(out, send.to(device), group=self.group)
         return list(out.cpu().numpy().reshape(self.world_size, slot))
+
+    def _star_gather(self) -> bool:
+        """Whether this group all-gathers as a gather and a broadcast (:data:`STAR_GATHER_MAX_RANKS`)."""
+        return self.backend == "gloo" and self.world_size <= STAR_GATHER_MAX_RANKS
 
     def broadcast_object(self, obj: T | None, src: int = 0) -> T:
         """Rank ``src``'s ``obj`` on every rank (``src`` keeps its own). Pickled, in one broadcast of a
