@@ -42,16 +42,6 @@ def read_commit(backend: Backend) -> layout.CommitRecord:
         raise missing_commit_error(backend.root_uri, sched.run(backend.list(""))) from None
 
 
-def committed_record(backend: Backend) -> layout.CommitRecord | None:
-    """The decoded ``COMMIT`` record, or ``None`` where the root has none (what the root is then, the readers'
-    probes say: :func:`tierckpt.readers.reader_for`)."""
-    try:
-        data = get_scheduler().run(backend.get_capped(layout.COMMIT, MAX_RECORD_BYTES))
-    except CheckpointNotFoundError:
-        return None
-    return layout.CommitRecord.decode(data)
-
-
 def newer_commit(backend: Backend, generation: str) -> layout.CommitRecord | None:
     """The ``COMMIT`` record if it now names another generation than ``generation`` (else ``None``)."""
     try:
@@ -61,21 +51,42 @@ def newer_commit(backend: Backend, generation: str) -> layout.CommitRecord | Non
     return record if record.generation != generation else None
 
 
-def _documents(backend: Backend, record: layout.CommitRecord, wanted: Sequence[tuple[str, int]]) -> list[bytes]:
-    """Metadata documents of the committed generation (``(key, at most this many bytes)`` each), read at
-    once on the I/O loop (on an object store each is two round trips: size, then read) and each checked
-    against ``COMMIT``'s checksum; the first failure, in ``wanted``'s order, is raised."""
-    async def read_all() -> list[bytes | BaseException]:
-        return await asyncio.gather(*(
-            backend.get_capped(layout.in_generation(record.generation, key), _cap(record, key, limit)) for key, limit in wanted
-        ), return_exceptions=True)
+_METADATA = ((layout.HEADER, MAX_HEADER_BYTES), (layout.TENSORS, MAX_TABLE_BYTES))
+"""The documents a native checkpoint's metadata is read from, each with the most bytes it may hold."""
 
-    documents = get_scheduler().run(read_all())
-    for (key, _), data in zip(wanted, documents):
+
+async def _fetch_committed(
+    backend: Backend, record: layout.CommitRecord | None,
+) -> tuple[layout.CommitRecord | None, list[bytes | BaseException]]:
+    """``COMMIT`` (unless ``record`` is it) and the metadata documents it names, in one trip through the I/O
+    loop (the documents at once: on an object store each is two round trips, size then read). ``(None, [])``
+    when the root has no ``COMMIT``; a document that failed is its exception, raised by :func:`_checked`."""
+    if record is None:
+        try:
+            record = layout.CommitRecord.decode(await backend.get_capped(layout.COMMIT, MAX_RECORD_BYTES))
+        except CheckpointNotFoundError:
+            return None, []
+    documents = await asyncio.gather(*(
+        backend.get_capped(layout.in_generation(record.generation, key), _cap(record, key, limit)) for key, limit in _METADATA
+    ), return_exceptions=True)
+    return record, documents
+
+
+def _checked(backend: Backend, record: layout.CommitRecord, documents: Sequence[bytes | BaseException]) -> list[bytes]:
+    """The metadata documents, each checked against ``COMMIT``'s checksum; the first failure, in
+    :data:`_METADATA`'s order, is raised."""
+    for (key, _), data in zip(_METADATA, documents):
         if isinstance(data, BaseException):
             raise data
         record.check_document(key, data, backend.root_uri)
     return documents  # type: ignore[return-value]
+
+
+def read_native(backend: Backend) -> Checkpoint | None:
+    """The native checkpoint at the root of ``backend``, its ``COMMIT`` and the metadata it names read in one
+    trip through the I/O loop; ``None`` where the root has no ``COMMIT`` (another reader's, or none)."""
+    record, documents = get_scheduler().run(_fetch_committed(backend, None))
+    return None if record is None else read_committed(backend, record, documents)
 
 
 class NativeReader:
@@ -104,20 +115,25 @@ class NativeReader:
 NATIVE = NativeReader()
 
 
-def read_committed(backend: Backend, record: layout.CommitRecord | None = None) -> Checkpoint:
-    """Follow ``COMMIT`` (``record``, when already read) to the committed generation and read its header and
-    tensor table (following a newer ``COMMIT`` when a save deleted the generation meanwhile)."""
+def read_committed(
+    backend: Backend, record: layout.CommitRecord | None = None, documents: list[bytes | BaseException] | None = None,
+) -> Checkpoint:
+    """Follow ``COMMIT`` (``record``, when already read, with the ``documents`` it names when read too) to the
+    committed generation and read its header and tensor table (following a newer ``COMMIT`` when a save
+    deleted the generation meanwhile)."""
     record = record or read_commit(backend)
     attempt = 0
     while True:
         gen = record.generation
         try:
-            header, table = _documents(backend, record, ((layout.HEADER, MAX_HEADER_BYTES), (layout.TENSORS, MAX_TABLE_BYTES)))
+            if documents is None:
+                _, documents = get_scheduler().run(_fetch_committed(backend, record))
+            header, table = _checked(backend, record, documents)
             return decoded_checkpoint(record, header, table)
         except CheckpointNotFoundError as exc:
             newer = newer_commit(backend, gen)
             if newer is not None and attempt < RACE_RETRIES:
-                record, attempt = newer, attempt + 1
+                record, documents, attempt = newer, None, attempt + 1
                 continue
             raise MissingFileError(
                 f"checkpoint {backend.root_uri!r} is committed as {gen!r} but its metadata is missing: {exc}"

@@ -23,7 +23,7 @@ from .backends import Backend
 from .checkpoint_reader import Checkpoint, CheckpointReader, Root
 from .errors import CheckpointError
 from .foreign import missing_commit_error
-from .meta_read import NATIVE, committed_record, read_committed
+from .meta_read import NATIVE, read_native
 from .metadata import CheckpointMeta, PieceMeta, TensorMeta
 from .store import without_node_cache
 
@@ -104,9 +104,9 @@ def read_checkpoint(backend: Backend, *, accept_foreign: bool = False) -> Checkp
     safetensors folder or a DeepSpeed ZeRO or universal folder read in place with ``accept_foreign`` (see
     :mod:`tierckpt.dcp_format`, :mod:`tierckpt.safetensors_format`, :mod:`tierckpt.deepspeed_read`), and refused, naming the format and the conversion, without it.
     """
-    record = committed_record(backend)  # the native reader's marker read outright: no probe before it
-    if record is not None:
-        return read_committed(backend, record)
+    native = read_native(backend)  # COMMIT read outright with what it names, one trip: no probe before it
+    if native is not None:
+        return native
     reader = reader_for(backend)
     refusal = reader.refusal(backend.root_uri)
     if refusal is not None and not accept_foreign:
