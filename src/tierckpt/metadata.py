@@ -364,6 +364,8 @@ def _region(kind: Any, offsets: Any, lengths: Any, tensor: TensorMeta) -> Region
 
 
 def _bad_region(kind: Any, offsets: Any, lengths: Any, tensor: TensorMeta) -> CorruptCheckpointError:
+    """The error for a piece's region that its tensor cannot hold (built only when raised: formatting it costs
+    more than checking a region)."""
     return CorruptCheckpointError(f"invalid {kind} region {offsets}/{lengths} for tensor {tensor.fqn!r} of shape {tensor.shape}")
 
 
