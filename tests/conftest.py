@@ -43,6 +43,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture
+def refused_endpoint() -> Iterator[str]:
+    """``http://127.0.0.1:<port>`` that refuses every connection for the whole test: the port stays bound and
+    never listens, so no other process can take it meanwhile. A port only found free (:func:`free_port`) may
+    be taken by a gloo pair or a server before the client connects, which then waits on a listener that never
+    answers instead of being refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
 S3_REQUESTS: list[tuple[str, str, str | None]] = []
 """``(method, path, Range header)`` of every request the moto server answered (see ``s3_requests``)."""
 

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 
 import pytest
 from backend_contract import LARGE_CHUNK, BackendContract
-from conftest import free_port
 
 from tierckpt.backends import S3Backend, open_plain_backend
 from tierckpt.errors import (
@@ -68,8 +67,8 @@ class TestS3Backend(BackendContract):
                 await op
 
 
-def test_unreachable_endpoint_fails_fast_with_one_line() -> None:
-    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+def test_unreachable_endpoint_fails_fast_with_one_line(refused_endpoint: str) -> None:
+    endpoint = refused_endpoint  # nothing listens there
     backend = open_plain_backend(
         "s3://bucket/prefix", endpoint_url=endpoint, key="k", secret="s", region="us-east-1", timeout_s=2
     )

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 from backend_contract import BackendContract
-from conftest import free_port
 
 import tierckpt
 from tierckpt import layout
@@ -296,7 +295,7 @@ def _model() -> torch.nn.Module:
 
 
 def test_save_to_s3_then_load_from_warm_cache_without_remote(
-    s3_bucket_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    s3_bucket_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused_endpoint: str
 ) -> None:
     config = make_config(tmp_path, block_bytes=8 * 2**20)
     cached = {"cache": config}
@@ -315,7 +314,7 @@ def test_save_to_s3_then_load_from_warm_cache_without_remote(
     tierckpt.load(uri, target, storage_options={"cache": False})  # plain load from S3
     assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
     # Now with the endpoint unreachable: everything comes from the node cache.
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = refused_endpoint
     target = {"model": _model().state_dict(), "step": 0}
     for t in target["model"].values():
         t.zero_()

@@ -139,10 +139,8 @@ def test_save_exhausted_retries_keep_previous(proxy: FaultProxy, uri: str) -> No
 
 
 # -- unreachable endpoint ----------------------------------------------------------------------------
-def test_unreachable_endpoint_fails_fast(uri: str) -> None:
-    from conftest import free_port
-
-    dead = f"http://127.0.0.1:{free_port()}"
+def test_unreachable_endpoint_fails_fast(uri: str, refused_endpoint: str) -> None:
+    dead = refused_endpoint
     o = opts(dead, timeout_s=1.0)
     for action in ("save", "load"):
         started = time.monotonic()

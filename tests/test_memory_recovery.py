@@ -249,8 +249,8 @@ def test_one_node_says_why_replicated_is_not_available(workdir: Path) -> None:
     assert_exact(Job(workdir, ["node-0", "node-0"], "shard", loads=[{"uri": uri, "seed": 1}]).wait(), uri)
 
 
-def test_an_unreachable_s3_remote_from_save_to_recovery(workdir: Path) -> None:
-    down = {"TIERCKPT_S3_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+def test_an_unreachable_s3_remote_from_save_to_recovery(workdir: Path, refused_endpoint: str) -> None:
+    down = {"TIERCKPT_S3_ENDPOINT_URL": refused_endpoint, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
     uri = "s3://bucket/run/step-1"
     saved = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "shard", extra_env=down,
                 saves=[{"uri": uri, "seed": 1, "level": "replicated"}]).wait()

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 
-from distributed import free_port
 from fault_proxy import FaultProxy, Rule
 from test_memory_recovery import Job, lose
 
@@ -84,8 +83,8 @@ SAVE_ASYNC_THEN_DIE = """
 
 # -- 8: an unreachable endpoint is a connection error --------------------------------------------------------
 @pytest.mark.multiproc
-def test_ls_and_status_call_a_closed_port_a_connection_error(tmp_path: Path) -> None:
-    endpoint = f"http://127.0.0.1:{free_port()}"
+def test_ls_and_status_call_a_closed_port_a_connection_error(tmp_path: Path, refused_endpoint: str) -> None:
+    endpoint = refused_endpoint
     env = child_env(tmp_path, endpoint)
     procs = {cmd: start(["-m", "tierckpt", cmd, "s3://bucket/run"], env) for cmd in ("ls", "status")}
     for cmd, proc in procs.items():
@@ -132,12 +131,12 @@ def test_data_commands_against_a_tarpit_end_at_their_default_deadline(tmp_path: 
 
 
 @pytest.mark.multiproc
-def test_sync_timeout_bounds_the_process_and_its_exit_drain(tmp_path: Path, tarpit: FaultProxy) -> None:
+def test_sync_timeout_bounds_the_process_and_its_exit_drain(tmp_path: Path, tarpit: FaultProxy, refused_endpoint: str) -> None:
     """Uploads left pending by a dead process; ``sync --timeout 6`` against an endpoint that takes the PUTs
     and never answers ends at 6 s (it took 150 s: the exit drain retried the uploads 5 x 30 s), says what it
     waits for after 5 s, and names what is left."""
     uri = "s3://bucket/ckpt"
-    refused = child_env(tmp_path, f"http://127.0.0.1:{free_port()}")
+    refused = child_env(tmp_path, refused_endpoint)
     rc, _, err = finish(python(SAVE_ASYNC_THEN_DIE.format(uri=uri), refused), "the save")
     assert rc == 0, err
     rc, _, err = finish(start(["-m", "tierckpt", "sync", uri, "--timeout", "6"], child_env(tmp_path, tarpit.endpoint)),
@@ -166,7 +165,7 @@ def test_a_synchronous_save_to_a_tarpit_ends_at_its_deadline(tmp_path: Path, tar
 
 
 @pytest.mark.multiproc
-def test_wait_durable_says_what_it_waits_for_while_the_remote_is_down(tmp_path: Path) -> None:
+def test_wait_durable_says_what_it_waits_for_while_the_remote_is_down(tmp_path: Path, refused_endpoint: str) -> None:
     code = """
         import torch, tierckpt
         from tierckpt.errors import DeadlineExceededError
@@ -176,7 +175,7 @@ def test_wait_durable_says_what_it_waits_for_while_the_remote_is_down(tmp_path: 
         except DeadlineExceededError as exc:
             print("raised:", exc)
     """
-    env = child_env(tmp_path, f"http://127.0.0.1:{free_port()}", TIERCKPT_TIMEOUT_S="8")
+    env = child_env(tmp_path, refused_endpoint, TIERCKPT_TIMEOUT_S="8")
     rc, out, err = finish(python(code, env), "wait_durable")
     assert "raised: wait_durable s3://bucket/ckpt did not finish within 8 s (TIERCKPT_TIMEOUT_S)" in out, (out, err)
     assert "tierckpt: waiting 5 s so far for" in err and "upload(s) to s3://bucket/ckpt to reach the remote" in err, err
@@ -213,12 +212,12 @@ def test_a_load_from_a_dribbling_endpoint_fails_within_its_request_timeout(
 
 # -- 9: load_latest after a node loss with S3 unreachable ---------------------------------------------------
 @pytest.mark.multiproc
-def test_load_latest_after_a_node_loss_with_s3_unreachable(tmp_path: Path) -> None:
+def test_load_latest_after_a_node_loss_with_s3_unreachable(tmp_path: Path, refused_endpoint: str) -> None:
     """Step 1 replicated across two nodes while S3 is down; node-0 is lost and replaced by a fresh node-2.
     The fresh node's listing fails (S3 unreachable) and its memory holds nothing: it contributes
     "unknown", the survivor's memory tier names step 1, and both ranks load it bit-exact (the fresh node's
     listing raised, and the survivor's agreement then failed as a CollectiveError)."""
-    down = {"TIERCKPT_S3_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "k",
+    down = {"TIERCKPT_S3_ENDPOINT_URL": refused_endpoint, "AWS_ACCESS_KEY_ID": "k",
             "AWS_SECRET_ACCESS_KEY": "s"}
     root = "s3://bucket/run"
     uri = f"{root}/step-00000001"

@@ -110,13 +110,13 @@ def test_manager_async_then_exit_leaves_s3_committed(s3_server: str, tmp_path: P
 
 @pytest.mark.parametrize("cache", ["on", "off"])
 @pytest.mark.parametrize("fault", ["missing-bucket", "bad-endpoint"])
-def test_unusable_remote_fails_the_save_fast(s3_server: str, tmp_path: Path, cache: str, fault: str) -> None:
+def test_unusable_remote_fails_the_save_fast(s3_server: str, tmp_path: Path, cache: str, fault: str, refused_endpoint: str) -> None:
     env: dict[str, str] = {}
     if fault == "missing-bucket":
         uri, thing = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run", "does not exist"
     else:
         uri, thing = f"s3://{_bucket(s3_server)}/run", "connection"
-        env["TIERCKPT_S3_ENDPOINT_URL"] = f"http://127.0.0.1:{free_port()}"
+        env["TIERCKPT_S3_ENDPOINT_URL"] = refused_endpoint
     started = time.monotonic()
     [result] = _run("sync", uri, 1, tmp_path / "cache", cache=cache, env=env, limit_s=90)
     elapsed = time.monotonic() - started
