@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -114,7 +115,7 @@ def test_strided_units_of_a_local_file_are_read_in_one_call(
     assert monitor.ranks[0]["bytes_read"] == sum(t.local.numel() * 4 for t in target.values())
     file, first, _, fqn = piece_bits(tmp_path / "ckpt")[2]
     flip(file, first + 5 * 4096 + 400 * 4, 3)  # row 5, column 400 of the third matrix: inside the window
-    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+    with pytest.raises(CorruptCheckpointError, match=rf"checksum mismatch.*{re.escape(fqn)}"):
         tierckpt.load(root, _columns(state, 384, 128))
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ from .read_targets import contiguous_target, deliver, direct_buffer, unit_dtype
 from .state import TensorEntry
 
 
-def _digest(unit: ReadUnit, checked: bool) -> Any:
+def _digest(unit: ReadUnit, checked: bool) -> Callable[[memoryview], int] | None:
     """What a strided read of ``unit`` takes of each run: its CRC-32C as it is read when this rank checks the
     unit and its runs are short (:data:`~tierckpt.io.readcheck.DIGEST_RUN_BYTES`), else nothing."""
     return RUN_DIGEST if checked and unit.run_bytes <= DIGEST_RUN_BYTES else None
