@@ -45,6 +45,7 @@ from torch.distributed.tensor import Shard  # noqa: E402
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
 
 import tierckpt  # noqa: E402
+from collective_count import counting_collectives  # noqa: E402
 from scenarios import as_dtensor, assert_same, build, full_state, make_mesh, reference, train  # noqa: E402
 from tierckpt.store import memory_tier_of, open_store  # noqa: E402
 from tierckpt.tiers.levels import recorded_level  # noqa: E402
@@ -221,7 +222,9 @@ def main(spec: dict) -> None:
         started = time.monotonic()
         try:
             monitor = tierckpt.Monitor()
-            tierckpt.load(load["uri"], target, monitor=monitor, verify=load.get("verify", False))
+            with counting_collectives() as collectives:
+                tierckpt.load(load["uri"], target, monitor=monitor, verify=load.get("verify", False))
+            record["collectives"] = dict(collectives)
             record["differs"] = compare_model(target, load["seed"], spec["expected"]) if modules else compare(target, load["seed"])
             counts = monitor.summary()
             record["bytes_read"] = counts.get("bytes_read", 0)

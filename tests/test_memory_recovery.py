@@ -314,6 +314,13 @@ def test_a_lost_nodes_units_stream_from_its_peers_tier_checked_by_the_receiver(w
     assert [load["bytes_streamed"] for load in loads[2:]] == [0, 0]
     assert [load["bytes_checked"] for load in loads[2:]] == [BIG_PART, BIG_PART]
     assert [load["bytes_packed"] for load in loads] == [0, 0, 0, 0]
+    # The replacement node holds no metadata: rank 0 sends what it read from its tier, the pieces table with
+    # it, so no rank shares or agrees on the table on its own: one broadcast of the metadata and six all-gathers
+    # of objects (each a gather and a broadcast over gloo): the tiers' reads, the needs, the objects file the
+    # replacement node lacks (the state's "extra"), the file checks, the read, the apply.
+    for load in loads:
+        load["collectives"].pop("all_to_all_single", None)
+        assert load["collectives"] == {"monitored_barrier": 1, "gather": 6, "broadcast": 7}, load["collectives"]
 
 
 @pytest.mark.multiproc

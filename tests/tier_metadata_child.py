@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import torch
 
-COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "all_gather_object", "broadcast_object_list", "broadcast", "all_gather",
-               "monitored_barrier", "barrier", "all_to_all_single", "gather_object", "gather")
+from collective_count import counting_collectives
 
 
 def make() -> dict[str, torch.Tensor]:
@@ -25,27 +23,11 @@ def save(path: str, config: Any) -> None:
 
 def load_counting(path: str, config: Any) -> dict[str, Any]:
     """Load on every rank, counting the collectives the load issues; whether it was bit-exact."""
-    import torch.distributed as dist
-
     import tierckpt
 
-    counts: Counter[str] = Counter()
-    originals = {name: getattr(dist, name) for name in COLLECTIVES}
-
-    def counting(name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
-        return call
-
     got = {name: torch.zeros(64, 32) for name in "abcd"}
-    for name in COLLECTIVES:
-        setattr(dist, name, counting(name))
-    try:
+    with counting_collectives() as counts:
         tierckpt.load(path, got, storage_options={"memory": config})
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
     return {"exact": all(torch.equal(got[n], make()[n]) for n in "abcd"), "collectives": dict(counts)}
 
 

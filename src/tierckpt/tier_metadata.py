@@ -18,7 +18,9 @@ Otherwise — a rank's node holds no copy (a replacement node), the copies disag
 damaged or missing, the chain holds a newer commit — the load falls back to one reader and a broadcast,
 the reader chosen from the same collective's answers as before: rank 0, unless another rank's node
 holds a newer ``COMMIT`` (then the lowest such rank). The fallback reads through the chain, so its
-errors name the damaged file and the fix exactly as a load without this step does. Every rank of the
+errors name the damaged file and the fix exactly as a load without this step does; only rank 0's own
+tier read, checked against the chain's ``COMMIT``, is sent as it is (with the whole pieces table:
+:func:`tierckpt.loader._broadcast_checkpoint`). Every rank of the
 group must have the memory tier on (as for saves).
 """
 
