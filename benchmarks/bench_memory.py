@@ -133,10 +133,12 @@ def load_ranks(rank: int, world: int, gib: float, uri: str, opts: dict[str, Any]
     start = time.perf_counter()
     load = tierckpt.load
     loaded = time.perf_counter()
-    load(uri, targets, storage_options=opts)
+    monitor = tierckpt.Monitor()
+    load(uri, targets, storage_options=opts, monitor=monitor)
     end = time.perf_counter()
     C.check_state(targets, gib)
-    return {"seconds": end - loaded, "import_s": loaded - start, "peak_kib": _rss_kib("VmHWM") - base}
+    return {"seconds": end - loaded, "import_s": loaded - start, "peak_kib": _rss_kib("VmHWM") - base,
+            "phases": {name: monitor.seconds.get(name, 0.0) for name in ("metadata", "read")}}
 
 
 def s3_save_ranks(rank: int, world: int, gib: float, uri: str, opts: dict[str, Any]) -> None:
@@ -165,6 +167,7 @@ def recovery(gib: float, disk: str, memory_root: str, timeout_s: float, repeats:
         result[name] = {
             "seconds": statistics.median(r["seconds"] for r in runs), "samples": [r["seconds"] for r in runs],
             "import_s": statistics.median(r["import_s"] for r in runs), "peak_kib": max(r["peak_kib"] for r in runs),
+            "phases": {name: statistics.median(r["phases"][name] for r in runs) for name in ("metadata", "read")},
         }
 
     os.rename(uri, away)  # the remote is down: only the memory tiers can serve the load
@@ -308,13 +311,16 @@ def recovery_section(rec: dict[str, Any]) -> list[str]:
     for name, value in rec.items():
         ratio = "" if name.startswith(("memory", "peer")) else (
             f"{value['seconds'] / mem:.1f}x the memory recovery, {value['seconds'] / peer:.1f}x the peer recovery")
+        phases = value["phases"]
         rec_rows.append([name, f"{value['seconds']:.3f}", " / ".join(f"{x:.3f}" for x in value["samples"]),
+                         f"{phases['metadata'] * 1e3:.0f} / {phases['read'] * 1e3:.0f}",
                          f"{value['import_s'] + value['seconds']:.3f}", C.fmt_bytes(value["peak_kib"] * 1024), ratio])
     return ["Recovery in fresh processes, remote away for the memory cases (seconds, rank 0; \"load call\": "
             "`tierckpt.load` alone, the median of the loads listed beside it, ratios of these medians; \"with "
-            "imports\": plus its first use's import of the loader and the store clients; peak RSS above the "
-            "targets, the largest):\n\n"
-            + C.md_table(["from", "load call", "each load", "with imports", "peak RSS", "ratio (load calls)"], rec_rows)]
+            "imports\": plus its first use's import of the loader and the store clients; the load's `metadata` and "
+            "`read` phases, medians; peak RSS above the targets, the largest):\n\n"
+            + C.md_table(["from", "load call", "each load", "metadata / read ms", "with imports", "peak RSS",
+                          "ratio (load calls)"], rec_rows)]
 
 
 def training_section(args: argparse.Namespace, train: dict[str, list[dict[str, float]]]) -> list[str]:
