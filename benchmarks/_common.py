@@ -317,6 +317,20 @@ def drop_caches() -> bool:
         return False
 
 
+def evict_files(root: str) -> None:
+    """Write back the files under ``root`` and evict their pages from the page cache
+    (``posix_fadvise(DONTNEED)``): a cold read of a checkpoint without :func:`drop_caches`' side effect,
+    every other file (the interpreter's, torch's libraries) cold too, which makes fresh processes slow to start."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 

@@ -16,8 +16,8 @@ the memory directories under ``/dev/shm``), so each node's files are replicated 
 * **recovery**: fresh processes load the checkpoint (every byte compared): after a crash, from node
   memory with the remote moved away; after a node loss (node 1's memory directory deleted; its rank comes
   back on an empty node), from node 0's memory and its replica of node 1's files, the remote still away; and,
-  for comparison, the same checkpoint from the local disk (page cache dropped where the machine allows,
-  else said) and from S3 (moto on loopback, node cache off); ``--repeats`` loads per case, each in fresh
+  for comparison, the same checkpoint from the local disk (its files evicted from the page cache before
+  each load) and from S3 (moto on loopback, node cache off); ``--repeats`` loads per case, each in fresh
   processes, their median and each one; the ``tierckpt.load`` call alone, and with the import its first use
   pays in a fresh process (the loader and the store clients), reported side by side.
 * **training loop**: a small MLP + AdamW trained ``--steps`` steps on the 2 ranks (DDP), checkpointed every
@@ -177,8 +177,9 @@ def recovery(gib: float, disk: str, memory_root: str, timeout_s: float, repeats:
         repeated("peer memory (node loss)", lambda: C.rmtree(os.path.join(memory_root, "node1")), uri, None, memory_root)
     finally:
         os.rename(away, uri)
-    dropped = C.drop_caches()
-    repeated("local disk" + (" (cold)" if dropped else " (warm: page cache not dropped)"), C.drop_caches, uri, None, None)
+    # Cold: the checkpoint's files evicted from the page cache before each load (not the whole cache: the
+    # fresh processes would then start by reading torch's libraries from the disk).
+    repeated("local disk (cold)", lambda: C.evict_files(uri), uri, None, None)
     if importlib.util.find_spec("moto") is None:
         progress("recovery from S3 skipped: moto is not installed (pip install 'moto[s3]' flask flask-cors)")
         return result
