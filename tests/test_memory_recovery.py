@@ -289,6 +289,24 @@ def test_a_failed_synchronous_save_leaves_no_node_holding_its_generation(workdir
         assert json.loads((home / "COMMIT").read_text())["generation"] == first["generation"], node
 
 
+@pytest.mark.multiproc
+@pytest.mark.node_scale
+def test_two_nodes_of_four_ranks_rebuild_a_lost_node_from_its_peer(workdir: Path) -> None:
+    """Node scale: 2 simulated nodes x 4 ranks save ``Shard(0)`` over 8 into their memory tiers, each node's
+    files replicated to the other. Node-1 is lost with the remote; a replacement node's 4 ranks and node-0's
+    4 load bit-exact from node-0's tier and its replica: node-0's ranks read every byte once, the replacement
+    node's ranks read none (their parts arrive over the wire)."""
+    uri = uri_of(workdir, 1)
+    saved = Job(workdir, ["node-0"] * 4 + ["node-1"] * 4, "shard",
+                saves=[{"uri": uri, "seed": 1, "level": "replicated"}]).wait(timeout_s=180)
+    assert all(r["saves"][uri]["ok"] for r in saved), saved
+    lose(workdir, "node-1")
+    fresh = Job(workdir, ["node-0"] * 4 + ["node-2"] * 4, "shard", loads=[{"uri": uri, "seed": 1}]).wait(timeout_s=180)
+    assert_exact(fresh, uri)
+    assert [r["loads"][uri]["bytes_read"] for r in fresh[4:]] == [0, 0, 0, 0]
+    assert all(r["loads"][uri]["bytes_exchanged"] > 0 for r in fresh[4:])
+
+
 BIG_PART = 4096 * 512 * 4 // 4
 """Each of 4 ranks' part of the ``big`` layout's 8 MiB tensor: a unit that streams in peer recovery."""
 
