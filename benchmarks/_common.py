@@ -382,6 +382,8 @@ def machine_info(path_for_df: str) -> str:
         for line in f:
             if line.startswith("MemTotal:"):
                 mem_kib = int(line.split()[1])
+    while not os.path.exists(path_for_df) and os.path.dirname(path_for_df) != path_for_df:
+        path_for_df = os.path.dirname(path_for_df)  # a scratch directory already removed: the disk it was on
     df = subprocess.run(["df", "-h", path_for_df], capture_output=True, text=True).stdout.strip().splitlines()
     cpu = ""
     try:
