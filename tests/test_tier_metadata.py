@@ -70,7 +70,7 @@ def test_the_tier_copy_is_the_checkpoint_the_store_names(tmp_path: Path, memdir:
     assert read.why is None and read.ckpt is not None and read.token is not None
     assert (read.ckpt.meta, read.ckpt.tensors, read.ckpt.record) == (chain.meta, chain.tensors, chain.record)
     assert read.token[:2] == (chain.record.seq, chain.meta.generation)
-    assert layout.FileChecksum.of(read.pieces) == chain.record.checksum(layout.PIECES)
+    assert layout.FileChecksum.of(read.ckpt.pieces_table) == chain.record.checksum(layout.PIECES)
 
 
 def test_a_tier_older_than_the_store_loads_the_newer_commit(tmp_path: Path, memdir: Path) -> None:
@@ -121,6 +121,20 @@ def test_ranks_of_a_node_read_the_metadata_from_its_tier_in_one_collective(dist_
     for r in results:
         r["collectives"].pop("all_to_all_single", None)  # the data's exchange, one per round
         assert r["collectives"] == {"monitored_barrier": 1, "gather": 4, "broadcast": 4}, r["collectives"]
+
+
+@pytest.mark.multiproc
+def test_without_a_tier_the_first_rank_reads_the_metadata_once_for_the_group(dist_pool: Any, tmp_path: Path) -> None:
+    """No memory tier: rank 0 reads ``COMMIT``, the header and both tables (the small pieces table with them)
+    and broadcasts them; the other ranks read no metadata document, only their data."""
+    path = str(tmp_path / "ckpt")
+    dist_pool.run(child.save, path, False)
+    results = dist_pool.run(child.load_counting_reads, path)
+    assert all(r["exact"] for r in results)
+    metadata = ("COMMIT", "header.json", "tensors.parquet", "pieces.parquet")
+    assert {name: results[0]["reads"].get(name) for name in metadata} == dict.fromkeys(metadata, 1), results[0]["reads"]
+    for r in results[1:]:
+        assert not set(r["reads"]) & set(metadata), r["reads"]
 
 
 @pytest.mark.multiproc

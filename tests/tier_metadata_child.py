@@ -31,6 +31,29 @@ def load_counting(path: str, config: Any) -> dict[str, Any]:
     return {"exact": all(torch.equal(got[n], make()[n]) for n in "abcd"), "collectives": dict(counts)}
 
 
+def load_counting_reads(path: str) -> dict[str, Any]:
+    """Load on every rank with no memory tier, counting the documents this rank reads (by file name)."""
+    from collections import Counter
+
+    import tierckpt
+    from tierckpt.backends.local import LocalBackend
+
+    reads: Counter[str] = Counter()
+    original = LocalBackend.get_capped
+
+    async def counting(self: LocalBackend, key: str, cap: int) -> bytes:
+        reads[key.rsplit("/", 1)[-1]] += 1
+        return await original(self, key, cap)
+
+    got = {name: torch.zeros(64, 32) for name in "abcd"}
+    LocalBackend.get_capped = counting  # type: ignore[method-assign]
+    try:
+        tierckpt.load(path, got, storage_options={"memory": False})
+    finally:
+        LocalBackend.get_capped = original  # type: ignore[method-assign]
+    return {"exact": all(torch.equal(got[n], make()[n]) for n in "abcd"), "reads": dict(reads)}
+
+
 def load_error(path: str, config: Any) -> str:
     """The message of the error every rank's load raises ("no error" if it returned)."""
     import tierckpt

@@ -34,6 +34,10 @@ class Checkpoint:
     (the native pieces table is read by the tensors a load needs)."""
     record: layout.CommitRecord | None = None
     """The ``COMMIT`` record that named it (its checksums check the other metadata documents)."""
+    pieces_table: bytes | None = None
+    """The native pieces table, whole and checked against ``record``, when it is small enough to be read
+    with the header (:data:`tierckpt.meta_read.WHOLE_PIECES_BYTES`): it travels with the metadata a load
+    broadcasts, so no other rank reads it."""
     format: str = NATIVE_FORMAT
     """The :attr:`CheckpointReader.format` of the reader that read it (:func:`tierckpt.readers.reader_of`)."""
 

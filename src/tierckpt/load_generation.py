@@ -68,12 +68,11 @@ class LoadOptions:
 
 def load_generation(
     uri: str, state: dict[str, Any], comm: Comm, backend: Backend, ckpt: Checkpoint, opts: LoadOptions, monitor: Monitor,
-    start: TierStart | None, pieces: bytes | None = None,
+    start: TierStart | None,
 ) -> list[dict[str, float]]:
     """Steps 2-5 of the lifecycle for the generation ``ckpt`` names, read through ``backend`` (the chain
     its reader reads from); fills every target and returns every rank's monitor summary. ``start``: step
-    2 already done with the metadata read from the memory tiers. ``pieces``: the whole pieces table, checked,
-    when it came with ``ckpt`` (every rank holds it then: none reads it)."""
+    2 already done with the metadata read from the memory tiers."""
     reader = reader_of(ckpt)
     tier = backend.node_memory_tier() if reader.generations else None
     with monitor.phase("metadata"):
@@ -81,11 +80,11 @@ def load_generation(
             (flat, needs, wanted, table), gathered = start.kept, start.shared
         else:
             # One collective agrees that every rank could prepare its state and carries what each needs
-            # and what its node's memory tier holds. Without a tier, each rank reads a small pieces table
-            # meanwhile (with one, a rank's node may lack it: it is read once the holders are known).
+            # and what its node's memory tier holds. A small pieces table came with the header; without it and
+            # without a tier, each rank reads it meanwhile (with a tier, a rank's node may lack it: it is read
+            # once the holders are known).
             (flat, needs, wanted, table), gathered = comm.exchange_agreed(
-                lambda: prepare(state, ckpt, comm.rank, tier,
-                                pieces if pieces is not None else whole_pieces(backend, ckpt) if tier is None else None),
+                lambda: prepare(state, ckpt, comm.rank, tier, whole_pieces(backend, ckpt) if tier is None else ckpt.pieces_table),
                 "preparing the state to load", same=("URI", identity_of(uri, backend)),
             )
         group, gathered = unpack(gathered, ckpt)  # needs and keys travel as positions in the checkpoint (load_wire)

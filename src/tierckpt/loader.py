@@ -177,9 +177,7 @@ def load(
         options = LoadOptions(strict, allow_pickle, verify, check_crc, chunk_bytes, round_bytes, topology)
         tier = backend.node_memory_tier()
         start: TierStart | None = None
-        # What rank 0 read from its tier, checked against the chain's COMMIT: the header and tensor table, and
-        # the whole pieces table when small (sent with them if the group falls back to one reader).
-        read: tuple[Checkpoint, bytes | None] | None = None
+        read: Checkpoint | None = None  # what rank 0 read from its tier, checked against the chain's COMMIT
         reading_rank = 0  # the rank that reads the metadata through the chain
         if tier is not None:  # every rank reads the metadata from its node's memory tier (tier_metadata)
             with monitor.phase("metadata"):
@@ -188,20 +186,19 @@ def load(
                     comm, mine, lambda ckpt, pieces: prepare(state, ckpt, comm.rank, tier, pieces),
                     "preparing the state to load",
                 )
-                read = (mine.ckpt, mine.pieces) if comm.rank == 0 and mine.ckpt is not None else None
+                read = mine.ckpt if comm.rank == 0 else None
         attempt = 0
         reread: set[tuple[str, int, int]] = set()  # bytes a node cache served that failed their checksums
         while True:
-            pieces: bytes | None = None
             if start is None:
                 with monitor.phase("metadata"):
-                    ckpt, pieces = _broadcast_checkpoint(comm, backend, accept_foreign=not verify, src=reading_rank, have=read)
+                    ckpt = _broadcast_checkpoint(comm, backend, accept_foreign=not verify, src=reading_rank, have=read)
             else:
                 ckpt = start.ckpt
             # The chain the format is read through (a foreign format, rewritten in place: below the node cache).
             reader = reader_of(ckpt)
             try:
-                summaries = load_generation(uri, state, comm, reader.source(backend), ckpt, options, monitor, start, pieces)
+                summaries = load_generation(uri, state, comm, reader.source(backend), ckpt, options, monitor, start)
             except (CollectiveError, StateMismatchError):
                 raise
             except CheckpointError as exc:
@@ -252,20 +249,18 @@ def read_state(uri: str, *, storage_options: Mapping[str, Any] | None = None, **
     return nest(flat, ckpt.meta.structure)
 
 def _broadcast_checkpoint(
-    comm: Comm, backend: Backend, accept_foreign: bool = False, src: int = 0,
-    have: tuple[Checkpoint, bytes | None] | None = None,
-) -> tuple[Checkpoint, bytes | None]:
+    comm: Comm, backend: Backend, accept_foreign: bool = False, src: int = 0, have: Checkpoint | None = None,
+) -> Checkpoint:
     """Rank ``src`` reads the checkpoint's metadata through the chain (or sends ``have``, what it already
-    read and checked from its node's memory tier, with the whole pieces table when it read that too) and
-    every rank returns it: ``(checkpoint, whole pieces table or None)``. A failure to read raises on every
-    rank. The table travels with the header so that ranks whose node lacks it (a replacement node) need no
-    collective of their own to get it."""
-    result: tuple[Checkpoint, bytes | None] | None = None
+    read and checked) and every rank returns it; a failure to read raises on every rank. A small pieces
+    table travels with it (:attr:`~tierckpt.checkpoint_reader.Checkpoint.pieces_table`): no other rank
+    reads it, and ranks whose node lacks it (a replacement node) need no collective of their own for it."""
+    result: Checkpoint | None = None
     error: str | None = None
     exc_type: type[CheckpointError] = CheckpointError
     if comm.rank == src:
         try:
-            result = have if have is not None else (read_checkpoint(backend, accept_foreign=accept_foreign), None)
+            result = have if have is not None else read_checkpoint(backend, accept_foreign=accept_foreign)
         except CheckpointError as exc:
             if comm.world_size == 1:
                 raise

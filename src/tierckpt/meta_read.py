@@ -55,6 +55,13 @@ _METADATA = ((layout.HEADER, MAX_HEADER_BYTES), (layout.TENSORS, MAX_TABLE_BYTES
 """The documents a native checkpoint's metadata is read from, each with the most bytes it may hold."""
 
 
+def _documents(record: layout.CommitRecord) -> tuple[tuple[str, int], ...]:
+    """:data:`_METADATA`, and the pieces table when ``record`` records it at most :data:`WHOLE_PIECES_BYTES`
+    long (a larger one is read by the row groups a load needs)."""
+    recorded = record.checksum(layout.PIECES)
+    return _METADATA + ((layout.PIECES, MAX_TABLE_BYTES),) if recorded is not None and recorded.size <= WHOLE_PIECES_BYTES else _METADATA
+
+
 async def _fetch_committed(
     backend: Backend, record: layout.CommitRecord | None,
 ) -> tuple[layout.CommitRecord | None, list[bytes | BaseException]]:
@@ -67,15 +74,16 @@ async def _fetch_committed(
         except CheckpointNotFoundError:
             return None, []
     documents = await asyncio.gather(*(
-        backend.get_capped(layout.in_generation(record.generation, key), _cap(record, key, limit)) for key, limit in _METADATA
+        backend.get_capped(layout.in_generation(record.generation, key), _cap(record, key, limit))
+        for key, limit in _documents(record)
     ), return_exceptions=True)
     return record, documents
 
 
 def _checked(backend: Backend, record: layout.CommitRecord, documents: Sequence[bytes | BaseException]) -> list[bytes]:
     """The metadata documents, each checked against ``COMMIT``'s checksum; the first failure, in
-    :data:`_METADATA`'s order, is raised."""
-    for (key, _), data in zip(_METADATA, documents):
+    :func:`_documents`' order, is raised."""
+    for (key, _), data in zip(_documents(record), documents):
         if isinstance(data, BaseException):
             raise data
         record.check_document(key, data, backend.root_uri)
@@ -128,8 +136,8 @@ def read_committed(
         try:
             if documents is None:
                 _, documents = get_scheduler().run(_fetch_committed(backend, record))
-            header, table = _checked(backend, record, documents)
-            return decoded_checkpoint(record, header, table)
+            header, table, *pieces = _checked(backend, record, documents)
+            return decoded_checkpoint(record, header, table, pieces[0] if pieces else None)
         except CheckpointNotFoundError as exc:
             newer = newer_commit(backend, gen)
             if newer is not None and attempt < RACE_RETRIES:
@@ -140,13 +148,16 @@ def read_committed(
             ) from exc
 
 
-def decoded_checkpoint(record: layout.CommitRecord, header: bytes, tensors: bytes) -> Checkpoint:
-    """The checkpoint ``record`` names, from its header and tensor table (both already checked against
-    ``record``): the header must name the same generation."""
+def decoded_checkpoint(
+    record: layout.CommitRecord, header: bytes, tensors: bytes, pieces_table: bytes | None = None,
+) -> Checkpoint:
+    """The checkpoint ``record`` names, from its header and tensor table (and its whole pieces table, when
+    read with them; all already checked against ``record``): the header must name the same generation."""
     meta = decode_header(header, layout.HEADER)
     if meta.generation != record.generation:
         raise CorruptCheckpointError(f"header of {record.generation!r} names generation {meta.generation!r}")
-    return Checkpoint(meta=meta, tensors=decode_tensors(tensors, meta.num_tensors), record=record)
+    return Checkpoint(meta=meta, tensors=decode_tensors(tensors, meta.num_tensors), record=record,
+                      pieces_table=pieces_table)
 
 
 def _cap(record: layout.CommitRecord | None, key: str, limit: int) -> int:
@@ -173,7 +184,10 @@ def whole_pieces(backend: Backend, ckpt: Checkpoint) -> bytes | None:
 
 
 def _pieces_document(backend: Backend, ckpt: Checkpoint) -> bytes:
-    """The whole pieces table, checked against ``COMMIT`` when it records the table's checksum."""
+    """The whole pieces table, checked against ``COMMIT`` when it records the table's checksum (the copy
+    read with the header, when there is one)."""
+    if ckpt.pieces_table is not None:
+        return ckpt.pieces_table
     try:
         data = read_document(backend, layout.pieces_key(ckpt.meta.generation), _cap(ckpt.record, layout.PIECES, MAX_TABLE_BYTES))
     except CheckpointNotFoundError as exc:

@@ -19,8 +19,8 @@ damaged or missing, the chain holds a newer commit — the load falls back to on
 the reader chosen from the same collective's answers as before: rank 0, unless another rank's node
 holds a newer ``COMMIT`` (then the lowest such rank). The fallback reads through the chain, so its
 errors name the damaged file and the fix exactly as a load without this step does; only rank 0's own
-tier read, checked against the chain's ``COMMIT``, is sent as it is (with the whole pieces table:
-:func:`tierckpt.loader._broadcast_checkpoint`). Every rank of the
+tier read, checked against the chain's ``COMMIT``, is sent as it is (with the whole pieces table,
+:attr:`~tierckpt.checkpoint_reader.Checkpoint.pieces_table`: :func:`tierckpt.loader._broadcast_checkpoint`). Every rank of the
 group must have the memory tier on (as for saves).
 """
 
@@ -58,9 +58,8 @@ class TierRead:
     token: tuple[int, str, int] | None = None
     """``(seq, generation, CRC-32C of COMMIT)`` when every document was read and passed its checks."""
     ckpt: Checkpoint | None = None
-    """The header and tensor table (with ``token`` only)."""
-    pieces: bytes | None = None
-    """The whole pieces table, checked, when ``COMMIT`` records it at most ``WHOLE_PIECES_BYTES`` long."""
+    """The header and tensor table, and the whole pieces table when ``COMMIT`` records it at most
+    ``WHOLE_PIECES_BYTES`` long (with ``token`` only)."""
     why: str | None = None
     """Why the tier's copy cannot be used (without ``token``)."""
 
@@ -86,16 +85,17 @@ def read_from_tier(tier: NodeTier, chain: Backend, *, leader: bool) -> TierRead:
             record.check_document(key, doc, uri)
             return doc
 
-        ckpt = decoded_checkpoint(record, document(layout.HEADER, MAX_HEADER_BYTES), document(layout.TENSORS, MAX_TABLE_BYTES))
         recorded = record.checksum(layout.PIECES)
         pieces = document(layout.PIECES, MAX_TABLE_BYTES) if recorded and recorded.size <= WHOLE_PIECES_BYTES else None
+        ckpt = decoded_checkpoint(record, document(layout.HEADER, MAX_HEADER_BYTES), document(layout.TENSORS, MAX_TABLE_BYTES),
+                                  pieces)
         if leader:  # last: in parallel, the I/O loop's thread would hold the GIL the reads above need
             theirs = read_commit(chain)
             if (theirs.seq, theirs.generation) != (record.seq, gen):
                 return TierRead(record.seq, why=f"the store's COMMIT names {theirs.generation!r} (seq {theirs.seq})")
     except Exception as exc:  # noqa: BLE001 - whatever failed, the fallback reads through the chain and reports it
         return TierRead(record.seq, why=f"{type(exc).__name__}: {exc}")
-    return TierRead(record.seq, (record.seq, gen, crc32c.crc32c(data)), ckpt, pieces)
+    return TierRead(record.seq, (record.seq, gen, crc32c.crc32c(data)), ckpt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +120,7 @@ def start_from_tiers(
     result, error = None, None
     if read.ckpt is not None:
         try:
-            result = prepare(read.ckpt, read.pieces)
+            result = prepare(read.ckpt, read.ckpt.pieces_table)
         except Exception as exc:  # noqa: BLE001 - shared with every rank, raised if the tiers agree
             error = exc
     kept, shared = result if result is not None else (None, None)
