@@ -59,7 +59,9 @@ def _documents(record: layout.CommitRecord) -> tuple[tuple[str, int], ...]:
     """:data:`_METADATA`, and the pieces table when ``record`` records it at most :data:`WHOLE_PIECES_BYTES`
     long (a larger one is read by the row groups a load needs)."""
     recorded = record.checksum(layout.PIECES)
-    return _METADATA + ((layout.PIECES, MAX_TABLE_BYTES),) if recorded is not None and recorded.size <= WHOLE_PIECES_BYTES else _METADATA
+    if recorded is None or recorded.size > WHOLE_PIECES_BYTES:
+        return _METADATA
+    return (*_METADATA, (layout.PIECES, MAX_TABLE_BYTES))
 
 
 async def _fetch_committed(

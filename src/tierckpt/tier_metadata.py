@@ -19,9 +19,9 @@ damaged or missing, the chain holds a newer commit — the load falls back to on
 the reader chosen from the same collective's answers as before: rank 0, unless another rank's node
 holds a newer ``COMMIT`` (then the lowest such rank). The fallback reads through the chain, so its
 errors name the damaged file and the fix exactly as a load without this step does; only rank 0's own
-tier read, checked against the chain's ``COMMIT``, is sent as it is (with the whole pieces table,
-:attr:`~tierckpt.checkpoint_reader.Checkpoint.pieces_table`: :func:`tierckpt.loader._broadcast_checkpoint`). Every rank of the
-group must have the memory tier on (as for saves).
+tier read, checked against the chain's ``COMMIT``, is sent as it is, with the whole pieces table
+(:attr:`~tierckpt.checkpoint_reader.Checkpoint.pieces_table`, :func:`tierckpt.loader._broadcast_checkpoint`).
+Every rank of the group must have the memory tier on (as for saves).
 """
 
 from __future__ import annotations
@@ -85,10 +85,10 @@ def read_from_tier(tier: NodeTier, chain: Backend, *, leader: bool) -> TierRead:
             record.check_document(key, doc, uri)
             return doc
 
+        header, tensors = document(layout.HEADER, MAX_HEADER_BYTES), document(layout.TENSORS, MAX_TABLE_BYTES)
         recorded = record.checksum(layout.PIECES)
         pieces = document(layout.PIECES, MAX_TABLE_BYTES) if recorded and recorded.size <= WHOLE_PIECES_BYTES else None
-        ckpt = decoded_checkpoint(record, document(layout.HEADER, MAX_HEADER_BYTES), document(layout.TENSORS, MAX_TABLE_BYTES),
-                                  pieces)
+        ckpt = decoded_checkpoint(record, header, tensors, pieces)
         if leader:  # last: in parallel, the I/O loop's thread would hold the GIL the reads above need
             theirs = read_commit(chain)
             if (theirs.seq, theirs.generation) != (record.seq, gen):
