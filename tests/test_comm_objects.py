@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
+from collective_count import counting_collectives
 from distributed import subgroup
 from tierckpt.comm import OBJECT_SLOT_BYTES, Comm
 
@@ -53,22 +54,8 @@ def gather_on_ranks_1_to_3(payload_bytes: int) -> tuple[bool, int, int] | None:
         return None
     comm = Comm(_TAIL_GROUPS[4])
     sent = [{"rank": r, "blob": bytes([r]) * (payload_bytes + 97 * r)} for r in range(3)]
-    calls = {"gather": 0, "broadcast": 0}
-    originals = {name: getattr(dist, name) for name in calls}
-
-    def counted(name):
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return originals[name](*args, **kwargs)
-        return call
-
-    for name in calls:
-        setattr(dist, name, counted(name))
-    try:
+    with counting_collectives() as calls:
         got = comm.all_gather_object(sent[comm.rank])
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
     return got == sent, calls["gather"], calls["broadcast"]
 
 
