@@ -4,7 +4,8 @@
 #   1. the resharded (row -> column) and replicated load at 2, 4 and 8 ranks beside DCP (device_node_scale.sh);
 #   2. 2 simulated nodes x 4 ranks, one torchrun per node, beside DCP (bench_nodes.py);
 #   3. the memory tier: save stall, training-loop overhead and CPU per checkpoint beside DCP, and peer
-#      recovery against the cold local disk (bench_memory.py; its S3 cell runs only where moto is installed).
+#      recovery against the cold local disk (bench_memory.py; its S3 cell runs only where moto is installed);
+#   4. the wire of peer recovery: one gloo pair against several connections per pair (bench_wire.py).
 # Not here, for a device call of its own (these three take most of a call's 10 minutes): the async-save stall
 # of 8 ranks on one node, `python benchmarks/bench_async.py --ranks 8 --gib 1.0 --repeats 3 [--memory]`.
 #
@@ -30,4 +31,6 @@ timeout "${NODES_S:-110}" "$PYTHON" benchmarks/bench_nodes.py --gib "${NODES_GIB
 timeout "${MEMORY_S:-200}" "$PYTHON" benchmarks/bench_memory.py --parts save,recovery,training \
     --gib "${MEMORY_GIB:-0.25}" --repeats 2 --steps 40 --every 5 --timeout "${MEMORY_S:-200}" \
     --out "$OUT/memory.md" 2>&1 | tee "$OUT/memory.log"
+timeout "${WIRE_S:-60}" "$PYTHON" benchmarks/bench_wire.py --mib 256 --repeats 5 --lanes 1,2,4 \
+    --out "$OUT/wire.md" 2>&1 | tee "$OUT/wire.log"
 exit 0
