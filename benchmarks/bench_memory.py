@@ -1,9 +1,11 @@
 """The node memory tier: save stall, time to ``replicated``, recovery, training-loop overhead, memory.
 
-    python benchmarks/bench_memory.py [--gib 0.5] [--repeats 3] [--steps 40] [--every 5] [--out docs/benchmarks.md]
+    python benchmarks/bench_memory.py [--gib 0.5] [--repeats 3] [--steps 40] [--every 5] [--ranks-per-node 1]
+                                      [--out docs/benchmarks.md]
 
-Two ranks, each simulating a node of its own (``TIERCKPT_NODE_ID`` and ``TIERCKPT_MEMORY_DIR`` per rank,
-the memory directories under ``/dev/shm``), so each node's files are replicated to the other. The state is
+Two simulated nodes (``TIERCKPT_NODE_ID`` and ``TIERCKPT_MEMORY_DIR`` per node, the memory directories under
+``/dev/shm``), so each node's files are replicated to the other: one rank each, or ``--ranks-per-node`` in the
+save and recovery parts (a lost node's ranks then receive their bytes over as many gloo pairs). The state is
 ``--gib`` GiB of fp32 DTensors (``Shard(0)``); the remote of tierckpt's saves is a directory on the local disk.
 
 * **stall**: seconds from the call to its return, medians of ``--repeats`` after a warm-up, of a warm
@@ -47,10 +49,12 @@ import _common as C  # noqa: E402
 from bench_async import _reset_peak, _rss_kib  # noqa: E402
 
 
-def as_node(rank: int, memory_root: str) -> None:
-    """Make this process rank ``rank``'s own simulated node, memory tier on."""
-    os.environ["TIERCKPT_NODE_ID"] = f"node{rank}"
-    os.environ["TIERCKPT_MEMORY_DIR"] = os.path.join(memory_root, f"node{rank}")
+def as_node(rank: int, memory_root: str, world: int = 2) -> None:
+    """Place this process on its simulated node, memory tier on: 2 nodes, the first ``world // 2`` ranks on
+    ``node0``, the others on ``node1``."""
+    node = rank // max(1, world // 2)
+    os.environ["TIERCKPT_NODE_ID"] = f"node{node}"
+    os.environ["TIERCKPT_MEMORY_DIR"] = os.path.join(memory_root, f"node{node}")
     os.environ["TIERCKPT_MEMORY"] = "on"
 
 
@@ -65,7 +69,7 @@ def save_ranks(rank: int, world: int, gib: float, repeats: int, disk: str, memor
 
     import tierckpt
 
-    as_node(rank, memory_root)
+    as_node(rank, memory_root, world)
     state = C.make_state(gib, 0, fill=True)
     sources = [t.to_local() for t in state.values()]
     copies = [s.clone() for s in sources]  # the memcpy floor's destination, its pages touched before any timing
@@ -119,7 +123,7 @@ def load_ranks(rank: int, world: int, gib: float, uri: str, opts: dict[str, Any]
     import tierckpt
 
     if memory_root is not None:
-        as_node(rank, memory_root)
+        as_node(rank, memory_root, world)
     else:
         os.environ["TIERCKPT_MEMORY"] = "off"
     import torch.distributed as dist
@@ -152,7 +156,7 @@ def progress(what: str) -> None:
     print(f"bench_memory: {what} ...", file=sys.stderr, flush=True)
 
 
-def recovery(gib: float, disk: str, memory_root: str, timeout_s: float, repeats: int = 1) -> dict[str, Any]:
+def recovery(gib: float, disk: str, memory_root: str, timeout_s: float, repeats: int = 1, world: int = 2) -> dict[str, Any]:
     """Seconds of each recovery (rank 0's wall time; the ranks start the load together), ``repeats`` loads
     per case in fresh processes: the median, and every load's time (one load spreads widely)."""
     uri = os.path.join(disk, "tierckpt")
@@ -163,7 +167,7 @@ def recovery(gib: float, disk: str, memory_root: str, timeout_s: float, repeats:
         runs = []
         for _ in range(repeats):
             before()
-            runs.append(C.run_ranks(load_ranks, 2, gib, *args, timeout_s=timeout_s)[0])
+            runs.append(C.run_ranks(load_ranks, world, gib, *args, timeout_s=timeout_s)[0])
         result[name] = {
             "seconds": statistics.median(r["seconds"] for r in runs), "samples": [r["seconds"] for r in runs],
             "import_s": statistics.median(r["import_s"] for r in runs), "peak_kib": max(r["peak_kib"] for r in runs),
@@ -187,7 +191,7 @@ def recovery(gib: float, disk: str, memory_root: str, timeout_s: float, repeats:
 
     with MotoS3() as (_, s3_options):
         s3_uri, opts = f"s3://{BUCKET}/memory-bench", {**s3_options, "cache": False}
-        C.run_ranks(s3_save_ranks, 2, gib, s3_uri, opts, timeout_s=timeout_s)
+        C.run_ranks(s3_save_ranks, world, gib, s3_uri, opts, timeout_s=timeout_s)
         repeated("S3 (moto, node cache off)", lambda: None, s3_uri, opts, None)
     return result
 
@@ -295,10 +299,12 @@ def save_section(saves: list[dict[str, Any]]) -> list[str]:
         ["tierckpt: `remote` (written down to the local disk)", f"{med(r0['remote']):.3f}", ""],
         ["DCP: saved to local disk", f"{med(r0['dcp_saved']):.3f}", ""],
     ]
-    mem_rows = [[f"node{i}", C.fmt_bytes(s["state_bytes"]), C.fmt_bytes(s["save_peak_kib"] * 1024), C.fmt_bytes(s["tier_bytes"])]
-                for i, s in enumerate(saves)]
+    per_node = max(1, len(saves) // 2)
+    mem_rows = [[f"node{i // per_node}, rank {i}", C.fmt_bytes(s["state_bytes"]), C.fmt_bytes(s["save_peak_kib"] * 1024),
+                 C.fmt_bytes(s["tier_bytes"])] for i, s in enumerate(saves)]
     return ["Save (seconds, rank 0):\n\n" + C.md_table(["what", "seconds", "ratio"], rows),
-            "Memory per node after the saves:\n\n" + C.md_table(["node", "state", "peak RSS above the state", "memory tier"], mem_rows)]
+            "Memory per rank after the saves (the tier's bytes are its node's):\n\n"
+            + C.md_table(["node, rank", "state", "peak RSS above the state", "memory tier"], mem_rows)]
 
 
 def recovery_section(rec: dict[str, Any]) -> list[str]:
@@ -348,8 +354,9 @@ def report(args: argparse.Namespace, saves: list[dict[str, Any]], rec: dict[str,
     save_table, *memory_table = save_section(saves) or [None]
     sections = [
         f"`python benchmarks/bench_memory.py --gib {args.gib} --repeats {args.repeats} --steps {args.steps} "
-        f"--every {args.every} --hidden {args.hidden} --persist-every {args.persist_every}` (2 ranks, each its own simulated node; medians of "
-        f"{args.repeats}).\n\n{C.machine_info(disk)}",
+        f"--every {args.every} --hidden {args.hidden} --persist-every {args.persist_every} --ranks-per-node "
+        f"{args.ranks_per_node}` (2 simulated nodes of {args.ranks_per_node} rank(s) for the save and recovery, 2 "
+        f"ranks each its own node for the training loop; medians of {args.repeats}).\n\n{C.machine_info(disk)}",
         save_table, *recovery_section(rec), *training_section(args, train), *memory_table,
     ]
     return "\n\n".join(s for s in sections if s)
@@ -365,6 +372,9 @@ def main() -> None:
     ap.add_argument("--persist-every", type=int, default=4,
                     help="the training loop's memory-only mode writes down every N-th checkpoint (persist=False between)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds any one group of ranks may take")
+    ap.add_argument("--ranks-per-node", type=int, default=1,
+                    help="ranks on each of the 2 simulated nodes in the save and recovery parts (a node's ranks move "
+                         "their bytes over their own pairs in a peer recovery)")
     ap.add_argument("--parts", default="save,recovery,training",
                     help="comma-separated parts to run (save, recovery, training, bytes); recovery needs save")
     ap.add_argument("--out", default=None)
@@ -387,10 +397,11 @@ def main() -> None:
         train: dict[str, list[dict[str, float]]] = {}
         if "save" in parts:
             progress("saves")
-            saves = C.run_ranks(save_ranks, 2, args.gib, args.repeats, disk, memory_root, timeout_s=args.timeout)
+            saves = C.run_ranks(save_ranks, 2 * args.ranks_per_node, args.gib, args.repeats, disk, memory_root,
+                                timeout_s=args.timeout)
         if "recovery" in parts:
             progress("recovery")
-            rec = recovery(args.gib, disk, memory_root, args.timeout, args.repeats)
+            rec = recovery(args.gib, disk, memory_root, args.timeout, args.repeats, 2 * args.ranks_per_node)
         shutil.rmtree(memory_root, ignore_errors=True)
         if "training" in parts:
             progress("training loop")
