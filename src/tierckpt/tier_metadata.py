@@ -19,9 +19,9 @@ damaged or missing, the chain holds a newer commit — the load falls back to on
 the reader chosen from the same collective's answers as before: rank 0, unless another rank's node
 holds a newer ``COMMIT`` (then the lowest such rank). The fallback reads through the chain, so its
 errors name the damaged file and the fix exactly as a load without this step does; only rank 0's own
-tier read, checked against the chain's ``COMMIT``, is sent as it is, with the whole pieces table
-(:attr:`~tierckpt.checkpoint_reader.Checkpoint.pieces_table`, :func:`tierckpt.loader._broadcast_checkpoint`).
-Every rank of the group must have the memory tier on (as for saves).
+tier read, checked against the chain's ``COMMIT``, is sent as it is. Either way a small pieces table travels
+with the header (:attr:`~tierckpt.checkpoint_reader.Checkpoint.pieces_table`), so a replacement node needs
+no collective of its own for it. Every rank of the group must have the memory tier on (as for saves).
 """
 
 from __future__ import annotations
