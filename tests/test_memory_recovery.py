@@ -153,6 +153,14 @@ def test_a_lost_node_is_rebuilt_from_its_peer_and_the_survivor_reshards(workdir:
     assert [r["loads"][uri]["bytes_exchanged"] > 0 for r in fresh] == [True, True, False, False]
     assert [r["loads"][uri]["bytes_packed"] for r in fresh] == [0, 0, 0, 0]
     assert fresh[2]["loads"][uri]["level"]["level"] == "replicated"
+    # Rank 0's node holds no copy: rank 2 reads the metadata through the chain and broadcasts it with the pieces
+    # table, so the fresh node's ranks need no agreement of their own on the table. Seven all-gathers of objects
+    # (each a gather and a broadcast over gloo): the tiers' reads, the needs, the objects file the fresh node
+    # lacks, the file checks, verify, the read, the apply; one broadcast of the metadata.
+    for r in fresh:
+        collectives = dict(r["loads"][uri]["collectives"])
+        collectives.pop("all_to_all_single", None)
+        assert collectives == {"monitored_barrier": 1, "gather": 7, "broadcast": 8}, collectives
     # The surviving node alone, 2 ranks, plain replicated tensors (DDP) instead of Shard(0) over 4.
     alone = Job(workdir, ["node-1", "node-1"], "replicate", loads=[{"uri": uri, "seed": 1}]).wait()
     assert_exact(alone, uri)
