@@ -26,7 +26,7 @@ from backend_contract import BackendContract  # noqa: E402
 from tierckpt.backends import Backend, LocalBackend, MemoryBackend, S3Backend  # noqa: E402
 from tierckpt.backends.base import UNCONDITIONAL, ObjectWriter, Unconditional  # noqa: E402
 from tierckpt.cache import CacheConfig, TieredBackend  # noqa: E402
-from tierckpt.errors import CheckpointError  # noqa: E402
+from tierckpt.errors import CheckpointError, CheckpointNotFoundError  # noqa: E402
 from tierckpt.io.scheduled import ScheduledBackend  # noqa: E402
 from tierckpt.io.scheduler import get_scheduler  # noqa: E402
 from tierckpt.store import (  # noqa: E402
@@ -273,6 +273,21 @@ def test_one_rule_decides_the_memory_tier(tmp_path: Path, monkeypatch: pytest.Mo
         memory_config_for("s3://b/p")
     with pytest.raises(CheckpointError, match="memory="):
         memory_config_for("s3://b/p", "on")
+
+
+def test_only_a_local_file_tells_its_size_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``size_at_once``: a local path's chain stats the file in the calling thread (a missing one is not
+    found); a memory store, and a chain whose top is the node memory link, answer ``None`` (the I/O loop)."""
+    monkeypatch.delenv("TIERCKPT_MEMORY", raising=False)
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "f.bin").write_bytes(b"x" * 1234)
+    local = open_store(str(tmp_path / "r"), {"memory": False})
+    assert isinstance(local, ScheduledBackend) and local.size_at_once("f.bin") == 1234
+    with pytest.raises(CheckpointNotFoundError, match="f2.bin"):
+        local.size_at_once("f2.bin")
+    assert open_store("memory://sizes/r").size_at_once("f.bin") is None
+    tiered = open_store(str(tmp_path / "r"), {"memory": _memory(tmp_path)})
+    assert isinstance(tiered, MemoryLink) and tiered.size_at_once("f.bin") is None
 
 
 def test_links_of_one_remote_share_one_priority_queue(tmp_path: Path) -> None:

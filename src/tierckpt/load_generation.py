@@ -241,6 +241,14 @@ def _check_files(backend: Backend, ckpt: Checkpoint, reads: Iterable[tuple[str, 
     listed = {f.key: f.size for f in ckpt.meta.files}
     sizes = {file: _expected_size(backend, ckpt, listed, file, _tier_size(local.tier, ckpt, backend, file))
              for file in files if local.here(file)}
+    for file in files:  # a local file's size in this thread; the others' on the I/O loop
+        if file not in sizes:
+            try:
+                actual = backend.size_at_once(layout.in_generation(ckpt.meta.generation, file))
+            except CheckpointNotFoundError:
+                raise _missing(backend, ckpt, file) from None
+            if actual is not None:
+                sizes[file] = _expected_size(backend, ckpt, listed, file, actual)
     remote = [file for file in files if file not in sizes]
     if remote:  # every size at once on the I/O loop: on an object store each one is a round trip
         sizes.update(zip(remote, get_scheduler().run(_chain_sizes(backend, ckpt, listed, remote))))

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ..bounded import oversized
-from ..errors import CheckpointBusyError, CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointError
 from ..layout import CommitRecord
 
 if TYPE_CHECKING:
@@ -54,28 +54,6 @@ class Unconditional(enum.Enum):
 
 UNCONDITIONAL = Unconditional.UNCONDITIONAL
 """``expected`` for :meth:`Backend.commit` that replaces whatever is there (pointers such as ``LATEST``)."""
-
-
-def commit_refused(uri: str, expected: bytes | None, current: bytes | None | str) -> CheckpointBusyError:
-    """The error of a compare-and-swap commit that found ``current`` (bytes, ``None`` for no object, or
-    a description) instead of ``expected`` at ``uri``."""
-    found = current if isinstance(current, str) else "no object" if current is None else f"{len(current)} other bytes"
-    wanted = "no object" if expected is None else f"the {len(expected)} bytes read before"
-    return CheckpointBusyError(f"commit of {uri} refused: it expected {wanted} there and found {found}; another "
-                               "writer committed meanwhile")
-
-
-async def check_expected(backend: Backend, key: str, expected: bytes | None | Unconditional, uri: str) -> None:
-    """The check half of a check-then-write commit (stores without conditional writes): raise
-    :func:`commit_refused` (naming ``uri``) unless ``key`` holds ``expected`` (``None``: no object)."""
-    if expected is UNCONDITIONAL:
-        return
-    try:
-        current: bytes | None = await backend.get(key)
-    except CheckpointNotFoundError:
-        current = None
-    if current != expected:
-        raise commit_refused(uri, expected, current)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +198,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def exists(self, key: str) -> bool:
         """Whether ``key`` names an object."""
+
+    def size_at_once(self, key: str) -> int | None:
+        """The size of ``key`` when this store tells it at once in the calling thread (a local file's ``stat``,
+        no trip through the I/O loop); ``None`` when asking takes the I/O loop (an object store, a cache)."""
+        return None
 
     @abc.abstractmethod
     async def size(self, key: str) -> int:

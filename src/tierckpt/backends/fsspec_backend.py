@@ -43,7 +43,8 @@ from ..errors import (
     UnsupportedURIError,
 )
 from ..keys import validate_key
-from .base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Unconditional, check_expected
+from .base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Unconditional
+from .commit_check import check_expected
 from .files import check_prefix, check_range, is_temp_name, range_past_end, temp_name
 
 _T = TypeVar("_T")

@@ -31,9 +31,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import CorruptCheckpointError
 from ..keys import validate_key
-from .base import (
-    UNCONDITIONAL, Backend, Capabilities, ObjectWriter, ReadsInto, Segment, Unconditional, commit_refused,
-)
+from .base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, ReadsInto, Segment, Unconditional
+from .commit_check import commit_refused
 from .run_reads import pread_runs, pread_segments
 from .files import (
     WRITEBACK_BATCH_BYTES,
@@ -204,6 +203,13 @@ class LocalBackend(ReadsInto, Backend):
 
     async def exists(self, key: str) -> bool:
         return await asyncio.to_thread(os.path.isfile, self.path_of(key))
+
+    def size_at_once(self, key: str) -> int:
+        path = self.path_of(key)
+        try:
+            return file_size(path)
+        except OSError as exc:
+            raise os_error(exc, f"size of {path}") from exc
 
     async def size(self, key: str) -> int:
         path = self.path_of(key)

@@ -22,7 +22,8 @@ from ..errors import (
     UnsupportedURIError,
 )
 from ..keys import validate_key
-from .base import UNCONDITIONAL, Backend, ObjectWriter, Unconditional, commit_refused
+from .base import UNCONDITIONAL, Backend, ObjectWriter, Unconditional
+from .commit_check import commit_refused
 from .files import check_prefix, check_range, range_past_end
 
 _SCHEME = "memory://"

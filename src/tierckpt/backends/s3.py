@@ -39,7 +39,8 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, StorageError, UnsupportedURIError
 from ..retry import retry_transient
-from .base import UNCONDITIONAL, Backend, ObjectWriter, Unconditional, commit_refused
+from .base import UNCONDITIONAL, Backend, ObjectWriter, Unconditional
+from .commit_check import commit_refused
 from .fsspec_backend import FsspecBackend, response_error
 
 ENDPOINT_ENV = "TIERCKPT_S3_ENDPOINT_URL"

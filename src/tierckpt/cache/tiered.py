@@ -56,7 +56,8 @@ from types import MappingProxyType
 import crc32c
 
 from .. import layout
-from ..backends.base import UNCONDITIONAL, Backend, Link, ObjectWriter, ReadsInto, Unconditional, commit_refused
+from ..backends.base import UNCONDITIONAL, Backend, Link, ObjectWriter, ReadsInto, Unconditional
+from ..backends.commit_check import commit_refused
 from ..backends.files import copy_range, discard, fsync_dir, open_temp, unlink, write_all
 from ..backends.local import LocalBackend
 from ..errors import (

@@ -120,6 +120,9 @@ class ScheduledBackend(Backend):
     async def exists(self, key: str) -> bool:
         return await self.call("exists", self.inner.exists, key)
 
+    def size_at_once(self, key: str) -> int | None:
+        return self.inner.size_at_once(key)
+
     async def size(self, key: str) -> int:
         return await self.call("size", self.inner.size, key)
 

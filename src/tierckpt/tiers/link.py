@@ -38,8 +38,9 @@ from typing import Any, cast
 
 from ..bounded import MAX_RECORD_BYTES, oversized, read_capped
 from ..backends.base import (
-    UNCONDITIONAL, Backend, Capabilities, Link, ObjectWriter, Segment, Spare, Unconditional, commit_refused,
+    UNCONDITIONAL, Backend, Capabilities, Link, ObjectWriter, Segment, Spare, Unconditional,
 )
+from ..backends.commit_check import commit_refused
 from ..errors import CheckpointError, CheckpointNotFoundError, TransientStorageError
 from ..keys import validate_key
 from ..layout import COMMIT
