@@ -290,6 +290,40 @@ def test_only_a_local_file_tells_its_size_at_once(tmp_path: Path, monkeypatch: p
     assert isinstance(tiered, MemoryLink) and tiered.size_at_once("f.bin") is None
 
 
+@pytest.mark.parametrize("at_once", [16, 0])
+def test_a_load_checks_few_local_files_at_once_and_many_on_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at_once: int,
+) -> None:
+    """The data files' size check of a load: in the calling thread up to ``SIZES_AT_ONCE`` local files (here
+    the one file), else on the I/O loop (``SIZES_AT_ONCE`` 0); the load is exact either way."""
+    import torch
+
+    import tierckpt
+    from tierckpt import load_generation
+
+    monkeypatch.delenv("TIERCKPT_MEMORY", raising=False)
+    saved = {"w": torch.arange(4096.0).reshape(64, 64)}
+    tierckpt.save(str(tmp_path / "ck"), saved, storage_options={"memory": False})
+    calls = {"size_at_once": 0, "size": 0}
+    at_once_fn, size_fn = LocalBackend.size_at_once, LocalBackend.size
+
+    def counted_at_once(self: LocalBackend, key: str) -> int:
+        calls["size_at_once"] += "/data/" in key
+        return at_once_fn(self, key)
+
+    async def counted_size(self: LocalBackend, key: str) -> int:
+        calls["size"] += "/data/" in key
+        return await size_fn(self, key)
+
+    monkeypatch.setattr(LocalBackend, "size_at_once", counted_at_once)
+    monkeypatch.setattr(LocalBackend, "size", counted_size)
+    monkeypatch.setattr(load_generation, "SIZES_AT_ONCE", at_once)
+    got = {"w": torch.zeros(64, 64)}
+    tierckpt.load(str(tmp_path / "ck"), got, storage_options={"memory": False})
+    assert torch.equal(got["w"], saved["w"])
+    assert calls == ({"size_at_once": 1, "size": 0} if at_once else {"size_at_once": 0, "size": 1})
+
+
 def test_links_of_one_remote_share_one_priority_queue(tmp_path: Path) -> None:
     a = ScheduledBackend(LocalBackend(str(tmp_path / "r")))
     b = ScheduledBackend(LocalBackend(str(tmp_path / "r") + "/"))

@@ -230,6 +230,11 @@ def _log_routes(plan: LoadPlan, topo: Topology, rank: int, monitor: Monitor) -> 
         )
 
 
+SIZES_AT_ONCE = 16
+"""A rank checks at most this many data files' sizes in its own thread (:func:`_check_files`); more go to the
+I/O loop, :data:`PARALLEL_METADATA` at once."""
+
+
 def _check_files(backend: Backend, ckpt: Checkpoint, reads: Iterable[tuple[str, np.ndarray, int]], local: LocalReads) -> None:
     """Each data file this rank reads (``reads``: file, run offsets, run bytes; from its memory tier or the
     chain) has the size the header lists, and holds every run read from it."""
@@ -241,15 +246,17 @@ def _check_files(backend: Backend, ckpt: Checkpoint, reads: Iterable[tuple[str, 
     listed = {f.key: f.size for f in ckpt.meta.files}
     sizes = {file: _expected_size(backend, ckpt, listed, file, _tier_size(local.tier, ckpt, backend, file))
              for file in files if local.here(file)}
-    for file in files:  # a local file's size in this thread; the others' on the I/O loop
-        if file not in sizes:
-            try:
-                actual = backend.size_at_once(layout.in_generation(ckpt.meta.generation, file))
-            except CheckpointNotFoundError:
-                raise _missing(backend, ckpt, file) from None
-            if actual is not None:
-                sizes[file] = _expected_size(backend, ckpt, listed, file, actual)
-    remote = [file for file in files if file not in sizes]
+    unsized = [file for file in files if file not in sizes]
+    # A few local files' sizes in this thread (a stat each, no trip through the I/O loop); many, or any on a store
+    # that must be asked, on the I/O loop, several at once (a shared file system answers a stat in a round trip).
+    for file in unsized if len(unsized) <= SIZES_AT_ONCE else ():
+        try:
+            actual = backend.size_at_once(layout.in_generation(ckpt.meta.generation, file))
+        except CheckpointNotFoundError:
+            raise _missing(backend, ckpt, file) from None
+        if actual is not None:
+            sizes[file] = _expected_size(backend, ckpt, listed, file, actual)
+    remote = [file for file in unsized if file not in sizes]
     if remote:  # every size at once on the I/O loop: on an object store each one is a round trip
         sizes.update(zip(remote, get_scheduler().run(_chain_sizes(backend, ckpt, listed, remote))))
     for file in files:
