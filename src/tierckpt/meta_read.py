@@ -55,13 +55,18 @@ _METADATA = ((layout.HEADER, MAX_HEADER_BYTES), (layout.TENSORS, MAX_TABLE_BYTES
 """The documents a native checkpoint's metadata is read from, each with the most bytes it may hold."""
 
 
-def _documents(record: layout.CommitRecord) -> tuple[tuple[str, int], ...]:
-    """:data:`_METADATA`, and the pieces table when ``record`` records it at most :data:`WHOLE_PIECES_BYTES`
-    long (a larger one is read by the row groups a load needs)."""
-    recorded = record.checksum(layout.PIECES)
-    if recorded is None or recorded.size > WHOLE_PIECES_BYTES:
-        return _METADATA
-    return (*_METADATA, (layout.PIECES, MAX_TABLE_BYTES))
+def small_pieces(record: layout.CommitRecord | None) -> bool:
+    """Whether ``record`` (``COMMIT``) records a pieces table at most :data:`WHOLE_PIECES_BYTES` long: one read
+    whole, with the header and the tensor table, and checked (a larger one is read by the row groups a load
+    needs)."""
+    recorded = record.checksum(layout.PIECES) if record is not None else None
+    return recorded is not None and recorded.size <= WHOLE_PIECES_BYTES
+
+
+def metadata_documents(record: layout.CommitRecord) -> tuple[tuple[str, int], ...]:
+    """The metadata documents ``record`` names, each with the most bytes it may hold, in the order they are read
+    and checked: :data:`_METADATA`, and the pieces table when it is small (:func:`small_pieces`)."""
+    return (*_METADATA, (layout.PIECES, MAX_TABLE_BYTES)) if small_pieces(record) else _METADATA
 
 
 async def _fetch_committed(
@@ -77,15 +82,15 @@ async def _fetch_committed(
             return None, []
     documents = await asyncio.gather(*(
         backend.get_capped(layout.in_generation(record.generation, key), _cap(record, key, limit))
-        for key, limit in _documents(record)
+        for key, limit in metadata_documents(record)
     ), return_exceptions=True)
     return record, documents
 
 
 def _checked(backend: Backend, record: layout.CommitRecord, documents: Sequence[bytes | BaseException]) -> list[bytes]:
     """The metadata documents, each checked against ``COMMIT``'s checksum; the first failure, in
-    :func:`_documents`' order, is raised."""
-    for (key, _), data in zip(_documents(record), documents):
+    :func:`metadata_documents`' order, is raised."""
+    for (key, _), data in zip(metadata_documents(record), documents):
         if isinstance(data, BaseException):
             raise data
         record.check_document(key, data, backend.root_uri)
@@ -129,8 +134,8 @@ def read_committed(
     backend: Backend, record: layout.CommitRecord | None = None, documents: list[bytes | BaseException] | None = None,
 ) -> Checkpoint:
     """Follow ``COMMIT`` (``record``, when already read, with the ``documents`` it names when read too) to the
-    committed generation and read its header and tensor table (following a newer ``COMMIT`` when a save
-    deleted the generation meanwhile)."""
+    committed generation and read its header and tensor table, and its pieces table when small (following a
+    newer ``COMMIT`` when a save deleted the generation meanwhile)."""
     record = record or read_commit(backend)
     attempt = 0
     while True:
@@ -179,10 +184,7 @@ def whole_pieces(backend: Backend, ckpt: Checkpoint) -> bytes | None:
     records it at most :data:`WHOLE_PIECES_BYTES` long; ``None`` otherwise (a larger table is read by row
     groups once the tensors a load needs are known; a table without a recorded checksum is read as before
     by :func:`read_table_pieces`)."""
-    recorded = ckpt.record.checksum(layout.PIECES) if ckpt.record is not None else None
-    if recorded is None or recorded.size > WHOLE_PIECES_BYTES:
-        return None
-    return _pieces_document(backend, ckpt)
+    return _pieces_document(backend, ckpt) if small_pieces(ckpt.record) else None
 
 
 def _pieces_document(backend: Backend, ckpt: Checkpoint) -> bytes:
@@ -206,8 +208,7 @@ def read_table_pieces(backend: Backend, ckpt: Checkpoint, fqns: set[str] | None 
     it is at most :data:`WHOLE_PIECES_BYTES`; otherwise only the table's footer and the row groups that
     can hold ``fqns`` are fetched.
     """
-    recorded = ckpt.record.checksum(layout.PIECES) if ckpt.record is not None else None
-    if fqns is None or (recorded is not None and recorded.size <= WHOLE_PIECES_BYTES):
+    if fqns is None or small_pieces(ckpt.record):
         return decode_pieces(_pieces_document(backend, ckpt), ckpt.tensors, fqns, ckpt.meta.num_pieces)
     try:
         return decode_pieces(RangeFile(backend, layout.pieces_key(ckpt.meta.generation)), ckpt.tensors, fqns,

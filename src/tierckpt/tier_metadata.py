@@ -40,8 +40,7 @@ from .bounded import MAX_RECORD_BYTES
 from .comm import Comm, describe_error
 from .errors import CheckpointError
 from .checkpoint_reader import Checkpoint
-from .meta_read import WHOLE_PIECES_BYTES, decoded_checkpoint, read_commit
-from .metadata import MAX_HEADER_BYTES, MAX_TABLE_BYTES
+from .meta_read import decoded_checkpoint, metadata_documents, read_commit
 
 logger = logging.getLogger("tierckpt")
 
@@ -85,10 +84,7 @@ def read_from_tier(tier: NodeTier, chain: Backend, *, leader: bool) -> TierRead:
             record.check_document(key, doc, uri)
             return doc
 
-        header, tensors = document(layout.HEADER, MAX_HEADER_BYTES), document(layout.TENSORS, MAX_TABLE_BYTES)
-        recorded = record.checksum(layout.PIECES)
-        pieces = document(layout.PIECES, MAX_TABLE_BYTES) if recorded and recorded.size <= WHOLE_PIECES_BYTES else None
-        ckpt = decoded_checkpoint(record, header, tensors, pieces)
+        ckpt = decoded_checkpoint(record, *(document(key, limit) for key, limit in metadata_documents(record)))
         if leader:  # last: in parallel, the I/O loop's thread would hold the GIL the reads above need
             theirs = read_commit(chain)
             if (theirs.seq, theirs.generation) != (record.seq, gen):
