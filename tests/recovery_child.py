@@ -232,6 +232,7 @@ def main(spec: dict) -> None:
             record["bytes_exchanged"] = counts.get("bytes_exchanged", 0)
             record["bytes_packed"] = counts.get("bytes_packed", 0)
             record["bytes_streamed"] = counts.get("bytes_streamed", 0)
+            record["stream_lanes"] = counts.get("stream_lanes", 0)
             record["bytes_checked"] = counts.get("bytes_checked", 0)
         except Exception as exc:  # noqa: BLE001 - reported to the test
             record["error"] = f"{type(exc).__name__}: {exc}"

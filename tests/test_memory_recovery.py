@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import recovery_child
+from tierckpt.peer_lanes import LANES
 from tierckpt.tiers.memory import SPARE_PREFIX
 from distributed import free_port
 
@@ -338,6 +339,7 @@ def test_a_lost_nodes_units_stream_from_its_peers_tier_checked_by_the_receiver(w
     loads = [r["loads"][uri] for r in fresh]
     assert sum(load["bytes_streamed"] for load in loads[:2]) == 2 * BIG_PART  # node-1's two big parts
     assert [load["bytes_streamed"] for load in loads[2:]] == [0, 0]
+    assert [load["stream_lanes"] for load in loads] == [LANES] * 4  # several connections per pair (peer_lanes)
     assert [load["bytes_checked"] for load in loads[2:]] == [BIG_PART, BIG_PART]
     assert [load["bytes_packed"] for load in loads] == [0, 0, 0, 0]
     # The replacement node holds no metadata: rank 0 sends what it read from its tier, the pieces table with
