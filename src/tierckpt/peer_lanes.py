@@ -2,7 +2,7 @@
 
 A gloo process group moves a pair's messages over one TCP connection per device, and a group made by
 ``init_process_group`` has one device (one per interface named in ``GLOO_SOCKET_IFNAME``): one socket and
-one I/O thread carry all of a lost node's bytes from its peer, about 3.3 GiB/s on a 16-core VM's loopback
+one I/O thread carry all of a lost node's bytes from its peer, about 3.8 GB/s on a 16-core VM's loopback
 (`benchmarks/bench_wire.py`). Peer recovery streams hundreds of MiB per rank in large chunks
 (:mod:`tierckpt.peer_stream`), so it sends them over a group of its own with :data:`LANES` devices, each
 with its own connection and I/O thread; gloo runs a message tagged ``t`` on device ``t mod devices``,
@@ -34,8 +34,8 @@ import torch.distributed as dist
 from .comm import Comm
 
 LANES = 4
-"""Connections per pair for streamed chunks: on a 16-core VM two processes moved 256 MiB in 71-78 ms over
-one, 40-52 ms over two and 22-43 ms over four (32 MiB messages; `docs/benchmarks.md`)."""
+"""Connections per pair for streamed chunks: on a 16-core VM two processes moved 256 MiB in 70 ms over one,
+64 ms over two and 40 ms over four lanes, in 32 MiB chunks (`benchmarks/bench_wire.py`, docs/benchmarks.md)."""
 STORE_PREFIX = "tierckpt/peer-lanes"
 """The lanes' keys in the group's store (beside torch's own)."""
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)

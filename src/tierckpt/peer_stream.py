@@ -51,9 +51,9 @@ STREAM_MIN_BYTES = 1 << 20
 """Units at least this large stream (a message each costs little beside its bytes); smaller ones are
 read and exchanged with their round."""
 STREAM_CHUNK_BYTES = 32 << 20
-"""About this many bytes per message: whole blocks, so the receiver checks each chunk on its own. Each gloo
-message waits for its receiver's "ready" once, so fewer, larger messages move faster: 32 MiB over four lanes
-moved 256 MiB in 22-43 ms on a 16-core VM, 8 MiB in 55-65 ms (:mod:`tierckpt.peer_lanes`)."""
+"""About this many bytes per message: whole blocks, so the receiver checks each chunk on its own. Fewer, larger
+messages moved faster: over four lanes (:mod:`tierckpt.peer_lanes`) 256 MiB took 40 ms in 32 MiB chunks and
+63 ms in 8 MiB ones on a 16-core VM (`benchmarks/bench_wire.py`)."""
 
 Receive = tuple[int, ReadUnit, list[tuple[Posted, torch.Tensor, int]], torch.Tensor | None]
 """``(unit index, unit, [(work, bytes it fills, file offset)], target to copy the bytes into or None)``."""
