@@ -16,7 +16,8 @@ two steps before a save, compared with the full state saved beside the test, ``e
   fail from that save on, ``"key"`` names its result (default: the URI); or
 * ``loads``: a list of ``{"uri", "seed"}``: each is loaded and compared bit-exactly with what
   ``seed`` saved (or the error is reported), and the level recorded in this node's tier is read
-  (``"unopenable_tier_files": true``: this node's tier files cannot be opened to stream them); and/or
+  (``"unopenable_tier_files": true``: this node's tier files cannot be opened to stream them;
+  ``"kill_receiver": true``: rank ``kill_rank`` dies as it is about to receive its streamed units); and/or
 * ``latest``: ``{"root", "seeds"}``: ``CheckpointManager(root).load_latest`` into a fresh state, the step it
   returns compared with what ``seeds[step]`` saved; or
 * ``manager``: ``{"root", "keep_last", "saves": [{"step", "seed"}]}``: synchronous ``CheckpointManager``
@@ -167,6 +168,17 @@ def refuse_tier_opens_for_streams() -> None:
     peer_stream.open_shared = refused  # type: ignore[assignment]
 
 
+def die_when_receiving_a_stream() -> None:
+    """This process dies as its read step is about to post its first streamed receive (a replacement rank
+    lost while its peer starts streaming to it: the lanes to it never connect)."""
+    from tierckpt import peer_stream
+
+    def die(self: object, indices: object) -> None:
+        os._exit(9)
+
+    peer_stream.PeerStream.receive = die  # type: ignore[assignment,method-assign]
+
+
 def run(spec: dict, env: dict[str, str]) -> None:
     """One rank: ``env`` is this rank's node; ends the process with ``os._exit``."""
     os.environ.update(env)
@@ -216,6 +228,8 @@ def main(spec: dict) -> None:
     for load in spec.get("loads", []):
         if load.get("unopenable_tier_files"):
             refuse_tier_opens_for_streams()
+        if load.get("kill_receiver") and rank == spec["kill_rank"]:
+            die_when_receiving_a_stream()
         modules = spec["layout"] in ("fsdp2", "ddp")
         target = model_state(spec["layout"], None, "") if modules else state(spec["layout"], None)
         record: dict = {}
@@ -264,7 +278,7 @@ def main(spec: dict) -> None:
             out["latest"] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
     with open(spec["result"], "w") as f:
         json.dump(out, f)
-    if not any(save.get("kill_receiver") for save in spec.get("saves", [])):
+    if not any(step.get("kill_receiver") for step in [*spec.get("saves", []), *spec.get("loads", [])]):
         dist.barrier()  # rank 0 serves the group's store: it leaves last (with a node lost, nobody waits)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -30,6 +30,23 @@ def test_a_replica_the_holder_cannot_open_fails_every_rank_with_the_holders_erro
         assert "CollectiveError" not in error.split(":", 1)[0], (rank, error)
 
 
+def test_a_replacement_rank_lost_before_its_stream_connects_fails_the_others_loudly(workdir: Path) -> None:
+    """Rank 2 (a replacement rank) dies as its read step is about to receive its streamed units, so the lanes
+    from its peer to it never connect: every other rank's load raises, none returns, within the group's
+    timeout (30 s in these children), and every rank's process ends."""
+    uri = uri_of(workdir, 1)
+    _lose_node_1_of_big(workdir, uri)
+    job = Job(workdir, ["node-0", "node-0", "node-2", "node-2"], "big", kill_rank=2,
+              loads=[{"uri": uri, "seed": 1, "kill_receiver": True}])
+    survivors = job.wait([0, 1, 3], timeout_s=120)
+    job.kill([2])
+    assert job.procs[2].exitcode == 9
+    for rank, r in zip([0, 1, 3], survivors):
+        load = r["loads"][uri]
+        assert "error" in load, (rank, load)
+        assert load["seconds"] < 60, (rank, load["seconds"], load["error"])
+
+
 def test_a_damaged_replica_is_read_again_from_the_remote_when_it_commits_the_same_generation(workdir: Path) -> None:
     """Saved down to the remote; node-1 lost (the remote kept); one byte of node-0's replica of rank 2's data
     file flipped: the streamed chunk fails its check, and the group loads the generation again from the remote,
