@@ -57,7 +57,9 @@ class Lanes:
     def __init__(self, comm: Comm, pg: dist.ProcessGroup | None, count: int, tag: int) -> None:
         self.comm, self._pg, self.count, self.tag = comm, pg, count, tag
         self._posted: Counter[tuple[str, int]] = Counter()
-        self._posters = [ThreadPoolExecutor(1, thread_name_prefix=f"tierckpt-lane-{k}") for k in range(count)] if pg else []
+        self._posters = [] if pg is None else [
+            ThreadPoolExecutor(1, thread_name_prefix=f"tierckpt-lane-{k}") for k in range(count)
+        ]
 
     def send(self, data: torch.Tensor, to: int) -> Posted:
         """Post the next chunk to group rank ``to``."""
