@@ -53,6 +53,7 @@ def wire_ranks(rank: int, world: int, nbytes: int, lanes: list[int], chunk_bytes
                 works = [way.send(part, 1) if rank == 0 else way.recv(part, 0) for part in parts]
                 for work in works:
                     work.wait()
+                way.close()
                 dist.barrier()
                 seconds.append(time.perf_counter() - start)
             if rank == 1:

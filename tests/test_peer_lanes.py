@@ -37,6 +37,7 @@ def stream_between_halves(group_size: int) -> tuple[int, bool, bool] | None:
         works = [lanes.recv(into, peer) for into in got]
     for work in works:
         work.wait()
+    lanes.close()
     if comm.rank >= half:
         exact = all(torch.equal(into, _chunk(peer, j)) for j, into in enumerate(got))
     made_once = peer_lanes.lanes_of(comm, tag=77)._pg is lanes._pg
