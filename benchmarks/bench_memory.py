@@ -138,11 +138,13 @@ def load_ranks(rank: int, world: int, gib: float, uri: str, opts: dict[str, Any]
     load = tierckpt.load
     loaded = time.perf_counter()
     monitor = tierckpt.Monitor()
+    cpu = time.process_time()  # every thread of this rank: the load's own, the I/O loop's, gloo's
     load(uri, targets, storage_options=opts, monitor=monitor)
     end = time.perf_counter()
+    cpu = time.process_time() - cpu
     C.check_state(targets, gib)
     return {"seconds": end - loaded, "import_s": loaded - start, "peak_kib": _rss_kib("VmHWM") - base,
-            "phases": {name: monitor.seconds.get(name, 0.0) for name in ("metadata", "read")}}
+            "phases": {name: monitor.seconds.get(name, 0.0) for name in ("metadata", "read")}, "cpu_s": cpu}
 
 
 def s3_save_ranks(rank: int, world: int, gib: float, uri: str, opts: dict[str, Any]) -> None:
@@ -167,9 +169,12 @@ def recovery(gib: float, disk: str, memory_root: str, timeout_s: float, repeats:
         runs = []
         for _ in range(repeats):
             before()
-            runs.append(C.run_ranks(load_ranks, world, gib, *args, timeout_s=timeout_s)[0])
+            ranks = C.run_ranks(load_ranks, world, gib, *args, timeout_s=timeout_s)
+            # CPU seconds of every rank of the load, over rank 0's wall time: how many cores the load kept busy
+            runs.append({**ranks[0], "cores": sum(r["cpu_s"] for r in ranks) / ranks[0]["seconds"]})
         result[name] = {
             "seconds": statistics.median(r["seconds"] for r in runs), "samples": [r["seconds"] for r in runs],
+            "cores": statistics.median(r["cores"] for r in runs),
             "import_s": statistics.median(r["import_s"] for r in runs), "peak_kib": max(r["peak_kib"] for r in runs),
             "phases": {name: statistics.median(r["phases"][name] for r in runs) for name in ("metadata", "read")},
         }
@@ -321,12 +326,15 @@ def recovery_section(rec: dict[str, Any]) -> list[str]:
         phases = value["phases"]
         rec_rows.append([name, f"{value['seconds']:.3f}", " / ".join(f"{x:.3f}" for x in value["samples"]),
                          f"{phases['metadata'] * 1e3:.0f} / {phases['read'] * 1e3:.0f}",
-                         f"{value['import_s'] + value['seconds']:.3f}", C.fmt_bytes(value["peak_kib"] * 1024), ratio])
+                         f"{value['cores']:.2f}", f"{value['import_s'] + value['seconds']:.3f}",
+                         C.fmt_bytes(value["peak_kib"] * 1024), ratio])
     return ["Recovery in fresh processes, remote away for the memory cases (seconds, rank 0; \"load call\": "
             "`tierckpt.load` alone, the median of the loads listed beside it, ratios of these medians; \"with "
             "imports\": plus its first use's import of the loader and the store clients; the load's `metadata` and "
-            "`read` phases, medians; peak RSS above the targets, the largest):\n\n"
-            + C.md_table(["from", "load call", "each load", "metadata / read ms", "with imports", "peak RSS",
+            "`read` phases, medians; \"cores busy\": the CPU seconds of every rank during the load call over its wall "
+            "time, the median (at the machine's core count, the cores are the limit); peak RSS above the targets, "
+            "the largest):\n\n"
+            + C.md_table(["from", "load call", "each load", "metadata / read ms", "cores busy", "with imports", "peak RSS",
                           "ratio (load calls)"], rec_rows)]
 
 
