@@ -109,6 +109,30 @@ async def test_origins_keep_their_own_manifests(tmp_path: Path) -> None:
         tier.seal(generation, origin="x", keys=["g-other/data/rank-00000.bin"])
 
 
+async def test_a_peers_files_are_its_own_from_the_first_one_that_arrives(tmp_path: Path) -> None:
+    """A replica's files are published one by one and its manifest recorded after the last: declared arriving
+    first, none of them is ever sealed as this node's, nor written down by this node (its log's replicas)."""
+    from tierckpt.tiers.downlog import DownLog
+
+    tier = MemoryTier(URI, config(tmp_path))
+    generation, contents = await write_checkpoint(tier, 1, {"data/rank-00000.bin": 10})
+    own = f"{generation}/data/rank-00000.bin"
+    theirs = {f"{generation}/data/rank-00002.bin": b"a" * 20, f"{generation}/data/rank-00003.bin": b"b" * 30}
+    sent = Manifest(uri=URI, generation=generation, origin="node-b", created_unix=time.time(),
+                    files=tuple((k, FileEntry(len(v), crc32c.crc32c(v))) for k, v in sorted(theirs.items())))
+    tier.expect(sent)
+    first = sorted(theirs)[0]
+    Path(tier.path_of(first)).write_bytes(theirs[first])  # one file of the replica published, the other on its way
+    assert [k for k, _ in tier.seal(generation, origin="node-a").files] == [own]
+    assert DownLog(tier).replicas(generation, "node-a") == set(theirs)
+    assert [m.origin for m in tier.manifests(generation)] == ["node-a"]  # a declaration is no manifest: nothing
+    assert set(tier.held(generation)) == {own}  # of the replica is held (read from here) before it is whole
+    tier.record(sent)  # every file arrived: the manifest replaces the declaration
+    assert [m.origin for m in tier.manifests(generation)] == ["node-a", "node-b"]
+    assert not list(Path(tier.home, "manifests", generation).glob("*" + memory.ARRIVING))
+    assert DownLog(tier).replicas(generation, "node-a") == set(theirs)
+
+
 async def test_verify_and_damaged_manifests_are_reported(tmp_path: Path) -> None:
     tier = MemoryTier(URI, config(tmp_path))
     generation, contents = await write_checkpoint(tier, 1, {"data/rank-00000.bin": 64, "data/rank-00001.bin": 64})

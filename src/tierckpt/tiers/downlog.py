@@ -139,10 +139,9 @@ class DownLog:
                 for key in sorted(self.pending(scope, state))]
 
     def replicas(self, generation: str, origin: str) -> set[str]:
-        """Keys of ``generation`` in the tier that other nodes sent (their manifests list them): not files
-        of ``origin`` (this node), which is not the one to write them down."""
-        mine = (origin, f"{origin}-recovered")
-        return {k for m in self.tier.manifests(generation) if m.origin not in mine for k, _ in m.files}
+        """Keys of ``generation`` in the tier that other nodes sent (their manifests list them, or declare them
+        arriving): not files of ``origin`` (this node), which is not the one to write them down."""
+        return self.tier.listed(generation, besides=(origin, f"{origin}-recovered"))
 
     def held_below(self, generation: str, state: DownState | None = None) -> bool:
         """Whether the chain below holds every file of ``generation`` that the tier holds (and its COMMIT)."""

@@ -9,6 +9,7 @@ replication, disk write-back and upload read from. On disk::
         URI                                   the URI itself, so a scan can name it
         objects/                              the checkpoint's keys: COMMIT, g-.../meta/..., g-.../data/...
         manifests/<generation>/<origin>.json  size and CRC-32C of the files one origin (node) put there
+        manifests/<generation>/<origin>.arriving  a peer's manifest while its replica arrives (expect)
 
 :class:`MemoryTier` is a :class:`~tierckpt.backends.local.LocalBackend` rooted in ``objects/``, so it
 passes the backend contract (atomic writes: temp file + rename); it also records each file's
@@ -61,9 +62,13 @@ def uri_digest(uri: str) -> str:
     return hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:32]
 
 
-def _origin_file(origin: str) -> str:
+def _origin_file(origin: str, suffix: str = ".json") -> str:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in origin)[:64]
-    return f"{safe}-{hashlib.sha256(origin.encode()).hexdigest()[:8]}.json"
+    return f"{safe}-{hashlib.sha256(origin.encode()).hexdigest()[:8]}{suffix}"
+
+
+ARRIVING = ".arriving"
+"""The suffix of a peer's manifest declared before its files arrive (:meth:`MemoryTier.expect`); not a manifest."""
 
 
 def write_atomic(path: str, data: bytes) -> None:
@@ -296,17 +301,25 @@ class MemoryTier(LocalBackend, NodeTier):
     def _manifest_dir(self, generation: str) -> str:
         return os.path.join(self.home, "manifests", validate_generation(generation))
 
-    def manifests(self, generation: str) -> list[Manifest]:
-        """The manifests of ``generation`` (one per origin), sorted by origin."""
+    def manifests(self, generation: str, suffix: str = ".json") -> list[Manifest]:
+        """The manifests of ``generation`` (one per origin), sorted by origin (``suffix=ARRIVING``: those
+        declared by :meth:`expect` and not yet recorded)."""
         directory = self._manifest_dir(generation)
         if not os.path.isdir(directory):
             return []
         out = []
         for name in sorted(os.listdir(directory)):
-            if name.endswith(".json") and not is_temp_name(name):
+            if name.endswith(suffix) and not is_temp_name(name):
                 path = os.path.join(directory, name)
                 out.append(Manifest.decode(read_capped(path, MAX_TIER_RECORD_BYTES), path))
         return sorted(out, key=lambda m: m.origin)
+
+    def listed(self, generation: str, *, besides: Iterable[str]) -> set[str]:
+        """The keys of ``generation`` that origins other than ``besides`` put here: listed by their manifests,
+        or arriving from them (:meth:`expect`). What the node's own seal leaves out, and its write-down too."""
+        mine = set(besides)
+        return {key for suffix in (".json", ARRIVING) for m in self.manifests(generation, suffix)
+                if m.origin not in mine for key, _ in m.files}
 
     def held(self, generation: str) -> dict[str, FileEntry]:
         """Every sealed file of ``generation`` on this node and its size and CRC-32C (union of the manifests)."""
@@ -325,7 +338,7 @@ class MemoryTier(LocalBackend, NodeTier):
         file of the generation that no other origin's manifest lists. Each file's entry is what its writer
         stamped it with (:func:`.stamps.written`: a file changed in place since keeps its writer's CRC, so
         the change is caught by every later check); unstamped files are read once."""
-        listed = {k for m in self.manifests(generation) if m.origin != origin for k, _ in m.files}
+        listed = self.listed(generation, besides=(origin,))
         chosen = sorted(keys) if keys is not None else [k for k in self.keys_of(generation) if k not in listed]
         files = []
         for key in chosen:
@@ -354,12 +367,32 @@ class MemoryTier(LocalBackend, NodeTier):
         return stamps.written(path) or file_crc(path)
 
     def record(self, manifest: Manifest) -> None:
-        """Write ``manifest`` (atomically; it replaces an earlier one of the same origin)."""
+        """Write ``manifest`` (atomically; it replaces an earlier one of the same origin, and its files'
+        declaration as arriving)."""
+        self._check_uri(manifest)
+        self._claim()
+        directory = self._manifest_dir(manifest.generation)
+        write_atomic(os.path.join(directory, _origin_file(manifest.origin)), manifest.encode())
+        try:
+            os.unlink(os.path.join(directory, _origin_file(manifest.origin, ARRIVING)))
+        except FileNotFoundError:
+            pass
+
+    def expect(self, manifest: Manifest) -> None:
+        """Declare the files of a peer's ``manifest`` as arriving, before the first of them is published here.
+
+        A replica's files are published one by one as they arrive and its manifest is recorded after the
+        last; in between, a file no manifest lists looked like one of this node's own: the node's seal listed
+        it as its own and its write-down copied it too (the sender's node copies it: twice the upload traffic).
+        The declaration stays if the transfer fails: the files that did arrive are still the sender's."""
+        self._check_uri(manifest)
+        self._claim()
+        write_atomic(os.path.join(self._manifest_dir(manifest.generation), _origin_file(manifest.origin, ARRIVING)),
+                     manifest.encode())
+
+    def _check_uri(self, manifest: Manifest) -> None:
         if manifest.uri != self.uri:
             raise CheckpointError(f"a manifest of {manifest.uri!r} cannot be recorded in the tier of {self.uri!r}")
-        self._claim()
-        path = os.path.join(self._manifest_dir(manifest.generation), _origin_file(manifest.origin))
-        write_atomic(path, manifest.encode())
 
     def verify(self, generation: str) -> list[str]:
         """Re-read every sealed file of ``generation``; one line per file that is missing or differs."""

@@ -14,7 +14,9 @@ one checkpoint generation, called by every rank in the same order:
    ``COMMIT`` when it names this generation) -> the receiver admits the bytes under its budget and
    answers go or refused -> the files in chunks -> the receiver's acknowledgement -> the sender's
    closing word (``bye``).
-3. Receiver, per source node in turn: each file to a temp file with its CRC-32C computed on the way;
+3. Receiver, per source node in turn: the sender's files declared arriving (:meth:`~.memory.MemoryTier.expect`:
+   from the first one published, neither this node's seal nor its write-down takes them for its own); each
+   file to a temp file with its CRC-32C computed on the way;
    published only if it matches the sender's manifest; then the manifest (origin = the sender) and,
    if newer than its own, ``COMMIT``; then the acknowledgement; then it waits for the sender's ``bye``.
    Every exchange, a refused one included, ends with that ``bye``: the node that answers last stays
@@ -349,8 +351,12 @@ class Replicator:
             tier = self.memory.tier(manifest.uri)
             admission = self.memory.admit(manifest.uri, manifest.generation, manifest.nbytes, self._durable_below)
             refusal = None if admission.fits else admission.reason
+            if refusal is None:
+                tier.expect(manifest)  # its files are the sender's from the first one published
         except CheckpointError as exc:
             refusal = str(exc)
+        except OSError as exc:
+            refusal = f"cannot take the replica: {exc}"
         self._wire.reply(refusal or "ok", src, _TAG_REPLY)
         if refusal:
             self._await_bye(src)

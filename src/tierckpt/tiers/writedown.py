@@ -99,15 +99,16 @@ class _Down:
 
 
 class _FileCopy(_Down):
-    """A tier file copied down (:func:`.copydown.copy_down`); it waits for nothing."""
+    """A tier file copied down (:func:`.copydown.copy_down`); it waits for nothing.
+
+    Its ``start`` is logged when the job is made, in the thread that asks for the copy (:meth:`WriteDown.file`),
+    not when its task first runs: background tasks queue behind the I/O loop's foreground calls, and until
+    the log names a live process copying the file, a commit of the node's other processes takes it for a file
+    whose process is gone and copies it too (:meth:`_CommitDown._check_below`: twice the upload traffic)."""
 
     def __init__(self, writedown: WriteDown, key: str) -> None:
         super().__init__(writedown, key, generation_of(key) or "")
-
-    async def take(self, attempt: int) -> str | None:
-        if not attempt:
-            self.writedown.link.down.append(self.generation, "start", self.key)
-        return await super().take(attempt)
+        writedown.link.down.append(self.generation, "start", key)
 
     async def ready(self, op: str) -> tuple[()]:
         return ()
