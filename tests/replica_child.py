@@ -28,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 
 from tierckpt.layout import COMMIT, CommitRecord, new_generation  # noqa: E402
 from tierckpt.tiers import MemoryConfig, NodeMemory  # noqa: E402
-from tierckpt.tiers import memory as memory_module  # noqa: E402
+from tierckpt.tiers import incoming as incoming_module  # noqa: E402
 from tierckpt.tiers.replica import Replicator  # noqa: E402
 
 URI = "s3://bucket/run/step-7"
@@ -49,12 +49,12 @@ async def write_generation(node: NodeMemory, rank: int, seq: int, generation: st
 
 
 def fail_on_first_chunk(how: str) -> None:
-    def write(self: memory_module.IncomingFile, data: memoryview) -> None:
+    def write(self: incoming_module.IncomingFile, data: memoryview) -> None:
         if how == "kill":
             os._exit(9)
         time.sleep(3600)
 
-    memory_module.IncomingFile.write = write  # type: ignore[method-assign]
+    incoming_module.IncomingFile.write = write  # type: ignore[method-assign]
 
 
 def main() -> None:

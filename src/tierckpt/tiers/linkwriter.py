@@ -10,7 +10,7 @@ import asyncio
 
 from ..backends.base import ObjectWriter
 from .linkview import LinkView
-from .memory import IncomingFile
+from .incoming import IncomingFile
 
 _COPY_CHUNK = 8 << 20
 

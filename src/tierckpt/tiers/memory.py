@@ -45,8 +45,8 @@ from ..metadata import validate_generation
 from .config import DIR_ENV, MemoryConfig
 from .eviction import TierCopy, copy_id
 from . import stamps
+from .incoming import IncomingFile
 from .manifest import FileEntry, Manifest
-from .pagepool import claim
 from ..writeback import ledger
 from ..writeback.ledger import Tier
 from ..writeback.written import CrcWriter, WrittenCrc
@@ -121,91 +121,6 @@ class _CrcWriter(CrcWriter):
         await self._inner.abort()
 
 
-class IncomingFile:
-    """A file arriving in pieces: temp file, CRC on the way, renamed into place by :meth:`publish` (a file
-    this node produces) or checked and renamed by :meth:`finish` (a replica). With its ``size`` known, the
-    temp file is a pooled one of the tier when there is one (:func:`~.pagepool.claim`: its pages are
-    written over, not allocated), cut to that size."""
-
-    def __init__(self, tier: MemoryTier, key: str, size: int | None = None) -> None:
-        self._tier, self._key = tier, key
-        self._path = tier.path_of(key)
-        os.makedirs(os.path.dirname(self._path), exist_ok=True)
-        self._tmp = os.path.join(os.path.dirname(self._path), temp_name(os.path.basename(self._path)))
-        self.reused = size is not None and claim(tier.root, size, self._tmp)
-        """Whether the temp file is a pooled one (written over from its start)."""
-        if self.reused:
-            try:
-                self._file = open(self._tmp, "r+b", buffering=0)
-                self._file.truncate(size)
-            except OSError:
-                self.abort()  # a fresh file instead
-                self.reused = False
-        if not self.reused:
-            self._file = open(self._tmp, "wb", buffering=0)  # unbuffered: a failed write leaves nothing pending
-        self._written = WrittenCrc(tier.uri_of(key), Tier.MEMORY)
-        self.size = 0
-        """Bytes written by the writes that completed (a write the file system refused is not counted)."""
-
-    def use_stated_crc32c(self) -> bool:
-        """Before the first write, for a file this node produces: :meth:`publish` records the CRC-32C its
-        producer states (:meth:`state_crc32c`) instead of one computed here (see :class:`WrittenCrc`)."""
-        return self._written.use_stated()
-
-    def state_crc32c(self, crc32c: int) -> None:
-        self._written.state(crc32c)
-
-    def write(self, data: memoryview) -> None:
-        view = memoryview(data).cast("B")
-        done = 0
-        while done < view.nbytes:
-            done += self._file.write(view[done:])
-        self._written.add(data)
-        self.size += view.nbytes
-
-    @property
-    def tmp_path(self) -> str:
-        """The temp file written so far (the memory link copies it elsewhere when the tier is full)."""
-        return self._tmp
-
-    def publish(self) -> FileEntry:
-        """Publish what was written (a file this node produced, so its own size and CRC-32C are the truth)."""
-        try:
-            entry = self._written.entry()
-        except CheckpointError:
-            self.abort()
-            raise
-        self._place(entry)
-        return entry
-
-    def finish(self, expected: FileEntry) -> None:
-        """Publish the file if it has ``expected`` size and CRC-32C; else discard it and raise."""
-        got = self._written.computed
-        if got != expected:
-            self.abort()
-            if got is None:
-                raise CheckpointError(f"{self._tier.uri}/{self._key}: a replica's CRC-32C must be computed where it arrives")
-            raise CorruptCheckpointError(
-                f"replica of {self._tier.uri}/{self._key} arrived with {got.size} bytes and CRC-32C {got.crc32c:#010x}, "
-                f"its sender recorded {expected.size} bytes and {expected.crc32c:#010x}; it was discarded"
-            )
-        self._place(got)
-
-    def _place(self, entry: FileEntry) -> None:
-        if self.reused:
-            self._file.truncate(entry.size)  # what was written is the whole file
-        self._file.close()
-        os.replace(self._tmp, self._path)
-        self._tier._remember(self._key, entry)
-
-    def abort(self) -> None:
-        file = getattr(self, "_file", None)
-        if file is not None and not file.closed:
-            file.close()
-        if os.path.exists(self._tmp):
-            os.unlink(self._tmp)
-
-
 class MemoryTier(LocalBackend, NodeTier):
     """One checkpoint URI's files in the node memory tier (a backend rooted in its ``objects/``)."""
 
@@ -271,7 +186,7 @@ class MemoryTier(LocalBackend, NodeTier):
     def receive(self, key: str, size: int | None = None) -> IncomingFile:
         """Start writing a replica of ``key`` (of ``size`` bytes, when known: see :class:`IncomingFile`)."""
         self._claim()
-        return IncomingFile(self, key, size)
+        return IncomingFile(self.path_of(key), f"{self.uri}/{key}", WrittenCrc(self.uri_of(key), Tier.MEMORY), self.root, size)
 
     # -- generations and manifests --------------------------------------------------------------------
     def committed(self) -> CommitRecord | None:

@@ -19,7 +19,8 @@ from ..bounded import MAX_RECORD_BYTES, read_capped
 from ..errors import CheckpointError
 from ..layout import COMMIT, CommitRecord
 from .manifest import FileEntry, Manifest
-from .memory import IncomingFile, MemoryTier
+from .incoming import IncomingFile
+from .memory import MemoryTier
 
 
 def buffers(chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:

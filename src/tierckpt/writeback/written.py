@@ -2,7 +2,7 @@
 
 Every link of the engine that lands bytes on the node counts them here: the memory tier's writers
 (:class:`~tierckpt.tiers.memory.MemoryTier`'s, :class:`~tierckpt.tiers.mapped.MappedFile`), replicas
-arriving from a peer (:class:`~tierckpt.tiers.memory.IncomingFile`) and the node disk cache's writer
+arriving from a peer (:class:`~tierckpt.tiers.incoming.IncomingFile`) and the node disk cache's writer
 (:mod:`tierckpt.cache.tiered`). A save's stream may state the CRC instead of having it computed again.
 """
 
