@@ -140,6 +140,13 @@ def race(uri: str, role: int, rounds: int, gates: Path) -> None:
                                  "committed": report.generation, "generations": generations(uri)})
 
 
+def announce(path: Path, text: str) -> None:
+    """Write ``path`` whole at once (a temp file renamed over it): the test polls for it and reads it at once."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def pause(uri: str, value: int, directory: Path, skew_s: float, keep_previous: bool, writing: bool = False) -> None:
     wall = time.time
     time.time = lambda: wall() + skew_s  # this host's clock is off by skew_s
@@ -149,7 +156,7 @@ def pause(uri: str, value: int, directory: Path, skew_s: float, keep_previous: b
         close = local._LocalWriter.close
 
         async def paused_close(self: Any) -> None:
-            (directory / "paused").write_text(Path(self._tmp).parent.parent.name)
+            announce(directory / "paused", Path(self._tmp).parent.parent.name)
             await asyncio.to_thread(wait_for, directory / "go", 120)
             await close(self)
 
@@ -158,7 +165,7 @@ def pause(uri: str, value: int, directory: Path, skew_s: float, keep_previous: b
         original = save_commit._commit
 
         def paused_commit(p: Any, meta: Any, pieces: Any) -> None:
-            (directory / "paused").write_text(p.generation)
+            announce(directory / "paused", p.generation)
             wait_for(directory / "go", timeout_s=120)
             original(p, meta, pieces)
 
