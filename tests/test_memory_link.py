@@ -82,6 +82,37 @@ def status(store: Any) -> Any:
     return get_scheduler().run(store.status())
 
 
+def test_a_files_copy_is_logged_as_started_before_its_task_runs(tmp_path: Path, memdir: Path) -> None:
+    """A file put in the tier is logged as being copied down by this live process when the copy is asked for,
+    not when its background task first runs (which waits behind the I/O loop's other work): until then,
+    another process's commit took it for a file whose process is gone and copied it too."""
+    import threading
+
+    path = str(tmp_path / "ckpt")
+    store = open_store(path, {"memory": mem(memdir)})
+    assert isinstance(store, MemoryLink)
+    generation = layout.new_generation(1)
+    key = f"{generation}/data/rank-00000.bin"
+    sched = get_scheduler()
+    sched.run(memory_tier_of(store).put(key, b"x" * 64))
+    started, release = threading.Event(), threading.Event()
+
+    async def busy() -> None:  # holds the I/O loop's thread: no background task can take a step
+        started.set()
+        release.wait(30)
+
+    blocker = sched.submit(busy())
+    try:
+        assert started.wait(30)
+        store.writedown.file(key)
+        assert key in store.down.state(generation).busy  # logged already, the loop still held
+    finally:
+        release.set()
+        blocker.result(30)
+    sched.run(store.writedown.wait(generation, 30, through_outage=False, commit=False))
+    assert (Path(path) / key).read_bytes() == b"x" * 64
+
+
 # -- round trips ------------------------------------------------------------------------------------
 def test_sync_save_to_a_local_path_commits_in_memory_and_where_the_uri_points(tmp_path: Path, memdir: Path) -> None:
     path = str(tmp_path / "ckpt")
