@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from .call_args import uri_text
 from .convert_report import ConvertReport
 from .convert_safetensors import DEFAULT_MAX_SHARD_BYTES, from_safetensors, to_safetensors
 from .errors import CheckpointError, CheckpointNotFoundError
@@ -55,7 +56,7 @@ from .store import open_store
 __all__ = ["ConvertReport", "DEFAULT_MAX_SHARD_BYTES", "from_dcp", "from_safetensors", "to_dcp", "to_safetensors"]
 
 
-def from_dcp(src: str | os.PathLike[str], uri: str, *, storage_options: Mapping[str, Any] | None = None) -> ConvertReport:
+def from_dcp(src: str | os.PathLike[str], uri: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> ConvertReport:
     """Save a torch.distributed.checkpoint directory as a tierckpt checkpoint, in this process.
 
     Keys are kept, except that an optimizer state dict saved unflattened (settings by group number,
@@ -67,6 +68,7 @@ def from_dcp(src: str | os.PathLike[str], uri: str, *, storage_options: Mapping[
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     _check_one_process("convert --from dcp")
+    uri = uri_text("convert.from_dcp", uri)
     try:
         metadata = dcp.FileSystemReader(str(src)).read_metadata()
     except FileNotFoundError as exc:
@@ -89,7 +91,7 @@ def from_dcp(src: str | os.PathLike[str], uri: str, *, storage_options: Mapping[
 
 
 def to_dcp(
-    uri: str,
+    uri: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     *,
     allow_pickle: bool = False,
@@ -108,6 +110,7 @@ def to_dcp(
     import torch.distributed.checkpoint as dcp
 
     _check_one_process("convert --to dcp")
+    uri = uri_text("convert.to_dcp", uri)
     ckpt = read_checkpoint(open_store(uri, dict(storage_options or {})))
     state: dict[str, Any] = {fqn: torch.empty(t.shape, dtype=t.torch_dtype) for fqn, t in ckpt.tensors.items()}
     skipped = sorted({o.key for o in ckpt.meta.objects if o.codec == "pickle" and not allow_pickle})

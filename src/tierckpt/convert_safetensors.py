@@ -19,6 +19,7 @@ import torch
 
 from . import layout, progress
 from .backends import Backend
+from .call_args import uri_text
 from .convert_report import ConvertReport
 from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import ReadRequest, get_scheduler
@@ -49,7 +50,7 @@ SAFETENSORS_DTYPES = DTYPES
 
 
 def to_safetensors(
-    uri: str,
+    uri: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -63,6 +64,7 @@ def to_safetensors(
     ``config_dir``: a folder with the model's ``config.json`` (and ``generation_config.json``) to write
     next to the weights; without it they come from the checkpoint's ``hf_config`` objects.
     """
+    uri = uri_text("convert.to_safetensors", uri)
     backend = open_store(uri, dict(storage_options or {}))
     ckpt = read_checkpoint(backend, accept_foreign=True)
     backend = reader_of(ckpt).source(backend)
@@ -260,7 +262,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 # -- safetensors -> tierckpt ------------------------------------------------------------------------------
 def from_safetensors(
-    src: str | os.PathLike[str], uri: str, *, prefix: str = "", storage_options: Mapping[str, Any] | None = None
+    src: str | os.PathLike[str], uri: str | os.PathLike[str], *, prefix: str = "", storage_options: Mapping[str, Any] | None = None
 ) -> ConvertReport:
     """Save a safetensors file or Hugging Face folder as a tierckpt checkpoint (``prefix`` is prepended)."""
     try:
@@ -270,6 +272,7 @@ def from_safetensors(
             'reading safetensors needs the "safetensors" package: pip install "tierckpt[hf]"'
         ) from exc
 
+    uri = uri_text("convert.from_safetensors", uri)
     tensors: dict[str, torch.Tensor] = {}
     report = ConvertReport(source=str(src), output=uri, to="tierckpt")
     files = _safetensors_files(Path(src))
