@@ -62,7 +62,8 @@ def from_dcp(src: str | os.PathLike[str], uri: str | os.PathLike[str], *, storag
     Keys are kept, except that an optimizer state dict saved unflattened (settings by group number,
     ``optim.param_groups.0.lr``) is stored as tierckpt stores one: by parameter (see
     :func:`tierckpt.optim_groups.indexed_to_flat`). Unpickles the DCP metadata and byte entries: only for DCP
-    checkpoints you trust.
+    checkpoints you trust. A byte entry that only unpickling reads back (a custom class) is kept as a pickle,
+    with a warning (``save(allow_pickle="warn")``): loading it then needs ``allow_pickle=True``.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -82,7 +83,7 @@ def from_dcp(src: str | os.PathLike[str], uri: str | os.PathLike[str], *, storag
     with _quiet_dcp():
         dcp.load(state, checkpoint_id=str(src), no_dist=True)
     indexed_to_flat(state)
-    save(uri, state, storage_options=storage_options)
+    save(uri, state, storage_options=storage_options, allow_pickle="warn")
     tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
     report = ConvertReport(source=str(src), output=uri, to="tierckpt", files=[uri])
     report.tensors, report.tensor_bytes = len(tensors), sum(t.nbytes for t in tensors)

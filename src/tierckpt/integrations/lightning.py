@@ -80,7 +80,7 @@ class TierckptCheckpointIO(CheckpointIO):
         tensors, structure = split_tensors(checkpoint)
         state: dict[str, Any] = dict(tensors)
         state[STRUCTURE_KEY] = (STRUCTURE_VERSION, structure)  # a tuple: one object entry (a dict would be recursed)
-        save(_uri(path), state, group=SELF, storage_options=options, tags={"saved_by": SAVED_BY_IO})
+        save(_uri(path), state, group=SELF, storage_options=options, tags={"saved_by": SAVED_BY_IO}, allow_pickle=True)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -171,7 +171,7 @@ class TierckptModelParallelStrategy(ModelParallelStrategy):
         tensors, structure = split_tensors(rest)
         live = self._live(optimizers="optimizer_states" in checkpoint)  # not in a weights-only checkpoint
         state: dict[str, Any] = {**tensors, **live, STRUCTURE_KEY: (STRUCTURE_VERSION, structure)}
-        save(uri, state, storage_options=options, tags={"saved_by": SAVED_BY_STRATEGY})
+        save(uri, state, storage_options=options, tags={"saved_by": SAVED_BY_STRATEGY}, allow_pickle=True)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         uri = _uri(self.broadcast(checkpoint_path))
