@@ -84,13 +84,16 @@ def to_safetensors(
     out.mkdir(parents=True, exist_ok=True)
     shards = _shards(names, ckpt.tensors, max_shard_bytes)
     report = ConvertReport(source=uri, output=str(out), to="safetensors")
+    total = sum(ckpt.tensors[f].nbytes for f in names.values())
+    bar = progress.current()
+    if bar is not None:  # tierckpt convert's bar: the tensor bytes read (_read_box counts them)
+        bar.expect(total)
     weight_map: dict[str, str] = {}
     for number, shard in enumerate(shards, 1):
         filename = SAFETENSORS_SINGLE if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         _write_safetensors(backend, ckpt, pieces, [(n, names[n]) for n in shard], out / filename, slab_bytes)
         weight_map.update({n: filename for n in shard})
         report.files.append(filename)
-    total = sum(ckpt.tensors[f].nbytes for f in names.values())
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         _write_atomic(out / SAFETENSORS_INDEX, json.dumps(index, indent=2).encode())

@@ -58,6 +58,7 @@ from .save_snapshot import OpenStream, Snapshot, take_snapshot
 from .save_process import _PROCESS
 from .io.staging import FileStream
 from .save_stream import _stream_direct, _stream_staged
+from .store import durability_of
 
 __all__ = ["IF_BUSY", "LEVELS", "SaveHandle", "async_save", "save"]
 
@@ -123,7 +124,10 @@ def _save(
                      collective_timeout_s, write_back=False, persist=persist, allow_pickle=allow_pickle)
         rank = p.comm.rank
         total = p.plan.file_sizes[rank] if rank < len(p.plan.file_sizes) else None
-        with attached(monitor, f"save {uri}", progress, rank, total=total):
+        # Through a write-back link (node cache, memory tier) the data file lands there first; the save then waits
+        # for its upload, whose pending bytes join the bar (tierckpt.progress).
+        where = " (node tiers, then upload)" if durability_of(p.backend) is not None and persist else ""
+        with attached(monitor, f"save {uri}{where}", progress, rank, total=total):
             with monitor.phase("stage"):
                 stream = p.comm.run_agreed(lambda: _stream_direct(p), f"writing checkpoint {uri!r}")
             meta = _finish(p, stream, p.comm)
