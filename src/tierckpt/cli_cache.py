@@ -57,6 +57,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(doc | {"local_path": local}, indent=1))
     elif local and not levels:
         print(f"{st.uri}: local path; committed: {st.generation}; {LOCAL_PATH_NOTE}")
+        if node_cache["enabled"]:
+            print(f"  {_cache_line(node_cache)}")
     else:
         remote = st.remote_generation or (f"unreadable ({st.remote_error})" if st.remote_error else "nothing")
         print(f"{st.uri}: {st.state or 'nothing committed'}; committed on this node: {st.generation or '-'}; "
@@ -68,8 +70,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  node cache off (TIERCKPT_CACHE={node_cache['setting']}): not opened; uploads that processes with "
                   f"the cache on left pending are not shown (TIERCKPT_CACHE=on tierckpt status {st.uri})")
         else:
-            print(f"  node cache {node_cache['directory']} ({node_cache['directory_reason']}); budget "
-                  f"{format_bytes(node_cache['disk_bytes'])} ({node_cache['disk_bytes_reason']})")
+            print(f"  {_cache_line(node_cache)}")
         for level, reached, detail in levels:
             print(f"  {level:<10} {'yes' if reached else 'no':<3}  {detail}")
         for error in st.errors:
@@ -80,6 +81,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 LOCAL_PATH_NOTE = "local paths are read and written in place, never through the node cache (nothing to upload)"
+
+
+def _cache_line(node_cache: dict[str, Any]) -> str:
+    """This node's cache in one line: where, why there, and its budget."""
+    return (f"node cache {node_cache['directory']} ({node_cache['directory_reason']}); budget "
+            f"{format_bytes(node_cache['disk_bytes'])} ({node_cache['disk_bytes_reason']})")
 
 
 def _node_cache() -> dict[str, Any]:
