@@ -87,10 +87,10 @@ def test_plain_trainer_resume_is_bit_exact_too(tmp_path: Path) -> None:
 
 
 def test_checkpoint_uri_and_save_total_limit(tmp_path: Path) -> None:
-    trainer, _ = make(TierckptTrainer, tmp_path / "out", checkpoint_uri=str(tmp_path / "ckpts"),
+    trainer, _ = make(TierckptTrainer, tmp_path / "out", checkpoint_uri=tmp_path / "ckpts",  # a Path, as a str
                       args={"save_total_limit": 2})
     trainer.train()
-    assert list(checkpoint_steps(str(tmp_path / "ckpts"))) == [9, 10]
+    assert list(checkpoint_steps(tmp_path / "ckpts")) == [9, 10]
     assert sorted(os.listdir(tmp_path / "ckpts")) == ["checkpoint-10", "checkpoint-9"]
     assert not any(n.startswith("checkpoint-") for n in os.listdir(tmp_path / "out"))
 

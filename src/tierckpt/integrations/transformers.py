@@ -61,6 +61,7 @@ except ImportError as exc:
     ) from exc
 
 from .. import layout
+from ..call_args import uri_text
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..io.scheduler import get_scheduler
 from ..loader import load, read_checkpoint
@@ -76,9 +77,9 @@ TRAINER_STATE_KEY = "trainer_state"
 _CHECKPOINT_NAME = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
 
 
-def checkpoint_steps(root_uri: str, storage_options: Mapping[str, Any] | None = None) -> dict[int, str]:
+def checkpoint_steps(root_uri: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> dict[int, str]:
     """Global step -> URI of each committed ``checkpoint-<step>`` directly under ``root_uri``."""
-    root = root_uri.rstrip("/")
+    root = uri_text("checkpoint_steps", root_uri).rstrip("/")
     listed = get_scheduler().run(open_store(root, dict(storage_options or {})).list(""))
     found = {}
     for name in layout.committed_children(listed):
@@ -104,7 +105,7 @@ def plain_checkpoints(run_dir: str) -> dict[int, str]:
     return dict(sorted(found.items()))
 
 
-def latest_checkpoint(root_uri: str, storage_options: Mapping[str, Any] | None = None) -> str | None:
+def latest_checkpoint(root_uri: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> str | None:
     """The URI of the committed ``checkpoint-N`` with the highest N under ``root_uri``, or ``None``."""
     steps = checkpoint_steps(root_uri, storage_options)
     return steps[max(steps)] if steps else None
@@ -133,7 +134,7 @@ class TierckptTrainer(Trainer):
     """
 
     def __init__(
-        self, *args: Any, checkpoint_uri: str | None = None, storage_options: Mapping[str, Any] | None = None,
+        self, *args: Any, checkpoint_uri: str | os.PathLike[str] | None = None, storage_options: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -153,7 +154,7 @@ class TierckptTrainer(Trainer):
                 "push a save_pretrained folder (trainer.save_model(), then trainer.push_to_hub())",
                 stacklevel=2,
             )
-        self.checkpoint_uri = checkpoint_uri
+        self.checkpoint_uri = None if checkpoint_uri is None else uri_text("TierckptTrainer", checkpoint_uri)
         self.storage_options = dict(storage_options or {})
         self._resume: _Resume | None = None
 
