@@ -4,6 +4,9 @@
 ``python lightning_child.py MODE CKPT_DIR OUT MAX_STEPS`` runs one rank of a job on the CPU (gloo),
 its rank environment set as torchrun sets it (``TORCHELASTIC_RUN_ID``, ``RANK``, ``WORLD_SIZE``...): DDP with
 ``TierckptCheckpointIO``, or with ``LIGHTNING_CHILD_STRATEGY=fsdp2`` FSDP2 through ``TierckptModelParallelStrategy``.
+``LIGHTNING_CHILD_HPARAMS=custom``: the FSDP2 module also holds a hyperparameter of a class of its own (only
+unpickling reads it back), printed as ``schedule N`` when a resume loads it; ``LIGHTNING_CHILD_WEIGHTS_ONLY=0``
+constructs the strategy with ``weights_only=False`` and ``=fit`` passes it to ``trainer.fit`` instead.
 MODE:
 
 - ``plain``: train MAX_STEPS steps, no checkpoint;
@@ -58,6 +61,24 @@ class TinyFSDP2Module(TinyModule):
         fully_shard(self.net, mesh=mesh)
 
 
+class Schedule:
+    """A hyperparameter of a class of the user's own: a checkpoint holding it is read back only by unpickling."""
+
+    def __init__(self, step_size: int) -> None:
+        self.step_size = step_size
+
+
+class TinyFSDP2HparamsModule(TinyFSDP2Module):
+    """:class:`TinyFSDP2Module` with a :class:`Schedule` among its hyperparameters; prints the one a resume loads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hparams["schedule"] = Schedule(3)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        print(f"schedule {checkpoint['hyper_parameters']['schedule'].step_size}", flush=True)
+
+
 def loader() -> torch.utils.data.DataLoader:
     """The same random data in every process, unshuffled (Lightning restarts an epoch's loader on resume and
     does not restore the global RNG, so a resume is exact at an epoch's end with a loader whose order does not
@@ -68,7 +89,7 @@ def loader() -> torch.utils.data.DataLoader:
 
 
 def fit(max_steps: int, ckpt_dir: str | None, *, resume: bool = False, init_seed: int = 0, world: int = 1,
-        model_class: type[TinyModule] = TinyModule, **trainer: Any) -> L.Trainer:
+        model_class: type[TinyModule] = TinyModule, weights_only: bool | None = None, **trainer: Any) -> L.Trainer:
     """Train a fresh :class:`TinyModule` (initialised from ``init_seed``, the global seed staying 0: under DDP
     it seeds Lightning's distributed sampler) to ``max_steps`` on ``world`` ranks; with
     ``ckpt_dir``, checkpoint after each epoch's last step (the newest kept, and ``last.ckpt``); ``resume``: from
@@ -86,7 +107,7 @@ def fit(max_steps: int, ckpt_dir: str | None, *, resume: bool = False, init_seed
         **({} if "strategy" in trainer and not isinstance(trainer["strategy"], str) else {"plugins": [TierckptCheckpointIO()]}),
         **trainer,
     )
-    t.fit(model, loader(), ckpt_path="last" if resume else None)
+    t.fit(model, loader(), ckpt_path="last" if resume else None, weights_only=weights_only)
     return t
 
 
@@ -118,8 +139,13 @@ def main() -> None:
     if strategy == "fsdp2":
         from tierckpt.integrations.lightning import TierckptModelParallelStrategy
 
-        extra: dict[str, Any] = {"strategy": TierckptModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
-                                 "model_class": TinyFSDP2Module}
+        weights_only = os.environ.get("LIGHTNING_CHILD_WEIGHTS_ONLY")
+        extra: dict[str, Any] = {
+            "strategy": TierckptModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1,
+                                                      weights_only=False if weights_only == "0" else None),
+            "model_class": TinyFSDP2HparamsModule if os.environ.get("LIGHTNING_CHILD_HPARAMS") == "custom" else TinyFSDP2Module,
+            "weights_only": False if weights_only == "fit" else None,
+        }
     else:
         extra = {"strategy": "ddp"}
     t = fit(max_steps, None if mode == "plain" else ckpt_dir, resume=mode == "resume", init_seed=1 if mode == "resume" else 0,

@@ -341,7 +341,7 @@ def test_objects_stored_once_with_rank_none(uri):
 def test_allow_pickle_gates_custom_objects(uri):
     """A custom class instance loads only with allow_pickle=True; without it, a CheckpointError
     mentions allow_pickle."""
-    tierckpt.save(uri, {"obj": Custom(42), "t": torch.ones(2)})
+    tierckpt.save(uri, {"obj": Custom(42), "t": torch.ones(2)}, allow_pickle=True)
     target = {"obj": None, "t": torch.zeros(2)}
     with pytest.raises(CheckpointError, match="allow_pickle"):
         tierckpt.load(uri, target)
@@ -353,7 +353,7 @@ def test_allow_pickle_gates_custom_objects(uri):
 def test_allow_pickle_refusal_leaves_tensors_untouched(tmp_path):
     """A load refused for want of allow_pickle modifies nothing (like every other refusal)."""
     uri = str(tmp_path / "ckpt")
-    tierckpt.save(uri, {"obj": Custom(1), "t": torch.ones(3)})
+    tierckpt.save(uri, {"obj": Custom(1), "t": torch.ones(3)}, allow_pickle=True)
     target = {"obj": None, "t": torch.zeros(3)}
     with pytest.raises(CheckpointError, match="allow_pickle"):
         tierckpt.load(uri, target)

@@ -196,8 +196,8 @@ def test_sync_with_the_cache_off_writes_the_memory_tier_down_without_it(tmp_path
 def test_status_and_wait_with_the_node_cache_off_open_no_cache(saved: Path, tmp_path: Path, capsys,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """``TIERCKPT_CACHE=off``: ``status`` and ``wait`` never open (nor create) the node cache. ``status``
-    reports the URI's own COMMIT and nothing on this node, saying the cache was not consulted; ``wait``
-    refuses to report "durable" for what it cannot see, as ``sync`` does."""
+    of a local path reports its COMMIT, committed where it is (no node cache is ever consulted for a local
+    path); ``wait`` refuses to report "durable" for what it cannot see, as ``sync`` does."""
     cache_dir = tmp_path / "node-cache"
     monkeypatch.setenv("TIERCKPT_CACHE", "off")
     monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(cache_dir))
@@ -206,11 +206,11 @@ def test_status_and_wait_with_the_node_cache_off_open_no_cache(saved: Path, tmp_
     generation = json.loads((saved / "COMMIT").read_text())["generation"]
     code, doc = _json(["status", str(saved), "--json"], capsys)
     assert code == cli.EXIT_OK
-    assert (doc["generation"], doc["remote_generation"], doc["pending_keys"]) == (None, generation, [])
-    assert doc["node_cache"]["enabled"] is False
+    assert (doc["generation"], doc["remote_generation"], doc["pending_keys"]) == (generation, generation, [])
+    assert doc["node_cache"]["enabled"] is False and doc["node_cache"]["used"] is False and doc["local_path"]
     assert cli.main(["status", str(saved)]) == cli.EXIT_OK
     out = capsys.readouterr().out
-    assert f"committed on the remote: {generation}" in out and "node cache off (TIERCKPT_CACHE=off): not opened" in out
+    assert f"local path; committed: {generation}" in out and "never through the node cache" in out
     assert cli.main(["wait", str(saved)]) == cli.EXIT_ERROR
     err = capsys.readouterr().err
     assert "the node cache is off (TIERCKPT_CACHE=off)" in err and "nothing here to wait for" in err, err

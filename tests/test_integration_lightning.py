@@ -163,20 +163,25 @@ def forks():
 
 
 def _run_ddp(forks: RankForks, mode: str, ckpt_dir: Path, out: Path, max_steps: int, strategy: str,
-             world: int = 2) -> None:
+             world: int = 2, env_extra: dict[str, str] | None = None, fails: bool = False) -> list[Any]:
     """Run ``lightning_child.py`` as ``world`` ranks (torchrun's environment) with ``strategy`` (``ddp`` or
-    ``fsdp2``); fail on a hang or a failed rank."""
+    ``fsdp2``) and ``env_extra``; fail on a hang, or on a failed rank (``fails``: on a rank that did not fail).
+    The ranks' results."""
     port = free_port()
     ranks = []
     for rank in range(world):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1",
                "TORCHELASTIC_RUN_ID": "tierckpt-test", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(world),
-               "LOCAL_WORLD_SIZE": str(world), "LIGHTNING_CHILD_STRATEGY": strategy}
+               "LOCAL_WORLD_SIZE": str(world), "LIGHTNING_CHILD_STRATEGY": strategy, **(env_extra or {})}
         ranks.append(([CHILD, mode, str(ckpt_dir), str(out), str(max_steps)], env))
     results = forks.run(ranks, out.parent, 240, f"Lightning {strategy} {mode}")
     for rank, r in enumerate(results):
-        assert r.returncode == 0 and "done" in r.stdout, f"rank {rank} of {mode}: rc {r.returncode}\n{r.stderr[-3000:]}"
+        if fails:
+            assert r.returncode != 0 and "done" not in r.stdout, f"rank {rank} of {mode} did not fail"
+        else:
+            assert r.returncode == 0 and "done" in r.stdout, f"rank {rank} of {mode}: rc {r.returncode}\n{r.stderr[-3000:]}"
+    return results
 
 
 @pytest.mark.multiproc
@@ -214,3 +219,25 @@ def test_fsdp2_checkpoint_loads_onto_three_ranks(forks: RankForks, tmp_path: Pat
     want = torch.load(tmp_path / "first.0.pt")
     for rank in range(3):
         assert_same(torch.load(tmp_path / f"three.{rank}.pt"), want, f"rank {rank} of 3")
+
+
+@pytest.mark.multiproc
+def test_fsdp2_custom_hyperparameters_resume_with_the_strategys_weights_only(forks: RankForks, tmp_path: Path) -> None:
+    """A hyperparameter of the user's own class is saved by the strategy (as a pickle); Lightning gives the
+    strategy no ``weights_only`` when it restores after setup, so ``fit(..., weights_only=False)`` cannot let
+    the resume read it: the error names the strategy's own ``weights_only=False``, and with it the resume
+    loads the hyperparameter."""
+    ckpt_dir = tmp_path / "ckpt"
+    custom = {"LIGHTNING_CHILD_HPARAMS": "custom"}
+    _run_ddp(forks, "first", ckpt_dir, tmp_path / "first", DDP_STEPS_PER_EPOCH, "fsdp2", env_extra=custom)
+    saved = tierckpt.read_checkpoint(tierckpt.store.open_store(str(ckpt_dir / "last.ckpt")))
+    assert {o.codec for o in saved.meta.objects if o.key == STRUCTURE_KEY} == {"pickle"}
+    for how in ("fit", None):  # fit(weights_only=False) does not reach the strategy; nothing at all
+        env = {**custom, **({"LIGHTNING_CHILD_WEIGHTS_ONLY": how} if how else {})}
+        failed = _run_ddp(forks, "resume", ckpt_dir, tmp_path / "refused", 2 * DDP_STEPS_PER_EPOCH, "fsdp2",
+                          env_extra=env, fails=True)
+        for r in failed:
+            assert "TierckptModelParallelStrategy(..., weights_only=False)" in r.stderr, r.stderr[-3000:]
+    resumed = _run_ddp(forks, "resume", ckpt_dir, tmp_path / "resume", 2 * DDP_STEPS_PER_EPOCH, "fsdp2",
+                       env_extra={**custom, "LIGHTNING_CHILD_WEIGHTS_ONLY": "0"})
+    assert all("schedule 3" in r.stdout for r in resumed)

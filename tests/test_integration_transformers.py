@@ -87,12 +87,29 @@ def test_plain_trainer_resume_is_bit_exact_too(tmp_path: Path) -> None:
 
 
 def test_checkpoint_uri_and_save_total_limit(tmp_path: Path) -> None:
-    trainer, _ = make(TierckptTrainer, tmp_path / "out", checkpoint_uri=str(tmp_path / "ckpts"),
+    trainer, _ = make(TierckptTrainer, tmp_path / "out", checkpoint_uri=tmp_path / "ckpts",  # a Path, as a str
                       args={"save_total_limit": 2})
     trainer.train()
-    assert list(checkpoint_steps(str(tmp_path / "ckpts"))) == [9, 10]
+    assert list(checkpoint_steps(tmp_path / "ckpts")) == [9, 10]
     assert sorted(os.listdir(tmp_path / "ckpts")) == ["checkpoint-10", "checkpoint-9"]
     assert not any(n.startswith("checkpoint-") for n in os.listdir(tmp_path / "out"))
+
+
+def test_save_total_limit_counts_the_plain_trainers_checkpoints_of_a_switched_run(tmp_path: Path) -> None:
+    """A run that wrote plain ``Trainer`` checkpoints (3, 6) and resumes from checkpoint-6 as a
+    ``TierckptTrainer`` with ``save_total_limit=2`` keeps 2 checkpoints in all, as ``Trainer`` would: the plain
+    folders are the oldest and go (they were never pruned); a folder that is no checkpoint stays."""
+    out = tmp_path / "out"
+    plain, _ = make(Trainer, out, args={"save_only_model": False})
+    plain.train()
+    for step in (9, 10):  # the plain run was stopped after checkpoint-6
+        shutil.rmtree(out / f"checkpoint-{step}")
+    (out / "checkpoint-1").mkdir()  # no trainer_state.json: not a checkpoint, never deleted
+    resumed, counter = make(TierckptTrainer, out, args={"save_total_limit": 2})
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-6"))
+    assert counter.steps == [7, 8, 9, 10]
+    assert list(checkpoint_steps(str(out))) == [9, 10]
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-1", "checkpoint-10", "checkpoint-9"]
 
 
 def test_resume_without_a_checkpoint_is_refused(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("drop", "gc", "open_tiered", "prefetch", "status", "sync", "wait"), ".cache_api"),
     **dict.fromkeys(("load", "read_checkpoint", "read_state"), ".loader"),
     "CheckpointManager": ".manager",
+    "inspect": ".cli_reports",
     **dict.fromkeys(("Monitor", "prometheus_text", "straggler_report"), ".monitor"),
     **dict.fromkeys(("SaveHandle", "async_save", "save"), ".saver"),
     **dict.fromkeys(("FlatShardedTensor", "ShardedTensor"), ".sharded"),
@@ -41,7 +42,7 @@ _import = _gc_paused(importlib.import_module)
 __all__ = [
     "CheckpointBusyError", "CheckpointError", "CheckpointManager", "CheckpointNotFoundError", "ChecksumMismatchError", "CollectiveError", "CorruptCheckpointError", "FlatShardedTensor",
     "IncompleteCheckpointError", "MissingFileError", "Monitor", "MultiSourceReader", "RNGState", "ResumableSampler", "ShardedTensor", "SaveHandle", "async_save", "StateMismatchError", "StorageError", "StoragePermissionError",
-    "TransientStorageError", "UnsupportedURIError", "drop", "gc", "load", "open_tiered", "prefetch", "status", "sync", "wait", "prometheus_text", "straggler_report", "read_checkpoint", "read_state", "save",
+    "TransientStorageError", "UnsupportedURIError", "drop", "gc", "inspect", "load", "open_tiered", "prefetch", "status", "sync", "wait", "prometheus_text", "straggler_report", "read_checkpoint", "read_state", "save",
 ]
 
 
@@ -67,6 +68,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from .cache_api import drop, gc, open_tiered, prefetch, status, sync, wait
+    from .cli_reports import inspect
     from .loader import load, read_checkpoint, read_state
     from .manager import CheckpointManager
     from .monitor import Monitor, prometheus_text, straggler_report

@@ -18,32 +18,37 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 
 from . import layout
 from .backends import Backend
-from .call_args import merged_options
+from .call_args import merged_options, uri_text
 from .bounded import MAX_RECORD_BYTES
 from .cache.config import CacheConfig
+from .writeback.levels import Level
 from .writeback.status import StoreStatus
 from .cache.tiered import TieredBackend
 from .errors import CheckpointError, CheckpointNotFoundError, TransientStorageError
 from .io.scheduler import get_scheduler
 from .loader import read_checkpoint, read_pieces
 from .progress import ByteProgress, wanted
-from .store import durability_of, memory_config_held, open_cached_store, open_durable_chain, open_store, uploader_of
+from .store import (
+    durability_of, memory_config_held, open_cached_store, open_durable_chain, open_store, read_in_place, uploader_of,
+)
 from .tiers.config import MemoryConfig
 from .tiers.downlog import DownLog
 from .tiers.nodememory import NodeMemory
 
-def open_tiered(uri: str, config: CacheConfig | None = None, *, storage_options: Mapping[str, Any] | None = None,
+def open_tiered(uri: str | os.PathLike[str], config: CacheConfig | None = None, *, storage_options: Mapping[str, Any] | None = None,
                 **options_kw: Any) -> Backend:
     """The store for ``uri`` (:func:`~tierckpt.store.open_store`), with ``config`` as its node cache.
 
     Every function of this module takes the storage options as ``storage_options=`` (as ``save``/``load``
     do) or, as before, as keyword arguments."""
+    uri = uri_text("open_tiered", uri)
     options = merged_options("open_tiered", storage_options, options_kw)
     if config is not None:
         options["cache"] = config
@@ -59,7 +64,7 @@ def _tiered(uri: str, config: CacheConfig | None, storage_options: dict[str, Any
     return open_cached_store(uri, options, config)
 
 
-def status(uri: str, config: CacheConfig | None = None, *, storage_options: Mapping[str, Any] | None = None,
+def status(uri: str | os.PathLike[str], config: CacheConfig | None = None, *, storage_options: Mapping[str, Any] | None = None,
            **options_kw: Any) -> StoreStatus:
     """Where the checkpoint at ``uri`` stands on this node and on the remote: the generation committed
     on each, what is still pending upload, and the upload errors; with the node memory tier (see
@@ -67,14 +72,25 @@ def status(uri: str, config: CacheConfig | None = None, *, storage_options: Mapp
 
     With the node cache off (``TIERCKPT_CACHE=off``, ``config`` with ``enabled=False``, or the storage
     option ``cache=False``) the cache is not opened: without a memory tier holding ``uri``, nothing is
-    committed or pending on this node, and the remote's ``COMMIT`` is read as it is."""
+    committed or pending on this node, and the remote's ``COMMIT`` is read as it is.
+
+    A local path (or ``file://``) never goes through the node cache, so it is not opened: the path is where
+    the checkpoint is durable (its "remote", in the fields' terms), and what its ``COMMIT`` names is both
+    ``generation`` and ``remote_generation``, at level ``remote`` (``durable``), with nothing pending."""
+    uri = uri_text("status", uri)
     options = merged_options("status", storage_options, options_kw)
-    chain = open_durable_chain(uri, options, _cache_config(config, options))
+    cache = CacheConfig.from_env(enabled=False) if read_in_place(uri) else _cache_config(config, options)
+    chain = open_durable_chain(uri, options, cache)
     durable = durability_of(chain)
-    return get_scheduler().run(durable.status() if durable is not None else _remote_status(uri, chain))
+    if durable is not None:
+        return get_scheduler().run(durable.status())
+    found = get_scheduler().run(_remote_status(uri, chain))
+    if read_in_place(uri) and found.remote_generation is not None:  # committed where it is, nothing to upload
+        return dataclasses.replace(found, generation=found.remote_generation, state=Level.REMOTE)
+    return found
 
 
-def wait(uri: str, timeout_s: float | None = None, config: CacheConfig | None = None, *,
+def wait(uri: str | os.PathLike[str], timeout_s: float | None = None, config: CacheConfig | None = None, *,
          storage_options: Mapping[str, Any] | None = None, **options_kw: Any) -> None:
     """Block until everything written to ``uri`` through the node cache is on the remote (COMMIT last).
 
@@ -85,6 +101,7 @@ def wait(uri: str, timeout_s: float | None = None, config: CacheConfig | None = 
     is nothing on this node to wait for (never a silent "durable" while a cache-on process may have left
     uploads pending).
     """
+    uri = uri_text("wait", uri)
     options = merged_options("wait", storage_options, options_kw)
     durable = durability_of(open_durable_chain(uri, options, _cache_config(config, options)))
     if durable is None:
@@ -97,7 +114,7 @@ def wait(uri: str, timeout_s: float | None = None, config: CacheConfig | None = 
     get_scheduler().run(durable.wait_durable(None, timeout_s))
 
 
-def sync(uri: str | None = None, config: CacheConfig | None = None, timeout_s: float | None = None, *,
+def sync(uri: str | os.PathLike[str] | None = None, config: CacheConfig | None = None, timeout_s: float | None = None, *,
          storage_options: Mapping[str, Any] | None = None, **options_kw: Any) -> list[str]:
     """Resume the uploads the catalogue records as pending and the write-downs the node memory tier
     holds (for ``uri``, or every store of the node) and wait for them; returns the URIs synced. A
@@ -110,6 +127,7 @@ def sync(uri: str | None = None, config: CacheConfig | None = None, timeout_s: f
 
     ``storage_options`` open every remote (credentials are never stored in the catalogue).
     """
+    uri = None if uri is None else uri_text("sync", uri)
     options = merged_options("sync", storage_options, options_kw)
     setting = _setting(config)
     config = config or CacheConfig.from_env()
@@ -196,10 +214,11 @@ def _memory_only() -> list[str]:
     return out
 
 
-def drop(uri: str, config: CacheConfig | None = None, *, storage_options: Mapping[str, Any] | None = None,
+def drop(uri: str | os.PathLike[str], config: CacheConfig | None = None, *, storage_options: Mapping[str, Any] | None = None,
          **options_kw: Any) -> list[str]:
     """Discard the uploads pending from this node to ``uri`` (a mistyped bucket, a store given up on);
     returns the keys dropped. What they held stays readable in the node cache until evicted."""
+    uri = uri_text("drop", uri)
     config = _enabled(config, "drop", uri)
     return get_scheduler().run(_tiered(uri, config, merged_options("drop", storage_options, options_kw)).drop_pending())
 
@@ -219,12 +238,16 @@ def _enabled(config: CacheConfig | None, call: str, uri: str) -> CacheConfig:
 
 
 class PrefetchHandle:
-    """A background prefetch: ``result(timeout)``, ``done()``, ``cancel()``, ``bytes_done``/``bytes_total``."""
+    """A background prefetch: ``result(timeout)``, ``done()``, ``cancel()``, ``bytes_done``/``bytes_total``.
 
-    def __init__(self, future: concurrent.futures.Future[int], total: int, progress: Any) -> None:
+    ``in_place``: the URI is read where it is (a local path, ``file://``, ``memory://``), so nothing is copied
+    into the node cache and ``result()`` is 0."""
+
+    def __init__(self, future: concurrent.futures.Future[int], total: int, progress: Any, *, in_place: bool = False) -> None:
         self._future = future
         self.bytes_total = total
         self.bytes_done = 0
+        self.in_place = in_place
         self._progress = progress
         self._lock = threading.Lock()
 
@@ -249,9 +272,13 @@ class PrefetchHandle:
         return self._future.cancel()
 
 
-def prefetch(uri: str, only: Sequence[str] | None = None, progress: bool | None = None, config: CacheConfig | None = None, *,
+def prefetch(uri: str | os.PathLike[str], only: Sequence[str] | None = None, progress: bool | None = None, config: CacheConfig | None = None, *,
              storage_options: Mapping[str, Any] | None = None, **options_kw: Any) -> PrefetchHandle:
     """Pull the committed checkpoint at ``uri`` into the node cache in the background.
+
+    A local path (or ``file://``, ``memory://``) never goes through the node cache: its loads read it in
+    place, so nothing is copied; the checkpoint's metadata is still read (a missing one raises) and the
+    handle, already done, says ``in_place``.
 
     With ``only`` (fqn glob patterns such as ``"model.layers.0.*"``) only the metadata, the object
     files and the byte ranges of the matching tensors' pieces are fetched. The metadata is read
@@ -259,9 +286,16 @@ def prefetch(uri: str, only: Sequence[str] | None = None, progress: bool | None 
     handle to wait for it (a process that exits first has fetched only the metadata). ``progress``: a
     progress bar on stderr (``None``: when stderr is a terminal; :func:`tierckpt.progress.wanted`).
     """
+    uri = uri_text("prefetch", uri)
     if isinstance(only, str):
         only = [only]
-    backend = _tiered(uri, config, merged_options("prefetch", storage_options, options_kw))
+    options = merged_options("prefetch", storage_options, options_kw)
+    if read_in_place(uri):
+        read_checkpoint(open_store(uri, options))
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        done.set_result(0)
+        return PrefetchHandle(done, 0, None, in_place=True)
+    backend = _tiered(uri, config, options)
     sched = get_scheduler()
     ckpt = read_checkpoint(backend)
     gen = ckpt.meta.generation
@@ -315,7 +349,7 @@ class GcResult:
     """Nothing was deleted: ``deleted`` and ``leftovers`` are what would have been."""
 
 
-def gc(root: str, keep_last: int | None = None, keep_every: int | None = None, *, dry_run: bool = False,
+def gc(root: str | os.PathLike[str], keep_last: int | None = None, keep_every: int | None = None, *, dry_run: bool = False,
        config: CacheConfig | None = None, storage_options: Mapping[str, Any] | None = None,
        **options_kw: Any) -> GcResult:
     """Retention over ``root``: a directory whose children are checkpoints (``<root>/step-100/COMMIT``).
@@ -328,6 +362,7 @@ def gc(root: str, keep_last: int | None = None, keep_every: int | None = None, *
     (:func:`tierckpt.layout.superseded_generations`: decided by commit sequence, never by a clock, so
     a save in flight keeps its generation). ``dry_run`` reports without deleting.
     """
+    root = uri_text("gc", root)
     if keep_last is None and keep_every is None:
         raise CheckpointError(
             f"gc({root!r}) deletes nothing without a keep policy: pass keep_last=N (CLI: --keep-last N) to keep "

@@ -10,13 +10,27 @@ from typing import Any
 from .errors import CheckpointError
 
 
-def checked_uri(call: str, uri: Any, state: Any) -> str:
-    """``uri`` as a string (a path object is accepted); :func:`tierckpt.save` and :func:`tierckpt.load`
-    take the URI first, where ``torch.save(obj, f)`` takes the object first, so that order is named."""
+def uri_text(call: str, uri: str | os.PathLike[str]) -> str:
+    """``uri`` as the string every store takes: a ``str`` as it is, a path object (``pathlib.Path``, any
+    ``os.PathLike``) as its path. Every public call that takes a URI (``load``, ``read_state``, ``inspect``,
+    ``verify``, ``status``, ``prefetch``, ``convert``...) passes it through here first, so a ``Path`` works
+    wherever a string does; anything else is a :class:`~tierckpt.errors.CheckpointError` naming ``call``."""
     if isinstance(uri, os.PathLike):
         uri = os.fspath(uri)
-    if isinstance(uri, str):
-        return uri
+    if isinstance(uri, bytes):
+        raise CheckpointError(f"tierckpt.{call}: the URI must be a str or a path object, got bytes {uri!r}; "
+                              "decode it first (os.fsdecode)")
+    if not isinstance(uri, str):
+        raise CheckpointError(f"tierckpt.{call}: the URI must be a str or a path object (a path or e.g. "
+                              f"'s3://bucket/run'), got {type(uri).__name__}")
+    return uri
+
+
+def checked_uri(call: str, uri: Any, state: Any) -> str:
+    """``uri`` as a string (:func:`uri_text`); :func:`tierckpt.save` and :func:`tierckpt.load` take the URI
+    first, where ``torch.save(obj, f)`` takes the object first, so that order is named."""
+    if isinstance(uri, (str, os.PathLike)):
+        return uri_text(call, uri)
     if isinstance(state, (str, os.PathLike)):
         raise CheckpointError(
             f"tierckpt.{call} got the state where the URI goes: the URI comes first: tierckpt.{call}(uri, state) "

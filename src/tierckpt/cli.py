@@ -51,7 +51,7 @@ from .cli_exit import (
     ERROR_EXIT_CODES, EXIT_CORRUPT, EXIT_DIVERGED, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_NOT_FOUND, EXIT_OK,
     EXIT_UNREACHABLE, EXIT_USAGE, exit_code,
 )
-from .cli_reports import describe, list_checkpoints, render_inspect, render_ls, render_stats, save_stats
+from .cli_reports import describe, inspect, list_checkpoints, render_inspect, render_ls, render_stats, save_stats
 from .errors import CheckpointError
 
 __all__ = [
@@ -106,13 +106,7 @@ def _add_inspect(subparsers: Any) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a checkpoint's contents as a table or as JSON."""
-    from .store import open_store
-    from .loader import read_checkpoint, read_pieces
-
-    backend = open_store(args.uri)
-    ckpt = read_checkpoint(backend, accept_foreign=True)
-    pieces = read_pieces(backend, ckpt)
-    summary = describe(args.uri, ckpt, pieces, with_pieces=args.pieces)
+    summary = inspect(args.uri, pieces=args.pieces)
     print(json.dumps(summary, indent=1) if args.json else render_inspect(summary))
     return EXIT_OK
 

@@ -18,6 +18,7 @@ from .cache.config import CacheConfig
 from .cli_deadline import add_timeout
 from .errors import CheckpointError, CheckpointNotFoundError, StorageUnreachableError
 from .monitor import format_bytes
+from .store import read_in_place
 
 
 def _add_status(subparsers: Any) -> None:
@@ -46,24 +47,30 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
         raise CheckpointNotFoundError(f"no checkpoint at {args.uri!r}: nothing committed, and nothing pending upload from this node")
     levels = st.levels()  # with the node memory tier: each level (none without it)
-    node_cache = _node_cache()
+    local = read_in_place(args.uri)  # the checkpoint is where the path points: no remote, no node cache
+    node_cache = _node_cache() | ({"used": False, "reason": LOCAL_PATH_NOTE} if local else {"used": True})
     doc = dataclasses.asdict(st) | {
         "durable": st.durable, "committed_on_node": st.committed_on_node, "committed_on_remote": st.committed_on_remote,
         "node_cache": node_cache,
     } | ({"levels": levels} if levels else {})
     if args.json:
-        print(json.dumps(doc, indent=1))
+        print(json.dumps(doc | {"local_path": local}, indent=1))
+    elif local and not levels:
+        print(f"{st.uri}: local path; committed: {st.generation}; {LOCAL_PATH_NOTE}")
+        if node_cache["enabled"]:
+            print(f"  {_cache_line(node_cache)}")
     else:
         remote = st.remote_generation or (f"unreadable ({st.remote_error})" if st.remote_error else "nothing")
         print(f"{st.uri}: {st.state or 'nothing committed'}; committed on this node: {st.generation or '-'}; "
               f"committed on the remote: {remote}; {len(st.pending_keys)} object(s) / {st.pending_bytes} bytes "
               "pending upload")
-        if not node_cache["enabled"]:
+        if local:
+            print(f"  {LOCAL_PATH_NOTE}")
+        elif not node_cache["enabled"]:
             print(f"  node cache off (TIERCKPT_CACHE={node_cache['setting']}): not opened; uploads that processes with "
                   f"the cache on left pending are not shown (TIERCKPT_CACHE=on tierckpt status {st.uri})")
         else:
-            print(f"  node cache {node_cache['directory']} ({node_cache['directory_reason']}); budget "
-                  f"{format_bytes(node_cache['disk_bytes'])} ({node_cache['disk_bytes_reason']})")
+            print(f"  {_cache_line(node_cache)}")
         for level, reached, detail in levels:
             print(f"  {level:<10} {'yes' if reached else 'no':<3}  {detail}")
         for error in st.errors:
@@ -71,6 +78,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         if st.errors:
             print(f"  fix the remote, then: tierckpt sync {st.uri}   (or discard: tierckpt sync --drop {st.uri})")
     return 1 if st.errors else 0
+
+
+LOCAL_PATH_NOTE = "local paths are read and written in place, never through the node cache (nothing to upload)"
+
+
+def _cache_line(node_cache: dict[str, Any]) -> str:
+    """This node's cache in one line: where, why there, and its budget."""
+    return (f"node cache {node_cache['directory']} ({node_cache['directory_reason']}); budget "
+            f"{format_bytes(node_cache['disk_bytes'])} ({node_cache['disk_bytes_reason']})")
 
 
 def _node_cache() -> dict[str, Any]:
@@ -143,8 +159,12 @@ def _add_prefetch(subparsers: Any) -> None:
 
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
-    nbytes = cache.prefetch(args.uri, only=args.only, progress=progress.command_wants(args)).result()
-    print(f"{args.uri}: {nbytes} bytes in the node cache")
+    handle = cache.prefetch(args.uri, only=args.only, progress=progress.command_wants(args))
+    nbytes = handle.result()
+    if handle.in_place:
+        print(f"{args.uri}: nothing to prefetch: {LOCAL_PATH_NOTE}; loads read it where it is")
+    else:
+        print(f"{args.uri}: {nbytes} bytes in the node cache")
     return 0
 
 

@@ -7,10 +7,13 @@ another, so a script and a person read the same facts. The command wiring is in 
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import layout
+from .call_args import uri_text
+from .deadline import bounded
 from .errors import CheckpointError, CheckpointNotFoundError, StorageUnreachableError
 from .layout import Found
 from .monitor import ranks_from_timings, straggler_report
@@ -72,6 +75,22 @@ def describe(uri: str, ckpt: Checkpoint, pieces: dict[str, list[PieceMeta]], wit
         "tensors": tensors,
         "objects": objects,
     }
+
+
+@bounded("inspect")
+def inspect(uri: str | os.PathLike[str], *, pieces: bool = False,
+            storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What the checkpoint at ``uri`` holds (tensors, objects, files, totals, who saved it), as the JSON-ready
+    document ``tierckpt inspect URI --json`` prints (``pieces=True``: ``--pieces``, every saved piece of every
+    tensor). A torch DCP directory, a safetensors folder or a DeepSpeed checkpoint is described too, read in
+    place. Reads only metadata; runs in this process alone (no collective)."""
+    from .loader import read_checkpoint, read_pieces
+    from .store import open_store
+
+    uri = uri_text("inspect", uri)
+    backend = open_store(uri, dict(storage_options or {}))
+    ckpt = read_checkpoint(backend, accept_foreign=True)
+    return describe(uri, ckpt, read_pieces(backend, ckpt), with_pieces=pieces)
 
 
 def render_inspect(summary: dict[str, Any]) -> str:

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from .call_args import uri_text
 from .convert_report import ConvertReport
 from .convert_safetensors import DEFAULT_MAX_SHARD_BYTES, from_safetensors, to_safetensors
 from .errors import CheckpointError, CheckpointNotFoundError
@@ -55,18 +56,20 @@ from .store import open_store
 __all__ = ["ConvertReport", "DEFAULT_MAX_SHARD_BYTES", "from_dcp", "from_safetensors", "to_dcp", "to_safetensors"]
 
 
-def from_dcp(src: str | os.PathLike[str], uri: str, *, storage_options: Mapping[str, Any] | None = None) -> ConvertReport:
+def from_dcp(src: str | os.PathLike[str], uri: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> ConvertReport:
     """Save a torch.distributed.checkpoint directory as a tierckpt checkpoint, in this process.
 
     Keys are kept, except that an optimizer state dict saved unflattened (settings by group number,
     ``optim.param_groups.0.lr``) is stored as tierckpt stores one: by parameter (see
     :func:`tierckpt.optim_groups.indexed_to_flat`). Unpickles the DCP metadata and byte entries: only for DCP
-    checkpoints you trust.
+    checkpoints you trust. A byte entry that only unpickling reads back (a custom class) is kept as a pickle,
+    with a warning (``save(allow_pickle="warn")``): loading it then needs ``allow_pickle=True``.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     _check_one_process("convert --from dcp")
+    uri = uri_text("convert.from_dcp", uri)
     try:
         metadata = dcp.FileSystemReader(str(src)).read_metadata()
     except FileNotFoundError as exc:
@@ -80,7 +83,7 @@ def from_dcp(src: str | os.PathLike[str], uri: str, *, storage_options: Mapping[
     with _quiet_dcp():
         dcp.load(state, checkpoint_id=str(src), no_dist=True)
     indexed_to_flat(state)
-    save(uri, state, storage_options=storage_options)
+    save(uri, state, storage_options=storage_options, allow_pickle="warn")
     tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
     report = ConvertReport(source=str(src), output=uri, to="tierckpt", files=[uri])
     report.tensors, report.tensor_bytes = len(tensors), sum(t.nbytes for t in tensors)
@@ -89,7 +92,7 @@ def from_dcp(src: str | os.PathLike[str], uri: str, *, storage_options: Mapping[
 
 
 def to_dcp(
-    uri: str,
+    uri: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     *,
     allow_pickle: bool = False,
@@ -108,6 +111,7 @@ def to_dcp(
     import torch.distributed.checkpoint as dcp
 
     _check_one_process("convert --to dcp")
+    uri = uri_text("convert.to_dcp", uri)
     ckpt = read_checkpoint(open_store(uri, dict(storage_options or {})))
     state: dict[str, Any] = {fqn: torch.empty(t.shape, dtype=t.torch_dtype) for fqn, t in ckpt.tensors.items()}
     skipped = sorted({o.key for o in ckpt.meta.objects if o.codec == "pickle" and not allow_pickle})

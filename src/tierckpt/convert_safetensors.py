@@ -19,6 +19,7 @@ import torch
 
 from . import layout, progress
 from .backends import Backend
+from .call_args import uri_text
 from .convert_report import ConvertReport
 from .errors import CheckpointError, CheckpointNotFoundError
 from .io.scheduler import ReadRequest, get_scheduler
@@ -49,7 +50,7 @@ SAFETENSORS_DTYPES = DTYPES
 
 
 def to_safetensors(
-    uri: str,
+    uri: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -63,6 +64,7 @@ def to_safetensors(
     ``config_dir``: a folder with the model's ``config.json`` (and ``generation_config.json``) to write
     next to the weights; without it they come from the checkpoint's ``hf_config`` objects.
     """
+    uri = uri_text("convert.to_safetensors", uri)
     backend = open_store(uri, dict(storage_options or {}))
     ckpt = read_checkpoint(backend, accept_foreign=True)
     backend = reader_of(ckpt).source(backend)
@@ -82,13 +84,16 @@ def to_safetensors(
     out.mkdir(parents=True, exist_ok=True)
     shards = _shards(names, ckpt.tensors, max_shard_bytes)
     report = ConvertReport(source=uri, output=str(out), to="safetensors")
+    total = sum(ckpt.tensors[f].nbytes for f in names.values())
+    bar = progress.current()
+    if bar is not None:  # tierckpt convert's bar: the tensor bytes read (_read_box counts them)
+        bar.expect(total)
     weight_map: dict[str, str] = {}
     for number, shard in enumerate(shards, 1):
         filename = SAFETENSORS_SINGLE if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         _write_safetensors(backend, ckpt, pieces, [(n, names[n]) for n in shard], out / filename, slab_bytes)
         weight_map.update({n: filename for n in shard})
         report.files.append(filename)
-    total = sum(ckpt.tensors[f].nbytes for f in names.values())
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         _write_atomic(out / SAFETENSORS_INDEX, json.dumps(index, indent=2).encode())
@@ -260,7 +265,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 # -- safetensors -> tierckpt ------------------------------------------------------------------------------
 def from_safetensors(
-    src: str | os.PathLike[str], uri: str, *, prefix: str = "", storage_options: Mapping[str, Any] | None = None
+    src: str | os.PathLike[str], uri: str | os.PathLike[str], *, prefix: str = "", storage_options: Mapping[str, Any] | None = None
 ) -> ConvertReport:
     """Save a safetensors file or Hugging Face folder as a tierckpt checkpoint (``prefix`` is prepended)."""
     try:
@@ -270,6 +275,7 @@ def from_safetensors(
             'reading safetensors needs the "safetensors" package: pip install "tierckpt[hf]"'
         ) from exc
 
+    uri = uri_text("convert.from_safetensors", uri)
     tensors: dict[str, torch.Tensor] = {}
     report = ConvertReport(source=str(src), output=uri, to="tierckpt")
     files = _safetensors_files(Path(src))

@@ -130,6 +130,8 @@ def load_generation(
     with monitor.phase("plan"):
         assert mine is not None
         plan = agree_rounds(mine, shares, ckpt.tensors)
+        if monitor.progress is not None:  # the bar's total: the bytes this rank reads (counted as bytes_read)
+            monitor.progress.expect(sum(u.nbytes for u in plan.units if u.reader == comm.rank))
         if local.active:
             monitor.count("bytes_read_memory", sum(u.nbytes for u in plan.units if u.reader == comm.rank and local.here(u.file)))
         _log_routes(plan, topo, comm.rank, monitor)

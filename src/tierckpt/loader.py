@@ -47,12 +47,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from .backends import Backend
 from .backends.base import NodeTier
-from .call_args import checked_uri
+from .call_args import checked_uri, uri_text
 from .checkpoint_reader import Checkpoint
 from .comm import Comm, Group
 from .errors import CheckpointBusyError, CheckpointError, CollectiveError, MissingFileError, StateMismatchError
@@ -235,13 +236,14 @@ def load(
             return state
 
 
-def read_state(uri: str, *, storage_options: Mapping[str, Any] | None = None, **options: Any) -> dict[str, Any]:
+def read_state(uri: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None, **options: Any) -> dict[str, Any]:
     """The checkpoint at ``uri`` as a nested dict of full CPU tensors and decoded objects, nested as it
     was saved (:mod:`tierckpt.nested`): a template-free load, for tools that have no state to fill.
 
     A collective like :func:`load`, whose other arguments it takes (``group``, ``allow_pickle``,
     ``verify``...): in a process group every rank calls it and gets the whole state.
     """
+    uri = uri_text("read_state", uri)
     backend = open_store(uri, dict(storage_options or {}))
     ckpt = read_checkpoint(backend, accept_foreign=not options.get("verify", False))
     flat = template_of(ckpt)

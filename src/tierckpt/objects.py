@@ -2,8 +2,9 @@
 
 Objects are written with ``torch.save`` and read with ``torch.load(weights_only=True)``, which only
 rebuilds plain containers, numbers, strings and tensors — it cannot run code. An object that needs
-full unpickling (a custom class) is marked ``pickle`` at save time and is only read when the caller
-passes ``allow_pickle=True``.
+full unpickling (a custom class) is refused at save time unless the saver passes ``allow_pickle``
+(:func:`refuse_pickles`: the error names its key and type, and the fix); then it is marked ``pickle`` and
+only read when the loader passes ``allow_pickle=True`` too.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import functools
 import io
 import math
 import pickle
-from typing import Any
+import warnings
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 
@@ -65,6 +68,56 @@ def encode_object(value: Any) -> tuple[bytes, str]:
         raise CheckpointError(f"cannot serialize object of type {type(value).__name__}: {exc}") from exc
     data = buf.getvalue()
     return data, codec_of(data)
+
+
+AllowPickle = bool | Literal["warn"]
+"""``save(allow_pickle=)``: ``False`` refuses objects that need pickle, ``"warn"`` saves them with a warning,
+``True`` saves them."""
+
+
+def refuse_pickles(uri: str, values: Mapping[str, Any], codecs: Mapping[str, str], allow_pickle: AllowPickle) -> None:
+    """Raise (``allow_pickle=False``) or warn (``"warn"``) about the objects of ``values`` whose codec (in
+    ``codecs``) is ``pickle``, naming each key, the type that needs unpickling and the fix: a checkpoint
+    holding them loads only with ``load(..., allow_pickle=True)``, so refusing them here says so at save
+    time, not at the first load."""
+    if allow_pickle not in (True, False, "warn"):
+        raise CheckpointError(f"save to {uri!r}: allow_pickle={allow_pickle!r}: pass False (refuse objects that need "
+                              "pickle), True (store them as pickles) or 'warn' (store them, with a warning)")
+    pickled = sorted(key for key, codec in codecs.items() if codec == "pickle")
+    if not pickled or allow_pickle is True:
+        return
+    named = "; ".join(f"{key!r} ({_pickled_part(values[key])})" for key in pickled[:5])
+    more = f" and {len(pickled) - 5} more" if len(pickled) > 5 else ""
+    load_needs = ("a load reads it back only with load(..., allow_pickle=True), which can run code, so only from "
+                  "checkpoints you trust")
+    if allow_pickle == "warn":
+        warnings.warn(f"save to {uri!r}: saved as pickle: {named}{more}; {load_needs}", UserWarning, stacklevel=2)
+        return
+    raise CheckpointError(
+        f"save to {uri!r}: object {named}{more} can only be saved as a pickle ({load_needs}). Save it as plain "
+        "data instead (numbers, strings, lists, dicts, tensors: e.g. dataclasses.asdict(obj), vars(obj), "
+        "obj.state_dict()), or pass allow_pickle=True to save (allow_pickle='warn' to be warned) to store it as a pickle"
+    )
+
+
+def _pickled_part(value: Any, path: str = "") -> str:
+    """``type`` of what in ``value`` needs unpickling, with where it sits inside a container (``[2]``, ``['cfg']``)."""
+    items: list[tuple[str, Any]] = []
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        items = [(f"[{i}]", v) for i, v in enumerate(value)]
+    elif type(value) is dict:
+        items = [(f"[{k!r}]", v) for k, v in value.items()]
+    for where, item in items:
+        if _plain_key(item) is None and codec_of(_torch_bytes(item)) == "pickle":
+            return _pickled_part(item, path + where)
+    kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+    return f"type {kind} at {path}" if path else f"type {kind}"
+
+
+def _torch_bytes(value: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
 
 
 def codec_of(data: bytes) -> str:

@@ -6,8 +6,13 @@ One :class:`ByteProgress` is shown at a time per process (:func:`shown`). It is 
   and a save's data file chunks as they are written; a monitor created while a bar is shown reports to
   it, so a command that saves or loads through several calls (``tierckpt convert``) gets one bar without
   passing it around;
-* the node cache's durability waits (``wait``/``sync``), which report the bytes still pending upload
-  (:meth:`ByteProgress.remaining`).
+* the node cache's durability waits (``wait``/``sync``, and a synchronous save's wait for its upload), which
+  report the bytes still pending upload (:meth:`ByteProgress.remaining`).
+
+Every bar has a total: each call announces what it will move before moving it (:meth:`ByteProgress.expect`: a
+load the bytes this rank reads, once planned; a save this rank's data file; ``convert`` the tensor bytes it
+reads), and a wait for uploads adds what is pending. A command made of several calls (``tierckpt convert``)
+draws one bar whose total is the sum of theirs.
 
 The terminal is redrawn at most every :data:`REFRESH_S` seconds, so a hot loop pays a lock and a clock
 read per call. Whether a bar is wanted (:func:`wanted`): an explicit flag wins; otherwise
@@ -58,6 +63,8 @@ class ByteProgress:
         self.desc = desc
         self.total = total
         self.done = 0
+        self._moved = 0  # bytes counted by add()
+        self._expected = total  # bytes announced by expect() (None: nothing announced)
         self._lock = threading.Lock()
         self._next = 0.0
         self._pending: dict[str, tuple[int, int]] = {}  # store -> (bytes pending when first seen, now)
@@ -76,16 +83,14 @@ class ByteProgress:
     def add(self, nbytes: int) -> None:
         """Count ``nbytes`` more moved."""
         with self._lock:
-            self.done += nbytes
-            self._maybe_draw()
+            self._moved += nbytes
+            self._recount()
 
-    def set_total(self, total: int) -> None:
-        """The bytes the call will move, once known."""
+    def expect(self, nbytes: int) -> None:
+        """A call will move ``nbytes`` more: they join the total (the calls of one command add up)."""
         with self._lock:
-            self.total = total
-            if self._bar is not None:
-                self._bar.total = total
-            self._maybe_draw()
+            self._expected = (self._expected or 0) + nbytes
+            self._recount()
 
     def remaining(self, store: str, nbytes: int) -> None:
         """``store`` has ``nbytes`` left to move (an upload queue): the first report of a store adds to the
@@ -94,11 +99,16 @@ class ByteProgress:
             first, _ = self._pending.get(store, (nbytes, nbytes))
             first = max(first, nbytes)  # new writes joined the queue: more to move
             self._pending[store] = (first, nbytes)
-            self.total = sum(f for f, _ in self._pending.values())
-            self.done = sum(f - n for f, n in self._pending.values())
-            if self._bar is not None:
-                self._bar.total = self.total
-            self._maybe_draw()
+            self._recount()
+
+    def _recount(self) -> None:
+        """``done`` and ``total`` from what was added, announced and reported pending (lock held)."""
+        queued = sum(f for f, _ in self._pending.values())
+        self.done = self._moved + sum(f - n for f, n in self._pending.values())
+        self.total = None if self._expected is None and not self._pending else (self._expected or 0) + queued
+        if self._bar is not None and self._bar.total != self.total:
+            self._bar.total = self.total
+        self._maybe_draw()
 
     def _maybe_draw(self, force: bool = False) -> None:
         if self._bar is None:
@@ -145,11 +155,17 @@ def shown(desc: str, enabled: bool, total: int | None = None) -> Iterator[BytePr
 @contextmanager
 def attached(monitor: Any, desc: str, flag: bool | None, rank: int, total: int | None = None) -> Iterator[None]:
     """For one save or load called with ``progress=flag`` (``True``: a bar; ``None``: a bar when stderr is a
-    terminal; ``False``: none): feed ``monitor``'s moved bytes to a bar drawn on rank 0 only."""
+    terminal; ``False``: none): feed ``monitor``'s moved bytes to a bar drawn on rank 0 only. ``total``: the
+    bytes the call will move when known now (else it calls ``monitor.progress.expect`` once it knows); with no
+    bar of its own the call still announces it to the bar of the command it runs in (``tierckpt convert``)."""
     if flag is False:
+        if total is not None and monitor.progress is not None:
+            monitor.progress.expect(total)
         yield
         return
-    with shown(desc, enabled=rank == 0 and wanted(flag), total=total) as bar:
+    with shown(desc, enabled=rank == 0 and wanted(flag)) as bar:
+        if total is not None:
+            bar.expect(total)
         previous, monitor.progress = monitor.progress, bar
         try:
             yield

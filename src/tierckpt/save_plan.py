@@ -26,7 +26,7 @@ from .comm import Comm, Group, attempt
 from .io.scheduler import get_scheduler
 from .metadata import dtype_name
 from .monitor import Monitor
-from .objects import encode_object
+from .objects import AllowPickle, encode_object, refuse_pickles
 from .planner import LocalPiece, SavePlan, plan_save
 from .planner.save_planner import offers_digest
 from .save_prepared import _Prepared
@@ -65,20 +65,21 @@ class _Local:
 def _prepare(
     uri: str, state: Mapping[str, Any], group: Group, storage_options: Mapping[str, Any] | None,
     tags: Mapping[str, str] | None, keep_previous: bool, align_bytes: int, monitor: Monitor,
-    collective_timeout_s: float | None, write_back: bool, persist: bool,
+    collective_timeout_s: float | None, write_back: bool, persist: bool, allow_pickle: AllowPickle = False,
 ) -> _Prepared:
     """Both halves, one after the other."""
-    local = _prepare_local(uri, state, group, storage_options, write_back, persist, monitor)
+    local = _prepare_local(uri, state, group, storage_options, write_back, persist, monitor, allow_pickle)
     return _agree(local, tags, keep_previous, align_bytes, collective_timeout_s)
 
 
 def _prepare_local(
     uri: str, state: Mapping[str, Any], group: Group, storage_options: Mapping[str, Any] | None,
-    write_back: bool, persist: bool, monitor: Monitor,
+    write_back: bool, persist: bool, monitor: Monitor, allow_pickle: AllowPickle = False,
 ) -> _Local:
     """This rank's half, no collective: open the store, start rank 0's read of ``COMMIT`` on the I/O loop
     (a remote round trip then overlaps the rest), flatten and encode the state. A failure to prepare the
-    state is kept, to be shared by :func:`_agree`."""
+    state (an object that needs pickle without ``allow_pickle``, :func:`~tierckpt.objects.refuse_pickles`)
+    is kept, to be shared by :func:`_agree`: every rank raises it, before anything is written."""
     _raise_unreported()
     comm = Comm(group)
     backend = open_store(uri, dict(storage_options or {}))
@@ -88,7 +89,7 @@ def _prepare_local(
     offline_ok = write_back and durability_of(backend) is not None
     base = get_scheduler().submit(save_commit._read_commit(backend, offline_ok)) if comm.rank == 0 else None
     with monitor.phase("flatten"):
-        result, error = attempt(lambda: _offer(state, backend.node_memory_tier() is not None, persist))
+        result, error = attempt(lambda: _offer(uri, state, backend.node_memory_tier() is not None, persist, allow_pickle))
     kept, shared = result if result is not None else (None, None)
     return _Local(uri, group, comm, backend, started, base, kept, shared, error, monitor, write_back, persist)
 
@@ -149,7 +150,8 @@ def _agree(
     )
 
 
-def _offer(state: Mapping[str, Any], memory_tier: bool, persist: bool) -> tuple[_Kept, _Shared]:
+def _offer(uri: str, state: Mapping[str, Any], memory_tier: bool, persist: bool,
+           allow_pickle: AllowPickle) -> tuple[_Kept, _Shared]:
     """Flatten and encode this rank's state: ``(kept, shared)`` (see :data:`_Kept`, :data:`_Shared`)."""
     flat = flatten_state(state, for_load=False)
     offers = [
@@ -157,6 +159,7 @@ def _offer(state: Mapping[str, Any], memory_tier: bool, persist: bool) -> tuple[
         for e in flat.tensors.values()
     ]
     encoded = {key: encode_object(entry.value) for key, entry in flat.objects.items()}
+    refuse_pickles(uri, {k: e.value for k, e in flat.objects.items()}, {k: c for k, (_, c) in encoded.items()}, allow_pickle)
     digests = {key: (crc32c.crc32c(data), len(data)) for key, (data, _) in encoded.items()}
     return (flat, offers, encoded), (offers_digest([offers]), digests, memory_tier, persist)
 

@@ -48,6 +48,7 @@ from .errors import CheckpointBusyError, CheckpointError
 from .gc_pause import gc_paused
 from .metadata import CheckpointMeta
 from .monitor import Monitor
+from .objects import AllowPickle
 from .progress import attached
 from .save_commit import _finish
 from .save_handle import LEVELS, SaveHandle
@@ -57,6 +58,7 @@ from .save_snapshot import OpenStream, Snapshot, take_snapshot
 from .save_process import _PROCESS
 from .io.staging import FileStream
 from .save_stream import _stream_direct, _stream_staged
+from .store import durability_of
 
 __all__ = ["IF_BUSY", "LEVELS", "SaveHandle", "async_save", "save"]
 
@@ -81,6 +83,12 @@ _SHARED_DOC = """
     ``group="self"`` saves this process's state alone, with no collective and no wait on other ranks,
     as a one-rank checkpoint (for a trainer that saves from rank 0 only, e.g. Lightning under DDP; its
     plain tensors are taken to be the whole of each tensor). Peer replication does not apply to it.
+
+    Non-tensor values are stored so that a weights-only load reads them (numbers, strings, containers,
+    tensors). A value that only unpickling reads back (an instance of your own class, an
+    ``argparse.Namespace``) raises :class:`CheckpointError` naming its key and type, before anything is
+    written: store it as plain data, or pass ``allow_pickle=True`` (``"warn"``: with a warning) to store it
+    as a pickle, which a load then reads only with ``allow_pickle=True``.
 """
 
 
@@ -94,7 +102,7 @@ def _save(
     call: str, uri: str, state: Mapping[str, Any], *, group: Group, storage_options: Mapping[str, Any] | None,
     tags: Mapping[str, str] | None, keep_previous: bool, align_bytes: int, monitor: Monitor | None,
     collective_timeout_s: float | None, persist: bool, background: bool, staging_bytes: int | None = None,
-    if_busy: str = "wait", replicated: bool = False, progress: bool | None = False,
+    if_busy: str = "wait", replicated: bool = False, progress: bool | None = False, allow_pickle: AllowPickle = False,
 ) -> CheckpointMeta | SaveHandle:
     """The one save behind :func:`save` (``background=False``: stream from tensor memory, finish and commit
     in the caller's thread) and :func:`async_save` (``background=True``: stage, then finish and commit on the
@@ -113,17 +121,20 @@ def _save(
         previous.wait()
     if not background:
         p = _prepare(uri, state, group, storage_options, tags, keep_previous, align_bytes, monitor,
-                     collective_timeout_s, write_back=False, persist=persist)
+                     collective_timeout_s, write_back=False, persist=persist, allow_pickle=allow_pickle)
         rank = p.comm.rank
         total = p.plan.file_sizes[rank] if rank < len(p.plan.file_sizes) else None
-        with attached(monitor, f"save {uri}", progress, rank, total=total):
+        # Through a write-back link (node cache, memory tier) the data file lands there first; the save then waits
+        # for its upload, whose pending bytes join the bar (tierckpt.progress).
+        where = " (node tiers, then upload)" if durability_of(p.backend) is not None and persist else ""
+        with attached(monitor, f"save {uri}{where}", progress, rank, total=total):
             with monitor.phase("stage"):
                 stream = p.comm.run_agreed(lambda: _stream_direct(p), f"writing checkpoint {uri!r}")
             meta = _finish(p, stream, p.comm)
         if replicated:
             p.replication.wait(meta.generation)
         return meta
-    local = _prepare_local(uri, state, group, storage_options, True, persist, monitor)
+    local = _prepare_local(uri, state, group, storage_options, True, persist, monitor, allow_pickle)
     p, open_stream = _snapshot_while_agreeing(
         local, align_bytes, staging_bytes, lambda: _agree(local, tags, keep_previous, align_bytes, collective_timeout_s),
     )
@@ -218,6 +229,7 @@ def save(
     replicated: bool = False,
     persist: bool = True,
     progress: bool | None = False,
+    allow_pickle: AllowPickle = False,
 ) -> CheckpointMeta:
     """Save ``state`` to ``uri``; return once the checkpoint is committed (on every rank).
 
@@ -232,7 +244,7 @@ def save(
     return cast(CheckpointMeta, _save(
         "save", uri, state, group=group, storage_options=storage_options, tags=tags, keep_previous=keep_previous,
         align_bytes=align_bytes, monitor=monitor, collective_timeout_s=collective_timeout_s, persist=persist,
-        background=False, replicated=replicated, progress=progress,
+        background=False, replicated=replicated, progress=progress, allow_pickle=allow_pickle,
     ))
 
 
@@ -252,6 +264,7 @@ def async_save(
     monitor: Monitor | None = None,
     collective_timeout_s: float | None = None,
     persist: bool = True,
+    allow_pickle: AllowPickle = False,
 ) -> SaveHandle:
     """Snapshot ``state`` and save it in the background; training may mutate it once this returns.
 
@@ -266,5 +279,5 @@ def async_save(
         "async_save", uri, state, group=group, storage_options=storage_options, tags=tags,
         keep_previous=keep_previous, align_bytes=align_bytes, monitor=monitor,
         collective_timeout_s=collective_timeout_s, persist=persist, background=True, staging_bytes=staging_bytes,
-        if_busy=if_busy,
+        if_busy=if_busy, allow_pickle=allow_pickle,
     ))

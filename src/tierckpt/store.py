@@ -46,8 +46,8 @@ __all__ = [
     "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s", "forget_cached",
     "identity_of",
     "memory_config_for", "memory_config_held", "memory_keys_under", "memory_levels", "memory_tier_of", "node_cache_over",
-    "node_only_reason", "open_cached_store", "open_durable_chain", "open_store", "Revocable", "revocable_of", "uploader_of",
-    "without_node_cache",
+    "node_only_reason", "open_cached_store", "open_durable_chain", "open_store", "read_in_place", "Revocable", "revocable_of",
+    "uploader_of", "without_node_cache",
 ]
 
 LOCAL_SCHEMES = ("", "file", "memory")
@@ -75,13 +75,19 @@ def cache_config_for(uri: str, cache: Any = None) -> CacheConfig | None:
             f"storage option cache={cache!r} for {uri!r}: pass True or False (node cache on or off), "
             "or a tierckpt.cache.CacheConfig"
         )
-    if cache is False or split_uri(uri)[0] in LOCAL_SCHEMES:
+    if cache is False or read_in_place(uri):
         return None
     if cache is True:
         config = CacheConfig.from_env()
         return config if config.enabled else CacheConfig.from_env(enabled=True)
     config = cache if isinstance(cache, CacheConfig) else CacheConfig.from_env()
     return config if config.enabled else None
+
+
+def read_in_place(uri: str) -> bool:
+    """Whether ``uri`` is a local path, ``file://`` or ``memory://`` (:data:`LOCAL_SCHEMES`): its store is
+    already on this node, so the node cache never holds it (nothing to prefetch, nothing to upload)."""
+    return split_uri(uri)[0] in LOCAL_SCHEMES
 
 
 def memory_config_for(uri: str, memory: Any = None) -> MemoryConfig | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ import crc32c
 
 from . import layout
 from .backends import Backend
+from .call_args import uri_text
 from .deadline import bounded
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .io.crc import combine_blocks
@@ -109,13 +111,14 @@ class VerifyReport:
 
 @bounded("verify")
 def verify(
-    uri: str,
+    uri: str | os.PathLike[str],
     *,
     storage_options: Mapping[str, Any] | None = None,
     progress: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> VerifyReport:
     """Check the committed checkpoint at ``uri`` completely (see the module docstring)."""
+    uri = uri_text("verify", uri)
     backend = open_store(uri, dict(storage_options or {}))
     report = VerifyReport(uri=uri)
     try:

@@ -131,9 +131,13 @@ class LocalBackend(ReadsInto, Backend):
     def __init__(self, root_uri: str) -> None:
         super().__init__(root_uri)
         self.root = local_root(root_uri)
+        self.hub_blobs = hub_blobs_of(self.root)
+        """The ``blobs`` folder that the links of a Hugging Face hub-cache snapshot root may lead into."""
 
     def path_of(self, key: str) -> str:
-        """Absolute path of the file that holds ``key``; refuses paths that symlinks lead out of the root.
+        """Absolute path of the file that holds ``key``; refuses paths that symlinks lead out of the root,
+        except, when the root is a Hugging Face hub-cache snapshot (:func:`hub_blobs_of`), into its own
+        repository's ``blobs`` folder, where the hub cache keeps every snapshot's files.
 
         Only a symbolic link below the root can lead out of it (keys hold no ``..``), so the components
         below the root are looked at (one ``lstat`` each, a few per key: this runs for every read) and the
@@ -144,6 +148,8 @@ class LocalBackend(ReadsInto, Backend):
             return path
         real_root = os.path.realpath(self.root)
         real = os.path.realpath(path)
+        if self.hub_blobs is not None and real.startswith(self.hub_blobs + os.sep):
+            return path
         if real != path and not real.startswith(real_root + os.sep):
             raise CorruptCheckpointError(
                 f"{path} leads outside the checkpoint root {self.root} (to {real}) through a symbolic link; "
@@ -273,6 +279,23 @@ class LocalBackend(ReadsInto, Backend):
             raise os_error(exc, f"committing {path}") from exc
         if not done:
             raise commit_refused(path, expected, found)  # type: ignore[arg-type]
+
+
+HUB_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
+"""How the folders of a Hugging Face hub cache's repositories are named (``models--org--name``)."""
+
+
+def hub_blobs_of(root: str) -> str | None:
+    """The real path of the ``blobs`` folder of the hub-cache repository whose snapshot ``root`` is
+    (``<hub cache>/models--org--name/snapshots/<revision>``, resolved), else ``None``. A snapshot's files are
+    symbolic links to ``../../blobs/<hash>``: reading them in place follows those links, and only into that
+    folder (not into another repository, nor anywhere else a crafted link points)."""
+    real = os.path.realpath(root)
+    snapshots = os.path.dirname(real)
+    repo = os.path.dirname(snapshots)
+    if os.path.basename(snapshots) != "snapshots" or not os.path.basename(repo).startswith(HUB_REPO_PREFIXES):
+        return None
+    return os.path.join(repo, "blobs")
 
 
 def _link_below(root: str, parts: Sequence[str]) -> bool:

@@ -59,6 +59,12 @@ SAVED_BY_STRATEGY = "tierckpt.integrations.lightning.TierckptModelParallelStrate
 """The ``saved_by`` tag: a strategy's checkpoint holds its model and optimizers under tierckpt's names, which
 only a load into the live (sharded) objects fills."""
 
+STRATEGY_PICKLE_FIX = (
+    "construct the strategy with TierckptModelParallelStrategy(..., weights_only=False) (Lightning does not pass "
+    "trainer.fit(..., weights_only=) to a strategy that restores after setup, as this one does)"
+)
+"""The fix a strategy's load names for objects that only unpickling reads."""
+
 Path = tuple[Any, ...]
 """Where a value sits in the checkpoint dict: the keys and list indices leading to it."""
 
@@ -80,7 +86,7 @@ class TierckptCheckpointIO(CheckpointIO):
         tensors, structure = split_tensors(checkpoint)
         state: dict[str, Any] = dict(tensors)
         state[STRUCTURE_KEY] = (STRUCTURE_VERSION, structure)  # a tuple: one object entry (a dict would be recursed)
-        save(_uri(path), state, group=SELF, storage_options=options, tags={"saved_by": SAVED_BY_IO})
+        save(_uri(path), state, group=SELF, storage_options=options, tags={"saved_by": SAVED_BY_IO}, allow_pickle=True)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -130,10 +136,10 @@ def read_state(uri: str, storage_options: Mapping[str, Any] | None = None, *, al
             "tierckpt.load(uri, {'state_dict': model})"
         )
     if "pickle" in codecs and not allow_pickle:
+        fix = (STRATEGY_PICKLE_FIX if live else "pass weights_only=False (trainer.fit(..., weights_only=False))")
         raise CheckpointError(
             f"the Lightning checkpoint {uri!r} holds objects (hyperparameters, callback state) that only unpickling "
-            "reads, and unpickling can run code; if you trust this checkpoint, pass weights_only=False "
-            "(trainer.fit(..., weights_only=False))"
+            f"reads, and unpickling can run code; if you trust this checkpoint, {fix}"
         )
     template = {key: value for key, value in template_of(ckpt).items() if not key.startswith(under_live)}
     template.update(live)
@@ -158,11 +164,18 @@ class TierckptModelParallelStrategy(ModelParallelStrategy):
     :class:`TierckptCheckpointIO`. A load fills the model and optimizers in place, resharded onto this run's
     layout, and returns the rest. ``storage_options`` go to every save and load; the other arguments are
     ``ModelParallelStrategy``'s.
+
+    ``weights_only=False`` lets a resume read the objects that only unpickling reads (hyperparameters of your
+    own classes, callback state), from checkpoints you trust. It is the strategy's own argument because
+    Lightning restores a checkpoint after this strategy's setup without the ``weights_only`` given to
+    ``trainer.fit``; a ``weights_only`` that Lightning does pass to :meth:`load_checkpoint` wins.
     """
 
-    def __init__(self, *args: Any, storage_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, storage_options: Mapping[str, Any] | None = None, weights_only: bool | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._tierckpt_io = TierckptCheckpointIO(storage_options)
+        self._weights_only = weights_only
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         options = _merged(self, self._tierckpt_io.storage_options, storage_options)
@@ -171,10 +184,11 @@ class TierckptModelParallelStrategy(ModelParallelStrategy):
         tensors, structure = split_tensors(rest)
         live = self._live(optimizers="optimizer_states" in checkpoint)  # not in a weights-only checkpoint
         state: dict[str, Any] = {**tensors, **live, STRUCTURE_KEY: (STRUCTURE_VERSION, structure)}
-        save(uri, state, storage_options=options, tags={"saved_by": SAVED_BY_STRATEGY})
+        save(uri, state, storage_options=options, tags={"saved_by": SAVED_BY_STRATEGY}, allow_pickle=True)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         uri = _uri(self.broadcast(checkpoint_path))
+        weights_only = self._weights_only if weights_only is None else weights_only
         tensors, structure = read_state(uri, self._tierckpt_io.storage_options, allow_pickle=weights_only is False,
                                         group=None, live=self._live())
         return join_tensors(structure, tensors)

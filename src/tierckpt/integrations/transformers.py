@@ -28,7 +28,9 @@ exist, RNG when the data order needs it), so a resumed run ends bit-exact equal 
 ``transformers`` calls these steps through private ``Trainer`` methods (``_save_checkpoint``,
 ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state``);
 this module overrides them for the 5.x series it is tested with. ``save_total_limit`` deletes the
-oldest ``checkpoint-N`` beyond the limit. Not supported (refused when the trainer is built):
+oldest ``checkpoint-N`` beyond the limit, counting the plain ``Trainer``'s checkpoint folders that a run
+switched to ``TierckptTrainer`` mid-way left in its output directory with its own (as ``Trainer`` counts them),
+the newest and ``state.best_model_checkpoint`` kept. Not supported (refused when the trainer is built):
 ``load_best_model_at_end`` (transformers reads the best checkpoint's files itself), DeepSpeed
 (it saves and loads its engine itself).
 """
@@ -40,6 +42,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import warnings
 from collections.abc import Mapping
@@ -58,6 +61,7 @@ except ImportError as exc:
     ) from exc
 
 from .. import layout
+from ..call_args import uri_text
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..io.scheduler import get_scheduler
 from ..loader import load, read_checkpoint
@@ -65,7 +69,7 @@ from ..saver import save
 from ..store import open_store
 from ..training_state import RNGState
 
-__all__ = ["TierckptTrainer", "checkpoint_steps", "latest_checkpoint"]
+__all__ = ["TierckptTrainer", "checkpoint_steps", "latest_checkpoint", "plain_checkpoints"]
 
 log = logging.getLogger("tierckpt")
 
@@ -73,9 +77,9 @@ TRAINER_STATE_KEY = "trainer_state"
 _CHECKPOINT_NAME = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
 
 
-def checkpoint_steps(root_uri: str, storage_options: Mapping[str, Any] | None = None) -> dict[int, str]:
+def checkpoint_steps(root_uri: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> dict[int, str]:
     """Global step -> URI of each committed ``checkpoint-<step>`` directly under ``root_uri``."""
-    root = root_uri.rstrip("/")
+    root = uri_text("checkpoint_steps", root_uri).rstrip("/")
     listed = get_scheduler().run(open_store(root, dict(storage_options or {})).list(""))
     found = {}
     for name in layout.committed_children(listed):
@@ -85,7 +89,23 @@ def checkpoint_steps(root_uri: str, storage_options: Mapping[str, Any] | None = 
     return dict(sorted(found.items()))
 
 
-def latest_checkpoint(root_uri: str, storage_options: Mapping[str, Any] | None = None) -> str | None:
+def plain_checkpoints(run_dir: str) -> dict[int, str]:
+    """Global step -> path of each checkpoint folder the plain ``Trainer`` wrote in the local directory
+    ``run_dir``: ``checkpoint-<step>`` holding its ``trainer_state.json`` and no tierckpt ``COMMIT`` (nothing
+    else is taken for one, so rotation never deletes a folder it does not know)."""
+    if "://" in run_dir or not os.path.isdir(run_dir):
+        return {}
+    found = {}
+    for name in os.listdir(run_dir):
+        match = _CHECKPOINT_NAME.match(name)
+        path = os.path.join(run_dir, name)
+        if (match and not os.path.islink(path) and os.path.isfile(os.path.join(path, TRAINER_STATE_NAME))
+                and not os.path.lexists(os.path.join(path, layout.COMMIT))):
+            found[int(match[1])] = path
+    return dict(sorted(found.items()))
+
+
+def latest_checkpoint(root_uri: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> str | None:
     """The URI of the committed ``checkpoint-N`` with the highest N under ``root_uri``, or ``None``."""
     steps = checkpoint_steps(root_uri, storage_options)
     return steps[max(steps)] if steps else None
@@ -114,7 +134,7 @@ class TierckptTrainer(Trainer):
     """
 
     def __init__(
-        self, *args: Any, checkpoint_uri: str | None = None, storage_options: Mapping[str, Any] | None = None,
+        self, *args: Any, checkpoint_uri: str | os.PathLike[str] | None = None, storage_options: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -134,7 +154,7 @@ class TierckptTrainer(Trainer):
                 "push a save_pretrained folder (trainer.save_model(), then trainer.push_to_hub())",
                 stacklevel=2,
             )
-        self.checkpoint_uri = checkpoint_uri
+        self.checkpoint_uri = None if checkpoint_uri is None else uri_text("TierckptTrainer", checkpoint_uri)
         self.storage_options = dict(storage_options or {})
         self._resume: _Resume | None = None
 
@@ -159,7 +179,7 @@ class TierckptTrainer(Trainer):
         save(f"{root}/{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}", self._checkpoint_state(),
              storage_options=self.storage_options)
         if self.args.should_save and self.args.save_total_limit:
-            self._rotate(root, self.args.save_total_limit)
+            self._rotate(root, self._get_output_dir(trial=trial), self.args.save_total_limit)
 
     def _export_callback_states(self) -> None:
         """Record the exportable callbacks' states in ``self.state``, as ``Trainer._save_checkpoint`` does."""
@@ -189,13 +209,29 @@ class TierckptTrainer(Trainer):
                 state["scaler"] = scaler
         return state
 
-    def _rotate(self, root: str, limit: int) -> None:
-        """Delete the oldest committed ``checkpoint-N`` under ``root`` beyond ``limit`` (rank 0)."""
-        steps = checkpoint_steps(root, self.storage_options)
+    def _rotate(self, root: str, run_dir: str, limit: int) -> None:
+        """Keep ``limit`` checkpoints (rank 0): the committed ``checkpoint-N`` under ``root`` and the plain
+        ``Trainer``'s checkpoint folders in ``run_dir`` (:func:`plain_checkpoints`: left by this run before it
+        switched to ``TierckptTrainer``) counted together by step, the oldest deleted first; the newest and
+        ``state.best_model_checkpoint`` are never deleted (as ``Trainer``'s own rotation)."""
+        ours = checkpoint_steps(root, self.storage_options)
+        found = sorted([(step, uri, False) for step, uri in ours.items()]
+                       + [(step, path, True) for step, path in plain_checkpoints(run_dir).items()])
+        best = self.state.best_model_checkpoint
+        protected = {found[-1][1], *([best.rstrip("/")] if best else [])} if found else set()
+        excess = len(found) - max(limit, len(protected))
         backend = open_store(root, dict(self.storage_options))
         sched = get_scheduler()
-        for step in sorted(steps)[: max(0, len(steps) - limit)]:
-            sched.run(backend.delete_prefix(f"{PREFIX_CHECKPOINT_DIR}-{step}/"))
+        for step, where, plain in found:
+            if excess <= 0:
+                break
+            if where in protected:
+                continue
+            if plain:
+                shutil.rmtree(where)
+            else:
+                sched.run(backend.delete_prefix(f"{PREFIX_CHECKPOINT_DIR}-{step}/"))
+            excess -= 1
 
     # -- resume ---------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any) -> Any:
