@@ -23,6 +23,8 @@ from tierckpt.manager import CheckpointManager
 
 from fault_proxy import FaultProxy, Rule  # noqa: E402
 
+pytestmark = pytest.mark.s3_servers  # moto and radosgw
+
 
 @pytest.fixture
 def bucket_root(s3_server: str) -> str:
@@ -55,16 +57,17 @@ def state_of(step: int) -> dict[str, Any]:
     return {"w": torch.arange(64, dtype=torch.float32) + step, "step": step}
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
-def test_load_latest_finds_a_step_committed_after_latest(where: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_load_latest_finds_a_step_committed_after_latest_local(tmp_path: Path) -> None:
+    resumes_from_the_step_latest_lags(str(tmp_path / "run"), {}, {})
+
+
+def test_load_latest_finds_a_step_committed_after_latest_on_s3(s3_server: str, bucket_root: str, tmp_path: Path) -> None:
+    resumes_from_the_step_latest_lags(bucket_root, node(tmp_path, "node-a", s3_server), node(tmp_path, "node-b", s3_server))
+
+
+def resumes_from_the_step_latest_lags(root: str, options: dict[str, Any], fresh: dict[str, Any]) -> None:
     """A job killed after step 13's COMMIT reached the store but before LATEST moved: LATEST still names 12,
-    and a restart (same node, and a fresh node on S3) resumes from 13, bit-exact."""
-    if where == "local":
-        root, options, fresh = str(tmp_path / "run"), {}, {}
-    else:
-        s3_server = request.getfixturevalue("s3_server")
-        root = request.getfixturevalue("bucket_root")
-        options, fresh = node(tmp_path, "node-a", s3_server), node(tmp_path, "node-b", s3_server)
+    and a restart (same node, and a fresh node) resumes from 13, bit-exact."""
     manager = CheckpointManager(root, storage_options=options)
     for step in (12, 13):
         manager.save(step, state_of(step))
