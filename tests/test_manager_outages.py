@@ -151,3 +151,46 @@ def test_wait_durable_raises_for_steps_another_job_committed(
     with pytest.raises(NotDurableError, match=r"\[21, 22\]"):
         new.wait_durable(timeout_s=60)  # never told durable later either
     assert remote_generation(s3_server, root, 23) is not None
+
+
+KILLS = [  # (stage:n, the newest committed step on the saving node, on a fresh node), 4 saves, keep_last=2
+    ("commit:3", 2, 2),  # step 3 about to write its COMMIT
+    ("upload:3", 3, 2),  # step 3 committed in the node cache, its COMMIT not on S3
+    ("latest:3", 3, 3),  # step 3 committed on S3, LATEST still names 2
+    ("retain:3", 3, 3),  # LATEST moved to 3, retention not run
+    ("delete:1", 3, 3),  # retention about to delete step 1
+]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("kill_at, on_node, on_fresh_node", KILLS, ids=[k for k, _, _ in KILLS])
+def test_a_job_killed_at_each_stage_resumes_from_the_newest_committed_step(
+    s3_server: str, bucket_root: str, tmp_path: Path, kill_at: str, on_node: int, on_fresh_node: int,
+) -> None:
+    """SIGKILL at each stage of save, upload, LATEST and retention; a restart on the same node (its cache,
+    with what the dead job left pending) and on a fresh node loads the newest step committed where it looks,
+    bit-exact, and the restarted job's next save is durable as its own."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    node_a = tmp_path / "node-a"
+    env = {**os.environ, "TIERCKPT_KILL_AT": kill_at, "TIERCKPT_CACHE_DIR": str(node_a),
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "manager_kill_child.py"), bucket_root, "4", "2",
+         json.dumps({"endpoint_url": s3_server})],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
+    assert child.stdout == "saved 1\nsaved 2\n"  # every kill lands inside the save of step 3
+    for name, expected in (("node-a", on_node), ("node-b", on_fresh_node)):
+        restarted = CheckpointManager(bucket_root, keep_last=2, storage_options=node(tmp_path, name, s3_server))
+        target = {"w": torch.zeros(64)}
+        assert restarted.load_latest(target) == expected, name
+        assert torch.equal(target["w"], torch.arange(64, dtype=torch.float32) + expected), name
+    restarted = CheckpointManager(bucket_root, keep_last=2, storage_options=node(tmp_path, "node-a", s3_server))
+    restarted.save(on_node + 1, {"w": torch.arange(64, dtype=torch.float32) + on_node + 1})
+    restarted.wait_durable(timeout_s=120)
+    assert remote_generation(s3_server, bucket_root, on_node + 1) is not None

@@ -142,6 +142,7 @@ class CheckpointManager(RetentionMixin):
         """Why ``LATEST`` or retention was last left for a later save (the store unreachable), else ``None``;
         the next save that reaches the store catches up."""
         self._saved: set[int] = set()
+        """The steps this manager saved: :meth:`should_save` does not save one twice."""
         self.preemption = PreemptionWatch() if save_on_preemption else None
         if self.preemption is not None:
             self.preemption.start()
@@ -214,17 +215,18 @@ class CheckpointManager(RetentionMixin):
         self.wait()
         persist = bool(options.pop("persist", force or self.persists(step)))  # a forced save (the last one) persists
         if self.best is not None:
-            options["tags"] = {**options.get("tags", {}), **self.best.tags_of(self.uri_of(step), metrics)}
+            options["tags"] = {**(options.get("tags") or {}), **self.best.tags_of(self.uri_of(step), metrics)}
         elif metrics is not None:
             raise CheckpointError(f"save of step {step} to {self.root_uri!r}: metrics are ranked by best_fn, and "
                                   "this manager has none; pass best_fn and keep_best, or drop metrics")
         common = dict(group=self.group, storage_options=self.storage_options, persist=persist, **options)
         self._awaiting = [*self._awaiting, step][-AWAITED_STEPS:]
-        self._saved.add(step)
         if self.use_async:
             self._pending = (step, async_save(self.uri_of(step), state, **common), persist)
+            self._saved.add(step)
         else:
             meta = save(self.uri_of(step), state, **common)
+            self._saved.add(step)
             self._after_commit(step, persist, meta.generation)
         return True
 
