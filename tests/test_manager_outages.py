@@ -94,7 +94,7 @@ def test_saves_go_on_through_an_outage_and_retention_catches_up(
     s3_server: str, bucket_root: str, proxy: FaultProxy, tmp_path: Path,
 ) -> None:
     """S3 answers 503 to everything for four saves: none raises (the node cache covers the outage), the
-    manager says retention waits; S3 back, the next save applies it, and a fresh node finds exactly the
+    manager says retention waits, ``wait_durable`` names the steps still uploading at its timeout; S3 back, the next save applies it, and a fresh node finds exactly the
     steps retention keeps, the newest loaded bit-exact."""
     root = bucket_root
     manager = CheckpointManager(root, keep_last=2, use_async=True, storage_options=node(tmp_path, "node-a", proxy.endpoint))
@@ -109,6 +109,8 @@ def test_saves_go_on_through_an_outage_and_retention_catches_up(
     manager.wait()
     assert manager.deferred is not None and "unreachable" in manager.deferred
     assert remote_generation(s3_server, root, 7) is None  # nothing of the outage's saves is on S3 yet
+    with pytest.raises(tierckpt.TransientStorageError, match=r"step\(s\) \[(4, 5, )?6, 7\] did not reach the remote"):
+        manager.wait_durable(timeout_s=3)  # not durable, not another job's: uploading (4, 5: unless retention took them)
 
     proxy.clear()  # S3 back
     assert manager.save(8, state_of(8))
