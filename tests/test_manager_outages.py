@@ -196,3 +196,22 @@ def test_a_job_killed_at_each_stage_resumes_from_the_newest_committed_step(
     restarted.save(on_node + 1, {"w": torch.arange(64, dtype=torch.float32) + on_node + 1})
     restarted.wait_durable(timeout_s=120)
     assert remote_generation(s3_server, bucket_root, on_node + 1) is not None
+
+
+def test_wait_durable_does_not_wait_out_a_commit_that_can_never_land(
+    s3_server: str, bucket_root: str, proxy: FaultProxy, tmp_path: Path,
+) -> None:
+    """The new job's node cannot write to S3 (every PUT answers 503) while the old job commits step 21: the
+    new job's COMMIT is pending behind its files, with no error. Its swap can never succeed (the remote's
+    COMMIT is another generation of the same sequence), so ``wait_durable`` says so at once rather than
+    waiting out its timeout as "still uploading"."""
+    root = bucket_root
+    new = CheckpointManager(root, use_async=True, storage_options=node(tmp_path, "node-new", proxy.endpoint))
+    old = CheckpointManager(root, storage_options=node(tmp_path, "node-old", s3_server))
+    proxy.add_rule(Rule("503", method="PUT", count=None))
+    new.save(21, state_of(21))
+    new.wait()
+    old.save(21, state_of(121))
+    with pytest.raises(NotDurableError, match=r"step 21: the remote's COMMIT names g-.*another job's save"):
+        new.wait_durable(timeout_s=60)
+    proxy.clear()
