@@ -244,9 +244,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def s3_server_kind(request: pytest.FixtureRequest) -> str:
-    """Which server this test's ``s3_server`` is: ``"moto"`` unless the test runs on radosgw."""
+    """Which server this test's ``s3_server`` is: ``"radosgw"`` when one of the test's parameters is
+    ``"radosgw"`` (the ``s3_servers`` mark's, or a fixture's own, e.g. ``params=["local", "moto", "radosgw"]``
+    of a fixture that asks for ``s3_bucket_uri``), else ``"moto"``."""
     callspec = getattr(request.node, "callspec", None)
-    return callspec.params.get("s3_server", "moto") if callspec is not None else "moto"
+    return "radosgw" if callspec is not None and "radosgw" in callspec.params.values() else "moto"
 
 
 @pytest.fixture(scope="session")
@@ -270,12 +272,11 @@ def radosgw_server() -> Iterator[str]:
 
 @pytest.fixture
 def s3_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The S3 server of this test (its endpoint URL): moto, or radosgw for tests marked ``s3_servers`` run on it.
+    """The S3 server of this test (its endpoint URL): moto, or radosgw where :func:`s3_server_kind` says so.
 
     The environment points ``open_backend("s3://...")`` and boto3 at it, with credentials it accepts; child
     processes started by the test inherit that."""
-    kind = getattr(request, "param", "moto")
-    if kind == "moto":
+    if s3_server_kind(request) == "moto":
         return request.getfixturevalue("moto_server")
     endpoint = request.getfixturevalue("radosgw_server")
     for name, value in {**S3_TEST_ENV, "TIERCKPT_S3_ENDPOINT_URL": endpoint}.items():
