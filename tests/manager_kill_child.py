@@ -5,7 +5,8 @@ root, SIGKILLed at a chosen stage.
 
 Stages (the n-th call of each): ``commit`` (a save about to write its ``COMMIT``), ``upload`` (the node
 cache about to upload a step's ``COMMIT``), ``latest`` (a step committed, ``LATEST`` not yet moved), ``retain``
-(``LATEST`` moved, retention not yet run), ``delete`` (retention about to delete a step). Prints
+(``LATEST`` moved, retention not yet run), ``delete`` (retention about to delete a step),
+``delete_prefix`` (a step's ``COMMIT`` deleted, its files not yet). Prints
 ``saved <step>`` after each save returned. Step ``s`` holds ``w = arange(64) + s``.
 """
 
@@ -24,7 +25,7 @@ import torch  # noqa: E402
 
 import tierckpt  # noqa: E402
 from tierckpt import manager_retention, save_commit  # noqa: E402
-from tierckpt.cache import uploads  # noqa: E402
+from tierckpt.cache import tiered, uploads  # noqa: E402
 
 TARGETS: dict[str, tuple[Any, str]] = {
     "commit": (save_commit, "_commit"),
@@ -32,6 +33,7 @@ TARGETS: dict[str, tuple[Any, str]] = {
     "latest": (manager_retention.RetentionMixin, "_after_commit"),
     "retain": (manager_retention.RetentionMixin, "_retain"),
     "delete": (manager_retention.RetentionMixin, "_delete_named"),
+    "delete_prefix": (tiered.TieredBackend, "delete_prefix"),
 }
 
 
@@ -48,6 +50,16 @@ def kill_on(stage: str, nth: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return original(*args, **kwargs)
 
+    if name == "delete_prefix":
+        async def wrapped_prefix(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == nth:
+                sys.stdout.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return await original(*args, **kwargs)
+
+        setattr(owner, name, wrapped_prefix)
+        return
     if name == "_upload_commit":
         async def wrapped_async(*args: Any, **kwargs: Any) -> Any:
             calls[0] += args[1].rpartition("/")[2] == "COMMIT"  # a step's COMMIT, not LATEST

@@ -161,6 +161,7 @@ KILLS = [  # (stage:n, the newest committed step on the saving node, on a fresh 
     ("latest:3", 3, 3),  # step 3 committed on S3, LATEST still names 2
     ("retain:3", 3, 3),  # LATEST moved to 3, retention not run
     ("delete:1", 3, 3),  # retention about to delete step 1
+    ("delete_prefix:1", 3, 3),  # step 1's COMMIT deleted, its files not yet
 ]
 
 
@@ -189,6 +190,7 @@ def test_a_job_killed_at_each_stage_resumes_from_the_newest_committed_step(
     assert child.stdout == "saved 1\nsaved 2\n"  # every kill lands inside the save of step 3
     for name, expected in (("node-a", on_node), ("node-b", on_fresh_node)):
         restarted = CheckpointManager(bucket_root, keep_last=2, storage_options=node(tmp_path, name, s3_server))
+        assert restarted.steps()[-1] == expected, name
         target = {"w": torch.zeros(64)}
         assert restarted.load_latest(target) == expected, name
         assert torch.equal(target["w"], torch.arange(64, dtype=torch.float32) + expected), name
