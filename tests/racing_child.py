@@ -20,7 +20,8 @@ Commands (each prints one JSON object per line on stdout)::
 :func:`load_replaced_midway` is a scenario for the multi-rank worker pool (tests/distributed.py).
 
 S3 URIs are written without the node cache (``cache=False``), so the compare-and-swap on S3 itself
-is what decides.
+is what decides; with ``RACING_CHILD_CACHE=on`` in the environment they go through this job's node cache
+(``TIERCKPT_CACHE_DIR``), and ``race`` checks report the generation the remote ``COMMIT`` names too.
 """
 
 from __future__ import annotations
@@ -69,7 +70,20 @@ def matches(loaded: dict[str, Any]) -> bool:
 
 
 def options(uri: str) -> dict[str, Any]:
-    return {"cache": False} if uri.startswith("s3://") else {}
+    cached = os.environ.get("RACING_CHILD_CACHE") == "on"
+    return {"cache": False} if uri.startswith("s3://") and not cached else {}
+
+
+def remote_commit(uri: str) -> str | None:
+    """The generation the ``COMMIT`` of ``uri`` names on the store itself, past any node cache."""
+    from tierckpt import layout
+    from tierckpt.errors import CheckpointNotFoundError
+
+    try:
+        record = get_scheduler().run(open_backend(uri, cache=False).get(layout.COMMIT))
+    except CheckpointNotFoundError:
+        return None
+    return layout.CommitRecord.decode(record).generation
 
 
 def emit(**fields: Any) -> None:
@@ -137,7 +151,8 @@ def race(uri: str, role: int, rounds: int, gates: Path) -> None:
             loaded = tierckpt.load(uri, empty_state(), storage_options=options(uri))
             report = verify(uri, storage_options=options(uri))
             emit(round=r, check={"step": loaded["step"], "exact": matches(loaded), "verify_ok": report.ok,
-                                 "committed": report.generation, "generations": generations(uri)})
+                                 "committed": report.generation, "generations": generations(uri),
+                                 "remote_commit": remote_commit(uri)})
 
 
 def announce(path: Path, text: str) -> None:

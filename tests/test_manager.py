@@ -143,3 +143,20 @@ def test_an_unreadable_replication_record_does_not_fail_a_save(tmp_path):
     record.write_text("{not json")
     assert manager.save(2, {"w": torch.full((8,), 2.0)})
     assert manager.steps() == [2] and manager._replicated is None
+
+
+def test_status_on_a_manager_root_says_how_to_load_it(tmp_path, capsys):
+    """``tierckpt status <root>`` names the root a CheckpointManager root and how to load it, as ``load`` does
+    (it said only "no checkpoint")."""
+    from tierckpt import cli
+
+    root = tmp_path / "run"
+    manager = CheckpointManager(root)
+    manager.save(1, {"w": torch.ones(2)})
+    manager.save(2, {"w": torch.ones(2)})
+    assert cli.main(["status", str(root)]) == 3
+    err = capsys.readouterr().err
+    assert "is a CheckpointManager root holding 2 step checkpoint(s)" in err, err
+    assert f"CheckpointManager('{root}').load_latest(state)" in err
+    assert cli.main(["status", str(tmp_path / "nothing")]) == 3
+    assert "nothing committed, and nothing pending" in capsys.readouterr().err

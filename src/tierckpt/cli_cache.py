@@ -16,9 +16,11 @@ from . import cache_api as cache
 from . import progress
 from .cache.config import CacheConfig
 from .cli_deadline import add_timeout
-from .errors import CheckpointError, CheckpointNotFoundError, StorageUnreachableError
+from .errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError, StorageUnreachableError
+from .foreign import missing_commit_error
+from .io.scheduler import get_scheduler
 from .monitor import format_bytes
-from .store import read_in_place
+from .store import open_store, read_in_place
 
 
 def _add_status(subparsers: Any) -> None:
@@ -36,6 +38,19 @@ def _add_status(subparsers: Any) -> None:
     p.set_defaults(handler=cmd_status)
 
 
+def _nothing_committed(uri: str) -> CheckpointNotFoundError:
+    """The error of ``status`` on a URI with nothing committed or pending: what it holds instead, as ``load``
+    says it (a CheckpointManager root and how to load its steps, another format...), when that is known."""
+    try:
+        keys = get_scheduler().run(open_store(uri).list(""))
+    except CheckpointError:
+        keys = []
+    error = missing_commit_error(uri, keys) if keys else None
+    if isinstance(error, NotACheckpointError):
+        return error
+    return CheckpointNotFoundError(f"no checkpoint at {uri!r}: nothing committed, and nothing pending upload from this node")
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """Print what is committed on this node and on the remote; exit 1 when an upload failed."""
     st = cache.status(args.uri)
@@ -45,7 +60,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"cannot tell where {args.uri!r} stands: nothing is committed or pending on this node, and the "
                 f"remote did not answer: {st.remote_error}"
             )
-        raise CheckpointNotFoundError(f"no checkpoint at {args.uri!r}: nothing committed, and nothing pending upload from this node")
+        raise _nothing_committed(args.uri)
     levels = st.levels()  # with the node memory tier: each level (none without it)
     local = read_in_place(args.uri)  # the checkpoint is where the path points: no remote, no node cache
     node_cache = _node_cache() | ({"used": False, "reason": LOCAL_PATH_NOTE} if local else {"used": True})

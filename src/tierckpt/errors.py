@@ -90,3 +90,9 @@ class NotACheckpointError(CheckpointNotFoundError):
 class NodeCacheError(StorageError):
     """The node cache directory cannot be used (not writable, read-only, full); the message names the
     directory, ``TIERCKPT_CACHE_DIR`` and how to go without the cache (``storage_options={"cache": False}``)."""
+
+
+class NotDurableError(StorageError):
+    """Steps a :class:`~tierckpt.CheckpointManager` waited for are not durable as its own saves: the remote's
+    ``COMMIT`` names another job's generation (a job still running on the same root), or their uploads
+    failed for good; the message names each step and why."""

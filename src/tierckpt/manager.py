@@ -8,17 +8,22 @@
 
 Lifecycle of :meth:`CheckpointManager.save` (every rank of the group):
 
-1. If ``step`` is not a multiple of ``save_every`` (and not forced), nothing happens.
+1. If ``step`` is not a multiple of ``save_every`` (and not forced, and no rank received a preemption
+   notice: :mod:`tierckpt.preemption`), nothing happens.
 2. The state is saved to ``<root>/step-<step>`` (synchronously, or with :func:`tierckpt.async_save`).
-3. Once that checkpoint is committed, rank 0 points ``LATEST`` at it and applies retention:
-   keep the newest ``keep_last`` steps and every step divisible by ``keep_every``; the newest
-   committed step is never deleted, and without ``keep_last`` nothing is (:func:`tierckpt.layout.retention`).
-   With the node memory tier on, the newest step every node records ``replicated`` is kept too, and so
-   is the newest step committed where the root points (so that a node lost before a newer step is
-   written down still leaves one there; :meth:`wait_durable` applies retention again once the newest
-   step is written down).
+3. Once that checkpoint is committed, every rank notes its generation for :meth:`wait_durable`, and rank 0
+   points ``LATEST`` at it and applies retention (:mod:`tierckpt.manager_retention`: ``keep_last``,
+   ``keep_every``, best-k by metric, the newest step always kept). A store that does not answer defers
+   both to a later save (:attr:`~CheckpointManager.deferred`): an outage the node tiers cover never
+   makes ``save`` raise.
    For an async save this happens when its handle is waited on (:meth:`wait`, the next :meth:`save`,
-   or :meth:`load_latest`).
+   :meth:`load_latest` or :meth:`close`).
+4. :meth:`wait_durable` confirms each noted step as this job's on the remote: its ``COMMIT`` there names
+   the generation this job wrote (:mod:`tierckpt.manager_durable`), else it raises naming the steps.
+
+``LATEST`` is a hint, never the truth: :meth:`latest` and :meth:`load_latest` take the newest committed
+step of the root's listing, this node's memory tier and ``LATEST`` (a job killed between a step's
+``COMMIT`` and ``LATEST`` leaves ``LATEST`` behind).
 
 With the node memory tier on (``TIERCKPT_MEMORY=on`` or the storage option ``memory``), the steps the
 manager sees are those committed in any tier it can reach: the root's listing (when the remote answers)
@@ -39,7 +44,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
+from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
@@ -49,35 +56,40 @@ from .backends import Backend
 from .bounded import MAX_RECORD_BYTES
 from .comm import Comm
 from .errors import (
-    CheckpointError, CheckpointNotFoundError, CollectiveError, MissingFileError, StorageUnreachableError,
-    TransientStorageError,
+    CheckpointError, CheckpointNotFoundError, CollectiveError, MissingFileError, NotDurableError,
+    StorageUnreachableError, TransientStorageError,
 )
 from .io.scheduler import get_scheduler
 from .loader import load
+from .manager_best import BestSteps
+from .manager_durable import confirm_own_commits
+from .manager_retention import LATEST, RetentionMixin
+from .preemption import PreemptionWatch
 from .saver import SaveHandle, async_save, save
 from .store import (
     durability_of, memory_config_for, memory_keys_under, memory_levels, node_only_reason, open_store,
 )
-from .tiers.levels import recorded_level
-from .writeback.levels import Level
 
-LATEST = "LATEST"
 AWAITED_STEPS = 8
 """How many of its newest saved steps the manager checks for ``replicated`` at each save."""
 log = logging.getLogger(__name__)
 
 
-class CheckpointManager:
+class CheckpointManager(RetentionMixin):
     """Saves, retains and finds the checkpoints of one training run (see the module docstring).
 
-    ``save_every``: steps between saves; ``keep_last``/``keep_every``: retention (``None``: keep all);
-    ``use_async``: save with :func:`tierckpt.async_save`; ``persist_every`` (node memory tier on): write
-    only every N-th step where the root points, the others to node memory (and the peers) only.
+    ``root_uri``: a URI or a local path (``str`` or :class:`os.PathLike`); ``save_every``: steps between
+    saves; ``keep_last``/``keep_every``: retention (``None``: keep all); ``best_fn``/``best_mode``/``keep_best``:
+    also keep the ``keep_best`` steps whose ``save(..., metrics=...)`` score best (:mod:`tierckpt.manager_best`);
+    ``use_async``: save with :func:`tierckpt.async_save`; ``persist_every`` (node memory tier on): write only
+    every N-th step where the root points, the others to node memory (and the peers) only;
+    ``save_on_preemption``: a SIGTERM makes the next step a forced save (:mod:`tierckpt.preemption`).
+    Usable as a context manager: leaving it waits for the save in flight and closes (:meth:`close`).
     """
 
     def __init__(
         self,
-        root_uri: str,
+        root_uri: str | os.PathLike[str],
         *,
         save_every: int = 1,
         keep_last: int | None = None,
@@ -86,13 +98,22 @@ class CheckpointManager:
         group: dist.ProcessGroup | None = None,
         storage_options: Mapping[str, Any] | None = None,
         persist_every: int | None = None,
+        best_fn: Callable[[Mapping[str, Any]], float] | None = None,
+        best_mode: str = "max",
+        keep_best: int | None = None,
+        save_on_preemption: bool = False,
     ) -> None:
-        if save_every < 1 or any(n is not None and n < 1 for n in (keep_last, keep_every, persist_every)):
+        if save_every < 1 or any(n is not None and n < 1 for n in (keep_last, keep_every, persist_every, keep_best)):
             raise CheckpointError(
-                "save_every, keep_last, keep_every and persist_every must be positive integers (or None: keep "
-                "all, persist all)"
+                "save_every, keep_last, keep_every, keep_best and persist_every must be positive integers (or "
+                "None: keep all, persist all)"
             )
-        self.root_uri = root_uri.rstrip("/")
+        if (best_fn is None) != (keep_best is None):
+            raise CheckpointError(
+                "CheckpointManager: best_fn and keep_best go together (keep the keep_best steps whose metrics "
+                "best_fn scores best): pass both, or neither"
+            )
+        self.root_uri = os.fspath(root_uri).rstrip("/")
         self.save_every = save_every
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -113,6 +134,18 @@ class CheckpointManager:
         self._awaiting: list[int] = []
         """This manager's newest saved steps not yet known ``replicated`` on every node (at most
         :data:`AWAITED_STEPS`)."""
+        self.best = BestSteps(best_fn, best_mode, keep_best) if best_fn is not None and keep_best is not None else None
+        self._unconfirmed: dict[int, tuple[str, str]] = {}
+        """Steps this manager saved where the root points and :meth:`wait_durable` has not yet confirmed as
+        its own on the remote: step -> (URI, generation)."""
+        self.deferred: str | None = None
+        """Why ``LATEST`` or retention was last left for a later save (the store unreachable), else ``None``;
+        the next save that reaches the store catches up."""
+        self._saved: set[int] = set()
+        """The steps this manager saved: :meth:`should_save` does not save one twice."""
+        self.preemption = PreemptionWatch() if save_on_preemption else None
+        if self.preemption is not None:
+            self.preemption.start()
 
     def uri_of(self, step: int) -> str:
         """Where a save of ``step`` goes: ``<root>/step-00000100``."""
@@ -154,65 +187,83 @@ class CheckpointManager:
     def _backend(self) -> Backend:
         return open_store(self.root_uri, self.storage_options)
 
-    def save(self, step: int, state: Mapping[str, Any], *, force: bool = False, **options: Any) -> bool:
-        """Save ``state`` as ``step`` (a non-negative integer) when it is due; returns whether a save was started."""
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`save` of ``step`` saves: a multiple of ``save_every`` this manager has not saved yet,
+        or (``save_on_preemption``) any rank received SIGTERM — then a collective: call it on every rank."""
+        self.uri_of(step)  # refuses what is not a step
+        if self.reached_preemption(step):
+            return step not in self._saved
+        return step % self.save_every == 0 and step not in self._saved
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether any rank received SIGTERM (``save_on_preemption``; else ``False``): the job should save
+        ``step`` and exit. A collective once watching: every rank calls it at the same step."""
+        return self.preemption is not None and self.preemption.reached(Comm(self.group))
+
+    def save(self, step: int, state: Mapping[str, Any], *, force: bool = False,
+             metrics: Mapping[str, Any] | None = None, **options: Any) -> bool:
+        """Save ``state`` as ``step`` (a non-negative integer) when it is due (or forced, or after a
+        preemption notice: :meth:`reached_preemption`); returns whether a save was started. ``metrics``
+        (a JSON object) are stored in the step's header and ranked by ``best_fn`` for best-k retention.
+        An outage the node tiers cover never makes it raise: ``LATEST`` and retention wait for a later save
+        (:attr:`deferred`)."""
         self.uri_of(step)  # refuses what is not a step before anything else
+        force = force or self.reached_preemption(step)
         if step % self.save_every and not force:
             return False
         self._agree_replicated()
         self.wait()
         persist = bool(options.pop("persist", force or self.persists(step)))  # a forced save (the last one) persists
+        if self.best is not None:
+            options["tags"] = {**(options.get("tags") or {}), **self.best.tags_of(self.uri_of(step), metrics)}
+        elif metrics is not None:
+            raise CheckpointError(f"save of step {step} to {self.root_uri!r}: metrics are ranked by best_fn, and "
+                                  "this manager has none; pass best_fn and keep_best, or drop metrics")
         common = dict(group=self.group, storage_options=self.storage_options, persist=persist, **options)
         self._awaiting = [*self._awaiting, step][-AWAITED_STEPS:]
         if self.use_async:
             self._pending = (step, async_save(self.uri_of(step), state, **common), persist)
+            self._saved.add(step)
         else:
-            save(self.uri_of(step), state, **common)
-            self._after_commit(step, persist)
+            meta = save(self.uri_of(step), state, **common)
+            self._saved.add(step)
+            self._after_commit(step, persist, meta.generation)
         return True
-
-    def _agree_replicated(self) -> None:
-        """With the node memory tier on and ``keep_last`` set: agree, in one all-gather at the start of a
-        save (every rank is there), on the newest step of this manager's saves that every rank's node
-        records ``replicated``. Retention keeps that step: deleting the previous step as soon as a newer one
-        commits (``keep_last=1``) would leave no step whole in memory if a node were lost while the newer
-        one is replicated. A step whose replication failed or is still running is not counted."""
-        if not self._awaiting or self.keep_last is None or not self._memory_on():
-            return
-        mine = [step for step in self._awaiting if self._replicated_here(step)]
-        everywhere = set.intersection(*(set(steps) for steps in Comm(self.group).all_gather_object(mine)))
-        if everywhere:
-            self._replicated = max(everywhere)
-            self._awaiting = [step for step in self._awaiting if step > self._replicated]
-
-    def _replicated_here(self, step: int) -> bool:
-        """Whether this node's memory tier records this manager's save of ``step`` as ``replicated``; a
-        record that cannot be read counts as not (the rank must still reach the agreement)."""
-        try:
-            tier = open_store(self.uri_of(step), self.storage_options).node_memory_tier()
-            committed = tier.committed() if tier is not None else None
-            result = recorded_level(tier, committed.generation) if tier is not None and committed is not None else None
-        except (CheckpointError, OSError, ValueError, KeyError, TypeError) as exc:
-            log.debug("%s: the replication level of step %d is unreadable here (%s)", self.root_uri, step, exc)
-            return False
-        return result is not None and result.level is Level.REPLICATED
 
     def wait(self) -> None:
         """Block until an async save in flight is committed, then update ``LATEST`` and retention."""
         if self._pending is not None:
             step, handle, persist = self._pending
             self._pending = None
-            handle.wait()
-            self._after_commit(step, persist)
+            meta = handle.wait()
+            self._after_commit(step, persist, meta.generation)
 
     def wait_durable(self, timeout_s: float | None = None) -> None:
-        """Block until the save in flight is committed and every checkpoint and ``LATEST`` written through
-        this node are durable where the root points (on a remote behind the node cache: uploaded); a step
-        saved to memory only (``persist_every``) is not waited for."""
+        """Block until the save in flight is committed and every step this manager saved where the root
+        points since the last such wait is committed there *as its own* — the remote's ``COMMIT`` names the
+        generation this job wrote, its uploads done (:mod:`tierckpt.manager_durable`) — then for ``LATEST``.
+        An outage is waited through. Raises :class:`~tierckpt.errors.NotDurableError` naming the steps whose
+        ``COMMIT`` is another job's (a job still saving to the same root) or whose upload failed for good,
+        and :class:`~tierckpt.errors.TransientStorageError` naming those still uploading at ``timeout_s``; the
+        steps stay waited for by the next call. A step saved to memory only (``persist_every``) is not
+        waited for."""
         pending = self._pending
         self.wait()
-        if pending is not None and pending[2]:
-            pending[1].wait_durable(timeout_s)
+        outcome = confirm_own_commits(self._unconfirmed, self.storage_options, timeout_s)
+        for step in set(self._unconfirmed) - set(outcome.not_own) - set(outcome.unfinished):
+            del self._unconfirmed[step]
+        if outcome.not_own:
+            unfinished = f"; still uploading: {_named(outcome.unfinished)}" if outcome.unfinished else ""
+            raise NotDurableError(
+                f"{self.root_uri}: step(s) {sorted(outcome.not_own)} are not durable as this job's saves: "
+                f"{_named(outcome.not_own)}{unfinished}. Another job may be saving to the same root: stop it, "
+                "or give each job its own root, then save these steps again"
+            )
+        if outcome.unfinished:
+            raise TransientStorageError(
+                f"{self.root_uri}: step(s) {sorted(outcome.unfinished)} did not reach the remote within {timeout_s} s "
+                f"({_named(outcome.unfinished)}); they stay in the node tiers and upload in the background"
+            )
         durable = durability_of(self._backend())
         if durable is not None:
             get_scheduler().run(durable.wait_durable(None, timeout_s))
@@ -235,13 +286,9 @@ class CheckpointManager:
         return sorted(found)
 
     def latest(self) -> int | None:
-        """The newest committed step: ``LATEST`` if it names a committed step, else the newest found; with
-        the node memory tier on, a newer step committed in this node's memory wins (``LATEST`` names the
-        newest step written where the root points)."""
-        pointed = self._pointed_step()
-        if pointed is not None and self._committed(pointed):
-            in_memory = layout.by_step(layout.committed_children(self._memory_keys()))
-            return max([pointed, *in_memory])
+        """The newest committed step: the newest of the root's listing, this node's memory tier and
+        ``LATEST`` — ``LATEST`` may lag (a job killed between a step's ``COMMIT`` and ``LATEST``, or
+        ``LATEST`` deferred by an outage), so it never hides a newer committed step."""
         steps = self.steps()
         return steps[-1] if steps else None
 
@@ -339,46 +386,24 @@ class CheckpointManager:
             names = {latest: names[latest]} if latest is not None else {}
         return latest, names, None
 
-    def _after_commit(self, step: int, persisted: bool) -> None:
-        """Rank 0, once ``step`` is committed: point ``LATEST`` at it (when written where the root points),
-        then apply retention."""
-        if Comm(self.group).rank != 0:
-            return
+    def close(self) -> None:
+        """Wait for the save in flight (committed, ``LATEST`` and retention applied) and stop watching for
+        preemption (Orbax's ``close``); uploads go on behind, and the process drains them at exit."""
         try:
-            if persisted:
-                get_scheduler().run(self._backend().commit(LATEST, json.dumps({"step": step}).encode()))
-        except TransientStorageError as exc:
-            if not self._memory_on():
-                raise
-            # The step is committed in node memory; without LATEST the newest committed step is the latest.
-            log.warning("%s: LATEST and retention not updated after step %d (the store is unreachable: %s)",
-                        self.root_uri, step, exc)
-            return
-        self._retain(step)
+            self.wait()
+        finally:
+            if self.preemption is not None:
+                self.preemption.stop()
 
-    def _retain(self, step: int) -> None:
-        """Rank 0: delete the steps retention does not keep (``step`` is the newest saved)."""
-        if self.keep_last is None:
-            return  # no keep_last: every checkpoint is kept
-        backend = self._backend()
-        sched = get_scheduler()
-        try:
-            listed = self._listed()
-        except TransientStorageError as exc:
-            if not self._memory_on():
-                raise
-            log.warning("%s: retention not applied after step %d (the store is unreachable: %s)", self.root_uri, step, exc)
-            return
-        below = layout.by_step(layout.committed_children(listed))
-        names = self._committed_names(listed)
-        found = {s: names.get(s, layout.step_name(s)) for s in set(names) | {step}}
-        # Steps are unique here, so no commit time is needed to order them (0.0).
-        keep = layout.retention([(s, 0.0, n) for s, n in found.items()], self.keep_last, self.keep_every)
-        if self._replicated in found:
-            keep.add(found[self._replicated])  # the newest step whole in memory on every node (_agree_replicated)
-        if below and self._memory_on():
-            keep.add(below[max(below)])  # the newest step where the root points, until a newer one is there
-        for name in sorted(n for n in found.values() if n not in keep):
-            # The root's store also drops what the step's own URI still has pending in the node cache.
-            sched.run(backend.delete_prefix(f"{name}/"))
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
+
+
+def _named(reasons: Mapping[int, str]) -> str:
+    """``step N: why; step M: why`` for an error message."""
+    return "; ".join(f"step {step}: {why}" for step, why in sorted(reasons.items()))
 
