@@ -173,18 +173,21 @@ class UploadsMixin:
             obj = self.catalog.obj(self.rh, key)
             if obj is None or crc32c.crc32c(data) != obj.crc:
                 return False  # rewritten meanwhile
-            await self.link.call("commit", self._upload_commit, key, data, rec, nbytes=len(data))
-            return True
+            return await self.link.call("commit", self._upload_commit, key, data, rec, nbytes=len(data))
         await self.link.delete(key)
         return True
 
-    async def _upload_commit(self, key: str, data: bytes, rec: PendingOp) -> None:
-        """Upload a commit as a compare-and-swap against the remote state it was built on (``base``).
+    async def _upload_commit(self, key: str, data: bytes, rec: PendingOp) -> bool:
+        """Upload a commit as a compare-and-swap against the remote state it was built on (``base``);
+        ``False``: a newer commit of the node replaced ``rec`` meanwhile (that one is uploaded instead).
 
         A refusal is accepted only when the remote holds this very record (a retried request whose
         first attempt landed) or a commit this node uploaded after ``base`` was recorded (its earlier
-        commit overtook this one's record); then it is retried against that. Anything else is another
-        writer's commit: the upload fails and the checkpoint stays committed on this node only."""
+        commit overtook this one's record) while ``rec`` is still the key's pending op; then it is
+        retried against that. A replaced ``rec`` is never retried: its newer commit (another job's,
+        perhaps, already on the remote) must not be overwritten by the older one it was built on.
+        Anything else is another writer's commit: the upload fails and the checkpoint stays committed
+        on this node only."""
         expected: bytes | None | Unconditional = UNCONDITIONAL
         if rec.order is not None and rec.order.cas:
             expected = rec.order.base
@@ -198,10 +201,14 @@ class UploadsMixin:
             if current != data:
                 if current is None or self._uploaded_by_this_node(key, current) is False:
                     raise
+                pending = self.catalog.pending(self.rh, key)
+                if pending is None or pending.ver != rec.ver:
+                    return False
                 await self.remote.commit(key, data, expected=current)
         gen_path = self._generation_path(key, data)
         if gen_path is not None:
             self.catalog.mark_remote(self.rh, gen_path)
+        return True
 
     def _generation_path(self, key: str, record: bytes) -> str | None:
         """``dir/generation`` that the commit record ``record`` of ``key`` names (``None``: not a record)."""
