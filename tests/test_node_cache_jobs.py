@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import crc32c
 import pytest
 
 import tierckpt
@@ -18,6 +19,10 @@ from racing_child import empty_state, make_state, matches, wait_for
 from test_commit_cas import assert_one_winner_per_round, race
 from tierckpt import cache_api
 from tierckpt.backends import open_backend
+from tierckpt.backends.local import LocalBackend
+from tierckpt.cache import CacheConfig
+from tierckpt.cache.records import Op
+from tierckpt.store import node_cache_over
 from tierckpt.errors import CheckpointError
 from tierckpt.io.scheduler import get_scheduler
 from tierckpt.verify import verify
@@ -104,3 +109,26 @@ def test_one_uri_on_two_endpoints_never_shares_the_node_cache(
         cache_api.sync(uri)
     _, remote_generation, generations = remote_truth(uri)
     assert remote_generation == committed and generations == [committed] and a_generation != committed
+
+
+# -- pending uploads carry their user ------------------------------------------------------------------
+def test_sync_never_uploads_another_users_pending_upload(tmp_path: Path) -> None:
+    """A pending upload whose record names another user (and a dead process) is not adopted by ``sync``:
+    it is never uploaded with this user's credentials, and sync says whose it is (before: uploaded)."""
+    remote_dir = tmp_path / "remote"
+    config = CacheConfig(directory=str(tmp_path / "cache"), exit_wait_s=0, poll_s=0.01)
+    store = node_cache_over(LocalBackend(str(remote_dir)), config)
+    key, data = "g-1/data/planted.bin", b"another user's bytes"
+    path = store.written.path_of(key)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Path(path).write_bytes(data)
+    store.catalog.record_write(store.rh, key, len(data), crc32c.crc32c(data), Op.PUT)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    planted = json.loads(store.catalog.pending(store.rh, key).to_json()) | {"uid": os.geteuid() + 4242,
+                                                                             "owner": int(dead.stdout)}
+    with store.catalog.env.begin(write=True) as txn:  # as that user's process would have recorded it
+        txn.put(f"{store.rh}\0{key}".encode(), json.dumps(planted).encode(), db=store.catalog._db["pending"])
+    with pytest.raises(CheckpointError, match=f"uid {os.geteuid() + 4242}"):
+        cache_api.sync(str(remote_dir), config, timeout_s=20)
+    assert not (remote_dir / key).exists()

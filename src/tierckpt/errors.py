@@ -90,3 +90,10 @@ class NotACheckpointError(CheckpointNotFoundError):
 class NodeCacheError(StorageError):
     """The node cache directory cannot be used (not writable, read-only, full); the message names the
     directory, ``TIERCKPT_CACHE_DIR`` and how to go without the cache (``storage_options={"cache": False}``)."""
+
+
+class NodeTierNotPrivateError(StorageError, PermissionError):
+    """A node tier's directory (the node cache, the memory tier) is not this user's own: another user owns
+    it, others may write it, or another user's symlink leads to it. Nothing in it was read or written; the
+    message names the directory, its owner and mode, and the setting that moves it (``TIERCKPT_CACHE_DIR``,
+    ``TIERCKPT_MEMORY_DIR``)."""

@@ -63,7 +63,8 @@ def _open_env(path: str) -> tuple[lmdb.Environment, dict[str, Any]]:
     """
     try:
         os.makedirs(path, exist_ok=True)
-        env = lmdb.open(path, map_size=MAP_SIZE, max_dbs=len(_DBS), sync=False, metasync=False, max_readers=512)
+        env = lmdb.open(path, map_size=MAP_SIZE, max_dbs=len(_DBS), sync=False, metasync=False, max_readers=512,
+                        mode=0o600)
         with env.begin(write=True) as txn:
             dbs = {name: env.open_db(name.encode(), txn=txn) for name in _DBS}
     except (OSError, lmdb.Error) as exc:
@@ -152,8 +153,7 @@ class Catalog:
     def service_of(self, rh: str) -> str | None:
         """The service root ``rh`` was recorded for (``None``: recorded before services were)."""
         with self.env.begin() as txn:
-            raw = txn.get(rh.encode(), db=self._db["services"])
-            return None if raw is None else raw.decode()
+            return _dec(bytes.decode, txn.get(rh.encode(), db=self._db["services"]))
 
     # -- writes through the cache ---------------------------------------------------------------
     def record_write(
@@ -185,7 +185,8 @@ class Catalog:
             ver = self._next_ver(txn)
             if op == Op.COMMIT and order is None:
                 order = CommitOrder()
-            rec = PendingOp(op=op, ver=ver, owner=os.getpid(), gen=generation, size=size, t=now, order=order)
+            rec = PendingOp(op=op, ver=ver, owner=os.getpid(), gen=generation, size=size, t=now, order=order,
+                            uid=os.geteuid())
             txn.put(_k(rh, key), rec.to_json(), db=self._db["pending"])
             gens = self._db["gens"]
             if op == Op.PUT:
@@ -209,7 +210,8 @@ class Catalog:
         with self.env.begin(write=True) as txn:
             dropped = self._drop_local(txn, rh, key)
             if deferred:
-                rec = PendingOp(op=Op.DELETE, ver=self._next_ver(txn), owner=os.getpid(), t=time.time())
+                rec = PendingOp(op=Op.DELETE, ver=self._next_ver(txn), owner=os.getpid(), t=time.time(),
+                                uid=os.geteuid())
                 txn.put(_k(rh, key), rec.to_json(), db=self._db["pending"])
             else:
                 txn.delete(_k(rh, key), db=self._db["pending"])

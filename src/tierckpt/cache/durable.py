@@ -27,7 +27,8 @@ class DurableMixin:
     ``uploader``, ``root_uri`` and ``uri_of``/``get``/``schedule``/``_adopt``/``_drop_tail``."""
 
     def _relevant(self, generation: str | None) -> dict[str, PendingOp]:
-        pending = self.catalog.pending_under(self.rh)
+        """This user's pending ops of this store (of ``generation``, when given): what its waits wait for."""
+        pending = {k: r for k, r in self.catalog.pending_under(self.rh).items() if r.mine()}
         if generation is None:
             return pending
         name = generation.rstrip("/").rpartition("/")[2]
@@ -108,11 +109,18 @@ class DurableMixin:
         never uploaded here; when some are left without a live uploader, :class:`CheckpointError` names
         their service and how to sync them, after this store's own are done."""
         me = os.getpid()
-        for key, rec in self.catalog.pending_under(self.rh).items():
+        for key, rec in self._relevant(None).items():
             if rec.error or rec.owner == me or not pid_alive(rec.owner):
                 self.catalog.claim(self.rh, key, rec.ver)
                 self.schedule(key)
         await self.wait_durable(None, timeout_s)
+        others = sorted({r.uid for r in self.catalog.pending_under(self.rh).values() if not r.mine()})
+        if others:
+            raise CheckpointError(
+                f"uploads of {self.root_uri} pending in the node cache {self.config.directory} were recorded by "
+                f"another user (uid {others[0]}); they are never uploaded with this user's credentials. That "
+                f"user syncs them; this user's node cache should be a directory of its own (TIERCKPT_CACHE_DIR)"
+            )
         elsewhere = self._stranded_elsewhere()
         if elsewhere:
             service, count = sorted(elsewhere.items())[0]

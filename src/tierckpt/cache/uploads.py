@@ -71,8 +71,8 @@ class _Upload:
         catalog, rh = self.store.catalog, self.store.rh
         while True:
             rec = catalog.pending(rh, self.key)
-            if rec is None:
-                return None
+            if rec is None or not rec.mine():
+                return None  # none, or another user's: never uploaded with this user's credentials
             if rec.owner != os.getpid() and pid_alive(rec.owner):
                 return None  # another live process on this node uploads it
             if catalog.claim(rh, self.key, rec.ver):
@@ -121,10 +121,10 @@ class UploadsMixin:
         self.uploader.runner.ensure((self.rh, key), _Upload(self, key))
 
     def _adopt(self, records: dict[str, PendingOp]) -> None:
-        """Schedule ops whose owner is this process or dead (a crashed save)."""
+        """Schedule this user's ops whose owner is this process or dead (a crashed save)."""
         me = os.getpid()
         for key, rec in records.items():
-            if rec.owner == me or not pid_alive(rec.owner):
+            if rec.mine() and (rec.owner == me or not pid_alive(rec.owner)):
                 self.schedule(key)
 
     async def _waits_for(self, key: str, rec: PendingOp) -> tuple[set[tuple[str, str]], bool] | None:
