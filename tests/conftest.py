@@ -54,6 +54,17 @@ def refused_endpoint() -> Iterator[str]:
         yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
+S3_TEST_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "AWS_CONFIG_FILE": "/nonexistent/aws-config",
+    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/aws-credentials",
+    "NO_PROXY": "127.0.0.1,localhost",
+}
+"""The environment of every S3 test server: the credentials both servers accept, no AWS config, no proxy."""
+
 S3_REQUESTS: list[tuple[str, str, str | None]] = []
 """``(method, path, Range header)`` of every request the moto server answered (see ``s3_requests``)."""
 
@@ -69,8 +80,10 @@ def _logged(app):
 
 
 @pytest.fixture
-def s3_requests(s3_server: str) -> Iterator[list[tuple[str, str, str | None]]]:
+def s3_requests(s3_server: str, request: pytest.FixtureRequest) -> Iterator[list[tuple[str, str, str | None]]]:
     """The moto server's request log, emptied for this test (requests of every process, in order)."""
+    if s3_server_kind(request) != "moto":
+        pytest.skip("the request log is the moto server's")
     S3_REQUESTS.clear()
     yield S3_REQUESTS
 
@@ -100,7 +113,7 @@ def _atomic_conditional_puts() -> None:
 
 
 @pytest.fixture(scope="session")
-def s3_server() -> Iterator[str]:
+def moto_server() -> Iterator[str]:
     """A moto S3 server on 127.0.0.1 for the whole session; yields its endpoint URL.
 
     Sets fake AWS credentials and ``TIERCKPT_S3_ENDPOINT_URL`` in the environment (restored after
@@ -116,17 +129,7 @@ def s3_server() -> Iterator[str]:
     server.start()
     server._server.app = _logged(server._server.app)  # the request log of the s3_requests fixture
     with pytest.MonkeyPatch.context() as mp:
-        for name, value in {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_SESSION_TOKEN": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_EC2_METADATA_DISABLED": "true",
-            "AWS_CONFIG_FILE": "/nonexistent/aws-config",
-            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/aws-credentials",
-            "NO_PROXY": "127.0.0.1,localhost",
-            "TIERCKPT_S3_ENDPOINT_URL": endpoint,
-        }.items():
+        for name, value in {**S3_TEST_ENV, "AWS_SESSION_TOKEN": "testing", "TIERCKPT_S3_ENDPOINT_URL": endpoint}.items():
             mp.setenv(name, value)
         try:
             yield endpoint
@@ -221,5 +224,62 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Mark the tests of :data:`FAST_MODULES` ``fast``, except the slow ones and any that spawn processes."""
     for item in items:
         module = item.module.__name__.rpartition(".")[2] if item.module is not None else ""
-        if module in FAST_MODULES and not any(item.get_closest_marker(name) for name in ("slow", "multiproc", "gpu")):
+        on_radosgw = "radosgw" in getattr(getattr(item, "callspec", None), "params", {}).values()
+        if module in FAST_MODULES and not on_radosgw and not any(
+            item.get_closest_marker(name) for name in ("slow", "multiproc", "gpu")
+        ):
             item.add_marker(pytest.mark.fast)
+
+
+# -- a real S3 server beside moto: Ceph's radosgw -------------------------------------------------------
+S3_SERVERS = ("moto", "radosgw")
+"""The S3 servers of tests marked ``s3_servers``: moto (a mock) and radosgw (a real server, tests/radosgw.py)."""
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Tests marked ``s3_servers`` that use ``s3_server`` (directly or through ``s3_bucket_uri``, ``uri``, ...)
+    run once per server of :data:`S3_SERVERS`."""
+    if metafunc.definition.get_closest_marker("s3_servers") and "s3_server" in metafunc.fixturenames:
+        metafunc.parametrize("s3_server", S3_SERVERS, indirect=True)
+
+
+def s3_server_kind(request: pytest.FixtureRequest) -> str:
+    """Which server this test's ``s3_server`` is: ``"radosgw"`` when one of the test's parameters is
+    ``"radosgw"`` (the ``s3_servers`` mark's, or a fixture's own, e.g. ``params=["local", "moto", "radosgw"]``
+    of a fixture that asks for ``s3_bucket_uri``), else ``"moto"``."""
+    callspec = getattr(request.node, "callspec", None)
+    return "radosgw" if callspec is not None and "radosgw" in callspec.params.values() else "moto"
+
+
+@pytest.fixture(scope="session")
+def radosgw_server() -> Iterator[str]:
+    """A Ceph cluster with radosgw on 127.0.0.1 for the whole session (one per pytest worker); yields its endpoint.
+
+    Missing Ceph programs skip the test, except in CI (``CI=true``), where they fail it: there ``.ci/run``
+    installs them, so their absence is a broken setup, not a choice."""
+    from radosgw import RadosGateway, missing_programs
+
+    missing = missing_programs()
+    if missing:
+        message = (f"radosgw tests need Ceph's {', '.join(missing)}: apt-get install radosgw ceph-mon ceph-osd "
+                   "(Debian/Ubuntu), as .ci/run does")
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    with RadosGateway() as gateway:
+        yield gateway.endpoint
+
+
+@pytest.fixture
+def s3_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The S3 server of this test (its endpoint URL): moto, or radosgw where :func:`s3_server_kind` says so.
+
+    The environment points ``open_backend("s3://...")`` and boto3 at it, with credentials it accepts; child
+    processes started by the test inherit that."""
+    if s3_server_kind(request) == "moto":
+        return request.getfixturevalue("moto_server")
+    endpoint = request.getfixturevalue("radosgw_server")
+    for name, value in {**S3_TEST_ENV, "TIERCKPT_S3_ENDPOINT_URL": endpoint}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)  # radosgw would take it for an STS session
+    return endpoint

@@ -10,6 +10,7 @@
     proxy.add_rule(Rule("tarpit", count=None))                    # read the request, never answer
     proxy.add_rule(Rule("dribble", method="GET", count=None, seconds=1.5, chunk=2048))  # 2 KiB every 1.5 s
     proxy.add_rule(Rule("flip", method="GET", path="/data/"))        # one bit of one body flipped
+    proxy.add_rule(Rule("412", method="PUT", path="/COMMIT"))        # refuse a write's precondition
     ... proxy.endpoint ...
     proxy.hits["503"], proxy.requests, proxy.close()
 
@@ -45,7 +46,8 @@ class Rule:
     response), ``delay`` (sleep ``seconds`` then forward), ``slow`` (forward, body dribbled over
     ``seconds``), ``tarpit`` (read the request, answer nothing until the proxy closes), ``dribble``
     (forward; the answer's headers at once, then ``chunk`` bytes of its body every ``seconds``), ``flip``
-    (forward, one bit of the body's middle byte flipped: a corrupted download)."""
+    (forward, one bit of the body's middle byte flipped: a corrupted download), ``412`` (PreconditionFailed,
+    without forwarding: a store that refuses a conditional write)."""
 
     kind: str
     method: str | None = None
@@ -140,9 +142,13 @@ class FaultProxy:
         outcome = rule.kind if rule else "forward"
         with self._lock:
             self.log.append((h.command, h.path, outcome))
-        if rule is not None and rule.kind in ("503", "500"):
-            code, text = (503, b"SlowDown") if rule.kind == "503" else (500, b"InternalError")
-            payload = SLOWDOWN_XML if rule.kind == "503" else SLOWDOWN_XML.replace(b"SlowDown", b"InternalError")
+        if rule is not None and rule.kind in ("503", "500", "412"):
+            code, error = {"503": (503, b"SlowDown"), "500": (500, b"InternalError"),
+                           "412": (412, b"PreconditionFailed")}[rule.kind]
+            payload = SLOWDOWN_XML.replace(b"SlowDown", error)
+            if rule.kind == "412":
+                payload = payload.replace(b"Please reduce your request rate.",
+                                          b"At least one of the pre-conditions you specified did not hold")
             h.send_response(code)
             h.send_header("Content-Type", "application/xml")
             h.send_header("Content-Length", str(len(payload)))

@@ -20,9 +20,8 @@ Commands (each prints one JSON object per line on stdout)::
 :func:`load_replaced_midway` is a scenario for the multi-rank worker pool (tests/distributed.py).
 
 S3 URIs are written without the node cache (``cache=False``), so the compare-and-swap on S3 itself
-is what decides; with ``RACING_NODE_CACHE=1`` in the environment the racing saves go through the node
-cache (both jobs share ``TIERCKPT_CACHE_DIR``: two jobs on one node), and the checks still read the
-remote itself.
+is what decides; with ``RACING_CHILD_CACHE=on`` in the environment they go through this job's node cache
+(``TIERCKPT_CACHE_DIR``), and ``race`` checks report the generation the remote ``COMMIT`` names too.
 """
 
 from __future__ import annotations
@@ -71,12 +70,20 @@ def matches(loaded: dict[str, Any]) -> bool:
 
 
 def options(uri: str) -> dict[str, Any]:
-    return {"cache": False} if uri.startswith("s3://") else {}
+    cached = os.environ.get("RACING_CHILD_CACHE") == "on"
+    return {"cache": False} if uri.startswith("s3://") and not cached else {}
 
 
-def save_options(uri: str) -> dict[str, Any]:
-    """The racing saves' options: through the node cache when ``RACING_NODE_CACHE=1`` (see the module docstring)."""
-    return {} if os.environ.get("RACING_NODE_CACHE") == "1" else options(uri)
+def remote_commit(uri: str) -> str | None:
+    """The generation the ``COMMIT`` of ``uri`` names on the store itself, past any node cache."""
+    from tierckpt import layout
+    from tierckpt.errors import CheckpointNotFoundError
+
+    try:
+        record = get_scheduler().run(open_backend(uri, cache=False).get(layout.COMMIT))
+    except CheckpointNotFoundError:
+        return None
+    return layout.CommitRecord.decode(record).generation
 
 
 def emit(**fields: Any) -> None:
@@ -133,7 +140,7 @@ def race(uri: str, role: int, rounds: int, gates: Path) -> None:
         state = make_state(value)
         barrier.arm(f"round{r}")
         try:
-            meta = tierckpt.save(uri, state, storage_options=save_options(uri))
+            meta = tierckpt.save(uri, state, storage_options=options(uri))
             emit(round=r, role=role, outcome="won", generation=meta.generation, value=value)
         except CheckpointBusyError as exc:
             emit(round=r, role=role, outcome="busy", message=str(exc))
@@ -144,7 +151,8 @@ def race(uri: str, role: int, rounds: int, gates: Path) -> None:
             loaded = tierckpt.load(uri, empty_state(), storage_options=options(uri))
             report = verify(uri, storage_options=options(uri))
             emit(round=r, check={"step": loaded["step"], "exact": matches(loaded), "verify_ok": report.ok,
-                                 "committed": report.generation, "generations": generations(uri)})
+                                 "committed": report.generation, "generations": generations(uri),
+                                 "remote_commit": remote_commit(uri)})
 
 
 def announce(path: Path, text: str) -> None:

@@ -1,4 +1,5 @@
-"""S3Backend against a local moto server: the shared contract plus S3-only behaviour and errors."""
+"""S3Backend against local S3 servers (moto, and radosgw where Ceph is installed): the shared contract plus
+S3-only behaviour and errors."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tierckpt.errors import (
 from tierckpt.io import get_scheduler
 
 
+@pytest.mark.s3_servers
 class TestS3Backend(BackendContract):
     @pytest.fixture
     def backend(self, s3_bucket_uri: str) -> S3Backend:

@@ -94,6 +94,7 @@ class TestTieredOverLocal(BackendContract):
         assert await backend.remote.get("a/1") == b"one" and await backend.remote.get("a/2") == b"two"
 
 
+@pytest.mark.s3_servers
 class TestTieredOverS3(BackendContract):
     @pytest.fixture
     def backend(self, s3_bucket_uri: str, tmp_path: Path) -> TieredBackend:

@@ -90,3 +90,5 @@ def test_ci_runs_the_readme_test_command_in_a_fresh_venv():
     ci = (ROOT / ".ci" / "run").read_text()
     assert test_commands[0] in ci.splitlines()
     assert "python3 -m venv" in ci
+    assert "apt-get install -y --no-install-recommends radosgw ceph-mon ceph-osd" in ci  # the real S3 server
+    assert ci.index("apt-get install") < ci.index("python3 -m venv")

@@ -44,9 +44,10 @@ def test_reshard(dist_pool, tmp_path, save_mesh, save_spec, load_mesh, load_spec
 
 
 @pytest.mark.multiproc
+@pytest.mark.s3_servers
 @pytest.mark.parametrize("save_mesh,save_spec,load_mesh,load_spec", [CASES[1], CASES[4], CASES[6]])
 def test_reshard_on_s3(dist_pool, s3_bucket_uri, s3_server, save_mesh, save_spec, load_mesh, load_spec):
-    """The same reshards through S3 (moto on loopback): every rank talks to the server itself."""
+    """The same reshards through S3 (moto, and radosgw, on loopback): every rank talks to the server itself."""
     options = {"endpoint_url": s3_server, "key": "testing", "secret": "testing", "region": "us-east-1"}
     stats = dist_pool.run(scenarios.dtensor_reshard, s3_bucket_uri, save_mesh, save_spec, load_mesh, load_spec, options)
     _assert_exact_reads(stats, local_files=False)
@@ -72,6 +73,7 @@ def test_row_to_column_reads_directly_on_local_files(dist_pool, tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.s3_servers
 def test_row_to_column_on_s3_reads_large_ranges_and_exchanges(dist_pool, s3_bucket_uri, s3_server):
     """On S3 the same 2 KiB runs would be 2 KiB GETs: one reader per slab fetches it whole, then an all-to-all."""
     options = {"endpoint_url": s3_server, "key": "testing", "secret": "testing", "region": "us-east-1"}

@@ -220,6 +220,8 @@ def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None
         current = sched.run(_read_commit(backend))
         if current != record:  # not a retried request whose first attempt landed: another job won
             sched.run(backend.delete_prefix(f"{gen}/"))
+            if current == base:  # refused, yet nobody committed: the store does not compare as it must
+                raise _refused_unchanged(p, base, exc) from exc
             winner = layout.CommitRecord.decode(current).generation if current else None
             raise CheckpointBusyError(_busy_message(p, winner)) from exc
     durable = durability_of(backend)
@@ -228,6 +230,20 @@ def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None
             sched.run(durable.wait_durable(gen, None, through_outage=False))
         except StorageError as exc:
             _withdraw(p, record, base, exc)
+
+
+def _refused_unchanged(p: _Prepared, base: bytes | None, refusal: CheckpointBusyError) -> StorageError:
+    """The error of a commit the store refused although ``COMMIT`` still holds the save's base: no other job
+    committed, so the store's conditional write (``If-Match``, ``If-None-Match``) is what failed; saying
+    "another job committed" would send the user after a writer that does not exist."""
+    started = layout.CommitRecord.decode(base).generation if base else None
+    return StorageError(
+        f"saving {p.uri!r} failed: the store refused the conditional write of COMMIT ({refusal}) although COMMIT "
+        f"is unchanged since this save began (it still names {started or 'no checkpoint'}): no other job committed, "
+        f"the store does not honour conditional writes as S3 does. The save was not committed and its generation "
+        f"{p.generation!r} was removed; use a store with conditional writes (S3, Ceph radosgw, MinIO) or report the "
+        "server's answer"
+    )
 
 
 def _withdraw(p: _Prepared, record: bytes, base: bytes | None, failure: StorageError) -> None:

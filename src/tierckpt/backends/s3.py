@@ -12,8 +12,11 @@ It handles ``s3://bucket/prefix`` (and ``s3a://``) with s3fs:
 * ``commit`` is a single conditional PUT, which S3 makes visible atomically: ``If-None-Match: *``
   when no object may exist yet, else ``If-Match`` with the ETag of the object it read and compared
   with ``expected``. A refused precondition (412, or 409 for a concurrent conditional write) raises
-  :class:`~tierckpt.errors.CheckpointBusyError`. Stores without conditional writes answer 501 and
-  the commit fails with a :class:`~tierckpt.errors.StorageError` naming the response.
+  :class:`~tierckpt.errors.CheckpointBusyError`. Ceph's radosgw 16.2 refuses ``If-Match`` with the
+  quoted ETag (the form S3 returns, which AWS and moto accept) and takes it bare: a 412 is retried once
+  with the bare ETag, only after a second read finds the object still the one compared. Stores without
+  conditional writes answer 501 and the commit fails with a :class:`~tierckpt.errors.StorageError`
+  naming the response.
 
 Configuration. Endpoint, region and credentials come from the usual AWS environment variables and
 config files (botocore's defaults) unless passed as options: ``endpoint_url``, ``key``, ``secret``,
@@ -37,7 +40,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, StorageError, UnsupportedURIError
+from ..errors import CheckpointBusyError, CheckpointNotFoundError, StorageError, UnsupportedURIError
 from ..retry import retry_transient
 from .base import UNCONDITIONAL, Backend, ObjectWriter, Unconditional
 from .commit_check import commit_refused
@@ -283,20 +286,41 @@ class S3Backend(FsspecBackend):
         bucket, _, obj = self._path(key).partition("/")
         uri = self.uri_of(key)
         body = data if isinstance(data, bytes) else bytes(data)
-        conditions: dict[str, str] = {}
+        if expected is UNCONDITIONAL:
+            await self._put_object(uri, bucket, obj, body)
+            return
         if expected is None:
-            conditions["IfNoneMatch"] = "*"
-        elif expected is not UNCONDITIONAL:
-            current, etag = await self._get_with_etag(bucket, obj, uri)
-            if current != expected:
-                raise commit_refused(uri, expected, current)
-            conditions["IfMatch"] = str(etag)
+            await self._put_if(uri, expected, bucket, obj, body, IfNoneMatch="*")
+            return
+        current, etag = await self._get_with_etag(bucket, obj, uri)
+        if current != expected or etag is None:
+            raise commit_refused(uri, expected, current)
         try:
-            await self._call(f"write {uri}", "call_s3", "put_object", Bucket=bucket, Key=obj, Body=body, **conditions)
+            await self._put_if(uri, expected, bucket, obj, body, IfMatch=etag)
+        except CheckpointBusyError:
+            if not etag.startswith('"'):
+                raise
+            # Ceph radosgw (16.2) compares If-Match with the bare ETag and refuses the quoted form its own
+            # responses carry, which AWS and moto accept. Only while the object is still the one compared is
+            # the refusal that: then the bare ETag, still a precondition the server checks, decides.
+            again, etag_now = await self._get_with_etag(bucket, obj, uri)
+            if again != expected or etag_now != etag:
+                raise
+            await self._put_if(uri, expected, bucket, obj, body, IfMatch=etag.strip('"'))
+
+    async def _put_object(self, uri: str, bucket: str, obj: str, body: bytes, **conditions: str) -> None:
+        await self._call(f"write {uri}", "call_s3", "put_object", Bucket=bucket, Key=obj, Body=body, **conditions)
+
+    async def _put_if(self, uri: str, expected: bytes | None, bucket: str, obj: str, body: bytes,
+                      **conditions: str) -> None:
+        """One conditional PUT; a refused precondition (412, or 409 for a concurrent conditional write) raises
+        :func:`~tierckpt.backends.commit_check.commit_refused`."""
+        try:
+            await self._put_object(uri, bucket, obj, body, **conditions)
         except StorageError as exc:
             code, status = response_error(exc)
             if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
-                raise commit_refused(uri, expected, f"a different object ({code or status})") from exc  # type: ignore[arg-type]
+                raise commit_refused(uri, expected, f"a different object ({code or status})") from exc
             raise
 
     async def _get_with_etag(self, bucket: str, obj: str, uri: str) -> tuple[bytes | None, str | None]:
