@@ -146,7 +146,7 @@ class DurableMixin:
 
     async def status(self) -> StoreStatus:
         """What is committed on this node and on the remote, and what is still pending (see :class:`StoreStatus`)."""
-        pending = self.catalog.pending_under(self.rh)
+        pending = self._relevant(None)
         generation: str | None = None
         state: Level | None = None
         remote_generation, remote_error, unreachable = await self._remote_generation()
