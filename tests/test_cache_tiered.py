@@ -296,17 +296,19 @@ def _model() -> torch.nn.Module:
 
 
 def test_save_to_s3_then_load_from_warm_cache_without_remote(
-    s3_bucket_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused_endpoint: str
+    s3_bucket_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, proxy
 ) -> None:
+    from fault_proxy import Rule
+
     config = make_config(tmp_path, block_bytes=8 * 2**20)
-    cached = {"cache": config}
+    cached = {"cache": config, "endpoint_url": proxy.endpoint}  # the endpoint that goes down below
     uri = f"{s3_bucket_uri}/step-100"
     model = _model()
     state = {"model": model.state_dict(), "step": 100}
     tierckpt.async_save(uri, state, storage_options=cached).wait()
     tierckpt.async_save(uri, state, storage_options=cached).wait()  # deletes of the first generation wait for the new COMMIT
-    wait(uri, timeout_s=60, config=config)
-    st = status(uri, config=config)
+    wait(uri, timeout_s=60, config=config, storage_options={"endpoint_url": proxy.endpoint})
+    st = status(uri, config=config, storage_options={"endpoint_url": proxy.endpoint})
     assert st.state == "remote" and st.pending_bytes == 0 and st.durable
     # The remote alone has the whole checkpoint.
     target = {"model": _model().state_dict(), "step": 0}
@@ -314,14 +316,15 @@ def test_save_to_s3_then_load_from_warm_cache_without_remote(
         t.zero_()
     tierckpt.load(uri, target, storage_options={"cache": False})  # plain load from S3
     assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
-    # Now with the endpoint unreachable: everything comes from the node cache.
-    dead = refused_endpoint
+    # Now with that endpoint unreachable (every connection reset): everything comes from the node cache.
+    proxy.add_rule(Rule("reset", count=None))
     target = {"model": _model().state_dict(), "step": 0}
     for t in target["model"].values():
         t.zero_()
-    tierckpt.load(uri, target, storage_options={"endpoint_url": dead, "timeout_s": 2, **cached})
+    tierckpt.load(uri, target, storage_options={"timeout_s": 2, **cached})
     assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
     assert target["step"] == 100
+    assert proxy.hits["reset"] > 0  # the load did ask the endpoint first
 
 
 def test_prefetch_only_some_tensors_and_gc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

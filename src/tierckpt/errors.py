@@ -96,3 +96,10 @@ class NotDurableError(StorageError):
     """Steps a :class:`~tierckpt.CheckpointManager` waited for are not durable as its own saves: the remote's
     ``COMMIT`` names another job's generation (a job still running on the same root), or their uploads
     failed for good; the message names each step and why."""
+
+
+class NodeTierNotPrivateError(StorageError, PermissionError):
+    """A node tier's directory (the node cache, the memory tier) is not this user's own: another user owns
+    it, others may write it, or another user's symlink leads to it. Nothing in it was read or written; the
+    message names the directory, its owner and mode, and the setting that moves it (``TIERCKPT_CACHE_DIR``,
+    ``TIERCKPT_MEMORY_DIR``)."""

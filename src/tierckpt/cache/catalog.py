@@ -9,6 +9,8 @@ Named databases (keys are ``<root hash> NUL <key>``; values are the JSON form of
 :mod:`tierckpt.cache.records`, which this module alone encodes and decodes):
 
 * ``roots``   root hash -> remote root URI (so ``sync()`` can reopen every store).
+* ``services`` root hash -> the service that holds the root (e.g. ``s3://bucket at http://host:port``): one
+  URI on two endpoints is two stores, two root hashes (see :func:`~tierckpt.cache.tiered.root_hash`).
 * ``objs``    whole objects in the local tier (:class:`ObjRecord`), written here or fetched.
 * ``blocks``  ``<rh> NUL <key> NUL <index>`` -> aligned blocks of large remote objects (:class:`BlockRecord`).
 * ``sizes``   sizes of remote objects learnt on reads.
@@ -37,13 +39,15 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from ..backends.base import UNCONDITIONAL, Unconditional
+from ..errors import CheckpointBusyError
 from ..layout import generation_path
 from ..writeback.journal import Outstanding, pid_alive
 from .config import cache_error
 from .records import BlockRecord, CommitOrder, Finish, GenRecord, GenState, ObjRecord, Op, PendingOp, Tree
 
 MAP_SIZE = 1 << 30
-_DBS = ("roots", "objs", "blocks", "sizes", "pending", "gens", "meta")
+_DBS = ("roots", "objs", "blocks", "sizes", "pending", "gens", "meta", "services")
 
 R = TypeVar("R")
 
@@ -59,7 +63,8 @@ def _open_env(path: str) -> tuple[lmdb.Environment, dict[str, Any]]:
     """
     try:
         os.makedirs(path, exist_ok=True)
-        env = lmdb.open(path, map_size=MAP_SIZE, max_dbs=len(_DBS), sync=False, metasync=False, max_readers=512)
+        env = lmdb.open(path, map_size=MAP_SIZE, max_dbs=len(_DBS), sync=False, metasync=False, max_readers=512,
+                        mode=0o600)
         with env.begin(write=True) as txn:
             dbs = {name: env.open_db(name.encode(), txn=txn) for name in _DBS}
     except (OSError, lmdb.Error) as exc:
@@ -126,40 +131,62 @@ class Catalog:
         self.env.sync(True)
 
     # -- roots -----------------------------------------------------------------------------------
-    def register_root(self, rh: str, uri: str) -> None:
+    def register_root(self, rh: str, uri: str, service: str) -> None:
+        """Record that root ``rh`` is ``uri`` on ``service`` (what its pending uploads were written for)."""
         with self.env.begin() as txn:
-            if txn.get(rh.encode(), db=self._db["roots"]) == uri.encode():
+            if (txn.get(rh.encode(), db=self._db["roots"]) == uri.encode()
+                    and txn.get(rh.encode(), db=self._db["services"]) == service.encode()):
                 return
         with self.env.begin(write=True) as txn:
             txn.put(rh.encode(), uri.encode(), db=self._db["roots"])
+            txn.put(rh.encode(), service.encode(), db=self._db["services"])
 
-    def roots(self) -> dict[str, str]:
+    def roots(self, service: str | None = None) -> dict[str, str]:
+        """Root hash -> root URI of every root of the node cache (``service``: only that service's)."""
         with self.env.begin() as txn:
-            return {k.decode(): v.decode() for k, v in txn.cursor(self._db["roots"])}
+            roots = {k.decode(): v.decode() for k, v in txn.cursor(self._db["roots"])}
+            if service is None:
+                return roots
+            return {rh: uri for rh, uri in roots.items()
+                    if txn.get(rh.encode(), db=self._db["services"]) == service.encode()}
+
+    def service_of(self, rh: str) -> str | None:
+        """The service root ``rh`` was recorded for (``None``: recorded before services were)."""
+        with self.env.begin() as txn:
+            return _dec(bytes.decode, txn.get(rh.encode(), db=self._db["services"]))
 
     # -- writes through the cache ---------------------------------------------------------------
     def record_write(
         self, rh: str, key: str, size: int, crc: int, op: Op, generation: str | None = None,
         publish: Callable[[], None] | None = None, order: CommitOrder | None = None,
+        replaces: int | None | Unconditional = UNCONDITIONAL,
     ) -> tuple[int, list[tuple[Tree, int | None]]]:
         """Record a durable local write of ``key`` that the remote still needs (``op`` put/commit;
         ``order``: what a commit's upload waits for).
 
         ``publish`` (the rename of the file into place) runs inside the write transaction, so
         concurrent writers of one key, in any process, leave the file and its record in agreement.
-        """
+        ``replaces`` (a compare-and-swap commit): the ``ver`` of the key's pending op the writer checked
+        its base against (``None``: none). Another op pending now (another job of the node committed in
+        between): nothing is published or recorded, :class:`~tierckpt.errors.CheckpointBusyError` is
+        raised. None pending is no conflict: the op checked was uploaded, the upload's own CAS decides."""
         now = time.time()
         with self.env.begin(write=True) as txn:
+            old = _dec(PendingOp.from_json, txn.get(_k(rh, key), db=self._db["pending"]))
+            if replaces is not UNCONDITIONAL and old is not None and old.ver != replaces:
+                raise CheckpointBusyError(
+                    f"another job of this node committed {key!r} (pending upload {old and old.ver}) after this "
+                    f"commit's base was checked (pending upload {replaces})")
             if publish is not None:
                 publish()
             dropped = [d for d in self._drop_local(txn, rh, key) if d[0] != Tree.WRITTEN]
             txn.put(_k(rh, key), ObjRecord(size, crc, now, Tree.WRITTEN).to_json(), db=self._db["objs"])
             self._add_bytes(txn, size)
             ver = self._next_ver(txn)
-            old = _dec(PendingOp.from_json, txn.get(_k(rh, key), db=self._db["pending"]))
             if op == Op.COMMIT and order is None:
                 order = CommitOrder()
-            rec = PendingOp(op=op, ver=ver, owner=os.getpid(), gen=generation, size=size, t=now, order=order)
+            rec = PendingOp(op=op, ver=ver, owner=os.getpid(), gen=generation, size=size, t=now, order=order,
+                            uid=os.geteuid())
             txn.put(_k(rh, key), rec.to_json(), db=self._db["pending"])
             gens = self._db["gens"]
             if op == Op.PUT:
@@ -183,7 +210,8 @@ class Catalog:
         with self.env.begin(write=True) as txn:
             dropped = self._drop_local(txn, rh, key)
             if deferred:
-                rec = PendingOp(op=Op.DELETE, ver=self._next_ver(txn), owner=os.getpid(), t=time.time())
+                rec = PendingOp(op=Op.DELETE, ver=self._next_ver(txn), owner=os.getpid(), t=time.time(),
+                                uid=os.geteuid())
                 txn.put(_k(rh, key), rec.to_json(), db=self._db["pending"])
             else:
                 txn.delete(_k(rh, key), db=self._db["pending"])

@@ -17,7 +17,7 @@ from ..io.calls import Waiting
 from ..io.scheduler import get_scheduler
 from ..writeback.journal import pid_alive
 from .catalog import generation_path
-from .records import CommitOrder, Op, PendingOp
+from .records import CommitOrder, GenState, Op, PendingOp
 from ..writeback.levels import Level
 from ..writeback.status import StoreStatus
 
@@ -27,7 +27,8 @@ class DurableMixin:
     ``uploader``, ``root_uri`` and ``uri_of``/``get``/``schedule``/``_adopt``/``_drop_tail``."""
 
     def _relevant(self, generation: str | None) -> dict[str, PendingOp]:
-        pending = self.catalog.pending_under(self.rh)
+        """This user's pending ops of this store (of ``generation``, when given): what its waits wait for."""
+        pending = {k: r for k, r in self.catalog.pending_under(self.rh).items() if r.mine()}
         if generation is None:
             return pending
         name = generation.rstrip("/").rpartition("/")[2]
@@ -40,7 +41,8 @@ class DurableMixin:
 
         Raises :class:`StorageError` when an upload failed for good (a missing bucket, denied access), and
         :class:`TransientStorageError` at ``timeout_s``; with ``through_outage=False`` (a synchronous save)
-        also as soon as an upload failed transiently (it goes on retrying in the background)."""
+        also as soon as an upload failed transiently (it goes on retrying in the background), and when the
+        commit naming ``generation`` will never reach the remote (see :meth:`_check_own_commit`)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         adopted = False
         waiting = Waiting()  # a long wait (the remote down) says on stderr what it waits for
@@ -50,6 +52,8 @@ class DurableMixin:
             if bar is not None:  # a command's bar (tierckpt wait/sync): the bytes still to upload
                 bar.remaining(self.root_uri, sum(r.size for r in pending.values()))
             if not pending:
+                if generation is not None and not through_outage:
+                    await self._check_own_commit(generation)
                 return
             waiting.note(lambda: self._waiting_for(pending))
             failed = {k: r.error for k, r in pending.items()
@@ -71,23 +75,78 @@ class DurableMixin:
                 )
             await asyncio.sleep(self.config.poll_s)
 
+    async def _check_own_commit(self, generation: str) -> None:
+        """A synchronous save's last check: the commit naming ``generation`` (a name or ``dir/name``) is on
+        the remote, not merely replaced there by a later one. Another job of this node may commit on top of
+        this save's commit while it still waits for its upload (building on it as this node's view of
+        ``COMMIT``): that commit is then uploaded in its place, and this one never is. Raises
+        :class:`StorageError` naming the commit that replaced it (the save then reports that it lost)."""
+        gen_path = generation.rstrip("/")
+        if self.catalog.generation_state(self.rh, gen_path) in (None, GenState.REMOTE):
+            return
+        directory = gen_path.rpartition("/")[0]
+        key = f"{directory}/{layout.COMMIT}" if directory else layout.COMMIT
+        await self.uploader.runner.settle(lambda tkey: tkey == (self.rh, key))  # an upload of it in flight lands first
+        state = self.catalog.generation_state(self.rh, gen_path)
+        if state in (None, GenState.REMOTE):
+            return
+        replaced = self.catalog.pending(self.rh, key)
+        by = f"by {replaced.gen!r} " if replaced is not None and replaced.gen else ""
+        raise StorageError(
+            f"the commit of {generation!r} to {self.uri_of(key)} was replaced on this node {by}before it was "
+            f"uploaded ({state}): it never reached the remote, so this save did not commit there"
+        )
+
     def _waiting_for(self, pending: dict[str, PendingOp]) -> str:
         key, rec = sorted(pending.items())[0]
         error = f", which failed: {rec.error}; retrying" if rec.error else ""
         return f"{len(pending)} upload(s) to {self.root_uri} to reach the remote (e.g. {key}{error})"
 
     async def sync(self, timeout_s: float | None = None) -> None:
-        """Resume every pending op of this store (left by this or a dead process), then wait for them."""
+        """Resume every pending op of this store (left by this or a dead process), then wait for them.
+
+        Only this store's: ops written for the same URI on another service (another S3 endpoint) are
+        never uploaded here; when some are left without a live uploader, :class:`CheckpointError` names
+        their service and how to sync them, after this store's own are done."""
         me = os.getpid()
-        for key, rec in self.catalog.pending_under(self.rh).items():
+        for key, rec in self._relevant(None).items():
             if rec.error or rec.owner == me or not pid_alive(rec.owner):
                 self.catalog.claim(self.rh, key, rec.ver)
                 self.schedule(key)
         await self.wait_durable(None, timeout_s)
+        others = sorted({r.uid for r in self.catalog.pending_under(self.rh).values() if not r.mine()})
+        if others:
+            raise CheckpointError(
+                f"uploads of {self.root_uri} pending in the node cache {self.config.directory} were recorded by "
+                f"another user (uid {others[0]}); they are never uploaded with this user's credentials. That "
+                f"user syncs them; this user's node cache should be a directory of its own (TIERCKPT_CACHE_DIR)"
+            )
+        elsewhere = self._stranded_elsewhere()
+        if elsewhere:
+            service, count = sorted(elsewhere.items())[0]
+            raise CheckpointError(
+                f"{count} upload(s) of {self.root_uri} pending in this node's cache were written for the store at "
+                f"{service}, not the one these settings open ({self.remote.service}); they were not uploaded here. "
+                f"Sync them with the settings they were saved with (e.g. storage_options={{'endpoint_url': ...}} "
+                f"naming that endpoint), or discard them there with tierckpt sync --drop"
+            )
+
+    def _stranded_elsewhere(self) -> dict[str, int]:
+        """Service -> count of ops pending for this URI on other services with no live uploader."""
+        out: dict[str, int] = {}
+        for rh, uri in self.catalog.roots().items():
+            if rh == self.rh or uri.rstrip("/") != self.root_uri.rstrip("/"):
+                continue
+            stranded = [r for r in self.catalog.pending_under(rh).values()
+                        if (r.error and not r.retrying) or not pid_alive(r.owner)]
+            if stranded:
+                service = self.catalog.service_of(rh) or "an unrecorded endpoint"
+                out[service] = out.get(service, 0) + len(stranded)
+        return out
 
     async def status(self) -> StoreStatus:
         """What is committed on this node and on the remote, and what is still pending (see :class:`StoreStatus`)."""
-        pending = self.catalog.pending_under(self.rh)
+        pending = self._relevant(None)
         generation: str | None = None
         state: Level | None = None
         remote_generation, remote_error, unreachable = await self._remote_generation()

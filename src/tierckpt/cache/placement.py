@@ -11,6 +11,9 @@ directory (:meth:`CacheConfig.from_env`), the directory is the first that works 
    pages would compete with training for memory);
 3. ``~/.cache/tierckpt`` even on a network file system; else ``/tmp/tierckpt-cache-<uid>``.
 
+Each is created ``0700`` and, like a directory ``TIERCKPT_CACHE_DIR`` names, must be this user's own when
+the cache opens it (:mod:`tierckpt.writeback.private`): a guessable name another user made first is refused.
+
 The budget, unless ``TIERCKPT_CACHE_BYTES`` or ``CacheConfig.disk_bytes`` sets it, is the smaller of
 :data:`DEFAULT_DISK_BYTES` and half the size of the directory's file system.
 Each choice comes with the reason, which ``tierckpt status`` prints.
@@ -64,9 +67,11 @@ def _on_node_disk(path: str) -> bool:
 
 
 def _usable(directory: str) -> bool:
-    """Create ``directory`` if needed; whether this process can write there."""
+    """Create ``directory`` if needed (``0700``: node tiers are private to their user); whether this process
+    can write there. Whose it is, is checked where the cache opens it (:mod:`tierckpt.writeback.private`)."""
     try:
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(os.path.dirname(directory), exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
     except OSError:
         return False
     return os.access(directory, os.W_OK)

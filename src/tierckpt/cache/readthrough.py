@@ -301,7 +301,7 @@ class ReadThroughMixin:
         the node cache but not uploaded yet, wherever it was written from."""
         pending = self.catalog.pending_under(self.rh, prefix)
         base = self.root_uri.rstrip("/") + "/"
-        for rh, uri in self.catalog.roots().items():
+        for rh, uri in self.catalog.roots(self.remote.service).items():
             if rh == self.rh or not uri.startswith(base):
                 continue
             nested = uri[len(base):].strip("/")

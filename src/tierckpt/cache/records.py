@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -107,6 +108,14 @@ class PendingOp:
     """The failure was transient: its uploader tries again."""
     order: CommitOrder | None = None
     """For a commit: what its upload waits for (encoded as the fields ``cas``, ``base``, ``after``)."""
+    uid: int | None = None
+    """The user whose process recorded it (``None``: recorded before users were); only that user's
+    processes upload it (:meth:`mine`). Its store is the root hash it is recorded under."""
+
+    def mine(self) -> bool:
+        """Whether this process's user made the op (one recorded before users were counts as its own: it is
+        in a node cache directory checked to be this user's)."""
+        return self.uid is None or self.uid == os.geteuid()
 
     def claimed(self, owner: int) -> PendingOp:
         """This op, owned by ``owner``, with no failure recorded."""
@@ -118,7 +127,8 @@ class PendingOp:
 
     def to_json(self) -> bytes:
         value: dict[str, Any] = {"op": str(self.op), "ver": self.ver, "owner": self.owner, "gen": self.gen,
-                                 "size": self.size, "error": self.error, "t": self.t, "retrying": self.retrying}
+                                 "size": self.size, "error": self.error, "t": self.t, "retrying": self.retrying,
+                                 "uid": self.uid}
         if self.order is not None:
             value["cas"] = self.order.cas
             value["base"] = None if self.order.base is None else self.order.base.hex()
@@ -136,7 +146,7 @@ class PendingOp:
                                 after=None if after is None else MappingProxyType(dict(after)))
         return cls(op=op, ver=int(d["ver"]), owner=int(d["owner"]), gen=d.get("gen"), size=int(d.get("size") or 0),
                    error=d.get("error"), t=float(d.get("t") or 0.0), retrying=bool(d.get("retrying", False)),
-                   order=order)
+                   order=order, uid=None if d.get("uid") is None else int(d["uid"]))
 
 
 @dataclass(frozen=True, slots=True)

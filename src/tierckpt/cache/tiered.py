@@ -3,7 +3,7 @@
 Tiers, fastest first: an in-process memory tier (whole small immutable objects, e.g. metadata),
 the local disk tier under ``<cache dir>`` (shared by every process on the node), the remote.
 
-Disk layout, ``rh`` being a hash of the remote root URI::
+Disk layout, ``rh`` being a hash of the remote root URI and the service that holds it (:func:`root_hash`)::
 
     <cache dir>/catalog.lmdb                        the catalogue (see catalog.py)
     <cache dir>/objects/<rh>/<key>                  objects written through the cache (whole)
@@ -61,7 +61,7 @@ from ..backends.commit_check import commit_refused
 from ..backends.files import copy_range, discard, fsync_dir, open_temp, unlink, write_all
 from ..backends.local import LocalBackend
 from ..errors import (
-    CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError,
+    CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError,
 )
 from ..io.scheduled import ScheduledBackend
 from ..io.scheduler import get_scheduler
@@ -78,9 +78,11 @@ from .tail_upload import TailUpload
 from .uploader import Uploader
 from .uploads import UPLOAD_PART_BYTES, UploadsMixin
 
-def root_hash(root_uri: str) -> str:
-    """Name of a remote root's directory in the cache."""
-    return hashlib.sha256(root_uri.rstrip("/").encode()).hexdigest()[:24]
+def root_hash(root_uri: str, service: str) -> str:
+    """Name of a remote root's directory in the cache: the root URI where the bytes go, ``service`` (the
+    backend's :attr:`~tierckpt.backends.base.Backend.service`, e.g. a bucket at its endpoint) included, so
+    one bucket and path on two S3 endpoints never share an entry, a pending upload or a read."""
+    return hashlib.sha256(f"{root_uri.rstrip('/')}\0{service}".encode()).hexdigest()[:24]
 
 
 def block_key(key: str, idx: int) -> str:
@@ -167,13 +169,13 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Lin
         self.remote = self.link.inner
         self.config = config
         self.capabilities = remote.capabilities
-        self.rh = root_hash(remote.root_uri)
+        self.rh = root_hash(remote.root_uri, self.remote.service)
         if os.path.realpath(uploader.directory) != os.path.realpath(config.directory):
             raise ValueError(f"the uploader of {uploader.directory} cannot serve the cache {config.directory}")
         self.uploader = uploader
         """This process's uploads and catalogue of the cache directory (one per directory: store.uploader_of)."""
         self.catalog = uploader.catalog
-        self.catalog.register_root(self.rh, remote.root_uri)
+        self.catalog.register_root(self.rh, remote.root_uri, self.remote.service)
         d = self.config.directory
         self.written = LocalBackend(os.path.join(d, "objects", self.rh))
         self.fetched = LocalBackend(os.path.join(d, "fetched", self.rh))
@@ -211,7 +213,10 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Lin
     # -- writes ------------------------------------------------------------------------------------
     async def _publish_written(self, key: str, fd: int, tmp: str, size: int, crc: int, op: Op,
                                generation: str | None, tail: TailUpload | None = None,
-                               order: CommitOrder | None = None) -> None:
+                               order: CommitOrder | None = None,
+                               replaces: int | None | Unconditional = UNCONDITIONAL) -> None:
+        """Put the written temp file ``tmp`` in place and record it (``replaces``: see
+        :meth:`~tierckpt.cache.catalog.Catalog.record_write`), then schedule its upload."""
         path = self.written.path_of(key)
 
         def publish() -> int:
@@ -225,14 +230,16 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Lin
                 fsync_dir(os.path.dirname(path))
 
             version, dropped = self.catalog.record_write(self.rh, key, size, crc, op, generation, publish=rename,
-                                                         order=order)
+                                                         order=order, replaces=replaces)
             self._unlink_dropped(key, dropped)
             return version
 
         try:
             version = await asyncio.to_thread(publish)
-        except OSError as exc:
+        except (OSError, CheckpointBusyError) as exc:
             await asyncio.to_thread(unlink, tmp)
+            if isinstance(exc, CheckpointBusyError):
+                raise
             raise cache_error(self.config.directory, f"publishing the cached copy of {self.uri_of(key)} at {path}", exc) from exc
         if tail is not None:
             tail.mark_published(version)
@@ -241,7 +248,8 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Lin
         self.schedule(key)
 
     async def _write_whole(self, key: str, data: bytes | memoryview, op: Op, generation: str | None,
-                           order: CommitOrder | None = None) -> None:
+                           order: CommitOrder | None = None,
+                           replaces: int | None | Unconditional = UNCONDITIONAL) -> None:
         path = self.written.path_of(key)
         await self._drop_tail(key, self.uploader.tails.get((self.rh, key)))  # superseded by this write
         view = memoryview(data).cast("B")
@@ -257,7 +265,8 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Lin
             if isinstance(exc, OSError):
                 raise cache_error(self.config.directory, f"writing the cached copy of {self.uri_of(key)}", exc) from exc
             raise
-        await self._publish_written(key, fd, tmp, len(view), crc32c.crc32c(view), op, generation, order=order)
+        await self._publish_written(key, fd, tmp, len(view), crc32c.crc32c(view), op, generation, order=order,
+                                    replaces=replaces)
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
         await self._write_whole(validate_key(key), data, Op.PUT, None)
@@ -320,7 +329,12 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Lin
         else:
             cas, base = expected is not UNCONDITIONAL, expected if isinstance(expected, bytes) else None
         order = CommitOrder(cas=cas, base=base, after=None if after is None else MappingProxyType(dict(after)))
-        await self._write_whole(key, data, Op.COMMIT, generation, order)
+        replaces = UNCONDITIONAL if expected is UNCONDITIONAL else None if old is None else old.ver
+        try:
+            await self._write_whole(key, data, Op.COMMIT, generation, order, replaces)
+        except CheckpointBusyError as exc:  # another job of this node committed since the check
+            raise commit_refused(self.uri_of(key), None if expected is UNCONDITIONAL else expected,
+                                 "another job's commit, recorded on this node meanwhile") from exc
 
     async def _check_node_view(self, key: str, expected: bytes | None | Unconditional,
                                pending: PendingOp | None) -> None:
@@ -373,7 +387,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Lin
     def _roots_under(self, prefix: str) -> list[str]:
         """Hashes of the other roots of this cache whose URI lies under ``prefix`` of this root."""
         base = self.root_uri.rstrip("/") + "/" + prefix
-        return [rh for rh, uri in self.catalog.roots().items()
+        return [rh for rh, uri in self.catalog.roots(self.remote.service).items()
                 if rh != self.rh and (uri.rstrip("/") + "/").startswith(base)]
 
     async def _forget_root(self, rh: str) -> None:

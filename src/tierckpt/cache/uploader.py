@@ -13,9 +13,12 @@ from __future__ import annotations
 import asyncio
 import os
 
+from ..errors import NodeTierNotPrivateError
 from ..writeback.journal import Outstanding
+from ..writeback.private import private_directory
 from ..writeback.runner import TaskRunner
 from .catalog import Catalog
+from .config import cache_error
 from .local_files import VerifiedFiles
 from .tail_upload import TailUpload
 
@@ -28,6 +31,12 @@ class Uploader:
 
     def __init__(self, directory: str, upload_concurrency: int, exit_wait_s: float) -> None:
         self.directory = directory
+        try:  # the node cache is this user's own (writeback.private), checked before its catalogue is read
+            private_directory(directory, "node cache", "TIERCKPT_CACHE_DIR")
+        except NodeTierNotPrivateError:
+            raise
+        except OSError as exc:
+            raise cache_error(directory, "creating it", exc) from exc
         self.catalog = Catalog(directory)
         """The catalogue of the directory: this process's one handle on it (LMDB allows no second)."""
         self.upload_concurrency = upload_concurrency

@@ -71,8 +71,8 @@ class _Upload:
         catalog, rh = self.store.catalog, self.store.rh
         while True:
             rec = catalog.pending(rh, self.key)
-            if rec is None:
-                return None
+            if rec is None or not rec.mine():
+                return None  # none, or another user's: never uploaded with this user's credentials
             if rec.owner != os.getpid() and pid_alive(rec.owner):
                 return None  # another live process on this node uploads it
             if catalog.claim(rh, self.key, rec.ver):
@@ -121,10 +121,10 @@ class UploadsMixin:
         self.uploader.runner.ensure((self.rh, key), _Upload(self, key))
 
     def _adopt(self, records: dict[str, PendingOp]) -> None:
-        """Schedule ops whose owner is this process or dead (a crashed save)."""
+        """Schedule this user's ops whose owner is this process or dead (a crashed save)."""
         me = os.getpid()
         for key, rec in records.items():
-            if rec.owner == me or not pid_alive(rec.owner):
+            if rec.mine() and (rec.owner == me or not pid_alive(rec.owner)):
                 self.schedule(key)
 
     async def _waits_for(self, key: str, rec: PendingOp) -> tuple[set[tuple[str, str]], bool] | None:
@@ -173,18 +173,21 @@ class UploadsMixin:
             obj = self.catalog.obj(self.rh, key)
             if obj is None or crc32c.crc32c(data) != obj.crc:
                 return False  # rewritten meanwhile
-            await self.link.call("commit", self._upload_commit, key, data, rec, nbytes=len(data))
-            return True
+            return await self.link.call("commit", self._upload_commit, key, data, rec, nbytes=len(data))
         await self.link.delete(key)
         return True
 
-    async def _upload_commit(self, key: str, data: bytes, rec: PendingOp) -> None:
-        """Upload a commit as a compare-and-swap against the remote state it was built on (``base``).
+    async def _upload_commit(self, key: str, data: bytes, rec: PendingOp) -> bool:
+        """Upload a commit as a compare-and-swap against the remote state it was built on (``base``);
+        ``False``: a newer commit of the node replaced ``rec`` meanwhile (that one is uploaded instead).
 
         A refusal is accepted only when the remote holds this very record (a retried request whose
         first attempt landed) or a commit this node uploaded after ``base`` was recorded (its earlier
-        commit overtook this one's record); then it is retried against that. Anything else is another
-        writer's commit: the upload fails and the checkpoint stays committed on this node only."""
+        commit overtook this one's record) while ``rec`` is still the key's pending op; then it is
+        retried against that. A replaced ``rec`` is never retried: its newer commit (another job's,
+        perhaps, already on the remote) must not be overwritten by the older one it was built on.
+        Anything else is another writer's commit: the upload fails and the checkpoint stays committed
+        on this node only."""
         expected: bytes | None | Unconditional = UNCONDITIONAL
         if rec.order is not None and rec.order.cas:
             expected = rec.order.base
@@ -198,10 +201,14 @@ class UploadsMixin:
             if current != data:
                 if current is None or self._uploaded_by_this_node(key, current) is False:
                     raise
+                pending = self.catalog.pending(self.rh, key)
+                if pending is None or pending.ver != rec.ver:
+                    return False
                 await self.remote.commit(key, data, expected=current)
         gen_path = self._generation_path(key, data)
         if gen_path is not None:
             self.catalog.mark_remote(self.rh, gen_path)
+        return True
 
     def _generation_path(self, key: str, record: bytes) -> str | None:
         """``dir/generation`` that the commit record ``record`` of ``key`` names (``None``: not a record)."""

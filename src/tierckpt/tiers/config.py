@@ -7,7 +7,8 @@ Environment variables (read by :meth:`MemoryConfig.from_env`, and :func:`memory_
   ``memory`` of a call overrides it.
 * ``TIERCKPT_MEMORY_DIR``: the tier's directory, shared by every process of the node; it should be on a
   memory file system (tmpfs) so it outlives the training processes but costs no disk I/O
-  (default ``/dev/shm/tierckpt``).
+  (default ``/dev/shm/tierckpt-<uid>``: private to its user, created 0700 and checked on every open by
+  :func:`tierckpt.writeback.private.private_directory`).
 * ``TIERCKPT_MEMORY_BYTES``: the tier's budget, e.g. ``"48G"``, ``"512M"``, ``"1000000"`` (the byte sizes of
   :func:`tierckpt.units.parse_bytes`: G = 2**30, GB = 10**9). Default: half the size of the file system that holds the directory.
 * ``TIERCKPT_MEMORY_FULL``: what a save does when its checkpoint cannot fit even after evicting
@@ -31,7 +32,10 @@ MEMORY_ENV = "TIERCKPT_MEMORY"
 DIR_ENV = "TIERCKPT_MEMORY_DIR"
 BYTES_ENV = "TIERCKPT_MEMORY_BYTES"
 FULL_ENV = "TIERCKPT_MEMORY_FULL"
-DEFAULT_DIRECTORY = "/dev/shm/tierckpt"
+def default_directory() -> str:
+    """The tier's default directory: ``/dev/shm/tierckpt-<uid>``, one per user of the node (node tiers
+    are private: another user's tier is never shared, read or written)."""
+    return f"/dev/shm/tierckpt-{os.geteuid()}"
 
 
 class OnFull(enum.Enum):
@@ -77,8 +81,8 @@ def default_budget(directory: str) -> int:
 class MemoryConfig:
     """Where the node memory tier lives and how much it may hold. Values, never mutated."""
 
-    directory: str = DEFAULT_DIRECTORY
-    """The tier's directory (tmpfs), shared by the node's processes."""
+    directory: str = dataclasses.field(default_factory=default_directory)
+    """The tier's directory (tmpfs), shared by this user's processes of the node."""
     budget_bytes: int = 0
     """Bytes the tier may hold; ``0`` means the default, half the directory's file system."""
     on_full: OnFull = OnFull.ERROR

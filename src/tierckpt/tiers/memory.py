@@ -47,6 +47,7 @@ from .eviction import TierCopy, copy_id
 from . import stamps
 from .incoming import IncomingFile
 from .manifest import FileEntry, Manifest
+from ..writeback.private import private_directory
 from ..writeback import ledger
 from ..writeback.ledger import Tier
 from ..writeback.written import CrcWriter, WrittenCrc
@@ -133,6 +134,7 @@ class MemoryTier(LocalBackend, NodeTier):
     def __init__(self, uri: str, config: MemoryConfig | None = None) -> None:
         self.config = config if config is not None else MemoryConfig.from_env()
         self.uri = uri.rstrip("/")
+        private_directory(self.config.directory, "node memory tier", DIR_ENV, create=False)
         self.home = os.path.join(self.config.directory, uri_digest(uri))
         super().__init__(os.path.join(self.home, "objects"))
         self._claimed = False
@@ -145,6 +147,7 @@ class MemoryTier(LocalBackend, NodeTier):
         """Create the URI's directory and its ``URI`` file; refuse a directory that names another URI."""
         if self._claimed:
             return
+        private_directory(self.config.directory, "node memory tier", DIR_ENV)
         path = os.path.join(self.home, "URI")
         if not os.path.exists(path):
             write_atomic(path, self.uri.encode())

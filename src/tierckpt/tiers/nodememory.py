@@ -11,9 +11,11 @@ import fcntl
 import os
 from collections.abc import Callable, Iterable, Iterator
 
+from ..errors import StorageError
 from ..bounded import MAX_URI_FILE_BYTES, read_capped
 from ..layout import is_superseded
-from .config import MemoryConfig
+from ..writeback.private import private_directory
+from .config import DIR_ENV, MemoryConfig
 from .eviction import Admission, TierCopy, copy_id, plan_admission
 from .memory import SPARE_PREFIX, MemoryTier
 from .pagepool import retire
@@ -24,6 +26,7 @@ class NodeMemory:
 
     def __init__(self, config: MemoryConfig | None = None) -> None:
         self.config = config if config is not None else MemoryConfig.from_env()
+        private_directory(self.config.directory, "node memory tier", DIR_ENV, create=False)
 
     def tier(self, uri: str) -> MemoryTier:
         return MemoryTier(uri, self.config)
@@ -78,8 +81,12 @@ class NodeMemory:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """The node-wide lock of admissions (a usage walk sees no file move under it)."""
-        os.makedirs(self.config.directory, exist_ok=True)
-        fd = os.open(os.path.join(self.config.directory, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        path = os.path.join(private_directory(self.config.directory, "node memory tier", DIR_ENV), ".lock")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:  # never a bare OSError: it may surface from a failed save's cleanup
+            raise StorageError(f"the node memory tier's lock {path} cannot be opened ({exc.strerror}); point "
+                               f"{DIR_ENV} at a directory of your own") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
