@@ -90,3 +90,8 @@ class NotACheckpointError(CheckpointNotFoundError):
 class NodeCacheError(StorageError):
     """The node cache directory cannot be used (not writable, read-only, full); the message names the
     directory, ``TIERCKPT_CACHE_DIR`` and how to go without the cache (``storage_options={"cache": False}``)."""
+
+
+class RouteCostsError(CheckpointError, ValueError):
+    """The load routes' costs cannot be taken as given (a malformed ``$TIERCKPT_ROUTE_COSTS``, a probe of the
+    store that read short); the message names the setting or the file and what to write."""
