@@ -11,14 +11,15 @@ the constants with what the group measured, in this order:
    process: later loads reuse it and take no probe). A bounded probe, every rank at once:
 
    * the store: each rank reads :data:`PROBE_READ_BYTES` of the checkpoint's largest data file through the
-     load's own backend (at its own offset), all ranks together, then the same bytes again, then
-     :data:`PROBE_SMALL_BYTES` three times. Each node's bytes over its slowest rank's seconds give ``byte_s``
+     load's own backend (at its own offset, by the segment read a load uses), all ranks together, then the
+     same bytes again (twice, the faster counts), then :data:`PROBE_SMALL_BYTES` three times. Each node's bytes over its slowest rank's seconds give ``byte_s``
      (the node's link), the group's bytes over the slowest rank's give ``group_byte_s`` (where the store has
      a group share), the repeat gives ``cached_byte_s`` (where repeats come from the node's page cache), the
      small read ``request_s``;
    * the exchange: three all-to-alls on the group's own backend, timed on every rank — one byte to every
      other rank (``message_s``), :data:`PROBE_SEND_BYTES` to each rank of the same node (``local_byte_s``)
-     and to each rank of other nodes (``remote_byte_s``). Each is converted with the cost model's own overlap
+     and to each rank of other nodes (``remote_byte_s``), the two less the first's seconds (the collective's
+     own latency). The slowest rank's seconds count; each is converted with the cost model's own overlap
      rule (:func:`~tierckpt.planner.routes.exchange_seconds`), so the model gives back the probe's time
      for the probe's traffic.
 
@@ -41,6 +42,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import layout
@@ -60,8 +62,11 @@ PROBE_SMALL_BYTES = 4 << 10
 """One small read: its seconds are the store's per-request cost."""
 PROBE_MIN_FILE_BYTES = 256 << 10
 """Below this a data file says too little about bytes/s: the store's costs keep the prior."""
-PROBE_SEND_BYTES = 256 << 10
+PROBE_SEND_BYTES = 1 << 20
 """Bytes each rank sends to each peer in the exchange probes."""
+MIN_SPENT_S = 1e-6
+"""The least seconds a probe's bytes are taken to cost (a timer's noise may leave less or nothing after the
+collective's latency): a measured cost is never zero."""
 
 MeasureKey = tuple[str, bool, str, int]
 """What a measurement is kept for: the store's scheme, whether it is a local path, the group's backend and
@@ -125,7 +130,8 @@ def measured_topology(prior: Topology, comm: Comm, backend: Backend, ckpt: Check
             costs = dict(kept[0][1])
         else:
             costs = _probe(prior, comm, backend, ckpt)
-            _kept[measure_key(backend, comm)] = (prior.nodes, costs)
+            if "byte_s" in costs:  # a checkpoint too small to measure the store with is probed again next time
+                _kept[measure_key(backend, comm)] = (prior.nodes, costs)
         topo = with_costs(topo, costs, tuple(costs))
     return with_costs(topo, override, tuple(override)) if override else topo
 
@@ -140,7 +146,7 @@ def _probe(prior: Topology, comm: Comm, backend: Backend, ckpt: Checkpoint) -> d
         start = (comm.rank * nbytes) % (size - nbytes + 1) // 4096 * 4096
         # Each step ends in the all-gather that agrees on it: the next one starts on every rank together.
         _, first = comm.exchange_agreed(lambda: (None, _timed_read(backend, path, start, nbytes)), "measuring the store")
-        _, again = comm.exchange_agreed(lambda: (None, (_timed_read(backend, path, start, nbytes), min(
+        _, again = comm.exchange_agreed(lambda: (None, (min(_timed_read(backend, path, start, nbytes) for _ in range(2)), min(
             _timed_read(backend, path, start, PROBE_SMALL_BYTES) for _ in range(3)))), "measuring the store")
         costs.update(_store_costs(prior, nbytes, first, [a[0] for a in again], [a[1] for a in again]))
     if comm.world_size > 1:
@@ -149,12 +155,12 @@ def _probe(prior: Topology, comm: Comm, backend: Backend, ckpt: Checkpoint) -> d
 
 
 def _timed_read(backend: Backend, path: str, start: int, nbytes: int) -> float:
+    """Seconds to read ``nbytes`` at ``start`` as a load reads them: by the backend's segment read, into a
+    buffer whose pages are already touched (a load's targets are)."""
+    out = np.ones(nbytes, dtype=np.uint8)
     began = time.perf_counter()
-    data = get_scheduler().run(backend.get_range(path, start, start + nbytes))
-    elapsed = time.perf_counter() - began
-    if len(data) != nbytes:
-        raise RouteCostsError(f"measuring the store: {path!r} gave {len(data)} of the {nbytes} bytes asked at {start}")
-    return elapsed
+    get_scheduler().run(backend.read_segments(path, [([start], nbytes, memoryview(out))]))
+    return time.perf_counter() - began
 
 
 def _store_costs(prior: Topology, nbytes: int, first: Sequence[float], again: Sequence[float],
@@ -190,14 +196,16 @@ def _exchange_costs(prior: Topology, comm: Comm) -> dict[str, float]:
     messages = world * (world - 1)
     message_s = max(t[0] for t in times) * local_turns / messages
     costs = {"message_s": message_s}
+    # The bytes' share of an all-to-all: its seconds beyond the tiny one's (the same collective's latency).
+    latency = max(t[0] for t in times)
     local_peers = sum(nodes[a] == nodes[b] for a in range(world) for b in range(world) if a != b)
     if local_peers:
-        spent = max(t[1] for t in times) - local_peers * message_s / local_turns
-        costs["local_byte_s"] = max(spent, 0.0) * local_turns / (local_peers * PROBE_SEND_BYTES)
+        spent = max(max(t[1] for t in times) - latency, MIN_SPENT_S)
+        costs["local_byte_s"] = spent * local_turns / (local_peers * PROBE_SEND_BYTES)
     remote_peers = messages - local_peers
     if remote_peers:
-        spent = max(t[2] for t in times) - remote_peers * message_s / world
-        costs["remote_byte_s"] = max(spent, 0.0) * world / (remote_peers * PROBE_SEND_BYTES)
+        spent = max(max(t[2] for t in times) - latency, MIN_SPENT_S)
+        costs["remote_byte_s"] = spent * world / (remote_peers * PROBE_SEND_BYTES)
     return costs
 
 
