@@ -12,10 +12,11 @@ the constants with what the group measured, in this order:
 
    * the store: each rank reads :data:`PROBE_READ_BYTES` of the checkpoint's largest data file through the
      load's own backend (at its own offset, by the segment read a load uses), all ranks together, then the
-     same bytes again (twice, the faster counts), then :data:`PROBE_SMALL_BYTES` three times. Each node's bytes over its slowest rank's seconds give ``byte_s``
-     (the node's link), the group's bytes over the slowest rank's give ``group_byte_s`` (where the store has
-     a group share), the repeat gives ``cached_byte_s`` (where repeats come from the node's page cache), the
-     small read ``request_s``;
+     same bytes again (twice, the faster counts), then :data:`PROBE_RUNS` runs of :data:`PROBE_SMALL_BYTES`
+     spread over them in one call (three times, the fastest counts). Each node's bytes over its slowest
+     rank's seconds give ``byte_s`` (the node's link), the group's bytes over the slowest rank's give
+     ``group_byte_s`` (where the store has a group share), the repeat gives ``cached_byte_s`` (where repeats
+     come from the node's page cache), the runs' seconds over their number ``request_s``;
    * the exchange: three all-to-alls on the group's own backend, timed on every rank — one byte to every
      other rank (``message_s``), :data:`PROBE_SEND_BYTES` to each rank of the same node (``local_byte_s``)
      and to each rank of other nodes (``remote_byte_s``), the two less the first's seconds (the collective's
@@ -59,7 +60,10 @@ CONSTANTS = "constants"
 PROBE_READ_BYTES = 4 << 20
 """Bytes each rank reads of the store in the probe (less where the file is smaller)."""
 PROBE_SMALL_BYTES = 4 << 10
-"""One small read: its seconds are the store's per-request cost."""
+"""The runs of the per-request probe: :data:`PROBE_RUNS` of them read in one call (a strided box's runs, as a
+load reads them: positional reads or mapped copies on a local file, ranged requests several in flight on an
+object store); their seconds over their number are the store's per-request cost."""
+PROBE_RUNS = 32
 PROBE_MIN_FILE_BYTES = 256 << 10
 """Below this a data file says too little about bytes/s: the store's costs keep the prior."""
 PROBE_SEND_BYTES = 1 << 20
@@ -146,8 +150,9 @@ def _probe(prior: Topology, comm: Comm, backend: Backend, ckpt: Checkpoint) -> d
         start = (comm.rank * nbytes) % (size - nbytes + 1) // 4096 * 4096
         # Each step ends in the all-gather that agrees on it: the next one starts on every rank together.
         _, first = comm.exchange_agreed(lambda: (None, _timed_read(backend, path, start, nbytes)), "measuring the store")
+        runs = [start + k * (nbytes // PROBE_RUNS) for k in range(PROBE_RUNS)]
         _, again = comm.exchange_agreed(lambda: (None, (min(_timed_read(backend, path, start, nbytes) for _ in range(2)), min(
-            _timed_read(backend, path, start, PROBE_SMALL_BYTES) for _ in range(3)))), "measuring the store")
+            _timed_runs(backend, path, runs) for _ in range(3)) / PROBE_RUNS)), "measuring the store")
         costs.update(_store_costs(prior, nbytes, first, [a[0] for a in again], [a[1] for a in again]))
     if comm.world_size > 1:
         costs.update(_exchange_costs(prior, comm))
@@ -163,10 +168,19 @@ def _timed_read(backend: Backend, path: str, start: int, nbytes: int) -> float:
     return time.perf_counter() - began
 
 
+def _timed_runs(backend: Backend, path: str, offsets: list[int]) -> float:
+    """Seconds to read :data:`PROBE_SMALL_BYTES` at each of ``offsets`` in one call, as a load reads a strided
+    box's runs."""
+    out = np.ones(len(offsets) * PROBE_SMALL_BYTES, dtype=np.uint8)
+    began = time.perf_counter()
+    get_scheduler().run(backend.read_segments(path, [(offsets, PROBE_SMALL_BYTES, memoryview(out))]))
+    return time.perf_counter() - began
+
+
 def _store_costs(prior: Topology, nbytes: int, first: Sequence[float], again: Sequence[float],
                  small: Sequence[float]) -> dict[str, float]:
     """Store costs from every rank's seconds: ``first`` and ``again`` reading ``nbytes`` (all ranks at once),
-    ``small`` one small read."""
+    ``small`` a run of the per-request probe."""
     by_node: dict[str, list[float]] = {}
     for rank, seconds in enumerate(first):
         by_node.setdefault(prior.nodes[rank], []).append(seconds)

@@ -290,19 +290,11 @@ def node_seconds(
     return max(node_s, group_s) + union_passed * store.walk_byte_s
 
 
-MEASURED_MARGIN = 1.25
-"""With measured costs, a route that reads fewer bytes from the store is kept unless another is estimated
-faster by more than this factor: measurements on a busy machine are noisy, the estimates are bottleneck
-sums, and storage read once more costs every job that shares it (2 simulated nodes x 4 ranks on the 2-core
-VM: node sharing estimated 10 % faster than the group's exchange for a row -> column reshard, measured 30 %
-slower)."""
-
-
 def choose_route(
     reads: Sequence[RankRead], union_bytes: int, union_requests: int, topo: Topology, union_passed: int = 0,
 ) -> Route:
     """The route estimated fastest; ties go to the one that reads fewer bytes from the store (exchange,
-    then node, then direct), and with measured costs near-ties too (:data:`MEASURED_MARGIN`). A slab only one rank needs is always read by that rank; ``node`` is a route
+    then node, then direct). A slab only one rank needs is always read by that rank; ``node`` is a route
     of its own only where the needing ranks span several nodes and some node has several of them (on one
     node it is the exchange, with one needing rank per node it is direct)."""
     if len({r.rank for r in reads}) <= 1:
@@ -314,6 +306,4 @@ def choose_route(
     per_node = [topo.nodes[r.rank] for r in reads]
     if 1 < len(set(per_node)) < len(per_node):
         costs.append((node_seconds(reads, union_bytes, union_requests, topo, union_passed), 1, NODE))
-    best = min(costs)[0]
-    margin = MEASURED_MARGIN if topo.measured else 1.0
-    return min((order, route) for seconds, order, route in costs if seconds <= best * margin)[1]
+    return min(costs)[2]
