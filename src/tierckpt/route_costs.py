@@ -59,11 +59,14 @@ CONSTANTS = "constants"
 """The word in ``$TIERCKPT_ROUTE_COSTS`` that skips the probe."""
 PROBE_READ_BYTES = 4 << 20
 """Bytes each rank reads of the store in the probe (less where the file is smaller)."""
-PROBE_SMALL_BYTES = 4 << 10
+PROBE_SMALL_BYTES = 2 << 10
 """The runs of the per-request probe: :data:`PROBE_RUNS` of them read in one call (a strided box's runs, as a
 load reads them: positional reads or mapped copies on a local file, ranged requests several in flight on an
 object store); their seconds over their number are the store's per-request cost."""
-PROBE_RUNS = 32
+PROBE_RUNS = 256
+"""Runs in the per-request probe: a column window of 256 rows, so that a call's own cost is shared as a
+strided read shares it (with 32 runs, the call's hop through the I/O loop made up most of a run's cost on the
+busy 2-core VM: 70-180 us a run, where a load's strided runs cost a few)."""
 PROBE_MIN_FILE_BYTES = 256 << 10
 """Below this a data file says too little about bytes/s: the store's costs keep the prior."""
 PROBE_SEND_BYTES = 1 << 20
