@@ -435,3 +435,21 @@ def scratch_dir(prefix: str, under: str | None = None) -> str:
 
 def rmtree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def plan_log() -> list[str]:
+    """The load plans the loader logs in this process, as they come (its INFO line per load)."""
+    import logging
+
+    plans: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if message.startswith("load plan"):
+                plans.append(message)
+
+    log = logging.getLogger("tierckpt")
+    log.addHandler(Keep(logging.INFO))
+    log.setLevel(logging.INFO)
+    return plans

@@ -78,12 +78,13 @@ def node_ranks(rank: int, world: int, cases: list[str], gib: float, root: str, r
         if rank == 0:
             C.remove_uri(uri, None)
         dist.barrier()
-        warm = C.make_state(1e-4, shard_dim=0, fill=True)
+        warm = C.make_state(1 / 256, shard_dim=0, fill=True)  # the loads measure the store here (route_costs)
         C.do_save(lib, uri, None, warm, None)
         dist.barrier()
         C.do_load(lib, uri, None, warm, None)
         dist.barrier()
     out: list[dict[str, Any]] = []
+    plans = C.plan_log() if rank == 0 else []
     for case in cases:
         saved = _states(case, gib, fill=True)
         uris = {lib: os.path.join(root, f"{case}-{world}-{lib}") for lib in LIBS}
@@ -102,6 +103,7 @@ def node_ranks(rank: int, world: int, cases: list[str], gib: float, root: str, r
                 dist.barrier()
                 mon = tierckpt.Monitor()
                 io0 = C.proc_io()
+                del plans[:]
                 t0 = time.perf_counter()
                 C.do_load(lib, uris[lib], None, state, mon if lib == "tierckpt" else None)
                 dist.barrier()
@@ -110,7 +112,8 @@ def node_ranks(rank: int, world: int, cases: list[str], gib: float, root: str, r
                 _check(state, expected, lib)
                 read = max(rchar, int(mon.counters.get("bytes_read", 0))) if lib == "tierckpt" else rchar
                 out.append({"case": f"{case} {world}", "lib": lib, "repeat": r, "seconds": seconds, "bytes": read,
-                            "counters": dict(mon.counters) if lib == "tierckpt" else {}})
+                            "counters": dict(mon.counters) if lib == "tierckpt" else {},
+                            "plan": plans[-1] if plans and lib == "tierckpt" else ""})
         del state, expected
     return out
 
@@ -156,8 +159,12 @@ def table(per_world: list[list[list[dict[str, Any]]]], gib: float) -> str:
                 f"{direct / max(byt['tierckpt'], 1):.2f}",
                 " / ".join(f"{lib}: {C.runs(v)}" for lib, v in sec.items()),
             ])
-    return C.md_table(["case (ranks)", "tierckpt s", "DCP s", "DCP / tierckpt", "tierckpt bytes read (/ state)",
-                       "DCP bytes read (/ state)", "tierckpt direct share", "all runs, s"], rows)
+    out = C.md_table(["case (ranks)", "tierckpt s", "DCP s", "DCP / tierckpt", "tierckpt bytes read (/ state)",
+                      "DCP bytes read (/ state)", "tierckpt direct share", "all runs, s"], rows)
+    plans = [f"- {rec['case']}: `{rec['plan']}`" for per_rank in per_world for rec in per_rank[0] if rec.get("plan")
+             and rec["repeat"] == 0]
+    return out + ("\n\ntierckpt's load plans (rank 0, first repeat; `*`: a route cost measured by the job):\n\n"
+                  + "\n".join(plans) if plans else "")
 
 
 def run(args: argparse.Namespace, quick_gib: float) -> None:

@@ -1,11 +1,14 @@
-"""Two simulated nodes on one machine: save and resharded load, tierckpt beside torch DCP.
+"""Two simulated nodes on one machine: save, resharded load and replicated load, tierckpt beside torch DCP.
 
 One ``torchrun --nnodes 2 --node_rank i --master_addr 127.0.0.1 --master_port P --nproc_per_node R``
 per node, as on a cluster; each node has its own node id (``TIERCKPT_NODE_ID=simnode-i``) and its own
 node-cache and memory-tier directories under the scratch root, so tierckpt plans as for two nodes (a
 local path read by two nodes is a shared file system: each byte is read once per group and the
-group exchanges). The state is ``_common.N_TENSORS`` fp32 matrices saved ``Shard(0)`` (rows) over all
-ranks, loaded ``Shard(1)`` (columns) over the same ranks; every load is checked element by element.
+group exchanges, unless the costs the job measures say otherwise: :mod:`tierckpt.route_costs`). The state
+is ``_common.N_TENSORS`` fp32 matrices saved ``Shard(0)`` (rows) over all ranks, loaded ``Shard(1)``
+(columns) over the same ranks; and the same matrices as plain tensors (a DDP model: saved once, loaded
+whole by every rank). Every load is checked element by element. Rank 0 records tierckpt's load plan as
+the loader logs it: the bytes of each route and the route inputs (``*``: measured on these processes).
 
 Per repeat (library order alternating): each library saves into a fresh directory, then loads it
 resharded. Reported: rank 0's barrier-to-barrier seconds (medians), the ratio DCP s / tierckpt s
@@ -31,9 +34,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
+import _node_scale as S  # noqa: E402
 
 NODES = 2
 SECTION = "bench_nodes"
+CASES = ("reshard", "replicated")
+ROUTES = ("direct", "node", "exchange")
 
 
 # -- one rank (run by torchrun) ---------------------------------------------------------------------
@@ -48,8 +54,10 @@ def worker(root: str, gib: float, repeats: int) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
     rank = dist.get_rank()
     records: list[dict[str, Any]] = []
+    plans = C.plan_log() if rank == 0 else []
     try:
-        warm = C.make_state(1e-4, shard_dim=0, fill=True)
+        # large enough that the loads measure the store here, untimed (tierckpt.route_costs)
+        warm = C.make_state(1 / 256, shard_dim=0, fill=True)
         for lib in C.LIBS:
             uri = os.path.join(root, f"warmup-{lib}")
             if rank == 0:
@@ -59,31 +67,36 @@ def worker(root: str, gib: float, repeats: int) -> None:
             dist.barrier()
             C.do_load(lib, uri, None, warm, None)
             dist.barrier()
-        saved = C.make_state(gib, shard_dim=0, fill=True)
-        state = C.make_state(gib, shard_dim=1, fill=False)
+        states = {case: (S._states(case, gib, fill=True), S._states(case, gib, fill=False)) for case in CASES}
+        expected = {case: S._expected(case, states[case][1], gib) for case in CASES}
         for r in range(repeats):
-            for lib in C.order(r):
-                uri = os.path.join(root, f"ckpt-{lib}")
-                if rank == 0:
-                    C.remove_uri(uri, None)
-                dist.barrier()
-                t0 = time.perf_counter()
-                C.do_save(lib, uri, None, saved, None)
-                dist.barrier()
-                save_s = time.perf_counter() - t0
-                C.reset_state(state)
-                dist.barrier()
-                mon = tierckpt.Monitor()
-                io0 = C.proc_io()["rchar"]
-                t0 = time.perf_counter()
-                C.do_load(lib, uri, None, state, mon if lib == "tierckpt" else None)
-                dist.barrier()
-                load_s = time.perf_counter() - t0
-                rchar = C.proc_io()["rchar"] - io0
-                C.check_state(state, gib)
-                read = max(rchar, int(mon.counters.get("bytes_read", 0))) if lib == "tierckpt" else rchar
-                records.append({"lib": lib, "repeat": r, "save_s": save_s, "load_s": load_s, "bytes": read,
-                                "direct": int(mon.counters.get("bytes_read_direct", 0))})
+            for case in CASES:
+                saved, state = states[case]
+                for lib in C.order(r):
+                    uri = os.path.join(root, f"ckpt-{lib}")
+                    if rank == 0:
+                        C.remove_uri(uri, None)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    C.do_save(lib, uri, None, saved, None)
+                    dist.barrier()
+                    save_s = time.perf_counter() - t0
+                    S._reset(state)
+                    dist.barrier()
+                    mon = tierckpt.Monitor()
+                    io0 = C.proc_io()["rchar"]
+                    del plans[:]
+                    t0 = time.perf_counter()
+                    C.do_load(lib, uri, None, state, mon if lib == "tierckpt" else None)
+                    dist.barrier()
+                    load_s = time.perf_counter() - t0
+                    rchar = C.proc_io()["rchar"] - io0
+                    S._check(state, expected[case], lib)
+                    read = max(rchar, int(mon.counters.get("bytes_read", 0))) if lib == "tierckpt" else rchar
+                    records.append({"lib": lib, "case": case, "repeat": r, "save_s": save_s, "load_s": load_s,
+                                    "bytes": read, "plan": plans[-1] if plans and lib == "tierckpt" else "",
+                                    **{f"bytes_{route}": int(mon.counters.get(f"bytes_read_{route}", 0))
+                                       for route in ROUTES}})
     finally:
         dist.destroy_process_group()
     out = {"rank": rank, "node": os.environ.get("TIERCKPT_NODE_ID", ""), "records": records}
@@ -128,29 +141,35 @@ def launch(root: str, gib: float, per_node: int, repeats: int, timeout_s: float)
 def table(ranks: list[dict[str, Any]], gib: float) -> str:
     need = C.state_bytes(gib)
     rank0 = next(r for r in ranks if r["rank"] == 0)["records"]
-    sec = {(lib, op): [x[f"{op}_s"] for x in rank0 if x["lib"] == lib] for lib in C.LIBS for op in ("save", "load")}
     rows = []
-    for op, what in (("save", "save (Shard(0))"), ("load", "load row -> column")):
-        t, d = C.median(sec["tierckpt", op]), C.median(sec["dcp", op])
-        rows.append([what, f"{t:.3f}", f"{d:.3f}", f"**{d / t:.2f}x**",
-                     " / ".join(f"{lib}: {C.runs(sec[lib, op])}" for lib in C.LIBS)])
+    for case, what in (("reshard", "row -> column"), ("replicated", "replicated (DDP-style)")):
+        sec = {(lib, op): [x[f"{op}_s"] for x in rank0 if x["lib"] == lib and x["case"] == case]
+               for lib in C.LIBS for op in ("save", "load")}
+        for op in ("save", "load"):
+            t, d = C.median(sec["tierckpt", op]), C.median(sec["dcp", op])
+            rows.append([f"{op} {what}", f"{t:.3f}", f"{d:.3f}", f"**{d / t:.2f}x**",
+                         " / ".join(f"{lib}: {C.runs(sec[lib, op])}" for lib in C.LIBS)])
     out = C.md_table(["operation", "tierckpt s", "DCP s", "DCP s / tierckpt s", "all runs, s"], rows)
     nodes = sorted({r["node"] for r in ranks})
     per_node = []
-    for lib in C.LIBS:
-        cells = []
-        for node in nodes:
-            totals = [sum(x["bytes"] for r in ranks if r["node"] == node for x in r["records"]
-                          if x["lib"] == lib and x["repeat"] == k) for k in range(len(sec[lib, "load"]))]
-            cells.append(f"{C.fmt_bytes(C.median(totals))} ({C.median(totals) / need:.2f})")
-        per_node.append([lib, *cells])
+    for case in CASES:
+        for lib in C.LIBS:
+            cells = []
+            for node in nodes:
+                totals = [sum(x["bytes"] for r in ranks if r["node"] == node for x in r["records"]
+                              if x["lib"] == lib and x["case"] == case and x["repeat"] == k)
+                          for k in range(len(rank0) // (2 * len(CASES)))]
+                cells.append(f"{C.fmt_bytes(C.median(totals))} ({C.median(totals) / need:.2f})")
+            per_node.append([f"{case}: {lib}", *cells])
     out += "\n\n" + C.md_table(["bytes read in a load (/ state)", *nodes], per_node)
-    loads = len(sec["tierckpt", "load"])
-    direct = C.median([sum(x.get("direct", 0) for r in ranks for x in r["records"] if x["lib"] == "tierckpt"
-                           and x["repeat"] == k) for k in range(loads)])
-    read = C.median([sum(x["bytes"] for r in ranks for x in r["records"] if x["lib"] == "tierckpt" and x["repeat"] == k)
-                     for k in range(loads)])
-    out += f"\n\ntierckpt's share of its bytes read by the direct route (the rest read once and exchanged): {direct / max(read, 1):.2f}"
+    routes = []
+    for case in CASES:
+        mine = [x for r in ranks for x in r["records"] if x["lib"] == "tierckpt" and x["case"] == case]
+        total = max(sum(x["bytes"] for x in mine), 1)
+        shares = ", ".join(f"{route} {sum(x[f'bytes_{route}'] for x in mine) / total:.2f}" for route in ROUTES)
+        plans = [x["plan"] for x in rank0 if x["lib"] == "tierckpt" and x["case"] == case and x["plan"]]
+        routes.append(f"- {case}: bytes read by route {shares}; rank 0's last plan: `{plans[-1] if plans else '?'}`")
+    out += "\n\ntierckpt's routes (`*`: a cost measured by the job, the rest the defaults):\n\n" + "\n".join(routes)
     return out
 
 
@@ -164,7 +183,8 @@ def run(gib: float, per_node: int, repeats: int, tmp: str | None, timeout_s: flo
             f"## Two simulated nodes: {NODES} x {per_node} ranks (`benchmarks/bench_nodes.py`)",
             C.machine_info(root),
             f"State: {C.N_TENSORS} x {C.shapes(gib)['w0']} fp32 ({C.fmt_bytes(C.state_bytes(gib))}), saved "
-            f"`Shard(0)` over all {NODES * per_node} ranks and loaded `Shard(1)` over the same ranks. One "
+            f"`Shard(0)` over all {NODES * per_node} ranks and loaded `Shard(1)` over the same ranks; replicated: "
+            "the same matrices as plain tensors, saved once and loaded whole by every rank. One "
             f"`torchrun --nnodes {NODES} --node_rank i --master_addr 127.0.0.1` per node, each with its own "
             "`TIERCKPT_NODE_ID` and node-cache / memory-tier directories; the checkpoint directory is shared by "
             f"both (a shared file system to tierckpt's planner). {repeats} repeats, library order alternating; "

@@ -14,6 +14,9 @@ import pytest
 
 # The node cache of remote stores goes to a fresh directory per test session (workers inherit it).
 os.environ.setdefault("TIERCKPT_CACHE_DIR", tempfile.mkdtemp(prefix="tierckpt-test-cache-"))
+# Loads route by the default costs unless a test asks for measured ones (the routes a test asserts stay fixed
+# whatever the machine's load; tests/test_route_costs.py measures).
+os.environ.setdefault("TIERCKPT_ROUTE_COSTS", "constants")
 
 
 # -- storage backends ------------------------------------------------------------------------------

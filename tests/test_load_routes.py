@@ -13,7 +13,7 @@ from tierckpt.loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES
 from tierckpt.node import NODE_ID_ENV, node_id
 from tierckpt.planner import TargetPiece, plan_load
 from tierckpt.planner.routes import (
-    DIRECT, EXCHANGE, RankRead, choose_route, direct_seconds, exchange_seconds, store_kind, topology,
+    DIRECT, EXCHANGE, NODE, RankRead, choose_route, direct_seconds, exchange_seconds, store_kind, topology,
 )
 from tierckpt.regions import Box
 
@@ -138,7 +138,7 @@ def test_plan_on_one_node_reads_each_replica_directly_and_exchanges_nothing():
     check_exact(refs, plan, tensors, files, needs)
     assert plan.bytes_read_per_rank == (64 * 16 * 4,) * 3
     assert not any(plan.exchanges) and {u.route for u in plan.units} == {DIRECT}
-    assert plan.bytes_by_route() == {DIRECT: 3 * 64 * 16 * 4, EXCHANGE: 0}
+    assert plan.bytes_by_route() == {DIRECT: 3 * 64 * 16 * 4, NODE: 0, EXCHANGE: 0}
 
 
 def test_units_read_alike_on_one_node_are_checked_once_sharing_the_work():

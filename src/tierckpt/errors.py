@@ -103,3 +103,8 @@ class NodeTierNotPrivateError(StorageError, PermissionError):
     it, others may write it, or another user's symlink leads to it. Nothing in it was read or written; the
     message names the directory, its owner and mode, and the setting that moves it (``TIERCKPT_CACHE_DIR``,
     ``TIERCKPT_MEMORY_DIR``)."""
+
+
+class RouteCostsError(CheckpointError, ValueError):
+    """The load routes' costs cannot be taken as given (a malformed ``$TIERCKPT_ROUTE_COSTS``, a probe of the
+    store that read short); the message names the setting or the file and what to write."""

@@ -21,7 +21,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from . import layout
+from . import layout, route_costs
 from .backends import Backend
 from .backends.base import NodeTier
 from .checkpoint_reader import Checkpoint
@@ -84,7 +84,8 @@ def load_generation(
             # without a tier, each rank reads it meanwhile (with a tier, a rank's node may lack it: it is read
             # once the holders are known).
             (flat, needs, wanted, table), gathered = comm.exchange_agreed(
-                lambda: prepare(state, ckpt, comm.rank, tier, whole_pieces(backend, ckpt) if tier is None else ckpt.pieces_table),
+                lambda: prepare(state, ckpt, comm.rank, tier, whole_pieces(backend, ckpt) if tier is None else ckpt.pieces_table,
+                                route_costs.kept_share(backend, comm)),
                 "preparing the state to load", same=("URI", identity_of(uri, backend)),
             )
         group, gathered = unpack(gathered, ckpt)  # needs and keys travel as positions in the checkpoint (load_wire)
@@ -102,7 +103,9 @@ def load_generation(
         else:
             pieces = comm.run_agreed(lambda: _local_pieces(backend, ckpt, fqns, local, shared), "reading the pieces table")
     with monitor.phase("plan"):
-        topo = opts.topology or _topology(backend, comm, [g[4] for g in gathered], min(g[8] for g in gathered))
+        topo = opts.topology or route_costs.measured_topology(
+            _topology(backend, comm, [g[4] for g in gathered], min(g[8] for g in gathered)), comm, backend, ckpt,
+            [g[9] for g in gathered])
         nodes = list(topo.nodes)
         mine: RankDraft | None = None
         failure: Exception | None = None
@@ -167,13 +170,15 @@ def load_generation(
 
 def prepare(
     state: Mapping[str, Any], ckpt: Checkpoint, rank: int, tier: NodeTier | None, table: bytes | None,
+    costs: tuple[str, Any],
 ) -> tuple[tuple[FlatState, list[TargetPiece], dict[str, list[ObjectMeta]], bytes | None], tuple[Any, ...]]:
     """Flatten this rank's state for loading: ``(kept, shared)``. Kept: the flat state, its needs, its
     objects and ``table`` (the whole pieces table, if read already). Shared (:mod:`tierckpt.load_wire`'s
     compact form, restored by its ``unpack``): needs, findings, the keys asked for and an empty slot (what
     :func:`tierckpt.load_match.report` reads), the node, what its memory tier holds (``None``: no tier),
-    the objects files this rank reads, whether it holds the pieces table already, and the CPU cores it may
-    run on (the load routes' :attr:`~tierckpt.planner.Topology.cores`)."""
+    the objects files this rank reads, whether it holds the pieces table already, the CPU cores it may
+    run on (the load routes' :attr:`~tierckpt.planner.Topology.cores`) and ``costs``, what it knows of the
+    routes' costs (:func:`tierckpt.route_costs.kept_share`)."""
     saved_keys = set(ckpt.tensors) | {o.key for o in ckpt.meta.objects}
     flat = flatten_state(
         state, for_load=True, saved_keys=lambda p: any(k.startswith(p) for k in saved_keys),
@@ -185,7 +190,7 @@ def prepare(
     held = held_files(tier, ckpt.meta, ckpt.record)
     files = sorted({o.file for metas in wanted.values() for o in metas}) if held is not None else []
     shared = (pack_needs(needs, ckpt), findings, pack_asked([*flat.tensors, *flat.objects], ckpt), None, node_id(), held,
-              files, table is not None, _cores())
+              files, table is not None, _cores(), costs)
     return (flat, needs, wanted, table), shared
 
 
@@ -222,13 +227,15 @@ def _log_routes(plan: LoadPlan, topo: Topology, rank: int, monitor: Monitor) -> 
     """Count this rank's units and bytes per route in the monitor; log rank 0's plan (the group's, or its own)."""
     for unit in plan.units:
         if unit.reader == rank:
-            monitor.count(f"units_{unit.route}")
-            monitor.count(f"bytes_read_{unit.route}", unit.nbytes)
+            route = unit.route_in(topo.nodes)
+            monitor.count(f"units_{route}")
+            monitor.count(f"bytes_read_{route}", unit.nbytes)
     if rank == 0:
-        by_route = plan.bytes_by_route()
+        by_route = plan.bytes_by_route(topo.nodes)
         logger.info(
-            "load plan%s: %d units; %d bytes read directly, %d read once and exchanged (store %s, %s exchange, %d node(s))",
-            "" if plan.rank is None else " of rank 0", len(plan.units), by_route["direct"], by_route["exchange"], topo.store.kind, topo.exchange.kind, topo.num_nodes,
+            "load plan%s: %d units; %d bytes read directly, %d read once per node and shared there, %d read once "
+            "and exchanged (%s)", "" if plan.rank is None else " of rank 0", len(plan.units), by_route["direct"],
+            by_route["node"], by_route["exchange"], topo.describe(),
         )
 
 

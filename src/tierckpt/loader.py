@@ -51,6 +51,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from . import route_costs
 from .backends import Backend
 from .backends.base import NodeTier
 from .call_args import checked_uri, uri_text
@@ -162,7 +163,8 @@ def load(
     also checks the CRC-32C of every piece the load touches before modifying anything (a second pass).
     ``allow_pickle=True`` permits objects that need full unpickling (only for checkpoints you trust).
     ``topology`` overrides the costs the load routes are chosen by (default: the backend's kind of
-    store, the group's backend, and each rank's node from :func:`tierckpt.node.node_id`). Every rank
+    store, the group's backend, and each rank's node from :func:`tierckpt.node.node_id`, with the costs
+    the job measured of them and ``$TIERCKPT_ROUTE_COSTS`` over those: :mod:`tierckpt.route_costs`). Every rank
     of the group must call it; a rank
     that does not arrive within ``collective_timeout_s`` (default: the group's timeout) is named in a :class:`CollectiveError`.
     ``group="self"`` loads in this process alone, with no collective (each rank reads what it needs itself).
@@ -184,7 +186,7 @@ def load(
             with monitor.phase("metadata"):
                 mine = read_from_tier(tier, backend, leader=comm.rank == 0)
                 start, reading_rank = start_from_tiers(
-                    comm, mine, lambda ckpt, pieces: prepare(state, ckpt, comm.rank, tier, pieces),
+                    comm, mine, lambda ckpt, pieces: prepare(state, ckpt, comm.rank, tier, pieces, route_costs.kept_share(backend, comm)),
                     "preparing the state to load",
                 )
                 read = mine.ckpt if comm.rank == 0 else None

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..regions import Box, Region, StoredBox
-from .routes import DIRECT, EXCHANGE, Route
+from .routes import DIRECT, EXCHANGE, NODE, Route
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,6 +60,14 @@ class ReadUnit:
         """``exchange`` when some of its elements go to another rank, else ``direct``."""
         return EXCHANGE if any(d.rank != self.reader for d in self.deliveries) else DIRECT
 
+    def route_in(self, nodes: Sequence[str]) -> Route:
+        """:attr:`route`, with ``node`` for a unit delivering to other ranks of its reader's node only,
+        on a group of several nodes (``nodes``: each rank's node)."""
+        route = self.route
+        if route == EXCHANGE and len(set(nodes)) > 1 and all(nodes[d.rank] == nodes[self.reader] for d in self.deliveries):
+            return NODE
+        return route
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoadPlan:
@@ -95,12 +103,13 @@ class LoadPlan:
     def requests(self) -> int:
         return sum(len(u.run_offsets) for u in self.units)
 
-    def bytes_by_route(self) -> dict[Route, int]:
-        """Bytes read by the units of each route (by :attr:`rank`'s units, in a rank's plan)."""
-        out: dict[Route, int] = {DIRECT: 0, EXCHANGE: 0}
+    def bytes_by_route(self, nodes: Sequence[str] = ()) -> dict[Route, int]:
+        """Bytes read by the units of each route (by :attr:`rank`'s units, in a rank's plan); with ``nodes``
+        (each rank's node), units shared within their reader's node count as ``node``."""
+        out: dict[Route, int] = {DIRECT: 0, NODE: 0, EXCHANGE: 0}
         for u in self.units:
             if self.rank is None or u.reader == self.rank:
-                out[u.route] += u.nbytes
+                out[u.route_in(nodes) if nodes else u.route] += u.nbytes
         return out
 
 

@@ -1,16 +1,22 @@
-"""Cost model of load routes: every rank reads what it needs, or one rank reads and the group exchanges.
+"""Cost model of load routes: every rank reads what it needs, each node reads once and shares, or one rank
+reads and the group exchanges.
 
-A slab of a saved piece that several ranks need can reach them by two routes:
+A slab of a saved piece that several ranks need can reach them by three routes:
 
 * ``direct`` — each rank reads its own part from storage. Parts needed by several ranks are read
   several times: on one node, from a local file, the repeats come from the page cache (a memory
   copy); from an object store, each repeat is storage traffic again.
+* ``node`` — with ranks on several nodes, one rank of each node reads the union of what its node needs
+  and sends its node's other ranks their parts (node-local delivery): storage sees each byte once per
+  node, not once per rank and not once per group plus a network exchange across nodes.
 * ``exchange`` — one rank reads the union once and sends the others their parts in the round's
   all-to-all: storage sees each byte once, the interconnect carries the rest.
 
 :func:`choose_route` compares the estimated seconds of both from explicit inputs (:class:`Topology`:
 what the store costs, what the exchange costs, which node each rank is on) and is pure, so every rank
-takes the same decision without communication. The estimates are bottleneck sums, not simulations:
+takes the same decision from the same inputs. The inputs are the constants below as a prior, replaced
+by what the job measured of the store and the exchange it actually uses (:mod:`tierckpt.route_costs`,
+agreed by every rank) and by an operator's override. The estimates are bottleneck sums, not simulations:
 
 * storage: per request ``request_s`` on the rank that issues it; per byte ``byte_s`` through each node's
   link to the store (shared by the node's ranks) and ``group_byte_s`` through the store's share for
@@ -28,6 +34,10 @@ takes the same decision without communication. The estimates are bottleneck sums
   its sends count once per needing rank; each byte sent costs ``local_byte_s`` to a rank of the same
   node (loopback, shared memory) and ``remote_byte_s`` across nodes, each delivery ``message_s``.
 
+* node: as the exchange, per node — each node's reader reads the union through its node's link
+  (``byte_s``; the store's group share sees it once per node) and sends only to its own node's ranks
+  (``local_byte_s``); the nodes work at once.
+
 With the default constants a replicated target (a DDP model and its optimizer) read from a file on
 the ranks' own node goes direct — every rank reads the file, nothing is exchanged — while across
 nodes or from an object store the group reads each byte once and exchanges. Disjoint needs go
@@ -39,13 +49,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from ..errors import CheckpointError
 
-Route = Literal["direct", "exchange"]
+Route = Literal["direct", "node", "exchange"]
 DIRECT: Route = "direct"
+NODE: Route = "node"
 EXCHANGE: Route = "exchange"
 
 
@@ -124,9 +135,39 @@ class Topology:
     messages are CPU work (socket copies): at most this many run at once on a node, so where ranks
     outnumber cores the sends of readers taking turns add up instead of overlapping."""
 
+    measured: tuple[str, ...] = ()
+    """Names of the costs (fields of :class:`StoreCost` and :class:`ExchangeCost`) that were measured on
+    this job's machines or set by an operator, not taken from the defaults."""
+
     @property
     def num_nodes(self) -> int:
         return len(set(self.nodes))
+
+    def describe(self) -> str:
+        """The route inputs in one line (logs, benchmarks): each cost, ``*`` marking the measured ones."""
+        def cell(name: str, value: float) -> str:
+            return f"{name}={value:.3g}{'*' if name in self.measured else ''}"
+        costs = {**asdict(self.store), **asdict(self.exchange)}
+        store = [cell(n, costs[n]) for n in COST_FIELDS["store"]]
+        xchg = [cell(n, costs[n]) for n in COST_FIELDS["exchange"]]
+        return (f"store {self.store.kind} ({', '.join(store)}); {self.exchange.kind} exchange ({', '.join(xchg)}); "
+                f"{self.num_nodes} node(s), {self.cores or '?'} cores")
+
+
+COST_FIELDS: dict[str, tuple[str, ...]] = {
+    "store": ("request_s", "byte_s", "group_byte_s", "cached_byte_s", "walk_byte_s"),
+    "exchange": ("local_byte_s", "remote_byte_s", "message_s"),
+}
+"""The costs a measurement or an override may set, by the record they belong to (all in seconds)."""
+
+
+def with_costs(topo: Topology, costs: dict[str, float], measured: Sequence[str]) -> Topology:
+    """``topo`` with ``costs`` (names of :data:`COST_FIELDS`) replacing its own; ``measured``: the names to
+    mark as measured or overridden in :attr:`Topology.measured`."""
+    store = {n: v for n, v in costs.items() if n in COST_FIELDS["store"]}
+    xchg = {n: v for n, v in costs.items() if n in COST_FIELDS["exchange"]}
+    return replace(topo, store=replace(topo.store, **store), exchange=replace(topo.exchange, **xchg),
+                   measured=tuple(sorted({*topo.measured, *measured})))
 
 
 def store_kind(*, local_path: bool, scheme: str, nodes: Sequence[str]) -> str:
@@ -227,13 +268,42 @@ def exchange_seconds(
     return read_s + local_s / local_turns + remote_s / turns + union_passed * store.walk_byte_s
 
 
+def node_seconds(
+    reads: Sequence[RankRead], union_bytes: int, union_requests: int, topo: Topology, union_passed: int = 0,
+) -> float:
+    """Estimated seconds for one rank of each node to read the union once and send its node's other
+    ranks their parts (node-local deliveries only). The nodes work at once: the slowest sets the time,
+    except for the store's share for the group, which every node's reads pass through."""
+    store, xchg = topo.store, topo.exchange
+    by_node: dict[str, list[RankRead]] = defaultdict(list)
+    for r in reads:
+        by_node[topo.nodes[r.rank]].append(r)
+    group_s = len(by_node) * union_bytes * store.group_byte_s
+    node_s = 0.0
+    for node_reads in by_node.values():
+        reader = max(node_reads, key=lambda r: (r.nbytes, -r.rank))
+        turns = len(node_reads)
+        local_turns = min(turns, topo.cores) if topo.cores > 0 else turns
+        read_s = max(union_requests * store.request_s / turns, union_bytes * store.byte_s)
+        local_s = sum(r.nbytes * xchg.local_byte_s + xchg.message_s for r in node_reads if r.rank != reader.rank)
+        node_s = max(node_s, read_s + local_s / local_turns)
+    return max(node_s, group_s) + union_passed * store.walk_byte_s
+
+
 def choose_route(
     reads: Sequence[RankRead], union_bytes: int, union_requests: int, topo: Topology, union_passed: int = 0,
 ) -> Route:
-    """``direct`` when it is estimated strictly faster than ``exchange`` (ties read once); a slab only
-    one rank needs is always read by that rank."""
+    """The route estimated fastest; ties go to the one that reads fewer bytes from the store (exchange,
+    then node, then direct). A slab only one rank needs is always read by that rank; ``node`` is a route
+    of its own only where the needing ranks span several nodes and some node has several of them (on one
+    node it is the exchange, with one needing rank per node it is direct)."""
     if len({r.rank for r in reads}) <= 1:
         return DIRECT
-    if direct_seconds(reads, union_bytes, topo) < exchange_seconds(reads, union_bytes, union_requests, topo, union_passed):
-        return DIRECT
-    return EXCHANGE
+    costs: list[tuple[float, int, Route]] = [
+        (exchange_seconds(reads, union_bytes, union_requests, topo, union_passed), 0, EXCHANGE),
+        (direct_seconds(reads, union_bytes, topo), 2, DIRECT),
+    ]
+    per_node = [topo.nodes[r.rank] for r in reads]
+    if 1 < len(set(per_node)) < len(per_node):
+        costs.append((node_seconds(reads, union_bytes, union_requests, topo, union_passed), 1, NODE))
+    return min(costs)[2]

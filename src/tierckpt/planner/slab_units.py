@@ -15,7 +15,7 @@ from ..metadata import PieceMeta, TensorMeta, itemsize
 from ..regions import Box, StoredBox, box_runs, stored_boxes
 from .box_index import BoxIndex
 from .plan_types import Delivery
-from .routes import DIRECT, RankRead, Topology, choose_route
+from .routes import DIRECT, NODE, RankRead, Topology, choose_route
 
 
 Need = tuple[int, int, StoredBox, Box]
@@ -155,7 +155,8 @@ def slab_units(
 
     ``parts``: ``(rank, target, target box, needed box)``. Direct: one unit per rank and distinct
     needed box, delivered to that rank only. Exchange: the boxes of :func:`_union_boxes`, each
-    delivering every part that meets it.
+    delivering every part that meets it. Node: the exchange's units of each node's parts, delivering to
+    that node's ranks only (one set per node, in the order of the nodes' first ranks).
     """
     union = _union_boxes([p[3] for p in parts])
     # Each rank's distinct needed boxes and the parts they deliver, in one pass (not ranks x parts).
@@ -176,6 +177,18 @@ def slab_units(
     )
     if route == DIRECT:
         return [(b, tuple(deliveries)) for (_, b), deliveries in own.items()]
+    if route == NODE:
+        by_node: dict[str, list[tuple[int, int, StoredBox, Box]]] = {}
+        for part in parts:
+            by_node.setdefault(topo.nodes[part[0]], []).append(part)
+        return [unit for node_parts in by_node.values()
+                for unit in _shared_units(node_parts, _union_boxes([p[3] for p in node_parts]))]
+    return _shared_units(parts, union)
+
+
+def _shared_units(parts: list[tuple[int, int, StoredBox, Box]], union: list[Box]) -> list[tuple[Box, tuple[Delivery, ...]]]:
+    """The units reading ``union`` (:func:`_union_boxes` of ``parts``' needed boxes), each delivering every
+    part that meets it."""
     if len(union) == 1:  # the needs tile or overlap: every part meets the one union box
         ub = union[0]
         return [(ub, tuple(Delivery(rank=r, target=i, target_box=t, box=pb) for r, i, t, pb in parts))]

@@ -1,0 +1,132 @@
+"""Load routes chosen from measured costs: the route flips with what the machine measures, the per-node
+route reads each byte once per node, the override is checked, and real loads measure and agree."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+import scenarios_route_costs
+from test_load_planner import check_exact
+from test_load_routes import ddp_case
+from tierckpt.errors import RouteCostsError
+from tierckpt.loader import DEFAULT_ROUND_BYTES
+from tierckpt.planner import plan_load
+from tierckpt.planner.routes import (
+    DIRECT, EXCHANGE, NODE, RankRead, choose_route, direct_seconds, exchange_seconds, node_seconds,
+    topology, with_costs,
+)
+from tierckpt.route_costs import ROUTE_COSTS_ENV, parse_override
+
+MiB = 1 << 20
+TWO_BY_FOUR = ["a"] * 4 + ["b"] * 4
+
+
+def replicated(world: int, nbytes: int = 64 * MiB) -> list[RankRead]:
+    return [RankRead(r, nbytes, 1, nbytes) for r in range(world)]
+
+
+# What the 2-core test VM measured with 2 simulated nodes of 4 ranks on a page-cached disk: gloo over loopback
+# with 8 processes on 2 cores is slow next to the page cache.
+SLOW_EXCHANGE = {"local_byte_s": 3e-9, "remote_byte_s": 3e-9, "message_s": 1e-3,
+                 "byte_s": 0.2e-9, "group_byte_s": 0.1e-9, "cached_byte_s": 0.2e-9}
+# A real shared file system behind a fast network: the store is the bottleneck.
+SLOW_STORE = {"local_byte_s": 0.1e-9, "remote_byte_s": 0.1e-9, "message_s": 10e-6,
+              "byte_s": 2e-9, "group_byte_s": 2e-9, "cached_byte_s": 0.1e-9}
+
+
+def test_the_route_flips_with_the_measured_exchange_and_back():
+    """A DDP resume on 2 nodes x 4 ranks from a local path (a "shared file system" to the planner)."""
+    prior = topology("shared_fs", "gloo", TWO_BY_FOUR, cores=2)
+    reads, n = replicated(8), 64 * MiB
+    assert choose_route(reads, n, 1, prior) == EXCHANGE  # the constants' guess
+    slow = with_costs(prior, SLOW_EXCHANGE, tuple(SLOW_EXCHANGE))
+    assert direct_seconds(reads, n, slow) < exchange_seconds(reads, n, 1, slow)
+    assert choose_route(reads, n, 1, slow) == DIRECT
+    fast = with_costs(slow, SLOW_STORE, tuple(SLOW_STORE))  # measured again on another machine: flips back
+    assert choose_route(reads, n, 1, fast) == EXCHANGE
+    assert choose_route(reads, n, 1, with_costs(fast, SLOW_EXCHANGE, ())) == DIRECT
+
+
+def test_the_plan_follows_the_measured_costs():
+    refs, tensors, pieces, files, needs = ddp_case(8)
+    prior = topology("shared_fs", "gloo", TWO_BY_FOUR, cores=2)
+    plans = {}
+    for name, costs in (("slow exchange", SLOW_EXCHANGE), ("slow store", SLOW_STORE)):
+        topo = with_costs(prior, costs, tuple(costs))
+        plans[name] = plan = plan_load(tensors, pieces, needs, chunk_bytes=1024, round_bytes=DEFAULT_ROUND_BYTES,
+                                       topology=topo)
+        check_exact(refs, plan, tensors, files, needs)
+    assert plans["slow exchange"].bytes_read == 8 * 64 * 16 * 4 and not any(plans["slow exchange"].exchanges)
+    assert plans["slow store"].bytes_read == 64 * 16 * 4 and all(plans["slow store"].exchanges)
+
+
+def test_each_node_reads_once_and_shares_where_only_the_network_between_nodes_is_slow():
+    """An object store (no page cache: direct repeats are GETs again) and a slow link between nodes: each node
+    reads the bytes once and delivers them to its own ranks only."""
+    refs, tensors, pieces, files, needs = ddp_case(8)
+    costs = {"remote_byte_s": 5e-9, "local_byte_s": 0.1e-9, "request_s": 1e-6, "message_s": 2e-6}
+    topo = with_costs(topology("object_store", "gloo", TWO_BY_FOUR, cores=16), costs, tuple(costs))
+    n = 64 * MiB
+    reads = replicated(8)
+    assert node_seconds(reads, n, 1, topo) < min(direct_seconds(reads, n, topo), exchange_seconds(reads, n, 1, topo))
+    assert choose_route(reads, n, 1, topo) == NODE
+    plan = plan_load(tensors, pieces, needs, chunk_bytes=4096, round_bytes=DEFAULT_ROUND_BYTES, topology=topo)
+    check_exact(refs, plan, tensors, files, needs)
+    assert plan.bytes_read == 2 * 64 * 16 * 4  # once per node
+    for unit in plan.units:
+        assert {TWO_BY_FOUR[d.rank] for d in unit.deliveries} == {TWO_BY_FOUR[unit.reader]}
+        assert len(unit.deliveries) == 4
+    assert plan.bytes_by_route(TWO_BY_FOUR) == {DIRECT: 0, NODE: 2 * 64 * 16 * 4, EXCHANGE: 0}
+    # with one rank per node it is no route of its own (that is the direct route)
+    assert choose_route(replicated(2), n, 1, replace(topo, nodes=("a", "b"))) != NODE
+
+
+def test_the_override_is_checked_and_names_the_fix():
+    assert parse_override("") == (False, {})
+    assert parse_override(" constants , local_byte_s=2e-9,message_s=0.0001") == (
+        True, {"local_byte_s": 2e-9, "message_s": 1e-4})
+    for bad in ("local_byte=1e-9", "byte_s", "byte_s=fast", "byte_s=-1", "byte_s=inf", "byte_s=nan"):
+        with pytest.raises(RouteCostsError, match=ROUTE_COSTS_ENV) as info:
+            parse_override(bad)
+        assert "name=seconds" in str(info.value) and "constants" in str(info.value)
+
+
+def test_the_measured_costs_are_named_in_the_inputs():
+    topo = with_costs(topology("shared_fs", "gloo", TWO_BY_FOUR), {"byte_s": 1e-9}, ("byte_s",))
+    text = topo.describe()
+    assert "byte_s=1e-09*" in text and "local_byte_s=5e-10," in text and "2 node(s)" in text
+
+
+# -- real loads: the group measures, agrees and routes by it -----------------------------------------
+def _ranks(stats: list[dict]) -> list[dict]:
+    ranks = [s for s in stats if s]
+    assert len(ranks) == 2
+    return ranks
+
+
+@pytest.mark.multiproc
+def test_a_load_measures_the_store_and_the_exchange_once_and_every_rank_agrees(dist_pool, tmp_path):
+    ranks = _ranks(dist_pool.run(scenarios_route_costs.measured_load, str(tmp_path / "ckpt"), ""))
+    costs = [r["costs"] for r in ranks]
+    assert costs[0] == costs[1]  # the same inputs on every rank
+    names = set(costs[0])
+    # one rank per node: no rank of the same node to exchange with, so local_byte_s keeps its prior
+    assert names == {"request_s", "byte_s", "group_byte_s", "cached_byte_s", "message_s", "remote_byte_s"}
+    assert all(math.isfinite(v) and v >= 0 for v in costs[0].values()) and costs[0]["byte_s"] > 0
+    assert all(r["probes"] == 1 for r in ranks)  # the second load reused what the first measured
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("override,route", [
+    ("local_byte_s=1e-6,remote_byte_s=1e-6", "direct"),  # exchanging is slow: each rank reads
+    ("byte_s=1e-6,group_byte_s=1e-6,request_s=1e-3", "exchange"),  # the store is slow: read once, exchange
+])
+def test_a_real_load_flips_route_with_the_costs(dist_pool, tmp_path, override, route):
+    ranks = _ranks(dist_pool.run(scenarios_route_costs.measured_load, str(tmp_path / "ckpt"), override))
+    other = "exchange" if route == "direct" else "direct"
+    assert sum(r.get(f"units_{route}", 0) for r in ranks) > 0 and all(r.get(f"units_{other}", 0) == 0 for r in ranks)
+    tensor_bytes = ranks[0]["tensor_bytes"]
+    assert sum(r.get("bytes_read", 0) for r in ranks) == (2 if route == "direct" else 1) * tensor_bytes
