@@ -1,0 +1,184 @@
+"""Foreign and crafted checkpoints read in place build nothing the file chooses.
+
+Restricted unpicklers change no global of the process, overlapping pieces of a tensor are refused on
+every load (native and foreign), walks of a pickled structure are bounded, metadata files are capped
+before they are read, names from a file are keys inside the root, nesting is capped, and the CLI
+prints names from a checkpoint escaped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import pickle
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import tierckpt
+from tierckpt import dcp_chunks, torch_archive
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.verify import verify
+
+from tamper import reseal
+
+
+def _dcp_save(state: dict[str, Any], path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns when it runs without a process group
+        dcp.save(state, checkpoint_id=str(path))
+
+
+def _pickle_ops(*ops: bytes) -> bytes:
+    return b"".join(ops)
+
+
+def _global(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _str(text: str) -> bytes:
+    data = text.encode()
+    return b"X" + len(data).to_bytes(4, "little") + data
+
+
+def _set_on_global(module: str, name: str, attribute: str) -> bytes:
+    """Pickle opcodes that ``BUILD`` on the global ``module.name`` (slot state ``{attribute: "crafted"}``), then drop it."""
+    return _pickle_ops(_global(module, name), b"N}", _str(attribute), _str("crafted"), b"s\x86b0")
+
+
+# -- restricted unpicklers change no global ----------------------------------------------------------------
+def test_a_dcp_metadata_cannot_set_attributes_on_the_classes_it_admits(tmp_path: Path) -> None:
+    _dcp_save({"w": torch.arange(8.0)}, tmp_path / "dcp")
+    metadata = tmp_path / "dcp" / ".metadata"
+    real = metadata.read_bytes()
+    assert real[:1] == b"\x80"  # PROTO: the crafted opcodes go right after it
+    metadata.write_bytes(real[:2] + _set_on_global("pathlib", "PurePosixPath", "crafted_attribute") + real[2:])
+    try:
+        with pytest.raises(CorruptCheckpointError, match="crafted_attribute"):
+            tierckpt.load(str(tmp_path / "dcp"), {"w": torch.zeros(8)})
+        assert not hasattr(pathlib.PurePosixPath, "crafted_attribute")
+    finally:
+        if "crafted_attribute" in vars(pathlib.PurePosixPath):
+            delattr(pathlib.PurePosixPath, "crafted_attribute")
+
+
+def test_a_dcp_metadata_still_loads_after_sealing(tmp_path: Path) -> None:
+    """The sealed stand-ins build the same metadata: a real DCP save loads bit-exact."""
+    _dcp_save({"w": torch.arange(8.0), "m": torch.ones(2, 3, dtype=torch.bfloat16).to(memory_format=torch.contiguous_format)},
+              tmp_path / "dcp")
+    target = {"w": torch.zeros(8), "m": torch.zeros(2, 3, dtype=torch.bfloat16)}
+    tierckpt.load(str(tmp_path / "dcp"), target)
+    assert torch.equal(target["w"], torch.arange(8.0)) and torch.equal(target["m"], torch.ones(2, 3, dtype=torch.bfloat16))
+
+
+def test_a_tensor_pickle_cannot_change_the_storage_markers() -> None:
+    """``BUILD`` on an admitted storage class (a shared marker) with a dtype: refused, the marker unchanged."""
+    before = dcp_chunks.tensor_globals()[("torch", "FloatStorage")]
+    data = _pickle_ops(b"\x80\x02", _global("torch", "FloatStorage"), _global("torch", "int8"), b"\x85b.")
+    with pytest.raises((CorruptCheckpointError, AttributeError, pickle.UnpicklingError)):  # each read as corruption
+        dcp_chunks.TensorPickle(data).load()
+    assert dcp_chunks.tensor_globals()[("torch", "FloatStorage")] == before
+    assert before.dtype == torch.float32
+
+
+@pytest.mark.parametrize("module, name", [("torch._utils", "_rebuild_parameter"), ("torch", "Tensor"),
+                                          ("torch._utils", "_rebuild_tensor_v2")])
+def test_a_rank_file_pickle_cannot_set_attributes_on_admitted_globals(module: str, name: str) -> None:
+    data = _pickle_ops(b"\x80\x02", _set_on_global(module, name, "crafted_attribute"), b"N.")
+    with pytest.raises(CorruptCheckpointError, match="crafted_attribute"):
+        torch_archive.unpickle(data)
+    for table in (torch_archive._TENSOR_WRAPPERS, dcp_chunks.tensor_globals()):
+        assert all(not hasattr(v, "crafted_attribute") for v in table.values())
+
+
+# -- exact coverage ------------------------------------------------------------------------------------------
+def test_a_dcp_chunk_listed_twice_is_refused_not_half_loaded(tmp_path: Path) -> None:
+    """``.metadata`` says ``w`` has 100 elements in two chunks, both the same first half: 50 + 50 = 100."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    _dcp_save({"w": torch.arange(50.0)}, tmp_path / "dcp")
+    path = tmp_path / "dcp" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())  # the test's own trusted file
+    item = metadata.state_dict_metadata["w"]
+    item.size = torch.Size([100])
+    item.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([50]))] * 2
+    path.write_bytes(pickle.dumps(metadata))
+    target = {"w": torch.full((100,), -1.0)}
+    with pytest.raises(CorruptCheckpointError) as info:
+        tierckpt.load(str(tmp_path / "dcp"), target)
+    assert "'w'" in str(info.value) and str(info.value).count("[0:50]") == 2, str(info.value)
+    with pytest.raises(CorruptCheckpointError, match="'w'"):
+        tierckpt.load(str(tmp_path / "dcp"))  # template-free: refused too, not zeros
+
+
+def _native_halves(tmp_path: Path, second_offset: int) -> tuple[str, Path]:
+    """A native checkpoint of ``w`` (64 floats) whose pieces table lists two pieces of 32 elements: the
+    first half, and the half at ``second_offset`` (0: the first half again), COMMIT re-sealed."""
+    uri = str(tmp_path / "ckpt")
+    tierckpt.save(uri, {"w": torch.arange(64, dtype=torch.float32)})
+    gen = json.loads((tmp_path / "ckpt" / "COMMIT").read_text())["generation"]
+    path = tmp_path / "ckpt" / gen / "meta" / "pieces.parquet"
+    row = pq.read_table(path).to_pylist()[0]
+    data = (tmp_path / "ckpt" / gen / row["file"]).read_bytes()
+    rows = []
+    for offset in (0, second_offset):
+        crc = crc32c.crc32c(data[offset * 4 : offset * 4 + 128])
+        rows.append({**row, "offsets": [offset], "lengths": [32], "byte_offset": offset * 4, "byte_length": 128,
+                     "crc32c": crc, "block_crc32c": [crc]})
+    table = pq.read_table(path)
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), path)
+    header = tmp_path / "ckpt" / gen / "meta" / "header.json"
+    doc = json.loads(header.read_text())
+    doc["num_pieces"] = 2
+    header.write_text(json.dumps(doc))
+    reseal(tmp_path / "ckpt")
+    return uri, path
+
+
+def test_a_native_piece_listed_twice_is_refused_on_load(tmp_path: Path) -> None:
+    uri, _ = _native_halves(tmp_path, second_offset=0)
+    target = {"w": torch.full((64,), -1.0)}
+    with pytest.raises(CorruptCheckpointError) as info:
+        tierckpt.load(uri, target)
+    assert "'w'" in str(info.value) and str(info.value).count("[0:32]") == 2, str(info.value)
+    assert torch.equal(target["w"], torch.full((64,), -1.0))
+    assert any(p.kind == "overlap" for p in verify(uri).problems)
+
+
+def test_two_disjoint_halves_still_load(tmp_path: Path) -> None:
+    """The same rewrite with the two real halves: exact coverage, loaded bit-exact."""
+    uri, _ = _native_halves(tmp_path, second_offset=32)
+    target = {"w": torch.zeros(64)}
+    tierckpt.load(uri, target)
+    assert torch.equal(target["w"], torch.arange(64, dtype=torch.float32))
+
+
+# -- metadata files capped before they are read ---------------------------------------------------------------
+def test_a_huge_sparse_dcp_metadata_is_refused_unread(tmp_path: Path) -> None:
+    _dcp_save({"w": torch.arange(8.0)}, tmp_path / "dcp")
+    os.truncate(tmp_path / "dcp" / ".metadata", 2 << 30)
+    code = f"""
+import resource, sys, tierckpt
+from tierckpt.errors import CorruptCheckpointError
+try:
+    tierckpt.load({str(tmp_path / "dcp")!r})
+except CorruptCheckpointError as exc:
+    print("refused:", ".metadata" in str(exc))
+print("peak_mib:", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert "refused: True" in result.stdout, result.stdout + result.stderr
+    peak = int(result.stdout.split("peak_mib:")[1])
+    assert peak < 1024, f"{peak} MiB"
