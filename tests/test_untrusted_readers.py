@@ -182,3 +182,52 @@ print("peak_mib:", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
     assert "refused: True" in result.stdout, result.stdout + result.stderr
     peak = int(result.stdout.split("peak_mib:")[1])
     assert peak < 1024, f"{peak} MiB"
+
+
+# -- a rank file's pickle: walks bounded, class names dropped with the file ----------------------------------
+def _shared_tuples(depth: int) -> tuple:
+    """A DAG of ``depth`` levels of tuples each holding the one below twice: 2^depth paths, ``depth`` nodes."""
+    value: tuple = ()
+    for _ in range(depth):
+        value = (value, value)
+    return value
+
+
+def test_a_rank_file_of_shared_tuples_is_walked_once_per_node(tmp_path: Path) -> None:
+    """A DeepSpeed folder whose model states hold a 64-level DAG of tuples: `inspect` answers at once."""
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    torch.save({"module": {}, "dag": _shared_tuples(64)}, folder / "mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": {}}, folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert (folder / "mp_rank_00_model_states.pt").stat().st_size < 4096
+    code = f"import sys; from tierckpt import cli; sys.exit(cli.main(['inspect', '--timeout', '10', {str(folder)!r}]))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode not in (0, 1), result.stdout + result.stderr  # an error the CLI names, no traceback
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_setting_that_is_a_dag_of_tuples_is_checked_once_per_node() -> None:
+    from tierckpt import deepspeed_format
+
+    assert deepspeed_format._plain(_shared_tuples(200))
+    assert not deepspeed_format._plain((_shared_tuples(200), {"not": "plain"}))
+
+
+def _naming_classes(count: int) -> bytes:
+    """A pickle that names ``count`` distinct classes (each dropped), then returns ``None``."""
+    return b"\x80\x02" + b"".join(_global("crafted", f"Class{i}") + b"0" for i in range(count)) + b"N."
+
+
+def test_class_names_of_a_rank_file_are_dropped_with_it() -> None:
+    import gc
+
+    before = len(torch_archive.Opaque.__subclasses__())
+    assert torch_archive.unpickle(_naming_classes(1000)) is None
+    gc.collect()
+    assert len(torch_archive.Opaque.__subclasses__()) == before
+
+
+def test_a_rank_file_naming_too_many_classes_is_refused() -> None:
+    with pytest.raises(CorruptCheckpointError, match="classes"):
+        torch_archive.unpickle(_naming_classes(torch_archive.MAX_OPAQUE_CLASSES + 1))
