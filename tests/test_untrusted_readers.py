@@ -231,3 +231,59 @@ def test_class_names_of_a_rank_file_are_dropped_with_it() -> None:
 def test_a_rank_file_naming_too_many_classes_is_refused() -> None:
     with pytest.raises(CorruptCheckpointError, match="classes"):
         torch_archive.unpickle(_naming_classes(torch_archive.MAX_OPAQUE_CLASSES + 1))
+
+
+# -- names from a file are keys; JSON nesting capped -----------------------------------------------------------
+def _safetensors_folder(folder: Path, tensors: dict[str, torch.Tensor], filename: str = "model.safetensors") -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / filename))
+
+
+@pytest.mark.parametrize("shard", ["ABSOLUTE", "../other/model.safetensors"])
+def test_convert_refuses_an_index_entry_outside_the_folder(tmp_path: Path, shard: str) -> None:
+    _safetensors_folder(tmp_path / "other", {"secret": torch.arange(4.0)})
+    _safetensors_folder(tmp_path / "hf", {"w": torch.ones(2)}, "model-00001-of-00001.safetensors")
+    entry = str(tmp_path / "other" / "model.safetensors") if shard == "ABSOLUTE" else shard
+    index = {"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors", "secret": entry}}
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    from tierckpt.convert_safetensors import from_safetensors
+
+    with pytest.raises(CorruptCheckpointError, match="outside its folder"):
+        from_safetensors(tmp_path / "hf", str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("which", ["config.json", "model.safetensors.index.json", "header"])
+def test_json_nested_100000_deep_is_corruption_naming_the_file(tmp_path: Path, which: str) -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    folder = tmp_path / "hf"
+    if which == "header":
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(len(deep).to_bytes(8, "little") + deep)
+    else:
+        shard = "model.safetensors" if which == "config.json" else "model-00001-of-00001.safetensors"
+        _safetensors_folder(folder, {"w": torch.ones(2)}, shard)
+        (folder / which).write_bytes(deep)
+    with pytest.raises(CorruptCheckpointError) as info:
+        tierckpt.load(str(folder))
+    named = "model.safetensors" if which == "header" else which
+    assert named in str(info.value), str(info.value)
+    if which != "header":
+        from tierckpt.convert_safetensors import from_safetensors
+
+        with pytest.raises(CorruptCheckpointError, match=which.replace(".", r"\.")):
+            from_safetensors(folder, str(tmp_path / "out"))
+
+
+# -- the CLI escapes names from a checkpoint ------------------------------------------------------------------
+def test_inspect_prints_control_characters_in_names_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tierckpt import cli
+
+    name = "w\x1b]0;owned\x07\x1b[2J\r\u202eevil"
+    _safetensors_folder(tmp_path / "hf", {name: torch.ones(2)})
+    assert cli.main(["inspect", str(tmp_path / "hf")]) == 0
+    out = capsys.readouterr().out
+    assert not any(c in out for c in "\x1b\x07\r\u202e"), repr(out)
+    assert r"w\x1b]0;owned\x07\x1b[2J\r\u202eevil" in out, out
