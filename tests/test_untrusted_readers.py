@@ -287,3 +287,21 @@ def test_inspect_prints_control_characters_in_names_escaped(tmp_path: Path, caps
     out = capsys.readouterr().out
     assert not any(c in out for c in "\x1b\x07\r\u202e"), repr(out)
     assert r"w\x1b]0;owned\x07\x1b[2J\r\u202eevil" in out, out
+
+
+def test_the_walk_of_a_rank_file_stops_at_the_deadline_and_at_its_depth_cap() -> None:
+    import time
+
+    from tierckpt import deadline
+    from tierckpt.errors import DeadlineExceededError
+
+    wide = [[i] for i in range(3 * torch_archive.DEADLINE_CHECK_VISITS)]
+    with deadline.operation("inspect", "crafted", seconds=0.01):
+        time.sleep(0.05)
+        with pytest.raises(DeadlineExceededError, match="walk of a data.pkl"):
+            torch_archive._Replacer({}).replace(wide, 0)
+    deep: list = []
+    for _ in range(torch_archive.MAX_DEPTH + 1):
+        deep = [deep]
+    with pytest.raises(CorruptCheckpointError, match="nests"):
+        torch_archive._Replacer({}).replace(deep, 0)

@@ -50,7 +50,7 @@ MAX_RECORDS = 1 << 20
 PARALLEL_FILES = 16
 MAX_OPAQUE_CLASSES = 4096
 """The most distinct class names one ``data.pkl`` may name (a DeepSpeed rank file names a few dozen)."""
-MAX_DEPTH = 512
+MAX_DEPTH = 200
 """The deepest a ``data.pkl``'s containers may nest."""
 DEADLINE_CHECK_VISITS = 4096
 """How often (in containers visited) the walk of a ``data.pkl`` looks at the operation's deadline."""
