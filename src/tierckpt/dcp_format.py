@@ -11,8 +11,9 @@ planner: byte-range reads, each byte read once per group, any resharding.
 How (rank 0, when a load or ``tierckpt inspect`` finds ``.metadata`` and no ``COMMIT``):
 
 1. ``.metadata`` is unpickled by :class:`_MetadataUnpickler`, which admits only DCP's metadata
-   classes, ``torch.Size``, dtypes, layouts, memory formats, paths and builtin data types: a crafted
-   file cannot run code, it is refused with :class:`~tierckpt.errors.CorruptCheckpointError`.
+   classes, ``torch.Size``, dtypes, layouts, memory formats, paths and builtin data types, each handed
+   out as a stand-in made for this file (:mod:`tierckpt.pickle_seal`): a crafted file can neither run
+   code nor change a global of the process, it is refused with :class:`~tierckpt.errors.CorruptCheckpointError`.
 2. For every tensor chunk, both ends of its segment are read, all chunks at once; the standard
    library's zipfile then reads the archive from those bytes (fetching any others it needs with
    ranged reads, within caps), and :mod:`tierckpt.dcp_chunks` finds where the raw bytes start.
