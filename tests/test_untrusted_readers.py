@@ -305,3 +305,12 @@ def test_the_walk_of_a_rank_file_stops_at_the_deadline_and_at_its_depth_cap() ->
         deep = [deep]
     with pytest.raises(CorruptCheckpointError, match="nests"):
         torch_archive._Replacer({}).replace(deep, 0)
+
+
+def test_convert_to_safetensors_refuses_a_piece_listed_twice(tmp_path: Path) -> None:
+    from tierckpt.convert_safetensors import to_safetensors
+
+    uri, _ = _native_halves(tmp_path, second_offset=0)
+    with pytest.raises(CorruptCheckpointError, match="'w'"):
+        to_safetensors(uri, tmp_path / "hf")
+    assert not (tmp_path / "hf" / "model.safetensors").exists()

@@ -20,6 +20,7 @@ import torch
 from . import layout, progress
 from .backends import Backend
 from .convert_report import ConvertReport
+from .coverage import check_exact_coverage
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .io.scheduler import ReadRequest, get_scheduler
 from .keys import validate_key
@@ -79,6 +80,7 @@ def to_safetensors(
     for fqn in names.values():
         _safetensors_dtype(ckpt.tensors[fqn])
     pieces = read_pieces(backend, ckpt)
+    check_exact_coverage(ckpt.tensors, {f: pieces.get(f, []) for f in names.values()}, uri)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shards = _shards(names, ckpt.tensors, max_shard_bytes)
