@@ -23,6 +23,20 @@ if TYPE_CHECKING:
     from .metadata import PieceMeta
 
 
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on (escape sequences, carriage returns, bidi
+    overrides: whatever ``str.isprintable`` refuses) written as a Python escape, ``\\x1b``: the names a
+    checkpoint holds are untrusted and the text reports print them."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _lines(lines: Sequence[str]) -> str:
+    """A report's lines, each made :func:`printable`, joined."""
+    return "\n".join(printable(line) for line in lines)
+
+
 # -- inspect -------------------------------------------------------------------------------------------
 def _region_doc(piece: PieceMeta) -> dict[str, Any]:
     from .regions import Box
@@ -126,7 +140,7 @@ def render_inspect(summary: dict[str, Any]) -> str:
         f"totals: {totals['tensors']} tensors in {totals['pieces']} pieces ({totals['tensor_bytes']} bytes), "
         f"{totals['objects']} objects ({totals['object_bytes']} bytes), {totals['files']} files ({totals['file_bytes']} bytes)"
     )
-    return "\n".join(lines)
+    return _lines(lines)
 
 
 def _piece_text(piece: dict[str, Any]) -> str:
@@ -143,14 +157,15 @@ def _shape_text(shape: list[int]) -> str:
 
 
 def _table(header: Sequence[str], rows: list[Sequence[str]], right: Sequence[int] = ()) -> list[str]:
-    """Rows padded to aligned columns (columns in ``right`` right-aligned)."""
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    """Rows padded to aligned columns (columns in ``right`` right-aligned), each cell :func:`printable`."""
+    escaped = [[printable(str(c)) for c in row] for row in rows]
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *escaped)]
 
     def fmt(row: Sequence[str]) -> str:
         cells = [str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
         return "  " + "  ".join(cells).rstrip()
 
-    return [fmt(header)] + [fmt(r) for r in rows]
+    return [fmt(header)] + [fmt(r) for r in escaped]
 
 
 
@@ -204,7 +219,7 @@ def render_stats(doc: dict[str, Any]) -> str:
     """The ``stats`` document as text tables."""
     lines = [f"checkpoint {doc['uri']}", f"  generation {doc['generation']}, saved by {doc['world_size']} rank(s) at {doc['created']}", ""]
     if not doc["ranks"]:
-        return "\n".join(lines + ["no timings were recorded for this save"])
+        return _lines(lines + ["no timings were recorded for this save"])
     phases = sorted({p for r in doc["ranks"] for p in r["phases_s"]})
     counters = sorted({c for r in doc["ranks"] for c in r["counters"]})
     rows = [
@@ -226,7 +241,7 @@ def render_stats(doc: dict[str, Any]) -> str:
         + ", ".join(f"{k} {v}" for k, v in totals["counters"].items()),
         f"write: {totals['write_s']:.3f} s (slowest rank), {_rate_text(totals['write_bytes_per_s'])}",
     ]
-    return "\n".join(lines)
+    return _lines(lines)
 
 
 def _rate_text(rate: float | None) -> str:
@@ -339,4 +354,4 @@ def render_ls(doc: dict[str, Any]) -> str:
                 for r, e in zip(rows, doc["checkpoints"])]
     lines = [f"checkpoints under {doc['root']} (* = latest):"]
     lines += _table(header, rows, right=(0, 5, 6))
-    return "\n".join(lines)
+    return _lines(lines)

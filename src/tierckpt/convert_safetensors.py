@@ -21,15 +21,17 @@ from . import layout, progress
 from .backends import Backend
 from .call_args import uri_text
 from .convert_report import ConvertReport
-from .errors import CheckpointError, CheckpointNotFoundError
+from .coverage import check_exact_coverage
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .io.scheduler import ReadRequest, get_scheduler
+from .keys import validate_key
 from .loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES, Checkpoint, read_checkpoint, read_pieces
 from .objects_read import read_objects
 from .objects import decode_object
 from .metadata import PieceMeta, TensorMeta
 from .planner import TargetPiece, plan_load
 from .regions import Box
-from .safetensors_format import DTYPES, INDEX, SINGLE, tie as _tie
+from .safetensors_format import DTYPES, INDEX, MAX_JSON_BYTES, SINGLE, parse_json, tie as _tie
 from .saver import save
 from .readers import reader_of
 from .store import open_store
@@ -80,6 +82,7 @@ def to_safetensors(
     for fqn in names.values():
         _safetensors_dtype(ckpt.tensors[fqn])
     pieces = read_pieces(backend, ckpt)
+    check_exact_coverage(ckpt.tensors, {f: pieces.get(f, []) for f in names.values()}, uri)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shards = _shards(names, ckpt.tensors, max_shard_bytes)
@@ -141,8 +144,8 @@ def _as_json(key: str) -> str:
 def _json_object(data: bytes, what: str) -> dict[str, Any]:
     try:
         doc = json.loads(data)
-    except ValueError as exc:
-        raise CheckpointError(f"{what} is not valid JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser recurses
+        raise CheckpointError(f"{what} is not valid JSON (or nests too deep): {exc}") from exc
     if not isinstance(doc, dict):
         raise CheckpointError(f"{what} is not a JSON object")
     return doc
@@ -282,7 +285,10 @@ def from_safetensors(
     for path in files:
         tensors.update(load_file(str(path)))
     config = files[0].parent / "config.json"
-    tie = _tie(tensors, _json_object(config.read_bytes(), str(config)) if config.is_file() else None)
+    doc = parse_json(config.read_bytes(), repr(str(config))) if config.is_file() else None  # as the in-place reader
+    if doc is not None and not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{str(config)!r} is not a JSON object")
+    tie = _tie(tensors, doc)
     if tie is not None and tie[0] not in tensors:
         tensors[tie[0]] = tensors[tie[1]]
         report.tied = {prefix + tie[0]: prefix + tie[1]}
@@ -299,14 +305,30 @@ def _safetensors_files(src: Path) -> list[Path]:
         return [src]
     index = src / SAFETENSORS_INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [src / name for name in sorted(set(weight_map.values()))]
+        return [src / name for name in sorted(set(_index_files(index).values()))]
     if (src / SAFETENSORS_SINGLE).is_file():
         return [src / SAFETENSORS_SINGLE]
     found = sorted(src.glob("*.safetensors"))
     if not found:
         raise CheckpointNotFoundError(f"no safetensors files in {str(src)!r}")
     return found
+
+
+def _index_files(index: Path) -> dict[str, str]:
+    """Tensor name -> shard of ``model.safetensors.index.json``, each shard a key inside its folder (an
+    absolute or ``..`` entry would convert another folder's tensors): read as the in-place reader does."""
+    if index.stat().st_size > MAX_JSON_BYTES:
+        raise CorruptCheckpointError(f"{str(index)!r} is larger than {MAX_JSON_BYTES} bytes; it is not read")
+    doc = parse_json(index.read_bytes(), repr(str(index)))
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CorruptCheckpointError(f"{str(index)!r} has no weight_map of tensor names to files")
+    try:
+        return {name: validate_key(file) for name, file in weight_map.items()}
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{str(index)!r} lists a shard outside its folder: {exc}") from None
 
 
 # -- DCP -------------------------------------------------------------------------------------------------

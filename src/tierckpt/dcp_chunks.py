@@ -26,7 +26,7 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,6 +35,7 @@ from .errors import CorruptCheckpointError
 from .io.rangefile import SeekableReader
 from .io.scheduler import get_scheduler
 from .metadata import _int, itemsize
+from .pickle_seal import SealedGlobals
 
 PROBE_BYTES = 1024
 """Bytes fetched from each end of a chunk's segment up front (zip headers, data.pkl, the directory), and
@@ -202,8 +203,10 @@ class SavedTensor:
     dtype: torch.dtype
 
 
-@dataclass(frozen=True, slots=True)
-class _StorageType:
+class _StorageType(NamedTuple):
+    """A storage class of ``data.pkl`` (``torch.FloatStorage``...), as the dtype it stores: an immutable
+    marker (a tuple with no attributes to set), so a pickle cannot change it for the next file."""
+
     dtype: torch.dtype | None
 
 
@@ -244,13 +247,15 @@ def tensor_globals() -> dict[tuple[str, str], Any]:
 
 
 class TensorPickle(pickle.Unpickler):
-    """Reads one tensor's ``data.pkl`` into a :class:`SavedTensor`; refuses anything else."""
+    """Reads one tensor's ``data.pkl`` into a :class:`SavedTensor`; refuses anything else. Its globals
+    are handed out sealed (:mod:`tierckpt.pickle_seal`)."""
 
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data))
+        self.admitted = SealedGlobals(tensor_globals())
 
     def find_class(self, module: str, name: str) -> Any:
-        found = tensor_globals().get((module, name))
+        found = self.admitted.get(module, name)
         if found is None:
             raise Unreadable(f"is not a plain tensor (its data.pkl refers to {module}.{name})")
         return found

@@ -11,8 +11,9 @@ planner: byte-range reads, each byte read once per group, any resharding.
 How (rank 0, when a load or ``tierckpt inspect`` finds ``.metadata`` and no ``COMMIT``):
 
 1. ``.metadata`` is unpickled by :class:`_MetadataUnpickler`, which admits only DCP's metadata
-   classes, ``torch.Size``, dtypes, layouts, memory formats, paths and builtin data types: a crafted
-   file cannot run code, it is refused with :class:`~tierckpt.errors.CorruptCheckpointError`.
+   classes, ``torch.Size``, dtypes, layouts, memory formats, paths and builtin data types, each handed
+   out as a stand-in made for this file (:mod:`tierckpt.pickle_seal`): a crafted file can neither run
+   code nor change a global of the process, it is refused with :class:`~tierckpt.errors.CorruptCheckpointError`.
 2. For every tensor chunk, both ends of its segment are read, all chunks at once; the standard
    library's zipfile then reads the archive from those bytes (fetching any others it needs with
    ranged reads, within caps), and :mod:`tierckpt.dcp_chunks` finds where the raw bytes start.
@@ -59,6 +60,7 @@ from .metadata import (
 )
 from .objects import codec_of, decode_object
 from .optim_groups import indexed_aliases
+from .pickle_seal import Constructor, SealedGlobals, sealed_class
 from .regions import Box
 
 FORMAT = "torch DCP"
@@ -99,7 +101,7 @@ def read_dcp(backend: Backend) -> DcpCheckpoint:
     uri = backend.root_uri
     sched = get_scheduler()
     try:
-        raw = sched.run(backend.get(METADATA_KEY))
+        raw = sched.run(backend.get_capped(METADATA_KEY, MAX_METADATA_BYTES))
     except CheckpointNotFoundError:
         if any(k.endswith(".metadata") for k in sched.run(backend.list(""))):
             raise CheckpointError(
@@ -142,19 +144,45 @@ def read_dcp(backend: Backend) -> DcpCheckpoint:
 
 
 # -- .metadata: a restricted unpickler -----------------------------------------------------------------
+MAX_METADATA_BYTES = 256 << 20
+"""The largest ``.metadata`` read (refused unread, from its size): it grows with tensors x chunks, about
+200 bytes per chunk: over a million chunks)."""
+
+
+def _tensor_properties_state(self: Any, state: Any) -> None:
+    """``TensorProperties.__setstate__`` given the memory format's encoding as its number: the pickle gets
+    no enum member (they are process-wide objects; ``BUILD`` could change one)."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, TensorProperties
+
+    dtype, layout, requires_grad, encoding, pin_memory = state
+    TensorProperties.__setstate__(self, (dtype, layout, requires_grad, _MEM_FORMAT_ENCODING(encoding), pin_memory))
+
+
+def _memory_format_number(value: Any) -> int:
+    """What the pickle's ``_MEM_FORMAT_ENCODING(value)`` becomes: the checked number, not the shared member."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    return _MEM_FORMAT_ENCODING(value).value
+
+
 @functools.cache
 def _metadata_globals() -> dict[tuple[str, str], Any]:
-    """Every global a DCP ``.metadata`` pickle may name, and what it resolves to."""
+    """Every global a DCP ``.metadata`` pickle may name, and what it resolves to (each unpickler hands out
+    :func:`~tierckpt.pickle_seal.sealed` stand-ins of these, never the globals themselves)."""
     from torch.distributed.checkpoint import filesystem
     from torch.distributed.checkpoint import metadata as dcp_metadata
 
     allowed: dict[tuple[str, str], Any] = {
         ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
         for name in (
-            "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-            "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+            "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "MetadataIndex",
+            "StorageMeta",
         )
     }
+    allowed[("torch.distributed.checkpoint.metadata", "TensorProperties")] = sealed_class(
+        dcp_metadata.TensorProperties, __setstate__=_tensor_properties_state,
+    )
+    allowed[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")] = Constructor(_memory_format_number)
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
     allowed[("torch", "Size")] = torch.Size
     allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
@@ -165,20 +193,22 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
     allowed.update({("builtins", t.__name__): t for t in (dict, list, tuple, set, frozenset, str, int, float, complex, bool)})
     allowed[("collections", "OrderedDict")] = OrderedDict
     for module in ("pathlib", "pathlib._local"):  # checkpoint_id; a path is kept pure (never touches the disk)
-        allowed.update({(module, n): pathlib.PurePosixPath for n in ("PosixPath", "PurePosixPath")})
-        allowed.update({(module, n): pathlib.PureWindowsPath for n in ("WindowsPath", "PureWindowsPath")})
+        allowed.update({(module, n): Constructor(pathlib.PurePosixPath) for n in ("PosixPath", "PurePosixPath")})
+        allowed.update({(module, n): Constructor(pathlib.PureWindowsPath) for n in ("WindowsPath", "PureWindowsPath")})
     return allowed
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata; any other global is refused before it is looked up."""
+    """Unpickles DCP metadata; any other global is refused before it is looked up, and the admitted ones
+    are handed out sealed (:mod:`tierckpt.pickle_seal`): the file builds values, it changes no global."""
 
     def __init__(self, data: bytes, uri: str) -> None:
         super().__init__(io.BytesIO(data))
         self.uri = uri
+        self.admitted = SealedGlobals(_metadata_globals())
 
     def find_class(self, module: str, name: str) -> Any:
-        found = _metadata_globals().get((module, name))
+        found = self.admitted.get(module, name)
         if found is None:
             raise CorruptCheckpointError(
                 f"the {METADATA_KEY} of DCP checkpoint {self.uri!r} refers to {module}.{name}, which is not one "

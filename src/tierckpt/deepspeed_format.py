@@ -392,6 +392,16 @@ def _unpickled(data: bytes) -> Any:
 
 
 def _plain(value: Any) -> bool:
-    if value is None or type(value) in (bool, int, float, str):
-        return True
-    return type(value) in (tuple, list) and all(_plain(v) for v in value)
+    """Whether ``value`` is a number, string, ``None`` or a tuple or list of those (each container looked at
+    once: a crafted file's DAG of shared tuples has 2^depth paths)."""
+    seen: set[int] = set()
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if item is None or type(item) in (bool, int, float, str) or id(item) in seen:
+            continue
+        if type(item) not in (tuple, list):
+            return False
+        seen.add(id(item))
+        todo.extend(item)
+    return True

@@ -26,6 +26,7 @@ from .backends import Backend
 from .backends.base import NodeTier
 from .checkpoint_reader import Checkpoint
 from .comm import Comm
+from .coverage import check_exact_coverage
 from .errors import CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, MissingFileError
 from .io.readcheck import ReadChecker
 from .io.scheduler import get_scheduler
@@ -110,6 +111,7 @@ def load_generation(
         mine: RankDraft | None = None
         failure: Exception | None = None
         try:  # this rank's units only (each to a rank whose node's memory tier holds its file, where one does)
+            check_exact_coverage(ckpt.tensors, pieces, uri)
             mine = plan_rank(ckpt.tensors, pieces, group, comm.rank, chunk_bytes=opts.chunk_bytes,
                              round_bytes=opts.round_bytes, p2p_min_bytes=P2P_MIN_BYTES, topology=topo,
                              held=local.holders() if local.active else None)

@@ -129,15 +129,25 @@ def read_safetensors(backend: Backend) -> SafetensorsCheckpoint:
     return meta, tensors, pieces
 
 
+def parse_json(data: bytes, what: str) -> Any:
+    """The JSON document ``data`` (``what``: the file it is, for the message); malformed or nested deeper
+    than the parser recurses (an index or header a thousand levels deep) raises
+    :class:`~tierckpt.errors.CorruptCheckpointError` naming ``what``."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise CorruptCheckpointError(f"{what} nests JSON arrays or objects too deep to be read; it is not a "
+                                     "safetensors index, config or header") from None
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{what} is not valid JSON: {exc}") from exc
+
+
 def _json(backend: Backend, key: str) -> Any:
     """A small JSON document of the folder, refused when larger than :data:`MAX_JSON_BYTES` or malformed."""
     sched = get_scheduler()
     if sched.run(backend.size(key)) > MAX_JSON_BYTES:
         raise CorruptCheckpointError(f"{key!r} of {backend.root_uri!r} is larger than {MAX_JSON_BYTES} bytes; it is not read")
-    try:
-        return json.loads(sched.run(backend.get(key)))
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"{key!r} of {backend.root_uri!r} is not valid JSON: {exc}") from exc
+    return parse_json(sched.run(backend.get(key)), f"{key!r} of {backend.root_uri!r}")
 
 
 def _weight_map(backend: Backend) -> dict[str, str]:
@@ -177,10 +187,7 @@ def _file_entries(backend: Backend, file: str, size: int) -> list[tuple[str, Ten
     (length,) = struct.unpack("<Q", sched.run(backend.get_range(file, 0, 8)))
     if length > MAX_HEADER_BYTES or 8 + length > size:
         raise CorruptCheckpointError(f"{bad} claims a header of {length} bytes (the file has {size})")
-    try:
-        header = json.loads(sched.run(backend.get_range(file, 8, 8 + length)))
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"{bad} has a header that is not valid JSON: {exc}") from exc
+    header = parse_json(sched.run(backend.get_range(file, 8, 8 + length)), f"the header of {bad}")
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{bad} has a header that is not a JSON object")
     start = 8 + length

@@ -17,7 +17,6 @@ compressed, big-endian) raises :class:`~tierckpt.errors.CorruptCheckpointError` 
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import io
 import math
 import pickle
@@ -31,13 +30,14 @@ import crc32c
 import torch
 
 from .dcp_chunks import (
-    SavedTensor, SegmentFile, TensorPickle, Unreadable, data_span, open_archive, rebuild_v2, rebuild_v3, tensor_globals,
+    SavedTensor, SegmentFile, TensorPickle, Unreadable, data_span, open_archive, tensor_globals,
 )
 from .backends import Backend
-from .deadline import carried
+from .deadline import carried, current as current_deadline
 from .errors import CheckpointError, CorruptCheckpointError
 from .io.scheduler import get_scheduler
 from .metadata import itemsize
+from .pickle_seal import SealedGlobals, sealed_class
 
 TAIL_BYTES = 64 << 10
 """Bytes read from the end of a file at first: the zip directory of a checkpoint file is well inside."""
@@ -48,6 +48,12 @@ MAX_HEADER_READ_BYTES = 64 << 20
 MAX_RECORDS = 1 << 20
 """The most records a file's zip directory may claim."""
 PARALLEL_FILES = 16
+MAX_OPAQUE_CLASSES = 4096
+"""The most distinct class names one ``data.pkl`` may name (a DeepSpeed rank file names a few dozen)."""
+MAX_DEPTH = 200
+"""The deepest a ``data.pkl``'s containers may nest."""
+DEADLINE_CHECK_VISITS = 4096
+"""How often (in containers visited) the walk of a ``data.pkl`` looks at the operation's deadline."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +104,6 @@ class Opaque:
         return f"<{self.qualname}{self.args!r}>"
 
 
-@functools.cache
-def _opaque_class(module: str, name: str) -> type[Opaque]:
-    return type(name, (Opaque,), {"qualname": f"{module}.{name}"})
-
-
 class _PlainTensorType:
     """``torch.Tensor`` or ``torch.nn.Parameter`` as the type a tensor with Python attributes is rebuilt as."""
 
@@ -110,7 +111,7 @@ class _PlainTensorType:
 def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     """``torch._tensor._rebuild_from_type_v2``: a tensor that carries Python attributes (DeepSpeed's
     ``ds_id``); the attributes are dropped, only a plain tensor or parameter type is admitted."""
-    if new_type is not _PlainTensorType or not isinstance(args, tuple):
+    if not (isinstance(new_type, type) and issubclass(new_type, _PlainTensorType)) or not isinstance(args, tuple):
         raise Unreadable(f"holds a tensor of type {new_type!r}")
     return func(*args)
 
@@ -128,22 +129,44 @@ _TENSOR_WRAPPERS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
 }
+_REBUILDS = (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3"))
 
 
 class _ArchiveUnpickler(pickle.Unpickler):
-    """Unpickles a ``data.pkl``: tensors become :class:`SavedTensor`, unknown classes :class:`Opaque`."""
+    """Unpickles a ``data.pkl``: tensors become :class:`SavedTensor` (each listed in ``saved`` when given),
+    unknown classes :class:`Opaque`. Every global it hands out is made for this unpickler and sealed
+    (:mod:`tierckpt.pickle_seal`): the file changes nothing the next file sees, and what it names is
+    dropped with it (at most :data:`MAX_OPAQUE_CLASSES` class names per file)."""
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, saved: list[SavedTensor] | None = None) -> None:
         super().__init__(io.BytesIO(data))
+        admitted = {**tensor_globals(), **_TENSOR_WRAPPERS}
+        if saved is not None:
+            admitted.update({key: _listing(admitted[key], saved) for key in _REBUILDS})
+        self.admitted = SealedGlobals(admitted)
+        self.opaque: dict[tuple[str, str], type[Opaque]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _TENSOR_WRAPPERS:
-            return _TENSOR_WRAPPERS[(module, name)]
-        found = tensor_globals().get((module, name))
-        return found if found is not None else _opaque_class(module, name)
+        found = self.admitted.get(module, name)
+        if found is not None:
+            return found
+        if (module, name) not in self.opaque:
+            if len(self.opaque) >= MAX_OPAQUE_CLASSES:
+                raise CorruptCheckpointError(f"its data.pkl names more than {MAX_OPAQUE_CLASSES} classes")
+            self.opaque[(module, name)] = sealed_class(Opaque, name=name, qualname=f"{module}.{name}")
+        return self.opaque[(module, name)]
 
     def persistent_load(self, pid: Any) -> Any:
         return TensorPickle.persistent_load(self, pid)  # type: ignore[arg-type]
+
+
+def _listing(rebuild: Any, saved: list[SavedTensor]) -> Any:
+    """``rebuild`` (a tensor rebuild function) that also appends each tensor it makes to ``saved``."""
+    def rebuild_and_list(*args: Any) -> SavedTensor:
+        tensor = rebuild(*args)
+        saved.append(tensor)
+        return tensor
+    return rebuild_and_list
 
 
 def unpickle(data: bytes) -> Any:
@@ -197,28 +220,10 @@ def _decode(file: str, segment: SegmentFile) -> Archive:
         raise CorruptCheckpointError(f"its data.pkl claims {n} bytes")
     saved: list[SavedTensor] = []
     data = segment.take(start, n)
-    value = _Unpickler(data, saved).load()
+    value = _ArchiveUnpickler(data, saved).load()
     located = {key: data_span(segment, records, f"{prefix}data/{key}") for key in sorted({t.storage.key for t in saved})}
-    value = _replace(value, {id(t): _stored(file, t, located) for t in saved}, set())
+    value = _Replacer({id(t): _stored(file, t, located) for t in saved}).replace(value, 0)
     return Archive(value=value, pickle_offset=start, pickle_length=n, pickle_crc32c=crc32c.crc32c(data))
-
-
-class _Unpickler(_ArchiveUnpickler):
-    """:class:`_ArchiveUnpickler` that also lists every tensor it met."""
-
-    def __init__(self, data: bytes, saved: list[SavedTensor]) -> None:
-        super().__init__(data)
-        self.saved = saved
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = super().find_class(module, name)
-        if found in (rebuild_v2, rebuild_v3):
-            def rebuild(*args: Any) -> SavedTensor:
-                tensor = found(*args)
-                self.saved.append(tensor)
-                return tensor
-            return rebuild
-        return found
 
 
 def _stored(file: str, t: SavedTensor, located: dict[str, tuple[int, int]]) -> StoredTensor:
@@ -233,21 +238,32 @@ def _stored(file: str, t: SavedTensor, located: dict[str, tuple[int, int]]) -> S
     return StoredTensor(file=file, byte_offset=start + t.offset * item, dtype=t.dtype, shape=tuple(t.size))
 
 
-def _replace(value: Any, stored: dict[int, StoredTensor], seen: set[int]) -> Any:
-    """``value`` with each saved tensor replaced by its :class:`StoredTensor` (containers rebuilt)."""
-    if id(value) in stored:
-        return stored[id(value)]
-    if isinstance(value, (dict, list)) and id(value) in seen:
+class _Replacer:
+    """Replaces each saved tensor of an unpickled structure by its :class:`StoredTensor`, rebuilding the
+    containers. Each container is visited once (a memo by identity: a crafted file's DAG of shared tuples,
+    2^depth paths, costs one visit per node), at most :data:`MAX_DEPTH` deep, and the walk stops at the
+    operation's deadline."""
+
+    def __init__(self, stored: dict[int, StoredTensor]) -> None:
+        self.done: dict[int, Any] = dict(stored)
+        self.visits = 0
+
+    def replace(self, value: Any, depth: int) -> Any:
+        if id(value) in self.done:
+            return self.done[id(value)]
+        if not isinstance(value, (dict, list)) and type(value) is not tuple:
+            return value
+        if depth >= MAX_DEPTH:
+            raise CorruptCheckpointError(f"its data.pkl nests containers more than {MAX_DEPTH} deep")
+        self.visits += 1
+        if self.visits % DEADLINE_CHECK_VISITS == 0 and (left := current_deadline()) is not None and left.remaining() < 0:
+            raise left.exceeded("the walk of a data.pkl")
+        self.done[id(value)] = value  # a list or dict that holds itself is rebuilt in place
+        if isinstance(value, dict):
+            for k in list(value):
+                value[k] = self.replace(value[k], depth + 1)
+        elif isinstance(value, list):
+            value[:] = [self.replace(v, depth + 1) for v in value]
+        else:
+            self.done[id(value)] = value = tuple(self.replace(v, depth + 1) for v in value)
         return value
-    if isinstance(value, dict):
-        seen.add(id(value))
-        for k in list(value):
-            value[k] = _replace(value[k], stored, seen)
-        return value
-    if isinstance(value, list):
-        seen.add(id(value))
-        value[:] = [_replace(v, stored, seen) for v in value]
-        return value
-    if type(value) is tuple:
-        return tuple(_replace(v, stored, seen) for v in value)
-    return value
