@@ -29,6 +29,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 DAEMONS = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph")
@@ -195,7 +196,8 @@ rgw lc debug interval = 10
                 tails.append(f"\n--- {path.name} ---\n{text}")
         return "".join(tails)
 
-    def _wait(self, step: str, ready: "callable[[], bool]") -> None:  # type: ignore[valid-type]
+    def _wait(self, step: str, ready: Callable[[], bool]) -> None:
+        """Poll ``ready`` until it holds; :class:`RadosGatewayError` when a daemon exits or time runs out."""
         deadline = time.monotonic() + self.start_timeout_s
         while not ready():
             for process in self._processes:

@@ -115,7 +115,7 @@ def test_verify_drops_a_corrupted_prefetch_and_reads_it_again(uri: str, proxy: A
              endpoint_url=proxy.endpoint).result()
     assert proxy.hits["flip"] == 1
     env = child_env(TIERCKPT_CACHE_DIR=str(cache), TIERCKPT_S3_ENDPOINT_URL=proxy.endpoint)
-    verified = cli("verify", uri, env=env)
+    verified = cli("verify", uri, "--node", env=env)  # this node's copy: the prefetched one
     assert verified.returncode == 0 and verified.stdout.startswith("ok:"), verified.stdout + verified.stderr
     proxy.reset_counters()
     done = subprocess.run([sys.executable, "-c", LOAD_CHILD, uri, *map(str, BIG)], env=env, capture_output=True,

@@ -118,12 +118,15 @@ def _add_verify(subparsers: Any) -> None:
         "verify", help="check a checkpoint's completeness and every checksum",
         description="Check that a committed checkpoint is complete (metadata, every file with its listed size, "
         "pieces covering every tensor exactly) and read every piece and object to check its CRC-32C, streaming. "
-        "Every problem is listed with its file, tensor or object, and byte offset. Exit 0 when sound, "
-        "5 when corrupt, 4 when incomplete (also: committed in this node's cache but not on the remote), "
-        "3 when there is no checkpoint.",
+        "Every problem is listed with its file, tensor or object, and byte offset. A remote checkpoint is read "
+        "from the remote itself, past this node's cache (--node: this node's copy), except on the node that saved "
+        "it while its upload is pending. Exit 0 when sound, 5 when corrupt, 4 when incomplete (also: committed in "
+        "this node's cache but not on the remote), 3 when there is no checkpoint, 7 when the remote is unreachable.",
     )
     p.add_argument("uri", help="checkpoint root: a path, file://, memory://, s3://, or any fsspec URI")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--node", action="store_true",
+                   help="check this node's copy (its cache and memory tier) instead of the remote's")
     progress.add_flags(p, None)  # verify draws its own bar (its total is known)
     add_timeout(p, "verify")
     p.set_defaults(handler=cmd_verify)
@@ -133,7 +136,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """Verify a checkpoint; exit 5 with the problems listed when it is corrupt."""
     from .verify import verify
 
-    report = verify(args.uri, progress=progress.command_wants(args))
+    report = verify(args.uri, progress=progress.command_wants(args), node=args.node)
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.render())
     if report.problems:
         return EXIT_CORRUPT

@@ -264,6 +264,8 @@ def node_only_reason(store: Backend) -> str | None:
         return None
     if st.remote_generation is not None:
         remote = f"the remote's COMMIT names {st.remote_generation}"
+    elif st.remote_error is not None and st.remote_unreachable:
+        remote = f"the remote is unreachable: {st.remote_error}"
     elif st.remote_error is not None:
         remote = f"the remote's COMMIT cannot be read: {st.remote_error}"
     else:

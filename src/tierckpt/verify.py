@@ -18,6 +18,12 @@
 
 Every problem found is reported (:class:`Problem`: kind, file, tensor or object, byte offset); the
 check does not stop at the first one.
+
+Where the bytes come from. A remote URI is checked on the remote itself, past this node's cache and memory
+tier (a node's copy may be sound while the remote's is not), unless ``node=True`` asks for the node's copy.
+One exception: on the node that saved, a generation committed in its write-back tier but not yet uploaded
+is what the URI will hold; then that copy is checked and the report says so (``node_only``). A remote that
+does not answer raises :class:`~tierckpt.errors.StorageUnreachableError` (exit 7), never "node only".
 """
 
 from __future__ import annotations
@@ -35,14 +41,15 @@ from . import layout
 from .backends import Backend
 from .call_args import uri_text
 from .deadline import bounded
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, DeadlineExceededError, StorageUnreachableError
 from .io.crc import combine_blocks
 from .io.scheduler import ReadRequest, get_scheduler
 from .checkpoint_reader import Checkpoint
 from .readers import read_checkpoint, read_pieces
 from .metadata import PieceMeta, TensorMeta
 from .regions import Box, Region, StoredBox, stored_boxes
-from .store import forget_cached, node_only_reason, open_store
+from .store import durability_of, forget_cached, node_only_reason, open_store
+from .writeback.status import StoreStatus
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 
@@ -78,6 +85,9 @@ class VerifyReport:
     node_only: str | None = None
     """Set on the node that saved through its write-back cache while the checkpoint is committed there
     but not (yet) on the remote: why, and the ``tierckpt sync`` command that finishes it."""
+    read_from: str = "store"
+    """Where the checked bytes were read: ``remote`` (the URI's own store, past this node's tiers), ``node``
+    (this node's cache and memory tier, falling through to the remote) or ``store`` (a URI with no node tier)."""
 
     @property
     def ok(self) -> bool:
@@ -89,6 +99,7 @@ class VerifyReport:
         doc = {k: getattr(self, k) for k in ("uri", "generation", "tensors", "pieces", "objects", "files", "bytes_checked")}
         doc["ok"] = self.ok
         doc["committed_on_remote"] = self.node_only is None
+        doc["read_from"] = self.read_from
         if self.node_only is not None:
             doc["node_only"] = self.node_only
         doc["problems"] = [{k: v for k, v in asdict(p).items() if v is not None} for p in self.problems]
@@ -100,6 +111,9 @@ class VerifyReport:
             f"{self.tensors} tensors in {self.pieces} pieces, {self.objects} objects, {self.files} files, "
             f"{self.bytes_checked} bytes checksummed"
         )
+        source = {"remote": "read from the remote", "store": "",
+                  "node": f"read from this node's copy; `tierckpt verify {self.uri}` checks the remote's"}
+        checked += f" ({source[self.read_from]})" if source[self.read_from] else ""
         if self.ok:
             return f"ok: {self.uri} (generation {self.generation}): {checked}"
         if not self.problems:
@@ -116,11 +130,32 @@ def verify(
     storage_options: Mapping[str, Any] | None = None,
     progress: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    node: bool = False,
 ) -> VerifyReport:
-    """Check the committed checkpoint at ``uri`` completely (see the module docstring)."""
+    """Check the committed checkpoint at ``uri`` completely (see the module docstring): on the remote itself,
+    or with ``node=True`` this node's copy (its cache and memory tier)."""
     uri = uri_text("verify", uri)
-    backend = open_store(uri, dict(storage_options or {}))
+    options = dict(storage_options or {})
+    backend = open_store(uri, options)
     report = VerifyReport(uri=uri)
+    durable = durability_of(backend)
+    if durable is not None:
+        report.read_from = "node"
+        if not node and not _pending_here(get_scheduler().run(durable.status())):
+            backend, report.read_from = open_store(uri, {**options, "cache": False, "memory": False}), "remote"
+    try:
+        return _check(backend, report, progress, chunk_bytes)
+    except StorageUnreachableError as exc:
+        if report.read_from != "remote" or isinstance(exc, DeadlineExceededError):
+            raise
+        raise StorageUnreachableError(
+            f"verify {uri}: the remote is unreachable, so its copy cannot be checked ({exc}); "
+            f"`tierckpt verify --node {uri}` checks this node's copy"
+        ) from exc
+
+
+def _check(backend: Backend, report: VerifyReport, progress: bool, chunk_bytes: int) -> VerifyReport:
+    """Fill in ``report`` with what reading the checkpoint through ``backend`` finds."""
     try:
         ckpt = read_checkpoint(backend)
         report.generation = ckpt.meta.generation
@@ -136,8 +171,16 @@ def verify(
         report.problems += _coverage_problems(ckpt.tensors[fqn], pieces.get(fqn, []))
     report.problems += _block_checksum_problems(pieces)
     report.bytes_checked = _check_checksums(backend, ckpt, pieces, sizes, report.problems, progress, chunk_bytes)
-    report.node_only = node_only_reason(backend)
+    report.node_only = node_only_reason(backend) if report.read_from == "node" else None
     return report
+
+
+def _pending_here(status: StoreStatus) -> bool:
+    """Whether this node holds a committed generation that it has not finished uploading, or holds in its memory
+    tier only (the node that saved through its write-back tiers): that generation is what the URI will hold,
+    and only this node has it."""
+    return (status.generation is not None and not status.committed_on_remote
+            and (bool(status.pending_keys) or status.only_in_memory))
 
 
 # -- files -------------------------------------------------------------------------------------------
