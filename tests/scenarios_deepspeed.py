@@ -5,6 +5,7 @@ Used by tests/test_deepspeed_format.py in one process and, for FSDP2 on 3 gloo r
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -118,4 +119,24 @@ def ddp_loads(folder: str, stage: int) -> bool:
     tierckpt.load(folder, {"model": ddp, "optim": optim}, group=group)
     bad = mismatches(reference(stage), observed(model, optim))
     assert not bad, f"rank {torch.distributed.get_rank()}: {bad}"
+    return True
+
+
+def fsdp2_resumes_offload(folder: str, fixture: str) -> bool:
+    """3 ranks load a 2-rank CPU-offload folder (CPU Adam's int step, a frozen parameter) into FSDP2 + AdamW
+    with ``strict=False`` (AdamW's settings CPU Adam has not stay its own) and match every key both have."""
+    mesh = make_mesh((3,))
+    group = subgroup(3)
+    if group is None:
+        return True
+    model, optim = build(mesh, frozen=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tierckpt.load(folder, {"model": model, "optim": optim}, group=group, strict=False)
+    expected, got = reference(fixture), observed(model, optim)
+    common = expected.keys() & got.keys()
+    assert len(common) == 6 + 4 * (3 + 5), sorted(common)  # 6 model tensors; 3 states and 5 settings of 4 parameters
+    bad = mismatches({k: expected[k] for k in common}, {k: got[k] for k in common}, cast=True)
+    assert not bad, f"rank {torch.distributed.get_rank()}: {bad}"
+    assert hasattr(model.mix, "full_tensor")  # the frozen parameter is sharded too
     return True

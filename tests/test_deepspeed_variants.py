@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import scenarios_deepspeed
 import tierckpt
 from scenarios_deepspeed import FIXTURES, build, mismatches, observed, reference
 from tierckpt.errors import CorruptCheckpointError
@@ -139,6 +140,13 @@ def test_a_cpu_offload_checkpoint_resumes_torch_adamw_exactly(folder: str) -> No
         p.grad = torch.ones_like(p)
     optim.step()
     assert optim.state[model.fc1.weight]["step"].item() == 4.0
+
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("folder", ["zero3_offload", "zero2_offload_universal"])
+def test_fsdp2_on_three_ranks_resumes_a_two_rank_cpu_offload_checkpoint(dist_pool, folder: str) -> None:
+    dist_pool.run(scenarios_deepspeed.fsdp2_resumes_offload, str(FIXTURES / folder), _of(folder))
 
 
 def test_convert_of_a_cpu_offload_checkpoint_loads_with_checksums(tmp_path: Path) -> None:
