@@ -183,6 +183,11 @@ def test_a_number_saved_where_the_state_has_a_0d_tensor_loads_into_it(tmp_path: 
     with pytest.raises(StateMismatchError, match="'step' is a 0-d tensor in the state, but the checkpoint holds a str"):
         tierckpt.load(str(tmp_path / "text"), target)
     assert target["step"].item() == 0.0 and not target["w"].any()
+    tierckpt.save(str(tmp_path / "float"), {"count": 2.5})
+    target = {"count": torch.tensor(0)}
+    with pytest.raises(StateMismatchError, match="'count' is a 0-d torch.int64 tensor in the state, but the checkpoint holds the float 2.5"):
+        tierckpt.load(str(tmp_path / "float"), target)
+    assert target["count"].item() == 0
 
 
 # -- inspect -----------------------------------------------------------------------------------------------

@@ -60,6 +60,10 @@ class NumberIntoTensor(ObjectEntry):
             raise StateMismatchError(
                 f"{self.key!r} is a 0-d tensor in the state, but the checkpoint holds a {type(value).__name__} there, not a number"
             )
+        if type(value) is float and not self.value.is_floating_point():
+            raise StateMismatchError(
+                f"{self.key!r} is a 0-d {self.value.dtype} tensor in the state, but the checkpoint holds the float {value!r} there"
+            )
 
 
 @dataclass
