@@ -9,6 +9,7 @@ for the weights, ``ds_to_universal`` for the moments):
 * ``zero2_offload`` (bf16, ``offload_optimizer: cpu``) and ``zero3_offload`` (bf16, parameters and optimizer
   offloaded to the CPU, frozen parameter partitioned), ``zero3_nvme`` (bf16, ``offload_optimizer: nvme``):
   DeepSpeed's CPU Adam keeps ``step`` as a Python int.
+* ``zero1_bf16``: DeepSpeed's BF16_Optimizer under ZeRO-1 (``bf16_`` rank files).
 """
 
 from __future__ import annotations
@@ -189,6 +190,20 @@ def test_a_number_saved_where_the_state_has_a_0d_tensor_loads_into_it(tmp_path: 
     with pytest.raises(StateMismatchError, match="'count' is a 0-d torch.int64 tensor in the state, but the checkpoint holds the float 2.5"):
         tierckpt.load(str(tmp_path / "float"), target)
     assert target["count"].item() == 0
+
+
+# -- bf16 under ZeRO-1 (DeepSpeed's BF16_Optimizer) ------------------------------------------------------------
+@pytest.mark.parametrize("folder", ["zero1_bf16", "zero1_bf16_universal"])
+def test_a_bf16_zero1_checkpoint_resumes_exactly(folder: str) -> None:
+    """``bf16_zero_pp_rank_*`` files load strictly into a module and AdamW. BF16_Optimizer records no
+    ``frozen_param_shapes``, so ``zero_to_fp32`` leaves the frozen parameter out of the reference; it is
+    in ``module`` (and in the universal checkpoint, as ``ds_to_universal`` wrote it): both give the same values."""
+    model, optim = build(frozen=True)
+    tierckpt.load(str(FIXTURES / folder), {"model": model, "optim": optim})
+    got = observed(model, optim)
+    assert mismatches(reference("zero1_bf16"), {k: v for k, v in got.items() if k != "model.mix"}, cast=True) == []
+    in_ucp = tierckpt.read_state(str(FIXTURES / "zero1_bf16_universal"))["model.mix"]
+    assert torch.equal(got["model.mix"], in_ucp.float()) and not torch.equal(in_ucp.float(), build(frozen=True)[0].mix)
 
 
 # -- inspect -----------------------------------------------------------------------------------------------
