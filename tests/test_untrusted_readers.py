@@ -208,10 +208,10 @@ def test_a_rank_file_of_shared_tuples_is_walked_once_per_node(tmp_path: Path) ->
 
 
 def test_a_setting_that_is_a_dag_of_tuples_is_checked_once_per_node() -> None:
-    from tierckpt import deepspeed_format
+    from tierckpt import deepspeed_objects
 
-    assert deepspeed_format._plain(_shared_tuples(200))
-    assert not deepspeed_format._plain((_shared_tuples(200), {"not": "plain"}))
+    assert deepspeed_objects._plain(_shared_tuples(200))
+    assert not deepspeed_objects._plain((_shared_tuples(200), {"not": "plain"}))
 
 
 def _naming_classes(count: int) -> bytes:

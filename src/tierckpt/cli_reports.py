@@ -117,6 +117,8 @@ def render_inspect(summary: dict[str, Any]) -> str:
                  "no generations, no checksums")
     elif summary["format"] == "safetensors":
         about = "  Hugging Face safetensors folder, read in place: tensors under 'model', no generations, no checksums"
+    elif summary["created"] is None:  # another foreign format (DeepSpeed's): no generation, no creation time
+        about = f"  {summary['format']} checkpoint, read in place: no generations, no checksums"
     else:
         about = f"  generation {summary['generation']} (format {summary['format_version']}), created {summary['created']}"
     lines = [

@@ -6,46 +6,47 @@ parameter names and shapes, ``buffer_names``, the ``module`` state dict) and one
 ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per data-parallel rank. Each param group's trainable
 parameters are flattened into one fp32 buffer (padded at the end), split evenly across the ranks: rank
 ``r`` holds its partition as ``single_partition_of_fp32_groups[g]``, the optimizer's moments of the
-same elements in ``base_optimizer_state["state"][g]`` (``exp_avg``, ``exp_avg_sq``, ``step``), and
+same elements in ``base_optimizer_state["state"][g]`` (``exp_avg``, ``exp_avg_sq``, ``step``: a tensor, or a
+Python int with DeepSpeed's CPU Adam of ``offload_optimizer``), and
 ``param_slice_mappings[g]``: for each parameter, how many of its elements the partition holds and where.
 ZeRO-3 writes ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` per rank instead and splits each
 parameter on its own: rank ``r`` holds elements ``[r*k, (r+1)*k)`` of it (``k = ceil(numel / world)``),
-its parts back to back in ``fp32_flat_groups[g]`` and ``optimizer_state_dict["state"][g]``.
+its parts back to back in ``fp32_flat_groups[g]`` and ``optimizer_state_dict["state"][g]``; its frozen
+parameters (``frozen_param_shapes``) are split the same way, rank ``r``'s part in the
+``frozen_param_fragments`` of its model states file (:func:`add_frozen_fragments`).
 
 Every such slice is a flat-range piece (:class:`~tierckpt.regions.FlatRange`) of its parameter, read in
 place from the rank file (:mod:`tierckpt.torch_archive` finds the bytes; nothing is unpickled), so the
 ordinary loader reshards it onto any layout. Names are tierckpt's (torch's flattened optimizer state
-dict): ``model.<fqn>`` (the fp32 master weights; buffers and frozen parameters from ``module``),
+dict): ``model.<fqn>`` (the fp32 master weights; buffers and ZeRO-1/2's frozen parameters from ``module``),
 ``optim.state.<fqn>.<exp_avg|exp_avg_sq|step>`` and ``optim.param_groups.<fqn>.<setting>`` (each
 parameter's group settings: lr, betas, eps, weight_decay...), so
 ``tierckpt.load(folder, {"model": model, "optim": adam})`` resumes a torch Adam/AdamW exactly.
 A universal checkpoint (``ds_to_universal``) is read by :mod:`tierckpt.ucp_format`.
-
-Group settings live inside ``data.pkl``: each is an object whose bytes are that ``data.pkl`` record
-and whose codec (``deepspeed:<path>``) names where the value is in the unpickled structure
-(:func:`decode_setting`; only plain values are accepted).
+Group settings and Python-int steps are objects inside a file's ``data.pkl``
+(:mod:`tierckpt.deepspeed_objects`).
 
 Not read in place, refused naming DeepSpeed's ``ds_to_universal`` command: tensor- or
-pipeline-parallel folders (more than one ``mp_rank``), and ZeRO-3 folders with frozen parameters,
-param groups split in sub-groups, or partitions over other groups than the data-parallel ranks. DeepSpeed writes no checksums: pieces carry ``crc32c=0`` and ``verify=True``
+pipeline-parallel folders (more than one ``mp_rank``), and ZeRO-3 folders with param groups split in
+sub-groups or partitions over other groups than the data-parallel ranks. DeepSpeed writes no checksums: pieces carry ``crc32c=0`` and ``verify=True``
 refuses the folder, as for a DCP directory.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 from collections.abc import Sequence
 from typing import Any
 
 from .backends import Backend
+from .deepspeed_objects import group_objects, is_number, step_objects
 from .errors import CheckpointError, CorruptCheckpointError
 from .io.scheduler import get_scheduler
-from .metadata import CheckpointMeta, FileMeta, ObjectMeta, PieceMeta, TensorMeta, dtype_name
+from .metadata import CheckpointMeta, FileMeta, PieceMeta, TensorMeta, dtype_name
 from .regions import Box, FlatRange
 from .store import without_node_cache
-from .torch_archive import Archive, Opaque, StoredTensor, read_archives, unpickle
+from .torch_archive import Opaque, StoredTensor, read_archives
 
 LATEST = "latest"
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -54,7 +55,6 @@ ZERO3_MODEL_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_model_s
 """ZeRO-3 writes one model states file per rank (rank 0's is read: ``param_shapes`` are the same on all)."""
 FORMAT_TAG = "deepspeed"
 STATES = ("exp_avg", "exp_avg_sq", "step")
-CODEC_PREFIX = "deepspeed:"
 
 DeepSpeedCheckpoint = tuple[CheckpointMeta, dict[str, TensorMeta], dict[str, list[PieceMeta]]]
 
@@ -109,11 +109,11 @@ def read_deepspeed(backend: Backend, keys: Sequence[str] | None = None) -> DeepS
     mp_ranks = {m[2] for k in keys if (m := _OPTIM_FILE.match(k[len(prefix):]))} | {
         k for k in keys if re.match(rf"^{re.escape(prefix)}mp_rank_(?!00_)\d+_model_states\.pt$", k)}
     model_file = prefix + MODEL_STATES
+    zero3_models = zero3_model_files(keys, prefix)
     if model_file not in keys:
-        zero3 = sorted(k for k in keys if k.startswith(prefix) and ZERO3_MODEL_FILE.match(k[len(prefix):]))
-        if not zero3:
+        if not zero3_models:
             raise CorruptCheckpointError(f"DeepSpeed folder {uri!r} has no {model_file!r}: the save is incomplete")
-        model_file = next((k for k in zero3 if ZERO3_MODEL_FILE.match(k[len(prefix):])[1] == "0"), zero3[0])
+        model_file = zero3_models.get(0, zero3_models[min(zero3_models)])
     if len(mp_ranks - {"00"}) > 0:
         raise CheckpointError(
             f"{uri!r} is a DeepSpeed checkpoint saved with tensor or pipeline parallelism (several mp_rank files), "
@@ -134,16 +134,22 @@ def read_deepspeed(backend: Backend, keys: Sequence[str] | None = None) -> DeepS
     for g, group in enumerate(shapes):
         for fqn, shape in group.items():
             tensors[f"model.{fqn}"] = TensorMeta(fqn=f"model.{fqn}", dtype="float32", shape=shape)
+    steps: list[list[Any]] = []
     for r in range(world):
         flats, slices = _layout(archives[optim_files[r]].value, optim_files[r], r, world, shapes, uri, prefix)
         _add_rank(flats, slices, optim_files[r], r, shapes, tensors, pieces, uri)
+        steps.append([flat.get("step") for flat in flats])
     _check_complete(shapes, pieces, uri)
+    _check_steps_agree(steps, optim_files, uri)
     stage = _stage(archives[optim_files[0]].value)
     _add_module_tensors(model, model_file, shapes, tensors, pieces, uri, zero3=stage == 3)
+    if stage == 3:
+        files += add_frozen_fragments(backend, model, model_file, zero3_models, world, tensors, pieces, "DeepSpeed folder")
     rank0 = optim_files[0]
-    path = ("optimizer_state_dict", "optimizer_state_dict" if stage == 3 else "base_optimizer_state", "param_groups")
-    objects = group_objects(backend, rank0, path, archives[rank0], shapes)
-    sizes = {f: get_scheduler().run(backend.size(f)) for f in files}
+    path = ("optimizer_state_dict", "optimizer_state_dict" if stage == 3 else "base_optimizer_state")
+    objects = group_objects(backend, rank0, (*path, "param_groups"), archives[rank0], shapes)
+    objects += step_objects(rank0, archives[rank0], (*path, "state"), shapes, steps[0])
+    sizes = {f: get_scheduler().run(backend.size(f)) for f in set(files)}
     meta = CheckpointMeta(
         generation="", world_size=world, created_unix=0.0, frameworks=("deepspeed",),
         files=tuple(FileMeta(key=k, size=v) for k, v in sorted(sizes.items())), objects=tuple(objects),
@@ -173,17 +179,22 @@ def param_shapes(model: dict[str, Any], file: str, uri: str) -> list[dict[str, t
     groups = model.get("param_shapes")
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise CorruptCheckpointError(f"{file!r} of DeepSpeed folder {uri!r} has no param_shapes list of groups")
-    out = []
-    for group in groups:
-        shapes = {}
-        for fqn, shape in group.items():
-            if not isinstance(fqn, str) or not isinstance(shape, tuple) or not all(
-                isinstance(n, int) and n >= 0 for n in shape
-            ):
-                raise CorruptCheckpointError(f"{file!r} of DeepSpeed folder {uri!r} gives {fqn!r} the shape {shape!r}")
-            shapes[fqn] = tuple(shape)
-        out.append(shapes)
-    return out
+    return [_shape_table(group, file, uri) for group in groups]
+
+
+def _shape_table(group: dict[Any, Any], file: str, uri: str) -> dict[str, tuple[int, ...]]:
+    """``{fqn: shape}`` of a ``param_shapes`` group or of ``frozen_param_shapes``, each entry checked."""
+    shapes = {}
+    for fqn, shape in group.items():
+        if not isinstance(fqn, str) or not isinstance(shape, tuple) or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise CorruptCheckpointError(f"{file!r} of DeepSpeed folder {uri!r} gives {fqn!r} the shape {shape!r}")
+        shapes[fqn] = tuple(shape)
+    return shapes
+
+
+def zero3_model_files(keys: Sequence[str], prefix: str) -> dict[int, str]:
+    """Rank -> ZeRO-3 model states file (``zero_pp_rank_<r>_mp_rank_00_model_states.pt``) in folder ``prefix``."""
+    return {int(m[1]): k for k in keys if k.startswith(prefix) and (m := ZERO3_MODEL_FILE.match(k[len(prefix):]))}
 
 
 def _stage(archive: Any) -> int:
@@ -259,11 +270,13 @@ def _add_rank(
     bad = f"{file!r} of DeepSpeed folder {uri!r}"
     for g, (flat, group_slices) in enumerate(zip(flats, slices)):
         for name, t in flat.items():
+            if name == "step" and is_number(t):  # CPU Adam's: an object (deepspeed_objects.step_objects)
+                continue
             if not isinstance(t, StoredTensor) or (name != "step" and len(t.shape) != 1):
-                raise CorruptCheckpointError(f"{bad}: {name or 'fp32'} of param group {g} is {t!r}, not a flat tensor")
-        if rank == 0 and "step" in flat:  # one step per group, each of its parameters has it
+                raise CorruptCheckpointError(f"{bad}: {name or 'fp32'} of param group {g} is {t!r}, not a flat tensor or step number")
+        step = flat.get("step")
+        if rank == 0 and isinstance(step, StoredTensor):  # one step per group, each of its parameters has it
             for fqn in shapes[g]:
-                step = flat["step"]
                 _add(tensors, pieces, f"optim.state.{fqn}.step", step, Box((), ()), step.byte_offset, step.nbytes)
         for fqn, numel, start in group_slices:
             if numel == 0:
@@ -320,18 +333,31 @@ def _check_complete(shapes: list[dict[str, tuple[int, ...]]], pieces: dict[str, 
                 )
 
 
+def _check_steps_agree(steps: list[list[Any]], files: dict[int, str], uri: str) -> None:
+    """Every rank saved the same Python-int step of each group (rank 0's is read), as ``ds_to_universal`` requires."""
+    for rank, rank_steps in enumerate(steps):
+        for g, (first, mine) in enumerate(zip(steps[0], rank_steps)):
+            if is_number(first) and mine != first:
+                raise CorruptCheckpointError(
+                    f"DeepSpeed folder {uri!r}: {files[rank]!r} holds step {mine!r} for param group {g}, "
+                    f"{files[0]!r} step {first!r}; the rank files are of different saves"
+                )
+
+
 def _add_module_tensors(
     model: dict[str, Any], file: str, shapes: list[dict[str, tuple[int, ...]]], tensors: dict[str, TensorMeta],
     pieces: dict[str, list[PieceMeta]], uri: str, *, zero3: bool,
 ) -> None:
-    """Buffers and frozen parameters, from the ``module`` state dict (trainable ones come from the
-    partitions). ZeRO-3 keeps only buffers whole there (its frozen parameters are partitioned too)."""
+    """Buffers and (ZeRO-1/2) frozen parameters, from the ``module`` state dict (trainable ones come from
+    the partitions). ZeRO-3 keeps only buffers whole there (its frozen parameters are partitioned too:
+    :func:`add_frozen_fragments`)."""
     module = model.get("module")
     if not isinstance(module, dict):
         raise CorruptCheckpointError(f"{file!r} of DeepSpeed folder {uri!r} has no module state dict")
-    if zero3 and model.get("frozen_param_shapes"):
-        prefix = file.rsplit("/", 1)[0] + "/" if "/" in file else ""
-        raise _not_in_place(uri, prefix, "with frozen parameters under ZeRO-3")
+    frozen = model.get("frozen_param_shapes")
+    lost = [] if zero3 or not isinstance(frozen, dict) else [f for f in frozen if not isinstance(module.get(f), StoredTensor)]
+    if lost:
+        raise CorruptCheckpointError(f"{file!r} of DeepSpeed folder {uri!r} lists frozen parameters {lost} its module does not hold")
     trainable = {fqn for group in shapes for fqn in group}
     buffers = model.get("buffer_names")
     for fqn, t in module.items():
@@ -340,68 +366,44 @@ def _add_module_tensors(
         _add(tensors, pieces, f"model.{fqn}", t, Box((0,) * len(t.shape), t.shape), t.byte_offset, t.nbytes)
 
 
-# -- param group settings -------------------------------------------------------------------------------
-def group_objects(
-    backend: Backend, file: str, path: tuple[str, ...], archive: Archive, shapes: list[dict[str, tuple[int, ...]]],
-) -> list[ObjectMeta]:
-    """``optim.param_groups.<fqn>.<setting>`` for every parameter of every group found at ``path`` of
-    ``archive`` (``file``): each points at the file's ``data.pkl`` bytes, its codec at the value."""
-    groups: Any = archive.value
-    for part in path:
-        groups = groups.get(part) if isinstance(groups, dict) else None
-    if groups is None:  # not saved (ZeRO-1/2's elastic checkpoints): a strict load names the settings missing
+def add_frozen_fragments(
+    backend: Backend, model: dict[str, Any], model_file: str, rank_files: dict[int, str], world: int,
+    tensors: dict[str, TensorMeta], pieces: dict[str, list[PieceMeta]], what: str,
+) -> list[str]:
+    """ZeRO-3's frozen parameters (``frozen_param_shapes`` of ``model``, rank 0's model states), and the
+    files read for them: rank ``r``'s model states file (``rank_files[r]``) holds elements
+    ``[r*k, (r+1)*k)`` of each (``k = ceil(numel / world)``, the last rank's padded) in its
+    ``frozen_param_fragments``, as DeepSpeed's ``zero_to_fp32`` joins them. A rank's file that is not
+    there is named (``what`` says which kind of folder lacks it): nothing is dropped."""
+    uri = backend.root_uri
+    frozen = model.get("frozen_param_shapes")
+    if not frozen:
         return []
-    if not isinstance(groups, list) or len(groups) != len(shapes) or not all(isinstance(g, dict) for g in groups):
+    if not isinstance(frozen, dict):
+        raise CorruptCheckpointError(f"{model_file!r} of {what} {uri!r} holds frozen_param_shapes {frozen!r}, not a dict")
+    shapes = _shape_table(frozen, model_file, uri)
+    missing = [r for r in range(world) if r not in rank_files]
+    if missing:
         raise CorruptCheckpointError(
-            f"{file!r} of DeepSpeed folder {backend.root_uri!r} has no list of {len(shapes)} param groups at {'/'.join(path)}"
+            f"{what} {uri!r} has ZeRO-3 frozen parameters ({', '.join(shapes)}), which each rank's model states file "
+            f"holds a part of, but not the files of rank(s) {missing} (zero_pp_rank_<r>_mp_rank_00_model_states.pt of "
+            f"{world} ranks): copy them in from the ZeRO folder it was saved or made from"
         )
-    start, length, crc = archive.pickle_offset, archive.pickle_length, archive.pickle_crc32c
-    out = []
-    for g, (group, names) in enumerate(zip(groups, shapes)):
-        for setting in group:
-            if setting == "params" or not isinstance(setting, str):
-                continue
-            codec = CODEC_PREFIX + "/".join((*path, str(g), setting))
-            for fqn in names:
-                out.append(ObjectMeta(key=f"optim.param_groups.{fqn}.{setting}", rank=None, file=file,
-                                      byte_offset=start, byte_length=length, crc32c=crc, codec=codec))
-    return out
-
-
-def decode_setting(data: bytes, codec: str, key: str) -> Any:
-    """The param group setting a ``deepspeed:<path>`` object names inside ``data`` (a ``data.pkl``)."""
-    value: Any = _unpickled(data)
-    for part in codec[len(CODEC_PREFIX):].split("/"):
-        if isinstance(value, list) and part.isdigit() and int(part) < len(value):
-            value = value[int(part)]
-        elif isinstance(value, dict) and part in value:
-            value = value[part]
-        else:
-            raise CorruptCheckpointError(f"object {key!r}: the DeepSpeed file has nothing at {codec!r}")
-    if not _plain(value):
-        raise CorruptCheckpointError(f"object {key!r} is a {type(value).__name__}, not a plain param group setting")
-    return value
-
-
-@functools.lru_cache(maxsize=8)
-def _unpickled(data: bytes) -> Any:
-    try:
-        return unpickle(data)
-    except Exception as exc:  # noqa: BLE001 - untrusted bytes: any failure is corruption
-        raise CorruptCheckpointError(f"a DeepSpeed data.pkl cannot be decoded: {exc!r}") from exc
-
-
-def _plain(value: Any) -> bool:
-    """Whether ``value`` is a number, string, ``None`` or a tuple or list of those (each container looked at
-    once: a crafted file's DAG of shared tuples has 2^depth paths)."""
-    seen: set[int] = set()
-    todo = [value]
-    while todo:
-        item = todo.pop()
-        if item is None or type(item) in (bool, int, float, str) or id(item) in seen:
-            continue
-        if type(item) not in (tuple, list):
-            return False
-        seen.add(id(item))
-        todo.extend(item)
-    return True
+    files = [rank_files[r] for r in range(world)]
+    archives = read_archives(backend, files)
+    for rank, file in enumerate(files):
+        fragments = as_dict(archives[file].value, file, uri).get("frozen_param_fragments")
+        for fqn, shape in shapes.items():
+            numel = math.prod(shape)
+            per_rank = -(-numel // world)
+            start, stop = min(numel, rank * per_rank), min(numel, (rank + 1) * per_rank)
+            t = fragments.get(fqn) if isinstance(fragments, dict) else None
+            if not isinstance(t, StoredTensor) or len(t.shape) != 1 or t.numel != per_rank:
+                raise CorruptCheckpointError(
+                    f"{file!r} of {what} {uri!r} holds {t!r} as its part of frozen parameter {fqn!r}, not a flat "
+                    f"tensor of {per_rank} elements (its share of {numel} at {world} ranks)"
+                )
+            if stop > start:
+                item = t.nbytes // t.numel
+                _add(tensors, pieces, f"model.{fqn}", t, FlatRange(start, stop), t.byte_offset, (stop - start) * item, shape)
+    return files

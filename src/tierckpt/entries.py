@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, StateMismatchError
 from .regions import Box, Region
 
 _WRAPPER_PREFIXES = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
@@ -42,8 +42,28 @@ class ObjectEntry:
     all_ranks: bool = False
     """Load every saved rank's value (a list, in saved rank order) instead of this rank's one."""
 
+    def check(self, value: Any) -> None:
+        """Raise if ``value`` (decoded, before anything is assigned) cannot go where this entry puts it."""
+
     def assign(self, value: Any) -> None:
         self.container[self.slot] = value
+
+
+@dataclass(eq=False)
+class NumberIntoTensor(ObjectEntry):
+    """A 0-d tensor of the state that the checkpoint holds as a number object (an optimizer ``step`` kept
+    as a Python int, as DeepSpeed's CPU Adam keeps it): the loaded number is written into the tensor
+    (``container``, at ``slot`` ``...``), as torch's Adam turns such a step into its tensor."""
+
+    def check(self, value: Any) -> None:
+        if type(value) not in (int, float):
+            raise StateMismatchError(
+                f"{self.key!r} is a 0-d tensor in the state, but the checkpoint holds a {type(value).__name__} there, not a number"
+            )
+        if type(value) is float and not self.value.is_floating_point():
+            raise StateMismatchError(
+                f"{self.key!r} is a 0-d {self.value.dtype} tensor in the state, but the checkpoint holds the float {value!r} there"
+            )
 
 
 @dataclass

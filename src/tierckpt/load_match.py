@@ -1,6 +1,7 @@
 """Step 2 of a load: the state checked against the checkpoint (keys, shapes, dtypes), and the report.
 
-Each rank matches its flattened state (:func:`match`: its needs and findings); the findings of every
+Each rank matches its flattened state (:func:`match`: its needs and findings; a 0-d tensor the checkpoint
+holds as a number becomes an object entry that writes the number into it); the findings of every
 rank are reported together (:func:`report`): in strict mode any finding raises
 :class:`~tierckpt.errors.StateMismatchError` on every rank before anything is read.
 """
@@ -12,9 +13,12 @@ import re
 import warnings
 from typing import Any
 
+import torch
+
 from .errors import StateMismatchError
 from .load_cast import castable, read_then_cast
 from .checkpoint_reader import Checkpoint
+from .entries import NumberIntoTensor, TensorEntry, is_dtensor
 from .metadata import dtype_name
 from .planner import TargetPiece
 from .state import FlatState
@@ -26,11 +30,15 @@ def match(flat: FlatState, ckpt: Checkpoint) -> tuple[list[TargetPiece], list[tu
     """This rank's needs, and findings ``(kind, message)`` about keys, shapes and dtypes."""
     needs: list[TargetPiece] = []
     findings: list[tuple[str, str]] = []
-    for fqn, entry in flat.tensors.items():
+    saved_objects = {o.key for o in ckpt.meta.objects}
+    for fqn, entry in list(flat.tensors.items()):
         saved = ckpt.tensors.get(fqn)
+        if saved is None and fqn in saved_objects and _takes_a_number(entry):
+            del flat.tensors[fqn]  # an int step saved as an object (DeepSpeed's CPU Adam): loaded into the tensor
+            flat.objects[fqn] = NumberIntoTensor(key=fqn, value=entry.tensor, container=entry.tensor, slot=...)
+            continue
         if saved is None:
-            kind = "object" if any(o.key == fqn for o in ckpt.meta.objects) else "missing"
-            findings.append((kind, fqn))
+            findings.append(("object" if fqn in saved_objects else "missing", fqn))
             continue
         dtype = dtype_name(entry.tensor.dtype)
         if saved.shape != entry.shape:
@@ -42,9 +50,14 @@ def match(flat: FlatState, ckpt: Checkpoint) -> tuple[list[TargetPiece], list[tu
             if saved.dtype != dtype:
                 read_then_cast(flat, entry, saved.torch_dtype)
             needs.append(TargetPiece(fqn=fqn, region=entry.region))
-    saved_objects = {o.key for o in ckpt.meta.objects}
     findings.extend(("missing", key) for key in flat.objects if key not in saved_objects)
     return needs, findings
+
+
+def _takes_a_number(entry: TensorEntry) -> bool:
+    """A plain 0-d real tensor (an optimizer's step): a saved number loads into it."""
+    t = entry.tensor
+    return entry.shape == () and not is_dtensor(t) and not t.is_complex() and t.dtype != torch.bool
 
 
 def report(gathered: list[Any], ckpt: Checkpoint, strict: bool, uri: str) -> None:

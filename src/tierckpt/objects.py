@@ -135,10 +135,10 @@ def decode_object(data: bytes, codec: str, key: str, *, allow_pickle: bool) -> A
             f"object {key!r} was saved as a pickle, and unpickling can run code; pass allow_pickle=True "
             "to load it if you trust this checkpoint"
         )
-    if codec.startswith("deepspeed:"):  # a setting inside a DeepSpeed file's data.pkl
-        from .deepspeed_format import decode_setting
+    if codec.startswith("deepspeed:"):  # a setting or number inside a DeepSpeed file's data.pkl
+        from .deepspeed_objects import decode_value
 
-        return decode_setting(data, codec, key)
+        return decode_value(data, codec, key)
     try:
         if codec == "torch" and len(data) <= _SMALL_BYTES:
             frozen, value = _decode_small(data)

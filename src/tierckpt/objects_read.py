@@ -47,6 +47,7 @@ def fetch_objects(
     for key, ms in wanted.items():
         decoded = [decode_object(data[o], o.codec, o.key, allow_pickle=allow_pickle) for o in ms]
         values[key] = decoded if flat.objects[key].all_ranks else decoded[0]
+        flat.objects[key].check(values[key])
     return values
 
 

@@ -2,10 +2,13 @@
 
 A universal folder (``<out>/<tag>/``, named by ``<out>/latest_universal``) holds, per parameter,
 ``zero/<fqn>/fp32.pt`` (``{"param": tensor, ...}``, the whole fp32 weights), ``exp_avg.pt``,
-``exp_avg_sq.pt`` (the same form) and ``step.pt`` (a tensor); buffers have only ``fp32.pt``. Made
-from a ZeRO-3 folder, the files hold bare flat tensors (read with the parameter's shape), there is no
-``step.pt`` (a strict load into Adam names ``step`` missing) and no buffer: buffers come from the
-``module`` of the copied model states file.
+``exp_avg_sq.pt`` (the same form) and ``step.pt`` (a tensor, or the Python int of DeepSpeed's CPU Adam:
+an object, :mod:`tierckpt.deepspeed_objects`); buffers have only ``fp32.pt``. Made from a ZeRO-3
+folder, the files hold bare flat tensors (read with the parameter's shape), there is no ``step.pt`` (a
+strict load into Adam names ``step`` missing) and no buffer: buffers come from the ``module`` of the
+copied model states file. Frozen parameters have no ``zero/`` folder: ZeRO-1/2's come whole from that
+``module``, ZeRO-3's from the ``frozen_param_fragments`` of every rank's copied model states file
+(:func:`~tierckpt.deepspeed_format.add_frozen_fragments`; a rank's file that is not there is named).
 ``zero/optimizer_state.pt`` holds the param groups (``param_groups``, parameters numbered by group)
 and the copied ``mp_rank_00_model_states.pt`` says which parameters each group holds (``param_shapes``).
 
@@ -23,11 +26,12 @@ from typing import Any
 from .backends import Backend
 from .errors import CorruptCheckpointError
 from .io.scheduler import get_scheduler
-from .metadata import CheckpointMeta, FileMeta, PieceMeta, TensorMeta, dtype_name
+from .metadata import CheckpointMeta, FileMeta, ObjectMeta, PieceMeta, TensorMeta, dtype_name
 from .regions import Box
 from .store import without_node_cache
 from .torch_archive import StoredTensor, read_archives
 from . import deepspeed_format
+from .deepspeed_objects import group_objects, is_number, value_object
 
 LATEST = "latest_universal"
 OPTIMIZER_STATE = "zero/optimizer_state.pt"
@@ -64,8 +68,9 @@ def read_ucp(backend: Backend, keys: list[str]) -> UcpCheckpoint:
     uri = backend.root_uri
     prefix = tag_prefix(backend, keys) or ""
     model_file = prefix + deepspeed_format.MODEL_STATES
+    rank_models = deepspeed_format.zero3_model_files(keys, prefix)
     if model_file not in keys:  # from ZeRO-3: ds_to_universal copies its per-rank files
-        model_file = prefix + "zero_pp_rank_0_mp_rank_00_model_states.pt"
+        model_file = rank_models.get(0, prefix + "zero_pp_rank_0_mp_rank_00_model_states.pt")
     if model_file not in keys:
         raise CorruptCheckpointError(
             f"universal checkpoint {uri!r} has no {model_file!r} (ds_to_universal copies it there; it says which "
@@ -80,13 +85,14 @@ def read_ucp(backend: Backend, keys: list[str]) -> UcpCheckpoint:
     shapes = deepspeed_format.param_shapes(model, model_file, uri)
     tensors: dict[str, TensorMeta] = {}
     pieces: dict[str, list[PieceMeta]] = {}
+    objects: list[ObjectMeta] = []
     for file in tensor_files:
         fqn, stem = file[len(zero):-len(".pt")].rsplit("/", 1)
-        t = _tensor(archives[file].value, file, uri)
         key = FILES[stem].format(fqn=fqn)
-        tensors[key] = TensorMeta(fqn=key, dtype=dtype_name(t.dtype), shape=t.shape)
-        pieces[key] = [PieceMeta(fqn=key, region=Box((0,) * len(t.shape), t.shape), file=file,
-                                 byte_offset=t.byte_offset, byte_length=t.nbytes, crc32c=0)]
+        if stem == "step" and is_number(archives[file].value):  # CPU Adam's step: a number, not a tensor
+            objects.append(value_object(key, file, archives[file], ()))
+            continue
+        _add_whole(key, _tensor(archives[file].value, file, uri), file, tensors, pieces)
     for group in shapes:
         for fqn, shape in group.items():
             _reshape_flat(fqn, shape, tensors, pieces)
@@ -97,12 +103,13 @@ def read_ucp(backend: Backend, keys: list[str]) -> UcpCheckpoint:
                     f"{'no ' + zero + fqn + '/fp32.pt' if found is None else 'fp32 weights of shape ' + str(list(found.shape))}"
                 )
     _add_buffers(model, model_file, tensors, pieces)
-    objects = deepspeed_format.group_objects(backend, optim_file, ("param_groups",), archives[optim_file], shapes)
-    sizes = {f: get_scheduler().run(backend.size(f)) for f in archives}
+    files = [*archives, *_add_frozen(backend, model, model_file, rank_models, tensors, pieces)]
+    objects += group_objects(backend, optim_file, ("param_groups",), archives[optim_file], shapes)
+    sizes = {f: get_scheduler().run(backend.size(f)) for f in set(files)}
     meta = CheckpointMeta(
         generation="", world_size=1, created_unix=0.0, frameworks=("deepspeed universal",),
         files=tuple(FileMeta(key=k, size=v) for k, v in sorted(sizes.items())), objects=tuple(objects),
-        num_tensors=len(tensors), num_pieces=len(pieces), tensor_bytes=sum(t.nbytes for t in tensors.values()),
+        num_tensors=len(tensors), num_pieces=sum(len(p) for p in pieces.values()), tensor_bytes=sum(t.nbytes for t in tensors.values()),
         tags={FORMAT_TAG: "universal", "deepspeed_tag": prefix.rstrip("/")},
     )
     return meta, tensors, pieces
@@ -126,11 +133,40 @@ def _add_buffers(model: dict[str, Any], file: str, tensors: dict[str, TensorMeta
     for name in names:
         t = module.get(name)
         key = f"model.{name}"
-        if key in tensors or not isinstance(t, StoredTensor):
-            continue
-        tensors[key] = TensorMeta(fqn=key, dtype=dtype_name(t.dtype), shape=t.shape)
-        pieces[key] = [PieceMeta(fqn=key, region=Box((0,) * len(t.shape), t.shape), file=file,
-                                 byte_offset=t.byte_offset, byte_length=t.nbytes, crc32c=0)]
+        if key not in tensors and isinstance(t, StoredTensor):
+            _add_whole(key, t, file, tensors, pieces)
+
+
+def _add_whole(key: str, t: StoredTensor, file: str, tensors: dict[str, TensorMeta], pieces: dict[str, list[PieceMeta]]) -> None:
+    """``key``: the whole tensor ``t`` of ``file``, one piece."""
+    tensors[key] = TensorMeta(fqn=key, dtype=dtype_name(t.dtype), shape=t.shape)
+    pieces[key] = [PieceMeta(fqn=key, region=Box((0,) * len(t.shape), t.shape), file=file,
+                             byte_offset=t.byte_offset, byte_length=t.nbytes, crc32c=0)]
+
+
+def _add_frozen(
+    backend: Backend, model: dict[str, Any], model_file: str, rank_models: dict[int, str],
+    tensors: dict[str, TensorMeta], pieces: dict[str, list[PieceMeta]],
+) -> list[str]:
+    """Frozen parameters, which ``ds_to_universal`` does not convert, from the copied model states: whole
+    from ``module`` (ZeRO-1/2), or ZeRO-3's parts from every rank's file; the files read for them."""
+    frozen = model.get("frozen_param_shapes")
+    if not frozen or all(f"model.{fqn}" in tensors for fqn in frozen):
+        return []
+    if model_file not in rank_models.values():
+        module = model.get("module")
+        lost = [f for f in frozen if not isinstance(module, dict) or not isinstance(module.get(f), StoredTensor)]
+        if lost:
+            raise CorruptCheckpointError(
+                f"universal checkpoint {backend.root_uri!r}: {model_file!r} lists frozen parameters {lost} its module does not hold"
+            )
+        for fqn in frozen:
+            _add_whole(f"model.{fqn}", module[fqn], model_file, tensors, pieces)
+        return []
+    world = model.get("dp_world_size")
+    world = world if type(world) is int and world > 0 else max(rank_models) + 1
+    return deepspeed_format.add_frozen_fragments(backend, model, model_file, rank_models, world, tensors, pieces,
+                                                 "universal checkpoint")
 
 
 def _tensor(value: Any, file: str, uri: str) -> StoredTensor:
