@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 import tierckpt
-from tierckpt.tiers import MemoryConfig
+from tierckpt.node.memory import MemoryConfig
 
 
 def _state(mib: int) -> dict[str, torch.Tensor]:

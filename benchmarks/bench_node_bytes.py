@@ -14,7 +14,7 @@ checkpoint's data files:
   Copies through ``mmap`` do not show here; kernel-side copies (``copy_file_range``: the write-down
   into a local file or the node disk cache) count once as read and once as written.
 * **CPU ms**: the process's CPU time (every thread) for the save, per 256 MiB of data.
-* **per tier** (when the engine counts them: ``tierckpt.writeback.ledger``): bytes landed in the memory
+* **per tier** (when the engine counts them: ``tierckpt.node.ledger``): bytes landed in the memory
   tier and in the node disk cache, and bytes read back out of each to go down.
 
 The memory tier's directory is under ``/dev/shm`` (tmpfs); the node cache and the remote on local disk.
@@ -43,7 +43,7 @@ def proc_io() -> dict[str, int]:
 
 def ledger() -> dict[str, int] | None:
     try:
-        from tierckpt.writeback import ledger as led
+        from tierckpt.node import ledger as led
     except ImportError:  # a tree without the engine's ledger
         return None
     return led.snapshot()

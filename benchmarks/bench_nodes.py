@@ -4,7 +4,7 @@ One ``torchrun --nnodes 2 --node_rank i --master_addr 127.0.0.1 --master_port P 
 per node, as on a cluster; each node has its own node id (``TIERCKPT_NODE_ID=simnode-i``) and its own
 node-cache and memory-tier directories under the scratch root, so tierckpt plans as for two nodes (a
 local path read by two nodes is a shared file system: each byte is read once per group and the
-group exchanges, unless the costs the job measures say otherwise: :mod:`tierckpt.route_costs`). The state
+group exchanges, unless the costs the job measures say otherwise: :mod:`tierckpt.loading.route_costs`). The state
 is ``_common.N_TENSORS`` fp32 matrices saved ``Shard(0)`` (rows) over all ranks, loaded ``Shard(1)``
 (columns) over the same ranks; and the same matrices as plain tensors (a DDP model: saved once, loaded
 whole by every rank). Every load is checked element by element. Rank 0 records tierckpt's load plan as
@@ -56,7 +56,7 @@ def worker(root: str, gib: float, repeats: int) -> None:
     records: list[dict[str, Any]] = []
     plans = C.plan_log() if rank == 0 else []
     try:
-        # large enough that the loads measure the store here, untimed (tierckpt.route_costs)
+        # large enough that the loads measure the store here, untimed (tierckpt.loading.route_costs)
         warm = C.make_state(1 / 256, shard_dim=0, fill=True)
         for lib in C.LIBS:
             uri = os.path.join(root, f"warmup-{lib}")

@@ -25,7 +25,7 @@ garbage collector paused, as :func:`tierckpt.load` runs it): the group plan, and
 the group and by the slowest rank's targets, and microseconds per piece touched; the units that rank's plan
 holds (those it reads or receives from: a flat range's pieces are up to three boxes each, so a rank
 touching more of them holds more units per piece); and decoding every rank's needs from the form the
-needs all-gather carries (:func:`tierckpt.load_wire.unpack_needs`, once per load on every rank, before
+needs all-gather carries (:func:`tierckpt.loading.wire.unpack_needs`, once per load on every rank, before
 its plan: microseconds in all).
 
     PYTHONPATH=src python benchmarks/bench_plan_scale.py [--ranks 2 4 8 16 64] [--repeat 3]
@@ -44,12 +44,12 @@ from types import SimpleNamespace
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tierckpt.gc_pause import gc_paused  # noqa: E402
-from tierckpt.load_wire import pack_needs, unpack_needs  # noqa: E402
-from tierckpt.loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES  # noqa: E402
-from tierckpt.metadata import PieceMeta, TensorMeta  # noqa: E402
+from tierckpt.loading.wire import pack_needs, unpack_needs  # noqa: E402
+from tierckpt.loading.api import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES  # noqa: E402
+from tierckpt.native.metadata import PieceMeta, TensorMeta  # noqa: E402
 from tierckpt.planner import TargetPiece, plan_load, topology  # noqa: E402
 from tierckpt.planner.rank_plan import agree_rounds, plan_rank  # noqa: E402
-from tierckpt.regions import Box, FlatRange, Region, stored_boxes  # noqa: E402
+from tierckpt.native.regions import Box, FlatRange, Region, stored_boxes  # noqa: E402
 
 SHAPE = (4096, 4096)
 MATRICES = 16
@@ -149,7 +149,7 @@ def wired(tensors, needs):
 
 @gc_paused
 def timed_decode(ckpt, wires) -> float:
-    """CPU seconds of decoding every rank's needs (as :func:`tierckpt.load_wire.unpack` does)."""
+    """CPU seconds of decoding every rank's needs (as :func:`tierckpt.loading.wire.unpack` does)."""
     t0 = time.process_time()
     unpack_needs(wires, ckpt, sorted(ckpt.tensors))
     return time.process_time() - t0

@@ -24,11 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tierckpt.loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES  # noqa: E402
-from tierckpt.metadata import PieceMeta, encode_pieces, encode_tensors  # noqa: E402
+from tierckpt.loading.api import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES  # noqa: E402
+from tierckpt.native.metadata import PieceMeta, encode_pieces, encode_tensors  # noqa: E402
 from tierckpt.planner import LocalPiece, TargetPiece, plan_load, plan_save  # noqa: E402
 from tierckpt.planner.save_planner import offers_digest  # noqa: E402
-from tierckpt.regions import Box, FlatRange, flat_range_boxes  # noqa: E402
+from tierckpt.native.regions import Box, FlatRange, flat_range_boxes  # noqa: E402
 
 HIDDEN, VOCAB, TP, PP = 12288, 51200, 8, 16
 

@@ -3,8 +3,8 @@
     python benchmarks/bench_untrusted.py --baseline OTHER/src [--tensors 100000] [--ranks 8] [--repeats 5]
                                          [--out docs/benchmarks.md]
 
-Every load now checks that each tensor's pieces are disjoint and cover it (:mod:`tierckpt.coverage`),
-and the restricted unpicklers hand out sealed stand-ins (:mod:`tierckpt.pickle_seal`). Measured, each
+Every load now checks that each tensor's pieces are disjoint and cover it (:mod:`tierckpt.native.coverage`),
+and the restricted unpicklers hand out sealed stand-ins (:mod:`tierckpt.formats.pickle_seal`). Measured, each
 tree in a child process of its own (``PYTHONPATH`` = its ``src``), the two trees alternating per repeat:
 
 * ``load 100k``: ``tierckpt.load`` of one checkpoint of ``--tensors`` small fp32 tensors (saved once),
@@ -105,7 +105,7 @@ def child(what: str, root: str, tensors: int, ranks: int) -> dict[str, float]:
     if what == "reshard":
         return {"seconds": max(C.run_ranks(_reshard_load, ranks, os.path.join(root, "reshard")))}
     if what == "dcp_meta":
-        from tierckpt.dcp_format import unpickle_metadata
+        from tierckpt.formats.dcp import unpickle_metadata
 
         data = Path(root, "dcp.metadata").read_bytes()
         t0 = time.perf_counter()
@@ -117,8 +117,8 @@ def child(what: str, root: str, tensors: int, ranks: int) -> dict[str, float]:
 def _coverage_seconds(root: str) -> dict[str, float]:
     """The coverage check alone on both saved tables (this tree)."""
     from tierckpt.backends import open_backend
-    from tierckpt.coverage import check_exact_coverage
-    from tierckpt.readers import read_checkpoint, read_pieces
+    from tierckpt.native.coverage import check_exact_coverage
+    from tierckpt.formats.select import read_checkpoint, read_pieces
 
     out = {}
     for name in ("small", "reshard"):

@@ -1,9 +1,9 @@
-"""The wire of peer recovery: tierckpt's lanes (``tierckpt.peer_lanes``) against one connection per pair.
+"""The wire of peer recovery: tierckpt's lanes (``tierckpt.loading.peer_lanes``) against one connection per pair.
 
     python benchmarks/bench_wire.py [--mib 256] [--repeats 5] [--lanes 1,2,4] [--chunk-mib 8,32]
                                     [--out docs/benchmarks.md]
 
-Peer recovery streams a lost node's bytes from its peer's memory tier in chunks (``tierckpt.peer_stream``),
+Peer recovery streams a lost node's bytes from its peer's memory tier in chunks (``tierckpt.loading.peer_stream``),
 so a load from peer memory is never faster than the wire between the two ranks. Two processes move
 ``--mib`` MiB from rank 0's memory into rank 1's (touched beforehand, as a restarted model's initialised
 weights are) ``--repeats`` times for each count of ``--lanes`` and each chunk size: 1 lane is the load's
@@ -35,7 +35,7 @@ def wire_ranks(rank: int, world: int, nbytes: int, lanes: list[int], chunk_bytes
     repeat, per ``(lanes, chunk bytes)``."""
     import torch.distributed as dist
 
-    from tierckpt import peer_lanes
+    from tierckpt.loading import peer_lanes
     from tierckpt.comm import Comm
 
     buffer = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else torch.zeros(nbytes, dtype=torch.uint8)
@@ -84,7 +84,7 @@ def main() -> None:
         "## The wire of peer recovery: lanes per pair (`benchmarks/bench_wire.py`)",
         C.machine_info(os.getcwd()),
         f"{args.mib} MiB from rank 0 to rank 1 on loopback over 1 lane (the group's own connection) or tierckpt's "
-        f"lanes group (`tierckpt.peer_lanes`); rank 1's medians of {args.repeats} after one untimed round.",
+        f"lanes group (`tierckpt.loading.peer_lanes`); rank 1's medians of {args.repeats} after one untimed round.",
         C.md_table(["lanes (connections per pair)", "chunk MiB", "ms", "GB/s", "all runs, s"], rows),
     ])
     C.publish(body, args.out, "bench_wire")

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tierckpt.errors import CorruptCheckpointError  # noqa: E402
-from tierckpt.metadata import decode_header, decode_pieces, decode_tensors  # noqa: E402
+from tierckpt.native.metadata import decode_header, decode_pieces, decode_tensors  # noqa: E402
 from test_hostile_input import HEADER, PIECES, TENSOR_META, TENSORS  # noqa: E402
 
 VALUES = [None, True, False, 0, -1, 2**31, 2**63, 2**70, -(2**70), 1.5, float("inf"), "", "x", "..", "/etc/passwd",

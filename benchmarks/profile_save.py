@@ -104,7 +104,7 @@ def _after_save(lib: str, between: str) -> float | None:
     if lib != "tierckpt" or between != "reuse":
         return None
     try:
-        from tierckpt import cleanup
+        from tierckpt.saving import cleanup
     except ImportError:
         return None
     started = time.perf_counter()

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from racing_child import make_state  # noqa: E402
 
 import tierckpt  # noqa: E402
-from tierckpt import cleanup  # noqa: E402
+from tierckpt.saving import cleanup  # noqa: E402
 from tierckpt.backends import local  # noqa: E402
 
 

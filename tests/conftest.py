@@ -31,10 +31,10 @@ def _reset_memory_backends() -> Iterator[None]:
 
 @pytest.fixture
 def no_sweep_grace(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sweeps of superseded generations run at once after their commit, not :data:`tierckpt.cleanup.GRACE_S`
+    """Sweeps of superseded generations run at once after their commit, not :data:`tierckpt.saving.cleanup.GRACE_S`
     later: for tests where no load races the sweep and ``cleanup.wait_pending()`` would only wait out the
     grace (what a sweep deletes is decided by commit sequences, never by the clock)."""
-    from tierckpt import cleanup
+    from tierckpt.saving import cleanup
 
     monkeypatch.setattr(cleanup, "GRACE_S", 0.0)
 
@@ -192,8 +192,8 @@ def dist_pool():
 @pytest.fixture
 def mapped_uses(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Whether each async save through a memory tier found a spare mapped file to copy into (in order)."""
-    from tierckpt.tiers import link as link_module
-    from tierckpt.tiers import mapped
+    from tierckpt.node.memory import link as link_module
+    from tierckpt.node.memory import mapped
 
     used: list[bool] = []
 

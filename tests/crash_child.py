@@ -40,7 +40,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 import tierckpt  # noqa: E402
-from tierckpt import cleanup, layout  # noqa: E402
+from tierckpt.saving import cleanup
+from tierckpt.native import layout  # noqa: E402
 
 # -- the known state ---------------------------------------------------------------------------------
 SHAPES = {
@@ -91,7 +92,7 @@ def states_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 # -- crash points -------------------------------------------------------------------------------------
 def _targets() -> dict[str, tuple[Any, str]]:
-    from tierckpt import save_commit
+    from tierckpt.saving import commit as save_commit
     from tierckpt.backends import files, fsspec_backend, local, s3
     from tierckpt.io import staging
 

@@ -69,8 +69,8 @@ def slow_reader(workdir: str, rank: int) -> None:
 def stuck_peer(workdir: str, rank: int) -> None:
     """One save whose replication cannot finish in time: rank 1's node stops taking replicas (its receiver
     hangs 8 s on the first file, then fails); the memory tier's exit wait is 3 s."""
-    from tierckpt.tiers import MemoryConfig
-    from tierckpt.tiers.replica import Replicator
+    from tierckpt.node.memory import MemoryConfig
+    from tierckpt.node.memory.replica import Replicator
 
     if rank == 1:
         def receive_file(*args: object) -> None:

@@ -24,8 +24,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 import tierckpt  # noqa: E402
-from tierckpt import manager_retention, save_commit  # noqa: E402
-from tierckpt.cache import tiered, uploads  # noqa: E402
+from tierckpt.manager import retention as manager_retention
+from tierckpt.saving import commit as save_commit  # noqa: E402
+from tierckpt.node.disk import tiered, uploads  # noqa: E402
 
 TARGETS: dict[str, tuple[Any, str]] = {
     "commit": (save_commit, "_commit"),

@@ -20,7 +20,7 @@ def state() -> dict[str, Any]:
 
 
 def options(endpoint: str, exit_wait_s: float = 600.0) -> dict[str, Any]:
-    from tierckpt.tiers import MemoryConfig
+    from tierckpt.node.memory import MemoryConfig
 
     return {"memory": MemoryConfig(directory=os.environ["TIERCKPT_MEMORY_DIR"], budget_bytes=1 << 30, exit_wait_s=exit_wait_s),
             "cache": False, "endpoint_url": endpoint, "key": "testing", "secret": "testing", "region": "us-east-1",
@@ -51,7 +51,7 @@ def ranks_share_the_tier(path: str, config: Any) -> list[str]:
     import tierckpt
     from tierckpt.backends import LocalBackend
     from tierckpt.io.scheduler import get_scheduler
-    from tierckpt.layout import COMMIT, CommitRecord
+    from tierckpt.native.layout import COMMIT, CommitRecord
     from tierckpt.store import memory_tier_of, open_store
 
     def make() -> dict[str, torch.Tensor]:  # replicated on every rank: the plan gives each rank one tensor

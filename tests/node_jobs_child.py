@@ -22,7 +22,7 @@ from typing import Any
 
 import tierckpt
 from racing_child import announce, make_state, wait_for
-from tierckpt.cache import uploads
+from tierckpt.node.disk import uploads
 
 
 def hold_commit_uploads(directory: Path) -> None:

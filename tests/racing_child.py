@@ -40,11 +40,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 import tierckpt  # noqa: E402
-from tierckpt import cleanup, save_commit  # noqa: E402
+from tierckpt.saving import cleanup
+from tierckpt.saving import commit as save_commit  # noqa: E402
 from tierckpt.backends import open_backend  # noqa: E402
 from tierckpt.errors import CheckpointBusyError  # noqa: E402
 from tierckpt.io.scheduler import get_scheduler  # noqa: E402
-from tierckpt.verify import verify  # noqa: E402
+from tierckpt.formats.verify import verify  # noqa: E402
 
 
 def make_state(value: int) -> dict[str, Any]:
@@ -76,7 +77,7 @@ def options(uri: str) -> dict[str, Any]:
 
 def remote_commit(uri: str) -> str | None:
     """The generation the ``COMMIT`` of ``uri`` names on the store itself, past any node cache."""
-    from tierckpt import layout
+    from tierckpt.native import layout
     from tierckpt.errors import CheckpointNotFoundError
 
     try:

@@ -49,13 +49,13 @@ import tierckpt  # noqa: E402
 from collective_count import counting_collectives  # noqa: E402
 from scenarios import as_dtensor, assert_same, build, full_state, make_mesh, reference, train  # noqa: E402
 from tierckpt.store import memory_tier_of, open_store  # noqa: E402
-from tierckpt.tiers.levels import recorded_level  # noqa: E402
-from tierckpt.tiers.replica import Replicator  # noqa: E402
+from tierckpt.node.memory.replica_record import recorded_level  # noqa: E402
+from tierckpt.node.memory.replica import Replicator  # noqa: E402
 
 SPECS = {"w": ((67, 24), torch.float32), "b16": ((33, 7), torch.bfloat16), "i": ((9,), torch.int64)}
 BIG = {"big": ((4096, 512), torch.float32)}
 """The ``big`` layout's extra tensor: 2 MiB per rank of 4, at least what peer recovery streams
-(:data:`tierckpt.peer_stream.STREAM_MIN_BYTES`)."""
+(:data:`tierckpt.loading.peer_stream.STREAM_MIN_BYTES`)."""
 
 
 def specs(layout: str) -> dict:
@@ -129,7 +129,7 @@ def record_write_downs(delay_s: float) -> None:
     peers before their own node has written them down)."""
     import asyncio
 
-    from tierckpt.tiers.writedown import WriteDown
+    from tierckpt.node.memory.writedown import WriteDown
 
     copy = WriteDown._copy
 
@@ -144,7 +144,7 @@ def record_write_downs(delay_s: float) -> None:
 def fail_write_downs() -> None:
     """From now on every write-down of a data file fails for good (the URI's store refuses it)."""
     from tierckpt.errors import StorageError
-    from tierckpt.tiers.writedown import WriteDown
+    from tierckpt.node.memory.writedown import WriteDown
 
     copy = WriteDown._copy
 
@@ -160,7 +160,7 @@ def refuse_tier_opens_for_streams() -> None:
     """This rank's node memory tier files cannot be opened to stream a peer's replica (an I/O error)."""
     import errno
 
-    from tierckpt import peer_stream
+    from tierckpt.loading import peer_stream
 
     def refused(path: str) -> int:
         raise OSError(errno.EIO, f"injected by the test: cannot open {path}")
@@ -171,7 +171,7 @@ def refuse_tier_opens_for_streams() -> None:
 def die_when_receiving_a_stream() -> None:
     """This process dies as its read step is about to post its first streamed receive (a replacement rank
     lost while its peer starts streaming to it: the lanes to it never connect)."""
-    from tierckpt import peer_stream
+    from tierckpt.loading import peer_stream
 
     def die(self: object, indices: object) -> None:
         os._exit(9)

@@ -26,10 +26,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch.distributed as dist  # noqa: E402
 
-from tierckpt.layout import COMMIT, CommitRecord, new_generation  # noqa: E402
-from tierckpt.tiers import MemoryConfig, NodeMemory  # noqa: E402
-from tierckpt.tiers import incoming as incoming_module  # noqa: E402
-from tierckpt.tiers.replica import Replicator  # noqa: E402
+from tierckpt.native.layout import COMMIT, CommitRecord, new_generation  # noqa: E402
+from tierckpt.node.memory import MemoryConfig, NodeMemory  # noqa: E402
+from tierckpt.node.memory import incoming as incoming_module  # noqa: E402
+from tierckpt.node.memory.replica import Replicator  # noqa: E402
 
 URI = "s3://bucket/run/step-7"
 DATA_BYTES = 3 << 20

@@ -270,7 +270,7 @@ def async_saves_copy_while_agreeing(path: str) -> list[dict[str, int]]:
 def staging_fails_on_one_rank(path: str) -> str:
     """Rank 1 cannot stage its async save: it raises at once; rank 0, already back in training,
     learns it from ``wait()``; nothing is committed and the previous checkpoint stays loadable."""
-    from tierckpt import saver
+    from tierckpt.saving import api as saver
 
     group = subgroup(2)
     if group is None:

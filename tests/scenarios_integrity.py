@@ -14,9 +14,9 @@ import torch.distributed as dist
 from distributed import subgroup
 
 import tierckpt
-from tierckpt import layout
+from tierckpt.native import layout
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.metadata import decode_pieces, decode_tensors
+from tierckpt.native.metadata import decode_pieces, decode_tensors
 from tierckpt.sharded import ShardedTensor
 
 SHAPE = (384, 3072)

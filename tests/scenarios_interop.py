@@ -111,7 +111,7 @@ def fsdp2_dcp_to_native(root: str, flatten: bool) -> bool:
 
 def convert_inside_a_group(root: str) -> str:
     """Calling a DCP conversion on one rank of a process group fails at once, naming the command."""
-    from tierckpt import convert
+    from tierckpt.convert import api as convert
 
     if dist.get_rank() == 0:
         try:

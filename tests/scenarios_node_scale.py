@@ -10,7 +10,7 @@ from torch.distributed.tensor import Shard
 
 import tierckpt
 from scenarios import as_dtensor, make_mesh, reference
-from tierckpt.node import NODE_ID_ENV
+from tierckpt.node.host import NODE_ID_ENV
 from tierckpt.planner import Topology, topology
 from tierckpt.planner.routes import EXCHANGES, STORES
 

@@ -17,7 +17,7 @@ import tierckpt
 from scenarios import as_dtensor, make_mesh, reference
 from tierckpt.backends.local import LocalBackend
 from tierckpt.errors import StorageError
-from tierckpt.node import NODE_ID_ENV
+from tierckpt.node.host import NODE_ID_ENV
 from tierckpt.planner import topology
 
 SHAPE = (64, 512)

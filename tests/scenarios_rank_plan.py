@@ -38,7 +38,7 @@ def planning_fails_on_one_rank(path: str) -> str:
     whose pieces leave its need uncovered). Returns the error each rank raised: every rank raises, none
     waits for the other in the next collective."""
     from distributed import subgroup
-    from tierckpt import load_generation
+    from tierckpt.loading import generation as load_generation
     from tierckpt.errors import CorruptCheckpointError
 
     mesh = make_mesh((2,))

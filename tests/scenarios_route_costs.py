@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 import tierckpt
 from distributed import subgroup
-from tierckpt import route_costs
-from tierckpt.node import NODE_ID_ENV
+from tierckpt.loading import route_costs
+from tierckpt.node.host import NODE_ID_ENV
 
 
 def measured_load(path: str, override: str) -> dict:

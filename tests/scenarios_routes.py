@@ -10,7 +10,7 @@ import torch.distributed as dist
 import tierckpt
 from distributed import subgroup
 from scenarios import assert_same, build, full_state, make_mesh, train
-from tierckpt.node import NODE_ID_ENV
+from tierckpt.node.host import NODE_ID_ENV
 
 
 def ddp_resume(uri: str, storage_options: dict | None, separate_nodes: bool) -> dict[str, float]:

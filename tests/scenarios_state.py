@@ -14,11 +14,11 @@ import torch.distributed as dist
 import tierckpt
 from distributed import subgroup
 from scenarios import build, make_mesh, reference
-from tierckpt.regions import Box
+from tierckpt.native.regions import Box
 from tierckpt.sharded import (
     FlatShardedTensor, ShardedTensor, column_parallel, row_parallel, stage_layers, vocab_parallel,
 )
-from tierckpt.training_state import MultiSourceReader, ResumableSampler, RNGState
+from tierckpt.state.training import MultiSourceReader, ResumableSampler, RNGState
 
 # -- Megatron-style TP x PP ------------------------------------------------------------------------
 LAYERS, HIDDEN, FFN, VOCAB = 4, 6, 8, 13

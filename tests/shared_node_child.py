@@ -60,7 +60,7 @@ def step(argv: list[str]) -> dict[str, Any]:
             pass
         return {"listed": listed, "read": read}
     import tierckpt
-    from tierckpt.tiers.config import MemoryConfig
+    from tierckpt.node.memory.config import MemoryConfig
 
     if command == "dirs":
         return {"memory_dir": MemoryConfig.from_env().directory}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from tierckpt import layout
+from tierckpt.native import layout
 
 
 def reseal(root: Path) -> None:

@@ -12,13 +12,14 @@ import torch
 from torch import nn
 
 import tierckpt
-from tierckpt import cleanup, layout
+from tierckpt.saving import cleanup
+from tierckpt.native import layout
 from tierckpt.backends import open_backend
 from tierckpt.errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError,
     UnsupportedURIError,
 )
-from tierckpt.loader import read_checkpoint
+from tierckpt.loading.api import read_checkpoint
 
 # Every save here is followed by loads in the same thread, never raced: superseded generations are swept at
 # once, and the tests that wait for the sweeps do not wait out the grace for racing loads.
@@ -258,7 +259,7 @@ def test_failed_resave_keeps_previous_checkpoint(tmp_path):
 def test_resave_failing_before_commit_leaves_old_commit(tmp_path, monkeypatch):
     """A re-save that fails after writing its data (while writing metadata) does not commit: COMMIT
     still names the first generation, which loads bit-exactly and is not deleted."""
-    import tierckpt.save_commit as save_commit
+    import tierckpt.saving.commit as save_commit
 
     root = tmp_path / "ckpt"
     first = {"w": torch.randn(8, 3)}
@@ -370,7 +371,7 @@ def test_verify_detects_flipped_byte_before_modifying_targets(tmp_path):
     file and the tensor, while every target is still untouched."""
     root = tmp_path / "ckpt"
     tierckpt.save(str(root), {"aa": torch.arange(16, dtype=torch.float32), "zz": torch.arange(64, dtype=torch.float32)})
-    pieces = tierckpt.metadata.decode_pieces((root / committed(root) / "meta" / "pieces.parquet").read_bytes(),
+    pieces = tierckpt.native.metadata.decode_pieces((root / committed(root) / "meta" / "pieces.parquet").read_bytes(),
                                              read_checkpoint(open_backend(str(root))).tensors)
     zz = pieces["zz"][0]
     path = _data_file(root)
@@ -413,7 +414,7 @@ def test_memory_store_names_are_isolated():
 
 def test_gc_removes_leftovers_of_crashed_saves_but_not_newer_ones(tmp_path):
     """A superseded generation (a crashed re-save's data) is garbage; a newer one may be in flight."""
-    from tierckpt import layout
+    from tierckpt.native import layout
     from tierckpt.cache_api import gc
 
     root = tmp_path / "ckpt"
@@ -439,10 +440,10 @@ def test_a_load_of_a_few_tensors_fetches_only_their_row_groups(tmp_path):
     import hashlib
 
     from tierckpt.io.rangefile import RangeFile
-    from tierckpt.layout import pieces_key
-    from tierckpt.loader import Checkpoint, read_pieces
-    from tierckpt.metadata import CheckpointMeta, PieceMeta, TensorMeta, encode_pieces
-    from tierckpt.regions import Box
+    from tierckpt.native.layout import pieces_key
+    from tierckpt.loading.api import Checkpoint, read_pieces
+    from tierckpt.native.metadata import CheckpointMeta, PieceMeta, TensorMeta, encode_pieces
+    from tierckpt.native.regions import Box
 
     names = [f"layer{i:06d}.{hashlib.sha1(str(i).encode()).hexdigest()}" for i in range(40_000)]
     tensors = {n: TensorMeta(fqn=n, dtype="float32", shape=(4,)) for n in names}
@@ -481,7 +482,7 @@ def test_save_and_async_save_share_their_parameters_and_their_documentation():
     defaults in both public signatures, and one text documents them in both docstrings."""
     import inspect
 
-    from tierckpt import saver
+    from tierckpt.saving import api as saver
 
     shared = ("group", "storage_options", "tags", "keep_previous", "align_bytes", "monitor", "collective_timeout_s",
               "persist")

@@ -7,7 +7,7 @@ import torch
 
 import scenarios
 import tierckpt
-from tierckpt import save_commit
+from tierckpt.saving import commit as save_commit
 
 
 def _state(seed: int = 0) -> dict:
@@ -74,7 +74,7 @@ def test_background_failure_surfaces_on_wait_and_leaves_no_commit(tmp_path, monk
 def test_a_snapshot_whose_file_cannot_be_named_fails_the_save_and_keeps_the_last_commit(tmp_path, monkeypatch):
     """The snapshot becomes the data file in the background finish: a failure there fails the save on
     wait() (nothing committed, the staging buffer free again), and the next save commits."""
-    from tierckpt.save_snapshot import Snapshot
+    from tierckpt.saving.snapshot import Snapshot
 
     good = tmp_path / "c"
     tierckpt.save(str(good), _state(1))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from backend_contract import BackendContract
 
-from tierckpt.cache.tiered import TieredBackend
+from tierckpt.node.disk.tiered import TieredBackend
 from tierckpt.io.scheduled import ScheduledBackend
 from tierckpt.store import open_store
 from tierckpt.backends import open_plain_backend

@@ -1,4 +1,4 @@
-"""Superseded generations are removed in the background after a save's commit (tierckpt.cleanup):
+"""Superseded generations are removed in the background after a save's commit (tierckpt.saving.cleanup):
 the save returns before the removal, the removal happens, it never touches the committed generation
 or one that may still be committed, and an exit leaves only superseded generations that the next save
 and gc remove."""
@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 
 import tierckpt
-from tierckpt import cleanup, layout
+from tierckpt.saving import cleanup
+from tierckpt.native import layout
 from tierckpt.backends import local
-from tierckpt.verify import verify
+from tierckpt.formats.verify import verify
 
 sys.path.insert(0, str(Path(__file__).parent))
 from racing_child import empty_state, make_state, matches  # noqa: E402

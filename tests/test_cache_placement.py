@@ -1,4 +1,4 @@
-"""The node cache's default directory and budget, chosen for cluster nodes (tierckpt.cache.placement),
+"""The node cache's default directory and budget, chosen for cluster nodes (tierckpt.node.disk.placement),
 and what ``tierckpt status`` says of them. Every location is a tmp dir; the mount table is a file here."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import cli
-from tierckpt.cache import CacheConfig, placement
+from tierckpt.cli import main as cli
+from tierckpt.node.disk import CacheConfig, placement
 
 LEAF = f"tierckpt-cache-{os.getuid()}"
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import crc32c
 import pytest
 
-from tierckpt import layout
+from tierckpt.native import layout
 from tierckpt.backends import LocalBackend
-from tierckpt.cache import CacheConfig
+from tierckpt.node.disk import CacheConfig
 from tierckpt.store import node_cache_over
-from tierckpt.cache.records import (
+from tierckpt.node.disk.records import (
     BlockRecord, CommitOrder, GenRecord, GenState, ObjRecord, Op, PendingOp, Tree,
 )
 

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 import tierckpt
-from tierckpt import layout, progress
+from tierckpt import progress
+from tierckpt.native import layout
 from tierckpt.backends import LocalBackend
-from tierckpt.cache import CacheConfig
+from tierckpt.node.disk import CacheConfig
 from tierckpt.store import node_cache_over
 from tierckpt.cache_api import status, sync
 from tierckpt.io import get_scheduler
@@ -26,9 +27,9 @@ SAVER = textwrap.dedent(
     """
     import asyncio, sys, time
     import torch
-    import tierckpt, tierckpt.save_plan
+    import tierckpt, tierckpt.saving.plan
     from tierckpt.backends import LocalBackend
-    from tierckpt.cache import CacheConfig
+    from tierckpt.node.disk import CacheConfig
     from tierckpt.store import node_cache_over
 
     class StuckRemote(LocalBackend):
@@ -44,7 +45,7 @@ SAVER = textwrap.dedent(
 
     remote_dir, cache_dir = sys.argv[1], sys.argv[2]
     config = CacheConfig(directory=cache_dir, exit_wait_s=0, poll_s=0.01)
-    tierckpt.save_plan.open_store = lambda uri, options=None: node_cache_over(StuckRemote(uri), config)
+    tierckpt.saving.plan.open_store = lambda uri, options=None: node_cache_over(StuckRemote(uri), config)
     torch.manual_seed(0)
     state = {"w": torch.randn(256, 256), "b": torch.arange(1000), "step": 7}
     tierckpt.async_save(remote_dir, state).wait()  # write-back: committed in the node cache
@@ -57,7 +58,7 @@ READER = textwrap.dedent(
     """
     import hashlib, random, sys
     from tierckpt.backends import LocalBackend
-    from tierckpt.cache import CacheConfig
+    from tierckpt.node.disk import CacheConfig
     from tierckpt.io import get_scheduler
     from tierckpt.store import node_cache_over
 

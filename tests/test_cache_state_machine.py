@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tierckpt.backends import LocalBackend
-from tierckpt.cache import CacheConfig, TieredBackend, Uploader
+from tierckpt.node.disk import CacheConfig, TieredBackend, Uploader
 from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tierckpt.io import get_scheduler
 

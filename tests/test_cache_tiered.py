@@ -14,14 +14,14 @@ import torch
 from backend_contract import BackendContract
 
 import tierckpt
-from tierckpt import layout
+from tierckpt.native import layout
 from tierckpt.backends import LocalBackend
 from tierckpt.backends.base import ObjectWriter
-from tierckpt.cache import CacheConfig, TieredBackend
+from tierckpt.node.disk import CacheConfig, TieredBackend
 from tierckpt.store import node_cache_over
 from tierckpt.cache_api import gc, open_tiered, prefetch, status, wait
-from tierckpt.cache.config import parse_bytes
-from tierckpt.cache.records import Op
+from tierckpt.node.disk.config import parse_bytes
+from tierckpt.node.disk.records import Op
 from tierckpt.errors import CorruptCheckpointError, StorageError
 
 
@@ -406,7 +406,7 @@ PART = 64 * 1024
 
 @pytest.fixture
 def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tierckpt.cache import tiered, uploads
+    from tierckpt.node.disk import tiered, uploads
 
     monkeypatch.setattr(tiered, "UPLOAD_PART_BYTES", PART)
     monkeypatch.setattr(uploads, "UPLOAD_PART_BYTES", PART)
@@ -532,7 +532,7 @@ def test_node_cache_records_the_crc_stated_by_the_save(
     CRC of the cached file, the upload verifies against it, and the checkpoint loads back bit-exact."""
     import crc32c
 
-    from tierckpt.writeback.written import WrittenCrc
+    from tierckpt.node.written import WrittenCrc
 
     stated: list[int] = []
     state_crc, add_async = WrittenCrc.state, WrittenCrc.add_async

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import tierckpt
-from tierckpt import cli, cli_reports
+from tierckpt.cli import main as cli
+from tierckpt.cli import reports as cli_reports
 
 
 def _model_and_optim() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -126,9 +127,9 @@ def test_version(capsys) -> None:
 
 
 def test_subprocess_inspect_and_errors(saved, tmp_path: Path) -> None:
-    """The real entry points: ``python -m tierckpt.cli`` and ``python -m tierckpt``."""
+    """The real entry points: ``python -m tierckpt.cli.main`` and ``python -m tierckpt``."""
     uri, expected = saved
-    run = [sys.executable, "-m", "tierckpt.cli"]
+    run = [sys.executable, "-m", "tierckpt.cli.main"]
     done = subprocess.run([*run, "inspect", uri, "--json"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert {t["fqn"]: (t["shape"], t["dtype"]) for t in json.loads(done.stdout)["tensors"]} == expected

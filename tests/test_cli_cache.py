@@ -5,7 +5,7 @@ import json
 import torch
 
 import tierckpt
-from tierckpt import cli
+from tierckpt.cli import main as cli
 
 
 def _save(uri: str, options: dict) -> None:

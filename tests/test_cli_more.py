@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import cli, layout
-from tierckpt.loader import Checkpoint
-from tierckpt.metadata import CheckpointMeta
+from tierckpt.cli import main as cli
+from tierckpt.native import layout
+from tierckpt.loading.api import Checkpoint
+from tierckpt.native.metadata import CheckpointMeta
 
 
 @pytest.fixture
@@ -175,7 +176,7 @@ def test_sync_with_the_cache_off_says_so_and_opens_no_cache(argv: list[str], tmp
 def test_sync_with_the_cache_off_writes_the_memory_tier_down_without_it(tmp_path: Path, monkeypatch, capsys) -> None:
     """``TIERCKPT_CACHE=off`` and a memory-only checkpoint in this node's memory tier: ``sync`` writes it down
     where its URI points without opening (or creating) the node cache, and it then loads from there alone."""
-    from tierckpt.tiers import MemoryConfig
+    from tierckpt.node.memory import MemoryConfig
 
     cache, memdir, uri = tmp_path / "cache", tmp_path / "memory", str(tmp_path / "ckpt")
     memory = MemoryConfig(directory=str(memdir), budget_bytes=1 << 26, exit_wait_s=0)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import cleanup, save_commit
+from tierckpt.saving import cleanup
+from tierckpt.saving import commit as save_commit
 
 
 def _state(value: float) -> dict:

@@ -11,7 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import tierckpt
-from tierckpt import cli, convert
+from tierckpt.cli import main as cli
+from tierckpt.convert import api as convert
 from test_verify import sample_state, split_flat
 
 MODEL = sample_state()["model"]
@@ -86,7 +87,7 @@ def test_sharded_with_index(src: Path, tmp_path: Path, capsys) -> None:
 def test_streams_in_bounded_slabs(src: Path, tmp_path: Path, monkeypatch) -> None:
     """No read is larger than slab_bytes (rows permitting): tensors are never held whole."""
     sizes: list[int] = []
-    from tierckpt import convert_safetensors
+    from tierckpt.convert import safetensors as convert_safetensors
 
     real = convert_safetensors._read_box
 

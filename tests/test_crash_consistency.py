@@ -34,7 +34,8 @@ from typing import Any
 import pytest
 
 import tierckpt
-from tierckpt import cleanup, layout
+from tierckpt.saving import cleanup
+from tierckpt.native import layout
 from tierckpt.backends import Backend, open_backend
 from tierckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from tierckpt.io.scheduler import get_scheduler
@@ -137,7 +138,7 @@ class ForkServer:
 @pytest.fixture(scope="module", autouse=True)
 def _no_sweep_grace() -> Iterator[None]:
     """The re-save's sweep of superseded generations runs at once in this process, not after
-    :data:`tierckpt.cleanup.GRACE_S`: no load races the sweeps here (the checks load one after another),
+    :data:`tierckpt.saving.cleanup.GRACE_S`: no load races the sweeps here (the checks load one after another),
     so the grace would only add a second to every kill's check. What is swept is decided as before."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cleanup, "GRACE_S", 0.0)

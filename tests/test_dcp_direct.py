@@ -22,12 +22,12 @@ import torch.distributed.checkpoint as dcp
 import scenarios
 import tierckpt
 from distributed import subgroup
-from tierckpt import cli
+from tierckpt.cli import main as cli
 from tierckpt.backends import open_backend
-from tierckpt.dcp_chunks import PROBE_BYTES
+from tierckpt.formats.dcp_chunks import PROBE_BYTES
 from tierckpt.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from tierckpt.io.scheduler import get_scheduler
-from tierckpt.verify import verify
+from tierckpt.formats.verify import verify
 
 S3_OPTIONS = {"key": "testing", "secret": "testing", "region": "us-east-1"}
 DATA_OPS = ("read_into", "read_runs", "read_segments")

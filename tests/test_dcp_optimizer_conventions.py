@@ -26,7 +26,7 @@ import tierckpt
 from distributed import subgroup
 from scenarios import assert_same, make_mesh, train
 from scenarios_interop import build, flat_options, full, tierckpt_cli
-from tierckpt import cli
+from tierckpt.cli import main as cli
 
 CONVENTIONS = pytest.mark.parametrize("flatten", [False, True], ids=["indexed", "flattened"])
 

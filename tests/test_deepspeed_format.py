@@ -56,7 +56,7 @@ def test_read_state_gives_every_tensor_and_setting(folder: str) -> None:
 
 @pytest.mark.parametrize(("folder", "source"), [("zero2", "deepspeed"), ("zero3", "deepspeed"), ("zero1_universal", "ucp")])
 def test_convert_from_deepspeed_then_load_exactly(tmp_path: Path, folder: str, source: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from tierckpt.cli import main as cli_main
+    from tierckpt.cli.main import main as cli_main
 
     out = str(tmp_path / "converted")
     assert cli_main(["convert", "--from", source, "--to", "tierckpt", str(FIXTURES / folder), out]) == 0
@@ -67,7 +67,7 @@ def test_convert_from_deepspeed_then_load_exactly(tmp_path: Path, folder: str, s
 
 
 def test_convert_names_the_right_source_format(tmp_path: Path) -> None:
-    from tierckpt.convert_deepspeed import from_deepspeed
+    from tierckpt.convert.deepspeed import from_deepspeed
 
     with pytest.raises(CheckpointError, match="is a DeepSpeed universal checkpoint; use --from ucp"):
         from_deepspeed(str(FIXTURES / "zero1_universal"), str(tmp_path / "out"), source="deepspeed")
@@ -149,7 +149,7 @@ def test_a_crafted_pickle_runs_no_code(tmp_path: Path) -> None:
 
 
 def test_the_cli_says_what_a_deepspeed_folder_is(capsys: pytest.CaptureFixture[str]) -> None:
-    from tierckpt.cli import main as cli_main
+    from tierckpt.cli.main import main as cli_main
 
     assert cli_main(["verify", str(FIXTURES / "zero2")]) != 0
     err = capsys.readouterr().err
@@ -171,7 +171,7 @@ def test_a_folder_shaped_like_deepspeed_with_other_files_is_corrupt_by_name(tmp_
 
 
 def test_inspect_lists_a_deepspeed_folder_in_place(capsys: pytest.CaptureFixture[str]) -> None:
-    from tierckpt.cli import main as cli_main
+    from tierckpt.cli.main import main as cli_main
 
     assert cli_main(["inspect", str(FIXTURES / "zero3")]) == 0
     out = capsys.readouterr().out
@@ -181,7 +181,7 @@ def test_inspect_lists_a_deepspeed_folder_in_place(capsys: pytest.CaptureFixture
 def test_a_folder_with_latest_and_latest_universal_reads_latest(tmp_path: Path) -> None:
     """``ds_to_universal`` writes ``latest_universal`` beside the training folder's tags: ``latest`` (the
     engine's newest save, as DeepSpeed loads by default) is read; the universal tag folder loads by itself."""
-    from tierckpt.readers import read_checkpoint
+    from tierckpt.formats.select import read_checkpoint
     from tierckpt.store import open_store
 
     root = _copy(tmp_path, "zero2")
@@ -217,7 +217,7 @@ def test_inspect_json_names_the_deepspeed_format(folder: str, name: str, capsys:
     creation time for a folder without one."""
     import json
 
-    from tierckpt.cli import main as cli_main
+    from tierckpt.cli.main import main as cli_main
 
     assert cli_main(["inspect", "--json", str(FIXTURES / folder)]) == 0
     doc = json.loads(capsys.readouterr().out)

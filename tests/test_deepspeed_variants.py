@@ -89,7 +89,7 @@ def test_a_zero3_folder_lacking_a_rank_model_file_names_it(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(("folder", "source"), [("zero3_frozen", "deepspeed"), ("zero3_frozen_universal", "ucp")])
 def test_convert_keeps_zero3_frozen_parameters(tmp_path: Path, folder: str, source: str) -> None:
-    from tierckpt.cli import main as cli_main
+    from tierckpt.cli.main import main as cli_main
 
     out = str(tmp_path / "converted")
     assert cli_main(["convert", "--from", source, "--to", "tierckpt", str(FIXTURES / folder), out]) == 0
@@ -152,7 +152,7 @@ def test_fsdp2_on_three_ranks_resumes_a_two_rank_cpu_offload_checkpoint(dist_poo
 
 
 def test_convert_of_a_cpu_offload_checkpoint_loads_with_checksums(tmp_path: Path) -> None:
-    from tierckpt.cli import main as cli_main
+    from tierckpt.cli.main import main as cli_main
 
     out = str(tmp_path / "converted")
     assert cli_main(["convert", "--from", "deepspeed", "--to", "tierckpt", str(FIXTURES / "zero2_offload"), out]) == 0
@@ -164,7 +164,7 @@ def test_convert_of_a_cpu_offload_checkpoint_loads_with_checksums(tmp_path: Path
 
 
 def test_inspect_lists_a_cpu_offload_checkpoint(capsys: pytest.CaptureFixture[str]) -> None:
-    from tierckpt.cli import main as cli_main
+    from tierckpt.cli.main import main as cli_main
 
     assert cli_main(["inspect", str(FIXTURES / "zero2_offload")]) == 0
     out = capsys.readouterr().out
@@ -209,7 +209,7 @@ def test_a_bf16_zero1_checkpoint_resumes_exactly(folder: str) -> None:
 # -- inspect -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("folder", "name"), [("zero3_frozen", "DeepSpeed ZeRO"), ("zero3_frozen_universal", "DeepSpeed universal")])
 def test_inspect_text_says_what_a_deepspeed_folder_is_not_a_creation_time(folder: str, name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from tierckpt.cli import main as cli_main
+    from tierckpt.cli.main import main as cli_main
 
     assert cli_main(["inspect", str(FIXTURES / folder)]) == 0
     out = capsys.readouterr().out

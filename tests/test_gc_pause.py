@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tierckpt
-import tierckpt.loader  # noqa: F401  (imported here: a first use's import is not the call's work)
+import tierckpt.loading.api  # noqa: F401  (imported here: a first use's import is not the call's work)
 from tierckpt.gc_pause import gc_paused
 
 

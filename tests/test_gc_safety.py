@@ -12,10 +12,11 @@ from pathlib import Path
 import torch
 
 import tierckpt
-from tierckpt import cleanup, layout
+from tierckpt.saving import cleanup
+from tierckpt.native import layout
 from tierckpt.backends import open_backend
-from tierckpt.loader import read_checkpoint
-from tierckpt.verify import verify
+from tierckpt.loading.api import read_checkpoint
+from tierckpt.formats.verify import verify
 
 sys.path.insert(0, str(Path(__file__).parent))
 from racing_child import empty_state, make_state, matches  # noqa: E402

@@ -25,7 +25,7 @@ def test_async_save_of_cuda_tensors_uses_pinned_staging_and_loads_back(tmp_path,
     for value in state.values():
         value.add_(1)  # training continues on the GPU while the save is written
     handle.wait()
-    from tierckpt.saver import _PROCESS
+    from tierckpt.saving.api import _PROCESS
 
     assert _PROCESS.staging._buffer is not None and _PROCESS.staging._buffer.is_pinned()
     target = {k: torch.zeros_like(v) for k, v in expected.items()}

@@ -15,7 +15,8 @@ import torch
 from safetensors import safe_open
 
 import tierckpt
-from tierckpt import cli, convert
+from tierckpt.cli import main as cli
+from tierckpt.convert import api as convert
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
 

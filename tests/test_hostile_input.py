@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tierckpt
-from tierckpt.cli import main as cli_main
+from tierckpt.cli.main import main as cli_main
 from tierckpt.errors import CheckpointError, CorruptCheckpointError
-from tierckpt.metadata import decode_header, decode_pieces, decode_tensors
+from tierckpt.native.metadata import decode_header, decode_pieces, decode_tensors
 
 from tamper import reseal
 
@@ -182,8 +182,8 @@ def test_pickle_object_refused_without_allow_pickle(tmp_path: Path, codec: str) 
 
 # -- fuzz of the metadata decoders ---------------------------------------------------------------
 def valid_documents() -> tuple[bytes, bytes, bytes]:
-    from tierckpt.metadata import CheckpointMeta, FileMeta, ObjectMeta, PieceMeta, TensorMeta, encode_header, encode_pieces, encode_tensors
-    from tierckpt.regions import Box, FlatRange
+    from tierckpt.native.metadata import CheckpointMeta, FileMeta, ObjectMeta, PieceMeta, TensorMeta, encode_header, encode_pieces, encode_tensors
+    from tierckpt.native.regions import Box, FlatRange
 
     header = encode_header(CheckpointMeta(
         generation="g-1-abc", world_size=2, created_unix=1.0, frameworks=("module",),

@@ -189,12 +189,12 @@ def _report(cycles: list[list[Edge]]) -> str:
 
 def test_the_walk_sees_the_package() -> None:
     """Guards the test itself: modules, relative imports, package __init__ edges and lazy imports are all found."""
-    assert {"tierckpt", "tierckpt.layout", "tierckpt.backends", "tierckpt.backends.base", "tierckpt.cache_api"} <= set(MODULES)
+    assert {"tierckpt", "tierckpt.native.layout", "tierckpt.backends", "tierckpt.backends.base", "tierckpt.cache_api"} <= set(MODULES)
     pairs = {(e.importer, e.imported) for e in EDGES}
-    assert ("tierckpt.metadata", "tierckpt.layout") in pairs  # from .layout import ...
-    assert ("tierckpt.backends.local", "tierckpt.keys") in pairs  # from ..keys import ...
+    assert ("tierckpt.native.metadata", "tierckpt.native.layout") in pairs  # from .layout import ...
+    assert ("tierckpt.backends.local", "tierckpt.native.keys") in pairs  # from ..keys import ...
     assert ("tierckpt.store", "tierckpt.backends") in pairs  # from .backends import ...
-    assert ("tierckpt.manager", "tierckpt.io.scheduler") in pairs and ("tierckpt.manager", "tierckpt.io") in pairs
+    assert ("tierckpt.manager.api", "tierckpt.io.scheduler") in pairs and ("tierckpt.manager.api", "tierckpt.io") in pairs
     assert not any(e.importer == e.imported for e in EDGES)
     assert any(e.lazy for e in EDGES) and any(not e.lazy for e in EDGES)
     assert any(e.typing_only for e in EDGES), "the walk must see the TYPE_CHECKING imports (they count)"
@@ -205,18 +205,18 @@ def test_a_type_checking_import_closes_a_cycle() -> None:
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .keys import X\n")
     (imp,) = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "keys"]
     assert id(imp) in _type_checking_nodes(tree)
-    a, b = "tierckpt.layout", "tierckpt.keys"
+    a, b = "tierckpt.native.layout", "tierckpt.native.keys"
     edges = [Edge(a, b, "x.py", 1, False), Edge(b, a, "y.py", 3, False, typing_only=True)]
     (cycle,) = _cycles(edges)
     assert "TYPE_CHECKING" in _report([cycle])
 
 
 def test_cycle_finder_reports_a_chain() -> None:
-    a, b, c = "tierckpt.layout", "tierckpt.keys", "tierckpt.errors"
+    a, b, c = "tierckpt.native.layout", "tierckpt.native.keys", "tierckpt.errors"
     edges = [Edge(a, b, "x.py", 1, False), Edge(b, c, "y.py", 2, True), Edge(c, a, "z.py", 3, False)]
     (cycle,) = _cycles(edges)
     assert [e.importer for e in cycle] == [c, a, b]  # from the smallest name, back to it
-    assert "tierckpt.errors -> tierckpt.layout (z.py:3)" in _report([cycle])
+    assert "tierckpt.errors -> tierckpt.native.layout (z.py:3)" in _report([cycle])
     assert _cycles(edges[:2]) == []
 
 
@@ -226,11 +226,11 @@ def test_no_import_cycle() -> None:
 
 
 def test_the_node_tiers_do_not_import_each_other() -> None:
-    """The node disk cache and the memory tier are links on the write-back engine (``tierckpt.writeback``):
+    """The node disk cache and the memory tier are links on the write-back engine (``tierckpt.node``):
     what they share lives there, and neither package imports the other (TYPE_CHECKING imports included)."""
     crossing = [e for e in EDGES for a, b in (("cache", "tiers"), ("tiers", "cache"))
                 if e.importer.startswith(f"tierckpt.{a}.") and e.imported.startswith(f"tierckpt.{b}")]
     assert not crossing, "\n".join(map(str, crossing))
-    assert not [e for e in EDGES if e.importer.startswith("tierckpt.writeback") and
-                e.imported.startswith(("tierckpt.cache", "tierckpt.tiers"))], "the engine imports neither link"
+    assert not [e for e in EDGES if e.importer.startswith("tierckpt.node") and
+                e.imported.startswith(("tierckpt.node.disk", "tierckpt.node.memory"))], "the engine imports neither link"
 

@@ -21,7 +21,7 @@ from conftest import free_port  # noqa: E402
 from processes import communicate_all  # noqa: E402
 from tierckpt.errors import CheckpointError  # noqa: E402
 from tierckpt.integrations.accelerate import load_state, save_state  # noqa: E402
-from tierckpt.readers import read_checkpoint  # noqa: E402
+from tierckpt.formats.select import read_checkpoint  # noqa: E402
 from tierckpt.store import open_store  # noqa: E402
 
 CHILD = str(Path(__file__).parent / "accelerate_child.py")

@@ -214,7 +214,7 @@ def test_bad_safetensors_header_and_verify_are_refused(tmp_path: Path) -> None:
 
 
 def test_inspect_names_a_safetensors_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tierckpt import cli
+    from tierckpt.cli import main as cli
 
     tiny_model().save_pretrained(tmp_path / "hf")
     assert cli.main(["inspect", str(tmp_path / "hf"), "--json"]) == cli.EXIT_OK

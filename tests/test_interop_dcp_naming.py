@@ -25,9 +25,11 @@ import tierckpt
 from tamper import reseal
 from scenarios import assert_same, train
 from scenarios_interop import build, flat_options, full
-from tierckpt import cli, convert, layout
+from tierckpt.cli import main as cli
+from tierckpt.convert import api as convert
+from tierckpt.native import layout
 from tierckpt.backends import open_backend
-from tierckpt.loader import read_checkpoint
+from tierckpt.loading.api import read_checkpoint
 
 GUIDE = Path(__file__).parent.parent / "docs" / "user-guide.md"
 

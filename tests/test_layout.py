@@ -1,4 +1,4 @@
-"""tierckpt.layout: the one place that names generations and steps, finds checkpoints and retains them."""
+"""tierckpt.native.layout: the one place that names generations and steps, finds checkpoints and retains them."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import cli, layout
+from tierckpt.cli import main as cli
+from tierckpt.native import layout
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.keys import validate_key
-from tierckpt.manager import CheckpointManager
+from tierckpt.native.keys import validate_key
+from tierckpt.manager.api import CheckpointManager
 
 
 def test_generation_rule() -> None:

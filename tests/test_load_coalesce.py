@@ -16,10 +16,10 @@ import scenarios
 import scenarios_routes
 from test_load_planner import check_exact, reference, save_fake
 from tierckpt.io.coalesce import Taken, coalesce
-from tierckpt.loader import DEFAULT_ROUND_BYTES
+from tierckpt.loading.api import DEFAULT_ROUND_BYTES
 from tierckpt.planner import TargetPiece, plan_load
 from tierckpt.planner.routes import topology
-from tierckpt.regions import Box
+from tierckpt.native.regions import Box
 
 MiB = 1 << 20
 

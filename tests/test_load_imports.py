@@ -44,7 +44,7 @@ FIRST_USE = """
 import gc, torch, tierckpt
 starts = []
 gc.callbacks.append(lambda phase, info: starts.append(info["generation"]) if phase == "start" else None)
-tierckpt.load, tierckpt.save, tierckpt.layout
+tierckpt.load, tierckpt.save, tierckpt.native.layout
 gc.callbacks.clear()
 print(starts, gc.isenabled())
 """

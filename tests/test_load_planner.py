@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES
-from tierckpt.metadata import PieceMeta, TensorMeta, itemsize
+from tierckpt.loading.api import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES
+from tierckpt.native.metadata import PieceMeta, TensorMeta, itemsize
 from tierckpt.planner import LoadPlan, TargetPiece, plan_load, topology
-from tierckpt.regions import Box, FlatRange, Region
+from tierckpt.native.regions import Box, FlatRange, Region
 
 SIZES = {"chunk_bytes": DEFAULT_CHUNK_BYTES, "round_bytes": DEFAULT_ROUND_BYTES}
 """The planner has no defaults: these tests pass load()'s."""
@@ -370,7 +370,7 @@ def test_a_whole_box_unit_is_what_the_general_path_plans(data):
     """The unchanged layout's shortcut (one target takes a saved box whole) gives the draft the general
     path (slabs, routes, runs) gives for that box: same box, runs, bytes and delivery."""
     from tierckpt.planner import slab_units as lp
-    from tierckpt.regions import StoredBox
+    from tierckpt.native.regions import StoredBox
 
     shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=0, max_size=3)))
     offsets = tuple(data.draw(st.integers(0, n - 1)) for n in shape)

@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from test_load_planner import partition, save_fake, scenario, tiles
 
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.metadata import PieceMeta, TensorMeta
+from tierckpt.native.metadata import PieceMeta, TensorMeta
 from tierckpt.planner import LoadPlan, TargetPiece, plan_load, slab_units, topology
 from tierckpt.planner import box_index
 from tierckpt.planner.box_index import BoxIndex
-from tierckpt.regions import Box, FlatRange, stored_boxes
+from tierckpt.native.regions import Box, FlatRange, stored_boxes
 
 
 class BruteIndex:
@@ -171,9 +171,9 @@ def test_a_gap_between_indexed_pieces_is_still_reported():
 @given(st.data())
 def test_walk_counts_the_runs_and_span_box_runs_gives(data):
     """The route costs' one-pass walk: elements, requests and span equal those of the box's actual runs
-    (:func:`~tierckpt.regions.box_runs`): one request per run, the span from the first run's start to the
+    (:func:`~tierckpt.native.regions.box_runs`): one request per run, the span from the first run's start to the
     last run's end."""
-    from tierckpt.regions import box_runs
+    from tierckpt.native.regions import box_runs
 
     shape = tuple(data.draw(st.lists(st.integers(1, 7), min_size=0, max_size=4)))
     offsets = tuple(data.draw(st.integers(0, n - 1)) for n in shape)

@@ -9,13 +9,13 @@ import scenarios_routes
 from test_load_planner import check_exact, reference, save_fake
 from tierckpt.errors import CheckpointError
 from tierckpt.io.readcheck import checking_ranks
-from tierckpt.loader import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES
-from tierckpt.node import NODE_ID_ENV, node_id
+from tierckpt.loading.api import DEFAULT_CHUNK_BYTES, DEFAULT_ROUND_BYTES
+from tierckpt.node.host import NODE_ID_ENV, node_id
 from tierckpt.planner import TargetPiece, plan_load
 from tierckpt.planner.routes import (
     DIRECT, EXCHANGE, NODE, RankRead, choose_route, direct_seconds, exchange_seconds, store_kind, topology,
 )
-from tierckpt.regions import Box
+from tierckpt.native.regions import Box
 
 MiB = 1 << 20
 

@@ -15,12 +15,12 @@ from test_load_planner import check_exact, save_fake, scenario
 from test_load_planner_index import mesh_or_flat_case
 from test_rank_plan import P2P, check_union
 
-from tierckpt.load_wire import pack_asked, pack_needs, unpack, unpack_needs
-from tierckpt.metadata import TensorMeta
+from tierckpt.loading.wire import pack_asked, pack_needs, unpack, unpack_needs
+from tierckpt.native.metadata import TensorMeta
 from tierckpt.planner import TargetPiece, plan_load, topology
 from tierckpt.planner.group_needs import GroupNeeds
 from tierckpt.planner.rank_plan import agree_rounds, plan_rank
-from tierckpt.regions import Box, FlatRange
+from tierckpt.native.regions import Box, FlatRange
 
 
 def checkpoint(shapes: dict[str, tuple[int, ...]], objects: tuple[str, ...] = ()) -> SimpleNamespace:

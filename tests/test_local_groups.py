@@ -16,9 +16,9 @@ import tierckpt
 from tierckpt.backends import run_reads
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.monitor import Monitor
-from tierckpt.read_step import _strided_groups
+from tierckpt.loading.read_step import _strided_groups
 from tierckpt.sharded import ShardedTensor
-from tierckpt.tiers import MemoryConfig
+from tierckpt.node.memory import MemoryConfig
 
 
 def _state() -> dict[str, torch.Tensor]:

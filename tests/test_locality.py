@@ -1,7 +1,7 @@
 """Locality-aware readers: units go to ranks whose node holds the file, each byte read once, plans still exact.
 
 Each rank plans its own units (:func:`tierckpt.planner.rank_plan.plan_rank` with what the nodes' memory tiers
-hold, as :class:`tierckpt.local_load.LocalReads` gives it); the union of the rank plans is executed with the
+hold, as :class:`tierckpt.loading.locality.LocalReads` gives it); the union of the rank plans is executed with the
 pure-torch executor of ``test_load_planner``, each unit's bytes taken only from the files its reader's node
 holds (or the remote, for units no node holds), and compared bit-exactly — including loads onto another world
 size (4 ranks on 2 nodes -> 2 ranks on 1 node).
@@ -14,10 +14,10 @@ import pytest
 
 from test_load_planner import SIZES, check_exact, reference, save_fake
 from test_rank_plan import P2P, check_union, rank_plans
-from tierckpt.local_load import HeldFile, LocalReads
+from tierckpt.loading.locality import HeldFile, LocalReads
 from tierckpt.planner import LoadPlan, TargetPiece, plan_load, topology
 from tierckpt.planner.rank_plan import agree_rounds, local_reader, plan_rank
-from tierckpt.regions import Box
+from tierckpt.native.regions import Box
 
 MiB = 1 << 20
 

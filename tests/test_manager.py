@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import layout
-from tierckpt.manager import CheckpointManager
+from tierckpt.native import layout
+from tierckpt.manager.api import CheckpointManager
 
 
 def test_retention_rule():
@@ -95,7 +95,7 @@ def test_load_latest_skips_a_step_whose_files_are_gone(tmp_path, caplog):
     _data_file(root, 3).unlink()
     _data_file(root, 2).unlink()
     target = {"w": torch.zeros(64), "step": 0}
-    with caplog.at_level("WARNING", logger="tierckpt.manager"):
+    with caplog.at_level("WARNING", logger="tierckpt.manager.api"):
         assert manager.load_latest(target) == 1
     assert torch.equal(target["w"], torch.full((64,), 1.0)) and target["step"] == 1
     assert "step 3 cannot be loaded" in caplog.text and "step 2 cannot be loaded" in caplog.text
@@ -131,8 +131,8 @@ def test_an_unreadable_replication_record_does_not_fail_a_save(tmp_path):
     """The manager reads each recent step's replication level at the start of a save (retention keeps the
     newest replicated one): a damaged record counts as not replicated, the save goes on."""
     from tierckpt.store import memory_tier_of, open_store
-    from tierckpt.tiers import MemoryConfig
-    from tierckpt.tiers.levels import level_path
+    from tierckpt.node.memory import MemoryConfig
+    from tierckpt.node.memory.replica_record import level_path
 
     config = MemoryConfig(directory=str(tmp_path / "shm"), budget_bytes=64 << 20, exit_wait_s=0)
     manager = CheckpointManager(str(tmp_path / "run"), keep_last=1, storage_options={"memory": config})
@@ -148,7 +148,7 @@ def test_an_unreadable_replication_record_does_not_fail_a_save(tmp_path):
 def test_status_on_a_manager_root_says_how_to_load_it(tmp_path, capsys):
     """``tierckpt status <root>`` names the root a CheckpointManager root and how to load it, as ``load`` does
     (it said only "no checkpoint")."""
-    from tierckpt import cli
+    from tierckpt.cli import main as cli
 
     root = tmp_path / "run"
     manager = CheckpointManager(root)

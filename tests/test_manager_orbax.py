@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import layout
-from tierckpt.manager import CheckpointManager
-from tierckpt.manager_best import METRICS_TAG
-from tierckpt.readers import read_checkpoint
+from tierckpt.native import layout
+from tierckpt.manager.api import CheckpointManager
+from tierckpt.manager.best import METRICS_TAG
+from tierckpt.formats.select import read_checkpoint
 from tierckpt.store import open_store
 
 LOSSES = {1: 0.9, 2: 0.3, 3: 0.7, 4: 0.2, 5: 0.8, 6: 0.95}

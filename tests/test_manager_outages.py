@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import layout
-from tierckpt.cache import CacheConfig
+from tierckpt.native import layout
+from tierckpt.node.disk import CacheConfig
 from tierckpt.errors import NotDurableError
-from tierckpt.manager import CheckpointManager
+from tierckpt.manager.api import CheckpointManager
 
 from fault_proxy import FaultProxy, Rule  # noqa: E402
 

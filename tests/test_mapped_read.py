@@ -22,7 +22,7 @@ from tierckpt.backends import mapped_read, run_reads
 from tierckpt.backends.files import pread_into
 from tierckpt.backends.run_reads import pread_runs
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.tiers import MemoryConfig, MemoryTier
+from tierckpt.node.memory import MemoryConfig, MemoryTier
 
 native = pytest.mark.skipif(not mapped_read.available(), reason="the native extension is not built for this machine")
 

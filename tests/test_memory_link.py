@@ -1,4 +1,4 @@
-"""The node memory tier as the top link of the storage chain (:mod:`tierckpt.tiers.link`).
+"""The node memory tier as the top link of the storage chain (:mod:`tierckpt.node.memory.link`).
 
 Real parts: a local path, the moto S3 server, the fault proxy in front of it for an unreachable remote,
 child processes that are SIGKILLed or exit normally. The memory tier lives in a per-test temporary
@@ -18,14 +18,14 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import layout
+from tierckpt.native import layout
 from tierckpt.backends import LocalBackend
-from tierckpt.cache import CacheConfig
+from tierckpt.node.disk import CacheConfig
 from tierckpt.errors import TransientStorageError
 from tierckpt.io.scheduler import get_scheduler
 from tierckpt.store import memory_tier_of, open_store
-from tierckpt.tiers import MemoryConfig, MemoryTierFullError, OnFull
-from tierckpt.tiers.link import MemoryLink
+from tierckpt.node.memory import MemoryConfig, MemoryTierFullError, OnFull
+from tierckpt.node.memory.link import MemoryLink
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fault_proxy import FaultProxy, Rule  # noqa: E402
@@ -230,7 +230,7 @@ def test_killed_after_async_memory_commit_restart_loads_from_memory(
     st = status(open_store(uri, opts))
     assert st.memory_generation == generation and not st.committed_on_remote
     proxy.clear()
-    from tierckpt import cli
+    from tierckpt.cli import main as cli
 
     assert cli.main(["sync", uri, "--timeout", "120"]) == 0  # what the dead process left goes down
     assert remote_commit(s3_server, uri).generation == generation
@@ -310,9 +310,9 @@ def test_exit_with_the_remote_down_names_the_sync_command(proxy: FaultProxy, uri
 
 # -- status surfaces and the manager ----------------------------------------------------------------
 def test_status_cli_shows_each_level(tmp_path: Path, memdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tierckpt import cli
-    from tierckpt.tiers.levels import Level, ReplicaResult, level_path
-    from tierckpt.tiers.memory import write_atomic
+    from tierckpt.cli import main as cli
+    from tierckpt.node.memory.replica_record import Level, ReplicaResult, level_path
+    from tierckpt.node.memory.memory import write_atomic
 
     path = str(tmp_path / "ckpt")
     meta = tierckpt.save(path, state(), storage_options={"memory": mem(memdir)})
@@ -343,7 +343,7 @@ def test_status_cli_shows_each_level(tmp_path: Path, memdir: Path, capsys: pytes
 def test_manager_resumes_from_memory_with_the_remote_down(
     proxy: FaultProxy, s3_server: str, memdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tierckpt import cli
+    from tierckpt.cli import main as cli
 
     import boto3
 
@@ -389,8 +389,8 @@ def test_ranks_of_a_node_share_its_tier(dist_pool: Any, tmp_path: Path, memdir: 
 def test_manager_retention_with_async_saves_leaves_nothing_pending(tmp_path: Path, memdir: Path) -> None:
     """Retention deletes a step whose write-down may still run (through another store of its URI): that
     write-down stops, nothing of the deleted step lands below afterwards, and no write-down is left."""
-    from tierckpt.tiers import downdrain
-    from tierckpt.tiers.nodememory import NodeMemory
+    from tierckpt.node.memory import downdrain
+    from tierckpt.node.memory.nodememory import NodeMemory
 
     root = str(tmp_path / "run")
     config = mem(memdir)
@@ -416,7 +416,7 @@ def test_async_snapshot_goes_straight_into_the_tier(tmp_path: Path, memdir: Path
     and stays out of listings."""
     import time
 
-    from tierckpt.tiers import mapped
+    from tierckpt.node.memory import mapped
 
     path, config = str(tmp_path / "ckpt"), mem(memdir)
     store = open_store(path, {"memory": config})
@@ -449,8 +449,8 @@ def test_a_spare_evicted_during_the_copy_is_written_the_usual_way(
     is bit-exact and the spare's file is gone from the tier."""
     import time
 
-    from tierckpt.tiers import link as link_module
-    from tierckpt.tiers import mapped
+    from tierckpt.node.memory import link as link_module
+    from tierckpt.node.memory import mapped
 
     path, config = str(tmp_path / "ckpt"), mem(memdir)
     store = open_store(path, {"memory": config})
@@ -504,7 +504,7 @@ def test_a_save_through_the_staging_halves_asks_a_spare_for_the_next(tmp_path: P
     its copy before the file was named): the store is told a spare is wanted, and the next save finds it."""
     import time
 
-    from tierckpt.tiers import mapped
+    from tierckpt.node.memory import mapped
 
     path, config = str(tmp_path / "ckpt"), mem(memdir)
     store = open_store(path, {"memory": config})

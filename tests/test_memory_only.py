@@ -17,12 +17,13 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import CheckpointManager, layout
-from tierckpt.cleanup import wait_pending
+from tierckpt import CheckpointManager
+from tierckpt.native import layout
+from tierckpt.saving.cleanup import wait_pending
 from tierckpt.errors import CheckpointError, CheckpointNotFoundError
 from tierckpt.io.scheduler import get_scheduler
 from tierckpt.store import memory_tier_of, open_store
-from tierckpt.tiers import MemoryConfig, MemoryTierFullError, OnFull
+from tierckpt.node.memory import MemoryConfig, MemoryTierFullError, OnFull
 
 NBYTES = 64 * 1024 * 4
 """The tensor bytes of :func:`state`."""
@@ -32,7 +33,7 @@ NBYTES = 64 * 1024 * 4
 def _forget_memory_only_at_exit() -> Any:
     """This test process's exit would name each memory-only checkpoint the tests left in their temporary
     tiers (tested in a child process below): forget them after each test."""
-    from tierckpt.tiers import writedown
+    from tierckpt.node.memory import writedown
 
     yield
     writedown._MEMORY_ONLY.clear()
@@ -200,7 +201,7 @@ def test_a_failed_commit_write_down_keeps_the_generation_the_uri_still_names(
     is written down there: when that write-down failed for good, the older generation, still named by
     the COMMIT there, stays whole (a leftover, never a COMMIT naming deleted files)."""
     from tierckpt.errors import StorageError
-    from tierckpt.tiers.writedown import WriteDown
+    from tierckpt.node.memory.writedown import WriteDown
 
     path, opts = tmp_path / "ckpt", mem(memdir)
     first = tierckpt.save(str(path), state(1), storage_options=opts)

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 import recovery_child
-from tierckpt.peer_lanes import LANES
-from tierckpt.tiers.memory import SPARE_PREFIX
+from tierckpt.loading.peer_lanes import LANES
+from tierckpt.node.memory.memory import SPARE_PREFIX
 from distributed import free_port
 
 _CTX = mp.get_context("forkserver")

@@ -11,13 +11,13 @@ import pytest
 from backend_contract import BackendContract
 
 from tierckpt.errors import CheckpointError, CorruptCheckpointError
-from tierckpt.layout import COMMIT, CommitRecord, new_generation
-from tierckpt.tiers import (
+from tierckpt.native.layout import COMMIT, CommitRecord, new_generation
+from tierckpt.node.memory import (
     MemoryConfig, MemoryTier, MemoryTierFullError, NodeMemory, OnFull, TierCopy, copy_id, plan_admission,
 )
-from tierckpt.tiers.manifest import FileEntry, Manifest
-from tierckpt.tiers import memory
-from tierckpt.tiers.memory import file_crc, uri_digest
+from tierckpt.node.memory.manifest import FileEntry, Manifest
+from tierckpt.node.memory import memory
+from tierckpt.node.memory.memory import file_crc, uri_digest
 
 URI = "s3://bucket/run/step-100"
 
@@ -112,7 +112,7 @@ async def test_origins_keep_their_own_manifests(tmp_path: Path) -> None:
 async def test_a_peers_files_are_its_own_from_the_first_one_that_arrives(tmp_path: Path) -> None:
     """A replica's files are published one by one and its manifest recorded after the last: declared arriving
     first, none of them is ever sealed as this node's, nor written down by this node (its log's replicas)."""
-    from tierckpt.tiers.downlog import DownLog
+    from tierckpt.node.memory.downlog import DownLog
 
     tier = MemoryTier(URI, config(tmp_path))
     generation, contents = await write_checkpoint(tier, 1, {"data/rank-00000.bin": 10})

@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.metadata import (
+from tierckpt.native.metadata import (
     FORMAT_VERSION, MAX_NUMEL, PIECES_PER_ROW_GROUP, CheckpointMeta, FileMeta, ObjectMeta, PieceMeta, TensorMeta,
     decode_header, decode_pieces, decode_tensors, encode_header, encode_pieces, encode_tensors,
 )
-from tierckpt.regions import Box, FlatRange
+from tierckpt.native.regions import Box, FlatRange
 
 TENSORS = {
     "w": TensorMeta(fqn="w", dtype="bfloat16", shape=(4, 6)),
@@ -186,7 +186,7 @@ def test_invalid_pieces_rejected(bad):
 
 def crafted_pieces(**columns) -> bytes:
     """A pieces table with the right schema but arbitrary (possibly null) values."""
-    from tierckpt.metadata import _PIECE_SCHEMA
+    from tierckpt.native.metadata import _PIECE_SCHEMA
 
     row = {"fqn": "w", "kind": "box", "offsets": [0, 0], "lengths": [2, 6], "file": "data/rank-00000.bin",
            "byte_offset": 0, "byte_length": 24, "crc32c": 5, "crc_block_bytes": 16, "block_crc32c": [1, 2]}
@@ -218,7 +218,7 @@ def test_tensors_table_with_wrong_schema_or_null_names_rejected():
     pq.write_table(pa.table({"fqn": ["w"], "shape": [[2]]}), sink)
     with pytest.raises(CorruptCheckpointError):
         decode_tensors(sink.getvalue().to_pybytes())
-    from tierckpt.metadata import _TENSOR_SCHEMA
+    from tierckpt.native.metadata import _TENSOR_SCHEMA
 
     sink = pa.BufferOutputStream()
     pq.write_table(pa.Table.from_pylist([{"fqn": None, "dtype": "float32", "shape": [2]}], schema=_TENSOR_SCHEMA), sink)

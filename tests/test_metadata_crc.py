@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import layout
+from tierckpt.native import layout
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.verify import verify
+from tierckpt.formats.verify import verify
 
 POSITIONS_PER_FILE = 64
 

@@ -5,7 +5,7 @@ import json
 import torch
 
 import tierckpt
-from tierckpt.loader import read_checkpoint
+from tierckpt.loading.api import read_checkpoint
 from tierckpt.backends import open_backend
 from tierckpt.monitor import ranks_from_timings, straggler_report
 

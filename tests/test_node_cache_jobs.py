@@ -21,12 +21,12 @@ from test_commit_cas import assert_one_winner_per_round, race
 from tierckpt import cache_api
 from tierckpt.backends import open_backend
 from tierckpt.backends.local import LocalBackend
-from tierckpt.cache import CacheConfig
-from tierckpt.cache.records import Op
+from tierckpt.node.disk import CacheConfig
+from tierckpt.node.disk.records import Op
 from tierckpt.store import node_cache_over
 from tierckpt.errors import CheckpointError
 from tierckpt.io.scheduler import get_scheduler
-from tierckpt.verify import verify
+from tierckpt.formats.verify import verify
 
 CHILD = str(Path(__file__).parent / "node_jobs_child.py")
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import cli, layout
+from tierckpt.cli import main as cli
+from tierckpt.native import layout
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fault_proxy import FaultProxy, Rule  # noqa: E402

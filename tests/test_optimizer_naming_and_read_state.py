@@ -22,7 +22,7 @@ from distributed import subgroup
 from scenarios import assert_same, make_mesh, train
 from scenarios_interop import build, full
 from tierckpt.backends import open_backend
-from tierckpt.loader import read_checkpoint
+from tierckpt.loading.api import read_checkpoint
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -233,7 +233,7 @@ LIGHTNING_NAMES = ["epoch=0-step=100.ckpt", "epoch=1-step=200-v1.ckpt", "epoch=2
 def test_other_trainers_step_names_are_steps_to_ls_gc_and_the_manager(tmp_path: Path, names: list[str], capsys) -> None:
     import json
 
-    from tierckpt import cli
+    from tierckpt.cli import main as cli
 
     for i, name in enumerate(names):
         tierckpt.save(str(tmp_path / name), {"x": torch.full((2,), float(i))})
@@ -250,7 +250,7 @@ def test_other_trainers_step_names_are_steps_to_ls_gc_and_the_manager(tmp_path: 
 
 
 def test_names_that_are_not_steps() -> None:
-    from tierckpt.layout import step_of
+    from tierckpt.native.layout import step_of
 
     assert [step_of(n) for n in ("last.ckpt", "checkpoint-", "mystep=4", "epoch=1-step=x.ckpt", "ckpt100", "step-1a")] == [None] * 6
     assert [step_of(n) for n in ("run/checkpoint-7", "epoch=3-step=42-val_loss=0.12.ckpt", "step=9")] == [7, 42, 9]
@@ -260,7 +260,7 @@ def test_malformed_structure_in_the_header_is_corruption(tmp_path: Path) -> None
     import json
 
     from tamper import reseal
-    from tierckpt import layout
+    from tierckpt.native import layout
 
     uri = str(tmp_path / "c")
     tierckpt.save(uri, {"model": torch.nn.Linear(2, 2)})

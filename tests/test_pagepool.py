@@ -17,17 +17,17 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import cleanup
+from tierckpt.saving import cleanup
 from tierckpt.backends.file_open import hold_shared, open_shared
 from tierckpt.backends.local import LocalBackend
-from tierckpt.layout import COMMIT, CommitRecord, new_generation
-from tierckpt.tiers import MemoryConfig, MemoryTier, NodeMemory
-from tierckpt.tiers import mapped
-from tierckpt.tiers.link import MemoryLink
-from tierckpt.tiers.manifest import FileEntry
-from tierckpt.tiers.memory import SPARE_PREFIX
-from tierckpt.tiers.pagepool import MIN_BYTES, POOL_GENERATION, claim, pool_dir
-from tierckpt.tiers.copydown import map_file as _map
+from tierckpt.native.layout import COMMIT, CommitRecord, new_generation
+from tierckpt.node.memory import MemoryConfig, MemoryTier, NodeMemory
+from tierckpt.node.memory import mapped
+from tierckpt.node.memory.link import MemoryLink
+from tierckpt.node.memory.manifest import FileEntry
+from tierckpt.node.memory.memory import SPARE_PREFIX
+from tierckpt.node.memory.pagepool import MIN_BYTES, POOL_GENERATION, claim, pool_dir
+from tierckpt.node.memory.copydown import map_file as _map
 
 URI = "s3://bucket/run/pool"
 MIB = 1 << 20
@@ -294,10 +294,10 @@ def mapped_spare_ready(shm: Path, timeout_s: float = 30) -> None:
 
 
 async def test_a_claimed_file_keeps_no_stamp_of_its_old_bytes(shm: Path) -> None:
-    """A pooled file carries the CRC-32C stamp of the bytes it was written with (:mod:`tierckpt.tiers.stamps`);
+    """A pooled file carries the CRC-32C stamp of the bytes it was written with (:mod:`tierckpt.node.memory.stamps`);
     claimed, it is the same inode and may get the same size — the stamp goes at the claim, so a seal that
     looked before the new bytes are published never takes the old CRC for the new bytes."""
-    from tierckpt.tiers import stamps
+    from tierckpt.node.memory import stamps
 
     memory = NodeMemory(config(shm))
     tier = memory.tier(URI)

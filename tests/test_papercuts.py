@@ -16,13 +16,14 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import cli, layout
+from tierckpt.cli import main as cli
+from tierckpt.native import layout
 from tierckpt.backends import LocalBackend
 from tierckpt.backends.files import write_error
-from tierckpt.cache import CacheConfig
+from tierckpt.node.disk import CacheConfig
 from tierckpt.store import node_cache_over
-from tierckpt.cache import placement
-from tierckpt.cache.placement import DEFAULT_DISK_BYTES, default_directory
+from tierckpt.node.disk import placement
+from tierckpt.node.disk.placement import DEFAULT_DISK_BYTES, default_directory
 from tierckpt.errors import (
     CheckpointError, CheckpointNotFoundError, StorageError, StoragePermissionError, UnsupportedURIError,
 )
@@ -83,7 +84,7 @@ def test_version_imports_no_torch() -> None:
         "sys.argv = ['tierckpt', '--version']\n"
         "try:\n    runpy.run_module('tierckpt', run_name='__main__')\n"
         "except SystemExit as exc:\n    assert exc.code == 0, exc.code\n"
-        "print('torch' in sys.modules, 'tierckpt.cache' in sys.modules)\n"
+        "print('torch' in sys.modules, 'tierckpt.node.disk' in sys.modules)\n"
     )
     assert out.splitlines() == ["tierckpt 0.1.0", "False False"]
 
@@ -95,8 +96,8 @@ def test_import_is_cheap_and_every_public_name_still_imports() -> None:
         "from tierckpt import *\n"
         "import tierckpt.cache_api\n"
         "assert all(getattr(tierckpt, n) is not None for n in tierckpt.__all__)\n"
-        "assert tierckpt.layout.COMMIT == 'COMMIT' and callable(tierckpt.verify.verify)\n"
-        "assert tierckpt.sync is tierckpt.cache_api.sync and tierckpt.save.__module__ == 'tierckpt.saver'\n"
+        "assert tierckpt.native.layout.COMMIT == 'COMMIT' and callable(tierckpt.formats.verify.verify)\n"
+        "assert tierckpt.sync is tierckpt.cache_api.sync and tierckpt.save.__module__ == 'tierckpt.saving.api'\n"
         "assert set(tierckpt.__all__) <= set(dir(tierckpt))\n"
         "print('torch' in sys.modules)\n"
     )

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import cli
-from tierckpt.cache import CacheConfig
-from tierckpt.convert import from_safetensors, to_dcp, to_safetensors
+from tierckpt.cli import main as cli
+from tierckpt.node.disk import CacheConfig
+from tierckpt.convert.api import from_safetensors, to_dcp, to_safetensors
 from tierckpt.errors import CheckpointError
-from tierckpt.verify import verify
+from tierckpt.formats.verify import verify
 
 pytestmark = pytest.mark.fast
 

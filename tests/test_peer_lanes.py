@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import subgroup
-from tierckpt import peer_lanes
+from tierckpt.loading import peer_lanes
 from tierckpt.comm import Comm
 
 CHUNK_SIZES = [3 << 20, 1, 5 << 20, 4096, 2 << 20, 7, 1 << 20]

@@ -2,7 +2,7 @@
 generation, else the recovery fails on every rank, naming it, at once.
 
 Node-1 is lost; node-0 holds its replica and streams the replacement node's large units from its tier's
-pages (:mod:`tierckpt.peer_stream`). When node-0 cannot open its tier file, the ranks waiting for those
+pages (:mod:`tierckpt.loading.peer_stream`). When node-0 cannot open its tier file, the ranks waiting for those
 chunks must not wait for the collective timeout: every rank's load raises the holder's error. When the
 remote is reachable and holds the generation, a damaged replica costs a second read, not the load.
 """

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import cli, progress
+from tierckpt import progress
+from tierckpt.cli import main as cli
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import convert, progress
-from tierckpt.cache import CacheConfig
+from tierckpt import progress
+from tierckpt.convert import api as convert
+from tierckpt.node.disk import CacheConfig
 
 STATE_BYTES = 300_000 * 4 + 1000 * 4
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import tierckpt
-from tierckpt import layout
+from tierckpt.native import layout
 
 sys.path.insert(0, str(Path(__file__).parent))
 import racing_child  # noqa: E402

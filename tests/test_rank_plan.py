@@ -22,12 +22,12 @@ from test_load_planner import check_exact, save_fake, scenario
 from test_load_planner_index import mesh_or_flat_case
 
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.metadata import PieceMeta, TensorMeta
+from tierckpt.native.metadata import PieceMeta, TensorMeta
 from tierckpt.planner import LoadPlan, TargetPiece, plan_load, topology
 from tierckpt.planner.box_index import SCAN_QUERIES, BoxIndex
 from tierckpt.planner.rank_plan import agree_rounds, plan_rank
 from tierckpt.planner.plan_types import whole_to_other
-from tierckpt.regions import Box, FlatRange
+from tierckpt.native.regions import Box, FlatRange
 
 P2P = 64
 

@@ -25,8 +25,8 @@ from tierckpt.backends.memory import MemoryBackend, MemoryRegistry
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.io.crc import block_crcs, raw_crc
 from tierckpt.io.readcheck import ReadChecker
-from tierckpt.metadata import PieceMeta
-from tierckpt.regions import Box
+from tierckpt.native.metadata import PieceMeta
+from tierckpt.native.regions import Box
 
 BLOCK = 4096
 ROW = 1000

@@ -14,14 +14,14 @@ from safetensors.torch import save_file
 
 import tierckpt
 from tierckpt.backends import open_backend
-from tierckpt.checkpoint_reader import Root
-from tierckpt.dcp_chunks import MAX_READ_BYTES
+from tierckpt.formats.reader import Root
+from tierckpt.formats.dcp_chunks import MAX_READ_BYTES
 from tierckpt.errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, NotACheckpointError,
 )
 from tierckpt.io.scheduler import get_scheduler
-from tierckpt.meta_read import NATIVE
-from tierckpt.readers import DCP, SAFETENSORS, read_checkpoint, reader_for, reader_of
+from tierckpt.formats.native import NATIVE
+from tierckpt.formats.select import DCP, SAFETENSORS, read_checkpoint, reader_for, reader_of
 
 
 def _dcp_save(state: dict, path: Path) -> None:

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierckpt.regions import Box, FlatRange, flat_range_boxes, stored_boxes, box_runs
+from tierckpt.native.regions import Box, FlatRange, flat_range_boxes, stored_boxes, box_runs
 
 FAST = settings(max_examples=150, deadline=None)
 

@@ -20,7 +20,7 @@ import pytest
 
 from distributed import free_port
 from tierckpt.errors import CheckpointError
-from tierckpt.tiers.peers import plan_replicas, replica_count
+from tierckpt.node.memory.peers import plan_replicas, replica_count
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -73,9 +73,9 @@ def _replicate_scenario(workdir: str, per_node: int, replicas: int | None, small
 
     import torch.distributed as dist
 
-    from tierckpt.layout import COMMIT, CommitRecord, new_generation
-    from tierckpt.tiers import MemoryConfig, NodeMemory
-    from tierckpt.tiers.replica import Replicator
+    from tierckpt.native.layout import COMMIT, CommitRecord, new_generation
+    from tierckpt.node.memory import MemoryConfig, NodeMemory
+    from tierckpt.node.memory.replica import Replicator
 
     rank = dist.get_rank()
     node_name = f"node-{rank // per_node}"
@@ -111,7 +111,7 @@ def _replicate_scenario(workdir: str, per_node: int, replicas: int | None, small
 
 
 def tier_file(workdir: Path, node: str, key: str) -> bytes:
-    from tierckpt.tiers.memory import uri_digest
+    from tierckpt.node.memory.memory import uri_digest
 
     return (workdir / node / uri_digest(URI) / "objects" / key).read_bytes()
 
@@ -191,7 +191,7 @@ def test_a_peer_killed_mid_replication_leaves_memory_with_the_reason(tmp_path: P
     assert leader[second]["seconds"] < 30  # bounded by the replicator's timeout, not a hang
     assert other[second]["level"] == "memory" and other[second]["reason"] == leader[second]["reason"]
     # The survivor of node-1's memory still holds the previous generation whole, and nothing of the new one.
-    from tierckpt.tiers import MemoryConfig, MemoryTier
+    from tierckpt.node.memory import MemoryConfig, MemoryTier
 
     survivor = MemoryTier(replica_child.URI, MemoryConfig(directory=str(tmp_path / "node-1" / "shm"), budget_bytes=1 << 30))
     assert survivor.verify(first) == [] and sorted(survivor.held(first)) == sorted(
@@ -220,10 +220,10 @@ def test_a_peers_commit_is_adopted_only_when_newer_and_without_an_event_loop(tmp
     synchronously (the receiving thread builds no event loop while training runs)."""
     import asyncio
 
-    from tierckpt.layout import COMMIT, CommitRecord
-    from tierckpt.tiers.config import MemoryConfig
-    from tierckpt.tiers.nodememory import NodeMemory
-    from tierckpt.tiers.transfer import adopt_commit
+    from tierckpt.native.layout import COMMIT, CommitRecord
+    from tierckpt.node.memory.config import MemoryConfig
+    from tierckpt.node.memory.nodememory import NodeMemory
+    from tierckpt.node.memory.transfer import adopt_commit
 
     tier = NodeMemory(MemoryConfig(directory=str(tmp_path / "shm"), budget_bytes=1 << 20)).tier("s3://b/run")
     older, newer = (CommitRecord(f"g-0000000{s}-0000000000000-{s:012x}", 1.0, seq=s).encode() for s in (4, 5))

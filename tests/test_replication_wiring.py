@@ -1,7 +1,7 @@
 """The saver's durability levels and the loader's view of the node memory tiers, in one process.
 
 ``SaveHandle.wait(level)`` accepts ``memory``, ``replicated`` and ``remote``; ``replicated`` names why
-it cannot be reached (memory tier off, no torch.distributed). :mod:`tierckpt.local_load` decides, the
+it cannot be reached (memory tier off, no torch.distributed). :mod:`tierckpt.loading.locality` decides, the
 same on every rank, which node serves each file: only copies whose size matches the checkpoint and
 agree across nodes count. Multi-node behaviour is in ``tests/test_memory_recovery.py``.
 """
@@ -19,12 +19,12 @@ import torch
 
 import tierckpt
 from tierckpt.errors import CheckpointBusyError, CheckpointError
-from tierckpt.loader import read_checkpoint
-from tierckpt.local_load import LocalReads, held_files, rereaders
-from tierckpt.local_load import HeldFile
+from tierckpt.loading.api import read_checkpoint
+from tierckpt.loading.locality import LocalReads, held_files, rereaders
+from tierckpt.loading.locality import HeldFile
 from tierckpt.store import open_store
-from tierckpt.tiers import MemoryConfig, NodeMemory
-from tierckpt.tiers.replication import ReplicationError
+from tierckpt.node.memory import MemoryConfig, NodeMemory
+from tierckpt.node.memory.replication import ReplicationError
 
 
 def _state(seed: int) -> dict:
@@ -51,7 +51,7 @@ def test_wait_levels_without_a_memory_tier(tmp_path: Path) -> None:
 
 def test_a_number_first_is_the_timeout(tmp_path: Path) -> None:
     """``handle.wait(30)``, as written before levels existed, is ``wait("memory", timeout_s=30)``."""
-    from tierckpt.saver import _PROCESS
+    from tierckpt.saving.api import _PROCESS
 
     uri = str(tmp_path / "ckpt")
     release = threading.Event()

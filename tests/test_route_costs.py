@@ -12,13 +12,13 @@ import scenarios_route_costs
 from test_load_planner import check_exact
 from test_load_routes import ddp_case
 from tierckpt.errors import RouteCostsError
-from tierckpt.loader import DEFAULT_ROUND_BYTES
+from tierckpt.loading.api import DEFAULT_ROUND_BYTES
 from tierckpt.planner import plan_load
 from tierckpt.planner.routes import (
     DIRECT, EXCHANGE, NODE, RankRead, choose_route, direct_seconds, exchange_seconds, node_seconds,
     topology, with_costs,
 )
-from tierckpt.route_costs import ROUTE_COSTS_ENV, parse_override
+from tierckpt.loading.route_costs import ROUTE_COSTS_ENV, parse_override
 
 MiB = 1 << 20
 TWO_BY_FOUR = ["a"] * 4 + ["b"] * 4

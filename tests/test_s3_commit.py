@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import layout
-from tierckpt.cache import CacheConfig
+from tierckpt.native import layout
+from tierckpt.node.disk import CacheConfig
 from tierckpt.errors import CheckpointBusyError, StorageError
 
 pytestmark = [pytest.mark.s3_servers, pytest.mark.multiproc]

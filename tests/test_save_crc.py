@@ -26,11 +26,11 @@ from tierckpt.io import staging
 from tierckpt.io.crc import concat_crc
 from tierckpt.io.staging import Chunk, FileStream
 from tierckpt.store import memory_tier_of, open_store
-from tierckpt.tiers import MemoryConfig, mapped
-from tierckpt.tiers import memory as memory_module
-from tierckpt.tiers.manifest import FileEntry
-from tierckpt.tiers.memory import MemoryTier, file_crc
-from tierckpt.writeback.written import WrittenCrc
+from tierckpt.node.memory import MemoryConfig, mapped
+from tierckpt.node.memory import memory as memory_module
+from tierckpt.node.memory.manifest import FileEntry
+from tierckpt.node.memory.memory import MemoryTier, file_crc
+from tierckpt.node.written import WrittenCrc
 
 GEN = "g-00000001-0000000000001-abcdef012345"
 

@@ -11,7 +11,7 @@ import torch
 from tierckpt.errors import StateMismatchError
 from tierckpt.planner.save_planner import offers_digest
 from tierckpt.planner import LocalPiece, plan_save
-from tierckpt.regions import Box, FlatRange, Region, flat_range_boxes
+from tierckpt.native.regions import Box, FlatRange, Region, flat_range_boxes
 
 
 def full(fqn: str, shape: tuple[int, ...], dtype: str = "float32") -> LocalPiece:

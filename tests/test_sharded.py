@@ -10,7 +10,7 @@ import torch
 import scenarios_state
 import tierckpt
 from tierckpt import CheckpointError
-from tierckpt.regions import Box, FlatRange
+from tierckpt.native.regions import Box, FlatRange
 from tierckpt.sharded import (
     FlatShardedTensor, ShardedTensor, column_parallel, from_megatron, row_parallel, stage_layers, vocab_parallel,
 )

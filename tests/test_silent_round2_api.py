@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 import tierckpt
-from tierckpt import cli, layout
+from tierckpt.cli import main as cli
+from tierckpt.native import layout
 from tierckpt.errors import CheckpointError, StateMismatchError, UnsupportedURIError
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -30,7 +30,7 @@ import torch
 
 import tierckpt
 from tierckpt.errors import CheckpointError, CorruptCheckpointError
-from tierckpt.metadata import decode_tensors
+from tierckpt.native.metadata import decode_tensors
 
 from tamper import reseal
 
@@ -42,7 +42,7 @@ RSS_BUDGET_MB = 300
 _CHILD = textwrap.dedent("""
     import json, os, resource, sys, traceback
     import torch, tierckpt
-    from tierckpt.cli import main as cli
+    from tierckpt.cli.main import main as cli
 
     def vm_bytes():
         for line in open("/proc/self/status"):
@@ -54,7 +54,7 @@ _CHILD = textwrap.dedent("""
 
     spec = json.loads(sys.argv[1])
     tierckpt.load  # imports done before the baseline
-    import tierckpt.loader, tierckpt.verify, tierckpt.saver  # noqa: F401
+    import tierckpt.loading.api, tierckpt.formats.verify, tierckpt.saving.api  # noqa: F401
     limit = vm_bytes() + (2 << 30)  # a regression fails with MemoryError, never exhausts the machine
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     base = peak_mb()
@@ -123,8 +123,8 @@ def test_a_huge_commit_is_refused_unread_by_load_verify_inspect_and_ls(tmp_path:
 
 
 def test_a_huge_memory_tier_uri_file_is_refused_unread_by_a_save(tmp_path: Path) -> None:
-    from tierckpt.tiers.config import MemoryConfig
-    from tierckpt.tiers.memory import MemoryTier
+    from tierckpt.node.memory.config import MemoryConfig
+    from tierckpt.node.memory.memory import MemoryTier
 
     uri = str(tmp_path / "ckpt")
     memory = tmp_path / "mem"
@@ -196,7 +196,7 @@ FOREIGN = {
 
 @pytest.mark.parametrize("kind", sorted(FOREIGN))
 def test_a_folder_that_is_not_a_checkpoint_says_what_it_is(tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from tierckpt.cli import main as cli_main
+    from tierckpt.cli.main import main as cli_main
     from tierckpt.errors import CheckpointNotFoundError
 
     files, expected = FOREIGN[kind]
@@ -220,7 +220,7 @@ def test_a_hugging_face_folder_whose_weights_are_not_safetensors_names_the_file(
 
 
 def test_a_checkpoint_manager_root_names_a_step_and_load_latest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tierckpt.cli import main as cli_main
+    from tierckpt.cli.main import main as cli_main
     from tierckpt.errors import NotACheckpointError
 
     root = str(tmp_path / "run")
@@ -240,7 +240,7 @@ def test_a_checkpoint_manager_root_names_a_step_and_load_latest(tmp_path: Path, 
 
 
 def test_uncommitted_generation_files_are_still_an_interrupted_save(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tierckpt.cli import main as cli_main
+    from tierckpt.cli.main import main as cli_main
     from tierckpt.errors import IncompleteCheckpointError
 
     uri, _ = _save(tmp_path)
@@ -282,7 +282,7 @@ def readonly_tmpfs(tmp_path: Path):
 
 
 def _memory(mount: Path, budget: int, on_full: str) -> Any:
-    from tierckpt.tiers.config import MemoryConfig, OnFull
+    from tierckpt.node.memory.config import MemoryConfig, OnFull
 
     return MemoryConfig(directory=str(mount / "tier"), budget_bytes=budget, on_full=OnFull(on_full))
 
@@ -314,7 +314,7 @@ def test_a_full_tier_file_system_with_fallback_saves_to_the_next_tier(small_tmpf
 
 
 def test_a_full_tier_file_system_without_fallback_names_the_tier_and_the_settings(small_tmpfs: Path, tmp_path: Path) -> None:
-    from tierckpt.tiers.config import MemoryTierFullError
+    from tierckpt.node.memory.config import MemoryTierFullError
 
     _fill(small_tmpfs, 2 << 20)
     memory = _memory(small_tmpfs, 7 << 20, "error")

@@ -23,12 +23,12 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import layout
-from tierckpt.cache import CacheConfig
+from tierckpt.native import layout
+from tierckpt.node.disk import CacheConfig
 from tierckpt.cache_api import prefetch
 from tierckpt.io.scheduler import get_scheduler
-from tierckpt.tiers import MemoryConfig
-from tierckpt.tiers.memory import MemoryTier
+from tierckpt.node.memory import MemoryConfig
+from tierckpt.node.memory.memory import MemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fault_proxy import Rule  # noqa: E402
@@ -206,7 +206,7 @@ def _memory(memdir: Path) -> dict[str, Any]:
 
 @pytest.fixture(autouse=True)
 def _forget_memory_only_at_exit() -> Any:
-    from tierckpt.tiers import writedown
+    from tierckpt.node.memory import writedown
 
     yield
     writedown._MEMORY_ONLY.clear()
@@ -248,7 +248,7 @@ def test_sync_never_writes_down_a_memory_tier_file_that_changed_since_its_save(
 
 WRITE_BACK_CHILD = """
 import sys, torch, tierckpt
-from tierckpt.cache import CacheConfig
+from tierckpt.node.disk import CacheConfig
 want = {"w": torch.randn(512, 1024, generator=torch.Generator().manual_seed(2)), "step": 2}
 handle = tierckpt.async_save(sys.argv[1], want,
                              storage_options={"cache": CacheConfig(directory=sys.argv[2], exit_wait_s=0)})
@@ -293,8 +293,8 @@ def test_a_clean_write_down_through_the_node_cache_states_the_crc_it_checked(uri
 MEMORY_CHILD = """
 import sys, torch, tierckpt
 from tierckpt.io.scheduler import get_scheduler
-from tierckpt.tiers import MemoryConfig
-from tierckpt.tiers.memory import MemoryTier
+from tierckpt.node.memory import MemoryConfig
+from tierckpt.node.memory.memory import MemoryTier
 want = {"w": torch.randn(512, 1024, generator=torch.Generator().manual_seed(2)), "step": 2}
 memory = MemoryConfig(directory=sys.argv[2], budget_bytes=1 << 30, exit_wait_s=0)
 tierckpt.async_save(sys.argv[1], want, storage_options={"memory": memory}).wait()  # committed in memory; S3 down

@@ -111,7 +111,7 @@ CLI_WITH_SHORT_DEFAULT = """
 import sys
 from tierckpt import cli_deadline
 cli_deadline.DATA_DEFAULT_S = 4.0  # the default deadline of the data commands, shortened for the test
-from tierckpt.cli import main
+from tierckpt.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -245,7 +245,7 @@ def test_a_deadline_ends_the_waits_and_foreground_work_of_its_operation_only(mon
     from tierckpt import deadline
     from tierckpt.errors import DeadlineExceededError, TransientStorageError
     from tierckpt.io.scheduler import get_scheduler
-    from tierckpt.retry import retry_transient
+    from tierckpt.backends.retry import retry_transient
 
     sched = get_scheduler()
     monkeypatch.delenv(deadline.ENV, raising=False)

@@ -1,6 +1,6 @@
 """The shape the sources keep, read with ``ast``: small modules everywhere, and no mutable
 state at module level in the node cache (what a process holds per cache directory lives in its
-:class:`~tierckpt.cache.uploader.Uploader`, which :func:`tierckpt.store.uploader_of` keeps)."""
+:class:`~tierckpt.node.disk.uploader.Uploader`, which :func:`tierckpt.store.uploader_of` keeps)."""
 
 from __future__ import annotations
 

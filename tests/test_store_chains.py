@@ -25,7 +25,7 @@ from backend_contract import BackendContract  # noqa: E402
 
 from tierckpt.backends import Backend, LocalBackend, MemoryBackend, S3Backend  # noqa: E402
 from tierckpt.backends.base import UNCONDITIONAL, ObjectWriter, Unconditional  # noqa: E402
-from tierckpt.cache import CacheConfig, TieredBackend  # noqa: E402
+from tierckpt.node.disk import CacheConfig, TieredBackend  # noqa: E402
 from tierckpt.errors import CheckpointError, CheckpointNotFoundError  # noqa: E402
 from tierckpt.io.scheduled import ScheduledBackend  # noqa: E402
 from tierckpt.io.scheduler import get_scheduler  # noqa: E402
@@ -33,8 +33,8 @@ from tierckpt.store import (  # noqa: E402
     cache_config_for, durability_of, memory_config_for, memory_tier_of, node_cache_over, open_cached_store, open_store,
     uploader_of,
 )
-from tierckpt.tiers import MemoryConfig  # noqa: E402
-from tierckpt.tiers.link import MemoryLink  # noqa: E402
+from tierckpt.node.memory import MemoryConfig  # noqa: E402
+from tierckpt.node.memory.link import MemoryLink  # noqa: E402
 
 _T = TypeVar("_T")
 
@@ -299,7 +299,7 @@ def test_a_load_checks_few_local_files_at_once_and_many_on_the_loop(
     import torch
 
     import tierckpt
-    from tierckpt import load_generation
+    from tierckpt.loading import generation as load_generation
 
     monkeypatch.delenv("TIERCKPT_MEMORY", raising=False)
     saved = {"w": torch.arange(4096.0).reshape(64, 64)}
@@ -351,7 +351,7 @@ def test_one_uploader_and_catalogue_per_cache_directory(tmp_path: Path) -> None:
 _FORKING_PARENT = """
 import os, sys
 from tierckpt.backends import LocalBackend
-from tierckpt.cache import CacheConfig
+from tierckpt.node.disk import CacheConfig
 from tierckpt.errors import StorageError
 from tierckpt.io.scheduler import get_scheduler
 from tierckpt.store import node_cache_over

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from tierckpt.errors import CheckpointError
-from tierckpt.tiers.background import NICE_ENV, background_nice, lower_priority, lower_priority_of_new, started_threads
+from tierckpt.node.memory.background import NICE_ENV, background_nice, lower_priority, lower_priority_of_new, started_threads
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
 

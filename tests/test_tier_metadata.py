@@ -1,4 +1,4 @@
-"""Loads whose metadata every rank reads from its node's memory tier (:mod:`tierckpt.tier_metadata`), and
+"""Loads whose metadata every rank reads from its node's memory tier (:mod:`tierckpt.loading.tier_metadata`), and
 the one-collective object gather (:meth:`tierckpt.comm.Comm.all_gather_object`).
 
 Real parts: saves through the memory tier into a per-test directory, real gloo ranks (the test pool, one
@@ -16,13 +16,13 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import layout
+from tierckpt.native import layout
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.loader import read_checkpoint
-from tierckpt.metadata import MAX_TABLE_BYTES
+from tierckpt.loading.api import read_checkpoint
+from tierckpt.native.metadata import MAX_TABLE_BYTES
 from tierckpt.store import memory_tier_of, open_store
-from tierckpt.tier_metadata import read_from_tier
-from tierckpt.tiers import MemoryConfig
+from tierckpt.loading.tier_metadata import read_from_tier
+from tierckpt.node.memory import MemoryConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tier_metadata_child as child  # noqa: E402

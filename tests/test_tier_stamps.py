@@ -1,5 +1,5 @@
 """Stamps: the CRC-32C a memory-tier file was written with, found by any process, trusted only while the
-file is unchanged (tierckpt.tiers.stamps)."""
+file is unchanged (tierckpt.node.memory.stamps)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import crc32c
 import pytest
 
-from tierckpt.tiers import stamps
-from tierckpt.tiers.manifest import FileEntry
+from tierckpt.node.memory import stamps
+from tierckpt.node.memory.manifest import FileEntry
 
 
 def _write_and_stamp(path: str, data: bytes) -> None:

@@ -13,7 +13,7 @@ import scenarios_state
 import tierckpt
 from tierckpt import CheckpointError
 from tierckpt.backends import open_backend
-from tierckpt.training_state import MultiSourceReader, ResumableSampler, RNGState, skip_to
+from tierckpt.state.training import MultiSourceReader, ResumableSampler, RNGState, skip_to
 
 
 def _draw():

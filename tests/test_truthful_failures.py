@@ -20,7 +20,7 @@ from fault_proxy import FaultProxy, Rule
 from test_faults import empty, make_state, opts
 
 import tierckpt
-from tierckpt.cli import main as cli_main
+from tierckpt.cli.main import main as cli_main
 from tierckpt.errors import CorruptCheckpointError, StorageError, TransientStorageError
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tierckpt import cli
-from tierckpt.cache.config import CacheConfig
+from tierckpt.cli import main as cli
+from tierckpt.node.disk.config import CacheConfig
 from tierckpt.errors import CheckpointError
 from tierckpt.units import parse_bytes
 

@@ -26,9 +26,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import tierckpt
-from tierckpt import dcp_chunks, torch_archive
+from tierckpt.formats import dcp_chunks
+from tierckpt.formats import torch_archive
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.verify import verify
+from tierckpt.formats.verify import verify
 
 from tamper import reseal
 
@@ -208,7 +209,7 @@ def test_a_rank_file_of_shared_tuples_is_walked_once_per_node(tmp_path: Path) ->
 
 
 def test_a_setting_that_is_a_dag_of_tuples_is_checked_once_per_node() -> None:
-    from tierckpt import deepspeed_objects
+    from tierckpt.formats import deepspeed_objects
 
     assert deepspeed_objects._plain(_shared_tuples(200))
     assert not deepspeed_objects._plain((_shared_tuples(200), {"not": "plain"}))
@@ -248,7 +249,7 @@ def test_convert_refuses_an_index_entry_outside_the_folder(tmp_path: Path, shard
     entry = str(tmp_path / "other" / "model.safetensors") if shard == "ABSOLUTE" else shard
     index = {"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors", "secret": entry}}
     (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
-    from tierckpt.convert_safetensors import from_safetensors
+    from tierckpt.convert.safetensors import from_safetensors
 
     with pytest.raises(CorruptCheckpointError, match="outside its folder"):
         from_safetensors(tmp_path / "hf", str(tmp_path / "out"))
@@ -271,7 +272,7 @@ def test_json_nested_100000_deep_is_corruption_naming_the_file(tmp_path: Path, w
     named = "model.safetensors" if which == "header" else which
     assert named in str(info.value), str(info.value)
     if which != "header":
-        from tierckpt.convert_safetensors import from_safetensors
+        from tierckpt.convert.safetensors import from_safetensors
 
         with pytest.raises(CorruptCheckpointError, match=which.replace(".", r"\.")):
             from_safetensors(folder, str(tmp_path / "out"))
@@ -279,7 +280,7 @@ def test_json_nested_100000_deep_is_corruption_naming_the_file(tmp_path: Path, w
 
 # -- the CLI escapes names from a checkpoint ------------------------------------------------------------------
 def test_inspect_prints_control_characters_in_names_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tierckpt import cli
+    from tierckpt.cli import main as cli
 
     name = "w\x1b]0;owned\x07\x1b[2J\r\u202eevil"
     _safetensors_folder(tmp_path / "hf", {name: torch.ones(2)})
@@ -308,7 +309,7 @@ def test_the_walk_of_a_rank_file_stops_at_the_deadline_and_at_its_depth_cap() ->
 
 
 def test_convert_to_safetensors_refuses_a_piece_listed_twice(tmp_path: Path) -> None:
-    from tierckpt.convert_safetensors import to_safetensors
+    from tierckpt.convert.safetensors import to_safetensors
 
     uri, _ = _native_halves(tmp_path, second_offset=0)
     with pytest.raises(CorruptCheckpointError, match="'w'"):

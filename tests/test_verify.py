@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import cli, layout
-from tierckpt.metadata import PieceMeta, decode_header, decode_pieces, decode_tensors, encode_header, encode_pieces
-from tierckpt.regions import Box, FlatRange
-from tierckpt.verify import verify
+from tierckpt.cli import main as cli
+from tierckpt.native import layout
+from tierckpt.native.metadata import PieceMeta, decode_header, decode_pieces, decode_tensors, encode_header, encode_pieces
+from tierckpt.native.regions import Box, FlatRange
+from tierckpt.formats.verify import verify
 
 from tamper import reseal
 

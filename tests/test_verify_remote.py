@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import cli
+from tierckpt.cli import main as cli
 from tierckpt.cache_api import prefetch
 
 sys.path.insert(0, str(Path(__file__).parent))

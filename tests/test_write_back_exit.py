@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import layout
-from tierckpt.cache import CacheConfig
+from tierckpt.native import layout
+from tierckpt.node.disk import CacheConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import free_port  # noqa: E402

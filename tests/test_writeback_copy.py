@@ -1,4 +1,4 @@
-"""The write-back engine's one checked copy (``tierckpt.writeback.copy``): kernel-side into a local file
+"""The write-back engine's one checked copy (``tierckpt.node.copy``): kernel-side into a local file
 writer, streamed from the source's pages into any other, the CRC-32C checked before anything is published."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from tierckpt.backends import LocalBackend
 from tierckpt.backends.memory import MemoryBackend
 from tierckpt.errors import CheckpointError, ChecksumMismatchError, CheckpointNotFoundError
 from tierckpt.io.scheduler import get_scheduler
-from tierckpt.writeback import copy as wcopy
-from tierckpt.writeback import ledger
-from tierckpt.writeback.copy import CopySource, FileSink, copy_checked
-from tierckpt.writeback.written import FileEntry
+from tierckpt.node import copy as wcopy
+from tierckpt.node import ledger
+from tierckpt.node.copy import CopySource, FileSink, copy_checked
+from tierckpt.node.written import FileEntry
 
 CHUNK = 64 * 1024
 
@@ -96,7 +96,7 @@ def test_the_memory_tier_writes_down_into_the_node_cache_kernel_side(tmp_path: P
     monkeypatch.setenv("TIERCKPT_MEMORY_DIR", str(tmp_path / "mem"))
     monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(tmp_path / "cache"))
     copied: list[int] = []
-    from tierckpt.cache import tiered
+    from tierckpt.node.disk import tiered
 
     original = tiered._TieredWriter.write_file
 
@@ -118,7 +118,7 @@ def test_the_memory_tier_writes_down_into_the_node_cache_kernel_side(tmp_path: P
 
 def test_the_retry_rule_grows_caps_and_stops_at_the_deadline() -> None:
     from tierckpt import deadline
-    from tierckpt.writeback.retry import UPLOAD, WRITE_DOWN, RetryPolicy
+    from tierckpt.node.retry import UPLOAD, WRITE_DOWN, RetryPolicy
 
     assert [UPLOAD.pause_s(a) for a in (1, 2, 3, 6, 7, 50)] == [1.0, 2.0, 4.0, 30.0, 30.0, 30.0]
     assert all(0.025 <= WRITE_DOWN.pause_s(1) <= 0.05 for _ in range(20))  # jittered in its upper half

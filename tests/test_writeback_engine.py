@@ -1,4 +1,4 @@
-"""The write-back engine of the node tiers (``tierckpt.writeback``): one level type, one exit drain, one
+"""The write-back engine of the node tiers (``tierckpt.node``): one level type, one exit drain, one
 durability answer, the chain's capability hooks, and the bytes each tier lands and reads back."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import torch
 import tierckpt
 from tierckpt import store
 from tierckpt.backends import LocalBackend
-from tierckpt.cache import CacheConfig
+from tierckpt.node.disk import CacheConfig
 from tierckpt.io.scheduled import ScheduledBackend
-from tierckpt.tiers import MemoryConfig, MemoryTier
-from tierckpt.writeback import drain as exit_drain
-from tierckpt.writeback import ledger
-from tierckpt.writeback.levels import WAITABLE, Level
-from tierckpt.writeback.status import LinkStatus, StoreStatus
+from tierckpt.node.memory import MemoryConfig, MemoryTier
+from tierckpt.node import drain as exit_drain
+from tierckpt.node import ledger
+from tierckpt.node.levels import WAITABLE, Level
+from tierckpt.node.status import LinkStatus, StoreStatus
 
 
 def _chain(tmp_path: Path, *, memory: bool, cache: bool) -> tierckpt.backends.Backend:
@@ -29,7 +29,7 @@ def _chain(tmp_path: Path, *, memory: bool, cache: bool) -> tierckpt.backends.Ba
 
 
 def test_one_level_type_for_every_status_and_the_saver() -> None:
-    from tierckpt import saver
+    from tierckpt.saving import api as saver
 
     assert saver.LEVELS is WAITABLE and all(isinstance(level, Level) for level in saver.LEVELS)
     assert [str(level) for level in saver.LEVELS] == ["memory", "replicated", "remote"]
@@ -42,7 +42,7 @@ def test_one_level_type_for_every_status_and_the_saver() -> None:
 def test_both_links_drain_through_the_one_exit_drain() -> None:
     """The memory tier's write-downs and the node cache's uploads are both in the engine's drain, the
     memory tier first (it feeds the cache)."""
-    from tierckpt.tiers import downdrain
+    from tierckpt.node.memory import downdrain
 
     drainers = exit_drain._drainers()
     depths = [d.depth for d in drainers]
@@ -110,7 +110,7 @@ def test_a_failed_save_leaves_the_tier_of_a_node_that_did_not_commit_it(tmp_path
     """``drop_uncommitted`` (every rank of a failed save): the node's files of the generation leave its
     memory tier and their write-downs stop; a generation the tier's COMMIT names is kept; a chain without
     a memory tier does nothing."""
-    from tierckpt import layout
+    from tierckpt.native import layout
 
     link = store.open_store(str(tmp_path / "remote"), {"memory": MemoryConfig(directory=str(tmp_path / "mem"))})
     tier = store.memory_tier_of(link)

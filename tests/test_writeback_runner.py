@@ -1,4 +1,4 @@
-"""The engine's task runner (:mod:`tierckpt.writeback.runner`) on its own, with an in-memory journal.
+"""The engine's task runner (:mod:`tierckpt.node.runner`) on its own, with an in-memory journal.
 
 Each test drives :class:`TaskRunner` through fake jobs whose ops are numbered versions of a key and whose
 journal is a list of events, so the runner's rules are checked without either node tier: one task per
@@ -17,8 +17,8 @@ import pytest
 
 from tierckpt.errors import CheckpointError, TransientStorageError
 from tierckpt.io.scheduler import get_scheduler
-from tierckpt.writeback.retry import RetryPolicy
-from tierckpt.writeback.runner import Entry, TaskRunner
+from tierckpt.node.retry import RetryPolicy
+from tierckpt.node.runner import Entry, TaskRunner
 
 QUICK = RetryPolicy(first_s=0.001, max_s=0.005)
 
@@ -235,7 +235,7 @@ def test_a_commit_goes_after_everything_it_depends_on() -> None:
 
 
 def test_a_commit_whose_dependency_failed_for_good_is_not_attempted() -> None:
-    from tierckpt.writeback.runner import Blocked
+    from tierckpt.node.runner import Blocked
 
     journal, runner = Journal(), TaskRunner()
 

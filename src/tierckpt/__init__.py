@@ -16,24 +16,24 @@ import importlib
 import logging as _logging
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from tierckpt.errors import (
     CheckpointBusyError, CheckpointError, CheckpointNotFoundError, ChecksumMismatchError, CollectiveError,
     CorruptCheckpointError, IncompleteCheckpointError, MissingFileError, StateMismatchError, StorageError,
     StoragePermissionError, TransientStorageError, UnsupportedURIError,
 )
-from .gc_pause import gc_paused as _gc_paused
+from tierckpt.gc_pause import gc_paused as _gc_paused
 
 __version__ = "0.1.0"
 
 _LAZY: dict[str, str] = {
     **dict.fromkeys(("drop", "gc", "open_tiered", "prefetch", "status", "sync", "wait"), ".cache_api"),
-    **dict.fromkeys(("load", "read_checkpoint", "read_state"), ".loader"),
-    "CheckpointManager": ".manager",
-    "inspect": ".cli_reports",
+    **dict.fromkeys(("load", "read_checkpoint", "read_state"), ".loading.api"),
+    "CheckpointManager": ".manager.api",
+    "inspect": ".cli.reports",
     **dict.fromkeys(("Monitor", "prometheus_text", "straggler_report"), ".monitor"),
-    **dict.fromkeys(("SaveHandle", "async_save", "save"), ".saver"),
+    **dict.fromkeys(("SaveHandle", "async_save", "save"), ".saving.api"),
     **dict.fromkeys(("FlatShardedTensor", "ShardedTensor"), ".sharded"),
-    **dict.fromkeys(("MultiSourceReader", "ResumableSampler", "RNGState"), ".training_state"),
+    **dict.fromkeys(("MultiSourceReader", "ResumableSampler", "RNGState"), ".state.training"),
 }
 """Public name -> the module that defines it, imported when the name is first used."""
 
@@ -47,7 +47,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """A public name's value, importing its module on first use; a submodule (``tierckpt.layout``) likewise."""
+    """A public name's value, importing its module on first use; a submodule (``tierckpt.native.layout``) likewise."""
     module = _LAZY.get(name)
     if module is not None:
         value = getattr(_import(module, __name__), name)
@@ -67,13 +67,17 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
-    from .cache_api import drop, gc, open_tiered, prefetch, status, sync, wait
-    from .cli_reports import inspect
-    from .loader import load, read_checkpoint, read_state
-    from .manager import CheckpointManager
-    from .monitor import Monitor, prometheus_text, straggler_report
-    from .saver import SaveHandle, async_save, save
-    from .sharded import FlatShardedTensor, ShardedTensor
-    from .training_state import MultiSourceReader, ResumableSampler, RNGState
+    from tierckpt.cache_api import drop, gc, open_tiered, prefetch, status, sync, wait
+    from tierckpt.cli.reports import inspect
+    from tierckpt.loading.api import load, read_checkpoint, read_state
+    from tierckpt.manager.api import CheckpointManager
+    from tierckpt.monitor import Monitor, prometheus_text, straggler_report
+    from tierckpt.saving.api import SaveHandle, async_save, save
+    from tierckpt.sharded import FlatShardedTensor, ShardedTensor
+    from tierckpt.state.training import MultiSourceReader, ResumableSampler, RNGState
 
 _logging.getLogger("tierckpt").addHandler(_logging.NullHandler())
+
+from tierckpt._moved import install as _install_moved_paths
+
+_install_moved_paths()  # old import paths (tierckpt.cache, tierckpt.loader, ...) load the moved modules

@@ -1,7 +1,7 @@
-"""``python -m tierckpt``: the command line (see :mod:`tierckpt.cli`)."""
+"""``python -m tierckpt``: the command line (see :mod:`tierckpt.cli.main`)."""
 
 import sys
 
-from .cli import main
+from tierckpt.cli.main import main
 
 sys.exit(main())

@@ -23,24 +23,24 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from . import layout
-from .backends import Backend
-from .call_args import merged_options, uri_text
-from .bounded import MAX_RECORD_BYTES
-from .cache.config import CacheConfig
-from .writeback.levels import Level
-from .writeback.status import StoreStatus
-from .cache.tiered import TieredBackend
-from .errors import CheckpointError, CheckpointNotFoundError, TransientStorageError
-from .io.scheduler import get_scheduler
-from .loader import read_checkpoint, read_pieces
-from .progress import ByteProgress, wanted
-from .store import (
+from tierckpt.native import layout
+from tierckpt.backends import Backend
+from tierckpt.call_args import merged_options, uri_text
+from tierckpt.backends.bounded import MAX_RECORD_BYTES
+from tierckpt.node.disk.config import CacheConfig
+from tierckpt.node.levels import Level
+from tierckpt.node.status import StoreStatus
+from tierckpt.node.disk.tiered import TieredBackend
+from tierckpt.errors import CheckpointError, CheckpointNotFoundError, TransientStorageError
+from tierckpt.io.scheduler import get_scheduler
+from tierckpt.loading.api import read_checkpoint, read_pieces
+from tierckpt.progress import ByteProgress, wanted
+from tierckpt.store import (
     durability_of, memory_config_held, open_cached_store, open_durable_chain, open_store, read_in_place, uploader_of,
 )
-from .tiers.config import MemoryConfig
-from .tiers.downlog import DownLog
-from .tiers.nodememory import NodeMemory
+from tierckpt.node.memory.config import MemoryConfig
+from tierckpt.node.memory.downlog import DownLog
+from tierckpt.node.memory.nodememory import NodeMemory
 
 def open_tiered(uri: str | os.PathLike[str], config: CacheConfig | None = None, *, storage_options: Mapping[str, Any] | None = None,
                 **options_kw: Any) -> Backend:
@@ -68,7 +68,7 @@ def status(uri: str | os.PathLike[str], config: CacheConfig | None = None, *, st
            **options_kw: Any) -> StoreStatus:
     """Where the checkpoint at ``uri`` stands on this node and on the remote: the generation committed
     on each, what is still pending upload, and the upload errors; with the node memory tier (see
-    :func:`~tierckpt.store.memory_config_held`) a :class:`~tierckpt.tiers.linkstatus.LinkStatus`, which adds each level.
+    :func:`~tierckpt.store.memory_config_held`) a :class:`~tierckpt.node.memory.linkstatus.LinkStatus`, which adds each level.
 
     With the node cache off (``TIERCKPT_CACHE=off``, ``config`` with ``enabled=False``, or the storage
     option ``cache=False``) the cache is not opened: without a memory tier holding ``uri``, nothing is
@@ -355,11 +355,11 @@ def gc(root: str | os.PathLike[str], keep_last: int | None = None, keep_every: i
     """Retention over ``root``: a directory whose children are checkpoints (``<root>/step-100/COMMIT``).
 
     Needs an explicit policy: keeps the ``keep_last`` newest committed checkpoints and those whose
-    step (:func:`tierckpt.layout.step_of`: ``step-<digits>``) is a multiple of ``keep_every`` (the newest
+    step (:func:`tierckpt.native.layout.step_of`: ``step-<digits>``) is a multiple of ``keep_every`` (the newest
     one always; children without a step name count as older than every step); deletes every other
     committed checkpoint from the remote and from the node cache. Children without a COMMIT are left
     alone. In what is kept, generations that can never be committed are removed
-    (:func:`tierckpt.layout.superseded_generations`: decided by commit sequence, never by a clock, so
+    (:func:`tierckpt.native.layout.superseded_generations`: decided by commit sequence, never by a clock, so
     a save in flight keeps its generation). ``dry_run`` reports without deleting.
     """
     root = uri_text("gc", root)

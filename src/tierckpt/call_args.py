@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import CheckpointError
+from tierckpt.errors import CheckpointError
 
 
 def uri_text(call: str, uri: str | os.PathLike[str]) -> str:

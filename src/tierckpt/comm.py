@@ -19,8 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import errors
-from .errors import CheckpointError, CollectiveError
+from tierckpt import errors
+from tierckpt.errors import CheckpointError, CollectiveError
 
 logger = logging.getLogger("tierckpt")
 

@@ -8,7 +8,7 @@ follows the operation onto the I/O loop, and into the threads it starts with :fu
 * every synchronous wait on the I/O loop (:meth:`tierckpt.io.scheduler.IOScheduler.run`) ends at the
   deadline, cancelling the work it waits for, and raises :class:`~tierckpt.errors.DeadlineExceededError`
   naming the operation, its URI, the store that did not answer and the setting to raise;
-* retry loops (:func:`tierckpt.retry.retry_transient`) do not start a backoff that would end past it.
+* retry loops (:func:`tierckpt.backends.retry.retry_transient`) do not start a backoff that would end past it.
 
 Background work (uploads, write-downs, sweeps) outlives the operation that started it: it has no
 deadline (:func:`tierckpt.io.scheduled.set_background` drops it); the exit drain that waits for it is
@@ -19,7 +19,7 @@ Settings: ``TIERCKPT_TIMEOUT_S`` (seconds) is the deadline of every ``save``, ``
 operation has no overall deadline (each request is still bounded: ``timeout_s``, plus time to move
 its bytes at :data:`tierckpt.io.scheduler.MIN_BYTES_PER_S`), ``ls``, ``status``, ``inspect`` and
 ``stats`` stop after :data:`CLI_DEFAULT_S`, and the CLI commands that move a checkpoint's data after
-:data:`tierckpt.cli_deadline.DATA_DEFAULT_S`.
+:data:`tierckpt.cli.deadline.DATA_DEFAULT_S`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .errors import CheckpointError, DeadlineExceededError
+from tierckpt.errors import CheckpointError, DeadlineExceededError
 
 _T = TypeVar("_T")
 

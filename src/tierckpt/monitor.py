@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import progress as _progress
+from tierckpt import progress as _progress
 
 logger = logging.getLogger("tierckpt")
 

@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
-from .regions import Box, FlatRange
-from .state import TensorEntry
+from tierckpt.errors import CheckpointError
+from tierckpt.native.regions import Box, FlatRange
+from tierckpt.state.adapters import TensorEntry
 
 __all__ = [
     "FlatShardedTensor", "ShardedTensor", "column_parallel", "from_megatron", "row_parallel", "stage_layers",

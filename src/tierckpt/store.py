@@ -2,8 +2,8 @@
 
 A *store* is a :class:`~tierckpt.backends.base.Backend`: either the backend of the URI itself
 (:mod:`tierckpt.backends`) or that backend wrapped in *links*, each a small ``Backend`` with one job
-(:mod:`tierckpt.cache`: the node cache's write-back journal and read-through tiers;
-:mod:`tierckpt.tiers.link`: the node memory tier on top). Saver, loader, manager, CLI, verify and
+(:mod:`tierckpt.node.disk`: the node cache's write-back journal and read-through tiers;
+:mod:`tierckpt.node.memory.link`: the node memory tier on top). Saver, loader, manager, CLI, verify and
 convert get every store from :func:`open_store`, so "is this URI cached?" and "does it commit into
 node memory first?" are decided here, once, each by one rule (:func:`cache_config_for`,
 :func:`memory_config_for`). The chain, top first::
@@ -13,7 +13,7 @@ node memory first?" are decided here, once, each by one rule (:func:`cache_confi
         ScheduledBackend (slots, retries)
           the URI's backend (local, memory://, S3, fsspec)
 
-Both write-back links run on the engine of :mod:`tierckpt.writeback`: its one durability answer
+Both write-back links run on the engine of :mod:`tierckpt.node`: its one durability answer
 (:class:`Durable`, asked with :func:`durability_of`), its one exit drain (:func:`drain_write_back`) and
 its one level type. A store without the protocol is durable where its URI points when a write returns.
 
@@ -27,20 +27,20 @@ import os
 import time
 from typing import Any
 
-from .backends import Backend, LocalBackend, open_plain_backend, split_uri
-from .cache.config import CacheConfig
-from .cache.tiered import TieredBackend
-from .cache.uploader import Uploader
-from .errors import CheckpointError, StorageError
-from .io.scheduled import ScheduledBackend
-from .io.scheduler import get_scheduler
-from .tiers.config import MemoryConfig, memory_enabled_from_env
-from .tiers.link import MemoryLink
-from .tiers.roots import committed_under, tier_uri
-from .tiers.memory import MemoryTier
-from .tiers.nodememory import NodeMemory
-from .writeback import drain as exit_drain
-from .writeback.durability import Durable, Revocable, durability_of, revocable_of
+from tierckpt.backends import Backend, LocalBackend, open_plain_backend, split_uri
+from tierckpt.node.disk.config import CacheConfig
+from tierckpt.node.disk.tiered import TieredBackend
+from tierckpt.node.disk.uploader import Uploader
+from tierckpt.errors import CheckpointError, StorageError
+from tierckpt.io.scheduled import ScheduledBackend
+from tierckpt.io.scheduler import get_scheduler
+from tierckpt.node.memory.config import MemoryConfig, memory_enabled_from_env
+from tierckpt.node.memory.link import MemoryLink
+from tierckpt.node.memory.roots import committed_under, tier_uri
+from tierckpt.node.memory.memory import MemoryTier
+from tierckpt.node.memory.nodememory import NodeMemory
+from tierckpt.node import drain as exit_drain
+from tierckpt.node.durability import Durable, Revocable, durability_of, revocable_of
 
 __all__ = [
     "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s", "forget_cached",
@@ -73,7 +73,7 @@ def cache_config_for(uri: str, cache: Any = None) -> CacheConfig | None:
     if cache is not None and not isinstance(cache, (bool, CacheConfig)):
         raise CheckpointError(
             f"storage option cache={cache!r} for {uri!r}: pass True or False (node cache on or off), "
-            "or a tierckpt.cache.CacheConfig"
+            "or a tierckpt.node.disk.CacheConfig"
         )
     if cache is False or read_in_place(uri):
         return None
@@ -95,13 +95,13 @@ def memory_config_for(uri: str, memory: Any = None) -> MemoryConfig | None:
 
     * ``memory://`` URIs never get one (the store is already in this process's memory);
     * ``memory=False`` leaves it out, ``memory=True`` puts it in (:meth:`MemoryConfig.from_env`), whatever
-      ``TIERCKPT_MEMORY`` says; a :class:`~tierckpt.tiers.MemoryConfig` is used as given;
+      ``TIERCKPT_MEMORY`` says; a :class:`~tierckpt.node.memory.MemoryConfig` is used as given;
     * ``memory=None`` (the default): on when ``TIERCKPT_MEMORY=on`` (default ``off``).
     """
     if memory is not None and not isinstance(memory, (bool, MemoryConfig)):
         raise CheckpointError(
             f"storage option memory={memory!r} for {uri!r}: pass True or False (node memory tier on or off), "
-            "or a tierckpt.tiers.MemoryConfig"
+            "or a tierckpt.node.memory.MemoryConfig"
         )
     if memory is False or split_uri(uri)[0] == "memory":
         return None

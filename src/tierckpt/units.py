@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-from .errors import CheckpointError
+from tierckpt.errors import CheckpointError
 
 _PREFIXES = "KMGTP"
 UNITS: dict[str, int] = {

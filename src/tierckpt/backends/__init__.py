@@ -24,14 +24,14 @@ from typing import Any
 
 import fsspec
 
-from ..errors import CheckpointError, UnsupportedURIError
-from ..keys import validate_key
-from .base import Backend, Capabilities, ObjectWriter
-from .fsspec_backend import FsspecBackend
-from .s3 import S3Backend
-from .local import LocalBackend
-from .memory import MemoryBackend
-from .options import check_options
+from tierckpt.errors import CheckpointError, UnsupportedURIError
+from tierckpt.native.keys import validate_key
+from tierckpt.backends.base import Backend, Capabilities, ObjectWriter
+from tierckpt.backends.fsspec_backend import FsspecBackend
+from tierckpt.backends.s3 import S3Backend
+from tierckpt.backends.local import LocalBackend
+from tierckpt.backends.memory import MemoryBackend
+from tierckpt.backends.options import check_options
 
 __all__ = [
     "Backend",

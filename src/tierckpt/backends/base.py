@@ -38,9 +38,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..bounded import oversized
-from ..errors import CheckpointError
-from ..layout import CommitRecord
+from tierckpt.backends.bounded import oversized
+from tierckpt.errors import CheckpointError
+from tierckpt.native.layout import CommitRecord
 
 if TYPE_CHECKING:
     import torch

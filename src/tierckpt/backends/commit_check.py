@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..errors import CheckpointBusyError, CheckpointNotFoundError
-from .base import UNCONDITIONAL, Unconditional
+from tierckpt.errors import CheckpointBusyError, CheckpointNotFoundError
+from tierckpt.backends.base import UNCONDITIONAL, Unconditional
 
 if TYPE_CHECKING:
-    from .base import Backend
+    from tierckpt.backends.base import Backend
 
 
 def commit_refused(uri: str, expected: bytes | None, current: bytes | None | str) -> CheckpointBusyError:

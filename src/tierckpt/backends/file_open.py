@@ -1,7 +1,7 @@
 """Opening a checkpoint's files for reading: regular files only (a FIFO would block a reader forever), and,
 for the node memory tier's files, under a shared ``flock`` held while the file is read.
 
-The memory tier reuses a retired file's pages (:mod:`tierckpt.tiers.pagepool`) only when no reader holds
+The memory tier reuses a retired file's pages (:mod:`tierckpt.node.memory.pagepool`) only when no reader holds
 that lock, so every reader of the tier's files opens them with :func:`open_shared` (or holds the lock with
 :func:`hold_shared`).
 """
@@ -13,7 +13,7 @@ import fcntl
 import os
 import stat
 
-from ..errors import CorruptCheckpointError
+from tierckpt.errors import CorruptCheckpointError
 
 
 def not_regular(path: str, mode: int) -> CorruptCheckpointError:
@@ -30,7 +30,7 @@ _REOPENS = 100
 def hold_shared(fd: int, path: str) -> bool:
     """Take a shared ``flock`` on ``fd`` (opened from ``path``); whether ``path`` still names its file.
 
-    The node memory tier reuses a retired file's pages (:mod:`tierckpt.tiers.pagepool`) only after renaming
+    The node memory tier reuses a retired file's pages (:mod:`tierckpt.node.memory.pagepool`) only after renaming
     it away from its path and then taking its exclusive lock without waiting: a reader holding the shared
     lock on a file its path still named reads bytes nobody overwrites until it closes the descriptor (or
     the last ``mmap`` made from it). ``False``: the file left its path before the lock was taken (the

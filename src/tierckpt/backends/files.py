@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable
 from urllib.parse import unquote, urlparse
 
-from ..errors import (
+from tierckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -28,11 +28,11 @@ from ..errors import (
     StoragePermissionError,
     UnsupportedURIError,
 )
-from ..bounded import MAX_RECORD_BYTES, read_fd_capped
-from ..keys import validate_key
-from . import mapped_read
-from .file_open import not_regular, open_regular
-from .base import UNCONDITIONAL, Unconditional
+from tierckpt.backends.bounded import MAX_RECORD_BYTES, read_fd_capped
+from tierckpt.native.keys import validate_key
+from tierckpt.backends import mapped_read
+from tierckpt.backends.file_open import not_regular, open_regular
+from tierckpt.backends.base import UNCONDITIONAL, Unconditional
 
 _TEMP_SUFFIX = ".partial"
 _LOCK_SUFFIX = ".lock"
@@ -242,7 +242,7 @@ def read_whole(path: str, shared: bool = False) -> bytes:
 
 
 def read_whole_capped(path: str, cap: int, shared: bool = False) -> bytes:
-    """:func:`read_whole`, refused unread when the file is larger than ``cap`` (see :mod:`tierckpt.bounded`)."""
+    """:func:`read_whole`, refused unread when the file is larger than ``cap`` (see :mod:`tierckpt.backends.bounded`)."""
     fd = open_regular(path, shared)
     try:
         return read_fd_capped(fd, cap, path)

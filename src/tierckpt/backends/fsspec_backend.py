@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.exceptions import FSTimeoutError
 
-from ..errors import (
+from tierckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     StorageError,
@@ -42,10 +42,10 @@ from ..errors import (
     TransientStorageError,
     UnsupportedURIError,
 )
-from ..keys import validate_key
-from .base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Unconditional
-from .commit_check import check_expected
-from .files import check_prefix, check_range, is_temp_name, range_past_end, temp_name
+from tierckpt.native.keys import validate_key
+from tierckpt.backends.base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Unconditional
+from tierckpt.backends.commit_check import check_expected
+from tierckpt.backends.files import check_prefix, check_range, is_temp_name, range_past_end, temp_name
 
 _T = TypeVar("_T")
 

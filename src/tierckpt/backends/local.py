@@ -29,12 +29,12 @@ import shutil
 import stat
 from collections.abc import Callable, Mapping, Sequence
 
-from ..errors import CorruptCheckpointError
-from ..keys import validate_key
-from .base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, ReadsInto, Segment, Unconditional
-from .commit_check import commit_refused
-from .run_reads import pread_runs, pread_segments
-from .files import (
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.native.keys import validate_key
+from tierckpt.backends.base import UNCONDITIONAL, Backend, Capabilities, ObjectWriter, ReadsInto, Segment, Unconditional
+from tierckpt.backends.commit_check import commit_refused
+from tierckpt.backends.run_reads import pread_runs, pread_segments
+from tierckpt.backends.files import (
     WRITEBACK_BATCH_BYTES,
     WRITEBACK_PAGE_BYTES,
     commit_if,
@@ -91,7 +91,7 @@ class _LocalWriter(ObjectWriter):
 
     async def write_file(self, fd: int, offset: int, length: int) -> None:
         """Append ``length`` bytes of the local file open as ``fd`` kernel-side (a
-        :class:`~tierckpt.writeback.copy.FileSink`: the write-back engine's copies land so)."""
+        :class:`~tierckpt.node.copy.FileSink`: the write-back engine's copies land so)."""
         self._check_open()
         try:
             await asyncio.to_thread(self._copy_through, fd, offset, length)

@@ -22,7 +22,7 @@ turns it off (to compare, or where mapping files is unwelcome).
 A mapped read shares one hazard with every reader of a mapping: a file truncated *while* it is being
 copied raises ``SIGBUS``, which ends the process (loudly, never with wrong bytes). Checkpoint files are
 never truncated in place (they are written under temporary names and renamed), and the memory tier
-cuts a file's size only when it reuses its pages (:mod:`tierckpt.tiers.pagepool`), which it never does
+cuts a file's size only when it reuses its pages (:mod:`tierckpt.node.memory.pagepool`), which it never does
 while a reader holds the file's shared lock — as every read of the tier does, mapped or not.
 """
 
@@ -35,7 +35,7 @@ import crc32c
 import numpy as np
 
 try:
-    from .. import _copycrc
+    from tierckpt import _copycrc
 except ImportError:  # built without a C compiler: every read takes pread
     _copycrc = None
 

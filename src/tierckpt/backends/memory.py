@@ -15,16 +15,16 @@ import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
-from ..errors import (
+from tierckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UnsupportedURIError,
 )
-from ..keys import validate_key
-from .base import UNCONDITIONAL, Backend, ObjectWriter, Unconditional
-from .commit_check import commit_refused
-from .files import check_prefix, check_range, range_past_end
+from tierckpt.native.keys import validate_key
+from tierckpt.backends.base import UNCONDITIONAL, Backend, ObjectWriter, Unconditional
+from tierckpt.backends.commit_check import commit_refused
+from tierckpt.backends.files import check_prefix, check_range, range_past_end
 
 _SCHEME = "memory://"
 

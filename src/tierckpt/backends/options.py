@@ -8,8 +8,8 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import CheckpointError
-from .base import Backend
+from tierckpt.errors import CheckpointError
+from tierckpt.backends.base import Backend
 
 CHAIN_OPTIONS = ("cache", "memory")
 """Storage options of the storage chain itself (node cache, node memory tier), valid for every URI."""

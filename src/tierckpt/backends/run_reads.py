@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from ..errors import CorruptCheckpointError
-from . import mapped_read
-from .base import Segment
-from .file_open import open_regular
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.backends import mapped_read
+from tierckpt.backends.base import Segment
+from tierckpt.backends.file_open import open_regular
 
 
 READ_THROUGH_GAP_BYTES = 128 << 10

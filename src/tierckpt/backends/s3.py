@@ -40,11 +40,11 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import CheckpointBusyError, CheckpointNotFoundError, StorageError, UnsupportedURIError
-from ..retry import retry_transient
-from .base import UNCONDITIONAL, Backend, ObjectWriter, Unconditional
-from .commit_check import commit_refused
-from .fsspec_backend import FsspecBackend, response_error
+from tierckpt.errors import CheckpointBusyError, CheckpointNotFoundError, StorageError, UnsupportedURIError
+from tierckpt.backends.retry import retry_transient
+from tierckpt.backends.base import UNCONDITIONAL, Backend, ObjectWriter, Unconditional
+from tierckpt.backends.commit_check import commit_refused
+from tierckpt.backends.fsspec_backend import FsspecBackend, response_error
 
 ENDPOINT_ENV = "TIERCKPT_S3_ENDPOINT_URL"
 """Environment variable naming the default S3 endpoint URL."""

@@ -55,12 +55,12 @@ try:
 except ImportError as exc:
     raise ImportError(f"tierckpt.integrations.accelerate needs accelerate ({exc}): pip install accelerate") from exc
 
-from ..errors import CheckpointError
-from ..loader import load
-from ..readers import read_checkpoint
-from ..saver import save
-from ..store import open_store
-from ..training_state import RNGState
+from tierckpt.errors import CheckpointError
+from tierckpt.loading.api import load
+from tierckpt.formats.select import read_checkpoint
+from tierckpt.saving.api import save
+from tierckpt.store import open_store
+from tierckpt.state.training import RNGState
 
 __all__ = ["DataLoaderState", "load_state", "save_state"]
 

@@ -42,14 +42,14 @@ except ImportError as exc:
         "(or pip install 'lightning>=2.6')"
     ) from exc
 
-from ..comm import SELF, Group
-from ..errors import CheckpointError
-from ..io.scheduler import get_scheduler
-from ..loader import load
-from ..readers import read_checkpoint
-from ..nested import template_of
-from ..saver import save
-from ..store import open_store
+from tierckpt.comm import SELF, Group
+from tierckpt.errors import CheckpointError
+from tierckpt.io.scheduler import get_scheduler
+from tierckpt.loading.api import load
+from tierckpt.formats.select import read_checkpoint
+from tierckpt.loading.nested import template_of
+from tierckpt.saving.api import save
+from tierckpt.store import open_store
 
 STRUCTURE_KEY = "lightning.structure"
 """The object entry holding the checkpoint dict without its tensors, and where each tensor goes back."""

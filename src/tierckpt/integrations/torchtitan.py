@@ -50,9 +50,9 @@ except ImportError as exc:
         "(or pip install 'torchtitan>=0.3')"
     ) from exc
 
-from ..errors import CheckpointError, CheckpointNotFoundError
-from ..loader import load
-from ..manager import CheckpointManager
+from tierckpt.errors import CheckpointError, CheckpointNotFoundError
+from tierckpt.loading.api import load
+from tierckpt.manager.api import CheckpointManager
 
 __all__ = ["TierckptCheckpointManager"]
 

@@ -60,14 +60,14 @@ except ImportError as exc:
         f'tierckpt.integrations.transformers needs transformers 5.x and accelerate ({exc}): pip install "tierckpt[transformers]"'
     ) from exc
 
-from .. import layout
-from ..call_args import uri_text
-from ..errors import CheckpointError, CheckpointNotFoundError
-from ..io.scheduler import get_scheduler
-from ..loader import load, read_checkpoint
-from ..saver import save
-from ..store import open_store
-from ..training_state import RNGState
+from tierckpt.native import layout
+from tierckpt.call_args import uri_text
+from tierckpt.errors import CheckpointError, CheckpointNotFoundError
+from tierckpt.io.scheduler import get_scheduler
+from tierckpt.loading.api import load, read_checkpoint
+from tierckpt.saving.api import save
+from tierckpt.store import open_store
+from tierckpt.state.training import RNGState
 
 __all__ = ["TierckptTrainer", "checkpoint_steps", "latest_checkpoint", "plain_checkpoints"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .scheduler import (
+from tierckpt.io.scheduler import (
     IOMetrics,
     IOScheduler,
     OpRecord,

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import deadline
+from tierckpt import deadline
 
 NOTE_AFTER_S = 5.0
 """A call unanswered this long says so on stderr (then at doubling waits)."""

@@ -20,8 +20,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from ..backends import Backend
-from .scheduler import IOScheduler, ReadRequest
+from tierckpt.backends import Backend
+from tierckpt.io.scheduler import IOScheduler, ReadRequest
 
 
 class Taken:

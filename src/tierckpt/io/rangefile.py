@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import io
 
-from ..backends import Backend
-from .scheduler import get_scheduler
+from tierckpt.backends import Backend
+from tierckpt.io.scheduler import get_scheduler
 
 
 class SeekableReader(io.RawIOBase):

@@ -38,15 +38,15 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from .. import layout
-from ..backends import Backend
-from ..errors import ChecksumMismatchError
-from ..metadata import PieceMeta
-from .crc import RAW_INIT, shift, zeros_crc
-from .scheduler import get_scheduler
+from tierckpt.native import layout
+from tierckpt.backends import Backend
+from tierckpt.errors import ChecksumMismatchError
+from tierckpt.native.metadata import PieceMeta
+from tierckpt.io.crc import RAW_INIT, shift, zeros_crc
+from tierckpt.io.scheduler import get_scheduler
 
 try:
-    from .._copycrc import fold_runs
+    from tierckpt._copycrc import fold_runs
 except ImportError:  # the optional native extension was not built: numpy does the same
     fold_runs = None
 

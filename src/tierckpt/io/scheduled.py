@@ -19,9 +19,9 @@ import contextvars
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-from .. import deadline
-from ..backends.base import UNCONDITIONAL, Backend, ObjectWriter, Segment, Unconditional
-from .scheduler import Priority, get_scheduler, retry_transient
+from tierckpt import deadline
+from tierckpt.backends.base import UNCONDITIONAL, Backend, ObjectWriter, Segment, Unconditional
+from tierckpt.io.scheduler import Priority, get_scheduler, retry_transient
 
 _T = TypeVar("_T")
 

@@ -43,13 +43,13 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .. import deadline
-from ..backends.base import Backend
-from ..errors import CheckpointError, StorageUnreachableError, TransientStorageError
-from ..retry import retry_transient
-from .calls import CallsInFlight
-from .outages import Outages
-from .slots import IOMetrics, OpRecord, OpTotals, Priority, PrioritySemaphore
+from tierckpt import deadline
+from tierckpt.backends.base import Backend
+from tierckpt.errors import CheckpointError, StorageUnreachableError, TransientStorageError
+from tierckpt.backends.retry import retry_transient
+from tierckpt.io.calls import CallsInFlight
+from tierckpt.io.outages import Outages
+from tierckpt.io.slots import IOMetrics, OpRecord, OpTotals, Priority, PrioritySemaphore
 
 __all__ = [
     "IOMetrics", "IOScheduler", "OpRecord", "OpTotals", "Priority", "PrioritySemaphore", "ReadRequest", "get_scheduler",

@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 import crc32c
 import torch
 
-from ..backends import Backend
-from ..backends.base import ObjectWriter
-from ..errors import CheckpointError
-from .crc import BlockAccumulator, PieceChecksums, concat_crc, finish_pieces
-from .scheduler import get_scheduler
+from tierckpt.backends import Backend
+from tierckpt.backends.base import ObjectWriter
+from tierckpt.errors import CheckpointError
+from tierckpt.io.crc import BlockAccumulator, PieceChecksums, concat_crc, finish_pieces
+from tierckpt.io.scheduler import get_scheduler
 
 
 @dataclass(eq=False)

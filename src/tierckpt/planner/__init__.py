@@ -1,8 +1,8 @@
 """Pure planning: what each rank writes at save time and reads at load time. No I/O here."""
 
-from .load_planner import LoadPlan, ReadUnit, Delivery, TargetPiece, plan_load
-from .routes import Topology, topology
-from .save_planner import LocalPiece, SavePlan, WriteAssignment, plan_save
+from tierckpt.planner.load_planner import LoadPlan, ReadUnit, Delivery, TargetPiece, plan_load
+from tierckpt.planner.routes import Topology, topology
+from tierckpt.planner.save_planner import LocalPiece, SavePlan, WriteAssignment, plan_save
 
 __all__ = [
     "Delivery", "LoadPlan", "LocalPiece", "ReadUnit", "SavePlan", "TargetPiece", "Topology", "WriteAssignment",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from ..regions import Box
+from tierckpt.native.regions import Box
 
 
 class _Axis:

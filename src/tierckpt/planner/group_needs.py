@@ -3,7 +3,7 @@
 A rank's plan (:func:`.rank_plan.plan_rank`) plans tensors laid out alike once: the same shape, dtype, saved
 regions and the same region needed on every rank. Read from N lists of :class:`~.plan_types.TargetPiece`,
 recognising that costs N needs per tensor on every rank (the group's N x tensors needs). Here each rank's
-needs are what the needs all-gather carries (:mod:`tierckpt.load_wire`): the positions of its tensors among
+needs are what the needs all-gather carries (:mod:`tierckpt.loading.wire`): the positions of its tensors among
 the checkpoint's sorted names, in its own order, and for each its *class*: its region's number among the
 rank's distinct regions (a whole tensor is one class whatever its shape: ``None``). Classes are numbered
 across the group (rank by rank), so a tensor's needs on every rank are one row of class numbers (-1 where a
@@ -19,10 +19,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import CheckpointError
-from ..metadata import TensorMeta
-from ..regions import Box, Region
-from .plan_types import TargetPiece
+from tierckpt.errors import CheckpointError
+from tierckpt.native.metadata import TensorMeta
+from tierckpt.native.regions import Box, Region
+from tierckpt.planner.plan_types import TargetPiece
 
 ClassRegion = Region | None
 """A class's region: ``None`` for the whole tensor (a replicated parameter, of any shape)."""

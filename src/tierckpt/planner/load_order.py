@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .plan_types import ReadUnit, whole_to_other
+from tierckpt.planner.plan_types import ReadUnit, whole_to_other
 
 
 COALESCE_GAP_BYTES = 64

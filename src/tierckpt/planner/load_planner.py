@@ -33,12 +33,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from ..metadata import PieceMeta, TensorMeta, itemsize
-from ..regions import StoredBox, stored_boxes
-from .load_order import COALESCE_GAP_BYTES, READER_SHARE, assign_rounds, choose_readers
-from .plan_types import Delivery, LoadPlan, ReadUnit, TargetPiece, whole_to_other
-from .routes import Topology, topology_for
-from .slab_units import plan_tensor
+from tierckpt.native.metadata import PieceMeta, TensorMeta, itemsize
+from tierckpt.native.regions import StoredBox, stored_boxes
+from tierckpt.planner.load_order import COALESCE_GAP_BYTES, READER_SHARE, assign_rounds, choose_readers
+from tierckpt.planner.plan_types import Delivery, LoadPlan, ReadUnit, TargetPiece, whole_to_other
+from tierckpt.planner.routes import Topology, topology_for
+from tierckpt.planner.slab_units import plan_tensor
 
 __all__ = [
     "COALESCE_GAP_BYTES", "READER_SHARE", "Delivery", "LoadPlan", "ReadUnit", "TargetPiece", "plan_load", "whole_to_other",
@@ -57,7 +57,7 @@ def plan_load(
     """Plan a load for a group whose rank ``r`` needs ``needs[r]``. Pure and deterministic.
 
     ``chunk_bytes`` and ``round_bytes`` (steps 2 and 4 above) have no default here: the entry point
-    passes its own (:data:`tierckpt.loader.DEFAULT_CHUNK_BYTES`, :data:`tierckpt.loader.DEFAULT_ROUND_BYTES`).
+    passes its own (:data:`tierckpt.loading.api.DEFAULT_CHUNK_BYTES`, :data:`tierckpt.loading.api.DEFAULT_ROUND_BYTES`).
 
     ``topology``: the costs the route of each slab is chosen by (see :mod:`.routes`); default
     :func:`~.routes.default_topology`, which reads each byte once per group.

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..regions import Box, Region, StoredBox
-from .routes import DIRECT, EXCHANGE, NODE, Route
+from tierckpt.native.regions import Box, Region, StoredBox
+from tierckpt.planner.routes import DIRECT, EXCHANGE, NODE, Route
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -2,7 +2,7 @@
 
 :func:`~.load_planner.plan_load` computes the whole group's plan on every rank: at N ranks resharding
 rows to columns, N^2 (saved box, target) pairs each. Here rank ``r`` plans what concerns it, in two steps
-around one collective the loader already makes (:mod:`tierckpt.load_generation`):
+around one collective the loader already makes (:mod:`tierckpt.loading.generation`):
 
 1. :func:`plan_rank` visits only the saved boxes its own targets meet (:class:`~.box_index.BoxIndex`),
    finds the other ranks that need each of them (an index of every rank's target boxes: its exchange
@@ -62,15 +62,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import CheckpointError
-from ..metadata import PieceMeta, TensorMeta, itemsize
-from ..regions import Box, Region, StoredBox, stored_boxes
-from .box_index import BoxIndex
-from .group_needs import GroupNeeds
-from .load_order import READER_SHARE
-from .plan_types import Delivery, LoadPlan, ReadUnit, TargetPiece, whole_to_other
-from .routes import Topology, topology_for
-from .slab_units import Need, Saved, check_covered, flat_span, saved_box_units, saved_boxes
+from tierckpt.errors import CheckpointError
+from tierckpt.native.metadata import PieceMeta, TensorMeta, itemsize
+from tierckpt.native.regions import Box, Region, StoredBox, stored_boxes
+from tierckpt.planner.box_index import BoxIndex
+from tierckpt.planner.group_needs import GroupNeeds
+from tierckpt.planner.load_order import READER_SHARE
+from tierckpt.planner.plan_types import Delivery, LoadPlan, ReadUnit, TargetPiece, whole_to_other
+from tierckpt.planner.routes import Topology, topology_for
+from tierckpt.planner.slab_units import Need, Saved, check_covered, flat_span, saved_box_units, saved_boxes
 
 UnitKey = tuple[str, int, str, tuple[int, ...], tuple[int, ...]]
 """A unit's place in the group's order: file, first byte, tensor, box offsets and lengths. Every rank

@@ -15,7 +15,7 @@ A slab of a saved piece that several ranks need can reach them by three routes:
 :func:`choose_route` compares the estimated seconds of both from explicit inputs (:class:`Topology`:
 what the store costs, what the exchange costs, which node each rank is on) and is pure, so every rank
 takes the same decision from the same inputs. The inputs are the constants below as a prior, replaced
-by what the job measured of the store and the exchange it actually uses (:mod:`tierckpt.route_costs`,
+by what the job measured of the store and the exchange it actually uses (:mod:`tierckpt.loading.route_costs`,
 agreed by every rank) and by an operator's override. The estimates are bottleneck sums, not simulations:
 
 * storage: per request ``request_s`` on the rank that issues it; per byte ``byte_s`` through each node's
@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
-from ..errors import CheckpointError
+from tierckpt.errors import CheckpointError
 
 Route = Literal["direct", "node", "exchange"]
 DIRECT: Route = "direct"
@@ -129,7 +129,7 @@ class Topology:
     store: StoreCost
     exchange: ExchangeCost
     nodes: tuple[str, ...]
-    """Node identity of each rank of the loading group (see :mod:`tierckpt.node`)."""
+    """Node identity of each rank of the loading group (see :mod:`tierckpt.node.host`)."""
     cores: int = 0
     """CPU cores per node (the fewest any rank sees; 0: unknown, as many as ranks). Node-local exchange
     messages are CPU work (socket copies): at most this many run at once on a node, so where ranks

@@ -19,9 +19,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import StateMismatchError
-from ..metadata import TensorMeta, dtype_from_name, itemsize
-from ..regions import Box, FlatRange, Region
+from tierckpt.errors import StateMismatchError
+from tierckpt.native.metadata import TensorMeta, dtype_from_name, itemsize
+from tierckpt.native.regions import Box, FlatRange, Region
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

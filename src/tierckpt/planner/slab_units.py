@@ -10,12 +10,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError
-from ..metadata import PieceMeta, TensorMeta, itemsize
-from ..regions import Box, StoredBox, box_runs, stored_boxes
-from .box_index import BoxIndex
-from .plan_types import Delivery
-from .routes import DIRECT, NODE, RankRead, Topology, choose_route
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.native.metadata import PieceMeta, TensorMeta, itemsize
+from tierckpt.native.regions import Box, StoredBox, box_runs, stored_boxes
+from tierckpt.planner.box_index import BoxIndex
+from tierckpt.planner.plan_types import Delivery
+from tierckpt.planner.routes import DIRECT, NODE, RankRead, Topology, choose_route
 
 
 Need = tuple[int, int, StoredBox, Box]

@@ -1,0 +1,104 @@
+"""Exact coverage of each tensor by its pieces, checked on every load: every element in exactly one piece.
+
+A checkpoint's metadata is untrusted input. A table (native, or a foreign format's) that lists the same
+half of a tensor twice has element counts that add up to the whole, 50 + 50 = 100, while the other half
+is in no piece: a load that trusted the sum would return with that half never written. Pieces that are
+pairwise disjoint and whose element counts add up to the tensor's cover it exactly (their union is the
+tensor), so a load checks both, per tensor, before it plans a read:
+
+* overlapping pieces raise :class:`~tierckpt.errors.CorruptCheckpointError` naming the tensor and both
+  pieces' ranges;
+* elements no piece holds raise it too, naming the tensor and how many are missing.
+
+The cost stays in the noise of a load: a tensor saved whole (one piece holding all of it) is one
+comparison; flat ranges (ZeRO buffers) are sorted by start; boxes are swept along the dimension that
+splits them most, so row- or column-sharded tensors compare each piece with its neighbours only.
+``tierckpt verify`` reports the same overlaps one by one (:mod:`tierckpt.formats.verify`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.native.metadata import PieceMeta, TensorMeta
+from tierckpt.native.regions import Box, FlatRange, Region, stored_boxes
+
+
+def check_exact_coverage(tensors: Mapping[str, TensorMeta], pieces: Mapping[str, Sequence[PieceMeta]], uri: str) -> None:
+    """Raise :class:`~tierckpt.errors.CorruptCheckpointError` unless the pieces of each tensor in ``pieces``
+    hold each of its elements exactly once."""
+    for fqn, listed in pieces.items():
+        shape = tensors[fqn].shape
+        if len(listed) == 1 and _whole(listed[0].region, shape):
+            continue
+        _check_tensor(fqn, shape, listed, uri)
+
+
+def _whole(region: Region, shape: tuple[int, ...]) -> bool:
+    """Whether ``region`` is the whole of a tensor of ``shape``."""
+    if isinstance(region, FlatRange):
+        return region.start == 0 and region.stop == math.prod(shape)
+    return region.lengths == shape and not any(region.offsets)
+
+
+def _check_tensor(fqn: str, shape: tuple[int, ...], pieces: Sequence[PieceMeta], uri: str) -> None:
+    overlap = _first_overlap(shape, pieces)
+    if overlap is not None:
+        a, b = overlap
+        raise CorruptCheckpointError(
+            f"checkpoint {uri!r} is corrupt: two pieces of tensor {fqn!r} hold the same elements, "
+            f"{describe(a.region)} (in {a.file!r}) and {describe(b.region)} (in {b.file!r}); "
+            "its metadata was rewritten or damaged (`tierckpt verify` lists every such piece)"
+        )
+    held = sum(p.region.numel for p in pieces)
+    total = math.prod(shape)
+    if held != total:
+        raise CorruptCheckpointError(
+            f"checkpoint {uri!r} is corrupt: the {len(pieces)} piece(s) of tensor {fqn!r} hold {held} of its "
+            f"{total} elements; {total - held} are in no piece (`tierckpt verify` lists what is missing)"
+        )
+
+
+def _first_overlap(shape: tuple[int, ...], pieces: Sequence[PieceMeta]) -> tuple[PieceMeta, PieceMeta] | None:
+    """Two pieces that share an element, or ``None``."""
+    if all(isinstance(p.region, FlatRange) for p in pieces):
+        ordered = sorted((p for p in pieces if p.region.numel), key=lambda p: p.region.start)  # type: ignore[union-attr]
+        for before, after in zip(ordered, ordered[1:]):
+            if after.region.start < before.region.stop:  # type: ignore[union-attr]
+                return before, after
+        return None
+    boxes = [(stored.box, piece) for piece in pieces for stored in stored_boxes(piece.region, shape)]
+    for i, j in overlapping_boxes([box for box, _ in boxes]):
+        if boxes[i][1] is not boxes[j][1]:
+            return boxes[i][1], boxes[j][1]
+    return None
+
+
+def overlapping_boxes(boxes: Sequence[Box]) -> Iterator[tuple[int, int]]:
+    """Index pairs ``(i, j)`` of boxes that share an element: a sweep along the dimension where the boxes
+    start at the most distinct offsets (each box meets only those still open at its start there)."""
+    if not boxes:
+        return
+    ndim = boxes[0].ndim
+    if ndim == 0:  # every box of a 0-d tensor is the whole of it
+        yield from ((0, i) for i in range(1, len(boxes)))
+        return
+    dim = max(range(ndim), key=lambda d: len({b.offsets[d] for b in boxes}))
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i].offsets[dim])
+    open_boxes: list[int] = []
+    for i in order:
+        start = boxes[i].offsets[dim]
+        open_boxes = [j for j in open_boxes if boxes[j].offsets[dim] + boxes[j].lengths[dim] > start]
+        for j in open_boxes:
+            if boxes[i].intersect(boxes[j]) is not None:
+                yield j, i
+        open_boxes.append(i)
+
+
+def describe(region: Region) -> str:
+    """A piece's range as an index expression: ``[0:32, 0:64]`` for a box, ``flat [0:50]`` for a flat range."""
+    if isinstance(region, FlatRange):
+        return f"flat [{region.start}:{region.stop}]"
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(region.offsets, region.lengths)) + "]"

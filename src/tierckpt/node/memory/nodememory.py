@@ -1,0 +1,94 @@
+"""The node memory tier directory as a whole: :class:`NodeMemory` (every URI's tier, admission under the budget).
+
+One URI's files are a :class:`~.memory.MemoryTier`; this is the directory they all live in
+(``TIERCKPT_MEMORY_DIR``), with the node-wide lock under which admissions evict (:mod:`.eviction`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Callable, Iterable, Iterator
+
+from tierckpt.errors import StorageError
+from tierckpt.backends.bounded import MAX_URI_FILE_BYTES, read_capped
+from tierckpt.native.layout import is_superseded
+from tierckpt.node.private import private_directory
+from tierckpt.node.memory.config import DIR_ENV, MemoryConfig
+from tierckpt.node.memory.eviction import Admission, TierCopy, copy_id, plan_admission
+from tierckpt.node.memory.memory import SPARE_PREFIX, MemoryTier
+from tierckpt.node.memory.pagepool import retire
+
+
+class NodeMemory:
+    """The node memory tier directory as a whole: every URI's copies, and admission under the budget."""
+
+    def __init__(self, config: MemoryConfig | None = None) -> None:
+        self.config = config if config is not None else MemoryConfig.from_env()
+        private_directory(self.config.directory, "node memory tier", DIR_ENV, create=False)
+
+    def tier(self, uri: str) -> MemoryTier:
+        return MemoryTier(uri, self.config)
+
+    def tiers(self) -> list[MemoryTier]:
+        """Every URI with a directory in the tier."""
+        out = []
+        base = self.config.directory
+        for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+            path = os.path.join(base, name, "URI")
+            if os.path.isfile(path):
+                out.append(self.tier(read_capped(path, MAX_URI_FILE_BYTES).decode(errors="replace")))
+        return out
+
+    def copies(self) -> list[TierCopy]:
+        return [c for t in self.tiers() for c in t.copies()]
+
+    def admit(self, uri: str, generation: str, nbytes: int,
+              durable_below: Iterable[str] | Callable[[], Iterable[str]]) -> Admission:
+        """Make room for ``nbytes`` of ``generation`` of ``uri`` before writing it, evicting what
+        :func:`~.eviction.plan_admission` allows, under the node-wide lock (see :mod:`.eviction`).
+        The generation being admitted is never evicted for itself (replicas of a generation arrive
+        beside the node's own files of it). ``durable_below`` may be a function: it is called (under
+        the lock) only when something must be evicted."""
+        incoming = copy_id(uri, generation)
+        with self._locked():
+            tiers = {t.uri: t for t in self.tiers()}
+            copies = [c for t in tiers.values() for c in t.copies()]
+            fits = sum(c.nbytes for c in copies) + nbytes <= self.config.budget_bytes
+            durable = set() if fits else set(durable_below() if callable(durable_below) else durable_below) - {incoming}
+            admission = plan_admission(
+                copies, nbytes, self.config.budget_bytes, durable, incoming=incoming, on_full=self.config.on_full,
+            )
+            for victim in admission.evict:
+                owner, _, gen = victim.rpartition("/")
+                tiers[owner].evict(gen)
+            return admission
+
+    def retire(self, tier: MemoryTier, generation: str) -> int:
+        """Drop ``generation`` of ``tier`` (a deletion, not an admission): when the tier's ``COMMIT`` makes it
+        superseded, its data files nobody reads go to the tier's page pool (:mod:`.pagepool`) instead of
+        being unlinked. Returns the bytes pooled."""
+        with self._locked():
+            record = tier.committed()
+            pooled = 0
+            if record is not None and generation != record.generation and is_superseded(generation, record) \
+                    and not generation.startswith(SPARE_PREFIX):
+                pooled = retire(tier.root, generation)
+            tier.evict(generation)
+            return pooled
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The node-wide lock of admissions (a usage walk sees no file move under it)."""
+        path = os.path.join(private_directory(self.config.directory, "node memory tier", DIR_ENV), ".lock")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:  # never a bare OSError: it may surface from a failed save's cleanup
+            raise StorageError(f"the node memory tier's lock {path} cannot be opened ({exc.strerror}); point "
+                               f"{DIR_ENV} at a directory of your own") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)

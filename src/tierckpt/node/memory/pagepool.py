@@ -1,0 +1,185 @@
+"""The memory tier's page pool: a retired generation's data files, kept to be written over.
+
+Allocating tmpfs pages costs about 1 ms per MiB of CPU (the kernel zeroes each page; tmpfs has no huge
+pages unless ``shmem_enabled`` says so), paid for every spare (:mod:`.mapped`) and every arriving replica,
+while each commit retires the previous generation, whose files free exactly as many pages. So a
+superseded generation's data files are not unlinked but moved (renamed: same directory tree, same tmpfs)
+into the tier's pool, and a spare or a replica of about the same size *claims* one (renamed to its own
+temp name and cut to its size: the pages below that size stay allocated) instead of creating a file.
+
+**Nobody still reading a pooled file sees it change.** Every reader of the tier's files holds a shared
+``flock`` on the file for as long as it reads it (:func:`~tierckpt.backends.file_open.hold_shared`: the tier's
+own reads, the write-down, the replica sender, CRC checks, the loader's whole-file reads), taken after the
+open and followed by a check that the path still names the file. :func:`retire` first renames a file away
+from its path (new opens fail as after an unlink), then tries the exclusive lock without waiting: only a
+file nobody holds is offered to claimers, any other one is unlinked as before (its readers keep their
+bytes). A reader that opened the file before the rename but locks it after fails its path check and
+reads nothing. A process that reads the tier without this lock (an older tierckpt, a tool) is not seen:
+a load still checks every piece's CRC-32C, so it would fail loudly, never load changed bytes.
+
+**Where the pool is.** The generation :data:`POOL_GENERATION` of the tier (commit sequence 0, like the
+spares, whose prefix it shares): its bytes count in the tier's budget, eviction drops it first (it is
+never committed), and listings, loads and the write-down leave it out as they leave out spares; one left
+by a dead process is evictable garbage. It holds at most as many bytes as the generation being retired
+had in data files. A process drops the pools it filled when it exits (:func:`drop`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import logging
+import os
+import shutil
+import threading
+import uuid
+
+from tierckpt.backends.files import is_temp_name, temp_name
+from tierckpt.node.memory import stamps
+
+log = logging.getLogger(__name__)
+
+POOL_GENERATION = "g-00000000-0000000000000-0"
+"""The pool's generation name: the spares' prefix (commit sequence 0), and a pid no process has."""
+MIN_BYTES = 1 << 20
+"""Smaller files are unlinked: their pages cost less to allocate than a pool entry's bookkeeping."""
+_SUFFIX = ".pool"
+
+_filled: set[str] = set()
+"""Pool directories this process put files into (dropped at exit)."""
+_lock = threading.Lock()
+
+
+def pool_dir(root: str) -> str:
+    """The pool's directory in the tier whose objects lie under ``root``."""
+    return os.path.join(root, POOL_GENERATION, "data")
+
+
+def _pooled(directory: str) -> list[tuple[int, str]]:
+    """(size, path) of each claimable pooled file, smallest first."""
+    out = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if is_temp_name(name) or not name.endswith(_SUFFIX):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            out.append((os.stat(path).st_size, path))
+        except FileNotFoundError:
+            continue  # claimed meanwhile
+    return sorted(out)
+
+
+def _unread(path: str) -> bool:
+    """Whether no reader holds ``path``'s shared lock (the exclusive one is free); released at once."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def retire(root: str, generation: str) -> int:
+    """Move ``generation``'s data files that nobody reads into the pool, up to as many bytes as they hold
+    together (the pool's bound); the caller then removes the rest of the generation as usual. Call it
+    only for a generation the tier may drop, under the node's admission lock (a usage walk never sees a
+    file in two places). Returns the bytes pooled."""
+    source = os.path.join(root, generation, "data")
+    try:
+        names = [n for n in os.listdir(source) if not is_temp_name(n)]
+    except FileNotFoundError:
+        return 0
+    files = []
+    for name in names:
+        try:
+            size = os.stat(os.path.join(source, name)).st_size
+        except FileNotFoundError:
+            continue
+        if size >= MIN_BYTES:
+            files.append((size, name))
+    target = pool_dir(root)
+    held = sum(size for size, _ in _pooled(target))
+    limit = sum(size for size, _ in files)
+    pooled = 0
+    for size, name in sorted(files, reverse=True):
+        if held + size > limit:
+            continue
+        staged = os.path.join(target, temp_name("retired"))  # claimers skip temp names
+        try:
+            os.makedirs(target, exist_ok=True)
+            os.rename(os.path.join(source, name), staged)
+        except OSError:
+            continue  # gone meanwhile (or the pool was dropped): the caller removes what is left
+        try:
+            if not _unread(staged):
+                os.unlink(staged)  # a reader holds it: its bytes stay its own, as with an unlink
+                continue
+            os.rename(staged, os.path.join(target, f"{uuid.uuid4().hex}{_SUFFIX}"))
+        except OSError as exc:
+            log.debug("not pooling %s of %s: %s", name, generation, exc)
+            _unlink(staged)
+            continue
+        held += size
+        pooled += size
+    if pooled:
+        with _lock:
+            _filled.add(target)
+    return pooled
+
+
+def claim(root: str, nbytes: int, dest: str) -> bool:
+    """Rename the smallest pooled file of at least ``nbytes`` to ``dest`` (a new temp file of the same
+    tier); ``False`` when there is none. The caller cuts it to its size and writes all of it."""
+    if nbytes < MIN_BYTES:
+        return False
+    try:
+        pooled = _pooled(pool_dir(root))
+    except OSError:
+        return False
+    for size, path in pooled:
+        if size < nbytes:
+            continue
+        try:
+            os.rename(path, dest)
+        except FileNotFoundError:
+            continue  # another process claimed it first
+        except OSError as exc:
+            log.debug("not claiming %s: %s", path, exc)
+            return False
+        stamps.forget(dest)  # its CRC-32C stamp is the old bytes'
+        return True
+    return False
+
+
+def drop(root: str) -> None:
+    """Remove the tier's pool (its pages are freed)."""
+    shutil.rmtree(os.path.dirname(pool_dir(root)), ignore_errors=True)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _drop_filled() -> None:
+    """At exit: the pools this process filled leave the tier (they hold no checkpoint)."""
+    with _lock:
+        filled = list(_filled)
+        _filled.clear()
+    for directory in filled:
+        shutil.rmtree(os.path.dirname(directory), ignore_errors=True)
+
+
+def _forget_after_fork() -> None:
+    """A forked child did not fill its parent's pools (and no thread of it holds the lock)."""
+    global _lock
+    _lock = threading.Lock()
+    _filled.clear()
+
+
+atexit.register(_drop_filled)
+os.register_at_fork(after_in_child=_forget_after_fork)
