@@ -188,16 +188,26 @@ def _report(cycles: list[list[Edge]]) -> str:
 
 
 def test_the_walk_sees_the_package() -> None:
-    """Guards the test itself: modules, relative imports, package __init__ edges and lazy imports are all found."""
+    """Guards the test itself: modules, package __init__ edges, lazy and TYPE_CHECKING imports are all found."""
     assert {"tierckpt", "tierckpt.native.layout", "tierckpt.backends", "tierckpt.backends.base", "tierckpt.cache_api"} <= set(MODULES)
     pairs = {(e.importer, e.imported) for e in EDGES}
-    assert ("tierckpt.native.metadata", "tierckpt.native.layout") in pairs  # from .layout import ...
-    assert ("tierckpt.backends.local", "tierckpt.native.keys") in pairs  # from ..keys import ...
-    assert ("tierckpt.store", "tierckpt.backends") in pairs  # from .backends import ...
+    assert ("tierckpt.native.metadata", "tierckpt.native.layout") in pairs
+    assert ("tierckpt.backends.local", "tierckpt.native.keys") in pairs and ("tierckpt.backends.local", "tierckpt.native") in pairs
+    assert ("tierckpt.store", "tierckpt.backends") in pairs
     assert ("tierckpt.manager.api", "tierckpt.io.scheduler") in pairs and ("tierckpt.manager.api", "tierckpt.io") in pairs
     assert not any(e.importer == e.imported for e in EDGES)
     assert any(e.lazy for e in EDGES) and any(not e.lazy for e in EDGES)
     assert any(e.typing_only for e in EDGES), "the walk must see the TYPE_CHECKING imports (they count)"
+
+
+def test_a_relative_import_resolves_against_its_package() -> None:
+    """Guards the walk: a relative import (none in the sources today, all are absolute) names the module it would load."""
+    (one_up,) = ast.parse("from ..keys import validate_key").body
+    (here,) = ast.parse("from . import layout").body
+    assert isinstance(one_up, ast.ImportFrom) and isinstance(here, ast.ImportFrom)
+    assert _resolve("tierckpt.backends.local", one_up) == "tierckpt.keys"
+    assert _resolve("tierckpt.native", here) == "tierckpt.native"
+    assert _targets("tierckpt.native.metadata", here) == ["tierckpt.native.layout"]
 
 
 def test_a_type_checking_import_closes_a_cycle() -> None:
@@ -226,11 +236,106 @@ def test_no_import_cycle() -> None:
 
 
 def test_the_node_tiers_do_not_import_each_other() -> None:
-    """The node disk cache and the memory tier are links on the write-back engine (``tierckpt.node``):
-    what they share lives there, and neither package imports the other (TYPE_CHECKING imports included)."""
-    crossing = [e for e in EDGES for a, b in (("cache", "tiers"), ("tiers", "cache"))
-                if e.importer.startswith(f"tierckpt.{a}.") and e.imported.startswith(f"tierckpt.{b}")]
+    """The node disk cache (``tierckpt.node.disk``) and the memory tier (``tierckpt.node.memory``) are links on
+    the write-back engine (the modules at the top of ``tierckpt.node``): what they share lives there, neither
+    link imports the other, and the engine imports neither (TYPE_CHECKING imports included)."""
+    links = ("tierckpt.node.disk", "tierckpt.node.memory")
+    crossing = [e for e in EDGES for a, b in (links, links[::-1])
+                if e.importer.startswith(f"{a}.") and (e.imported == b or e.imported.startswith(f"{b}."))]
     assert not crossing, "\n".join(map(str, crossing))
-    assert not [e for e in EDGES if e.importer.startswith("tierckpt.node") and
-                e.imported.startswith(("tierckpt.node.disk", "tierckpt.node.memory"))], "the engine imports neither link"
+    engine = [e for e in EDGES if _node_level(e.importer) == "node" and not e.importer.startswith(links)
+              and e.imported.startswith(links)]
+    assert not engine, "the engine imports neither link:\n" + "\n".join(map(str, engine))
 
+
+# -- packages by responsibility ----------------------------------------------------------------------------
+MAY_IMPORT: dict[str, frozenset[str]] = {name: frozenset(allowed.split()) for name, allowed in {
+    # shared, low-level modules
+    "errors": "", "progress": "", "gc_pause": "", "_moved": "",
+    "units": "errors", "deadline": "errors", "comm": "errors", "call_args": "errors",
+    "monitor": "progress",
+    # the format tierckpt writes, and torch objects <-> entries: pure
+    "native": "errors",
+    "state": "errors native",
+    "planner": "errors native",
+    # storage: the floor, the I/O loop, the node tiers, the one place that assembles the chain
+    "backends": "errors deadline native",
+    "io": "errors deadline native backends",
+    "node": "errors comm deadline units monitor progress native io backends",
+    "store": "errors backends io node",
+    # checkpoints read in place, then the two lifecycles
+    "formats": "errors deadline progress native state io backends store",
+    "saving": "errors call_args comm deadline gc_pause monitor progress native state formats planner io backends node store",
+    "loading": "errors call_args comm deadline gc_pause monitor progress native state formats planner io backends node store",
+    "sharded": "errors native state",
+    # what users call, and what sits on top of it
+    "cache_api": "errors call_args progress native io backends node store loading",
+    "manager": "errors comm native io backends node store loading saving",
+    "convert": "errors progress native state formats planner io backends store loading saving",
+    "integrations": "errors comm native state formats io store loading saving manager",
+    "demo": "tierckpt monitor backends",
+    "cli": "errors deadline units progress monitor native state formats io backends node store loading saving "
+           "convert manager cache_api demo",
+    "__main__": "cli",
+    "tierckpt": "errors gc_pause _moved cache_api loading saving manager monitor sharded state",
+}.items()}
+"""Each package of ``src/tierckpt`` (and each top-level module) -> what it may import: a layering, lowest first.
+A new top-level module or package gets its line here (the tests below name it until it has one)."""
+
+
+def _node_level(module: str) -> str:
+    """The package (or top-level module) ``module`` belongs to: ``tierckpt.node.disk.catalog`` -> ``node``."""
+    return module.split(".")[1] if "." in module else module
+
+
+def _package_edges(module_edges: list[Edge]) -> dict[tuple[str, str], list[Edge]]:
+    """The import edges between packages (and top-level modules), each with the module edges behind it."""
+    edges: dict[tuple[str, str], list[Edge]] = {}
+    for e in module_edges:
+        pair = (_node_level(e.importer), _node_level(e.imported))
+        if pair[0] != pair[1]:
+            edges.setdefault(pair, []).append(e)
+    return edges
+
+
+def _across_the_layers(module_edges: list[Edge]) -> list[str]:
+    return [f"{a} -> {b}: {edges[0]}" for (a, b), edges in sorted(_package_edges(module_edges).items())
+            if b not in MAY_IMPORT.get(a, ())]
+
+
+def test_each_package_imports_only_what_its_layer_may() -> None:
+    nodes = {_node_level(m) for m in MODULES}
+    assert not nodes - set(MAY_IMPORT), f"give these a line in MAY_IMPORT: {sorted(nodes - set(MAY_IMPORT))}"
+    wrong = _across_the_layers(EDGES)
+    assert not wrong, "imports across the layering (move the code, or change MAY_IMPORT with a reason):\n" + "\n".join(wrong)
+
+
+def test_the_layering_check_flags_an_import_up() -> None:
+    """Guards the check: the node tiers importing the loader, or the format importing the storage, is flagged."""
+    up = [Edge("tierckpt.node.memory.link", "tierckpt.loading.api", "x.py", 1, True),
+          Edge("tierckpt.native.layout", "tierckpt.backends", "y.py", 2, False),
+          Edge("tierckpt.loading.api", "tierckpt.native.layout", "z.py", 3, False)]
+    assert [line.split(":")[0] for line in _across_the_layers(up)] == ["native -> backends", "node -> loading"]
+
+
+def test_the_layering_has_no_cycle() -> None:
+    """The allowed imports themselves form layers: no package may import one that may import it back."""
+    allowed = [Edge(a, b, "MAY_IMPORT", 0, False) for a, bs in MAY_IMPORT.items() for b in sorted(bs)]
+    assert not _cycles(allowed), _report(_cycles(allowed))
+    assert all(b in MAY_IMPORT for bs in MAY_IMPORT.values() for b in bs), "MAY_IMPORT names a package it does not list"
+
+
+def test_the_tree_shows_its_architecture() -> None:
+    """At most 20 modules at the top level; counting each package and each top-level module as one node, at most
+    40 nodes and 220 import edges between them."""
+    top_level = sorted(p.name for p in SRC.glob("*.py"))
+    assert len(top_level) <= 20, f"{len(top_level)} top-level modules (put each in the package of its job): {top_level}"
+    nodes = {_node_level(m) for m in MODULES}
+    edges = _package_edges(EDGES)
+    assert len(nodes) <= 40 and len(edges) <= 220, f"{len(nodes)} nodes, {len(edges)} edges"
+
+
+def test_every_package_says_its_job_and_what_it_may_import() -> None:
+    silent = [name for name, path in MODULES.items() if path.name == "__init__.py" and name.count(".") == 1
+              and "may import" not in (ast.get_docstring(ast.parse(path.read_text())) or "").lower()]
+    assert not silent, f"packages whose docstring does not say their job and what they may import: {silent}"

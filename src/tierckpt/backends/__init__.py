@@ -15,6 +15,9 @@ and every other link are assembled in front of a backend by :func:`tierckpt.stor
 
 Adding a backend: a ``Backend`` subclass in its own module here (it passes ``tests/backend_contract.py``),
 and one branch in :func:`open_backend` for its scheme.
+
+May import: ``errors``, ``deadline``, ``native`` (keys, layout), the ``_copycrc`` extension. Nothing of the
+node tiers: a backend knows no node.
 """
 
 from __future__ import annotations

@@ -6,4 +6,7 @@ pulls in a framework: ``tierckpt.integrations.transformers`` needs ``transformer
 ``tierckpt.integrations.lightning`` needs ``lightning``: ``pip install "tierckpt[lightning]"``;
 ``tierckpt.integrations.accelerate`` needs ``accelerate``: ``pip install accelerate``;
 ``tierckpt.integrations.torchtitan`` needs ``torchtitan``: ``pip install "tierckpt[torchtitan]"``.
+
+May import: what users import (``loading``, ``saving``, ``manager``, ``store``, ``formats``, ``state``,
+``native``, ``io``, ``comm``, ``errors``); nothing in tierckpt imports it.
 """

@@ -1,4 +1,7 @@
-"""Asynchronous I/O: the per-process scheduler that runs every backend call."""
+"""Asynchronous I/O: the per-process scheduler that runs every backend call.
+
+May import: ``errors``, ``deadline``, ``native``, ``backends``, the ``_copycrc`` extension.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Pure planning: what each rank writes at save time and reads at load time. No I/O here."""
+"""Pure planning: what each rank writes at save time and reads at load time. No I/O here.
+
+May import: ``errors``, ``native``. No I/O, no torch.distributed.
+"""
 
 from tierckpt.planner.load_planner import LoadPlan, ReadUnit, Delivery, TargetPiece, plan_load
 from tierckpt.planner.routes import Topology, topology
