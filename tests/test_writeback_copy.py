@@ -118,7 +118,7 @@ def test_the_memory_tier_writes_down_into_the_node_cache_kernel_side(tmp_path: P
 
 def test_the_retry_rule_grows_caps_and_stops_at_the_deadline() -> None:
     from tierckpt import deadline
-    from tierckpt.node.retry import UPLOAD, WRITE_DOWN, RetryPolicy
+    from tierckpt.backends.retry import UPLOAD, WRITE_DOWN, RetryPolicy
 
     assert [UPLOAD.pause_s(a) for a in (1, 2, 3, 6, 7, 50)] == [1.0, 2.0, 4.0, 30.0, 30.0, 30.0]
     assert all(0.025 <= WRITE_DOWN.pause_s(1) <= 0.05 for _ in range(20))  # jittered in its upper half
@@ -126,3 +126,27 @@ def test_the_retry_rule_grows_caps_and_stops_at_the_deadline() -> None:
     with deadline.operation("sync", "memory://x", 0.5):
         assert 0.0 < UPLOAD.pause_s(5) <= 0.5  # never a pause past the waiting operation's deadline
     assert RetryPolicy(first_s=3.0, max_s=1.0).pause_s(1) == 1.0
+
+
+def test_a_request_retries_by_the_same_rule_with_full_jitter() -> None:
+    """The requests' quick retries (``REQUEST``: 50 ms doubling to 2 s, drawn from all of the pause) and the node
+    tiers' copies down are one :class:`RetryPolicy`; ``retry_transient`` sleeps what its policy draws."""
+    import asyncio
+
+    from tierckpt.backends.retry import REQUEST, WRITE_DOWN, RetryPolicy, retry_transient
+    from tierckpt.errors import TransientStorageError
+
+    assert type(REQUEST) is type(WRITE_DOWN) is RetryPolicy
+    first = [REQUEST.drawn_s(1) for _ in range(200)]
+    assert all(0.0 <= p <= 0.05 for p in first) and min(first) < 0.0125  # full jitter: the lower half too
+    assert all(0.0 <= REQUEST.drawn_s(9) <= 2.0 for _ in range(20)) and max(REQUEST.drawn_s(9) for _ in range(200)) > 1.0
+    calls = []
+
+    async def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise TransientStorageError("the store is out")
+        return "landed"
+
+    steady = RetryPolicy(first_s=0.001, max_s=0.001)
+    assert asyncio.run(retry_transient(flaky, attempts=3, policy=steady)) == "landed" and len(calls) == 3

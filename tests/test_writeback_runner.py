@@ -17,7 +17,7 @@ import pytest
 
 from tierckpt.errors import CheckpointError, TransientStorageError
 from tierckpt.io.scheduler import get_scheduler
-from tierckpt.node.retry import RetryPolicy
+from tierckpt.backends.retry import RetryPolicy
 from tierckpt.node.runner import Entry, TaskRunner
 
 QUICK = RetryPolicy(first_s=0.001, max_s=0.005)

@@ -18,7 +18,8 @@ The engine's shared parts live at this package's top:
 * :mod:`.drain`: the one exit drain; each link kind registers its write-behind.
 * :mod:`.written`: size and CRC-32C of the bytes a link lands on the node (:class:`~.written.CrcWriter`).
 * :mod:`.copy`: the one checked copy of a file down a link (:func:`~.copy.copy_checked`).
-* :mod:`.retry`: the one retry rule (:class:`~.retry.RetryPolicy`) pacing both links' attempts.
+* :mod:`tierckpt.backends.retry`: the one retry rule (:class:`~tierckpt.backends.retry.RetryPolicy`) pacing both
+  links' attempts, and every request's retries below them.
 * :mod:`.runner`: the one task runner (:class:`~.runner.TaskRunner`), one write-behind task per key.
 
 May import: ``errors``, the shared low-level modules (comm, deadline, units, monitor, progress),

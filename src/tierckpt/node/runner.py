@@ -13,7 +13,7 @@ the rest, on the I/O scheduler's loop:
   the moment it finishes); the rest (another process's, another node's) is asked again at pauses
   growing by ``job.poll``. A dependency that failed for good ends the op (:class:`Blocked`).
 * *Retry*: a :class:`~tierckpt.errors.TransientStorageError` (the link below is out) is recorded in the
-  journal (:meth:`Job.failed`) and retried after ``job.retry``'s pause (:mod:`.retry`), so write-back
+  journal (:meth:`Job.failed`) and retried after ``job.retry``'s pause (:mod:`tierckpt.backends.retry`), so write-back
   covers an outage; any other failure is recorded and ends the task with it.
 * *The exit drain's view*: :meth:`TaskRunner.outstanding` (what this process still runs, and why its
   last attempt failed) and :meth:`TaskRunner.wait`.
@@ -34,7 +34,7 @@ from tierckpt.errors import TransientStorageError
 from tierckpt.io.scheduled import set_background
 from tierckpt.io.scheduler import get_scheduler
 from tierckpt.node.journal import Outstanding
-from tierckpt.node.retry import RetryPolicy
+from tierckpt.backends.retry import RetryPolicy
 
 Op = TypeVar("Op")
 

@@ -37,7 +37,7 @@ from tierckpt.errors import (
 from tierckpt.node.copy import CopySource, copy_checked
 from tierckpt.node.journal import pid_alive
 from tierckpt.node.ledger import Tier
-from tierckpt.node.retry import UPLOAD, RetryPolicy
+from tierckpt.backends.retry import UPLOAD, RetryPolicy
 from tierckpt.node.written import FileEntry
 from tierckpt.node.disk.records import Finish, GenState, Op, PendingOp
 

@@ -37,7 +37,7 @@ from tierckpt.native.layout import COMMIT, CommitRecord
 from tierckpt.node.memory.commitbelow import CATCH_UP, commit_below
 from tierckpt.node.memory.copydown import copy_down
 from tierckpt.node.durability import durability_of
-from tierckpt.node.retry import WRITE_DOWN, RetryPolicy
+from tierckpt.backends.retry import WRITE_DOWN, RetryPolicy
 from tierckpt.node.runner import Blocked, Entry, TaskRunner
 from tierckpt.node.memory.downlog import PERSIST, generation_of
 from tierckpt.node.memory.downdrain import ACTIVE as _ACTIVE, ACTIVE_LOCK as _ACTIVE_LOCK, MEMORY_ONLY as _MEMORY_ONLY, sync_command
