@@ -13,7 +13,7 @@ from torch import nn
 
 import tierckpt
 from tierckpt.cli import main as cli
-from tierckpt.cli import reports as cli_reports
+from tierckpt import reports as cli_reports
 
 
 def _model_and_optim() -> tuple[nn.Module, torch.optim.Optimizer]:

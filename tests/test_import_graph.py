@@ -264,20 +264,21 @@ MAY_IMPORT: dict[str, frozenset[str]] = {name: frozenset(allowed.split()) for na
     "node": "errors comm deadline units monitor progress native io backends",
     "store": "errors backends io node",
     # checkpoints read in place, then the two lifecycles
-    "formats": "errors deadline progress native state io backends store",
+    "formats": "errors call_args deadline progress native state io backends node store",
     "saving": "errors call_args comm deadline gc_pause monitor progress native state formats planner io backends node store",
     "loading": "errors call_args comm deadline gc_pause monitor progress native state formats planner io backends node store",
     "sharded": "errors native state",
     # what users call, and what sits on top of it
     "cache_api": "errors call_args progress native io backends node store loading",
-    "manager": "errors comm native io backends node store loading saving",
-    "convert": "errors progress native state formats planner io backends store loading saving",
-    "integrations": "errors comm native state formats io store loading saving manager",
+    "manager": "errors comm native formats io backends node store loading saving",
+    "reports": "errors call_args deadline monitor native formats io store loading manager",
+    "convert": "errors call_args progress native state formats planner io backends store loading saving",
+    "integrations": "errors call_args comm native state formats io store loading saving manager",
     "demo": "tierckpt monitor backends",
-    "cli": "errors deadline units progress monitor native state formats io backends node store loading saving "
-           "convert manager cache_api demo",
+    "cli": "errors call_args deadline units progress monitor native state formats io backends node store loading saving "
+           "convert manager cache_api reports demo",
     "__main__": "cli",
-    "tierckpt": "errors gc_pause _moved cache_api loading saving manager monitor sharded state",
+    "tierckpt": "errors gc_pause _moved cache_api loading saving manager monitor reports sharded state",
 }.items()}
 """Each package of ``src/tierckpt`` (and each top-level module) -> what it may import: a layering, lowest first.
 A new top-level module or package gets its line here (the tests below name it until it has one)."""

@@ -29,7 +29,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("drop", "gc", "open_tiered", "prefetch", "status", "sync", "wait"), ".cache_api"),
     **dict.fromkeys(("load", "read_checkpoint", "read_state"), ".loading.api"),
     "CheckpointManager": ".manager.api",
-    "inspect": ".cli.reports",
+    "inspect": ".reports",
     **dict.fromkeys(("Monitor", "prometheus_text", "straggler_report"), ".monitor"),
     **dict.fromkeys(("SaveHandle", "async_save", "save"), ".saving.api"),
     **dict.fromkeys(("FlatShardedTensor", "ShardedTensor"), ".sharded"),
@@ -68,7 +68,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from tierckpt.cache_api import drop, gc, open_tiered, prefetch, status, sync, wait
-    from tierckpt.cli.reports import inspect
+    from tierckpt.reports import inspect
     from tierckpt.loading.api import load, read_checkpoint, read_state
     from tierckpt.manager.api import CheckpointManager
     from tierckpt.monitor import Monitor, prometheus_text, straggler_report

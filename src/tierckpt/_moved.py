@@ -25,7 +25,7 @@ MOVED: dict[str, str] = {
     "tierckpt.cli_convert": "tierckpt.cli.convert",
     "tierckpt.cli_deadline": "tierckpt.cli.deadline",
     "tierckpt.cli_exit": "tierckpt.cli.exit",
-    "tierckpt.cli_reports": "tierckpt.cli.reports",
+    "tierckpt.cli_reports": "tierckpt.reports",
     "tierckpt.convert_deepspeed": "tierckpt.convert.deepspeed",
     "tierckpt.convert_report": "tierckpt.convert.report",
     "tierckpt.convert_safetensors": "tierckpt.convert.safetensors",

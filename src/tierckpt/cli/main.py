@@ -30,7 +30,7 @@ Exit codes:
 == ===========================================================================
 
 Errors print one line to stderr. This module wires the commands (argparse); the reports they print are
-built in :mod:`tierckpt.cli.reports`, the exit codes live in :mod:`tierckpt.cli.exit`. To add a command,
+built in :mod:`tierckpt.reports`, the exit codes live in :mod:`tierckpt.cli.exit`. To add a command,
 write ``_add_<name>(subparsers)`` that registers its parser and sets ``handler``, and list it in
 :data:`COMMANDS` (or in the ``COMMANDS`` of a ``cli_*`` module that :func:`build_parser` reads).
 """
@@ -51,7 +51,7 @@ from tierckpt.cli.exit import (
     ERROR_EXIT_CODES, EXIT_CORRUPT, EXIT_DIVERGED, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_NOT_FOUND, EXIT_OK,
     EXIT_UNREACHABLE, EXIT_USAGE, exit_code,
 )
-from tierckpt.cli.reports import describe, inspect, list_checkpoints, render_inspect, render_ls, render_stats, save_stats
+from tierckpt.reports import describe, inspect, list_checkpoints, render_inspect, render_ls, render_stats, save_stats
 from tierckpt.errors import CheckpointError
 
 __all__ = [

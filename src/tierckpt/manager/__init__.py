@@ -8,3 +8,7 @@ remote; :mod:`.preemption` turns SIGTERM into one agreed last save.
 May import: ``saving``, ``loading``, ``formats``, ``store``, ``cache_api``, ``node``, ``native``, ``io``,
 ``backends`` and the shared top-level modules. Only ``integrations`` and ``cli`` import it.
 """
+
+from tierckpt.manager.api import CheckpointManager
+
+__all__ = ["CheckpointManager"]

@@ -1,4 +1,5 @@
-"""The documents the CLI prints: ``inspect``, ``stats`` and ``ls`` as JSON-ready dicts, and their text tables.
+"""What a checkpoint holds, as documents: ``inspect`` (also :func:`tierckpt.inspect`), ``stats`` and ``ls`` as
+JSON-ready dicts, and their text tables (what the CLI prints).
 
 Each report is built as a dict (what ``--json`` prints) by one function and rendered as text by
 another, so a script and a person read the same facts. The command wiring is in :mod:`tierckpt.cli.main`.
