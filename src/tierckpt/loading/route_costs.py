@@ -12,11 +12,14 @@ the constants with what the group measured, in this order:
 
    * the store: each rank reads :data:`PROBE_READ_BYTES` of the checkpoint's largest data file through the
      load's own backend (at its own offset, by the segment read a load uses), all ranks together, then the
-     same bytes again (twice, the faster counts), then :data:`PROBE_RUNS` runs of :data:`PROBE_SMALL_BYTES`
-     spread over them in one call (three times, the fastest counts). Each node's bytes over its slowest
-     rank's seconds give ``byte_s`` (the node's link), the group's bytes over the slowest rank's give
-     ``group_byte_s`` (where the store has a group share), the repeat gives ``cached_byte_s`` (where repeats
-     come from the node's page cache), the runs' seconds over their number ``request_s``;
+     same bytes again and an eighth of them again (each twice, the faster counts), then :data:`PROBE_RUNS`
+     runs of :data:`PROBE_SMALL_BYTES` spread over them in one call (three times, the fastest counts). Each
+     node's bytes over its slowest rank's seconds give ``byte_s`` (the node's link), the group's bytes over
+     the slowest rank's give ``group_byte_s`` (where the store has a group share), the repeats give
+     ``cached_byte_s`` (where repeats come from the node's page cache) as the slope between the two sizes — a
+     call's fixed cost (the hop to the I/O loop, the mapping) is ``request_s``'s, not the bytes': taken from
+     one 4 MiB read on 16 cores it made page-cache copies look 7x slower than a load's and sent a replicated
+     load on one node to the exchange — and the runs' seconds over their number give ``request_s``;
    * the exchange: three all-to-alls on the group's own backend, timed on every rank — one byte to every
      other rank (``message_s``), :data:`PROBE_SEND_BYTES` to each rank of the same node (``local_byte_s``)
      and to each rank of other nodes (``remote_byte_s``), the two less the first's seconds (the collective's
@@ -57,7 +60,7 @@ from tierckpt.planner.routes import COST_FIELDS, Topology, with_costs
 ROUTE_COSTS_ENV = "TIERCKPT_ROUTE_COSTS"
 CONSTANTS = "constants"
 """The word in ``$TIERCKPT_ROUTE_COSTS`` that skips the probe."""
-PROBE_READ_BYTES = 4 << 20
+PROBE_READ_BYTES = 32 << 20
 """Bytes each rank reads of the store in the probe (less where the file is smaller)."""
 PROBE_SMALL_BYTES = 2 << 10
 """The runs of the per-request probe: :data:`PROBE_RUNS` of them read in one call (a strided box's runs, as a
@@ -154,9 +157,17 @@ def _probe(prior: Topology, comm: Comm, backend: Backend, ckpt: Checkpoint) -> d
         # Each step ends in the all-gather that agrees on it: the next one starts on every rank together.
         _, first = comm.exchange_agreed(lambda: (None, _timed_read(backend, path, start, nbytes)), "measuring the store")
         runs = [start + k * (nbytes // PROBE_RUNS) for k in range(PROBE_RUNS)]
-        _, again = comm.exchange_agreed(lambda: (None, (min(_timed_read(backend, path, start, nbytes) for _ in range(2)), min(
-            _timed_runs(backend, path, runs) for _ in range(3)) / PROBE_RUNS)), "measuring the store")
-        costs.update(_store_costs(prior, nbytes, first, [a[0] for a in again], [a[1] for a in again]))
+        small = max(nbytes // 8, 1)
+
+        def repeats() -> tuple[float, float]:
+            """Per-byte seconds of a page-cached repeat (the slope between two sizes), and of one run."""
+            large_s = min(_timed_read(backend, path, start, nbytes) for _ in range(2))
+            small_s = min(_timed_read(backend, path, start, small) for _ in range(2))
+            per_byte = (large_s - small_s) / (nbytes - small) if nbytes > small else large_s / nbytes
+            return max(per_byte, MIN_SPENT_S / nbytes), min(_timed_runs(backend, path, runs) for _ in range(3)) / PROBE_RUNS
+
+        _, again = comm.exchange_agreed(lambda: (None, repeats()), "measuring the store")
+        costs.update(_store_costs(prior, nbytes, first, [a[0] * nbytes for a in again], [a[1] for a in again]))
     if comm.world_size > 1:
         costs.update(_exchange_costs(prior, comm))
     return costs
