@@ -23,12 +23,14 @@ import crc32c
 from . import layout, save_commit
 from .backends import Backend
 from .comm import Comm, Group, attempt
+from .coverage import check_offered_coverage
 from .io.scheduler import get_scheduler
 from .metadata import dtype_name
 from .monitor import Monitor
 from .objects import AllowPickle, encode_object, refuse_pickles
 from .planner import LocalPiece, SavePlan, plan_save
 from .planner.save_planner import offers_digest
+from .regions import Region
 from .save_prepared import _Prepared
 from .save_process import _PROCESS, _group_key, _raise_unreported
 from .errors import CheckpointError
@@ -136,7 +138,7 @@ def _agree(
             monitor.count("plan_cache_hits")
         else:
             gathered = comm.all_gather_object(offers)
-            plan = comm.run_agreed(lambda: plan_save(gathered, align_bytes=align_bytes), "planning the save")
+            plan = comm.run_agreed(lambda: _covering_plan(gathered, align_bytes), "planning the save")
             _PROCESS.plans[plan_key] = (digests, plan)
         owners = _place_objects([a[1] for a in agreement], plan)
     # The replicator is built here, in the foreground every rank reaches together (first save only).
@@ -148,6 +150,18 @@ def _agree(
         keep_previous=keep_previous, base=local.base, write_back=local.write_back,
         replication=Replication(uri, tier, replicator, not_replicated), persist=persist,
     )
+
+
+def _covering_plan(offers: list[list[LocalPiece]], align_bytes: int) -> SavePlan:
+    """The plan of a save whose ranks' offers hold each element of each tensor once, as every load checks
+    (:mod:`tierckpt.coverage`); other offers are refused before anything is written. The plan's writes are
+    the distinct offered regions, replicas written once and split ones in disjoint parts, so they are checked."""
+    plan = plan_save(offers, align_bytes=align_bytes)
+    regions: dict[str, list[Region]] = {}
+    for write in (w for writes in plan.writes for w in writes):
+        regions.setdefault(write.fqn, []).append(write.region)
+    check_offered_coverage({t.fqn: t for t in plan.tensors}, regions)
+    return plan
 
 
 def _offer(uri: str, state: Mapping[str, Any], memory_tier: bool, persist: bool,
