@@ -63,12 +63,13 @@ def megatron_state(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, fill:
         model[f"{p}.fc1.bias"] = column_parallel(local(f"{p}.fc1.bias", (FFN,), 0), tp_rank, tp_size)
         model[f"{p}.fc2.weight"] = row_parallel(local(f"{p}.fc2.weight", (HIDDEN, FFN), 1), tp_rank, tp_size)
         model[f"{p}.fc2.bias"] = local(f"{p}.fc2.bias", (HIDDEN,), None)  # replicated over TP: plain tensor
-        # One layer of a (layers, ffn, hidden) stack: prepended layer axis (Megatron prepend_axis_num=1).
+        # A layer saved under its own name with a prepended axis (Megatron prepend_axis_num=1): the global
+        # tensor of that name is the one layer, (1, ffn, hidden), which its TP shards cover.
         n = FFN // tp_size
         model[f"stack.{i}"] = ShardedTensor(
-            local("stack", (LAYERS, FFN, HIDDEN), None)[i, tp_rank * n : (tp_rank + 1) * n].clone()
+            local(f"stack.{i}", (1, FFN, HIDDEN), None)[0, tp_rank * n : (tp_rank + 1) * n].clone()
             if fill else torch.zeros(n, HIDDEN),
-            (LAYERS, FFN, HIDDEN), (i, tp_rank * n, 0),
+            (1, FFN, HIDDEN), (0, tp_rank * n, 0),
         )
     if last:
         model["final_norm.weight"] = ShardedTensor(local("final_norm.weight", (HIDDEN,), None), (HIDDEN,), (0,))
@@ -85,7 +86,7 @@ def _full_shape(name: str) -> tuple[int, ...]:
     if name in ("embed.weight", "output_layer.weight"):
         return (VOCAB, HIDDEN)
     if name.startswith("stack."):
-        return (LAYERS, FFN, HIDDEN)
+        return (1, FFN, HIDDEN)
     if name == "final_norm.weight" or name.endswith("fc2.bias"):
         return (HIDDEN,)
     if name == "dist_opt.exp_avg":
@@ -96,7 +97,7 @@ def _full_shape(name: str) -> tuple[int, ...]:
 def _check(model: dict[str, Any]) -> int:
     """Compare every loaded local tensor with the reference, bit-exactly; return the count checked."""
     for name, value in model.items():
-        ref = _full("stack" if name.startswith("stack.") else name, _full_shape(name))
+        ref = _full(name, _full_shape(name))
         if isinstance(value, torch.Tensor):
             got, expected = value, ref
         else:
@@ -136,7 +137,7 @@ def megatron_reshard(path: str) -> dict[str, int]:
         for i in range(LAYERS):
             for leaf in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
                 plain[f"layers.{i}.{leaf}"] = torch.zeros(_full_shape(f"layers.{i}.{leaf}"))
-            plain[f"stack.{i}"] = ShardedTensor(torch.zeros(FFN, HIDDEN), (LAYERS, FFN, HIDDEN), (i, 0, 0))
+            plain[f"stack.{i}"] = torch.zeros(_full_shape(f"stack.{i}"))
         for name in ("embed.weight", "output_layer.weight", "final_norm.weight", "dist_opt.exp_avg"):
             plain[name] = torch.zeros(_full_shape(name))
         tierckpt.load(path, {"model": plain}, group=one)

@@ -10,6 +10,9 @@ import torch
 import scenarios_state
 import tierckpt
 from tierckpt import CheckpointError
+from tierckpt.errors import StateMismatchError
+from tierckpt.native.coverage import check_offered_coverage
+from tierckpt.native.metadata import TensorMeta
 from tierckpt.native.regions import Box, FlatRange
 from tierckpt.sharded import (
     FlatShardedTensor, ShardedTensor, column_parallel, from_megatron, row_parallel, stage_layers, vocab_parallel,
@@ -66,6 +69,34 @@ def test_flat_saved_loads_into_boxes_single_process(tmp_path):
     plain = torch.zeros(5, 7)
     tierckpt.load(str(tmp_path / "x"), {"m": {"w": plain}})
     assert torch.equal(plain, ref)
+
+
+def test_a_tensor_the_ranks_hold_in_part_is_refused_by_save(tmp_path):
+    """One layer under a name whose global shape is the whole stack: the save is refused, nothing committed
+    (every load refuses a tensor whose pieces miss elements); the layer under a shape of its own saves."""
+    layer = torch.arange(48.0).reshape(8, 6)
+    with pytest.raises(StateMismatchError, match=re.escape("hold 48 of its 192 elements, 144 are on no rank")):
+        tierckpt.save(str(tmp_path / "x"), {"stack.0": ShardedTensor(layer, (4, 8, 6), (0, 0, 0))})
+    assert not (tmp_path / "x" / "COMMIT").exists()
+    tierckpt.save(str(tmp_path / "x"), {"stack.0": ShardedTensor(layer, (1, 8, 6), (0, 0, 0))})
+    back = torch.zeros(1, 8, 6)
+    tierckpt.load(str(tmp_path / "x"), {"stack.0": back})
+    assert torch.equal(back[0], layer)
+
+
+def test_offered_regions_that_miss_or_share_elements_are_refused():
+    """The regions of two ranks: a row no rank holds, and two different pieces holding the same row."""
+    tensors = {"w": TensorMeta(fqn="w", dtype="float32", shape=(4, 6))}
+    check_offered_coverage(tensors, {"w": [Box((0, 0), (2, 6)), Box((2, 0), (2, 6))]})
+    check_offered_coverage(tensors, {"w": [FlatRange(0, 10), FlatRange(10, 24)]})
+    with pytest.raises(StateMismatchError, match=re.escape("hold 18 of its 24 elements, 6 are on no rank")):
+        check_offered_coverage(tensors, {"w": [Box((0, 0), (2, 6)), Box((3, 0), (1, 6))]})
+    with pytest.raises(StateMismatchError, match=re.escape("[0:3, 0:6] and [2:4, 0:6]")):
+        check_offered_coverage(tensors, {"w": [Box((0, 0), (3, 6)), Box((2, 0), (2, 6))]})
+    with pytest.raises(StateMismatchError, match=re.escape("flat [0:10] and flat [8:24]")):
+        check_offered_coverage(tensors, {"w": [FlatRange(0, 10), FlatRange(8, 24)]})
+    with pytest.raises(StateMismatchError, match=re.escape("hold 0 of its 24 elements")):
+        check_offered_coverage(tensors, {})
 
 
 def test_from_megatron_duck_typed():

@@ -65,7 +65,9 @@ class ShardedTensor:
 
     ``global_shape`` may have more dimensions than ``local`` (Megatron's ``prepend_axis_num``): the
     local tensor is then treated as having leading dimensions of length 1, e.g. one layer of a
-    ``(num_layers, ...)`` stack at offset ``(layer, 0, ...)``.
+    ``(num_layers, ...)`` stack at offset ``(layer, 0, ...)``. The ranks' boxes of one name must cover its
+    global shape exactly, as a save checks: a stack under one name needs every layer on some rank, and a
+    layer saved under a name of its own has the shape ``(1, ...)`` at offset ``(0, ...)``.
     """
 
     local: torch.Tensor

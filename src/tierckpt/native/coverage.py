@@ -10,6 +10,11 @@ tensor), so a load checks both, per tensor, before it plans a read:
   pieces' ranges;
 * elements no piece holds raise it too, naming the tensor and how many are missing.
 
+A save checks the same of the regions its ranks offer (:func:`check_offered_coverage`, on the
+save's plan, before anything is written): a tensor the ranks hold only in part
+(a shard no rank listed, a global shape larger than what the shards make up) is refused with a
+:class:`~tierckpt.errors.StateMismatchError`, instead of a committed checkpoint that no load accepts.
+
 The cost stays in the noise of a load: a tensor saved whole (one piece holding all of it) is one
 comparison; flat ranges (ZeRO buffers) are sorted by start; boxes are swept along the dimension that
 splits them most, so row- or column-sharded tensors compare each piece with its neighbours only.
@@ -21,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 
-from tierckpt.errors import CorruptCheckpointError
+from tierckpt.errors import CorruptCheckpointError, StateMismatchError
 from tierckpt.native.metadata import PieceMeta, TensorMeta
 from tierckpt.native.regions import Box, FlatRange, Region, stored_boxes
 
@@ -36,6 +41,34 @@ def check_exact_coverage(tensors: Mapping[str, TensorMeta], pieces: Mapping[str,
         _check_tensor(fqn, shape, listed, uri)
 
 
+def check_offered_coverage(tensors: Mapping[str, TensorMeta], regions: Mapping[str, Sequence[Region]]) -> None:
+    """Raise :class:`~tierckpt.errors.StateMismatchError` unless the regions a save writes of each tensor in
+    ``tensors`` (each replica once) hold each of its elements exactly once: what :func:`check_exact_coverage`
+    requires of the checkpoint."""
+    for fqn, tensor in tensors.items():
+        offered = regions.get(fqn, ())
+        shape = tensor.shape
+        if len(offered) == 1 and _whole(offered[0], shape):
+            continue
+        overlap = _first_overlap(shape, offered)
+        if overlap is not None:
+            a, b = (offered[i] for i in overlap)
+            raise StateMismatchError(
+                f"tensor {fqn!r} of shape {list(shape)}: two ranks hold different pieces with the same elements, "
+                f"{describe(a)} and {describe(b)}; every element must be in one piece (a replica is the same "
+                "region on each rank)"
+            )
+        held = sum(r.numel for r in offered)
+        total = math.prod(shape)
+        if held != total:
+            raise StateMismatchError(
+                f"tensor {fqn!r} of shape {list(shape)}: the ranks' {len(offered)} piece(s) hold {held} of its "
+                f"{total} elements, {total - held} are on no rank; every rank holding a shard must list it, and "
+                "the global shape must be what the shards make up (a tensor saved under one name per layer "
+                "has the shape of one layer)"
+            )
+
+
 def _whole(region: Region, shape: tuple[int, ...]) -> bool:
     """Whether ``region`` is the whole of a tensor of ``shape``."""
     if isinstance(region, FlatRange):
@@ -44,9 +77,9 @@ def _whole(region: Region, shape: tuple[int, ...]) -> bool:
 
 
 def _check_tensor(fqn: str, shape: tuple[int, ...], pieces: Sequence[PieceMeta], uri: str) -> None:
-    overlap = _first_overlap(shape, pieces)
+    overlap = _first_overlap(shape, [p.region for p in pieces])
     if overlap is not None:
-        a, b = overlap
+        a, b = (pieces[i] for i in overlap)
         raise CorruptCheckpointError(
             f"checkpoint {uri!r} is corrupt: two pieces of tensor {fqn!r} hold the same elements, "
             f"{describe(a.region)} (in {a.file!r}) and {describe(b.region)} (in {b.file!r}); "
@@ -61,17 +94,17 @@ def _check_tensor(fqn: str, shape: tuple[int, ...], pieces: Sequence[PieceMeta],
         )
 
 
-def _first_overlap(shape: tuple[int, ...], pieces: Sequence[PieceMeta]) -> tuple[PieceMeta, PieceMeta] | None:
-    """Two pieces that share an element, or ``None``."""
-    if all(isinstance(p.region, FlatRange) for p in pieces):
-        ordered = sorted((p for p in pieces if p.region.numel), key=lambda p: p.region.start)  # type: ignore[union-attr]
+def _first_overlap(shape: tuple[int, ...], regions: Sequence[Region]) -> tuple[int, int] | None:
+    """The positions of two regions that share an element, or ``None``."""
+    if all(isinstance(r, FlatRange) for r in regions):
+        ordered = sorted((i for i, r in enumerate(regions) if r.numel), key=lambda i: regions[i].start)  # type: ignore[union-attr]
         for before, after in zip(ordered, ordered[1:]):
-            if after.region.start < before.region.stop:  # type: ignore[union-attr]
+            if regions[after].start < regions[before].stop:  # type: ignore[union-attr]
                 return before, after
         return None
-    boxes = [(stored.box, piece) for piece in pieces for stored in stored_boxes(piece.region, shape)]
+    boxes = [(stored.box, i) for i, region in enumerate(regions) for stored in stored_boxes(region, shape)]
     for i, j in overlapping_boxes([box for box, _ in boxes]):
-        if boxes[i][1] is not boxes[j][1]:
+        if boxes[i][1] != boxes[j][1]:
             return boxes[i][1], boxes[j][1]
     return None
 

@@ -25,7 +25,9 @@ from tierckpt.saving import commit as save_commit
 from tierckpt.backends import Backend
 from tierckpt.comm import Comm, Group, attempt
 from tierckpt.io.scheduler import get_scheduler
+from tierckpt.native.coverage import check_offered_coverage
 from tierckpt.native.metadata import dtype_name
+from tierckpt.native.regions import Region
 from tierckpt.monitor import Monitor
 from tierckpt.formats.objects import AllowPickle, encode_object, refuse_pickles
 from tierckpt.planner import LocalPiece, SavePlan, plan_save
@@ -137,7 +139,7 @@ def _agree(
             monitor.count("plan_cache_hits")
         else:
             gathered = comm.all_gather_object(offers)
-            plan = comm.run_agreed(lambda: plan_save(gathered, align_bytes=align_bytes), "planning the save")
+            plan = comm.run_agreed(lambda: _covering_plan(gathered, align_bytes), "planning the save")
             _PROCESS.plans[plan_key] = (digests, plan)
         owners = _place_objects([a[1] for a in agreement], plan)
     # The replicator is built here, in the foreground every rank reaches together (first save only).
@@ -149,6 +151,18 @@ def _agree(
         keep_previous=keep_previous, base=local.base, write_back=local.write_back,
         replication=Replication(uri, tier, replicator, not_replicated), persist=persist,
     )
+
+
+def _covering_plan(offers: list[list[LocalPiece]], align_bytes: int) -> SavePlan:
+    """The plan of a save whose ranks' offers hold each element of each tensor once, as every load checks
+    (:mod:`tierckpt.coverage`); other offers are refused before anything is written. The plan's writes are
+    the distinct offered regions, replicas written once and split ones in disjoint parts, so they are checked."""
+    plan = plan_save(offers, align_bytes=align_bytes)
+    regions: dict[str, list[Region]] = {}
+    for write in (w for writes in plan.writes for w in writes):
+        regions.setdefault(write.fqn, []).append(write.region)
+    check_offered_coverage({t.fqn: t for t in plan.tensors}, regions)
+    return plan
 
 
 def _offer(uri: str, state: Mapping[str, Any], memory_tier: bool, persist: bool,
