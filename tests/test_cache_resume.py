@@ -95,14 +95,21 @@ def test_sigkilled_save_is_finished_by_sync(tmp_path: Path) -> None:
     # The process died with its data uploads pending: the remote has no COMMIT yet.
     assert not (remote_dir / layout.COMMIT).exists()
     assert not list(remote_dir.rglob("rank-*.bin")) or not (remote_dir / layout.COMMIT).exists()
+    # The saver forced the node cache over a local folder (a stand-in remote). tierckpt.status() of a local
+    # path never opens the node cache (a local path is read and written in place), so the node cache's
+    # own view of that store is asked here: the same StoreStatus that status() gives for a remote URI.
     config = CacheConfig(directory=str(cache_dir), exit_wait_s=0, poll_s=0.01)
-    before = status(str(remote_dir), config=config)
+    cached = node_cache_over(LocalBackend(str(remote_dir)), config)
+    before = get_scheduler().run(cached.status())
     assert before.state == "local" and before.pending_bytes > 256 * 256 * 4
     with progress.shown("sync", enabled=False) as bar:  # what tierckpt sync draws: the bytes uploaded
         assert sync(config=config, timeout_s=60) == [str(remote_dir)]
     assert bar.done == bar.total == before.pending_bytes
-    after = status(str(remote_dir), config=config)
-    assert after.state == "remote" and after.pending_bytes == 0
+    after = get_scheduler().run(cached.status())
+    assert after.state == "remote" and after.pending_bytes == 0 and after.generation == before.generation
+    assert (remote_dir / layout.COMMIT).exists()
+    in_place = status(str(remote_dir))  # the folder itself: committed where it is
+    assert in_place.state == "remote" and in_place.generation == before.generation
     torch.manual_seed(0)
     expected = {"w": torch.randn(256, 256), "b": torch.arange(1000), "step": 7}
     target = {"w": torch.zeros(256, 256), "b": torch.zeros(1000, dtype=torch.int64), "step": 0}

@@ -76,7 +76,7 @@ def make_bucket(s3_server: str) -> str:
 SAVE_ASYNC_THEN_DIE = """
     import os, torch, tierckpt
     handle = tierckpt.async_save({uri!r}, {{"w": torch.arange(1000, dtype=torch.float32)}})
-    handle.wait()  # committed in the node cache; the uploads fail (the endpoint refuses)
+    handle.wait()  # committed in the node cache; the uploads fail (the endpoint resets them)
     os._exit(0)   # the process dies: the uploads stay pending in the catalogue
 """
 
@@ -131,21 +131,25 @@ def test_data_commands_against_a_tarpit_end_at_their_default_deadline(tmp_path: 
 
 
 @pytest.mark.multiproc
-def test_sync_timeout_bounds_the_process_and_its_exit_drain(tmp_path: Path, tarpit: FaultProxy, refused_endpoint: str) -> None:
+def test_sync_timeout_bounds_the_process_and_its_exit_drain(tmp_path: Path, proxy: FaultProxy) -> None:
     """Uploads left pending by a dead process; ``sync --timeout 6`` against an endpoint that takes the PUTs
     and never answers ends at 6 s (it took 150 s: the exit drain retried the uploads 5 x 30 s), says what it
-    waits for after 5 s, and names what is left."""
+    waits for after 5 s, and names what is left. The save and the sync use one endpoint (the proxy): uploads
+    pending for one endpoint are never synced through another. It resets every connection while the save
+    runs (its uploads fail), then takes every request and never answers while the sync runs."""
     uri = "s3://bucket/ckpt"
-    refused = child_env(tmp_path, refused_endpoint)
-    rc, _, err = finish(python(SAVE_ASYNC_THEN_DIE.format(uri=uri), refused), "the save")
+    env = child_env(tmp_path, proxy.endpoint)
+    proxy.add_rule(Rule("reset", count=None))
+    rc, _, err = finish(python(SAVE_ASYNC_THEN_DIE.format(uri=uri), env), "the save")
     assert rc == 0, err
-    rc, _, err = finish(start(["-m", "tierckpt", "sync", uri, "--timeout", "6"], child_env(tmp_path, tarpit.endpoint)),
-                        "tierckpt sync")
+    proxy.clear()
+    proxy.add_rule(Rule("tarpit", count=None))
+    rc, _, err = finish(start(["-m", "tierckpt", "sync", uri, "--timeout", "6"], env), "tierckpt sync")
     assert rc == 7, err
     assert f"tierckpt sync {uri} did not finish within 6 s (--timeout)" in err, err
     assert f"upload(s) to {uri} to reach the remote" in err, "a wait of more than 5 s says what it waits for"
     assert "did not finish before exit" in err and f"tierckpt sync {uri}" in err, err
-    assert tarpit.hits["tarpit"] >= 1
+    assert proxy.hits["tarpit"] >= 1
 
 
 @pytest.mark.multiproc
