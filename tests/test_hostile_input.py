@@ -330,7 +330,7 @@ def test_fifo_in_place_of_a_file_is_refused_by_load_verify_and_inspect(tmp_path:
     os.mkfifo(path)
     code = f"""
 import sys, torch, tierckpt
-from tierckpt import cli
+from tierckpt.cli import main as cli
 from tierckpt.errors import CorruptCheckpointError
 try:
     tierckpt.load({uri!r}, {{"w": torch.zeros(64), "step": -1}})

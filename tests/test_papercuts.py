@@ -94,7 +94,7 @@ def test_import_is_cheap_and_every_public_name_still_imports() -> None:
         "import sys, tierckpt\n"
         "print('torch' in sys.modules)\n"
         "from tierckpt import *\n"
-        "import tierckpt.cache_api\n"
+        "import tierckpt.cache_api, tierckpt.formats.verify, tierckpt.native.layout\n"
         "assert all(getattr(tierckpt, n) is not None for n in tierckpt.__all__)\n"
         "assert tierckpt.native.layout.COMMIT == 'COMMIT' and callable(tierckpt.formats.verify.verify)\n"
         "assert tierckpt.sync is tierckpt.cache_api.sync and tierckpt.save.__module__ == 'tierckpt.saving.api'\n"

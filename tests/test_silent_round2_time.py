@@ -109,7 +109,7 @@ def test_commands_against_a_tarpit_end_at_their_timeout(tmp_path: Path, tarpit: 
 
 CLI_WITH_SHORT_DEFAULT = """
 import sys
-from tierckpt import cli_deadline
+from tierckpt.cli import deadline as cli_deadline
 cli_deadline.DATA_DEFAULT_S = 4.0  # the default deadline of the data commands, shortened for the test
 from tierckpt.cli.main import main
 sys.exit(main(sys.argv[1:]))

@@ -205,7 +205,7 @@ def test_a_rank_file_of_shared_tuples_is_walked_once_per_node(tmp_path: Path) ->
     torch.save({"module": {}, "dag": _shared_tuples(64)}, folder / "mp_rank_00_model_states.pt")
     torch.save({"optimizer_state_dict": {}}, folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     assert (folder / "mp_rank_00_model_states.pt").stat().st_size < 4096
-    code = f"import sys; from tierckpt import cli; sys.exit(cli.main(['inspect', '--timeout', '10', {str(folder)!r}]))"
+    code = f"import sys; from tierckpt.cli import main as cli; sys.exit(cli.main(['inspect', '--timeout', '10', {str(folder)!r}]))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert result.returncode not in (0, 1), result.stdout + result.stderr  # an error the CLI names, no traceback
