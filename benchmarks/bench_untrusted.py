@@ -105,7 +105,10 @@ def child(what: str, root: str, tensors: int, ranks: int) -> dict[str, float]:
     if what == "reshard":
         return {"seconds": max(C.run_ranks(_reshard_load, ranks, os.path.join(root, "reshard")))}
     if what == "dcp_meta":
-        from tierckpt.formats.dcp import unpickle_metadata
+        try:
+            from tierckpt.formats.dcp import unpickle_metadata
+        except ModuleNotFoundError:  # a baseline tree from before the package layout
+            from tierckpt.dcp_format import unpickle_metadata  # type: ignore[no-redef]
 
         data = Path(root, "dcp.metadata").read_bytes()
         t0 = time.perf_counter()
