@@ -10,7 +10,7 @@ import torch
 
 import tierckpt
 from tierckpt import store
-from tierckpt.backends import LocalBackend
+from tierckpt.backends import Backend, LocalBackend
 from tierckpt.node.disk import CacheConfig
 from tierckpt.io.scheduled import ScheduledBackend
 from tierckpt.node.memory import MemoryConfig, MemoryTier
@@ -52,21 +52,40 @@ def test_both_links_drain_through_the_one_exit_drain() -> None:
     assert store.exit_wait_s() == exit_drain.exit_wait_s()
 
 
-def test_the_hooks_answer_for_the_chain(tmp_path: Path) -> None:
+def test_the_node_face_answers_for_the_chain(tmp_path: Path) -> None:
+    """What only the node tiers have is asked of the chain's node face, never of a backend: a chain with both
+    tiers answers each, a chain with none says "not here"; the face found from a store is the one assembled."""
     both = _chain(tmp_path, memory=True, cache=True)
     plain = _chain(tmp_path, memory=False, cache=False)
+    face, none = store.node_face(both), store.node_face(plain)
     tier = store.memory_tier_of(both)
-    assert isinstance(tier, MemoryTier) and tier is both.node_memory_tier()
-    assert store.memory_tier_of(plain) is None and plain.node_memory_tier() is None
+    assert isinstance(tier, MemoryTier) and tier is face.memory_tier
+    assert store.memory_tier_of(plain) is None and none.memory_tier is None
     below = store.without_node_cache(both)  # past the memory link and the node cache: the scheduled remote
-    assert isinstance(below, ScheduledBackend) and below.next_link() is not None
-    assert store.durability_of(both) is both and store.durability_of(plain) is None
-    assert both.keep_in_memory("g-00000001-0000000000001-aaaa") is True
-    assert plain.keep_in_memory("g-00000001-0000000000001-aaaa") is False and plain.take_spare(8) is None and plain.mapped_writer("k", 8, None) is None
+    assert isinstance(below, ScheduledBackend) and below.next_link() is not None and below is face.below_node
+    assert face.below_memory is both.below and none.below_memory is plain and none.below_node is plain
+    assert store.durability_of(both) is both and face.durable is both and face.revocable is both
+    assert store.durability_of(plain) is None and none.durable is None and none.revocable is None
+    assert face.keep_in_memory("g-00000001-0000000000001-aaaa") is True
+    assert none.keep_in_memory("g-00000001-0000000000001-aaaa") is False and none.take_spare(8) is None
+    assert none.mapped_writer("k", 8, None) is None
+    assert face.without_memory().memory_tier is None and face.without_memory().below_node is below
     local = LocalBackend(str(tmp_path / "x"))
-    assert local.next_link() is None and local.without_node_cache() is local
+    assert local.next_link() is None and store.without_node_cache(local) is local
     assert store.identity_of(f"local://{tmp_path / 'remote'}", both) == store.identity_of(
         f"local://{tmp_path / 'remote'}", plain)
+    hooks = {"node_memory_tier", "keep_in_memory", "take_spare", "mapped_writer", "want_spare", "without_node_cache",
+             "without_node_memory", "forget_cached", "drop_uncommitted"}
+    assert not hooks & set(dir(Backend)), "a backend knows no node: these belong to tierckpt.node.face.NodeFace"
+
+
+def test_open_chain_assembles_the_store_and_its_face_once(tmp_path: Path, monkeypatch) -> None:
+    """One URI's chain is built once: open_chain returns its store beside its face, both over the same links."""
+    monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(tmp_path / "cache"))
+    chain = store.open_chain(f"local://{tmp_path / 'remote'}", {"memory": MemoryConfig(directory=str(tmp_path / "mem")),
+                                                               "cache": True})
+    assert chain.node.store is chain.store and chain.node.memory_tier is store.memory_tier_of(chain.store)
+    assert chain.node.below_memory is chain.store.below and chain.node.below_node is chain.store.below.link
 
 
 def test_the_ledger_counts_each_tier_once_per_byte(tmp_path: Path, monkeypatch) -> None:
@@ -121,10 +140,11 @@ def test_a_failed_save_leaves_the_tier_of_a_node_that_did_not_commit_it(tmp_path
     sched.run(link.commit(layout.COMMIT, layout.CommitRecord(kept, 1.0, seq=1).encode(), expected=None))
     sched.run(link.put(f"{failed}/data/rank-00001.bin", b"f" * 100))
     assert tier.keys_of(failed) == [f"{failed}/data/rank-00001.bin"]
-    sched.run(link.drop_uncommitted(failed))
-    sched.run(link.drop_uncommitted(kept))
+    face = store.node_face(link)
+    sched.run(face.drop_uncommitted(failed))
+    sched.run(face.drop_uncommitted(kept))
     assert tier.keys_of(failed) == [] and link.writedown.runner.entry(f"{failed}/data/rank-00001.bin") is None
     assert tier.keys_of(kept) == [f"{kept}/data/rank-00001.bin"]
     assert sched.run(link.get(f"{kept}/data/rank-00001.bin")) == b"k" * 100
     plain = _chain(tmp_path, memory=False, cache=False)
-    sched.run(plain.drop_uncommitted(failed))  # no tier: nothing to drop, no error
+    sched.run(store.node_face(plain).drop_uncommitted(failed))  # no tier: nothing to drop, no error

@@ -1,4 +1,4 @@
-"""The one place that assembles the storage chain of a URI: :func:`open_store`.
+"""The one place that assembles the storage chain of a URI: :func:`open_chain` (and :func:`open_store`).
 
 A *store* is a :class:`~tierckpt.backends.base.Backend`: either the backend of the URI itself
 (:mod:`tierckpt.backends`) or that backend wrapped in *links*, each a small ``Backend`` with one job
@@ -13,6 +13,12 @@ node memory first?" are decided here, once, each by one rule (:func:`cache_confi
         ScheduledBackend (slots, retries)
           the URI's backend (local, memory://, S3, fsspec)
 
+:func:`open_chain` returns the chain's top (the *store*) beside its node face
+(:class:`~tierckpt.node.face.NodeFace`): what the saver, the loader, the manager and the formats ask of the
+node tiers (the memory tier's read view, snapshot spares, keep-in-memory, the chain below the tiers,
+durability) they ask the face; the store is a plain backend to them. :func:`open_store` is the store
+alone, for callers that only read and write.
+
 Both write-back links run on the engine of :mod:`tierckpt.node`: its one durability answer
 (:class:`Durable`, asked with :func:`durability_of`), its one exit drain (:func:`drain_write_back`) and
 its one level type. A store without the protocol is durable where its URI points when a write returns.
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from tierckpt.backends import Backend, LocalBackend, open_plain_backend, split_uri
 from tierckpt.node.disk.config import CacheConfig
@@ -41,13 +47,13 @@ from tierckpt.node.memory.memory import MemoryTier
 from tierckpt.node.memory.nodememory import NodeMemory
 from tierckpt.node import drain as exit_drain
 from tierckpt.node.durability import Durable, Revocable, durability_of, revocable_of
+from tierckpt.node.face import NodeFace
 
 __all__ = [
-    "Durable", "LOCAL_SCHEMES", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s", "forget_cached",
-    "identity_of",
-    "memory_config_for", "memory_config_held", "memory_keys_under", "memory_levels", "memory_tier_of", "node_cache_over",
-    "node_only_reason", "open_cached_store", "open_durable_chain", "open_store", "read_in_place", "Revocable", "revocable_of",
-    "uploader_of", "without_node_cache",
+    "Chain", "Durable", "LOCAL_SCHEMES", "Revocable", "cache_config_for", "drain_write_back", "durability_of", "exit_wait_s",
+    "forget_cached", "identity_of", "memory_config_for", "memory_config_held", "memory_keys_under", "memory_levels",
+    "memory_tier_of", "node_cache_over", "node_face", "node_only_reason", "open_cached_store", "open_chain",
+    "open_durable_chain", "open_store", "read_in_place", "revocable_of", "uploader_of", "without_node_cache",
 ]
 
 LOCAL_SCHEMES = ("", "file", "memory")
@@ -112,27 +118,51 @@ def memory_config_for(uri: str, memory: Any = None) -> MemoryConfig | None:
     return None
 
 
-def memory_tier_of(store: Backend) -> MemoryTier | None:
-    """The node memory tier of ``store``'s chain (its :meth:`~Backend.node_memory_tier` hook), or ``None``
-    when the tier is off."""
-    tier = store.node_memory_tier()
-    return tier if isinstance(tier, MemoryTier) else None
+class Chain(NamedTuple):
+    """A URI's chain as :func:`open_chain` assembles it: the store and its node face."""
+
+    store: Backend
+    """The chain's top: a plain backend to everyone above it."""
+    node: NodeFace
+    """What the chain's node tiers offer (every answer "not here" when it has none)."""
 
 
-def open_store(uri: str, options: dict[str, Any] | None = None) -> Backend:
-    """The store for ``uri``: its backend (``options`` go to it, e.g. S3 credentials), behind the node
-    cache when :func:`cache_config_for` says so (option ``cache``), behind the node memory tier when
-    :func:`memory_config_for` says so (option ``memory``)."""
+def open_chain(uri: str, options: dict[str, Any] | None = None) -> Chain:
+    """The chain of ``uri``, built once: its backend (``options`` go to it, e.g. S3 credentials), behind
+    the node cache when :func:`cache_config_for` says so (option ``cache``), behind the node memory tier
+    when :func:`memory_config_for` says so (option ``memory``); with the chain's node face."""
     options = dict(options or {})
     memory = memory_config_for(uri, options.pop("memory", None))
     config = cache_config_for(uri, options.pop("cache", None))
-    if config is not None:
-        store: Backend = open_cached_store(uri, options, config)
-    else:
-        store = ScheduledBackend(open_plain_backend(uri, **options))  # slots, retries, metrics
-    if memory is not None:
-        store = MemoryLink(store, memory, uri)  # node memory first, written down behind
-    return store
+    cache = open_cached_store(uri, options, config) if config is not None else None
+    store: Backend = cache if cache is not None else ScheduledBackend(open_plain_backend(uri, **options))
+    link = MemoryLink(store, memory, uri) if memory is not None else None  # node memory first, written down behind
+    return Chain(link or store, NodeFace(link or store, memory=link, cache=cache))
+
+
+def open_store(uri: str, options: dict[str, Any] | None = None) -> Backend:
+    """The store of ``uri``'s chain (:func:`open_chain`), for callers that ask nothing of the node tiers."""
+    return open_chain(uri, options).store
+
+
+def node_face(store: Backend) -> NodeFace:
+    """The node face of a chain this module assembled (:func:`open_chain`, :func:`open_durable_chain`,
+    :func:`node_cache_over`), found from its top ``store``: for code handed a store without its face."""
+    memory = cache = None
+    link: Backend | None = store
+    while link is not None:
+        if isinstance(link, MemoryLink):
+            memory = link
+        elif isinstance(link, TieredBackend):
+            cache = link
+        link = link.next_link()
+    return NodeFace(store, memory=memory, cache=cache)
+
+
+def memory_tier_of(store: Backend) -> MemoryTier | None:
+    """The node memory tier of ``store``'s chain (its node face's), or ``None`` when the tier is off."""
+    tier = node_face(store).memory_tier
+    return tier if isinstance(tier, MemoryTier) else None
 
 
 def open_cached_store(uri: str, options: dict[str, Any], config: CacheConfig) -> TieredBackend:
@@ -205,19 +235,20 @@ def identity_of(uri: str, store: Backend) -> str:
 
 
 def without_node_cache(store: Backend) -> Backend:
-    """``store``'s chain below the node cache: its scheduling link over the URI's own backend (what reads
-    a torch DCP directory in place, which DCP rewrites in place, so cached bytes could be stale)."""
-    return store.without_node_cache()
+    """``store``'s chain below the node tiers (:attr:`NodeFace.below_node`): its scheduling link over the
+    URI's own backend (what reads a torch DCP directory in place, which DCP rewrites in place, so cached
+    bytes could be stale)."""
+    return node_face(store).below_node
 
 
-def forget_cached(store: Backend, ranges: set[tuple[str, int, int]]) -> bool:
-    """Drop the node cache's copies of ``ranges`` (``(key, start, end)`` of ``store``) that failed their
-    checksums, so they are read again from below (:meth:`TieredBackend.forget_cached`); ``True`` if the
+def forget_cached(node: NodeFace, ranges: set[tuple[str, int, int]]) -> bool:
+    """Drop the node cache's copies of ``ranges`` (``(key, start, end)`` of the chain) that failed their
+    checksums, so they are read again from below (:meth:`NodeFace.forget_cached`); ``True`` if the
     chain has a node cache and it dropped any."""
     if not ranges:
         return False
     sched = get_scheduler()
-    return any([sched.run(store.forget_cached(key, start, end)) for key, start, end in sorted(ranges)])
+    return any([sched.run(node.forget_cached(key, start, end)) for key, start, end in sorted(ranges)])
 
 
 class _NodeCacheDrain:

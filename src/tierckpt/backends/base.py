@@ -21,12 +21,10 @@ makes the check and the write one step: local files, a ``flock`` held across rea
 limitation: two writers racing there may both succeed).
 
 A store is a chain: the URI's backend, wrapped in *links* (:class:`Link`, zarr's ``WrapperStore``), each
-with one job (scheduling, the node disk cache, the node memory tier). Code above the chain asks a store
-for what it needs through the *capability hooks* every backend has (:meth:`Backend.uri_of`,
-:meth:`~Backend.next_link`, :meth:`~Backend.node_memory_tier`, :meth:`~Backend.keep_in_memory`,
-:meth:`~Backend.take_spare`, :meth:`~Backend.mapped_writer`, :meth:`~Backend.want_spare`, :meth:`~Backend.without_node_cache`, :meth:`~Backend.forget_cached`):
-a plain backend answers "not here", a link passes them down unless it answers them itself. Nobody
-above the chain asks which class a link is or probes it for attributes.
+with one job (scheduling, the node disk cache, the node memory tier). Every backend answers two chain
+hooks, :meth:`Backend.uri_of` (for messages) and :meth:`Backend.next_link`; what only the node tiers have
+is asked of the chain's node face (:class:`tierckpt.node.face.NodeFace`), which
+:func:`tierckpt.store.open_chain` returns beside the store: a backend knows no node.
 """
 
 from __future__ import annotations
@@ -34,16 +32,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
 from tierckpt.backends.bounded import oversized
 from tierckpt.errors import CheckpointError
-from tierckpt.native.layout import CommitRecord
-
-if TYPE_CHECKING:
-    import torch
 
 
 class Unconditional(enum.Enum):
@@ -103,21 +96,6 @@ class ObjectWriter(abc.ABC):
     @abc.abstractmethod
     async def abort(self) -> None:
         """Discard everything written; the key is left as it was before ``open_writer``."""
-
-
-class MappedWriter(ObjectWriter):
-    """A writer whose :attr:`buffer` holds the file's own pages (:meth:`Backend.mapped_writer`): the caller
-    filled it, then streams the chunks, which the writer only checksums."""
-
-    buffer: torch.Tensor
-
-
-class Spare(Protocol):
-    """Memory that can become a data file of a store (:meth:`Backend.take_spare`)."""
-    buffer: torch.Tensor
-
-    def release(self) -> None:
-        """Give the memory up, unless it became a file (:meth:`Backend.mapped_writer`)."""
 
 
 Segment = tuple[Sequence[int], int, memoryview]
@@ -273,7 +251,7 @@ class Backend(abc.ABC):
     async def close(self) -> None:
         """Release connections and handles held by the backend."""
 
-    # -- capability hooks of the chain (a plain backend: "not here"; links override) ------------
+    # -- the chain (a plain backend ends it; links override) ----------------------------------------
     def uri_of(self, key: str) -> str:
         """The full URI of ``key`` (for messages)."""
         return f"{self.root_uri.rstrip('/')}/{key}"
@@ -282,50 +260,10 @@ class Backend(abc.ABC):
         """The store this one wraps (``None``: this is the URI's own backend, the end of the chain)."""
         return None
 
-    def node_memory_tier(self) -> NodeTier | None:
-        """This URI's files in the node memory tier (tmpfs) when the chain has one, else ``None``."""
-        return None
-
-    def keep_in_memory(self, generation: str) -> bool:
-        """Hold ``generation`` in the node memory tier only (``persist=False``); ``False``: the chain has no
-        memory tier, nothing was done."""
-        return False
-
-    def take_spare(self, nbytes: int) -> Spare | None:
-        """Memory of ``nbytes`` or more for an async save's snapshot that can become the file once named
-        (:meth:`mapped_writer`); ``None``: use the staging buffer."""
-        return None
-
-    def mapped_writer(self, key: str, nbytes: int, spare: Spare | None) -> MappedWriter | None:
-        """``spare``, whose ``buffer`` holds the file's ``nbytes``, made the writer of ``key``: its writes only
-        checksum what is there. ``None``: write the bytes with :meth:`open_writer` (then release the spare)."""
-        return None
-
-    def want_spare(self, key: str, nbytes: int) -> None:
-        """A save copied ``key``'s ``nbytes`` without a spare: the store may make one for the next save."""
-
-    def without_node_cache(self) -> Backend:
-        """The chain below any node tier (what reads a directory rewritten in place, e.g. torch DCP's)."""
-        return self
-
-    def without_node_memory(self) -> Backend:
-        """The chain below the node memory tier (what ``COMMIT`` says there, beside the tier's own)."""
-        return self
-
-    async def forget_cached(self, key: str, start: int, end: int) -> bool:
-        """Drop this node's cached copies of bytes ``[start, end)`` of ``key`` (they failed their checksums);
-        whether any was dropped."""
-        return False
-
-    async def drop_uncommitted(self, generation: str) -> None:
-        """A save of ``generation`` failed (its commit did not land): drop what this node's tiers hold of it
-        and stop writing it down, leaving the chain below to the rank that withdraws the commit. Every
-        rank of a failed save calls it, so no node keeps the generation."""
-
 
 class Link(Backend):
-    """A backend that wraps the chain :attr:`below` it (zarr's ``WrapperStore``): the capability hooks pass
-    down to it unless the link answers them itself. The node tiers are links; a link's job methods
+    """A backend that wraps the chain :attr:`below` it (zarr's ``WrapperStore``): messages name the keys
+    as the chain below does. The node tiers are links; a link's job methods
     (``put``, ``get``...) are its own."""
 
     def __init__(self, below: Backend, root_uri: str | None = None) -> None:
@@ -337,67 +275,3 @@ class Link(Backend):
 
     def next_link(self) -> Backend | None:
         return self.below
-
-    def node_memory_tier(self) -> NodeTier | None:
-        return self.below.node_memory_tier()
-
-    def keep_in_memory(self, generation: str) -> bool:
-        return self.below.keep_in_memory(generation)
-
-    def without_node_cache(self) -> Backend:
-        return self.below.without_node_cache()
-
-    def without_node_memory(self) -> Backend:
-        below = self.below.without_node_memory()
-        return self if below is self.below else below
-
-    async def forget_cached(self, key: str, start: int, end: int) -> bool:
-        return await self.below.forget_cached(key, start, end)
-
-    async def drop_uncommitted(self, generation: str) -> None:
-        await self.below.drop_uncommitted(generation)
-
-
-class HeldEntry(Protocol):
-    """The sealed size and CRC-32C of one file a node tier holds."""
-
-    @property
-    def size(self) -> int: ...
-
-    @property
-    def crc32c(self) -> int: ...
-
-
-class NodeTier(Backend):
-    """One URI's files in a node tier (the node memory tier, tmpfs), as :meth:`Backend.node_memory_tier`
-    hands them to the engine above the chain: a backend (reads of files the node holds), plus what a load
-    asks of the node's copy without the I/O loop (small reads, sizes, what is sealed) and what the
-    manager asks of its ``COMMIT``."""
-
-    uri: str
-    """The checkpoint URI whose files these are."""
-
-    @abc.abstractmethod
-    def committed(self) -> CommitRecord | None:
-        """The record ``COMMIT`` holds in this tier (``None``: none)."""
-
-    @abc.abstractmethod
-    def held(self, generation: str) -> Mapping[str, HeldEntry]:
-        """Key -> sealed size and CRC-32C of each file of ``generation`` the tier's manifests list."""
-
-    @abc.abstractmethod
-    def keys_of(self, generation: str) -> list[str]:
-        """Every complete file of ``generation`` in the tier, sealed or not, sorted."""
-
-    @abc.abstractmethod
-    def seal(self, generation: str, *, origin: str, keys: Iterable[str] | None = None) -> object:
-        """Record a manifest of ``keys`` (default: the files of ``generation`` this node wrote) under ``origin``."""
-
-    @abc.abstractmethod
-    def read_file(self, key: str, cap: int) -> bytes:
-        """The whole file ``key``, in the calling thread, refused unread past ``cap`` bytes
-        (:class:`~tierckpt.errors.OversizedFileError`); a missing one raises :class:`FileNotFoundError`."""
-
-    @abc.abstractmethod
-    def file_size(self, key: str) -> int:
-        """The size of the file ``key``, in the calling thread; a missing one raises :class:`FileNotFoundError`."""

@@ -48,7 +48,7 @@ from tierckpt.formats.reader import Checkpoint
 from tierckpt.formats.select import read_checkpoint, read_pieces
 from tierckpt.native.metadata import PieceMeta, TensorMeta
 from tierckpt.native.regions import Box, Region, StoredBox, stored_boxes
-from tierckpt.store import durability_of, forget_cached, node_only_reason, open_store
+from tierckpt.store import durability_of, forget_cached, node_face, node_only_reason, open_store
 from tierckpt.node.status import StoreStatus
 
 DEFAULT_CHUNK_BYTES = 16 << 20
@@ -329,7 +329,7 @@ def _check_checksums(
         bar.close()
     # Bytes a node cache served may have been corrupted on their way into it: drop those copies and read
     # the failing items again from the remote (tierckpt.loading.reread); only a mismatch there is reported.
-    if bad and forget_cached(backend, {(layout.in_generation(gen, i.file), i.byte_offset, i.byte_offset + i.byte_length) for i in bad}):
+    if bad and forget_cached(node_face(backend), {(layout.in_generation(gen, i.file), i.byte_offset, i.byte_offset + i.byte_length) for i in bad}):
         for item in bad:
             item.crc = 0
         bad = _stream(backend, gen, bad, chunk_bytes, None)

@@ -53,7 +53,6 @@ from typing import Any
 
 from tierckpt.loading import route_costs
 from tierckpt.backends import Backend
-from tierckpt.backends.base import NodeTier
 from tierckpt.call_args import checked_uri, uri_text
 from tierckpt.formats.reader import Checkpoint
 from tierckpt.comm import Comm, Group
@@ -68,7 +67,8 @@ from tierckpt.loading.nested import nest, template_of
 from tierckpt.planner import Topology
 from tierckpt.formats.select import read_checkpoint, read_pieces, reader_of
 from tierckpt.loading.reread import drop_and_retry
-from tierckpt.store import open_store
+from tierckpt.node.face import NodeFace
+from tierckpt.store import open_chain, open_store
 from tierckpt.loading.tier_metadata import TierStart, read_from_tier, start_from_tiers
 
 __all__ = [
@@ -96,28 +96,28 @@ def _template_free(load_fn: Callable[..., dict[str, Any]]) -> Callable[..., dict
     return load
 
 
-def _after_failure(backend: Backend, tier: NodeTier | None, generation: str) -> tuple[bool, bool]:
+def _after_failure(backend: Backend, node: NodeFace, generation: str) -> tuple[bool, bool]:
     """After a failed load of ``generation``: whether a newer commit replaced it, and whether the chain below
-    the node memory tier ``tier`` (when there is one) commits it too (its bytes can be read from there)."""
+    the node memory tier (when there is one) commits it too (its bytes can be read from there)."""
     if newer_commit(backend, generation) is not None:
         return True, False
-    if tier is None:
+    if node.memory_tier is None:
         return False, False
     try:
-        return False, read_commit(backend.without_node_memory()).generation == generation
+        return False, read_commit(node.below_memory).generation == generation
     except CheckpointError:
         return False, False
 
 
-def _naming_an_older_commit(exc: MissingFileError, uri: str, backend: Backend, tier: NodeTier | None) -> MissingFileError:
+def _naming_an_older_commit(exc: MissingFileError, uri: str, node: NodeFace) -> MissingFileError:
     """``exc``, or when the node memory tier commits a generation the chain below never got whole (saved with
     ``persist=False``, or a node lost before its files went down) while the chain below still commits an older
     one, ``exc`` naming that generation and how to load it."""
-    mine = tier.committed() if tier is not None else None
+    mine = node.memory_tier.committed() if node.memory_tier is not None else None
     if mine is None:
         return exc
     try:
-        below = read_commit(backend.without_node_memory())
+        below = read_commit(node.below_memory)
     except CheckpointError:
         return exc
     if below.seq >= mine.seq:
@@ -176,9 +176,9 @@ def load(
     comm.check_in(f"load from {uri!r}", collective_timeout_s)
     monitor = monitor or Monitor()
     with attached(monitor, f"load {uri}", progress, comm.rank):
-        backend = open_store(uri, dict(storage_options or {}))
+        backend, node = open_chain(uri, dict(storage_options or {}))
         options = LoadOptions(strict, allow_pickle, verify, check_crc, chunk_bytes, round_bytes, topology)
-        tier = backend.node_memory_tier()
+        tier = node.memory_tier
         start: TierStart | None = None
         read: Checkpoint | None = None  # what rank 0 read from its tier, checked against the chain's COMMIT
         reading_rank = 0  # the rank that reads the metadata through the chain
@@ -201,28 +201,30 @@ def load(
             # The chain the format is read through (a foreign format, rewritten in place: below the node cache).
             reader = reader_of(ckpt)
             try:
-                summaries = load_generation(uri, state, comm, reader.source(backend), ckpt, options, monitor, start)
+                summaries = load_generation(uri, state, comm, reader.source(backend), tier if reader.generations else None,
+                                            ckpt, options, monitor, start)
             except (CollectiveError, StateMismatchError):
                 raise
             except CheckpointError as exc:
                 if not reader.generations:
                     raise  # a foreign format has no commit to follow
-                if drop_and_retry(comm, backend, exc, reread):  # a bad cached copy: read it again from below
+                if drop_and_retry(comm, node, exc, reread):  # a bad cached copy: read it again from below
                     logger.warning("load of %s: a node-cache copy failed its checksum (%s); reading it again", uri, exc)
                     continue
                 # Every rank raised (failures are agreed); the reading rank tells whether a newer commit explains
                 # it, and whether the chain below the node memory tier commits this generation too.
                 moved, below = comm.broadcast_object(
-                    _after_failure(backend, tier, ckpt.meta.generation) if comm.rank == reading_rank else None, reading_rank
+                    _after_failure(backend, node, ckpt.meta.generation) if comm.rank == reading_rank else None, reading_rank
                 )
                 if not moved and below:  # the memory tiers' copies failed: the same bytes, read from below
                     logger.warning("load of %s: reading generation %s from the node memory tiers failed (%s); "
                                    "reading it from where the URI points", uri, ckpt.meta.generation, exc)
-                    backend, tier, start, read, reading_rank = backend.without_node_memory(), None, None, None, 0
+                    node = node.without_memory()
+                    backend, tier, start, read, reading_rank = node.store, None, None, None, 0
                     continue
                 if not moved:
                     if isinstance(exc, MissingFileError):
-                        raise _naming_an_older_commit(exc, uri, backend, tier) from exc
+                        raise _naming_an_older_commit(exc, uri, node) from exc
                     raise
                 if attempt == RACE_RETRIES:
                     raise CheckpointBusyError(

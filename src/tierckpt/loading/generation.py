@@ -24,7 +24,7 @@ import numpy as np
 from tierckpt.native import layout
 from tierckpt.loading import route_costs
 from tierckpt.backends import Backend
-from tierckpt.backends.base import NodeTier
+from tierckpt.node.face import NodeTier
 from tierckpt.formats.reader import Checkpoint
 from tierckpt.comm import Comm
 from tierckpt.native.coverage import check_exact_coverage
@@ -69,14 +69,14 @@ class LoadOptions:
 
 
 def load_generation(
-    uri: str, state: dict[str, Any], comm: Comm, backend: Backend, ckpt: Checkpoint, opts: LoadOptions, monitor: Monitor,
-    start: TierStart | None,
+    uri: str, state: dict[str, Any], comm: Comm, backend: Backend, tier: NodeTier | None, ckpt: Checkpoint,
+    opts: LoadOptions, monitor: Monitor, start: TierStart | None,
 ) -> list[dict[str, float]]:
     """Steps 2-5 of the lifecycle for the generation ``ckpt`` names, read through ``backend`` (the chain
-    its reader reads from); fills every target and returns every rank's monitor summary. ``start``: step
-    2 already done with the metadata read from the memory tiers."""
+    its reader reads from) and this node's memory tier ``tier`` (``None``: off, or a format without
+    generations); fills every target and returns every rank's monitor summary. ``start``: step 2 already
+    done with the metadata read from the memory tiers."""
     reader = reader_of(ckpt)
-    tier = backend.node_memory_tier() if reader.generations else None
     with monitor.phase("metadata"):
         if start is not None:
             (flat, needs, wanted, table), gathered = start.kept, start.shared

@@ -30,7 +30,7 @@ import crc32c
 
 from tierckpt.native import layout
 from tierckpt.backends import Backend
-from tierckpt.backends.base import NodeTier
+from tierckpt.node.face import NodeTier
 from tierckpt.comm import Comm
 from tierckpt.errors import CheckpointError
 from tierckpt.native.metadata import CheckpointMeta

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 
-from tierckpt.backends import Backend
 from tierckpt.comm import Comm
 from tierckpt.errors import ChecksumMismatchError
+from tierckpt.node.face import NodeFace
 from tierckpt.store import forget_cached
 
 logger = logging.getLogger("tierckpt")
@@ -41,14 +41,14 @@ def mismatched(error: BaseException) -> set[Range]:
     return found
 
 
-def drop_and_retry(comm: Comm, store: Backend, error: BaseException, dropped_before: set[Range]) -> bool:
+def drop_and_retry(comm: Comm, node: NodeFace, error: BaseException, dropped_before: set[Range]) -> bool:
     """Whether the group should read again after ``error`` (raised on every rank): each rank drops its node
     cache's copies of the ranges its error names and has not dropped before (added to ``dropped_before``);
     ``True`` on every rank when any rank dropped one. A collective: every rank of ``comm`` calls it."""
     ranges = mismatched(error) - dropped_before
     dropped_before |= ranges
     try:
-        mine = forget_cached(store, ranges)
+        mine = forget_cached(node, ranges)
     except Exception as exc:  # noqa: BLE001 - the original error stands; the group must still agree
         logger.warning("could not drop the node cache's copies of %s: %s", sorted(ranges), exc)
         mine = False

@@ -35,7 +35,7 @@ import crc32c
 
 from tierckpt.native import layout
 from tierckpt.backends import Backend
-from tierckpt.backends.base import NodeTier
+from tierckpt.node.face import NodeTier
 from tierckpt.backends.bounded import MAX_RECORD_BYTES
 from tierckpt.comm import Comm, describe_error
 from tierckpt.errors import CheckpointError

@@ -22,7 +22,7 @@ from tierckpt.comm import Comm
 from tierckpt.errors import CheckpointError, CheckpointNotFoundError, TransientStorageError
 from tierckpt.io.scheduler import get_scheduler
 from tierckpt.manager.best import BestSteps
-from tierckpt.store import open_store
+from tierckpt.store import open_chain
 from tierckpt.node.memory.replica_record import recorded_level
 from tierckpt.node.levels import Level
 
@@ -65,7 +65,7 @@ class RetentionMixin:
         """Whether this node's memory tier records this manager's save of ``step`` as ``replicated``; a
         record that cannot be read counts as not (the rank must still reach the agreement)."""
         try:
-            tier = open_store(self.uri_of(step), self.storage_options).node_memory_tier()
+            tier = open_chain(self.uri_of(step), self.storage_options).node.memory_tier
             committed = tier.committed() if tier is not None else None
             result = recorded_level(tier, committed.generation) if tier is not None and committed is not None else None
         except (CheckpointError, OSError, ValueError, KeyError, TypeError) as exc:

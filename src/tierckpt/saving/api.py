@@ -58,7 +58,6 @@ from tierckpt.saving.snapshot import OpenStream, Snapshot, take_snapshot
 from tierckpt.saving.process import _PROCESS
 from tierckpt.io.staging import FileStream
 from tierckpt.saving.stream import _stream_direct, _stream_staged
-from tierckpt.store import durability_of
 
 __all__ = ["IF_BUSY", "LEVELS", "SaveHandle", "async_save", "save"]
 
@@ -126,7 +125,7 @@ def _save(
         total = p.plan.file_sizes[rank] if rank < len(p.plan.file_sizes) else None
         # Through a write-back link (node cache, memory tier) the data file lands there first; the save then waits
         # for its upload, whose pending bytes join the bar (tierckpt.progress).
-        where = " (node tiers, then upload)" if durability_of(p.backend) is not None and persist else ""
+        where = " (node tiers, then upload)" if p.node.durable is not None and persist else ""
         with attached(monitor, f"save {uri}{where}", progress, rank, total=total):
             with monitor.phase("stage"):
                 stream = p.comm.run_agreed(lambda: _stream_direct(p), f"writing checkpoint {uri!r}")
@@ -154,7 +153,7 @@ def _save(
             _PROCESS.staging_lock.release()
         return _finish(p, stream, StoreCoordinator(p.comm, p.generation), failure)
 
-    handle = SaveHandle(uri, _PROCESS.executor().submit(finish), monitor, p.backend, p.replication)
+    handle = SaveHandle(uri, _PROCESS.executor().submit(finish), monitor, p.node.durable, p.replication)
     _PROCESS.in_flight[uri] = handle
     _PROCESS.unreported.append(handle)
     return handle
@@ -182,7 +181,7 @@ def _snapshot_while_agreeing(
         if agreeing is not None and plan is not None and local.kept is not None:
             flat = local.kept[0]
             snapshot, copy_error = attempt(
-                lambda: take_snapshot(flat, plan, local.comm.rank, local.backend, staging_bytes, local.monitor)
+                lambda: take_snapshot(flat, plan, local.comm.rank, local.node, staging_bytes, local.monitor)
             )
             if snapshot is not None:
                 local.monitor.count("snapshots_while_agreeing")

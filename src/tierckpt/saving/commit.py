@@ -27,7 +27,6 @@ from tierckpt.native.metadata import CheckpointMeta, PieceMeta, encode_header, e
 from tierckpt.monitor import ranks_from_timings
 from tierckpt.saving.prepared import _Prepared
 from tierckpt.saving.stream import _finish_rank, _put_all
-from tierckpt.store import durability_of, revocable_of
 
 log = logging.getLogger("tierckpt")
 
@@ -77,11 +76,11 @@ def _finish(
 
 def _drop_from_node(p: _Prepared) -> None:
     """Every rank of a failed save, once it knows the outcome: its node's tiers drop what they hold of the
-    generation and stop writing it down (:meth:`~tierckpt.backends.base.Backend.drop_uncommitted`), so no
+    generation and stop writing it down (:meth:`~tierckpt.node.face.NodeFace.drop_uncommitted`), so no
     node keeps a generation that was committed nowhere; rank 0 took back the commit itself. A failure here
     is logged: the save's own error is what the caller gets."""
     try:
-        get_scheduler().run(p.backend.drop_uncommitted(p.generation))
+        get_scheduler().run(p.node.drop_uncommitted(p.generation))
     except Exception as exc:  # noqa: BLE001 - see the docstring
         log.warning("rank %d: the failed save's generation %s of %s stays in this node's tier: %s",
                     p.comm.rank, p.generation, p.uri, describe_error(exc))
@@ -94,7 +93,7 @@ def _sweep_superseded(p: _Prepared) -> None:
     previous = layout.CommitRecord.decode(base).generation if base else None
     committed = layout.CommitRecord(p.generation, 0.0, seq=layout.next_seq(base))
     cleanup.sweep_after_commit(p.backend, p.uri, committed, previous,
-                               find_leftovers=durability_of(p.backend) is None)
+                               find_leftovers=p.node.durable is None)
 
 
 def _commit_gathered(p: _Prepared, gathered: Any, world_size: int) -> tuple[tuple[str, Any], BaseException | None]:
@@ -225,7 +224,7 @@ def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None
                 raise _refused_unchanged(p, base, exc) from exc
             winner = layout.CommitRecord.decode(current).generation if current else None
             raise CheckpointBusyError(_busy_message(p, winner)) from exc
-    durable = durability_of(backend)
+    durable = p.node.durable
     if durable is not None and not p.write_back and p.persist:  # a synchronous save commits where the URI points
         try:
             sched.run(durable.wait_durable(gen, None, through_outage=False))
@@ -250,7 +249,7 @@ def _refused_unchanged(p: _Prepared, base: bytes | None, refusal: CheckpointBusy
 def _withdraw(p: _Prepared, record: bytes, base: bytes | None, failure: StorageError) -> None:
     """Rank 0, a synchronous save whose commit did not reach where the URI points: take it back from the
     node cache too (a failed save is loadable nowhere), then raise; return if the commit landed after all."""
-    revocable = revocable_of(p.backend)
+    revocable = p.node.revocable
     if revocable is None:
         raise failure
     errors = get_scheduler().run(revocable.withdraw(p.generation, record, base))

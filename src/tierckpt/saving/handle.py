@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import concurrent.futures
 
-from tierckpt.backends import Backend
 from tierckpt.deadline import current as current_deadline
 from tierckpt.deadline import operation
 from tierckpt.errors import CheckpointBusyError, CheckpointError
 from tierckpt.io.scheduler import get_scheduler
 from tierckpt.native.metadata import CheckpointMeta
 from tierckpt.monitor import Monitor
-from tierckpt.store import durability_of
+from tierckpt.node.durability import Durable
 from tierckpt.node.memory.replication import Replication
 from tierckpt.node.levels import WAITABLE
 
@@ -26,11 +25,12 @@ class SaveHandle:
     until the store holds it where its URI points (every object uploaded, ``COMMIT`` last)."""
 
     def __init__(
-        self, uri: str, future: concurrent.futures.Future[CheckpointMeta], monitor: Monitor, store: Backend,
+        self, uri: str, future: concurrent.futures.Future[CheckpointMeta], monitor: Monitor, durable: Durable | None,
         replication: Replication | None = None,
     ) -> None:
         self.uri = uri
-        self.store = store
+        self.durable = durable
+        """The store's durability when it writes back (``None``: committed is durable where the URI points)."""
         self.monitor = monitor
         self._future = future
         self._replication = replication if replication is not None else Replication(uri, None, None, None)
@@ -101,9 +101,8 @@ class SaveHandle:
         few seconds, then at growing intervals."""
         with operation("wait_durable", self.uri):
             meta = self._committed(timeout_s)
-            durable = durability_of(self.store)
-            if durable is not None:
-                get_scheduler().run(durable.wait_durable(meta.generation, timeout_s))
+            if self.durable is not None:
+                get_scheduler().run(self.durable.wait_durable(meta.generation, timeout_s))
                 self._record_uploads(meta.generation)
         return meta
 

@@ -36,7 +36,8 @@ from tierckpt.saving.prepared import _Prepared
 from tierckpt.saving.process import _PROCESS, _group_key, _raise_unreported
 from tierckpt.errors import CheckpointError
 from tierckpt.state.adapters import FlatState, flatten_state
-from tierckpt.store import durability_of, identity_of, open_store
+from tierckpt.node.face import NodeFace
+from tierckpt.store import identity_of, open_chain
 from tierckpt.node.memory.replication import Replication, replicator_for
 
 _Kept = tuple[FlatState, list[LocalPiece], dict[str, tuple[bytes, str]]]
@@ -55,6 +56,7 @@ class _Local:
     group: Group
     comm: Comm
     backend: Backend
+    node: NodeFace
     started: float
     base: concurrent.futures.Future[bytes | None] | None
     kept: _Kept | None
@@ -85,16 +87,16 @@ def _prepare_local(
     is kept, to be shared by :func:`_agree`: every rank raises it, before anything is written."""
     _raise_unreported()
     comm = Comm(group)
-    backend = open_store(uri, dict(storage_options or {}))
+    backend, node = open_chain(uri, dict(storage_options or {}))
     started = time.time()
     # A write-back save reads the node's view (its pending COMMIT first) and may start while the remote
     # is unreachable.
-    offline_ok = write_back and durability_of(backend) is not None
+    offline_ok = write_back and node.durable is not None
     base = get_scheduler().submit(save_commit._read_commit(backend, offline_ok)) if comm.rank == 0 else None
     with monitor.phase("flatten"):
-        result, error = attempt(lambda: _offer(uri, state, backend.node_memory_tier() is not None, persist, allow_pickle))
+        result, error = attempt(lambda: _offer(uri, state, node.memory_tier is not None, persist, allow_pickle))
     kept, shared = result if result is not None else (None, None)
-    return _Local(uri, group, comm, backend, started, base, kept, shared, error, monitor, write_back, persist)
+    return _Local(uri, group, comm, backend, node, started, base, kept, shared, error, monitor, write_back, persist)
 
 
 def cached_plan(local: _Local, align_bytes: int) -> SavePlan | None:
@@ -127,10 +129,10 @@ def _agree(
         assert local.kept is not None and local.shared is not None  # else share_attempt raised
         flat, offers, encoded = local.kept
         _check_tiers_agree(uri, [a[2] for a in agreement])
-        _check_persist(uri, [a[3] for a in agreement], backend.node_memory_tier() is not None)
+        _check_persist(uri, [a[3] for a in agreement], local.node.memory_tier is not None)
         generation = agreement[0][4]
         if not persist:
-            backend.keep_in_memory(generation)  # the chain has a memory tier (_check_persist)
+            local.node.keep_in_memory(generation)  # the chain has a memory tier (_check_persist)
         digests = [a[0] for a in agreement]
         plan_key = (_group_key(local.group), align_bytes)
         cached = _PROCESS.plans.get(plan_key)
@@ -143,10 +145,10 @@ def _agree(
             _PROCESS.plans[plan_key] = (digests, plan)
         owners = _place_objects([a[1] for a in agreement], plan)
     # The replicator is built here, in the foreground every rank reaches together (first save only).
-    tier = backend.node_memory_tier()
+    tier = local.node.memory_tier
     replicator, not_replicated = replicator_for(tier, local.group, _group_key(local.group))
     return _Prepared(
-        uri=uri, comm=comm, backend=backend, flat=flat, encoded=encoded, plan=plan, owners=owners,
+        uri=uri, comm=comm, backend=backend, node=local.node, flat=flat, encoded=encoded, plan=plan, owners=owners,
         generation=generation, started=local.started, monitor=monitor, tags=dict(tags or {}),
         keep_previous=keep_previous, base=local.base, write_back=local.write_back,
         replication=Replication(uri, tier, replicator, not_replicated), persist=persist,

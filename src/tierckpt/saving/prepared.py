@@ -10,6 +10,7 @@ from tierckpt.comm import Comm
 from tierckpt.monitor import Monitor
 from tierckpt.planner import SavePlan
 from tierckpt.state.adapters import FlatState
+from tierckpt.node.face import NodeFace
 from tierckpt.node.memory.replication import Replication
 
 
@@ -21,6 +22,8 @@ class _Prepared:
     uri: str
     comm: Comm
     backend: Backend
+    node: NodeFace
+    """What the store's node tiers offer (memory tier, spares, durability)."""
     flat: FlatState
     encoded: dict[str, tuple[bytes, str]]
     plan: SavePlan

@@ -8,7 +8,7 @@ not their sum. The snapshot is kept when the group agreed on the same plan, else
 taken again under the new one (another rank's state changed: a second copy, once).
 
 The bytes go into the memory that will become the file when the store has such (the node memory tier's
-spare, :meth:`~tierckpt.backends.base.Backend.take_spare`), else into the process's reusable staging
+spare, :meth:`~tierckpt.node.face.NodeFace.take_spare`), else into the process's reusable staging
 buffer. A file larger than the staging buffer is not taken whole: it streams through the buffer's halves
 once named (:func:`tierckpt.saving.stream._stream_staged`).
 """
@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tierckpt.native import layout
-from tierckpt.backends import Backend
-from tierckpt.backends.base import Spare
+from tierckpt.node.face import NodeFace, Spare
 from tierckpt.io.staging import FileStream, Spans, copy_whole, file_bytes, queue_whole
 from tierckpt.monitor import Monitor
 from tierckpt.planner import SavePlan
@@ -59,7 +58,7 @@ class Snapshot:
         key = layout.in_generation(p.generation, writes[0].file)
         size = self.buffer.numel()
         # Without a spare, the store is told one is wanted for the next save (made once this file is written).
-        writer = p.backend.mapped_writer(key, size, self.spare) if not self.pinned else None
+        writer = p.node.mapped_writer(key, size, self.spare) if not self.pinned else None
         release = self.spare.release if self.spare is not None and writer is None else None
         if writer is not None:
             p.monitor.count("snapshots_into_tier")  # the copy went straight into the tier's file
@@ -89,7 +88,7 @@ class Snapshot:
 
 
 def take_snapshot(
-    flat: FlatState, plan: SavePlan, rank: int, backend: Backend, staging_bytes: int | None, monitor: Monitor,
+    flat: FlatState, plan: SavePlan, rank: int, node: NodeFace, staging_bytes: int | None, monitor: Monitor,
 ) -> Snapshot | None:
     """Copy this rank's pieces under ``plan`` into a spare of the store or the staging buffer; ``None`` when
     the file exceeds ``staging_bytes`` (it must stream through the buffer once named). The caller holds
@@ -97,7 +96,7 @@ def take_snapshot(
     pieces = rank_pieces(flat, plan, rank)
     size = file_bytes(pieces)
     pin = pinned(flat)
-    spare = backend.take_spare(size) if size and not pin else None
+    spare = node.take_spare(size) if size and not pin else None
     if spare is not None:
         buffer = spare.buffer[:size]
     elif staging_bytes and staging_bytes < size:

@@ -58,7 +58,7 @@ def _stream_staged(p: _Prepared, staging_bytes: int | None) -> OpenStream:
     """Asynchronous path: take the snapshot whole (:mod:`tierckpt.saving.snapshot`; its file is named by the
     background finish) — or, when the file exceeds ``staging_bytes``, copy it through the staging buffer's
     halves as they are written — and return when every byte is copied."""
-    snapshot = take_snapshot(p.flat, p.plan, p.comm.rank, p.backend, staging_bytes, p.monitor)
+    snapshot = take_snapshot(p.flat, p.plan, p.comm.rank, p.node, staging_bytes, p.monitor)
     if snapshot is not None:
         return snapshot.deferred(p, _on_written(p))
     size = p.plan.file_sizes[p.comm.rank]
@@ -67,7 +67,7 @@ def _stream_staged(p: _Prepared, staging_bytes: int | None) -> OpenStream:
         stream = _open_stream(p)
         assert stream is not None  # a file larger than the staging buffer has pieces
         if not pinned(p.flat):  # no spare to copy into: one is wanted for the next save
-            p.backend.want_spare(layout.in_generation(p.generation, p.plan.writes[p.comm.rank][0].file), size)
+            p.node.want_spare(layout.in_generation(p.generation, p.plan.writes[p.comm.rank][0].file), size)
         with stream.abort_on_error():
             stream_through_halves(stream, rank_pieces(p.flat, p.plan, p.comm.rank),
                                   _PROCESS.staging.acquire(capacity, pin=pinned(p.flat))[:capacity])

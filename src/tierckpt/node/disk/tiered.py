@@ -186,10 +186,6 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Lin
     def __repr__(self) -> str:
         return f"TieredBackend({self.remote!r}, cache={self.config.directory!r})"
 
-    def without_node_cache(self) -> Backend:
-        """The chain below this cache: its scheduling link over the URI's own backend."""
-        return self.link
-
     def _tree(self, tree: Tree) -> LocalBackend:
         return self.written if tree == Tree.WRITTEN else self.fetched
 

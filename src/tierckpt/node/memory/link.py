@@ -38,7 +38,7 @@ from typing import Any, cast
 
 from tierckpt.backends.bounded import MAX_RECORD_BYTES, oversized, read_capped
 from tierckpt.backends.base import (
-    UNCONDITIONAL, Backend, Capabilities, Link, ObjectWriter, Segment, Spare, Unconditional,
+    UNCONDITIONAL, Backend, Capabilities, Link, ObjectWriter, Segment, Unconditional,
 )
 from tierckpt.backends.commit_check import commit_refused
 from tierckpt.errors import CheckpointError, CheckpointNotFoundError, TransientStorageError
@@ -47,6 +47,7 @@ from tierckpt.native.layout import COMMIT
 from tierckpt.node.host import node_id
 from tierckpt.node.memory.config import MemoryConfig, MemoryTierFullError, OnFull
 from tierckpt.node.durability import durability_of
+from tierckpt.node.face import Spare
 from tierckpt.node.memory.downlog import MEMORY_ONLY, DownLog, durable_copies, generation_of
 from tierckpt.node.status import LinkStatus
 from tierckpt.node.memory.linkstatus import link_status
@@ -98,13 +99,6 @@ class MemoryLink(Link):
 
     def __repr__(self) -> str:
         return f"MemoryLink({self.below!r}, tier={self.memory_tier.home!r})"
-
-    # -- capability hooks (backends.base.Link) ------------------------------------------------------------
-    def node_memory_tier(self) -> MemoryTier:
-        return self.memory_tier
-
-    def without_node_memory(self) -> Backend:
-        return self.below
 
     # -- admission -------------------------------------------------------------------------------------
     async def admit(self, generation: str, nbytes: int) -> bool:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 
-from tierckpt.backends.base import MappedWriter
+from tierckpt.node.face import MappedWriter
 from tierckpt.backends.files import temp_name
 from tierckpt.errors import CheckpointError
 from tierckpt.node.memory.background import lower_priority

@@ -34,7 +34,8 @@ from collections.abc import Iterable
 
 import crc32c
 
-from tierckpt.backends.base import UNCONDITIONAL, NodeTier, ObjectWriter, Unconditional
+from tierckpt.backends.base import UNCONDITIONAL, ObjectWriter, Unconditional
+from tierckpt.node.face import NodeTier
 from tierckpt.backends.file_open import open_shared
 from tierckpt.backends.files import commit_if, is_lock_name, is_temp_name, temp_name
 from tierckpt.backends.local import LocalBackend, os_error

@@ -63,7 +63,6 @@ async def drop_uncommitted(link: Withdrawing, generation: str) -> None:
     await asyncio.to_thread(link.memory_tier.evict, name)
     await asyncio.to_thread(link.down.forget, name)
     link.forget_keys(name)
-    await link.below.drop_uncommitted(generation)
 
 
 def _drop_from_tier(link: LinkView, name: str, record: bytes, base: bytes | None) -> None:
