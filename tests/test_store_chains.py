@@ -397,3 +397,45 @@ def test_a_forked_child_never_touches_its_parents_cache_handles(tmp_path: Path) 
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "OK", done.stderr
     assert (tmp_path / "r-child" / "c").read_bytes() == b"child"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("async_", [False, True])
+def test_a_save_and_a_load_split_the_uri_and_assemble_the_chain_once(tmp_path: Path, monkeypatch, async_: bool) -> None:
+    """The URI of a save (and of a load) is split once and its chain assembled once: every later step asks
+    the store and node face that one open_chain returned."""
+    import torch
+
+    import tierckpt
+    from tierckpt import backends, store
+    from tierckpt.io import scheduled
+
+    counts = {"split": 0, "chain": 0, "scheduled": 0}
+    split, chain, init = backends.split_uri, store.open_chain, scheduled.ScheduledBackend.__init__
+
+    def counting_split(uri: str) -> tuple[str, str]:
+        counts["split"] += 1
+        return split(uri)
+
+    def counting_chain(*args, **kwargs):  # type: ignore[no-untyped-def]
+        counts["chain"] += 1
+        return chain(*args, **kwargs)
+
+    def counting_init(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        counts["scheduled"] += 1
+        init(self, *args, **kwargs)
+
+    for module in (backends, store):
+        monkeypatch.setattr(module, "split_uri", counting_split)
+    monkeypatch.setattr(scheduled.ScheduledBackend, "__init__", counting_init)
+    for module_name in ("tierckpt.saving.plan", "tierckpt.loading.api"):
+        monkeypatch.setattr(module_name + ".open_chain", counting_chain)
+    uri, state = str(tmp_path / "ckpt"), {"w": torch.arange(12.0)}
+    if async_:
+        tierckpt.async_save(uri, state).result()
+    else:
+        tierckpt.save(uri, state)
+    assert counts == {"split": 1, "chain": 1, "scheduled": 1}, counts
+    counts.update(split=0, chain=0, scheduled=0)
+    got = tierckpt.load(uri, {"w": torch.zeros(12)})
+    assert torch.equal(got["w"], state["w"]) and counts == {"split": 1, "chain": 1, "scheduled": 1}, counts

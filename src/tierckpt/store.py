@@ -33,7 +33,7 @@ import os
 import time
 from typing import Any, NamedTuple
 
-from tierckpt.backends import Backend, LocalBackend, open_plain_backend, split_uri
+from tierckpt.backends import Backend, LocalBackend, backend_of_scheme, open_plain_backend, split_uri
 from tierckpt.node.disk.config import CacheConfig
 from tierckpt.node.disk.tiered import TieredBackend
 from tierckpt.node.disk.uploader import Uploader
@@ -68,20 +68,22 @@ _INHERITED: dict[str, Uploader] = {}
 """In a forked child: the parent's uploaders, kept untouched (their LMDB handles are unusable here)."""
 
 
-def cache_config_for(uri: str, cache: Any = None) -> CacheConfig | None:
+def cache_config_for(uri: str, cache: Any = None, *, scheme: str | None = None) -> CacheConfig | None:
     """The node-cache configuration of ``uri``'s chain, or ``None`` for no cache. The one rule:
 
     * local paths, ``file://`` and ``memory://`` are never cached;
     * ``cache=False`` disables the cache, ``cache=True`` enables it (whatever ``TIERCKPT_CACHE`` says);
     * a :class:`CacheConfig` is used as given (``enabled=False`` disables the cache);
     * ``cache=None`` (the default): :meth:`CacheConfig.from_env` (``TIERCKPT_CACHE=off`` disables it).
+
+    ``scheme``: ``uri``'s, when the caller already split it off (:func:`open_chain` splits a URI once).
     """
     if cache is not None and not isinstance(cache, (bool, CacheConfig)):
         raise CheckpointError(
             f"storage option cache={cache!r} for {uri!r}: pass True or False (node cache on or off), "
             "or a tierckpt.node.disk.CacheConfig"
         )
-    if cache is False or read_in_place(uri):
+    if cache is False or (split_uri(uri)[0] if scheme is None else scheme) in LOCAL_SCHEMES:
         return None
     if cache is True:
         config = CacheConfig.from_env()
@@ -96,20 +98,22 @@ def read_in_place(uri: str) -> bool:
     return split_uri(uri)[0] in LOCAL_SCHEMES
 
 
-def memory_config_for(uri: str, memory: Any = None) -> MemoryConfig | None:
+def memory_config_for(uri: str, memory: Any = None, *, scheme: str | None = None) -> MemoryConfig | None:
     """The node memory tier configuration of ``uri``'s chain, or ``None`` for no memory tier. The one rule:
 
     * ``memory://`` URIs never get one (the store is already in this process's memory);
     * ``memory=False`` leaves it out, ``memory=True`` puts it in (:meth:`MemoryConfig.from_env`), whatever
       ``TIERCKPT_MEMORY`` says; a :class:`~tierckpt.node.memory.MemoryConfig` is used as given;
     * ``memory=None`` (the default): on when ``TIERCKPT_MEMORY=on`` (default ``off``).
+
+    ``scheme``: ``uri``'s, when the caller already split it off (:func:`open_chain` splits a URI once).
     """
     if memory is not None and not isinstance(memory, (bool, MemoryConfig)):
         raise CheckpointError(
             f"storage option memory={memory!r} for {uri!r}: pass True or False (node memory tier on or off), "
             "or a tierckpt.node.memory.MemoryConfig"
         )
-    if memory is False or split_uri(uri)[0] == "memory":
+    if memory is False or (split_uri(uri)[0] if scheme is None else scheme) == "memory":
         return None
     if isinstance(memory, MemoryConfig):
         return memory
@@ -130,12 +134,15 @@ class Chain(NamedTuple):
 def open_chain(uri: str, options: dict[str, Any] | None = None) -> Chain:
     """The chain of ``uri``, built once: its backend (``options`` go to it, e.g. S3 credentials), behind
     the node cache when :func:`cache_config_for` says so (option ``cache``), behind the node memory tier
-    when :func:`memory_config_for` says so (option ``memory``); with the chain's node face."""
+    when :func:`memory_config_for` says so (option ``memory``); with the chain's node face. The URI is
+    split once, here."""
     options = dict(options or {})
-    memory = memory_config_for(uri, options.pop("memory", None))
-    config = cache_config_for(uri, options.pop("cache", None))
-    cache = open_cached_store(uri, options, config) if config is not None else None
-    store: Backend = cache if cache is not None else ScheduledBackend(open_plain_backend(uri, **options))
+    scheme = split_uri(uri)[0]
+    memory = memory_config_for(uri, options.pop("memory", None), scheme=scheme)
+    config = cache_config_for(uri, options.pop("cache", None), scheme=scheme)
+    plain = backend_of_scheme(scheme, uri, options)
+    cache = node_cache_over(plain, config) if config is not None else None
+    store: Backend = cache if cache is not None else ScheduledBackend(plain)
     link = MemoryLink(store, memory, uri) if memory is not None else None  # node memory first, written down behind
     return Chain(link or store, NodeFace(link or store, memory=link, cache=cache))
 

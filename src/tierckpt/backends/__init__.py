@@ -48,6 +48,7 @@ __all__ = [
     "open_backend",
     "open_plain_backend",
     "split_uri",
+    "backend_of_scheme",
     "validate_key",
     "validate_uri",
 ]
@@ -99,7 +100,12 @@ def open_backend(uri: str, **options: Any) -> Backend:
             f"open_backend({uri!r}) opens the URI's own backend and takes no cache option; open the store with "
             "tierckpt.store.open_store(uri, {'cache': ...}) to choose the node cache"
         )
-    scheme, _ = split_uri(uri)
+    return backend_of_scheme(split_uri(uri)[0], uri, options)
+
+
+def backend_of_scheme(scheme: str, uri: str, options: dict[str, Any]) -> Backend:
+    """The backend of ``uri``, whose scheme the caller already split off (:func:`split_uri`): the chain's
+    assembler splits a URI once and hands the scheme here. ``options`` go to the backend's constructor."""
     if scheme in ("", "file"):
         return LocalBackend(uri, **check_options(LocalBackend, uri, options))
     if scheme == "memory":
