@@ -30,7 +30,7 @@ SAVER = textwrap.dedent(
     import tierckpt, tierckpt.saving.plan
     from tierckpt.backends import LocalBackend
     from tierckpt.node.disk import CacheConfig
-    from tierckpt.store import node_cache_over
+    from tierckpt.store import Chain, node_cache_over, node_face
 
     class StuckRemote(LocalBackend):
         '''Uploads of data files never finish: the process is killed while they are pending.'''
@@ -45,7 +45,10 @@ SAVER = textwrap.dedent(
 
     remote_dir, cache_dir = sys.argv[1], sys.argv[2]
     config = CacheConfig(directory=cache_dir, exit_wait_s=0, poll_s=0.01)
-    tierckpt.saving.plan.open_store = lambda uri, options=None: node_cache_over(StuckRemote(uri), config)
+    def open_chain(uri, options=None):
+        store = node_cache_over(StuckRemote(uri), config)
+        return Chain(store, node_face(store))
+    tierckpt.saving.plan.open_chain = open_chain
     torch.manual_seed(0)
     state = {"w": torch.randn(256, 256), "b": torch.arange(1000), "step": 7}
     tierckpt.async_save(remote_dir, state).wait()  # write-back: committed in the node cache
