@@ -193,6 +193,36 @@ def test_read_state_of_a_state_without_recorded_structure_is_flat(tmp_path: Path
     assert_same({"a.b": torch.ones(2), "step": 3}, tierckpt.read_state(str(tmp_path / "dcp")))
 
 
+@pytest.mark.fast
+def test_read_state_nests_plain_dicts_without_dotted_names(tmp_path: Path) -> None:
+    """A state of plain nested dicts (no module, no dotted name: the recorded structure is empty) comes back
+    nested as it was saved, by read_state and by a template-free load."""
+    saved = {"model": {"w": torch.ones(2)}, "cfg": {"lr": 0.1, "name": "x"}, "step": 3}
+    tierckpt.save(str(tmp_path / "c"), saved)
+    for got in (tierckpt.read_state(str(tmp_path / "c")), tierckpt.load(str(tmp_path / "c"))):
+        assert sorted(got) == ["cfg", "model", "step"] and got["cfg"] == {"lr": 0.1, "name": "x"}, got
+        assert list(got["model"]) == ["w"] and torch.equal(got["model"]["w"], torch.ones(2)) and got["step"] == 3
+
+
+@pytest.mark.fast
+def test_read_state_of_a_header_saved_before_the_structure_is_flat(tmp_path: Path) -> None:
+    """A header without the ``structure`` field (saved before it was recorded) comes back flat."""
+    import json
+
+    from tamper import reseal
+    from tierckpt.native import layout
+
+    uri = str(tmp_path / "c")
+    tierckpt.save(uri, {"cfg": {"lr": 0.1}, "w": torch.ones(2)})
+    header = Path(uri) / layout.header_key(read_checkpoint(open_backend(uri)).meta.generation)
+    doc = json.loads(header.read_text())
+    assert doc.pop("structure") == {}
+    header.write_text(json.dumps(doc))
+    reseal(header.parents[2])
+    got = tierckpt.read_state(uri)
+    assert sorted(got) == ["cfg.lr", "w"] and got["cfg.lr"] == 0.1 and torch.equal(got["w"], torch.ones(2)), got
+
+
 def save_nested_on_2(root: str) -> bool:
     """FSDP2 model + optimizer, DTensor shards, shared and per-rank objects, saved on 2 ranks; the
     full expected state written by rank 0."""

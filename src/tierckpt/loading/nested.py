@@ -38,10 +38,10 @@ def template_of(ckpt: Checkpoint) -> dict[str, Any]:
     return flat
 
 
-def nest(flat: Mapping[str, Any], structure: Mapping[str, list[str]]) -> dict[str, Any]:
-    """``{dotted key: value}`` nested by a recorded structure (:attr:`tierckpt.state.entries.FlatState.structure`);
-    an empty structure (none recorded) leaves the keys flat."""
-    if not structure:
+def nest(flat: Mapping[str, Any], structure: Mapping[str, list[str]] | None) -> dict[str, Any]:
+    """``{dotted key: value}`` nested by a recorded structure (:attr:`tierckpt.state.entries.FlatState.structure`;
+    ``{}``: every key splits at every dot); ``None`` (none recorded) leaves the keys flat."""
+    if structure is None:
         return dict(flat)
     root: dict[str, Any] = {}
     for key, value in flat.items():

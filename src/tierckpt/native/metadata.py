@@ -107,7 +107,7 @@ def decode_header(data: bytes, name: str = "meta/header.json") -> CheckpointMeta
         tags=field("tags", lambda v: {_str(k, "tag"): _str(_scalar_text(x), "tag value") for k, x in _dict(v).items()}, {}),
         structure=field("structure", lambda v: {
             _str(k, "structure node"): [_str(x, "structure name") for x in _list(names)] for k, names in _dict(v).items()
-        }, {}),
+        } if v is not None else None, None),
     )
 
 

@@ -139,6 +139,7 @@ class CheckpointMeta:
     tensor_bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
-    structure: dict[str, list[str]] = field(default_factory=dict)
-    """How the saved keys nest (see :attr:`tierckpt.state.entries.FlatState.structure`); empty in checkpoints
-    saved before it was recorded, and in torch DCP directories."""
+    structure: dict[str, list[str]] | None = None
+    """How the saved keys nest (see :attr:`tierckpt.state.entries.FlatState.structure`; every save records
+    it, ``{}`` when every key splits at every dot); ``None`` in checkpoints saved before it was recorded,
+    and in foreign formats (torch DCP directories...)."""
