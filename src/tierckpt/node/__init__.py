@@ -16,6 +16,8 @@ The engine's shared parts live at this package's top:
 * :mod:`.durability`: the one durability answer (:class:`~.durability.Durable`, :func:`~.durability.durability_of`).
 * :mod:`.status`: :class:`~.status.StoreStatus` and :class:`~.status.LinkStatus`, what a link reports.
 * :mod:`.drain`: the one exit drain; each link kind registers its write-behind.
+* :mod:`.lifecycle`: the one place the node package registers with a fork's child, the process's exit
+  and the default group's destruction; its modules register their handlers there.
 * :mod:`.written`: size and CRC-32C of the bytes a link lands on the node (:class:`~.written.CrcWriter`).
 * :mod:`.copy`: the one checked copy of a file down a link (:func:`~.copy.copy_checked`).
 * :mod:`tierckpt.backends.retry`: the one retry rule (:class:`~tierckpt.backends.retry.RetryPolicy`) pacing both

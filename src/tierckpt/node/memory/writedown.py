@@ -36,6 +36,7 @@ from tierckpt.io.scheduler import get_scheduler
 from tierckpt.native.layout import COMMIT, CommitRecord
 from tierckpt.node.memory.commitbelow import CATCH_UP, commit_below
 from tierckpt.node.memory.copydown import copy_down
+from tierckpt.node import lifecycle
 from tierckpt.node.durability import durability_of
 from tierckpt.backends.retry import WRITE_DOWN, RetryPolicy
 from tierckpt.node.runner import Blocked, Entry, TaskRunner
@@ -402,4 +403,4 @@ def _forget_after_fork() -> None:
     _LAST_COMMIT.clear()
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+lifecycle.after_fork_in_child(_forget_after_fork)
