@@ -46,6 +46,7 @@ from tierckpt.node.memory.roots import committed_under, tier_uri
 from tierckpt.node.memory.memory import MemoryTier
 from tierckpt.node.memory.nodememory import NodeMemory
 from tierckpt.node import drain as exit_drain
+from tierckpt.node import lifecycle
 from tierckpt.node.durability import Durable, Revocable, durability_of, revocable_of
 from tierckpt.node.face import NodeFace
 
@@ -344,4 +345,4 @@ def _forget_after_fork() -> None:
     _UPLOADERS.clear()
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+lifecycle.after_fork_in_child(_forget_after_fork)

@@ -13,9 +13,13 @@ The engine's shared parts live at this package's top:
 * :mod:`.levels`: :class:`~.levels.Level`, the one level type (``staged``, ``memory``, ``replicated``,
   ``local``, ``remote``) that every status, the saver's ``wait_for`` and the CLI speak.
 * :mod:`.journal`: the journal protocol both links' journals answer, and :func:`~.journal.pid_alive`.
-* :mod:`.durability`: the one durability answer (:class:`~.durability.Durable`, :func:`~.durability.durability_of`).
+* :mod:`.durability`: the one durability answer (:class:`~.durability.Durable`, :func:`~.durability.durability_of`)
+  and the one durability wait (:func:`~.durability.wait_owed`) each link's ``wait_durable`` runs over its journal.
 * :mod:`.status`: :class:`~.status.StoreStatus` and :class:`~.status.LinkStatus`, what a link reports.
 * :mod:`.drain`: the one exit drain; each link kind registers its write-behind.
+* :mod:`.lifecycle`: the one place the node package registers with a fork's child, the process's exit
+  and the default group's destruction; its modules register their handlers there.
+* :mod:`.nodeview`: a write-back commit's check of ``expected`` against the node's view (:func:`~.nodeview.check_node_view`).
 * :mod:`.written`: size and CRC-32C of the bytes a link lands on the node (:class:`~.written.CrcWriter`).
 * :mod:`.copy`: the one checked copy of a file down a link (:func:`~.copy.copy_checked`).
 * :mod:`tierckpt.backends.retry`: the one retry rule (:class:`~tierckpt.backends.retry.RetryPolicy`) pacing both

@@ -5,12 +5,19 @@ on this node and writes it down behind; the chain's top answers for the whole ch
 that hold a store ask it with :func:`durability_of` (never by probing for methods or by the link's
 class) and call ``wait_durable`` / ``status`` / ``sync`` on it. A store without the protocol is durable
 where its URI points when a write returns.
+
+Each link's ``wait_durable`` is the one wait :func:`wait_owed`, over its view (:class:`Owed`) of its
+journal: the keys it still owes below as :class:`~tierckpt.node.journal.Outstanding` records.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Protocol, runtime_checkable
 
+from tierckpt.io.calls import Waiting
+from tierckpt.node.journal import Outstanding
 from tierckpt.node.status import StoreStatus
 
 
@@ -47,3 +54,51 @@ def durability_of(store: object) -> Durable | None:
 def revocable_of(store: object) -> Revocable | None:
     """``store`` itself when it can take back a failed commit (:class:`Revocable`), else ``None``."""
     return store if isinstance(store, Revocable) else None
+
+
+class Owed(Protocol):
+    """One durability wait's view of a link's journal (see :func:`wait_owed`): what the wait still waits for,
+    and the link's words for it."""
+
+    async def outstanding(self) -> list[Outstanding]:
+        """The keys the wait still waits for, each with its last failure (``final``: for good)."""
+
+    def waiting_for(self, left: list[Outstanding]) -> str:
+        """What a long wait says it waits for (printed on stderr now and then)."""
+
+    def failed(self, failed: list[Outstanding], left: list[Outstanding]) -> Exception:
+        """The error the wait raises for ``failed`` (sorted by key), some of ``left``."""
+
+    def resume(self, left: list[Outstanding]) -> None:
+        """Once, the first time keys are left and none failed: restart what nobody is copying."""
+
+    def overdue(self, left: list[Outstanding], timeout_s: float) -> Exception:
+        """The error the wait raises when ``left`` is still owed at ``timeout_s``."""
+
+    def pause_s(self, left: list[Outstanding]) -> float:
+        """How long to wait before the next look."""
+
+
+async def wait_owed(owed: Owed, timeout_s: float | None, *, through_outage: bool) -> None:
+    """The one durability wait of the write-back engine (each link's ``wait_durable`` runs it over its journal).
+
+    Looks at what ``owed`` still waits for until nothing is left. A key that failed for good raises
+    :meth:`Owed.failed` at once, and so does a transient failure unless ``through_outage``; keys still
+    owed at ``timeout_s`` raise :meth:`Owed.overdue`. A long wait says on stderr what it waits for."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    waiting = Waiting()
+    resumed = False
+    while True:
+        left = await owed.outstanding()
+        if not left:
+            return
+        waiting.note(lambda: owed.waiting_for(left))
+        failed = sorted((o for o in left if o.error is not None and (o.final or not through_outage)), key=lambda o: o.key)
+        if failed:
+            raise owed.failed(failed, left)
+        if not resumed:
+            owed.resume(left)
+            resumed = True
+        if deadline is not None and time.monotonic() > deadline:
+            raise owed.overdue(left, timeout_s)  # type: ignore[arg-type]  # a deadline is set only with timeout_s
+        await asyncio.sleep(owed.pause_s(left))

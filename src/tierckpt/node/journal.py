@@ -24,6 +24,9 @@ class Outstanding:
     """The pid of the live process copying it (``None``: nobody; ``sync`` takes it over)."""
     error: str | None = None
     """Why its last attempt failed (``None``: none failed)."""
+    final: bool = False
+    """That failure is for good: no attempt follows before a ``sync`` (``False``: it is retried, or the
+    journal does not tell)."""
 
 
 class Journal(Protocol):

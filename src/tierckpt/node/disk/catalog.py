@@ -231,7 +231,8 @@ class Catalog:
     def outstanding(self, scope: str) -> list[Outstanding]:
         """The journal protocol (:class:`~tierckpt.node.journal.Journal`): root ``scope``'s keys not yet
         uploaded, each with its live owner and its last failure."""
-        return [Outstanding(key, rec.owner if rec.owner and pid_alive(rec.owner) else None, rec.error)
+        return [Outstanding(key, rec.owner if rec.owner and pid_alive(rec.owner) else None, rec.error,
+                            final=bool(rec.error) and not rec.retrying)
                 for key, rec in sorted(self.pending_under(scope).items())]
 
     def keys_of_root(self, rh: str) -> set[str]:

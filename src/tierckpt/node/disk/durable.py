@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 from tierckpt import progress
 from tierckpt.native import layout
 from tierckpt.comm import describe_error
 from tierckpt.backends.bounded import MAX_RECORD_BYTES
 from tierckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError, TransientStorageError
-from tierckpt.io.calls import Waiting
 from tierckpt.io.scheduler import get_scheduler
-from tierckpt.node.journal import pid_alive
+from tierckpt.node.durability import wait_owed
+from tierckpt.node.journal import Outstanding, pid_alive
 from tierckpt.node.disk.catalog import generation_path
 from tierckpt.node.disk.records import CommitOrder, GenState, Op, PendingOp
 from tierckpt.node.levels import Level
@@ -38,43 +37,16 @@ class DurableMixin:
 
     async def wait_durable(self, generation: str | None = None, timeout_s: float | None = None, *,
                            through_outage: bool = True) -> None:
-        """Wait until every pending op (of ``generation``, a name or ``dir/name``) reached the remote.
+        """Wait until every pending op (of ``generation``, a name or ``dir/name``) reached the remote: the
+        engine's one wait (:func:`~tierckpt.node.durability.wait_owed`) over the catalogue (:class:`_Uploads`).
 
         Raises :class:`StorageError` when an upload failed for good (a missing bucket, denied access), and
         :class:`TransientStorageError` at ``timeout_s``; with ``through_outage=False`` (a synchronous save)
         also as soon as an upload failed transiently (it goes on retrying in the background), and when the
         commit naming ``generation`` will never reach the remote (see :meth:`_check_own_commit`)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        adopted = False
-        waiting = Waiting()  # a long wait (the remote down) says on stderr what it waits for
-        while True:
-            pending = self._relevant(generation)
-            bar = progress.current()
-            if bar is not None:  # a command's bar (tierckpt wait/sync): the bytes still to upload
-                bar.remaining(self.root_uri, sum(r.size for r in pending.values()))
-            if not pending:
-                if generation is not None and not through_outage:
-                    await self._check_own_commit(generation)
-                return
-            waiting.note(lambda: self._waiting_for(pending))
-            failed = {k: r.error for k, r in pending.items()
-                      if r.error and not (through_outage and r.retrying)}
-            if failed:
-                key, error = sorted(failed.items())[0]
-                raise StorageError(
-                    f"upload of {self.uri_of(key)} failed ({error}); {len(pending)} object(s) of the checkpoint are "
-                    f"committed in this node's cache only. Fix the remote, then run: tierckpt sync {self.root_uri} "
-                    f"(or drop them: tierckpt sync --drop {self.root_uri})"
-                )
-            if not adopted:
-                self._adopt(pending)
-                adopted = True
-            if deadline is not None and time.monotonic() > deadline:
-                raise TransientStorageError(
-                    f"{len(pending)} object(s) of {self.root_uri} did not reach the remote within {timeout_s} s "
-                    f"(e.g. {sorted(pending)[0]!r}); they stay in the node cache and upload in the background"
-                )
-            await asyncio.sleep(self.config.poll_s)
+        await wait_owed(_Uploads(self, generation), timeout_s, through_outage=through_outage)
+        if generation is not None and not through_outage:
+            await self._check_own_commit(generation)
 
     async def _check_own_commit(self, generation: str) -> None:
         """A synchronous save's last check: the commit naming ``generation`` (a name or ``dir/name``) is on
@@ -258,3 +230,45 @@ class DurableMixin:
             await self.uploader.runner.stop(lambda tkey: tkey[0] == self.rh, cancel=True)
 
         await asyncio.wrap_future(get_scheduler().submit(cancel()))
+
+
+class _Uploads:
+    """A durability wait's view of the catalogue (:class:`~tierckpt.node.durability.Owed`): this user's
+    pending ops of the store (of ``generation``); a command's progress bar shows the bytes still to upload."""
+
+    def __init__(self, store: DurableMixin, generation: str | None) -> None:
+        self.store, self.generation = store, generation
+        self.pending: dict[str, PendingOp] = {}
+        """What the last look found."""
+
+    async def outstanding(self) -> list[Outstanding]:
+        self.pending = self.store._relevant(self.generation)
+        bar = progress.current()
+        if bar is not None:  # a command's bar (tierckpt wait/sync)
+            bar.remaining(self.store.root_uri, sum(r.size for r in self.pending.values()))
+        return [Outstanding(key, rec.owner if rec.owner and pid_alive(rec.owner) else None, rec.error or None,
+                            final=not rec.retrying)
+                for key, rec in sorted(self.pending.items())]
+
+    def waiting_for(self, left: list[Outstanding]) -> str:
+        return self.store._waiting_for(self.pending)
+
+    def failed(self, failed: list[Outstanding], left: list[Outstanding]) -> Exception:
+        store = self.store
+        return StorageError(
+            f"upload of {store.uri_of(failed[0].key)} failed ({failed[0].error}); {len(left)} object(s) of the "
+            f"checkpoint are committed in this node's cache only. Fix the remote, then run: tierckpt sync "
+            f"{store.root_uri} (or drop them: tierckpt sync --drop {store.root_uri})"
+        )
+
+    def resume(self, left: list[Outstanding]) -> None:
+        self.store._adopt(self.pending)
+
+    def overdue(self, left: list[Outstanding], timeout_s: float) -> Exception:
+        return TransientStorageError(
+            f"{len(left)} object(s) of {self.store.root_uri} did not reach the remote within {timeout_s} s "
+            f"(e.g. {left[0].key!r}); they stay in the node cache and upload in the background"
+        )
+
+    def pause_s(self, left: list[Outstanding]) -> float:
+        return self.store.config.poll_s

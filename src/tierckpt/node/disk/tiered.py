@@ -61,13 +61,14 @@ from tierckpt.backends.commit_check import commit_refused
 from tierckpt.backends.files import copy_range, discard, fsync_dir, open_temp, unlink, write_all
 from tierckpt.backends.local import LocalBackend
 from tierckpt.errors import (
-    CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError,
+    CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
 )
 from tierckpt.io.scheduled import ScheduledBackend
 from tierckpt.io.scheduler import get_scheduler
 from tierckpt.native.keys import validate_key
 from tierckpt.node import ledger
 from tierckpt.node.ledger import Tier
+from tierckpt.node.nodeview import check_node_view
 from tierckpt.node.written import CrcWriter, WrittenCrc
 from tierckpt.node.disk.config import CacheConfig, cache_error
 from tierckpt.node.disk.durable import DurableMixin
@@ -334,21 +335,18 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Lin
 
     async def _check_node_view(self, key: str, expected: bytes | None | Unconditional,
                                pending: PendingOp | None) -> None:
-        if expected is UNCONDITIONAL:
-            return
-        if pending is not None and pending.op == Op.COMMIT:
-            current: bytes | None = await self.written.get(key)
-        else:
+        """The engine's check (:func:`~tierckpt.node.nodeview.check_node_view`) against this node's view of
+        ``key``: its pending commit, else the remote's (the upload's CAS decides while it is unreachable)."""
+
+        async def node_view() -> bytes | None:
+            if pending is not None and pending.op == Op.COMMIT:
+                return await self.written.get(key)
             try:
-                current = await self.get(key)
+                return await self.get(key)
             except CheckpointNotFoundError:
-                current = None
-            except TransientStorageError:
-                if expected is None:
-                    return  # a URI this node never saw, remote unreachable: the upload's CAS decides
-                raise
-        if current != expected:
-            raise commit_refused(self.uri_of(key), expected, current)
+                return None
+
+        await check_node_view(self.uri_of(key), expected, node_view)
 
     async def delete(self, key: str) -> None:
         validate_key(key)

@@ -8,13 +8,12 @@ Every :class:`~.writedown.WriteDown` registers in :data:`ACTIVE`; a ``persist=Fa
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
 import weakref
 from typing import Protocol
 
 from tierckpt.errors import CheckpointError
-from tierckpt.node import drain as exit_drain
+from tierckpt.node import drain as exit_drain, lifecycle
 from tierckpt.node.runner import TaskRunner
 from tierckpt.node.memory.config import DIR_ENV
 from tierckpt.node.memory.linkview import LinkView
@@ -115,4 +114,4 @@ def _forget_after_fork() -> None:
     MEMORY_ONLY.clear()
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+lifecycle.after_fork_in_child(_forget_after_fork)

@@ -40,7 +40,6 @@ from tierckpt.backends.bounded import MAX_RECORD_BYTES, oversized, read_capped
 from tierckpt.backends.base import (
     UNCONDITIONAL, Backend, Capabilities, Link, ObjectWriter, Segment, Unconditional,
 )
-from tierckpt.backends.commit_check import commit_refused
 from tierckpt.errors import CheckpointError, CheckpointNotFoundError, TransientStorageError
 from tierckpt.native.keys import validate_key
 from tierckpt.native.layout import COMMIT
@@ -48,6 +47,7 @@ from tierckpt.node.host import node_id
 from tierckpt.node.memory.config import MemoryConfig, MemoryTierFullError, OnFull
 from tierckpt.node.durability import durability_of
 from tierckpt.node.face import Spare
+from tierckpt.node.nodeview import check_node_view
 from tierckpt.node.memory.downlog import MEMORY_ONLY, DownLog, durable_copies, generation_of
 from tierckpt.node.status import LinkStatus
 from tierckpt.node.memory.linkstatus import link_status
@@ -224,15 +224,7 @@ class MemoryLink(Link):
             await self.writedown.wait(record.generation, None, through_outage=True, commit=False)
             await self.writedown.commit_below(data, record, expected, after)
             return
-        if expected is not UNCONDITIONAL:
-            try:
-                current = await self._get_or_none(COMMIT)
-            except TransientStorageError:
-                if expected is not None:
-                    raise
-                current = None  # a URI this node never saw, below unreachable: the write-down's CAS decides
-            if current != expected:
-                raise commit_refused(self.uri_of(key), expected, current)
+        await check_node_view(self.uri_of(key), expected, lambda: self._get_or_none(COMMIT))
         tier_current = await asyncio.to_thread(self._tier_commit_bytes)
         await self.memory_tier.commit(COMMIT, data, expected=tier_current)
         if record.generation in self.memory_only:

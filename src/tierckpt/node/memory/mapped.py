@@ -22,7 +22,6 @@ it out of listings.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import ctypes
 import ctypes.util
 import errno
@@ -41,6 +40,7 @@ import torch
 from tierckpt.node.face import MappedWriter
 from tierckpt.backends.files import temp_name
 from tierckpt.errors import CheckpointError
+from tierckpt.node import lifecycle
 from tierckpt.node.memory.background import lower_priority
 from tierckpt.node.memory.config import MemoryTierFullError
 from tierckpt.node.memory.downlog import durable_copies, generation_of
@@ -298,5 +298,5 @@ def _forget_after_fork() -> None:
     _PREPARING.clear()
 
 
-atexit.register(_drop_spares)
-os.register_at_fork(after_in_child=_forget_after_fork)
+lifecycle.at_exit(_drop_spares)
+lifecycle.after_fork_in_child(_forget_after_fork)

@@ -26,7 +26,6 @@ had in data files. A process drops the pools it filled when it exits (:func:`dro
 
 from __future__ import annotations
 
-import atexit
 import fcntl
 import logging
 import os
@@ -35,6 +34,7 @@ import threading
 import uuid
 
 from tierckpt.backends.files import is_temp_name, temp_name
+from tierckpt.node import lifecycle
 from tierckpt.node.memory import stamps
 
 log = logging.getLogger(__name__)
@@ -181,5 +181,5 @@ def _forget_after_fork() -> None:
     _filled.clear()
 
 
-atexit.register(_drop_filled)
-os.register_at_fork(after_in_child=_forget_after_fork)
+lifecycle.at_exit(_drop_filled)
+lifecycle.after_fork_in_child(_forget_after_fork)

@@ -61,7 +61,7 @@ from tierckpt.node.memory.nodememory import NodeMemory
 from tierckpt.node.memory.peers import ReplicaPlan, plan_replicas
 from tierckpt.node.memory.background import background_nice, lower_priority, lower_priority_of_new, started_threads
 from tierckpt.node.memory.transfer import Chunks, SentFiles, adopt_commit, buffers, open_files, receive_file
-from tierckpt.node.memory import live
+from tierckpt.node.memory.live import REPLICATORS
 from tierckpt.node.memory.wire import Wire
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class Replicator:
                 thread.start()
                 self._queues.append(q)
                 self._threads.append(thread)
-            live.add(self)
+            REPLICATORS.add(self)
 
     def _node_name(self, node: int) -> str:
         return self.plan.nodes[node]
@@ -246,7 +246,7 @@ class Replicator:
                     f"when that transfer fails (a transfer step waits at most {self._timeout.total_seconds():g}s)"
                 )
         self._queues, self._threads = [], []
-        live.discard(self)
+        REPLICATORS.discard(self)
         return cut
 
     # -- the sending side --------------------------------------------------------------------------------

@@ -19,35 +19,31 @@ torch.distributed is initialised, replicates each committed generation to the pe
 * :func:`stop_replicators` ends replication before the process's groups go away: the saver's exit
   drain calls it (waiting, within the exit wait, for replication in flight, so a job that exits right
   after ``wait()`` still replicates its last checkpoint), and so does ``dist.destroy_process_group()``
-  of the default group, which destroys the replicators' groups too (the first replicator wraps it;
-  a reference taken with ``from torch.distributed import destroy_process_group`` before that is not
-  wrapped, and the exit drain then reports any replication cut short). A replication cut short is
-  recorded as ``memory`` with the reason, never ``replicated``.
+  of the default group, which destroys the replicators' groups too (the first replicator registers
+  that with :func:`tierckpt.node.lifecycle.before_default_group_destroyed`; a reference taken with
+  ``from torch.distributed import destroy_process_group`` before that is not wrapped, and the exit
+  drain then reports any replication cut short). A replication cut short is recorded as ``memory``
+  with the reason, never ``replicated``.
+
+The replicators themselves are kept in the process's one registry of live replicators
+(:data:`.live.REPLICATORS`).
 """
 
 from __future__ import annotations
 
-import functools
-import os
 import sys
-import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
 from tierckpt.errors import CheckpointError
+from tierckpt.node import lifecycle
 from tierckpt.node.memory.downlog import durable_copies
+from tierckpt.node.memory.live import REPLICATORS
 from tierckpt.node.memory.replica_record import Level, ReplicaHandle, ReplicaResult
 from tierckpt.node.memory.memory import MemoryTier
 from tierckpt.node.memory.nodememory import NodeMemory
 from tierckpt.node.memory.replica import Replicator
-
-_REPLICATORS: dict[tuple[Any, Any], Replicator] = {}
-"""This process's replicator of each (group, memory tier configuration)."""
-_LOCK = threading.Lock()
-os.register_at_fork(after_in_child=_REPLICATORS.clear)  # a forked child has none of its parent's threads or groups
 
 TIER_OFF = (
     "the node memory tier is off for this URI, so there is nothing to replicate (turn it on with "
@@ -81,56 +77,35 @@ def replicator_for(tier: MemoryTier | None, group: dist.ProcessGroup | str | Non
         return None, NOT_DISTRIBUTED
     # A default group created again (destroy_process_group, init_process_group) needs a new replicator.
     key = (group_key if group is not None else id(dist.group.WORLD), tier.config)
-    with _LOCK:
-        replicator = _REPLICATORS.get(key)
-        if replicator is None:
-            memory = NodeMemory(tier.config)
-            # A receiver may evict only what the chain below holds whole (the memory link's write-down log).
-            replicator = _REPLICATORS[key] = Replicator(memory, group=group, durable_below=lambda: durable_copies(memory))
-            _stop_before_destroy()
-    return replicator, None
+
+    def build() -> Replicator:
+        memory = NodeMemory(tier.config)
+        # A receiver may evict only what the chain below holds whole (the memory link's write-down log).
+        replicator = Replicator(memory, group=group, durable_below=lambda: durable_copies(memory))
+        lifecycle.before_default_group_destroyed(_stop_before_destroy)
+        return replicator
+
+    return REPLICATORS.built_for(key, build), None
 
 
 def exit_wait_s() -> float:
     """How long the exit drain may wait for replication: the longest ``exit_wait_s`` of the memory
     tier configurations of this process's busy replicators (0: none busy)."""
-    with _LOCK:
-        return max((r.memory.config.exit_wait_s for r in _REPLICATORS.values() if r.busy()), default=0.0)
+    return REPLICATORS.exit_wait_s()
 
 
 def stop_replicators(timeout_s: float, why: str) -> list[str]:
-    """Stop every replicator of this process: wait up to ``timeout_s`` in all for replication in flight,
-    then end their threads (:meth:`~.replica.Replicator.close`); a later save builds new ones. One line
-    per generation cut short, to print."""
-    with _LOCK:
-        replicators = list(_REPLICATORS.values())
-        _REPLICATORS.clear()
-    deadline = time.monotonic() + timeout_s
-    lines: list[str] = []
-    for replicator in replicators:
-        lines += replicator.close(max(0.0, deadline - time.monotonic()), why)
-    return lines
+    """Stop every replicator the saver built in this process: wait up to ``timeout_s`` in all for
+    replication in flight, then end their threads (:meth:`~.replica.Replicator.close`); a later save
+    builds new ones. One line per generation cut short, to print."""
+    return REPLICATORS.stop(timeout_s, why)
 
 
 def _stop_before_destroy() -> None:
-    """Make ``dist.destroy_process_group()`` of the default group stop the replicators first (it shuts
-    down every group, the replicators' own included, and a thread inside a transfer then takes the
-    process down). Installed once, when the first replicator is built."""
-    c10d = dist.distributed_c10d
-    if getattr(c10d.destroy_process_group, "_tierckpt_stops_replicators", False):
-        return
-    destroy: Callable[..., None] = c10d.destroy_process_group
-
-    @functools.wraps(destroy)
-    def destroy_process_group(group: dist.ProcessGroup | None = None, *args: Any, **kwargs: Any) -> None:
-        if group is None or group is dist.group.WORLD:
-            for line in stop_replicators(exit_wait_s(), "the default process group was destroyed"):
-                sys.stderr.write(line + "\n")
-        return destroy(group, *args, **kwargs)
-
-    destroy_process_group._tierckpt_stops_replicators = True  # type: ignore[attr-defined]
-    c10d.destroy_process_group = destroy_process_group
-    dist.destroy_process_group = destroy_process_group
+    """``dist.destroy_process_group()`` of the default group shuts down every group, the replicators' own
+    included, and a thread inside a transfer then takes the process down: stop the replicators first."""
+    for line in stop_replicators(exit_wait_s(), "the default process group was destroyed"):
+        sys.stderr.write(line + "\n")
 
 
 class Replication:

@@ -31,12 +31,13 @@ from tierckpt.errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError,
     TransientStorageError,
 )
-from tierckpt.io.calls import Waiting
 from tierckpt.io.scheduler import get_scheduler
 from tierckpt.native.layout import COMMIT, CommitRecord
 from tierckpt.node.memory.commitbelow import CATCH_UP, commit_below
 from tierckpt.node.memory.copydown import copy_down
-from tierckpt.node.durability import durability_of
+from tierckpt.node import lifecycle
+from tierckpt.node.durability import durability_of, wait_owed
+from tierckpt.node.journal import Outstanding
 from tierckpt.backends.retry import WRITE_DOWN, RetryPolicy
 from tierckpt.node.runner import Blocked, Entry, TaskRunner
 from tierckpt.node.memory.downlog import PERSIST, generation_of
@@ -239,7 +240,8 @@ class WriteDown:
     async def wait(self, generation: str | None, timeout_s: float | None, *, through_outage: bool,
                    commit: bool = True) -> None:
         """Wait for this process's write-downs (of ``generation``) and until the tier's log shows the
-        node's files of it below; raise a failure for good at once, a transient one at once unless
+        node's files of it below: the engine's one wait (:func:`~tierckpt.node.durability.wait_owed`) over
+        them (:class:`_WriteDowns`). It raises a failure for good at once, a transient one at once unless
         ``through_outage``, and :class:`TransientStorageError` at ``timeout_s``."""
         link = self.link
         name = None if generation is None else generation.rstrip("/").rpartition("/")[2]
@@ -248,40 +250,7 @@ class WriteDown:
                 f"{link.memory_tier.uri} {name} was saved with persist=False: it is held in node memory (and on the "
                 f"peers) only and is not written down where its URI points. To write it down, run: {sync_command(link)}"
             )
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pause = _POLL_S
-        waiting = Waiting()  # a long wait says on stderr what it waits for
-        while True:
-            waiting.note(lambda: f"the write-down of {link.memory_tier.uri} from the node memory tier"
-                         + (f" (failing, retried: {min(self.failures.values())[0]})" if self.failures else ""))
-            jobs = self.runner.entries(lambda k: _of(k, name, commits=commit))
-            failed = {k: why for k, (why, final) in self.failures.items()
-                      if (name is None or generation_of(k) == name or k == COMMIT) and (final or not through_outage)}
-            for job in jobs:
-                if job.failure is not None:
-                    failed.setdefault(name or COMMIT, describe_error(job.failure))
-            corrupt = sorted((k, e) for k, e in self.corrupt.items() if name is None or generation_of(k) == name)
-            if corrupt:  # a tier file that differs from its save: no fix of the storage helps
-                raise CorruptCheckpointError(
-                    f"the write-down of {link.memory_tier.uri} from the node memory tier stopped: {corrupt[0][1]}"
-                ) from corrupt[0][1]
-            if failed:
-                key, why = sorted(failed.items())[0]
-                raise StorageError(
-                    f"writing {link.uri_of(key)} down from the node memory tier failed ({why}); the checkpoint is "
-                    f"committed in this node's memory only. Fix the storage, then run: {sync_command(link)}"
-                )
-            left = [j for j in jobs if j.running()]
-            if not left and (not commit or name is None or await self._node_files_below(name)):
-                return
-            if deadline is not None and time.monotonic() > deadline:
-                raise TransientStorageError(
-                    f"the write-down of {link.memory_tier.uri} from the node memory tier did not finish within "
-                    f"{timeout_s} s; it goes on in the background ({sync_command(link)} finishes it)"
-                )
-            await asyncio.sleep(pause)
-            if not left and commit and name is not None:  # only the COMMIT below is awaited: ask less often
-                pause = min(pause * 2, _REMOTE_POLL_MAX_S)
+        await wait_owed(_WriteDowns(self, name, through_outage, commit), timeout_s, through_outage=through_outage)
 
     async def _node_files_below(self, generation: str) -> bool:
         """Whether the chain below holds this node's files of ``generation`` (the tier's log says so;
@@ -369,6 +338,69 @@ class WriteDown:
         self.deferred.append(get_scheduler().submit(deferred(), background=True))
 
 
+class _WriteDowns:
+    """A durability wait's view of a write-down (:class:`~tierckpt.node.durability.Owed`): this process's
+    copies down of ``name`` (``None``: of everything) and their failures; once none runs, with ``commit``,
+    the node's files of ``name`` and its ``COMMIT`` as the tier's log shows them below."""
+
+    def __init__(self, writedown: WriteDown, name: str | None, through_outage: bool, commit: bool) -> None:
+        self.writedown, self.name, self.through_outage, self.commit = writedown, name, through_outage, commit
+        self.pause = _POLL_S
+        self.only_commit_below = False
+        """The last look found only the ``COMMIT`` below awaited (a remote GET each look: ask less often)."""
+
+    async def outstanding(self) -> list[Outstanding]:
+        wd, name = self.writedown, self.name
+        jobs = wd.runner.entries(lambda k: _of(k, name, commits=self.commit))
+        failed = {k: Outstanding(k, None, why, final) for k, (why, final) in wd.failures.items()
+                  if (name is None or generation_of(k) == name or k == COMMIT) and (final or not self.through_outage)}
+        for job in jobs:
+            if job.failure is not None:
+                failed.setdefault(name or COMMIT, Outstanding(name or COMMIT, None, describe_error(job.failure) or "", True))
+        if failed:
+            return sorted(failed.values(), key=lambda o: o.key)
+        me = os.getpid()
+        left = [Outstanding(str(job.key), me) for job in jobs if job.running()]
+        self.only_commit_below = not left and self.commit and name is not None
+        if left or not self.commit or name is None:
+            return left
+        return [] if await wd._node_files_below(name) else [Outstanding(COMMIT, None)]
+
+    def waiting_for(self, left: list[Outstanding]) -> str:
+        failures = self.writedown.failures
+        return (f"the write-down of {self.writedown.link.memory_tier.uri} from the node memory tier"
+                + (f" (failing, retried: {min(failures.values())[0]})" if failures else ""))
+
+    def failed(self, failed: list[Outstanding], left: list[Outstanding]) -> Exception:
+        link, name = self.writedown.link, self.name
+        corrupt = sorted((k, e) for k, e in self.writedown.corrupt.items() if name is None or generation_of(k) == name)
+        if corrupt:  # a tier file that differs from its save: no fix of the storage helps
+            error: Exception = CorruptCheckpointError(
+                f"the write-down of {link.memory_tier.uri} from the node memory tier stopped: {corrupt[0][1]}")
+            error.__cause__ = corrupt[0][1]
+            return error
+        return StorageError(
+            f"writing {link.uri_of(failed[0].key)} down from the node memory tier failed ({failed[0].error}); the "
+            f"checkpoint is committed in this node's memory only. Fix the storage, then run: {sync_command(link)}"
+        )
+
+    def resume(self, left: list[Outstanding]) -> None:
+        """Nothing: a wait resumes no write-down (``sync`` does)."""
+
+    def overdue(self, left: list[Outstanding], timeout_s: float) -> Exception:
+        link = self.writedown.link
+        return TransientStorageError(
+            f"the write-down of {link.memory_tier.uri} from the node memory tier did not finish within "
+            f"{timeout_s} s; it goes on in the background ({sync_command(link)} finishes it)"
+        )
+
+    def pause_s(self, left: list[Outstanding]) -> float:
+        pause = self.pause
+        if self.only_commit_below:
+            self.pause = min(pause * 2, _REMOTE_POLL_MAX_S)
+        return pause
+
+
 async def drop_tier(home: str) -> None:
     """Stop every write-down of this process from the tier at ``home`` (its URI is being deleted) and
     wait for the attempts in flight."""
@@ -402,4 +434,4 @@ def _forget_after_fork() -> None:
     _LAST_COMMIT.clear()
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+lifecycle.after_fork_in_child(_forget_after_fork)
