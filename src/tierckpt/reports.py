@@ -17,11 +17,14 @@ from tierckpt.call_args import uri_text
 from tierckpt.deadline import bounded
 from tierckpt.errors import CheckpointError, CheckpointNotFoundError, StorageUnreachableError
 from tierckpt.native.layout import Found
+from tierckpt.node.status import UNREACHABLE
 from tierckpt.monitor import ranks_from_timings, straggler_report
 
 if TYPE_CHECKING:
+    from tierckpt.backends.base import Backend
     from tierckpt.loading.api import Checkpoint
     from tierckpt.native.metadata import PieceMeta
+    from tierckpt.node.status import StoreStatus
 
 
 def printable(text: str) -> str:
@@ -260,19 +263,42 @@ def list_checkpoints(root: str) -> dict[str, Any]:
     from tierckpt.io.scheduler import get_scheduler
 
     in_memory = memory_keys_under(root)  # checkpoints committed in this node's memory tier (when it is on)
+    store = open_store(root)
     try:
-        keys = get_scheduler().run(open_store(root).list(""))
+        keys = get_scheduler().run(store.list(""))
     except TransientStorageError:
         if not in_memory:
             raise
         keys = []  # the remote is unreachable: what the memory tier holds is still listed
+    unreachable = _remote_unreachable(store)
     found = layout.find_checkpoints(sorted(set(keys) | set(in_memory)))
+    if not found and unreachable is not None:  # "none" would be a guess: the remote's own listing is unknown
+        raise StorageUnreachableError(
+            f"cannot list {root!r}: the remote did not answer, and this node's tiers list no checkpoint under it "
+            f"(they list what this node has pending upload there): {unreachable}"
+        )
     if not found:
         raise CheckpointNotFoundError(f"no checkpoints under {root!r}")
     latest = _latest_steps(root, found)
     entries = [_describe_entry(root, prefix, committed, gens, latest) for prefix, (committed, gens) in found.items()]
     entries.sort(key=lambda e: (e["step"] is None, e["step"] or 0, e["path"]))
-    return {"root": root, "checkpoints": entries}
+    return {"root": root, "checkpoints": entries} | ({"remote_unreachable": unreachable} if unreachable else {})
+
+
+def _remote_unreachable(store: Backend) -> str | None:
+    """Why the remote below ``store``'s node tiers did not answer (then a listing through them holds only what
+    this node has), else ``None`` (it answered, or ``store`` has no node tier: its listing is the remote's)."""
+    st = _node_status(store)
+    return st.remote_error if st is not None and st.remote_unreachable else None
+
+
+def _node_status(store: Backend) -> StoreStatus | None:
+    """What ``store``'s node tiers report (:class:`~tierckpt.node.status.StoreStatus`); ``None`` without them."""
+    from tierckpt.io.scheduler import get_scheduler
+    from tierckpt.store import durability_of
+
+    durable = durability_of(store)
+    return None if durable is None else get_scheduler().run(durable.status())
 
 
 def _latest_steps(root: str, found: Mapping[str, Found]) -> set[str]:
@@ -300,8 +326,9 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str
     """One row of ``ls``: a committed checkpoint's header facts, or what an uncommitted one left.
 
     ``status``: ``committed`` (where the URI points), ``node-only`` (committed in this node's cache, not on
-    the remote: ``node_only`` says why), ``incomplete``, ``corrupt`` or ``unreachable`` (its metadata could
-    not be read: the store did not answer; ``error`` says which)."""
+    the remote: ``node_only`` says why), ``incomplete``, ``corrupt`` or ``unreachable`` (the store did not
+    answer: its metadata could not be read, or this node holds it committed and whether the remote does is
+    unknown; ``error`` says which)."""
     from tierckpt.store import memory_levels, node_only_reason, open_store
     from tierckpt.loading.api import read_checkpoint
 
@@ -326,18 +353,33 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str
     except CheckpointError as exc:
         return {**entry, "status": "corrupt", "error": str(exc)}
     gens = gens - {meta.generation}
-    node_only = node_only_reason(store)
+    unknown = _unknown_on_remote(store)
+    node_only = None if unknown is not None else node_only_reason(store)
+    if unknown is not None:
+        entry["error"] = unknown
     if node_only is not None:
         entry["node_only"] = node_only
     levels = memory_levels(store)
     if levels is not None:
         entry["levels"] = levels
+    status = UNREACHABLE if unknown is not None else "committed" if node_only is None else "node-only"
     entry.update(
-        status="committed" if node_only is None else "node-only", generation=meta.generation, created_unix=meta.created_unix, created=_utc(meta.created_unix),
+        status=status, generation=meta.generation, created_unix=meta.created_unix, created=_utc(meta.created_unix),
         tensor_bytes=meta.tensor_bytes, world_size=meta.world_size, num_tensors=meta.num_tensors,
         uncommitted_generations=len(gens),
     )
     return entry
+
+
+def _unknown_on_remote(store: Backend) -> str | None:
+    """When ``store``'s remote did not answer and this node holds a generation committed that the remote was
+    not seen to hold: one line saying so, what this node holds, and why the remote's part is unknown (then the
+    checkpoint is neither ``committed`` nor ``node-only`` but :data:`~tierckpt.node.status.UNREACHABLE`)."""
+    st = _node_status(store)
+    if st is None or not st.remote_unreachable or st.generation is None or st.committed_on_remote:
+        return None
+    return (f"generation {st.generation} is committed on this node ({len(st.pending_keys)} upload(s) pending); "
+            f"whether the remote holds it is unknown: the remote did not answer: {st.remote_error}")
 
 
 def render_ls(doc: dict[str, Any]) -> str:
@@ -356,5 +398,8 @@ def render_ls(doc: dict[str, Any]) -> str:
         rows = [r + (",".join(k for k, v in e.get("levels", {}).items() if v) or "-",)
                 for r, e in zip(rows, doc["checkpoints"])]
     lines = [f"checkpoints under {doc['root']} (* = latest):"]
+    if "remote_unreachable" in doc:
+        lines.append(f"  the remote did not answer: listed from this node's tiers only; checkpoints the remote may hold "
+                     f"beyond them are not shown ({doc['remote_unreachable']})")
     lines += _table(header, rows, right=(0, 5, 6))
     return _lines(lines)

@@ -12,6 +12,11 @@ from dataclasses import dataclass
 from tierckpt.node.levels import Level
 
 
+UNREACHABLE = "unreachable"
+"""The state ``status`` and ``ls`` report for a checkpoint this node holds committed while the remote does not
+answer: whether it is committed where its URI points is unknown (neither ``remote`` nor ``node-only``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class StoreStatus:
     """Durability of one store, as this node sees it and as the remote holds it."""
@@ -35,8 +40,18 @@ class StoreStatus:
 
     @property
     def durable(self) -> bool:
-        """Committed on the remote, with nothing left to upload."""
-        return self.state == Level.REMOTE and not self.pending_keys
+        """Committed on the remote, with nothing left to upload; never while the remote does not answer (what
+        it holds is then unknown)."""
+        return self.state == Level.REMOTE and not self.pending_keys and not self.remote_unreachable
+
+    @property
+    def reported_state(self) -> str | None:
+        """:attr:`state` as ``tierckpt status`` reports it: :data:`UNREACHABLE` instead of ``remote`` while the
+        remote does not answer (this node uploaded or fetched the generation once; whether the remote still
+        holds it is unknown), else the level's name (``None``: nothing committed and nothing staged)."""
+        if self.state == Level.REMOTE and self.remote_unreachable and not self.committed_on_remote:
+            return UNREACHABLE
+        return None if self.state is None else self.state.value
 
     @property
     def committed_on_node(self) -> bool:
