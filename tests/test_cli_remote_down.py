@@ -70,31 +70,39 @@ def _says_what_it_does_not_know(manager: CheckpointManager, endpoint: str, capsy
     assert "whether the remote holds it is unknown" in entry["error"] and endpoint in entry["error"], entry
 
 
+class ClosablePort:
+    """A proxy in front of moto (:attr:`endpoint`) whose port :meth:`close` closes for good: connections kept
+    alive from before are cut, new ones refused; the port stays bound (never listening) until the test ends, so
+    no other process takes it meanwhile."""
+
+    def __init__(self, upstream: str) -> None:
+        self.proxy = FaultProxy(upstream)
+        self.endpoint = self.proxy.endpoint
+        self.held = socket.socket()
+
+    def close(self) -> None:
+        self.proxy.add_rule(Rule("reset", count=None))  # a request on a connection kept alive: cut
+        self.proxy.close()
+        self.held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.held.bind(("127.0.0.1", int(self.endpoint.rpartition(":")[2])))
+
+
 @pytest.fixture
-def closed_port_remote(moto_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FaultProxy]:
-    """A proxy in front of moto that the test closes; this node's cache in ``tmp_path``."""
-    proxy = FaultProxy(moto_server)
-    monkeypatch.setenv("TIERCKPT_S3_ENDPOINT_URL", proxy.endpoint)
+def closed_port_remote(moto_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[ClosablePort]:
+    """The S3 endpoint of this test (a :class:`ClosablePort` in front of moto); this node's cache in ``tmp_path``."""
+    port = ClosablePort(moto_server)
+    monkeypatch.setenv("TIERCKPT_S3_ENDPOINT_URL", port.endpoint)
     monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(tmp_path / "node"))
-    yield proxy
-    proxy.close()
+    yield port
+    port.proxy.close()
+    port.held.close()
 
 
 def test_status_and_ls_with_the_remote_port_closed(
-    moto_server: str, closed_port_remote: FaultProxy, capsys: pytest.CaptureFixture[str],
+    moto_server: str, closed_port_remote: ClosablePort, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    held = socket.socket()  # the proxy's port, closed and held (bound, never listening): every connection refused
-
-    def close_the_port() -> None:
-        port = int(closed_port_remote.endpoint.rpartition(":")[2])
-        closed_port_remote.add_rule(Rule("reset", count=None))  # connections kept alive from before: cut too
-        closed_port_remote.close()
-        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        held.bind(("127.0.0.1", port))
-
-    with held:
-        manager = _save_then_lose_the_remote(_bucket_root(moto_server), close_the_port)
-        _says_what_it_does_not_know(manager, closed_port_remote.endpoint, capsys)
+    manager = _save_then_lose_the_remote(_bucket_root(moto_server), closed_port_remote.close)
+    _says_what_it_does_not_know(manager, closed_port_remote.endpoint, capsys)
 
 
 @pytest.mark.parametrize("s3_server", ["radosgw"], indirect=True)
@@ -111,3 +119,17 @@ def test_status_and_ls_with_radosgw_stopped(
     assert code == cli.EXIT_OK and json.loads(out)["state"] == "remote" and json.loads(out)["durable"], out
     code, out = _run(["ls", manager.root_uri], capsys)
     assert code == cli.EXIT_OK and "did not answer" not in out and out.count("committed") == 2, out
+
+
+def test_ls_with_the_remote_down_never_says_there_is_no_checkpoint(
+    moto_server: str, closed_port_remote: ClosablePort, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every step uploaded, the port then closed: this node's cache lists none of them (only what is pending), so
+    ``ls`` cannot tell what the root holds: exit 7 naming the remote, never exit 3 "no checkpoints"."""
+    manager = CheckpointManager(_bucket_root(moto_server), use_async=True)
+    manager.save(1, {"w": torch.arange(64.0)})
+    manager.wait_durable(timeout_s=60)
+    closed_port_remote.close()
+    code, out = _run(["ls", manager.root_uri], capsys)
+    assert code == cli.EXIT_UNREACHABLE and "no checkpoints" not in out, out
+    assert f"cannot list {manager.root_uri!r}: the remote did not answer" in out and closed_port_remote.endpoint in out, out
