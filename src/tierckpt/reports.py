@@ -17,14 +17,11 @@ from tierckpt.call_args import uri_text
 from tierckpt.deadline import bounded
 from tierckpt.errors import CheckpointError, CheckpointNotFoundError, StorageUnreachableError
 from tierckpt.native.layout import Found
-from tierckpt.node.status import UNREACHABLE
 from tierckpt.monitor import ranks_from_timings, straggler_report
 
 if TYPE_CHECKING:
-    from tierckpt.backends.base import Backend
     from tierckpt.loading.api import Checkpoint
     from tierckpt.native.metadata import PieceMeta
-    from tierckpt.node.status import StoreStatus
 
 
 def printable(text: str) -> str:
@@ -285,20 +282,15 @@ def list_checkpoints(root: str) -> dict[str, Any]:
     return {"root": root, "checkpoints": entries} | ({"remote_unreachable": unreachable} if unreachable else {})
 
 
-def _remote_unreachable(store: Backend) -> str | None:
+def _remote_unreachable(store: object) -> str | None:
     """Why the remote below ``store``'s node tiers did not answer (then a listing through them holds only what
     this node has), else ``None`` (it answered, or ``store`` has no node tier: its listing is the remote's)."""
-    st = _node_status(store)
-    return st.remote_error if st is not None and st.remote_unreachable else None
-
-
-def _node_status(store: Backend) -> StoreStatus | None:
-    """What ``store``'s node tiers report (:class:`~tierckpt.node.status.StoreStatus`); ``None`` without them."""
     from tierckpt.io.scheduler import get_scheduler
     from tierckpt.store import durability_of
 
     durable = durability_of(store)
-    return None if durable is None else get_scheduler().run(durable.status())
+    st = None if durable is None else get_scheduler().run(durable.status())
+    return st.remote_error if st is not None and st.remote_unreachable else None
 
 
 def _latest_steps(root: str, found: Mapping[str, Found]) -> set[str]:
@@ -362,7 +354,7 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str
     levels = memory_levels(store)
     if levels is not None:
         entry["levels"] = levels
-    status = UNREACHABLE if unknown is not None else "committed" if node_only is None else "node-only"
+    status = "unreachable" if unknown is not None else "committed" if node_only is None else "node-only"
     entry.update(
         status=status, generation=meta.generation, created_unix=meta.created_unix, created=_utc(meta.created_unix),
         tensor_bytes=meta.tensor_bytes, world_size=meta.world_size, num_tensors=meta.num_tensors,
@@ -371,11 +363,15 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str
     return entry
 
 
-def _unknown_on_remote(store: Backend) -> str | None:
+def _unknown_on_remote(store: object) -> str | None:
     """When ``store``'s remote did not answer and this node holds a generation committed that the remote was
     not seen to hold: one line saying so, what this node holds, and why the remote's part is unknown (then the
-    checkpoint is neither ``committed`` nor ``node-only`` but :data:`~tierckpt.node.status.UNREACHABLE`)."""
-    st = _node_status(store)
+    checkpoint is neither ``committed`` nor ``node-only`` but ``unreachable``)."""
+    from tierckpt.io.scheduler import get_scheduler
+    from tierckpt.store import durability_of
+
+    durable = durability_of(store)
+    st = None if durable is None else get_scheduler().run(durable.status())
     if st is None or not st.remote_unreachable or st.generation is None or st.committed_on_remote:
         return None
     return (f"generation {st.generation} is committed on this node ({len(st.pending_keys)} upload(s) pending); "
