@@ -105,13 +105,15 @@ def test_saves_go_on_while_radosgw_is_stopped_and_land_when_it_is_back(
         assert step == 4 and torch.equal(target["w"], state_of(4)["w"]) and target["step"] == 4
 
 
-def test_a_save_without_the_node_cache_fails_naming_the_endpoint_and_the_last_step_stays(
-    s3_server: str, radosgw: Any, bucket_root: str, tmp_path: Path,
+@pytest.mark.parametrize("cache", ["off", "on"])
+def test_a_synchronous_save_fails_naming_the_endpoint_and_the_last_step_stays(
+    s3_server: str, radosgw: Any, bucket_root: str, tmp_path: Path, cache: str,
 ) -> None:
-    """With the node cache off a save writes straight to S3: radosgw stopped, it raises
-    :class:`StorageUnreachableError` naming the endpoint, within seconds; radosgw back, step 1 is still the newest
+    """A synchronous save is durable on S3 when it returns, so the node cache cannot cover an outage for it:
+    radosgw stopped, it raises :class:`StorageUnreachableError` naming the endpoint, within seconds, and is
+    committed nowhere (with the cache on, not on this node either). radosgw back, step 1 is still the newest
     committed step, loaded bit-exact, and nothing of step 2 is committed on the bucket."""
-    options = {"endpoint_url": s3_server, "cache": False}
+    options = {"endpoint_url": s3_server, "cache": CacheConfig(directory=str(tmp_path / "node")) if cache == "on" else False}
     manager = CheckpointManager(bucket_root, storage_options=options)
     manager.save(1, state_of(1))
     radosgw.stop_gateway()
@@ -119,6 +121,9 @@ def test_a_save_without_the_node_cache_fails_naming_the_endpoint_and_the_last_st
     with pytest.raises(StorageUnreachableError, match=s3_server):
         manager.save(2, state_of(2))
     assert time.monotonic() - started < 60
+    if cache == "on":  # this node, still without S3, resumes from step 1: step 2 is committed nowhere
+        step, target = loaded_latest(CheckpointManager(bucket_root, storage_options=options))
+        assert step == 1 and torch.equal(target["w"], state_of(1)["w"])
     radosgw.start_gateway()
     assert remote_generation(s3_server, bucket_root, 2) is None
     for resumed in (manager, CheckpointManager(bucket_root, storage_options=options)):
