@@ -17,6 +17,7 @@ import boto3
 import pytest
 import torch
 
+from tierckpt import cache_api
 from tierckpt.cli import main as cli
 from tierckpt.manager.api import CheckpointManager
 
@@ -103,6 +104,8 @@ def test_status_and_ls_with_the_remote_port_closed(
 ) -> None:
     manager = _save_then_lose_the_remote(_bucket_root(moto_server), closed_port_remote.close)
     _says_what_it_does_not_know(manager, closed_port_remote.endpoint, capsys)
+    for uri in (manager.root_uri, manager.uri_of(2)):  # the port never opens again: no upload left for the exit
+        cache_api.drop(uri)
 
 
 @pytest.mark.parametrize("s3_server", ["radosgw"], indirect=True)

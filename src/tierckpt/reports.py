@@ -277,7 +277,8 @@ def list_checkpoints(root: str) -> dict[str, Any]:
     if not found:
         raise CheckpointNotFoundError(f"no checkpoints under {root!r}")
     latest = _latest_steps(root, found)
-    entries = [_describe_entry(root, prefix, committed, gens, latest) for prefix, (committed, gens) in found.items()]
+    entries = [_describe_entry(root, prefix, committed, gens, latest, unreachable is not None)
+               for prefix, (committed, gens) in found.items()]
     entries.sort(key=lambda e: (e["step"] is None, e["step"] or 0, e["path"]))
     return {"root": root, "checkpoints": entries} | ({"remote_unreachable": unreachable} if unreachable else {})
 
@@ -314,8 +315,10 @@ def _join(root: str, prefix: str) -> str:
     return f"{root.rstrip('/')}/{prefix}" if prefix else root
 
 
-def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str], latest: set[str]) -> dict[str, Any]:
-    """One row of ``ls``: a committed checkpoint's header facts, or what an uncommitted one left.
+def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str], latest: set[str],
+                    remote_down: bool) -> dict[str, Any]:
+    """One row of ``ls``: a committed checkpoint's header facts, or what an uncommitted one left (``remote_down``:
+    the root's remote did not answer, so this node's view of the checkpoint is checked against its own).
 
     ``status``: ``committed`` (where the URI points), ``node-only`` (committed in this node's cache, not on
     the remote: ``node_only`` says why), ``incomplete``, ``corrupt`` or ``unreachable`` (the store did not
@@ -345,7 +348,7 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str
     except CheckpointError as exc:
         return {**entry, "status": "corrupt", "error": str(exc)}
     gens = gens - {meta.generation}
-    unknown = _unknown_on_remote(store)
+    unknown = _unknown_on_remote(store) if remote_down else None
     node_only = None if unknown is not None else node_only_reason(store)
     if unknown is not None:
         entry["error"] = unknown
