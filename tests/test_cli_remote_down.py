@@ -1,6 +1,7 @@
 """``tierckpt status`` and ``tierckpt ls`` with the remote down say what they do not know: a checkpoint this node
-uploaded is ``unreachable`` (never ``remote``, ``durable`` or ``node-only``), a listing made from this node's
-tiers says so, and both exit 7. The remote goes down for real: radosgw stopped (``tests/radosgw.py``), or the
+uploaded (nothing of it pending) is ``unreachable`` (never ``remote``, ``durable`` or ``node-only``), one with
+uploads pending is ``local`` / ``node-only`` (its ``COMMIT`` is known not to be there), a listing made from this
+node's tiers says so, and both exit 7. The remote goes down for real: radosgw stopped (``tests/radosgw.py``), or the
 port of a proxy in front of moto closed. The real CLI, in this process; a real node cache per test.
 """
 
@@ -48,7 +49,7 @@ def _save_then_lose_the_remote(root: str, stop: Any) -> CheckpointManager:
 
 
 def _says_what_it_does_not_know(manager: CheckpointManager, endpoint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """The assertions of both tests: ``status`` of the uploaded step 1 and the pending step 2, ``ls`` of the root."""
+    """The assertions of both tests: ``status`` and ``ls`` of the uploaded step 1 and the pending step 2."""
     code, out = _run(["status", manager.uri_of(1)], capsys)
     assert code == cli.EXIT_UNREACHABLE and ": remote unreachable (" in out and endpoint in out, out
     code, out = _run(["status", manager.uri_of(1), "--json"], capsys)
@@ -60,15 +61,21 @@ def _says_what_it_does_not_know(manager: CheckpointManager, endpoint: str, capsy
     assert (doc["state"], doc["durable"], doc["remote_unreachable"]) == ("local", False, True), doc
     assert doc["pending_keys"] and code == (cli.EXIT_ERROR if doc["errors"] else cli.EXIT_OK), doc  # 1: a failed try
 
-    code, out = _run(["ls", manager.root_uri], capsys)
+    code, out = _run(["ls", manager.uri_of(1)], capsys)  # uploaded, nothing pending: unknown, not node-only
     assert code == cli.EXIT_UNREACHABLE and "the remote did not answer: listed from this node's tiers only" in out, out
-    assert "node-only" not in out and "unreachable" in out.splitlines()[-1], out
-    code, out = _run(["ls", manager.root_uri, "--json"], capsys)
+    assert "node-only" not in out and " unreachable " in out.splitlines()[-1], out
+    code, out = _run(["ls", manager.uri_of(1), "--json"], capsys)
     doc = json.loads(out)
+    (entry,) = doc["checkpoints"]
     assert code == cli.EXIT_UNREACHABLE and endpoint in doc["remote_unreachable"], doc
-    (entry,) = [e for e in doc["checkpoints"] if e["step"] == 2]
     assert entry["status"] == "unreachable" and "node_only" not in entry, entry
     assert "whether the remote holds it is unknown" in entry["error"] and endpoint in entry["error"], entry
+
+    code, out = _run(["ls", manager.root_uri, "--json"], capsys)  # the root: what this node has pending is listed
+    doc = json.loads(out)
+    assert code == cli.EXIT_UNREACHABLE and endpoint in doc["remote_unreachable"], doc
+    (entry,) = [e for e in doc["checkpoints"] if e["step"] == 2]  # its COMMIT is pending here: known not there
+    assert entry["status"] == "node-only" and "the remote is unreachable" in entry["node_only"], entry
 
 
 class ClosablePort:

@@ -322,8 +322,8 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str
 
     ``status``: ``committed`` (where the URI points), ``node-only`` (committed in this node's cache, not on
     the remote: ``node_only`` says why), ``incomplete``, ``corrupt`` or ``unreachable`` (the store did not
-    answer: its metadata could not be read, or this node holds it committed and whether the remote does is
-    unknown; ``error`` says which)."""
+    answer: its metadata could not be read, or this node holds it committed, nothing of it pending, and
+    whether the remote does is unknown; ``error`` says which)."""
     from tierckpt.store import memory_levels, node_only_reason, open_store
     from tierckpt.loading.api import read_checkpoint
 
@@ -367,18 +367,19 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str
 
 
 def _unknown_on_remote(store: object) -> str | None:
-    """When ``store``'s remote did not answer and this node holds a generation committed that the remote was
-    not seen to hold: one line saying so, what this node holds, and why the remote's part is unknown (then the
-    checkpoint is neither ``committed`` nor ``node-only`` but ``unreachable``)."""
+    """When where ``store``'s committed generation stands on the remote is unknown
+    (:attr:`~tierckpt.node.status.StoreStatus.remote_unknown`: nothing of it pending here, the remote silent):
+    one line saying so and why (the checkpoint is then neither ``committed`` nor ``node-only`` but
+    ``unreachable``); else ``None``."""
     from tierckpt.io.scheduler import get_scheduler
     from tierckpt.store import durability_of
 
     durable = durability_of(store)
     st = None if durable is None else get_scheduler().run(durable.status())
-    if st is None or not st.remote_unreachable or st.generation is None or st.committed_on_remote:
+    if st is None or not st.remote_unknown:
         return None
-    return (f"generation {st.generation} is committed on this node ({len(st.pending_keys)} upload(s) pending); "
-            f"whether the remote holds it is unknown: the remote did not answer: {st.remote_error}")
+    return (f"generation {st.generation} is committed on this node, nothing of it pending upload; whether the "
+            f"remote holds it is unknown: the remote did not answer: {st.remote_error}")
 
 
 def render_ls(doc: dict[str, Any]) -> str:
