@@ -80,7 +80,8 @@ def test_saves_go_on_while_radosgw_is_stopped_and_land_when_it_is_back(
         manager.wait_durable(timeout_s=WAIT_TIMEOUT_S)
     assert time.monotonic() - started < WAIT_TIMEOUT_S + 20  # the timeout bounds the wait through the outage
 
-    assert loaded_latest(CheckpointManager(bucket_root, storage_options=options))[0] == 3  # this node has it
+    step, target = loaded_latest(CheckpointManager(bucket_root, storage_options=options))  # this node has it
+    assert step == 3 and torch.equal(target["w"], state_of(3)["w"]) and target["step"] == 3
     monkeypatch.setenv("TIERCKPT_CACHE_DIR", str(tmp_path / "node-b"))
     with pytest.raises(StorageUnreachableError, match=s3_server):
         CheckpointManager(bucket_root, storage_options={"endpoint_url": s3_server}).load_latest({"w": torch.zeros(64)})
