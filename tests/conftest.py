@@ -256,8 +256,9 @@ def s3_server_kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def radosgw_server() -> Iterator[str]:
-    """A Ceph cluster with radosgw on 127.0.0.1 for the whole session (one per pytest worker); yields its endpoint.
+def radosgw_gateway():
+    """A Ceph cluster with radosgw on 127.0.0.1 for the whole session (one per pytest worker); yields its
+    :class:`radosgw.RadosGateway` (tests reach it through ``s3_server``, and stop it through ``radosgw``).
 
     Missing Ceph programs skip the test, except in CI (``CI=true``), where they fail it: there ``.ci/run``
     installs them, so their absence is a broken setup, not a choice."""
@@ -271,7 +272,28 @@ def radosgw_server() -> Iterator[str]:
             pytest.fail(message)
         pytest.skip(message)
     with RadosGateway() as gateway:
-        yield gateway.endpoint
+        yield gateway
+
+
+@pytest.fixture(scope="session")
+def radosgw_server(radosgw_gateway) -> str:
+    """The endpoint of this worker's radosgw (:func:`radosgw_gateway`)."""
+    return radosgw_gateway.endpoint
+
+
+@pytest.fixture
+def radosgw(s3_server: str, request: pytest.FixtureRequest):
+    """This worker's :class:`radosgw.RadosGateway`, for a test on radosgw (``s3_server`` of kind ``radosgw``) that
+    stops it (``stop_gateway()``: the port refuses connections) and starts it again (``start_gateway()``: same
+    port, same objects). A test that leaves it stopped gets it started after the test, so the next test of the
+    worker finds it serving; the worker runs one test at a time, so no other test sees the outage."""
+    if s3_server_kind(request) != "radosgw":
+        pytest.fail("the radosgw fixture needs the test's s3_server to be radosgw (parametrize s3_server with "
+                    "[\"radosgw\"], indirect=True)")
+    gateway = request.getfixturevalue("radosgw_gateway")
+    yield gateway
+    if not gateway.gateway_running:
+        gateway.start_gateway()
 
 
 @pytest.fixture

@@ -10,7 +10,12 @@ Debian's Ceph is 16.2 (pacific), whose radosgw cannot run without a cluster (no 
 4. ``radosgw-admin user create`` with the access and secret key the tests use.
 
 Every daemon runs in the foreground as a child of this process and is stopped by its pid
-(:meth:`RadosGateway.stop`), which also removes the folder. Starting takes about 25 s and the cluster
+(:meth:`RadosGateway.stop`), which also removes the folder. For outage tests, radosgw alone can be stopped
+(:meth:`RadosGateway.stop_gateway`: killed, its port refuses connections) and started again
+(:meth:`RadosGateway.start_gateway`: same port, same cluster, so every object written before is there). A
+killed radosgw leaves its watches on the cluster's control objects, and the next radosgw's first metadata
+write (a bucket creation) waits until the OSD drops them: ``osd client watch timeout = 10`` makes that about
+7 s, not 28 s (the default is 30 s). Starting takes about 25 s and the cluster
 holds about 1.5 GiB of memory, so the tests start one per pytest worker (a session fixture).
 
 Run ``python tests/radosgw.py`` to start one by hand; it prints the endpoint and stops on Ctrl-C.
@@ -71,6 +76,7 @@ class RadosGateway:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.conf = self.folder / "ceph.conf"
         self._processes: list[subprocess.Popen[bytes]] = []
+        self._gateway: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> RadosGateway:
         self.start()
@@ -105,7 +111,34 @@ class RadosGateway:
                 process.kill()
                 process.wait()
         self._processes.clear()
+        self._gateway = None
         shutil.rmtree(self.folder, ignore_errors=True)
+
+    @property
+    def gateway_running(self) -> bool:
+        """Whether radosgw runs (it does between :meth:`start` and :meth:`stop`, unless :meth:`stop_gateway`)."""
+        return self._gateway is not None and self._gateway.poll() is None
+
+    def stop_gateway(self, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Stop radosgw alone, by its pid (SIGKILL: requests in flight are cut, as in a crash), and return once
+        its port refuses connections; the monitor and the OSD keep running, so the objects stay."""
+        if self._gateway is None:
+            raise RadosGatewayError("stop radosgw: it is not running")
+        gateway, self._gateway = self._gateway, None
+        gateway.send_signal(sig)
+        gateway.wait(timeout=30)
+        self._processes.remove(gateway)
+        deadline = time.monotonic() + 30
+        while self._answers():  # a socket the dead process held may linger a moment
+            if time.monotonic() > deadline:
+                raise RadosGatewayError(f"stop radosgw: {self.endpoint} still answers 30 s after it exited")
+            time.sleep(0.1)
+
+    def start_gateway(self) -> None:
+        """Start radosgw again after :meth:`stop_gateway`, on the same port and cluster; return once it serves."""
+        if self.gateway_running:
+            raise RadosGatewayError("start radosgw: it is already running")
+        self._start_gateway()
 
     # -- steps ---------------------------------------------------------------------------------------
     def _write_conf(self) -> None:
@@ -151,6 +184,7 @@ mon max pg per osd = 1000
 mon warn on pool no redundancy = false
 mon data avail warn = 1
 mon data avail crit = 0
+osd client watch timeout = 10
 osd op num shards = 1
 osd op num threads per shard = 2
 log to stderr = false
@@ -179,13 +213,14 @@ rgw lc debug interval = 10
                                     f"{done.stderr.strip()[-2000:]}{self._logs()}")
         return done.stdout
 
-    def _daemon(self, *args: str) -> None:
+    def _daemon(self, *args: str) -> subprocess.Popen[bytes]:
         """Start a daemon in the foreground as a child of this process (stopped by pid in :meth:`stop`)."""
-        log = open(self.folder / "log" / f"{args[0]}.out", "wb")  # noqa: SIM115 - the child holds it
+        log = open(self.folder / "log" / f"{args[0]}.out", "ab")  # noqa: SIM115 - the child holds it
         process = subprocess.Popen([*args, "-f", "-c", str(self.conf)], stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL)
         log.close()
         self._processes.append(process)
+        return process
 
     def _logs(self) -> str:
         """The tail of every daemon's log, for an error message."""
@@ -230,18 +265,18 @@ rgw lc debug interval = 10
         self._wait("start the OSD", up)
 
     def _start_gateway(self) -> None:
-        self._daemon("radosgw", "-n", "client.rgw")
+        self._gateway = self._daemon("radosgw", "-n", "client.rgw")
+        self._wait("start radosgw", self._answers)
 
-        def answers() -> bool:
-            try:
-                urllib.request.urlopen(self.endpoint, timeout=2).close()
-            except urllib.error.HTTPError:
-                return True  # any S3 answer (403 for an anonymous list) means it serves
-            except OSError:
-                return False
-            return True
-
-        self._wait("start radosgw", answers)
+    def _answers(self) -> bool:
+        """Whether radosgw answers an HTTP request on :attr:`endpoint`."""
+        try:
+            urllib.request.urlopen(self.endpoint, timeout=2).close()
+        except urllib.error.HTTPError:
+            return True  # any S3 answer (403 for an anonymous list) means it serves
+        except OSError:
+            return False
+        return True
 
     def _create_user(self) -> None:
         self._run("create the S3 user", "radosgw-admin", "-n", "client.rgw", "user", "create", "--uid", "tierckpt",

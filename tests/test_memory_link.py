@@ -361,11 +361,12 @@ def test_manager_resumes_from_memory_with_the_remote_down(
     assert restarted.load_latest(got) == 2
     assert_same(got, other_state())
     assert restarted.levels(2) == {"memory": True, "replicated": False, "local": False, "remote": False}
-    # ls lists the memory-only checkpoints with their levels while the remote answers nothing.
+    # ls lists the memory-only checkpoints with their levels while the remote answers nothing (exit 7: the
+    # listing holds only what this node has).
     monkeypatch.setenv("TIERCKPT_MEMORY", "on")
     monkeypatch.setenv("TIERCKPT_CACHE", "off")
     monkeypatch.setenv("TIERCKPT_S3_ENDPOINT_URL", proxy.endpoint)
-    assert cli.main(["ls", root, "--json"]) == 0
+    assert cli.main(["ls", root, "--json"]) == cli.EXIT_UNREACHABLE
     doc = __import__("json").loads(capsys.readouterr().out)
     rows = {e["step"]: e for e in doc["checkpoints"]}
     assert set(rows) == {1, 2} and rows[2]["status"] == "node-only"

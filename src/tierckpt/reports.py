@@ -260,19 +260,38 @@ def list_checkpoints(root: str) -> dict[str, Any]:
     from tierckpt.io.scheduler import get_scheduler
 
     in_memory = memory_keys_under(root)  # checkpoints committed in this node's memory tier (when it is on)
+    store = open_store(root)
     try:
-        keys = get_scheduler().run(open_store(root).list(""))
+        keys = get_scheduler().run(store.list(""))
     except TransientStorageError:
         if not in_memory:
             raise
         keys = []  # the remote is unreachable: what the memory tier holds is still listed
+    unreachable = _remote_unreachable(store)
     found = layout.find_checkpoints(sorted(set(keys) | set(in_memory)))
+    if not found and unreachable is not None:  # "none" would be a guess: the remote's own listing is unknown
+        raise StorageUnreachableError(
+            f"cannot list {root!r}: the remote did not answer, and this node's tiers list no checkpoint under it "
+            f"(they list what this node has pending upload there): {unreachable}"
+        )
     if not found:
         raise CheckpointNotFoundError(f"no checkpoints under {root!r}")
     latest = _latest_steps(root, found)
-    entries = [_describe_entry(root, prefix, committed, gens, latest) for prefix, (committed, gens) in found.items()]
+    entries = [_describe_entry(root, prefix, committed, gens, latest, unreachable is not None)
+               for prefix, (committed, gens) in found.items()]
     entries.sort(key=lambda e: (e["step"] is None, e["step"] or 0, e["path"]))
-    return {"root": root, "checkpoints": entries}
+    return {"root": root, "checkpoints": entries} | ({"remote_unreachable": unreachable} if unreachable else {})
+
+
+def _remote_unreachable(store: object) -> str | None:
+    """Why the remote below ``store``'s node tiers did not answer (then a listing through them holds only what
+    this node has), else ``None`` (it answered, or ``store`` has no node tier: its listing is the remote's)."""
+    from tierckpt.io.scheduler import get_scheduler
+    from tierckpt.store import durability_of
+
+    durable = durability_of(store)
+    st = None if durable is None else get_scheduler().run(durable.status())
+    return st.remote_error if st is not None and st.remote_unreachable else None
 
 
 def _latest_steps(root: str, found: Mapping[str, Found]) -> set[str]:
@@ -296,12 +315,15 @@ def _join(root: str, prefix: str) -> str:
     return f"{root.rstrip('/')}/{prefix}" if prefix else root
 
 
-def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str], latest: set[str]) -> dict[str, Any]:
-    """One row of ``ls``: a committed checkpoint's header facts, or what an uncommitted one left.
+def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str], latest: set[str],
+                    remote_down: bool) -> dict[str, Any]:
+    """One row of ``ls``: a committed checkpoint's header facts, or what an uncommitted one left (``remote_down``:
+    the root's remote did not answer, so this node's view of the checkpoint is checked against its own).
 
     ``status``: ``committed`` (where the URI points), ``node-only`` (committed in this node's cache, not on
-    the remote: ``node_only`` says why), ``incomplete``, ``corrupt`` or ``unreachable`` (its metadata could
-    not be read: the store did not answer; ``error`` says which)."""
+    the remote: ``node_only`` says why), ``incomplete``, ``corrupt`` or ``unreachable`` (the store did not
+    answer: its metadata could not be read, or this node holds it committed, nothing of it pending, and
+    whether the remote does is unknown; ``error`` says which)."""
     from tierckpt.store import memory_levels, node_only_reason, open_store
     from tierckpt.loading.api import read_checkpoint
 
@@ -326,18 +348,38 @@ def _describe_entry(root: str, prefix: str, committed: bool, gens: frozenset[str
     except CheckpointError as exc:
         return {**entry, "status": "corrupt", "error": str(exc)}
     gens = gens - {meta.generation}
-    node_only = node_only_reason(store)
+    unknown = _unknown_on_remote(store) if remote_down else None
+    node_only = None if unknown is not None else node_only_reason(store)
+    if unknown is not None:
+        entry["error"] = unknown
     if node_only is not None:
         entry["node_only"] = node_only
     levels = memory_levels(store)
     if levels is not None:
         entry["levels"] = levels
+    status = "unreachable" if unknown is not None else "committed" if node_only is None else "node-only"
     entry.update(
-        status="committed" if node_only is None else "node-only", generation=meta.generation, created_unix=meta.created_unix, created=_utc(meta.created_unix),
+        status=status, generation=meta.generation, created_unix=meta.created_unix, created=_utc(meta.created_unix),
         tensor_bytes=meta.tensor_bytes, world_size=meta.world_size, num_tensors=meta.num_tensors,
         uncommitted_generations=len(gens),
     )
     return entry
+
+
+def _unknown_on_remote(store: object) -> str | None:
+    """When where ``store``'s committed generation stands on the remote is unknown
+    (:attr:`~tierckpt.node.status.StoreStatus.remote_unknown`: nothing of it pending here, the remote silent):
+    one line saying so and why (the checkpoint is then neither ``committed`` nor ``node-only`` but
+    ``unreachable``); else ``None``."""
+    from tierckpt.io.scheduler import get_scheduler
+    from tierckpt.store import durability_of
+
+    durable = durability_of(store)
+    st = None if durable is None else get_scheduler().run(durable.status())
+    if st is None or not st.remote_unknown:
+        return None
+    return (f"generation {st.generation} is committed on this node, nothing of it pending upload; whether the "
+            f"remote holds it is unknown: the remote did not answer: {st.remote_error}")
 
 
 def render_ls(doc: dict[str, Any]) -> str:
@@ -356,5 +398,8 @@ def render_ls(doc: dict[str, Any]) -> str:
         rows = [r + (",".join(k for k, v in e.get("levels", {}).items() if v) or "-",)
                 for r, e in zip(rows, doc["checkpoints"])]
     lines = [f"checkpoints under {doc['root']} (* = latest):"]
+    if "remote_unreachable" in doc:
+        lines.append(f"  the remote did not answer: listed from this node's tiers only; checkpoints the remote may hold "
+                     f"beyond them are not shown ({doc['remote_unreachable']})")
     lines += _table(header, rows, right=(0, 5, 6))
     return _lines(lines)

@@ -16,10 +16,12 @@ from tierckpt import cache_api as cache
 from tierckpt import progress
 from tierckpt.node.disk.config import CacheConfig
 from tierckpt.cli.deadline import add_timeout
+from tierckpt.cli.exit import EXIT_UNREACHABLE
 from tierckpt.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError, StorageUnreachableError
 from tierckpt.formats.foreign import missing_commit_error
 from tierckpt.io.scheduler import get_scheduler
 from tierckpt.monitor import format_bytes
+from tierckpt.node.status import UNREACHABLE, StoreStatus
 from tierckpt.store import open_store, read_in_place
 
 
@@ -52,7 +54,8 @@ def _nothing_committed(uri: str) -> CheckpointNotFoundError:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Print what is committed on this node and on the remote; exit 1 when an upload failed."""
+    """Print what is committed on this node and on the remote; exit 1 when an upload failed, 7 when what the
+    remote holds is unknown (it did not answer, and nothing of the checkpoint is pending here)."""
     st = cache.status(args.uri)
     if st.state is None and not st.pending_keys and st.remote_generation is None:
         if st.remote_unreachable:  # nothing here, and the remote did not answer: unknown, not "none"
@@ -65,7 +68,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     local = read_in_place(args.uri)  # the checkpoint is where the path points: no remote, no node cache
     node_cache = _node_cache() | ({"used": False, "reason": LOCAL_PATH_NOTE} if local else {"used": True})
     doc = dataclasses.asdict(st) | {
-        "durable": st.durable, "committed_on_node": st.committed_on_node, "committed_on_remote": st.committed_on_remote,
+        "state": st.reported_state, "durable": st.durable, "committed_on_node": st.committed_on_node, "committed_on_remote": st.committed_on_remote,
         "node_cache": node_cache,
     } | ({"levels": levels} if levels else {})
     if args.json:
@@ -76,7 +79,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  {_cache_line(node_cache)}")
     else:
         remote = st.remote_generation or (f"unreadable ({st.remote_error})" if st.remote_error else "nothing")
-        print(f"{st.uri}: {st.state or 'nothing committed'}; committed on this node: {st.generation or '-'}; "
+        print(f"{st.uri}: {_state_text(st)}; committed on this node: {st.generation or '-'}; "
               f"committed on the remote: {remote}; {len(st.pending_keys)} object(s) / {st.pending_bytes} bytes "
               "pending upload")
         if local:
@@ -92,7 +95,17 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  upload error: {error}")
         if st.errors:
             print(f"  fix the remote, then: tierckpt sync {st.uri}   (or discard: tierckpt sync --drop {st.uri})")
+    if st.reported_state == UNREACHABLE:
+        return EXIT_UNREACHABLE  # where it stands on the remote is unknown: never the exit of a durable checkpoint
     return 1 if st.errors else 0
+
+
+def _state_text(st: StoreStatus) -> str:
+    """The state at the head of ``status``'s line; ``remote unreachable`` says what is unknown and why."""
+    if st.reported_state == UNREACHABLE:
+        return ("remote unreachable (committed on this node, uploaded from or fetched to it; whether the remote "
+                "still holds it is unknown)")
+    return st.reported_state or "nothing committed"
 
 
 LOCAL_PATH_NOTE = "local paths are read and written in place, never through the node cache (nothing to upload)"

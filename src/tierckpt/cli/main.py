@@ -177,7 +177,8 @@ def _add_ls(subparsers: Any) -> None:
         "ls", help="list the checkpoints under a root",
         description="List the checkpoints under ROOT: ROOT itself, the step-N checkpoints of a "
         "CheckpointManager root (the latest marked), or any directory of checkpoints. For each: step, status "
-        "(committed, node-only: committed in this node's cache but not on the remote, incomplete or corrupt), generation, creation time, tensor bytes and world size.",
+        "(committed, node-only: committed in this node's cache but not on the remote, unreachable: the remote did not "
+        "answer, incomplete or corrupt), generation, creation time, tensor bytes and world size.",
     )
     p.add_argument("root", help="a checkpoint or a directory of checkpoints: a path or URI")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -186,10 +187,11 @@ def _add_ls(subparsers: Any) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """List the checkpoints under a root; exit 3 when there are none."""
+    """List the checkpoints under a root; exit 3 when there are none, 7 when the remote did not answer (the
+    listing then holds only what this node's tiers have)."""
     doc = list_checkpoints(args.root)
     print(json.dumps(doc, indent=1) if args.json else render_ls(doc))
-    return EXIT_OK
+    return EXIT_UNREACHABLE if "remote_unreachable" in doc else EXIT_OK
 
 
 

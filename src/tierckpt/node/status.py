@@ -12,6 +12,12 @@ from dataclasses import dataclass
 from tierckpt.node.levels import Level
 
 
+UNREACHABLE = "unreachable"
+"""The state ``status`` and ``ls`` report for a checkpoint this node holds committed, nothing of it pending,
+while the remote does not answer: whether it is committed where its URI points is unknown (neither
+``remote`` nor ``node-only``; :attr:`StoreStatus.remote_unknown`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class StoreStatus:
     """Durability of one store, as this node sees it and as the remote holds it."""
@@ -35,8 +41,24 @@ class StoreStatus:
 
     @property
     def durable(self) -> bool:
-        """Committed on the remote, with nothing left to upload."""
-        return self.state == Level.REMOTE and not self.pending_keys
+        """Committed on the remote, with nothing left to upload; never while the remote does not answer (what
+        it holds is then unknown)."""
+        return self.state == Level.REMOTE and not self.pending_keys and not self.remote_unreachable
+
+    @property
+    def remote_unknown(self) -> bool:
+        """Whether where the generation stands on the remote is unknown: nothing of it is pending on this node
+        (it uploaded or fetched it once), and the remote does not answer now. With uploads pending it is known
+        not to be there (its ``COMMIT`` goes last), so this is ``False``."""
+        return self.state == Level.REMOTE and self.remote_unreachable and not self.committed_on_remote
+
+    @property
+    def reported_state(self) -> str | None:
+        """:attr:`state` as ``tierckpt status`` reports it: :data:`UNREACHABLE` instead of ``remote`` when
+        :attr:`remote_unknown`, else the level's name (``None``: nothing committed and nothing staged)."""
+        if self.remote_unknown:
+            return UNREACHABLE
+        return None if self.state is None else self.state.value
 
     @property
     def committed_on_node(self) -> bool:
