@@ -8,6 +8,7 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
 
 import scenarios_route_costs
 from test_load_planner import check_exact
@@ -22,6 +23,10 @@ from tierckpt.planner.routes import (
 from tierckpt.loading.generation import _log_routes
 from tierckpt.loading.route_costs import ROUTE_COSTS_ENV, parse_override
 from tierckpt.monitor import Monitor
+from tierckpt.native.metadata import TensorMeta
+from tierckpt.native.regions import Box
+from tierckpt.planner import TargetPiece
+from tierckpt.planner.group_needs import GroupNeeds
 
 MiB = 1 << 20
 TWO_BY_FOUR = ["a"] * 4 + ["b"] * 4
@@ -174,3 +179,34 @@ def test_a_load_counts_and_logs_each_route_of_its_plan(caplog, case, nodes, cost
     assert [r.getMessage() for r in caplog.records] == [
         f"load plan of rank 0: {len(own.units)} units; {theirs[DIRECT]} bytes read directly, {theirs[NODE]} read once "
         f"per node and shared there, {theirs[EXCHANGE]} read once and exchanged ({topo.describe()})"]
+
+
+# -- no route to choose, nothing measured ----------------------------------------------------------------
+def test_a_load_where_each_tensor_has_one_needing_rank_measures_nothing(tmp_path, monkeypatch):
+    """One rank reads every slab itself whatever the costs: a one-rank load of a checkpoint large enough to
+    measure the store with takes no probe and keeps nothing, and still loads every value."""
+    import tierckpt
+    from tierckpt.loading import route_costs
+
+    state = {"w": torch.arange(256 * 1024, dtype=torch.float32).reshape(256, 1024)}  # a 1 MiB data file
+    tierckpt.save(str(tmp_path / "ckpt"), state)
+    assert max(p.stat().st_size for p in (tmp_path / "ckpt").rglob("*") if p.is_file()) >= route_costs.PROBE_MIN_FILE_BYTES
+    probes: list[int] = []
+    probe = route_costs._probe
+    monkeypatch.setattr(route_costs, "_probe", lambda *args: probes.append(1) or probe(*args))
+    monkeypatch.setattr(route_costs, "_kept", {})
+    monkeypatch.setenv(ROUTE_COSTS_ENV, "")  # the tests' default skips every probe: measure as a job does
+    target = {"w": torch.zeros(256, 1024)}
+    tierckpt.load(str(tmp_path / "ckpt"), target)
+    assert torch.equal(target["w"], state["w"])
+    assert probes == [] and route_costs._kept == {}
+
+
+def test_whether_some_tensor_is_needed_by_several_ranks():
+    tensors = {name: TensorMeta(fqn=name, dtype="float32", shape=(4, 4)) for name in ("a", "b")}
+    whole = Box.full((4, 4))
+    own = [[TargetPiece(fqn="a", region=whole)], [TargetPiece(fqn="b", region=whole)], []]
+    assert GroupNeeds.of(own, tensors).one_rank_per_tensor()
+    halves = [[TargetPiece(fqn="a", region=Box((0, 0), (2, 4)))], [TargetPiece(fqn="a", region=Box((2, 0), (2, 4)))]]
+    assert not GroupNeeds.of(halves, tensors).one_rank_per_tensor()  # its slabs may be read once and exchanged
+    assert GroupNeeds.of([[], []], tensors).one_rank_per_tensor()

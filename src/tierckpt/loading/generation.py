@@ -108,7 +108,7 @@ def load_generation(
     with monitor.phase("plan"):
         topo = opts.topology or route_costs.measured_topology(
             _topology(backend, comm, [g[4] for g in gathered], min(g[8] for g in gathered)), comm, backend, ckpt,
-            [g[9] for g in gathered])
+            [g[9] for g in gathered], routes_open=not group.one_rank_per_tensor())
         nodes = list(topo.nodes)
         mine: RankDraft | None = None
         failure: Exception | None = None
