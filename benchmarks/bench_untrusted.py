@@ -10,12 +10,16 @@ tree in a child process of its own (``PYTHONPATH`` = its ``src``), the two trees
 * ``load 100k``: ``tierckpt.load`` of one checkpoint of ``--tensors`` small fp32 tensors (saved once),
   into preallocated tensors, one process;
 * ``reshard N``: ``tierckpt.load`` on ``--ranks`` gloo ranks of a ``Shard(0)`` checkpoint into ``Shard(1)``
-  DTensors (saved once by as many ranks), the slowest rank's time;
+  DTensors (saved once by as many ranks), the slowest rank's time: the ranks' first load of it (after a
+  one-tensor load in the group), where this tree also measures the routes' costs
+  (:mod:`tierckpt.loading.route_costs`, once per process), and a second load of it in the same processes;
 * ``DCP metadata``: decoding a DCP ``.metadata`` of ``--tensors`` tensors (``unpickle_metadata``);
 * ``coverage``: the coverage check alone on the 100k-tensor table and on the resharded one (this tree).
 
 Reports medians (each run in parentheses) and this tree's ratio to the baseline, of the medians and of
-the best runs (on a shared machine the best run is the one least disturbed by others).
+the best runs (on a shared machine the best run is the one least disturbed by others), and beside each the
+CPU seconds the load took (``time.process_time`` around it, every thread of the process; summed over the
+ranks): on a machine shared with other work, wall time counts the waits for a core too.
 """
 
 from __future__ import annotations
@@ -71,24 +75,32 @@ def _reshard_save(rank: int, world: int, uri: str) -> bool:
     return True
 
 
-def _reshard_load(rank: int, world: int, uri: str) -> float:
+def _reshard_load(rank: int, world: int, uri: str, warm: str) -> list[tuple[float, float]]:
+    """``(seconds, CPU seconds)`` of this rank's first and second load of ``uri``, after an untimed load of
+    ``warm`` in the group (the first use's imports)."""
     import torch.distributed as dist
 
     import tierckpt
 
+    tierckpt.load(warm, {"w": torch.zeros(4)})
     state = C.make_state(RESHARD_GIB, shard_dim=1, fill=False)
-    dist.barrier()
-    t0 = time.perf_counter()
-    tierckpt.load(uri, state)
-    dist.barrier()
-    seconds = time.perf_counter() - t0
-    C.check_state(state, RESHARD_GIB)
-    return seconds
+    out = []
+    for _ in range(2):
+        C.reset_state(state)
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        tierckpt.load(uri, state)
+        cpu = time.process_time() - c0
+        dist.barrier()
+        out.append((time.perf_counter() - t0, cpu))
+        C.check_state(state, RESHARD_GIB)
+    return out
 
 
-def child(what: str, root: str, tensors: int, ranks: int) -> dict[str, float]:
-    """One measurement with whichever ``tierckpt`` is first on the path (after a first, untimed load of a
-    one-tensor checkpoint and the DCP imports: the first use's imports are not what is compared)."""
+def child(what: str, root: str, tensors: int, ranks: int) -> dict[str, tuple[float, float]]:
+    """One measurement, ``{case: (seconds, CPU seconds)}``, with whichever ``tierckpt`` is first on the path
+    (after a first, untimed load of a one-tensor checkpoint and the DCP imports: the first use's imports are
+    not what is compared)."""
     import torch.distributed.checkpoint.filesystem  # noqa: F401
 
     import tierckpt
@@ -96,14 +108,16 @@ def child(what: str, root: str, tensors: int, ranks: int) -> dict[str, float]:
     tierckpt.load(os.path.join(root, "warm"), {"w": torch.zeros(4)})
     if what == "load":
         target = _small_state(tensors, fill=False)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         tierckpt.load(os.path.join(root, "small"), target)
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         if not all(float(t[0]) == i for i, t in enumerate(target.values())):
             raise AssertionError("the 100k-tensor load returned other values")
-        return {"seconds": seconds}
+        return {"load": (seconds, cpu)}
     if what == "reshard":
-        return {"seconds": max(C.run_ranks(_reshard_load, ranks, os.path.join(root, "reshard")))}
+        per_rank = C.run_ranks(_reshard_load, ranks, os.path.join(root, "reshard"), os.path.join(root, "warm"))
+        return {case: (max(r[i][0] for r in per_rank), sum(r[i][1] for r in per_rank))
+                for i, case in enumerate(("reshard", "reshard_again"))}
     if what == "dcp_meta":
         try:
             from tierckpt.formats.dcp import unpickle_metadata
@@ -111,9 +125,9 @@ def child(what: str, root: str, tensors: int, ranks: int) -> dict[str, float]:
             from tierckpt.dcp_format import unpickle_metadata  # type: ignore[no-redef]
 
         data = Path(root, "dcp.metadata").read_bytes()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         unpickle_metadata(data, "bench")
-        return {"seconds": time.perf_counter() - t0}
+        return {"dcp_meta": (time.perf_counter() - t0, time.process_time() - c0)}
     raise SystemExit(f"unknown measurement {what!r}")
 
 
@@ -134,13 +148,13 @@ def _coverage_seconds(root: str) -> dict[str, float]:
     return out
 
 
-def _run_child(src: str, what: str, args: argparse.Namespace, root: str) -> float:
+def _run_child(src: str, what: str, args: argparse.Namespace, root: str) -> dict[str, list[float]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, str(HERE.parent)])}
     cmd = [sys.executable, str(HERE), "--child", what, "--root", root, "--tensors", str(args.tensors), "--ranks", str(args.ranks)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode:
         raise RuntimeError(f"{what} with {src} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -166,26 +180,35 @@ def main() -> None:
         tierckpt.save(os.path.join(root, "small"), _small_state(args.tensors, fill=True))
         C.run_ranks(_reshard_save, args.ranks, os.path.join(root, "reshard"))
         Path(root, "dcp.metadata").write_bytes(_dcp_metadata(args.tensors))
-        cases = {"load": f"load {args.tensors:,} tensors", "reshard": f"reshard {args.ranks} ranks, Shard(0) -> Shard(1)",
+        cases = {"load": f"load {args.tensors:,} tensors",
+                 "reshard": f"reshard {args.ranks} ranks, Shard(0) -> Shard(1): first load (this tree: + route probe)",
+                 "reshard_again": f"reshard {args.ranks} ranks: second load, same processes",
                  "dcp_meta": f"DCP .metadata of {args.tensors:,} tensors, decode"}
         times: dict[tuple[str, str], list[float]] = {(c, t): [] for c in cases for t in trees}
+        cpus: dict[tuple[str, str], list[float]] = {(c, t): [] for c in cases for t in trees}
         for r in range(args.repeats):
-            for what in cases:
+            for what in ("load", "reshard", "dcp_meta"):
                 for tree in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-                    times[(what, tree)].append(_run_child(trees[tree], what, args, root))
+                    for case, (seconds, cpu) in _run_child(trees[tree], what, args, root).items():
+                        times[(case, tree)].append(seconds)
+                        cpus[(case, tree)].append(cpu)
         coverage = _coverage_seconds(root)
     finally:
         rmtree(root)
     rows = [[label, f"{median(times[(c, 'baseline')]):.3f} s ({runs(times[(c, 'baseline')])})",
              f"{median(times[(c, 'this tree')]):.3f} s ({runs(times[(c, 'this tree')])})",
              f"{median(times[(c, 'this tree')]) / median(times[(c, 'baseline')]):.2f}",
-             f"{min(times[(c, 'this tree')]) / min(times[(c, 'baseline')]):.2f}"] for c, label in cases.items()]
+             f"{min(times[(c, 'this tree')]) / min(times[(c, 'baseline')]):.2f}",
+             f"{median(cpus[(c, 'baseline')]):.3f} / {median(cpus[(c, 'this tree')]):.3f} s",
+             f"{median(cpus[(c, 'this tree')]) / median(cpus[(c, 'baseline')]):.2f}",
+             f"{min(cpus[(c, 'this tree')]) / min(cpus[(c, 'baseline')]):.2f}"] for c, label in cases.items()]
     body = "\n".join([
         "## Untrusted input: the cost of exact coverage and sealed unpicklers (`benchmarks/bench_untrusted.py`)",
         "",
         f"{machine_info(tempfile_dir())}; {args.repeats} repeats, the trees alternating, medians (runs).",
         "",
-        md_table(["case", "baseline", "this tree", "ratio of medians", "ratio of best runs"], rows),
+        md_table(["case", "baseline", "this tree", "ratio of medians", "ratio of best runs",
+                  "CPU s, baseline / this tree (medians)", "CPU ratio of medians", "CPU ratio of best runs"], rows),
         "",
         f"The coverage check alone (this tree): {coverage['small'] * 1e3:.1f} ms for the {args.tensors:,}-tensor "
         f"table, {coverage['reshard'] * 1e3:.2f} ms for the {args.ranks}-rank resharded one.",

@@ -3,10 +3,12 @@ route reads each byte once per node, the override is checked, and real loads mea
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import replace
 
 import pytest
+import torch
 
 import scenarios_route_costs
 from test_load_planner import check_exact
@@ -18,7 +20,13 @@ from tierckpt.planner.routes import (
     DIRECT, EXCHANGE, NODE, RankRead, choose_route, direct_seconds, exchange_seconds, node_seconds,
     topology, with_costs,
 )
+from tierckpt.loading.generation import _log_routes
 from tierckpt.loading.route_costs import ROUTE_COSTS_ENV, parse_override
+from tierckpt.monitor import Monitor
+from tierckpt.native.metadata import TensorMeta
+from tierckpt.native.regions import Box
+from tierckpt.planner import TargetPiece
+from tierckpt.planner.group_needs import GroupNeeds
 
 MiB = 1 << 20
 TWO_BY_FOUR = ["a"] * 4 + ["b"] * 4
@@ -130,3 +138,75 @@ def test_a_real_load_flips_route_with_the_costs(dist_pool, tmp_path, override, r
     assert sum(r.get(f"units_{route}", 0) for r in ranks) > 0 and all(r.get(f"units_{other}", 0) == 0 for r in ranks)
     tensor_bytes = ranks[0]["tensor_bytes"]
     assert sum(r.get("bytes_read", 0) for r in ranks) == (2 if route == "direct" else 1) * tensor_bytes
+
+
+# -- what a load counts and logs of its plan's routes ------------------------------------------------------
+UNIT_BYTES = 64 * 16 * 4
+"""The bytes of ``ddp_case``'s tensor: what each read of it holds."""
+
+
+@pytest.mark.parametrize("case,nodes,costs,kind,expected", [
+    ("direct", ["n"] * 3, {}, "node_local", {DIRECT: 3 * UNIT_BYTES, NODE: 0, EXCHANGE: 0}),
+    ("exchange", TWO_BY_FOUR, SLOW_STORE, "shared_fs", {DIRECT: 0, NODE: 0, EXCHANGE: UNIT_BYTES}),
+    ("node", TWO_BY_FOUR, {"remote_byte_s": 5e-9, "local_byte_s": 0.1e-9, "request_s": 1e-6, "message_s": 2e-6},
+     "object_store", {DIRECT: 0, NODE: 2 * UNIT_BYTES, EXCHANGE: 0}),
+])
+def test_a_load_counts_and_logs_each_route_of_its_plan(caplog, case, nodes, costs, kind, expected):
+    """Each rank's monitor counts the units it reads and their bytes per route; rank 0 logs the group's plan
+    (or its own) with the bytes of each route, in one line."""
+    _, tensors, pieces, _, needs = ddp_case(len(nodes))
+    topo = with_costs(topology(kind, "gloo", nodes, cores=2), costs, tuple(costs))
+    plan = plan_load(tensors, pieces, needs, chunk_bytes=1024, round_bytes=DEFAULT_ROUND_BYTES, topology=topo)
+    counted: dict[str, float] = {}
+    for rank in range(len(nodes)):
+        monitor = Monitor()
+        with caplog.at_level(logging.INFO, logger="tierckpt"):
+            _log_routes(plan, topo, rank, monitor)
+        for name, value in monitor.counters.items():
+            counted[name] = counted.get(name, 0) + value
+        mine = [u for u in plan.units if u.reader == rank]
+        assert sum(v for k, v in monitor.counters.items() if k.startswith("units_")) == len(mine)
+        assert sum(v for k, v in monitor.counters.items() if k.startswith("bytes_read_")) == sum(u.nbytes for u in mine)
+    assert counted == {f"units_{case}": len(plan.units), f"bytes_read_{case}": expected[case]}  # every unit one route
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("load plan")]
+    assert lines == [f"load plan: {len(plan.units)} units; {expected[DIRECT]} bytes read directly, {expected[NODE]} read "
+                     f"once per node and shared there, {expected[EXCHANGE]} read once and exchanged ({topo.describe()})"]
+    caplog.clear()
+    own = replace(plan, units=tuple(u for u in plan.units if u.reader == 0), rank=0)
+    with caplog.at_level(logging.INFO, logger="tierckpt"):
+        _log_routes(own, topo, 0, Monitor())
+    theirs = {r: sum(u.nbytes for u in own.units if u.route_in(nodes) == r) for r in expected}
+    assert [r.getMessage() for r in caplog.records] == [
+        f"load plan of rank 0: {len(own.units)} units; {theirs[DIRECT]} bytes read directly, {theirs[NODE]} read once "
+        f"per node and shared there, {theirs[EXCHANGE]} read once and exchanged ({topo.describe()})"]
+
+
+# -- no route to choose, nothing measured ----------------------------------------------------------------
+def test_a_load_where_each_tensor_has_one_needing_rank_measures_nothing(tmp_path, monkeypatch):
+    """One rank reads every slab itself whatever the costs: a one-rank load of a checkpoint large enough to
+    measure the store with takes no probe and keeps nothing, and still loads every value."""
+    import tierckpt
+    from tierckpt.loading import route_costs
+
+    state = {"w": torch.arange(256 * 1024, dtype=torch.float32).reshape(256, 1024)}  # a 1 MiB data file
+    tierckpt.save(str(tmp_path / "ckpt"), state)
+    assert max(p.stat().st_size for p in (tmp_path / "ckpt").rglob("*") if p.is_file()) >= route_costs.PROBE_MIN_FILE_BYTES
+    probes: list[int] = []
+    probe = route_costs._probe
+    monkeypatch.setattr(route_costs, "_probe", lambda *args: probes.append(1) or probe(*args))
+    monkeypatch.setattr(route_costs, "_kept", {})
+    monkeypatch.setenv(ROUTE_COSTS_ENV, "")  # the tests' default skips every probe: measure as a job does
+    target = {"w": torch.zeros(256, 1024)}
+    tierckpt.load(str(tmp_path / "ckpt"), target)
+    assert torch.equal(target["w"], state["w"])
+    assert probes == [] and route_costs._kept == {}
+
+
+def test_whether_some_tensor_is_needed_by_several_ranks():
+    tensors = {name: TensorMeta(fqn=name, dtype="float32", shape=(4, 4)) for name in ("a", "b")}
+    whole = Box.full((4, 4))
+    own = [[TargetPiece(fqn="a", region=whole)], [TargetPiece(fqn="b", region=whole)], []]
+    assert GroupNeeds.of(own, tensors).one_rank_per_tensor()
+    halves = [[TargetPiece(fqn="a", region=Box((0, 0), (2, 4)))], [TargetPiece(fqn="a", region=Box((2, 0), (2, 4)))]]
+    assert not GroupNeeds.of(halves, tensors).one_rank_per_tensor()  # its slabs may be read once and exchanged
+    assert GroupNeeds.of([[], []], tensors).one_rank_per_tensor()

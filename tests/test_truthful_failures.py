@@ -22,6 +22,7 @@ from test_faults import empty, make_state, opts
 import tierckpt
 from tierckpt.cli.main import main as cli_main
 from tierckpt.errors import CorruptCheckpointError, StorageError, TransientStorageError
+from tierckpt.saving import cleanup
 
 
 # -- outages are not corruption ------------------------------------------------------------------------
@@ -102,3 +103,43 @@ def test_enospc_while_committing_leaves_nothing_behind(small_tmpfs: Path, extra_
     tierckpt.load(str(root), target)
     assert torch.equal(target["w"], previous["w"])
     assert cli_main(["verify", str(root)]) == 0
+
+
+def test_a_failed_cleanup_leaves_the_save_its_own_error_and_says_what_stays(
+        small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A save fails for its own cause (ENOSPC writing its header); removing its generation then fails too (the
+    file system went read-only). The save raises its own error, naming its cause; the generation it leaves is
+    logged with its cause and what removes it: the next save, once the file system is writable."""
+    from tierckpt.backends.local import LocalBackend
+
+    root = small_tmpfs / "ckpt"
+    previous = {"w": torch.arange(1000, dtype=torch.float32)}
+    tierckpt.save(str(root), previous)
+    committed = (root / "COMMIT").read_text()
+    generation = next(p.name for p in root.iterdir() if p.is_dir())
+    delete_prefix = LocalBackend.delete_prefix
+
+    async def read_only_first(self: LocalBackend, prefix: str) -> None:
+        subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True, capture_output=True, timeout=20)
+        await delete_prefix(self, prefix)
+
+    monkeypatch.setattr(LocalBackend, "delete_prefix", read_only_first)
+    _fill_leaving(small_tmpfs, 64 + 2)  # the data file and the two tables fit, the header does not
+    with caplog.at_level("WARNING", logger="tierckpt"), pytest.raises(StorageError) as info:
+        tierckpt.save(str(root), {"w": torch.ones(PAGE * 64 // 4)})
+    monkeypatch.setattr(LocalBackend, "delete_prefix", delete_prefix)
+    subprocess.run(["mount", "-o", "remount,rw", str(small_tmpfs)], check=True, capture_output=True, timeout=20)
+    assert "No space left" in str(info.value) and "header.json" in str(info.value), info.value
+    left = _leftovers(root, generation)
+    assert left, "the read-only file system removed the generation after all: nothing was tested"
+    failed = left[0].split("/")[0]
+    warnings = [r.getMessage() for r in caplog.records if failed in r.getMessage()]
+    assert len(warnings) == 1 and "Read-only file system" in warnings[0] and "next save" in warnings[0], warnings
+    assert (root / "COMMIT").read_text() == committed
+    target = {"w": torch.zeros(1000)}
+    tierckpt.load(str(root), target)
+    assert torch.equal(target["w"], previous["w"])
+    (small_tmpfs / "filler").unlink()
+    tierckpt.save(str(root), previous)
+    assert cleanup.wait_pending(60) == []
+    assert not (root / failed).exists()  # the next save's sweep removed it

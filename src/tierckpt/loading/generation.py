@@ -42,7 +42,8 @@ from tierckpt.node.host import node_id
 from tierckpt.loading.objects import fetch_objects, wanted_objects
 from tierckpt.planner import LoadPlan, TargetPiece, Topology, topology as route_topology
 from tierckpt.planner.rank_plan import RankDraft, RoundShare, agree_rounds, plan_rank
-from tierckpt.planner.routes import store_kind
+from tierckpt.planner.plan_types import route_finder
+from tierckpt.planner.routes import DIRECT, EXCHANGE, NODE, Route, store_kind
 from tierckpt.loading.read_step import P2P_MIN_BYTES, ReadStep
 from tierckpt.formats.select import read_pieces, reader_of
 from tierckpt.state.adapters import FlatState, flatten_state
@@ -107,7 +108,7 @@ def load_generation(
     with monitor.phase("plan"):
         topo = opts.topology or route_costs.measured_topology(
             _topology(backend, comm, [g[4] for g in gathered], min(g[8] for g in gathered)), comm, backend, ckpt,
-            [g[9] for g in gathered])
+            [g[9] for g in gathered], routes_open=not group.one_rank_per_tensor())
         nodes = list(topo.nodes)
         mine: RankDraft | None = None
         failure: Exception | None = None
@@ -227,18 +228,34 @@ def _cores() -> int:
 
 
 def _log_routes(plan: LoadPlan, topo: Topology, rank: int, monitor: Monitor) -> None:
-    """Count this rank's units and bytes per route in the monitor; log rank 0's plan (the group's, or its own)."""
+    """Count this rank's units and bytes per route in the monitor; log rank 0's plan (the group's, or its own).
+
+    One walk over the units, each unit's route found once (:func:`~tierckpt.planner.plan_types.route_finder`)
+    and the counters added once per route: a plan has a unit per small tensor, and this runs on every load."""
+    route_of = route_finder(topo.nodes)
+    logged = rank == 0
+    units: dict[Route, int] = {DIRECT: 0, NODE: 0, EXCHANGE: 0}
+    read: dict[Route, int] = dict(units)
+    planned: dict[Route, int] = dict(units)  # rank 0's log: the bytes of the plan's units (the group's, or its own)
     for unit in plan.units:
-        if unit.reader == rank:
-            route = unit.route_in(topo.nodes)
-            monitor.count(f"units_{route}")
-            monitor.count(f"bytes_read_{route}", unit.nbytes)
-    if rank == 0:
-        by_route = plan.bytes_by_route(topo.nodes)
+        mine = unit.reader == rank
+        in_log = logged and (plan.rank is None or unit.reader == plan.rank)
+        if mine or in_log:
+            route, nbytes = route_of(unit), unit.nbytes
+            if mine:
+                units[route] += 1
+                read[route] += nbytes
+            if in_log:
+                planned[route] += nbytes
+    for route, count in units.items():
+        if count:
+            monitor.count(f"units_{route}", count)
+            monitor.count(f"bytes_read_{route}", read[route])
+    if logged:
         logger.info(
             "load plan%s: %d units; %d bytes read directly, %d read once per node and shared there, %d read once "
-            "and exchanged (%s)", "" if plan.rank is None else " of rank 0", len(plan.units), by_route["direct"],
-            by_route["node"], by_route["exchange"], topo.describe(),
+            "and exchanged (%s)", "" if plan.rank is None else " of rank 0", len(plan.units), planned[DIRECT],
+            planned[NODE], planned[EXCHANGE], topo.describe(),
         )
 
 

@@ -8,7 +8,9 @@ the constants with what the group measured, in this order:
 1. **Prior**: the constants of the store's kind and the group's backend (:data:`~tierckpt.planner.routes.STORES`,
    :data:`~tierckpt.planner.routes.EXCHANGES`).
 2. **Measured**, the first time a job loads from a kind of store with a given set of nodes (then kept for the
-   process: later loads reuse it and take no probe). A bounded probe, every rank at once:
+   process: later loads reuse it and take no probe) a checkpoint of which some tensor is needed by several
+   ranks (a load where each tensor has one needing rank, as every one-rank load, has no route to choose:
+   each slab is read by that rank, and nothing is measured). A bounded probe, every rank at once:
 
    * the store: each rank reads :data:`PROBE_READ_BYTES` of the checkpoint's largest data file through the
      load's own backend (at its own offset, by the segment read a load uses), all ranks together, then the
@@ -128,13 +130,19 @@ def kept_share(backend: Backend, comm: Comm) -> tuple[str, Any]:
     return override_text(), _kept.get(measure_key(backend, comm))
 
 
-def measured_topology(prior: Topology, comm: Comm, backend: Backend, ckpt: Checkpoint, shares: Sequence[Any]) -> Topology:
+def measured_topology(prior: Topology, comm: Comm, backend: Backend, ckpt: Checkpoint, shares: Sequence[Any],
+                      *, routes_open: bool = True) -> Topology:
     """``prior`` with the costs measured for this job (kept, or probed now on every rank) and the override
-    over them; ``shares``: every rank's :func:`kept_share`. Every rank returns the same."""
+    over them; ``shares``: every rank's :func:`kept_share`. Every rank returns the same.
+
+    ``routes_open``: whether some slab of this load has a route to choose (some tensor is needed by several
+    ranks, :meth:`~tierckpt.planner.group_needs.GroupNeeds.one_rank_per_tensor`, the same on every rank).
+    Without one every slab is read by the rank that needs it whatever the costs: nothing is probed (a
+    one-rank load, ranks that each load their own tensors) and the next load that has a choice measures."""
     check_same_on_every_rank(f"${ROUTE_COSTS_ENV}", [s[0] for s in shares], "choosing the load routes")
     skip, override = parse_override(shares[0][0])
     topo = prior
-    if not skip:
+    if not skip and routes_open:
         kept = [s[1] for s in shares]
         if kept[0] is not None and all(k == kept[0] for k in kept) and tuple(kept[0][0]) == prior.nodes:
             costs = dict(kept[0][1])

@@ -36,8 +36,12 @@ def check_exact_coverage(tensors: Mapping[str, TensorMeta], pieces: Mapping[str,
     hold each of its elements exactly once."""
     for fqn, listed in pieces.items():
         shape = tensors[fqn].shape
-        if len(listed) == 1 and _whole(listed[0].region, shape):
-            continue
+        if len(listed) == 1:
+            # A tensor saved whole, one box holding all of it: the common case, tested inline (on every load,
+            # once per tensor: a call per tensor was a third of the check on 100,000 small tensors).
+            region = listed[0].region
+            if type(region) is Box and region.lengths == shape and not any(region.offsets) or _whole(region, shape):
+                continue
         _check_tensor(fqn, shape, listed, uri)
 
 

@@ -130,6 +130,11 @@ class GroupNeeds:
         """The positions of the tensors some rank needs, ascending."""
         return np.flatnonzero((self.classes >= 0).any(axis=1)).tolist()
 
+    def one_rank_per_tensor(self) -> bool:
+        """Whether no tensor is needed by more than one rank: every slab is then read by the one rank that
+        needs it, whatever the routes cost (:func:`~.routes.choose_route`)."""
+        return int((self.classes >= 0).sum(axis=1).max(initial=0)) <= 1
+
     def digest(self, position: int) -> bytes | tuple[str, int]:
         """The classes of the tensor at ``position`` on every rank: equal for two tensors of one shape exactly
         when every rank needs the same region of both (or neither); a tensor some rank needs several regions

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,11 +62,23 @@ class ReadUnit:
 
     def route_in(self, nodes: Sequence[str]) -> Route:
         """:attr:`route`, with ``node`` for a unit delivering to other ranks of its reader's node only,
-        on a group of several nodes (``nodes``: each rank's node)."""
-        route = self.route
-        if route == EXCHANGE and len(set(nodes)) > 1 and all(nodes[d.rank] == nodes[self.reader] for d in self.deliveries):
+        on a group of several nodes (``nodes``: each rank's node). For many units, :func:`route_finder`."""
+        return route_finder(nodes)(self)
+
+
+def route_finder(nodes: Sequence[str]) -> Callable[[ReadUnit], Route]:
+    """:meth:`ReadUnit.route_in` for the units of one group (``nodes``: each rank's node), the nodes looked
+    at once: a load's plan has a unit per tensor or chunk, up to hundreds of thousands."""
+    if len(set(nodes)) <= 1:
+        return lambda unit: unit.route
+
+    def route_of(unit: ReadUnit) -> Route:
+        route = unit.route
+        if route == EXCHANGE and all(nodes[d.rank] == nodes[unit.reader] for d in unit.deliveries):
             return NODE
         return route
+
+    return route_of
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,9 +119,10 @@ class LoadPlan:
         """Bytes read by the units of each route (by :attr:`rank`'s units, in a rank's plan); with ``nodes``
         (each rank's node), units shared within their reader's node count as ``node``."""
         out: dict[Route, int] = {DIRECT: 0, NODE: 0, EXCHANGE: 0}
+        route_of = route_finder(nodes)
         for u in self.units:
             if self.rank is None or u.reader == self.rank:
-                out[u.route_in(nodes) if nodes else u.route] += u.nbytes
+                out[route_of(u)] += u.nbytes
         return out
 
 

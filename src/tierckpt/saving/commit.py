@@ -136,11 +136,13 @@ def _commit_gathered(p: _Prepared, gathered: Any, world_size: int) -> tuple[tupl
 def _committed_meanwhile(p: _Prepared) -> str | None:
     """Rank 0, after a failed save: the generation another job committed since this save read its base
     (``None``: none, or it cannot tell). Its sweep removes this save's generation (it can never commit over
-    the newer record), so a save that lost the race may fail writing its own files first."""
+    the newer record), so a save that lost the race may fail writing its own files first. Never raises:
+    the save's own error is what its caller gets."""
     base = p.base.result() if p.base is not None else None
     try:
         current = get_scheduler().run(_read_commit(p.backend))
-    except CheckpointError:
+    except Exception as exc:  # noqa: BLE001 - cannot tell; the save's own error stands
+        log.debug("could not read COMMIT of %s after its failed save: %s", p.uri, describe_error(exc))
         return None
     if current is None or current == base:
         return None
@@ -160,23 +162,35 @@ def _busy_message(p: _Prepared, winner: str | None, detail: str = "") -> str:
 
 
 def _discard_uncommitted(p: _Prepared) -> None:
-    """After a failed commit step (a full disk, an outage): remove the generation unless COMMIT names it."""
+    """After a failed commit step (a full disk, an outage): remove the generation unless COMMIT names it.
+    Never raises (see :func:`_discard_generation`)."""
     try:
         current = get_scheduler().run(_read_commit(p.backend))
         committed = None if current is None else layout.CommitRecord.decode(current).generation
-    except CheckpointError:
-        return  # cannot tell: leave it to `tierckpt gc`, which never removes what COMMIT names
+    except Exception as exc:  # noqa: BLE001 - cannot tell: `tierckpt gc` never removes what COMMIT names
+        _left_behind(p, exc)
+        return
     if committed != p.generation:
         _discard_generation(p)
 
 
-
 def _discard_generation(p: _Prepared) -> None:
-    """Rank 0, after a failed save: remove what the ranks wrote (every rank has reported, none still writes)."""
+    """Rank 0, after a failed save: remove what the ranks wrote (every rank has reported, none still writes).
+
+    Never raises: the save's own error is what its caller gets (a failure here raised instead would name
+    the wrong cause, and rank 0 would leave before sharing the outcome the other ranks wait for). What
+    stays is logged: an uncommitted generation is invisible to loads, and the next save's sweep
+    (:mod:`tierckpt.saving.cleanup`) or ``tierckpt gc`` removes it."""
     try:
         get_scheduler().run(p.backend.delete_prefix(f"{p.generation}/"))
-    except CheckpointError:
-        pass  # an uncommitted generation is invisible to loads, and `tierckpt gc` removes leftovers
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        _left_behind(p, exc)
+
+
+def _left_behind(p: _Prepared, exc: BaseException) -> None:
+    """Log that the failed save's generation could not be removed, and why."""
+    log.warning("the failed save's generation %s of %s was not removed (%s); loads never read it, and the next "
+                "save to %s removes it", p.generation, p.uri, describe_error(exc), p.uri)
 
 
 async def _read_commit(backend: Backend, offline_ok: bool = False) -> bytes | None:
@@ -219,7 +233,7 @@ def _commit(p: _Prepared, meta: CheckpointMeta, pieces: list[PieceMeta]) -> None
     except CheckpointBusyError as exc:
         current = sched.run(_read_commit(backend))
         if current != record:  # not a retried request whose first attempt landed: another job won
-            sched.run(backend.delete_prefix(f"{gen}/"))
+            _discard_generation(p)
             if current == base:  # refused, yet nobody committed: the store does not compare as it must
                 raise _refused_unchanged(p, base, exc) from exc
             winner = layout.CommitRecord.decode(current).generation if current else None
