@@ -40,7 +40,38 @@ def measured_load(path: str, override: str) -> dict:
                 os.environ.pop(key, None)
                 if value is not None:
                     os.environ[key] = value
-        (_, costs), = route_costs._kept.values()
+        (_, costs, _), = route_costs._kept.values()
         result = {**monitor.counters, "costs": costs, "probes": len(probes), "tensor_bytes": w.nbytes}
+    dist.barrier()
+    return result
+
+
+def growing_loads(root: str) -> dict:
+    """Two ranks, each its own simulated node, load (replicated) a 2 MiB checkpoint, then a 32 MiB one
+    twice, then the small one again, with measured costs; returns the read-probe bytes of each probe taken."""
+    group = subgroup(2)
+    result: dict = {}
+    if group is not None:
+        sizes = {"small": 512 * 1024, "large": 8192 * 1024}
+        for name, n in sizes.items():
+            tierckpt.save(os.path.join(root, name), {"w": torch.arange(n, dtype=torch.float32)}, group=group)
+        saved_env = {k: os.environ.get(k) for k in (NODE_ID_ENV, route_costs.ROUTE_COSTS_ENV)}
+        os.environ[NODE_ID_ENV] = f"node-{dist.get_rank(group)}"
+        os.environ.pop(route_costs.ROUTE_COSTS_ENV, None)
+        route_costs._kept.clear()
+        probe, probed = route_costs._probe, []
+        route_costs._probe = lambda *args: probed.append(args[-1]) or probe(*args)
+        try:
+            for name in ("small", "large", "large", "small"):
+                target = torch.zeros(sizes[name])
+                tierckpt.load(os.path.join(root, name), {"w": target}, group=group)
+                assert torch.equal(target, torch.arange(sizes[name], dtype=torch.float32))
+        finally:
+            route_costs._probe = probe
+            for key, value in saved_env.items():
+                os.environ.pop(key, None)
+                if value is not None:
+                    os.environ[key] = value
+        result = {"probed": probed}
     dist.barrier()
     return result
