@@ -158,3 +158,38 @@ def test_a_rank_copies_its_snapshot_while_the_group_agrees(dist_pool, tmp_path):
         assert while_agreeing == [0, 1, 1, int(rank != 1), 1], (rank, counters[rank])
         assert taken_again == [0, 0, 0, int(rank != 1), 0], (rank, counters[rank])
         assert cache_hits == [0, 1, 1, 0, 1], (rank, counters[rank])
+
+
+def test_a_snapshot_that_cannot_be_given_up_neither_hides_the_failure_nor_holds_the_staging_buffer(
+        tmp_path, monkeypatch, caplog) -> None:
+    """An async save whose agreement fails while its snapshot was copied (the plan of the previous save):
+    giving the snapshot up fails too. The save raises its own error, the failed release is logged, and the
+    staging buffer is free for the next save (which would otherwise wait for it forever)."""
+    import threading
+
+    from tierckpt.errors import CheckpointError
+    from tierckpt.saving import api as saver
+    from tierckpt.saving.snapshot import Snapshot
+
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    tierckpt.async_save(str(tmp_path / "a"), state).wait()  # the plan the next save's snapshot is copied under
+
+    def agreement_fails(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise CheckpointError("the group could not agree (injected)")
+
+    def release_fails(self) -> None:  # type: ignore[no-untyped-def]
+        raise OSError("the snapshot's memory could not be given up (injected)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(saver, "_agree", agreement_fails)
+        patch.setattr(Snapshot, "release", release_fails)
+        with caplog.at_level("WARNING", logger="tierckpt"), pytest.raises(CheckpointError, match="could not agree"):
+            tierckpt.async_save(str(tmp_path / "b"), state)
+    assert "was not given up" in caplog.text and "injected" in caplog.text
+    done: list[object] = []
+    saving = threading.Thread(target=lambda: done.append(tierckpt.async_save(str(tmp_path / "c"), state).wait()),
+                              daemon=True)
+    saving.start()
+    saving.join(60)
+    assert done, "the next save waited for the staging buffer the failed save kept"
+    assert torch.equal(tierckpt.load(str(tmp_path / "c"), {"w": torch.zeros(4096)})["w"], state["w"])

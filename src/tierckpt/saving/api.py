@@ -38,6 +38,7 @@ waited — by the next save. What outlives one save, and the exit drain, are :mo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar, cast
 
@@ -58,6 +59,8 @@ from tierckpt.saving.snapshot import OpenStream, Snapshot, take_snapshot
 from tierckpt.saving.process import _PROCESS
 from tierckpt.io.staging import FileStream
 from tierckpt.saving.stream import _stream_direct, _stream_staged
+
+log = logging.getLogger("tierckpt")
 
 __all__ = ["IF_BUSY", "LEVELS", "SaveHandle", "async_save", "save"]
 
@@ -189,9 +192,14 @@ def _snapshot_while_agreeing(
         else:
             p = agree()
     except BaseException:
-        if snapshot is not None:
-            snapshot.release()
-        _PROCESS.staging_lock.release()
+        try:
+            if snapshot is not None:
+                snapshot.release()  # a failure to give it up is logged: the save's own error is what is raised
+        except Exception as exc:  # noqa: BLE001 - see the comment
+            log.warning("rank %d: the snapshot of the failed save to %s was not given up: %s",
+                        local.comm.rank, local.uri, exc)
+        finally:
+            _PROCESS.staging_lock.release()  # the next save must not wait for a lock nobody holds
         raise
     try:
         if copy_error is not None:
