@@ -57,6 +57,23 @@ class TestS3Backend(BackendContract):
             assert etag.endswith(suffix)  # a multipart ETag: three full parts and the tail
         assert self._uploads(backend) == []
 
+    @pytest.mark.parametrize("parts", [1, 3])
+    async def test_writer_keeps_its_own_copy_of_every_write(self, backend: S3Backend, parts: int) -> None:
+        """The caller may refill its buffer as soon as ``write`` returns, while the part holding the bytes is
+        still in flight or held back for the single PUT: the object is what was written, not what the
+        buffer held later."""
+        buffer = bytearray(LARGE_CHUNK)
+        expected = bytearray()
+        writer = await backend.open_writer("big/reused")
+        for i in range(parts * backend.part_size // LARGE_CHUNK + 1):
+            buffer[:] = bytes([i % 251]) * LARGE_CHUNK
+            await writer.write(memoryview(buffer)[: LARGE_CHUNK - i])  # sizes that do not divide a part
+            expected += buffer[: LARGE_CHUNK - i]
+        buffer[:] = b"\xff" * LARGE_CHUNK
+        await writer.close()
+        assert await backend.get("big/reused") == expected
+        assert self._uploads(backend) == []
+
     def test_works_from_the_scheduler_thread(self, backend: S3Backend) -> None:
         scheduler = get_scheduler()
         scheduler.run(backend.put("k", b"from another loop"))
