@@ -14,6 +14,7 @@ from tierckpt.backends import S3Backend, open_plain_backend
 from tierckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    OversizedFileError,
     StoragePermissionError,
     TransientStorageError,
 )
@@ -73,6 +74,19 @@ class TestS3Backend(BackendContract):
         await writer.close()
         assert await backend.get("big/reused") == expected
         assert self._uploads(backend) == []
+
+    async def test_get_capped_is_one_request_and_leaves_an_oversized_body_unread(self, backend: S3Backend) -> None:
+        await backend.put("small", b"0123456789")
+        await backend.put("large", b"x" * (1 << 20))
+        sent: list[str] = []
+        backend.fs.s3.meta.events.register("before-send.s3", lambda request, **_: sent.append(request.method))
+        assert await backend.get_capped("small", 10) == b"0123456789"
+        assert sent == ["GET"]  # no HEAD for the size first
+        with pytest.raises(OversizedFileError, match="large holds 1048576 bytes, more than such a file can [(]4096[)]"):
+            await backend.get_capped("large", 4096)
+        with pytest.raises(CheckpointNotFoundError):
+            await backend.get_capped("missing", 4096)
+        assert sent == ["GET", "GET", "GET"]
 
     def test_works_from_the_scheduler_thread(self, backend: S3Backend) -> None:
         scheduler = get_scheduler()

@@ -40,9 +40,16 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from tierckpt.errors import CheckpointBusyError, CheckpointNotFoundError, StorageError, UnsupportedURIError
+from tierckpt.errors import (
+    CheckpointBusyError,
+    CheckpointNotFoundError,
+    StorageError,
+    TransientStorageError,
+    UnsupportedURIError,
+)
 from tierckpt.backends.retry import retry_transient
 from tierckpt.backends.base import UNCONDITIONAL, Backend, ObjectWriter, Unconditional
+from tierckpt.backends.bounded import oversized
 from tierckpt.backends.commit_check import commit_refused
 from tierckpt.backends.fsspec_backend import FsspecBackend, response_error
 
@@ -305,6 +312,25 @@ class S3Backend(FsspecBackend):
     async def get(self, key: str) -> bytes:
         what = f"read {self.uri_of(key)}"
         return await self._call(what, "cat_file", self._path(key), **_one_get(type(self.fs)))
+
+    async def get_capped(self, key: str, cap: int) -> bytes:
+        """:meth:`get` in one request (not a HEAD for the size, then the GET): the response's length is known
+        before its body is read, and a body over ``cap`` is left unread."""
+        bucket, _, obj = self._path(key).partition("/")
+        uri = self.uri_of(key)
+
+        async def fetch() -> tuple[int, bytes | None]:
+            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=obj)
+            async with response["Body"] as stream:
+                size = int(response["ContentLength"])
+                return size, (await stream.read() if size <= cap else None)
+
+        size, data = await self._on_fs_loop(f"read {uri}", fetch)
+        if data is None:
+            raise oversized(uri, size, cap)
+        if len(data) != size:
+            raise TransientStorageError(f"read {uri}: the response ended after {len(data)} of its {size} bytes")
+        return data
 
     async def commit(
         self, key: str, data: bytes | memoryview, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
