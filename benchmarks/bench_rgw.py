@@ -90,6 +90,8 @@ def rgw_ranks(rank: int, world: int, mode: str, gib: float, repeats: int, uris: 
     import s3fs
     import torch.distributed as dist
 
+    import tierckpt
+
     fs = s3fs.S3FileSystem(endpoint_url=opts["endpoint_url"], key=opts["key"], secret=opts["secret"],
                            skip_instance_cache=True)
     raw_path = f"{BUCKET}/raw-{world}/rank-{rank:05d}"
@@ -97,16 +99,16 @@ def rgw_ranks(rank: int, world: int, mode: str, gib: float, repeats: int, uris: 
     share = C.state_bytes(gib) // world
     data = os.urandom(share) if mode == "save" else b""
 
-    def once(kind: str) -> None:
+    def once(kind: str, monitor: Any = None) -> None:
         if kind == "raw":
             if mode == "save":
                 fs.pipe_file(raw_path, data)
             elif len(fs.cat_file(raw_path)) != share:
                 raise RuntimeError(f"rank {rank}: the raw GET returned another size than its PUT")
         elif mode == "save":
-            C.do_save(kind, uris[kind], opts, state, None)
+            C.do_save(kind, uris[kind], opts, state, monitor)
         else:
-            C.do_load(kind, uris[kind], opts, state, None)
+            C.do_load(kind, uris[kind], opts, state, monitor)
 
     out: list[dict[str, Any]] = []
     if mode == "save":
@@ -131,16 +133,17 @@ def rgw_ranks(rank: int, world: int, mode: str, gib: float, repeats: int, uris: 
             dist.barrier()
             if rank == 0:
                 watch.start()
+            monitor = tierckpt.Monitor()
             cpu0, t0 = os.times(), time.perf_counter()
-            once(kind)
+            once(kind, monitor)
             cpu1 = os.times()
             dist.barrier()
             seconds = time.perf_counter() - t0
             server = watch.stop() if rank == 0 else None
             if mode == "load" and kind != "raw":
                 C.check_state(state, gib)
-            out.append({"repeat": r, "kind": kind, "seconds": seconds, "server": server,
-                        "cpu": cpu1.user - cpu0.user + cpu1.system - cpu0.system})
+            out.append({"repeat": r, "kind": kind, "seconds": seconds, "server": server, "lib": kind,
+                        "cpu": cpu1.user - cpu0.user + cpu1.system - cpu0.system, "monitor": dict(monitor.seconds)})
     return out
 
 
@@ -165,14 +168,16 @@ def _rows(world: int, mode: str, per_rank: list[list[dict[str, Any]]], nbytes: i
         idx = [i for i in timed if per_rank[0][i]["kind"] == kind]
         watched = [per_rank[0][i]["server"] for i in idx]
         methods = sorted({m for w in watched for m in w["requests"]})
-        requests = ", ".join(f"{m} {C.median([w['requests'].get(m, 0) for w in watched]):.0f}" for m in methods)
+        counts = {m: C.median([w["requests"].get(m, 0) for w in watched]) for m in methods}
+        requests = ", ".join(f"{m} {n:.0f}" for m, n in counts.items() if n)
         ranks_cpu = C.median([sum(rr[i]["cpu"] for rr in per_rank) for i in idx])
         daemons = C.median([sum(w["daemon_cpu"].values()) for w in watched])
         rgw = C.median([w["daemon_cpu"]["radosgw"] for w in watched])
         busy = C.median([w["busy"] for w in watched])
         server_rows.append([what, kind, requests, f"{ranks_cpu:.2f}", f"{daemons:.2f} ({rgw:.2f})",
                             f"{C.median(secs[kind]):.2f}", f"{busy:.0%}"])
-    return row, server_rows
+    phases = C.phases([[rec for rec in rr if rec["repeat"] >= 0] for rr in per_rank])
+    return row, server_rows, f"{what}: {phases}"
 
 
 def main() -> None:
@@ -188,7 +193,7 @@ def main() -> None:
     from radosgw import RadosGateway
 
     nbytes = C.state_bytes(args.gib)
-    rows, server_rows = [], []
+    rows, server_rows, phases = [], [], []
     started = time.perf_counter()
     with RadosGateway() as gateway:
         endpoint = gateway.endpoint
@@ -208,11 +213,12 @@ def main() -> None:
             t = time.perf_counter()
             for mode in ("save", "load"):
                 per_rank = C.run_ranks(rgw_ranks, world, mode, args.gib, args.repeats, uris, opts, watch)
-                row, more = _rows(world, mode, per_rank, nbytes)
+                row, more, phase = _rows(world, mode, per_rank, nbytes)
                 rows.append(row)
+                phases.append(phase)
                 server_rows += more
                 print(C.md_table(["", "kind", "requests", "ranks CPU s", "daemons CPU s (radosgw)", "s", "busy"],
-                                 more), flush=True)
+                                 more), phase, sep="\n", flush=True)
             print(f"{world} ranks done ({time.perf_counter() - t:.0f}s)", flush=True)
     table = C.md_table(["operation", "tierckpt s", "DCP s", "raw s3fs PUT/GET s", "GiB/s tierckpt / DCP / raw",
                         "tierckpt / raw (raw s / tierckpt s)", "DCP / raw", "tierckpt vs DCP",
@@ -235,6 +241,8 @@ def main() -> None:
         "Per timed operation (medians over the rounds): the requests radosgw logged, the CPU seconds of the ranks "
         "and of the Ceph daemons, and the share of the machine's cores busy meanwhile (everything running on it).",
         server,
+        "tierckpt's phases (`Monitor`; median over the rounds of the slowest rank): "
+        + "; ".join(f"{p}" for p in phases) + ".",
     ])
     C.publish(body, args.out, "bench_rgw")
 
