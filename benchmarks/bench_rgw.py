@@ -29,6 +29,7 @@ import collections
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -227,7 +228,7 @@ def main() -> None:
                          "CPU s, Ceph daemons (radosgw)", "seconds", "machine's cores busy"], server_rows)
     body = "\n\n".join([
         "## S3 on a real server (Ceph radosgw): tierckpt vs DCP vs raw s3fs (`benchmarks/bench_rgw.py`)",
-        C.machine_info(os.getcwd()),
+        C.machine_info(tempfile.gettempdir()),  # the OSD's file is in the cluster's temporary folder
         f"State: {C.N_TENSORS} fp32 matrices of {C.shapes(args.gib)['w0']} = {C.fmt_bytes(nbytes)}, saved `Shard(0)` "
         f"and loaded `Shard(1)` on the same gloo ranks; {args.repeats} rounds, each timing tierckpt, DCP and the raw "
         f"client in turn (rotating order); seconds are rank 0's barrier to barrier: median (min-max); every library "
