@@ -14,6 +14,7 @@ from tierckpt.backends import S3Backend, open_plain_backend
 from tierckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    OversizedFileError,
     StoragePermissionError,
     TransientStorageError,
 )
@@ -56,6 +57,36 @@ class TestS3Backend(BackendContract):
         else:
             assert etag.endswith(suffix)  # a multipart ETag: three full parts and the tail
         assert self._uploads(backend) == []
+
+    @pytest.mark.parametrize("parts", [1, 3])
+    async def test_writer_keeps_its_own_copy_of_every_write(self, backend: S3Backend, parts: int) -> None:
+        """The caller may refill its buffer as soon as ``write`` returns, while the part holding the bytes is
+        still in flight or held back for the single PUT: the object is what was written, not what the
+        buffer held later."""
+        buffer = bytearray(LARGE_CHUNK)
+        expected = bytearray()
+        writer = await backend.open_writer("big/reused")
+        for i in range(parts * backend.part_size // LARGE_CHUNK + 1):
+            buffer[:] = bytes([i % 251]) * LARGE_CHUNK
+            await writer.write(memoryview(buffer)[: LARGE_CHUNK - i])  # sizes that do not divide a part
+            expected += buffer[: LARGE_CHUNK - i]
+        buffer[:] = b"\xff" * LARGE_CHUNK
+        await writer.close()
+        assert await backend.get("big/reused") == expected
+        assert self._uploads(backend) == []
+
+    async def test_get_capped_is_one_request_and_leaves_an_oversized_body_unread(self, backend: S3Backend) -> None:
+        await backend.put("small", b"0123456789")
+        await backend.put("large", b"x" * (1 << 20))
+        sent: list[str] = []
+        backend.fs.s3.meta.events.register("before-send.s3", lambda request, **_: sent.append(request.method))
+        assert await backend.get_capped("small", 10) == b"0123456789"
+        assert sent == ["GET"]  # no HEAD for the size first
+        with pytest.raises(OversizedFileError, match="large holds 1048576 bytes, more than such a file can [(]4096[)]"):
+            await backend.get_capped("large", 4096)
+        with pytest.raises(CheckpointNotFoundError):
+            await backend.get_capped("missing", 4096)
+        assert sent == ["GET", "GET", "GET"]
 
     def test_works_from_the_scheduler_thread(self, backend: S3Backend) -> None:
         scheduler = get_scheduler()

@@ -40,9 +40,16 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from tierckpt.errors import CheckpointBusyError, CheckpointNotFoundError, StorageError, UnsupportedURIError
+from tierckpt.errors import (
+    CheckpointBusyError,
+    CheckpointNotFoundError,
+    StorageError,
+    TransientStorageError,
+    UnsupportedURIError,
+)
 from tierckpt.backends.retry import retry_transient
 from tierckpt.backends.base import UNCONDITIONAL, Backend, ObjectWriter, Unconditional
+from tierckpt.backends.bounded import oversized
 from tierckpt.backends.commit_check import commit_refused
 from tierckpt.backends.fsspec_backend import FsspecBackend, response_error
 
@@ -73,13 +80,20 @@ class _MultipartWriter(ObjectWriter):
     Part sizes start at ``part_size`` and double every 2,000 parts so an object of any size fits in
     S3's 10,000-part limit. A failure inside ``write`` or ``close`` leaves the writer to be aborted
     by its owner (``close`` aborts the upload itself when completing fails).
+
+    Each byte is copied once, into the ``bytearray`` of its part (the caller may reuse its memory as soon
+    as ``write`` returns, while the part is still in flight), and that ``bytearray`` is the request's body:
+    botocore signs, checksums and sends a ``bytearray`` as it is, where a ``bytes`` body is wrapped in a
+    file object that its checksums read back in copied blocks and aiohttp copies whole once more.
     """
 
     def __init__(self, backend: S3Backend, key: str) -> None:
         self._backend = backend
         self._uri = backend.uri_of(key)
         self._bucket, _, self._key = backend._path(key).partition("/")
-        self._buf = bytearray()
+        self._part = bytearray()
+        self._held: list[bytearray] = []
+        """Full parts kept back while the object may still go up as one PUT (at most two)."""
         self._upload_id: str | None = None
         self._next_part = 1
         self._parts: list[dict[str, Any]] = []
@@ -95,20 +109,34 @@ class _MultipartWriter(ObjectWriter):
         )
 
     def _part_size(self) -> int:
-        return self._backend.part_size * 2 ** ((self._next_part - 1) // 2000)
+        """The size of the part being filled: its number is the next to send plus the parts held back."""
+        number = self._next_part + len(self._held)
+        return self._backend.part_size * 2 ** ((number - 1) // 2000)
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
-        self._buf += memoryview(data).cast("B")
-        if self._upload_id is None and len(self._buf) <= 2 * self._backend.part_size:
-            return  # may still go up as one PUT at close
-        while len(self._buf) >= self._part_size():
+        view = memoryview(data).cast("B")
+        while view:
             size = self._part_size()
-            chunk = bytes(self._buf[:size])
-            del self._buf[:size]
-            await self._send_part(chunk)
+            taken = size - len(self._part)
+            self._part += view[:taken]  # grown in place: no zero fill of a preallocated part
+            view = view[taken:]
+            if len(self._part) == size:
+                self._held.append(self._part)
+                self._part = bytearray()
+            if self._held and (self._upload_id is not None or not self._one_put()):
+                await self._send_held()
 
-    async def _send_part(self, chunk: bytes) -> None:
+    def _one_put(self) -> bool:
+        """Whether everything written so far still goes up as one PUT (at most ``2 * part_size`` bytes)."""
+        return sum(map(len, self._held)) + len(self._part) <= 2 * self._backend.part_size
+
+    async def _send_held(self) -> None:
+        held, self._held = self._held, []
+        for part in held:
+            await self._send_part(part)
+
+    async def _send_part(self, chunk: bytearray) -> None:
         if self._upload_id is None:
             response = await self._s3("start multipart upload of", "create_multipart_upload")
             self._upload_id = response["UploadId"]
@@ -118,7 +146,7 @@ class _MultipartWriter(ObjectWriter):
         self._next_part += 1
         self._in_flight.add(asyncio.ensure_future(self._upload_part(number, chunk)))
 
-    async def _upload_part(self, number: int, chunk: bytes) -> None:
+    async def _upload_part(self, number: int, chunk: bytearray) -> None:
         response = await self._s3(
             f"upload part {number} of",
             "upload_part",
@@ -137,11 +165,14 @@ class _MultipartWriter(ObjectWriter):
     async def close(self) -> None:
         self._check_open()
         try:
-            if self._upload_id is None:
-                await self._s3("write", "put_object", Body=bytes(self._buf))
+            if self._upload_id is None and self._one_put():
+                # One PUT saves the two requests that start and complete an upload.
+                body = bytearray().join([*self._held, self._part]) if self._held else self._part
+                await self._s3("write", "put_object", Body=body)
             else:
-                if self._buf:
-                    await self._send_part(bytes(self._buf))
+                await self._send_held()
+                if self._part:
+                    await self._send_part(self._part)
                 while self._in_flight:
                     await self._wait_for_one()
                 parts = sorted(self._parts, key=lambda p: p["PartNumber"])
@@ -156,13 +187,16 @@ class _MultipartWriter(ObjectWriter):
             await self.abort()
             raise
         self._done = True
-        self._buf = bytearray()
+        self._release_buffers()
+
+    def _release_buffers(self) -> None:
+        self._part, self._held = bytearray(), []
 
     async def abort(self) -> None:
         if self._done:
             return
         self._done = True
-        self._buf = bytearray()
+        self._release_buffers()
         for task in self._in_flight:
             task.cancel()
         await asyncio.gather(*self._in_flight, return_exceptions=True)
@@ -278,6 +312,25 @@ class S3Backend(FsspecBackend):
     async def get(self, key: str) -> bytes:
         what = f"read {self.uri_of(key)}"
         return await self._call(what, "cat_file", self._path(key), **_one_get(type(self.fs)))
+
+    async def get_capped(self, key: str, cap: int) -> bytes:
+        """:meth:`get` in one request (not a HEAD for the size, then the GET): the response's length is known
+        before its body is read, and a body over ``cap`` is left unread."""
+        bucket, _, obj = self._path(key).partition("/")
+        uri = self.uri_of(key)
+
+        async def fetch() -> tuple[int, bytes | None]:
+            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=obj)
+            async with response["Body"] as stream:
+                size = int(response["ContentLength"])
+                return size, (await stream.read() if size <= cap else None)
+
+        size, data = await self._on_fs_loop(f"read {uri}", fetch)
+        if data is None:
+            raise oversized(uri, size, cap)
+        if len(data) != size:
+            raise TransientStorageError(f"read {uri}: the response ended after {len(data)} of its {size} bytes")
+        return data
 
     async def commit(
         self, key: str, data: bytes | memoryview, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
