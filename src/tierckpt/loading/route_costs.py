@@ -14,8 +14,10 @@ the constants with what the group measured, in this order:
 
    * the store: each rank reads :func:`probe_read_bytes` of the checkpoint's largest data file through the
      load's own backend (at its own offset, by the segment read a load uses), all ranks together, then the
-     same bytes again and an eighth of them again (each twice, the faster counts), then :data:`PROBE_RUNS`
-     runs of :data:`PROBE_SMALL_BYTES` spread over them in one call (three times, the fastest counts). Each
+     same bytes again and an eighth of them again (each twice, the faster counts; only where the store's
+     repeats are node copies), then :data:`PROBE_RUNS` runs of :data:`PROBE_SMALL_BYTES` spread over them in
+     one call (three times, the fastest counts; :data:`PROBE_REMOTE_RUNS` once on a store that is not a local
+     path). Each
      node's bytes over its slowest rank's seconds give ``byte_s`` (the node's link), the group's bytes over
      the slowest rank's give ``group_byte_s`` (where the store has a group share), the repeats give
      ``cached_byte_s`` (where repeats come from the node's page cache) as the slope between the two sizes — a
@@ -82,6 +84,10 @@ PROBE_RUNS = 256
 """Runs in the per-request probe: a column window of 256 rows, so that a call's own cost is shared as a
 strided read shares it (with 32 runs, the call's hop through the I/O loop made up most of a run's cost on the
 busy 2-core VM: 70-180 us a run, where a load's strided runs cost a few)."""
+PROBE_REMOTE_RUNS = 32
+"""Runs in the per-request probe of a store that is not a local path (an object store: each run a ranged
+request, whose round trip is the cost, no hop to amortise), taken once: 768 ranged GETs made the first load
+from radosgw on the 2-core VM take 7 s longer."""
 PROBE_MIN_FILE_BYTES = 256 << 10
 """Below this a data file says too little about bytes/s: the store's costs keep the prior."""
 PROBE_SEND_BYTES = 1 << 20
@@ -190,15 +196,21 @@ def _probe(prior: Topology, comm: Comm, backend: Backend, ckpt: Checkpoint, read
         start = (comm.rank * nbytes) % (size - nbytes + 1) // 4096 * 4096
         # Each step ends in the all-gather that agrees on it: the next one starts on every rank together.
         _, first = comm.exchange_agreed(lambda: (None, _timed_read(backend, path, start, nbytes)), "measuring the store")
-        runs = [start + k * (nbytes // PROBE_RUNS) for k in range(PROBE_RUNS)]
+        local = backend.capabilities.local_path
+        count = PROBE_RUNS if local else PROBE_REMOTE_RUNS
+        runs = [start + k * (nbytes // count) for k in range(count)]
         small = max(nbytes // 8, 1)
 
         def repeats() -> tuple[float, float]:
-            """Per-byte seconds of a page-cached repeat (the slope between two sizes), and of one run."""
-            large_s = min(_timed_read(backend, path, start, nbytes) for _ in range(2))
-            small_s = min(_timed_read(backend, path, start, small) for _ in range(2))
-            per_byte = (large_s - small_s) / (nbytes - small) if nbytes > small else large_s / nbytes
-            return max(per_byte, MIN_SPENT_S / nbytes), min(_timed_runs(backend, path, runs) for _ in range(3)) / PROBE_RUNS
+            """Per-byte seconds of a page-cached repeat (the slope between two sizes; only where the store's
+            repeats are node copies, ``cached_byte_s``), and of one run."""
+            per_byte = 0.0
+            if prior.store.node_cached:
+                large_s = min(_timed_read(backend, path, start, nbytes) for _ in range(2))
+                small_s = min(_timed_read(backend, path, start, small) for _ in range(2))
+                per_byte = (large_s - small_s) / (nbytes - small) if nbytes > small else large_s / nbytes
+            run_s = min(_timed_runs(backend, path, runs) for _ in range(3 if local else 1)) / count
+            return max(per_byte, MIN_SPENT_S / nbytes), run_s
 
         _, again = comm.exchange_agreed(lambda: (None, repeats()), "measuring the store")
         costs.update(_store_costs(prior, nbytes, first, [a[0] * nbytes for a in again], [a[1] for a in again]))
