@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -11,6 +13,30 @@ import tierckpt
 from distributed import subgroup
 from tierckpt.loading import route_costs
 from tierckpt.node.host import NODE_ID_ENV
+
+
+@contextlib.contextmanager
+def fresh_job_on_own_node(group: dist.ProcessGroup, override: str | None, record: Callable[[tuple], object]
+                          ) -> Iterator[None]:
+    """This rank as its own simulated node of a fresh job (nothing measured), ``$TIERCKPT_ROUTE_COSTS`` set to
+    ``override`` (``None``: unset), every probe's arguments passed to ``record``; all undone after."""
+    saved_env = {k: os.environ.get(k) for k in (NODE_ID_ENV, route_costs.ROUTE_COSTS_ENV)}
+    os.environ[NODE_ID_ENV] = f"node-{dist.get_rank(group)}"
+    if override is None:
+        os.environ.pop(route_costs.ROUTE_COSTS_ENV, None)
+    else:
+        os.environ[route_costs.ROUTE_COSTS_ENV] = override
+    route_costs._kept.clear()
+    probe = route_costs._probe
+    route_costs._probe = lambda *args: record(args) or probe(*args)
+    try:
+        yield
+    finally:
+        route_costs._probe = probe
+        for key, value in saved_env.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
 
 
 def measured_load(path: str, override: str) -> dict:
@@ -22,24 +48,13 @@ def measured_load(path: str, override: str) -> dict:
     if group is not None:
         w = torch.arange(512 * 1024, dtype=torch.float32).reshape(512, 1024)
         tierckpt.save(path, {"w": w}, group=group)
-        saved_env = {k: os.environ.get(k) for k in (NODE_ID_ENV, route_costs.ROUTE_COSTS_ENV)}
-        os.environ[NODE_ID_ENV] = f"node-{dist.get_rank(group)}"
-        os.environ[route_costs.ROUTE_COSTS_ENV] = override
-        route_costs._kept.clear()  # a fresh job: nothing measured yet
-        probe, probes = route_costs._probe, []
-        route_costs._probe = lambda *args: probes.append(1) or probe(*args)
-        try:
+        probes: list[tuple] = []
+        with fresh_job_on_own_node(group, override, probes.append):
             for _ in range(2):
                 target = torch.zeros(512, 1024)
                 monitor = tierckpt.Monitor()
                 tierckpt.load(path, {"w": target}, group=group, monitor=monitor)
                 assert torch.equal(target, w)
-        finally:
-            route_costs._probe = probe
-            for key, value in saved_env.items():
-                os.environ.pop(key, None)
-                if value is not None:
-                    os.environ[key] = value
         (_, costs, _), = route_costs._kept.values()
         result = {**monitor.counters, "costs": costs, "probes": len(probes), "tensor_bytes": w.nbytes}
     dist.barrier()
@@ -55,23 +70,12 @@ def growing_loads(root: str) -> dict:
         sizes = {"small": 512 * 1024, "large": 8192 * 1024}
         for name, n in sizes.items():
             tierckpt.save(os.path.join(root, name), {"w": torch.arange(n, dtype=torch.float32)}, group=group)
-        saved_env = {k: os.environ.get(k) for k in (NODE_ID_ENV, route_costs.ROUTE_COSTS_ENV)}
-        os.environ[NODE_ID_ENV] = f"node-{dist.get_rank(group)}"
-        os.environ.pop(route_costs.ROUTE_COSTS_ENV, None)
-        route_costs._kept.clear()
-        probe, probed = route_costs._probe, []
-        route_costs._probe = lambda *args: probed.append(args[-1]) or probe(*args)
-        try:
+        probed: list[int] = []
+        with fresh_job_on_own_node(group, None, lambda args: probed.append(args[-1])):
             for name in ("small", "large", "large", "small"):
                 target = torch.zeros(sizes[name])
                 tierckpt.load(os.path.join(root, name), {"w": target}, group=group)
                 assert torch.equal(target, torch.arange(sizes[name], dtype=torch.float32))
-        finally:
-            route_costs._probe = probe
-            for key, value in saved_env.items():
-                os.environ.pop(key, None)
-                if value is not None:
-                    os.environ[key] = value
         result = {"probed": probed}
     dist.barrier()
     return result
