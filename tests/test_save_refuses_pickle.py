@@ -45,7 +45,7 @@ def test_plain_values_are_saved_without_the_flag(tmp_path: Path) -> None:
              "settings": dataclasses.asdict(Settings())}
     tierckpt.save(tmp_path / "c", state)
     read = tierckpt.read_state(tmp_path / "c")
-    assert (read["cfg.betas"], read["cfg.name"], read["settings.lr"], read["step"]) == ((0.9, 0.99), "run", 0.1, 3)
+    assert (read["cfg"]["betas"], read["cfg"]["name"], read["settings"]["lr"], read["step"]) == ((0.9, 0.99), "run", 0.1, 3)
 
 
 def test_allow_pickle_stores_it_and_the_load_needs_it_too(tmp_path: Path) -> None:
