@@ -55,27 +55,8 @@ def measured_load(path: str, override: str) -> dict:
                 monitor = tierckpt.Monitor()
                 tierckpt.load(path, {"w": target}, group=group, monitor=monitor)
                 assert torch.equal(target, w)
-        (_, costs, _), = route_costs._kept.values()
+        (_, costs), = route_costs._kept.values()
         result = {**monitor.counters, "costs": costs, "probes": len(probes), "tensor_bytes": w.nbytes}
     dist.barrier()
     return result
 
-
-def growing_loads(root: str) -> dict:
-    """Two ranks, each its own simulated node, load (replicated) a 2 MiB checkpoint, then a 32 MiB one
-    twice, then the small one again, with measured costs; returns the read-probe bytes of each probe taken."""
-    group = subgroup(2)
-    result: dict = {}
-    if group is not None:
-        sizes = {"small": 512 * 1024, "large": 8192 * 1024}
-        for name, n in sizes.items():
-            tierckpt.save(os.path.join(root, name), {"w": torch.arange(n, dtype=torch.float32)}, group=group)
-        probed: list[int] = []
-        with fresh_job_on_own_node(group, None, lambda args: probed.append(args[-1])):
-            for name in ("small", "large", "large", "small"):
-                target = torch.zeros(sizes[name])
-                tierckpt.load(os.path.join(root, name), {"w": target}, group=group)
-                assert torch.equal(target, torch.arange(sizes[name], dtype=torch.float32))
-        result = {"probed": probed}
-    dist.barrier()
-    return result

@@ -202,26 +202,6 @@ def test_a_load_where_each_tensor_has_one_needing_rank_measures_nothing(tmp_path
     assert probes == [] and route_costs._kept == {}
 
 
-@pytest.mark.fast
-def test_the_store_probe_is_sized_to_the_load():
-    from tierckpt.loading.route_costs import PROBE_MIN_READ_BYTES, PROBE_READ_BYTES, probe_read_bytes
-
-    assert probe_read_bytes(64 << 20, 8) == 2 << 20  # a quarter of an even share
-    assert probe_read_bytes(1 << 20, 8) == PROBE_MIN_READ_BYTES and probe_read_bytes(64 << 30, 8) == PROBE_READ_BYTES
-
-
-@pytest.mark.multiproc
-def test_a_larger_load_measures_again_with_a_larger_probe_and_keeps_it(dist_pool, tmp_path):
-    """A small load probes with a small read; a load whose probe would read more measures again (its routes
-    come from reads of its own scale) and keeps that; neither a repeat nor a smaller load probes again."""
-    from tierckpt.loading.route_costs import probe_read_bytes
-
-    ranks = _ranks(dist_pool.run(scenarios_route_costs.growing_loads, str(tmp_path)))
-    small, large = probe_read_bytes(2 << 20, 2), probe_read_bytes(32 << 20, 2)
-    assert small < large
-    assert [r["probed"] for r in ranks] == [[small, large]] * 2, ranks
-
-
 def test_whether_some_tensor_is_needed_by_several_ranks():
     tensors = {name: TensorMeta(fqn=name, dtype="float32", shape=(4, 4)) for name in ("a", "b")}
     whole = Box.full((4, 4))

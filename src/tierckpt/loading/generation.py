@@ -106,11 +106,9 @@ def load_generation(
         else:
             pieces = comm.run_agreed(lambda: _local_pieces(backend, ckpt, fqns, local, shared), "reading the pieces table")
     with monitor.phase("plan"):
-        routes_open = opts.topology is None and not group.one_rank_per_tensor()
         topo = opts.topology or route_costs.measured_topology(
             _topology(backend, comm, [g[4] for g in gathered], min(g[8] for g in gathered)), comm, backend, ckpt,
-            [g[9] for g in gathered], routes_open=routes_open,
-            needed_bytes=sum(ckpt.tensors[group.names[p]].nbytes for p in group.needed()) if routes_open else 0)
+            [g[9] for g in gathered], routes_open=not group.one_rank_per_tensor())
         nodes = list(topo.nodes)
         mine: RankDraft | None = None
         failure: Exception | None = None

@@ -12,7 +12,7 @@ the constants with what the group measured, in this order:
    ranks (a load where each tensor has one needing rank, as every one-rank load, has no route to choose:
    each slab is read by that rank, and nothing is measured). A bounded probe, every rank at once:
 
-   * the store: each rank reads :func:`probe_read_bytes` of the checkpoint's largest data file through the
+   * the store: each rank reads :data:`PROBE_READ_BYTES` of the checkpoint's largest data file through the
      load's own backend (at its own offset, by the segment read a load uses), all ranks together, then the
      same bytes again and an eighth of them again (each twice, the faster counts; only where the store's
      repeats are node copies), then :data:`PROBE_RUNS` runs of :data:`PROBE_SMALL_BYTES` spread over them in
@@ -25,22 +25,19 @@ the constants with what the group measured, in this order:
      one 4 MiB read on 16 cores it made page-cache copies look 7x slower than a load's and sent a replicated
      load on one node to the exchange — and the runs' seconds over their number give ``request_s``;
    * the exchange: three all-to-alls on the group's own backend, each the fastest of :data:`EXCHANGE_TRIES`,
-     timed on every rank — one byte to every other rank (``message_s``), an eighth of the read probe's bytes
-     (:data:`PROBE_MIN_SEND_BYTES` to :data:`PROBE_SEND_BYTES`) to each rank of the same node (``local_byte_s``)
-     and to each rank of other nodes (``remote_byte_s``), the two less the first's seconds (the collective's
-     own latency), but never less than :data:`MIN_BYTES_SHARE` of their own. The slowest rank's seconds count; each is converted with the cost model's own overlap
-     rule (:func:`~tierckpt.planner.routes.exchange_seconds`), so the model gives back the probe's time
+     timed on every rank — one byte to every other rank (``message_s``), :data:`PROBE_SEND_BYTES` to each rank
+     of the same node (``local_byte_s``) and to each rank of other nodes (``remote_byte_s``), the two less the
+     first's seconds (the collective's own latency), but never less than :data:`MIN_BYTES_SHARE` of their own.
+     The slowest rank's seconds count; each is converted with the cost model's own overlap rule (:func:`~tierckpt.planner.routes.exchange_seconds`), so the model gives back the probe's time
      for the probe's traffic.
 
    Every rank all-gathers every rank's timings and reduces them the same way: every rank takes the same
    decision. A rank that kept a measurement the others lack (or the reverse) makes the group probe again.
 
-   The probe is sized to the load: :func:`probe_read_bytes` is a quarter of the bytes a rank reads when the
-   needed tensors are spread evenly over the group (:data:`PROBE_MIN_READ_BYTES` to :data:`PROBE_READ_BYTES`),
-   so a small load pays a small probe (an 8-rank load of 64 MiB read 32 MiB per rank three and a quarter
-   times, 0.2 s of its 0.3 s on the 2-core VM). A measurement is kept with the size it was taken at; a later
-   load that would probe with more bytes measures again and keeps the larger: the costs a large load is
-   planned by come from reads of its own scale.
+   The probe does not shrink with the load: read with a few MiB, the slope between the two read sizes is
+   mostly a call's fixed cost, page-cache copies look several times dearer than a load's, and a replicated
+   load on one node goes to the exchange (4 ranks on the 2-core VM: 0.32x the tree before; with 32 MiB,
+   0.95x). A process pays it once, at its first load with a route to choose (``constants`` skips it).
 3. **Override**: ``$TIERCKPT_ROUTE_COSTS``, the same on every rank — comma-separated ``name=seconds``
    (any of :data:`~tierckpt.planner.routes.COST_FIELDS`, e.g. ``local_byte_s=2e-9,message_s=1e-4``),
    applied over the measurement, and/or the word ``constants`` to skip the probe and start from the prior.
@@ -73,9 +70,7 @@ ROUTE_COSTS_ENV = "TIERCKPT_ROUTE_COSTS"
 CONSTANTS = "constants"
 """The word in ``$TIERCKPT_ROUTE_COSTS`` that skips the probe."""
 PROBE_READ_BYTES = 32 << 20
-"""The most bytes each rank reads of the store in the probe (less where the file is smaller)."""
-PROBE_MIN_READ_BYTES = 1 << 20
-"""The least bytes each rank reads of the store in the probe (less where the file is smaller)."""
+"""Bytes each rank reads of the store in the probe (less where the file is smaller)."""
 PROBE_SMALL_BYTES = 2 << 10
 """The runs of the per-request probe: :data:`PROBE_RUNS` of them read in one call (a strided box's runs, as a
 load reads them: positional reads or mapped copies on a local file, ranged requests several in flight on an
@@ -91,9 +86,7 @@ from radosgw on the 2-core VM take 7 s longer."""
 PROBE_MIN_FILE_BYTES = 256 << 10
 """Below this a data file says too little about bytes/s: the store's costs keep the prior."""
 PROBE_SEND_BYTES = 1 << 20
-"""The most bytes each rank sends to each peer in the exchange probes (an eighth of the read probe's)."""
-PROBE_MIN_SEND_BYTES = 64 << 10
-"""The least bytes each rank sends to each peer in the exchange probes."""
+"""Bytes each rank sends to each peer in the exchange probes."""
 MIN_BYTES_SHARE = 0.25
 """The least share of a sized all-to-all's seconds taken to be its bytes' (:func:`_bytes_share`)."""
 EXCHANGE_TRIES = 3
@@ -106,17 +99,9 @@ MeasureKey = tuple[str, bool, str, int]
 """What a measurement is kept for: the store's scheme, whether it is a local path, the group's backend and
 its size (and, beside it, the group's nodes)."""
 
-_kept: dict[MeasureKey, tuple[tuple[str, ...], dict[str, float], int]] = {}
-"""The measurements this process took, by :data:`MeasureKey`, each with the nodes of its group and the read
-probe's bytes it was taken with: the job's own record of its machines (taken once, not per load, unless a
-larger load wants a larger probe)."""
-
-
-def probe_read_bytes(needed_bytes: int, world_size: int) -> int:
-    """The bytes each rank reads in the store probe of a load whose needed tensors hold ``needed_bytes``: a
-    quarter of an even share, within :data:`PROBE_MIN_READ_BYTES` and :data:`PROBE_READ_BYTES` (the same on
-    every rank: both inputs are agreed)."""
-    return max(PROBE_MIN_READ_BYTES, min(PROBE_READ_BYTES, needed_bytes // max(world_size, 1) // 4))
+_kept: dict[MeasureKey, tuple[tuple[str, ...], dict[str, float]]] = {}
+"""The measurements this process took, by :data:`MeasureKey`, each with the nodes of its group: the job's
+own record of its machines (a probe is taken once, not per load)."""
 
 
 def override_text() -> str:
@@ -161,12 +146,10 @@ def kept_share(backend: Backend, comm: Comm) -> tuple[str, Any]:
 
 
 def measured_topology(prior: Topology, comm: Comm, backend: Backend, ckpt: Checkpoint, shares: Sequence[Any],
-                      *, routes_open: bool = True, needed_bytes: int | None = None) -> Topology:
+                      *, routes_open: bool = True) -> Topology:
     """``prior`` with the costs measured for this job (kept, or probed now on every rank) and the override
     over them; ``shares``: every rank's :func:`kept_share`. Every rank returns the same.
 
-    ``needed_bytes``: the bytes of the tensors some rank of the load needs (agreed; ``None``: the checkpoint's
-    tensor bytes), which size the probe (:func:`probe_read_bytes`).
 
     ``routes_open``: whether some slab of this load has a route to choose (some tensor is needed by several
     ranks, :meth:`~tierckpt.planner.group_needs.GroupNeeds.one_rank_per_tensor`, the same on every rank).
@@ -177,26 +160,23 @@ def measured_topology(prior: Topology, comm: Comm, backend: Backend, ckpt: Check
     topo = prior
     if not skip and routes_open:
         kept = [s[1] for s in shares]
-        wanted = probe_read_bytes(ckpt.meta.tensor_bytes if needed_bytes is None else needed_bytes, comm.world_size)
-        if (kept[0] is not None and all(k == kept[0] for k in kept) and tuple(kept[0][0]) == prior.nodes
-                and kept[0][2] >= wanted):
+        if kept[0] is not None and all(k == kept[0] for k in kept) and tuple(kept[0][0]) == prior.nodes:
             costs = dict(kept[0][1])
         else:
-            costs = _probe(prior, comm, backend, ckpt, wanted)
+            costs = _probe(prior, comm, backend, ckpt)
             if "byte_s" in costs:  # a checkpoint too small to measure the store with is probed again next time
-                _kept[measure_key(backend, comm)] = (prior.nodes, costs, wanted)
+                _kept[measure_key(backend, comm)] = (prior.nodes, costs)
         topo = with_costs(topo, costs, tuple(costs))
     return with_costs(topo, override, tuple(override)) if override else topo
 
 
-def _probe(prior: Topology, comm: Comm, backend: Backend, ckpt: Checkpoint, read_bytes: int) -> dict[str, float]:
-    """The costs the group measures now (every rank, collectively), reading ``read_bytes`` per rank of the
-    store; see the module docstring."""
+def _probe(prior: Topology, comm: Comm, backend: Backend, ckpt: Checkpoint) -> dict[str, float]:
+    """The costs the group measures now (every rank, collectively); see the module docstring."""
     sample = _sample(ckpt)
     costs: dict[str, float] = {}
     if sample is not None:
         path, size = sample
-        nbytes = min(read_bytes, size)
+        nbytes = min(PROBE_READ_BYTES, size)
         start = (comm.rank * nbytes) % (size - nbytes + 1) // 4096 * 4096
         # Each step ends in the all-gather that agrees on it: the next one starts on every rank together.
         _, first = comm.exchange_agreed(lambda: (None, _timed_read(backend, path, start, nbytes)), "measuring the store")
@@ -219,7 +199,7 @@ def _probe(prior: Topology, comm: Comm, backend: Backend, ckpt: Checkpoint, read
         _, again = comm.exchange_agreed(lambda: (None, repeats()), "measuring the store")
         costs.update(_store_costs(prior, nbytes, first, [a[0] * nbytes for a in again], [a[1] for a in again]))
     if comm.world_size > 1:
-        costs.update(_exchange_costs(prior, comm, max(PROBE_MIN_SEND_BYTES, min(PROBE_SEND_BYTES, read_bytes // 8))))
+        costs.update(_exchange_costs(prior, comm))
     return costs
 
 
@@ -259,8 +239,8 @@ def _store_costs(prior: Topology, nbytes: int, first: Sequence[float], again: Se
     return costs
 
 
-def _exchange_costs(prior: Topology, comm: Comm, send_bytes: int) -> dict[str, float]:
-    """Exchange costs from three timed all-to-alls (every rank; ``send_bytes`` to each peer); converted with
+def _exchange_costs(prior: Topology, comm: Comm) -> dict[str, float]:
+    """Exchange costs from three timed all-to-alls (every rank); converted with
     :func:`~tierckpt.planner.routes.exchange_seconds`' overlap: deliveries to ranks of the same node overlap
     as far as the nodes' cores allow, those across nodes over every sender."""
     world, nodes = comm.world_size, prior.nodes
@@ -268,8 +248,8 @@ def _exchange_costs(prior: Topology, comm: Comm, send_bytes: int) -> dict[str, f
     same = [r != comm.rank and nodes[r] == nodes[comm.rank] for r in range(world)]
     other = [nodes[r] != nodes[comm.rank] for r in range(world)]
     tiny = _best_all_to_all(comm, [0 if r == comm.rank else 1 for r in range(world)])
-    local = _best_all_to_all(comm, [send_bytes if x else 0 for x in same])
-    remote = _best_all_to_all(comm, [send_bytes if x else 0 for x in other]) if prior.num_nodes > 1 else 0.0
+    local = _best_all_to_all(comm, [PROBE_SEND_BYTES if x else 0 for x in same])
+    remote = _best_all_to_all(comm, [PROBE_SEND_BYTES if x else 0 for x in other]) if prior.num_nodes > 1 else 0.0
     times = comm.all_gather_object((tiny, local, remote))
     messages = world * (world - 1)
     message_s = max(t[0] for t in times) * local_turns / messages
@@ -279,11 +259,11 @@ def _exchange_costs(prior: Topology, comm: Comm, send_bytes: int) -> dict[str, f
     local_peers = sum(nodes[a] == nodes[b] for a in range(world) for b in range(world) if a != b)
     if local_peers:
         spent = _bytes_share(max(t[1] for t in times), latency)
-        costs["local_byte_s"] = spent * local_turns / (local_peers * send_bytes)
+        costs["local_byte_s"] = spent * local_turns / (local_peers * PROBE_SEND_BYTES)
     remote_peers = messages - local_peers
     if remote_peers:
         spent = _bytes_share(max(t[2] for t in times), latency)
-        costs["remote_byte_s"] = spent * world / (remote_peers * send_bytes)
+        costs["remote_byte_s"] = spent * world / (remote_peers * PROBE_SEND_BYTES)
     return costs
 
 
