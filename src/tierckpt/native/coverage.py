@@ -54,7 +54,7 @@ def check_offered_coverage(tensors: Mapping[str, TensorMeta], regions: Mapping[s
         shape = tensor.shape
         if len(offered) == 1 and _whole(offered[0], shape):
             continue
-        overlap = _first_overlap(shape, offered)
+        overlap, missing = coverage_fault(shape, offered)
         if overlap is not None:
             a, b = (offered[i] for i in overlap)
             raise StateMismatchError(
@@ -62,12 +62,11 @@ def check_offered_coverage(tensors: Mapping[str, TensorMeta], regions: Mapping[s
                 f"{describe(a)} and {describe(b)}; every element must be in one piece (a replica is the same "
                 "region on each rank)"
             )
-        held = sum(r.numel for r in offered)
-        total = math.prod(shape)
-        if held != total:
+        if missing:
+            total = math.prod(shape)
             raise StateMismatchError(
-                f"tensor {fqn!r} of shape {list(shape)}: the ranks' {len(offered)} piece(s) hold {held} of its "
-                f"{total} elements, {total - held} are on no rank; every rank holding a shard must list it, and "
+                f"tensor {fqn!r} of shape {list(shape)}: the ranks' {len(offered)} piece(s) hold {total - missing} of "
+                f"its {total} elements, {missing} are on no rank; every rank holding a shard must list it, and "
                 "the global shape must be what the shards make up (a tensor saved under one name per layer "
                 "has the shape of one layer)"
             )
@@ -81,7 +80,7 @@ def _whole(region: Region, shape: tuple[int, ...]) -> bool:
 
 
 def _check_tensor(fqn: str, shape: tuple[int, ...], pieces: Sequence[PieceMeta], uri: str) -> None:
-    overlap = _first_overlap(shape, [p.region for p in pieces])
+    overlap, missing = coverage_fault(shape, [p.region for p in pieces])
     if overlap is not None:
         a, b = (pieces[i] for i in overlap)
         raise CorruptCheckpointError(
@@ -89,13 +88,23 @@ def _check_tensor(fqn: str, shape: tuple[int, ...], pieces: Sequence[PieceMeta],
             f"{describe(a.region)} (in {a.file!r}) and {describe(b.region)} (in {b.file!r}); "
             "its metadata was rewritten or damaged (`tierckpt verify` lists every such piece)"
         )
-    held = sum(p.region.numel for p in pieces)
-    total = math.prod(shape)
-    if held != total:
+    if missing:
+        total = math.prod(shape)
         raise CorruptCheckpointError(
-            f"checkpoint {uri!r} is corrupt: the {len(pieces)} piece(s) of tensor {fqn!r} hold {held} of its "
-            f"{total} elements; {total - held} are in no piece (`tierckpt verify` lists what is missing)"
+            f"checkpoint {uri!r} is corrupt: the {len(pieces)} piece(s) of tensor {fqn!r} hold {total - missing} of "
+            f"its {total} elements; {missing} are in no piece (`tierckpt verify` lists what is missing)"
         )
+
+
+def coverage_fault(shape: tuple[int, ...], regions: Sequence[Region]) -> tuple[tuple[int, int] | None, int]:
+    """What keeps ``regions`` from holding each element of a tensor of ``shape`` exactly once: the positions
+    of two regions that share an element (or ``None``) and, when none do, how many elements no region holds
+    (disjoint regions whose counts add up to the tensor's cover it). ``(None, 0)``: exact coverage. The save's
+    check and the load's phrase the same fault each in their own words."""
+    overlap = _first_overlap(shape, regions)
+    if overlap is not None:
+        return overlap, 0
+    return None, math.prod(shape) - sum(r.numel for r in regions)
 
 
 def _first_overlap(shape: tuple[int, ...], regions: Sequence[Region]) -> tuple[int, int] | None:
