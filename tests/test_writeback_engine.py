@@ -3,9 +3,12 @@ durability answer, the chain's capability hooks, and the bytes each tier lands a
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -221,3 +224,62 @@ def test_sync_takes_over_what_a_dead_process_left_through_the_one_core(tmp_path:
     assert sched.run(remote.get(key)) == DATA
     assert layout.CommitRecord.decode(sched.run(remote.get(layout.COMMIT))).generation == generation
     assert link.journal.outstanding(scope) == []
+
+
+class _HeldCommits(LocalBackend):
+    """A local remote whose ``COMMIT`` writes wait while :attr:`held` is set (a commit copy still pending)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.held = threading.Event()
+
+    async def commit(self, key: str, data: bytes | memoryview, **kwargs: object) -> None:
+        while key.rpartition("/")[2] == "COMMIT" and self.held.is_set():
+            await asyncio.sleep(0.01)
+        await super().commit(key, data, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_a_delete_below_follows_the_pending_commit_through_the_one_core(tmp_path: Path, tier: str, monkeypatch) -> None:
+    """The saver's sweep deletes the superseded generation right after committing the new one. On either
+    node tier, while the new ``COMMIT``'s copy down is still pending, the link core's rule defers the delete
+    below (the medium's ``_delete_after_commit``, called from the core's ``_delete_below``): the remote keeps
+    the old generation until it holds the new ``COMMIT``, so it never names a generation that is gone."""
+    from tierckpt.native import layout
+    from tierckpt.node.link import WriteBackLink
+    from tierckpt.node.memory.link import MemoryLink
+
+    remote = _HeldCommits(str(tmp_path / "remote"))
+    if tier == "memory":
+        link: Backend = MemoryLink(ScheduledBackend(remote), MemoryConfig(directory=str(tmp_path / "mem")))
+    else:
+        link = store.node_cache_over(remote, CacheConfig(directory=str(tmp_path / "cache"), poll_s=0.01))
+    deferred: list[bool] = []
+    medium = type(link)
+    defer = medium._delete_after_commit
+
+    async def spy(self, what, *, exact, superseded):  # noqa: ANN001, ANN202
+        deferred.append(sys._getframe(1).f_code is WriteBackLink._delete_below.__code__)
+        await defer(self, what, exact=exact, superseded=superseded)
+
+    monkeypatch.setattr(medium, "_delete_after_commit", spy)
+    sched = tierckpt.io.scheduler.get_scheduler()
+    old, new = "g-00000001-0000000000001-aaaa", "g-00000002-0000000000002-bbbb"
+    records = {g: layout.CommitRecord(g, 1.0, seq=i).encode() for i, g in enumerate((old, new), 1)}
+    sched.run(link.put(f"{old}/data/rank-00000.bin", b"o" * 1000))
+    sched.run(link.commit(layout.COMMIT, records[old], expected=None))
+    sched.run(link.wait_durable(old))  # type: ignore[attr-defined]
+    assert deferred == [] and sched.run(remote.get(layout.COMMIT)) == records[old]
+    remote.held.set()
+    sched.run(link.put(f"{new}/data/rank-00000.bin", b"n" * 1000))
+    sched.run(link.commit(layout.COMMIT, records[new], expected=records[old]))
+    sched.run(link.delete_prefix(f"{old}/"))
+    assert deferred and all(deferred), deferred
+    assert sched.run(remote.get(f"{old}/data/rank-00000.bin")) == b"o" * 1000  # kept: COMMIT still names it
+    remote.held.clear()
+    deadline = time.monotonic() + 60
+    while sched.run(remote.exists(f"{old}/data/rank-00000.bin")):
+        assert time.monotonic() < deadline, "the deferred delete never reached the remote"
+        time.sleep(0.02)
+    assert sched.run(remote.get(layout.COMMIT)) == records[new]  # the delete followed the new commit
+    assert sched.run(remote.get(f"{new}/data/rank-00000.bin")) == b"n" * 1000
