@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -104,17 +105,17 @@ class WriteBackLink(Link, Generic[W]):
         if below is not None:
             await below.sync(timeout_s)
 
+    @abstractmethod
     async def _wait_own(self, generation: str | None, timeout_s: float | None, *, through_outage: bool) -> None:
         """The medium: wait for its own copies down (of ``generation``) as :meth:`wait_durable` says."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _sync_scope(self) -> SyncScope | None:
         """The medium: what a ``sync`` finishes (``None``: nothing of this link's own)."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _take_over(self, scope: SyncScope, key: str) -> None:
         """The medium: make a task of this process copy ``key`` down (one already running goes on alone)."""
-        raise NotImplementedError
 
     # -- deletes below ---------------------------------------------------------------------------------
     async def _delete_below(self, what: str, *, exact: bool, superseded: str | None = None) -> None:
@@ -126,17 +127,17 @@ class WriteBackLink(Link, Generic[W]):
         else:
             await self._delete_now(what, exact=exact, superseded=superseded)
 
+    @abstractmethod
     def _commit_pending(self, what: str) -> bool:
         """The medium: whether a copy down of a ``COMMIT`` (other than ``what``) is pending."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _delete_now(self, what: str, *, exact: bool, superseded: str | None) -> None:
         """The medium: delete ``what`` from the chain below now."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _delete_after_commit(self, what: str, *, exact: bool, superseded: str | None) -> None:
         """The medium: delete ``what`` from the chain below once the pending ``COMMIT`` copy settled."""
-        raise NotImplementedError
 
     # -- withdrawal ------------------------------------------------------------------------------------
     async def withdraw(self, generation: str, record: bytes, base: bytes | None) -> list[str] | None:
@@ -157,19 +158,19 @@ class WriteBackLink(Link, Generic[W]):
         await self._drop_withdrawn(withdrawal, record, base)
         return withdrawal.failures + below_failures
 
+    @abstractmethod
     async def _stop_copies(self, name: str) -> W:
         """The medium: stop this process's copies down of generation ``name`` and of its ``COMMIT``; what
         they owed and why they failed."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _landed(self, record: bytes, withdrawal: W) -> bool:
         """The medium: whether the chain below holds ``record`` as its ``COMMIT`` (its journal then settled):
         the save succeeded and nothing is taken back."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _drop_withdrawn(self, withdrawal: W, record: bytes, base: bytes | None) -> None:
         """The medium: drop its copies of the withdrawn generation and make ``base`` its view of ``COMMIT``."""
-        raise NotImplementedError
 
 
 def _commit_last(entry: Outstanding) -> bool:
