@@ -69,7 +69,8 @@ def _chain_classes() -> set[str]:
         for path in sorted((SRC / sub).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.ClassDef):
-                    bases[node.name] = {b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
+                    plain = [b.value if isinstance(b, ast.Subscript) else b for b in node.bases]  # Base[T]: Base
+                    bases[node.name] = {b.id if isinstance(b, ast.Name) else b.attr for b in plain
                                         if isinstance(b, (ast.Name, ast.Attribute))}
     found = set(_CHAIN_ROOTS) | {"Durable", "Revocable"}
     while True:

@@ -3,9 +3,15 @@ durability answer, the chain's capability hooks, and the bytes each tier lands a
 
 from __future__ import annotations
 
+import asyncio
 import os
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import tierckpt
@@ -148,3 +154,132 @@ def test_a_failed_save_leaves_the_tier_of_a_node_that_did_not_commit_it(tmp_path
     assert sched.run(link.get(f"{kept}/data/rank-00001.bin")) == b"k" * 100
     plain = _chain(tmp_path, memory=False, cache=False)
     sched.run(store.node_face(plain).drop_uncommitted(failed))  # no tier: nothing to drop, no error
+
+
+def test_both_links_run_the_one_link_core() -> None:
+    """``sync``, ``wait_durable``, ``withdraw`` and the rule that a delete below follows a pending ``COMMIT``
+    are the link core's (``node/link.py``), inherited by both links; each medium answers only the core's
+    hooks, and the memory link's withdrawal and deletes have no module of their own any more."""
+    import importlib.util
+
+    from tierckpt.node.disk import TieredBackend
+    from tierckpt.node.link import WriteBackLink
+    from tierckpt.node.memory.link import MemoryLink
+
+    hooks = ("_wait_own", "_sync_scope", "_take_over", "_commit_pending", "_delete_now", "_delete_after_commit",
+             "_stop_copies", "_landed", "_drop_withdrawn")
+    for link in (TieredBackend, MemoryLink):
+        assert issubclass(link, WriteBackLink)
+        for shape in ("wait_durable", "withdraw", "_delete_below"):
+            assert getattr(link, shape) is getattr(WriteBackLink, shape), f"{link.__name__}.{shape} is its own"
+        for hook in hooks:
+            assert getattr(link, hook) is not getattr(WriteBackLink, hook), f"{link.__name__} lacks {hook}"
+    assert MemoryLink.sync is WriteBackLink.sync  # the cache's adds its refusals after the core's (the next test)
+    for retired in ("withdraw", "linkdeletes"):
+        assert importlib.util.find_spec(f"tierckpt.node.memory.{retired}") is None
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_sync_takes_over_what_a_dead_process_left_through_the_one_core(tmp_path: Path, tier: str, monkeypatch) -> None:
+    """A process commits a generation through either node tier and dies while every copy down fails (the
+    remote's directory cannot be made). Its journal entries then name nobody (``owner=None``); a ``sync`` of
+    a later process takes each over through the link core's ``sync`` (the medium's ``_take_over`` called
+    from it, ``COMMIT`` last), and the remote holds the file bit-exactly and the commit naming it."""
+    from tierckpt.native import layout
+    from tierckpt.node.link import WriteBackLink
+
+    generation = "g-00000001-0000000000001-aaaa"
+    key = f"{generation}/data/rank-00000.bin"
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the remote's parent directory should be")
+    uri = f"local://{blocked / 'remote'}"
+    directory = tmp_path / tier
+    child = subprocess.run([sys.executable, str(Path(__file__).with_name("dead_writer_child.py")), tier, uri,
+                            str(directory), generation], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stdout + child.stderr
+    blocked.unlink()
+    blocked.mkdir()
+    link = store.open_store(uri, {
+        "memory": MemoryConfig(directory=str(directory)) if tier == "memory" else False,
+        "cache": CacheConfig(directory=str(directory), poll_s=0.01) if tier == "disk" else False,
+    })
+    scope = link.rh if tier == "disk" else generation
+    left = link.journal.outstanding(scope)
+    assert sorted(o.key for o in left) == sorted([key, layout.COMMIT]) and {o.owner for o in left} == {None}, left
+    taken: list[tuple[str, bool]] = []
+    medium = type(link)
+    take_over = medium._take_over
+
+    async def spy(self, scope, key):  # noqa: ANN001, ANN202
+        taken.append((key, sys._getframe(1).f_code is WriteBackLink.sync.__code__))
+        await take_over(self, scope, key)
+
+    monkeypatch.setattr(medium, "_take_over", spy)
+    sched = tierckpt.io.scheduler.get_scheduler()
+    sched.run(link.sync(120))
+    assert taken == [(key, True), (layout.COMMIT, True)]
+    remote = LocalBackend(str(blocked / "remote"))
+    from dead_writer_child import DATA
+
+    assert sched.run(remote.get(key)) == DATA
+    assert layout.CommitRecord.decode(sched.run(remote.get(layout.COMMIT))).generation == generation
+    assert link.journal.outstanding(scope) == []
+
+
+class _HeldCommits(LocalBackend):
+    """A local remote whose ``COMMIT`` writes wait while :attr:`held` is set (a commit copy still pending)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.held = threading.Event()
+
+    async def commit(self, key: str, data: bytes | memoryview, **kwargs: object) -> None:
+        while key.rpartition("/")[2] == "COMMIT" and self.held.is_set():
+            await asyncio.sleep(0.01)
+        await super().commit(key, data, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_a_delete_below_follows_the_pending_commit_through_the_one_core(tmp_path: Path, tier: str, monkeypatch) -> None:
+    """The saver's sweep deletes the superseded generation right after committing the new one. On either
+    node tier, while the new ``COMMIT``'s copy down is still pending, the link core's rule defers the delete
+    below (the medium's ``_delete_after_commit``, called from the core's ``_delete_below``): the remote keeps
+    the old generation until it holds the new ``COMMIT``, so it never names a generation that is gone."""
+    from tierckpt.native import layout
+    from tierckpt.node.link import WriteBackLink
+    from tierckpt.node.memory.link import MemoryLink
+
+    remote = _HeldCommits(str(tmp_path / "remote"))
+    if tier == "memory":
+        link: Backend = MemoryLink(ScheduledBackend(remote), MemoryConfig(directory=str(tmp_path / "mem")))
+    else:
+        link = store.node_cache_over(remote, CacheConfig(directory=str(tmp_path / "cache"), poll_s=0.01))
+    deferred: list[bool] = []
+    medium = type(link)
+    defer = medium._delete_after_commit
+
+    async def spy(self, what, *, exact, superseded):  # noqa: ANN001, ANN202
+        deferred.append(sys._getframe(1).f_code is WriteBackLink._delete_below.__code__)
+        await defer(self, what, exact=exact, superseded=superseded)
+
+    monkeypatch.setattr(medium, "_delete_after_commit", spy)
+    sched = tierckpt.io.scheduler.get_scheduler()
+    old, new = "g-00000001-0000000000001-aaaa", "g-00000002-0000000000002-bbbb"
+    records = {g: layout.CommitRecord(g, 1.0, seq=i).encode() for i, g in enumerate((old, new), 1)}
+    sched.run(link.put(f"{old}/data/rank-00000.bin", b"o" * 1000))
+    sched.run(link.commit(layout.COMMIT, records[old], expected=None))
+    sched.run(link.wait_durable(old))  # type: ignore[attr-defined]
+    assert deferred == [] and sched.run(remote.get(layout.COMMIT)) == records[old]
+    remote.held.set()
+    sched.run(link.put(f"{new}/data/rank-00000.bin", b"n" * 1000))
+    sched.run(link.commit(layout.COMMIT, records[new], expected=records[old]))
+    sched.run(link.delete_prefix(f"{old}/"))
+    assert deferred and all(deferred), deferred
+    assert sched.run(remote.get(f"{old}/data/rank-00000.bin")) == b"o" * 1000  # kept: COMMIT still names it
+    remote.held.clear()
+    deadline = time.monotonic() + 60
+    while sched.run(remote.exists(f"{old}/data/rank-00000.bin")):
+        assert time.monotonic() < deadline, "the deferred delete never reached the remote"
+        time.sleep(0.02)
+    assert sched.run(remote.get(layout.COMMIT)) == records[new]  # the delete followed the new commit
+    assert sched.run(remote.get(f"{new}/data/rank-00000.bin")) == b"n" * 1000

@@ -25,6 +25,8 @@ The engine's shared parts live at this package's top:
 * :mod:`tierckpt.backends.retry`: the one retry rule (:class:`~tierckpt.backends.retry.RetryPolicy`) pacing both
   links' attempts, and every request's retries below them.
 * :mod:`.runner`: the one task runner (:class:`~.runner.TaskRunner`), one write-behind task per key.
+* :mod:`.link`: the write-back link core (:class:`~.link.WriteBackLink`): ``sync``, ``wait_durable``,
+  ``withdraw`` and the delete below after a pending ``COMMIT``, written once; both links subclass it.
 
 May import: ``errors``, the shared low-level modules (comm, deadline, units, monitor, progress),
 ``native``, ``io``, ``backends``. The engine modules here import neither ``disk`` nor ``memory``; those two

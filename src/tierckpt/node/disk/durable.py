@@ -1,12 +1,12 @@
-"""Durability of a write-back store (a mixin of :class:`~tierckpt.node.disk.tiered.TieredBackend`): the
-:class:`~tierckpt.store.Durable` protocol (``wait_durable``, ``status``, ``sync``) plus dropping and
-cancelling pending uploads. Everything here reads the catalogue, so it sees the uploads of every
-process of the node."""
+"""Durability of the node disk cache (a mixin of :class:`~tierckpt.node.disk.tiered.TieredBackend`): its
+hooks of the write-back link core (:class:`~tierckpt.node.link.WriteBackLink`: its own wait, what a ``sync``
+takes over, a withdrawal's steps), ``status``, and dropping and cancelling pending uploads. Everything here
+reads the catalogue, so it sees the uploads of every process of the node."""
 
 from __future__ import annotations
 
 import asyncio
-import os
+from dataclasses import dataclass, field
 
 from tierckpt import progress
 from tierckpt.native import layout
@@ -16,10 +16,21 @@ from tierckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptChe
 from tierckpt.io.scheduler import get_scheduler
 from tierckpt.node.durability import wait_owed
 from tierckpt.node.journal import Outstanding, pid_alive
+from tierckpt.node.link import SyncScope, Withdrawal
 from tierckpt.node.disk.catalog import generation_path
 from tierckpt.node.disk.records import CommitOrder, GenState, Op, PendingOp
 from tierckpt.node.levels import Level
 from tierckpt.node.status import StoreStatus
+
+
+@dataclass(slots=True)
+class CacheWithdrawal(Withdrawal):
+    """A withdrawal from the node disk cache: what it owed of the generation, and its pending ``COMMIT``."""
+
+    owed: dict[str, PendingOp] = field(default_factory=dict)
+    """This user's pending ops of the generation, its ``COMMIT`` aside."""
+    commit: PendingOp | None = None
+    """The pending ``COMMIT`` that names the generation (``None``: none does)."""
 
 
 class DurableMixin:
@@ -35,8 +46,7 @@ class DurableMixin:
         return {k: r for k, r in pending.items()
                 if (generation_path(k) or "").rpartition("/")[2] == name or r.gen == name}
 
-    async def wait_durable(self, generation: str | None = None, timeout_s: float | None = None, *,
-                           through_outage: bool = True) -> None:
+    async def _wait_own(self, generation: str | None, timeout_s: float | None, *, through_outage: bool) -> None:
         """Wait until every pending op (of ``generation``, a name or ``dir/name``) reached the remote: the
         engine's one wait (:func:`~tierckpt.node.durability.wait_owed`) over the catalogue (:class:`_Uploads`).
 
@@ -75,18 +85,26 @@ class DurableMixin:
         error = f", which failed: {rec.error}; retrying" if rec.error else ""
         return f"{len(pending)} upload(s) to {self.root_uri} to reach the remote (e.g. {key}{error})"
 
-    async def sync(self, timeout_s: float | None = None) -> None:
-        """Resume every pending op of this store (left by this or a dead process), then wait for them.
+    async def _sync_scope(self) -> SyncScope:
+        """A ``sync`` finishes every pending op of this store (its root in the catalogue)."""
+        return SyncScope(self.rh, None)
 
-        Only this store's: ops written for the same URI on another service (another S3 endpoint) are
-        never uploaded here; when some are left without a live uploader, :class:`CheckpointError` names
-        their service and how to sync them, after this store's own are done."""
-        me = os.getpid()
-        for key, rec in self._relevant(None).items():
-            if rec.error or rec.owner == me or not pid_alive(rec.owner):
-                self.catalog.claim(self.rh, key, rec.ver)
-                self.schedule(key)
-        await self.wait_durable(None, timeout_s)
+    async def _take_over(self, scope: SyncScope, key: str) -> None:
+        """This process uploads the pending op of ``key`` when this user recorded it (an op of another user
+        is never uploaded with this user's credentials: :meth:`sync` names it)."""
+        rec = self.catalog.pending(self.rh, key)
+        if rec is not None and rec.mine():
+            self.catalog.claim(self.rh, key, rec.ver)
+            self.schedule(key)
+
+    async def sync(self, timeout_s: float | None = None) -> None:
+        """Resume every pending op of this store (left by this or a dead process, or failed for good), then
+        wait for them (the link core's :meth:`~tierckpt.node.link.WriteBackLink.sync`).
+
+        Only this user's and this store's: ops written for the same URI on another service (another S3
+        endpoint) are never uploaded here; when some are left without a live uploader,
+        :class:`CheckpointError` names their service and how to sync them, after this store's own are done."""
+        await super().sync(timeout_s)  # type: ignore[misc]  # the link core, after this mixin in the MRO
         others = sorted({r.uid for r in self.catalog.pending_under(self.rh).values() if not r.mine()})
         if others:
             raise CheckpointError(
@@ -162,42 +180,51 @@ class DurableMixin:
         except CorruptCheckpointError as exc:
             return None, describe_error(exc), False
 
-    async def withdraw(self, generation: str, record: bytes, base: bytes | None) -> list[str] | None:
-        """Take back a commit whose upload failed (a synchronous save that raises), so that the generation it
-        names is committed nowhere, this node included: this process's uploads of ``generation`` and of
-        ``COMMIT`` stop, their pending ops and cached copies are dropped, and this node's view of ``COMMIT``
-        is ``base`` again (the commit the save started from: pending again if it was pending here, else the
-        remote's). Returns why the uploads failed; ``None`` when the remote holds ``record`` after all (the
-        commit's upload landed: the save succeeded, nothing is taken back)."""
+    # -- a withdrawal's steps (the link core's withdraw) ------------------------------------------------
+    async def _stop_copies(self, name: str) -> CacheWithdrawal:
+        """Stop this process's uploads of generation ``name`` and of its pending ``COMMIT`` (they stay pending
+        until :meth:`_drop_withdrawn`); why they failed."""
         key = layout.COMMIT
-        name = generation.rstrip("/").rpartition("/")[2]
-        ours = {k: r for k, r in self._relevant(generation).items() if k != key}
-        commit = self.catalog.pending(self.rh, key)
-        mine = commit is not None and commit.op == Op.COMMIT and commit.gen == name
-        await self._stop_uploads({*ours, *([key] if mine else [])})
+        owed = {k: r for k, r in self._relevant(name).items() if k != key}
+        pending = self.catalog.pending(self.rh, key)
+        commit = pending if pending is not None and pending.op == Op.COMMIT and pending.gen == name else None
+        await self._stop_uploads({*owed, *([key] if commit is not None else [])})
+        failures = [f"{self.uri_of(k)}: {r.error}" for k, r in sorted(owed.items()) if r.error]
+        if commit is not None and commit.error:
+            failures.append(f"{self.uri_of(key)}: {commit.error}")
+        return CacheWithdrawal(name, failures, owed, commit)
+
+    async def _landed(self, record: bytes, withdrawal: CacheWithdrawal) -> bool:
+        """The remote holds ``record`` and it is this node's pending commit of the generation: its upload
+        landed (the op is cleared), the save succeeded."""
+        key = layout.COMMIT
         try:
             landed = await self.link.call("get", self.remote.get, key, retries=2) == record
         except CheckpointError:
             landed = False
-        if landed and mine:
-            self.catalog.finish(self.rh, key, commit.ver)  # type: ignore[union-attr]
-            return None
-        errors = [f"{self.uri_of(k)}: {r.error}" for k, r in sorted(ours.items()) if r.error]
-        for k in [*ours, *([key] if mine else [])]:
+        if landed and withdrawal.commit is not None:
+            self.catalog.finish(self.rh, key, withdrawal.commit.ver)
+            return True
+        return False
+
+    async def _drop_withdrawn(self, withdrawal: CacheWithdrawal, record: bytes, base: bytes | None) -> None:
+        """Drop the generation's pending ops and cached copies; this node's view of ``COMMIT`` is ``base`` again
+        (the commit the save started from: pending again if it was pending here, else the remote's)."""
+        key, name, commit = layout.COMMIT, withdrawal.name, withdrawal.commit
+        for k in [*withdrawal.owed, *([key] if commit is not None else [])]:
             self._small.drop(k)
             self._unlink_dropped(k, self.catalog.record_delete(self.rh, k, deferred=False))
         self.catalog.forget_generations(self.rh, name)
-        if mine:
-            errors += [f"{self.uri_of(key)}: {commit.error}"] if commit.error else []  # type: ignore[union-attr]
-            order = commit.order  # type: ignore[union-attr]
-            previous = layout.CommitRecord.decode(base).generation if base is not None else None
-            known = previous is not None and self.catalog.generation_state(self.rh, previous) is not None
-            if known and order is not None and order.base != base:  # base was committed here only
-                restored = CommitOrder(cas=order.cas, base=order.base, after=None)
-                await self._write_whole(key, base, Op.COMMIT, previous, restored)  # type: ignore[arg-type]
-            elif base is not None and order is not None and order.base == base:  # the remote's
-                await self._store_fetched(key, base)  # for reads while the remote is unreachable
-        return errors
+        if commit is None:
+            return
+        order = commit.order
+        previous = layout.CommitRecord.decode(base).generation if base is not None else None
+        known = previous is not None and self.catalog.generation_state(self.rh, previous) is not None
+        if known and order is not None and order.base != base:  # base was committed here only
+            restored = CommitOrder(cas=order.cas, base=order.base, after=None)
+            await self._write_whole(key, base, Op.COMMIT, previous, restored)  # type: ignore[arg-type]
+        elif base is not None and order is not None and order.base == base:  # the remote's
+            await self._store_fetched(key, base)  # for reads while the remote is unreachable
 
     async def _stop_uploads(self, keys: set[str]) -> None:
         """Stop this process's upload tasks (and uploads that follow a write) of ``keys``; they stay pending."""

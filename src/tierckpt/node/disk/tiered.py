@@ -36,7 +36,9 @@ Lifecycle of a write (the process that saves; uploads may be finished by another
    ``tierckpt.sync``) in any later process adopts and finishes them.
 
 This module holds the store and its writes; reads are in ``readthrough.py``, uploads in
-``uploads.py``, the durability API in ``durable.py``; this process's upload tasks belong to the
+``uploads.py``, the durability API in ``durable.py`` (``sync``, ``wait_durable``, ``withdraw`` and the
+delete's deferral are the write-back link core's, :class:`~tierckpt.node.link.WriteBackLink`, whose hooks
+those answer); this process's upload tasks belong to the
 ``Uploader`` passed in (``uploader.py``; :func:`tierckpt.store.uploader_of` keeps one per directory).
 
 ``COMMIT`` records are the only mutable objects of the layout: reads of them go to the remote
@@ -56,7 +58,7 @@ from types import MappingProxyType
 import crc32c
 
 from tierckpt.native import layout
-from tierckpt.backends.base import UNCONDITIONAL, Backend, Link, ObjectWriter, ReadsInto, Unconditional
+from tierckpt.backends.base import UNCONDITIONAL, Backend, ObjectWriter, ReadsInto, Unconditional
 from tierckpt.backends.commit_check import commit_refused
 from tierckpt.backends.files import copy_range, discard, fsync_dir, open_temp, unlink, write_all
 from tierckpt.backends.local import LocalBackend
@@ -68,10 +70,11 @@ from tierckpt.io.scheduler import get_scheduler
 from tierckpt.native.keys import validate_key
 from tierckpt.node import ledger
 from tierckpt.node.ledger import Tier
+from tierckpt.node.link import WriteBackLink
 from tierckpt.node.nodeview import check_node_view
 from tierckpt.node.written import CrcWriter, WrittenCrc
 from tierckpt.node.disk.config import CacheConfig, cache_error
-from tierckpt.node.disk.durable import DurableMixin
+from tierckpt.node.disk.durable import CacheWithdrawal, DurableMixin
 from tierckpt.node.disk.local_files import SmallObjects
 from tierckpt.node.disk.readthrough import ReadThroughMixin
 from tierckpt.node.disk.records import CommitOrder, Op, PendingOp, Tree
@@ -156,8 +159,8 @@ class _TieredWriter(CrcWriter):
         await asyncio.to_thread(discard, self._fd, self._tmp)
 
 
-class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Link):
-    """A write-back, read-through cache in front of ``remote``; see the module docstring."""
+class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, WriteBackLink[CacheWithdrawal]):
+    """A write-back, read-through cache in front of ``remote``, on the write-back link core; see the module docstring."""
 
     schedules_itself = True
     """Its remote calls go through its scheduling link; callers add no slots or retries of their own."""
@@ -176,6 +179,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Lin
         self.uploader = uploader
         """This process's uploads and catalogue of the cache directory (one per directory: store.uploader_of)."""
         self.catalog = uploader.catalog
+        self.journal = self.catalog
         self.catalog.register_root(self.rh, remote.root_uri, self.remote.service)
         d = self.config.directory
         self.written = LocalBackend(os.path.join(d, "objects", self.rh))
@@ -349,19 +353,33 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Lin
         await check_node_view(self.uri_of(key), expected, node_view)
 
     async def delete(self, key: str) -> None:
+        """Drop ``key`` from this node's cache now, and from the remote by the link core's one rule: after a
+        pending ``COMMIT`` (:meth:`~tierckpt.node.link.WriteBackLink._delete_below`)."""
         validate_key(key)
         self._small.drop(key)
         await self._drop_tail(key, self.uploader.tails.get((self.rh, key)))
-        deferred = any(
-            r.op == Op.COMMIT and k != key for k, r in self.catalog.pending_under(self.rh).items()
-        )
+        await self._delete_below(key, exact=True)
+
+    def _commit_pending(self, what: str) -> bool:
+        """Whether the catalogue holds a pending ``COMMIT`` of this store other than ``what``."""
+        return any(r.op == Op.COMMIT and k != what for k, r in self.catalog.pending_under(self.rh).items())
+
+    async def _delete_now(self, what: str, *, exact: bool, superseded: str | None) -> None:
+        """Forget the cached ``what``, let an upload of it in flight land, then delete it on the remote."""
+        await self._forget_cached(what, deferred=False)
+        await self._upload_settled(what)  # an upload in flight must not land after the remote delete
+        await self.link.delete(what)
+
+    async def _delete_after_commit(self, what: str, *, exact: bool, superseded: str | None) -> None:
+        """Forget the cached ``what`` and record its delete as a pending op: its upload waits for every
+        ``COMMIT`` recorded before it (:meth:`~tierckpt.node.disk.uploads.UploadsMixin._waits_for`)."""
+        await self._forget_cached(what, deferred=True)
+        self.schedule(what)
+
+    async def _forget_cached(self, key: str, *, deferred: bool) -> None:
+        """Drop the cached copies and pending op of ``key``; ``deferred``: record its delete as pending."""
         dropped = self.catalog.record_delete(self.rh, key, deferred)
         await asyncio.to_thread(self._unlink_dropped, key, dropped)
-        if deferred:
-            self.schedule(key)
-            return
-        await self._upload_settled(key)  # an upload in flight must not land after the remote delete
-        await self.link.delete(key)
 
     async def _upload_settled(self, key: str) -> None:
         """Wait for this process's upload task of ``key``, if any, to finish."""

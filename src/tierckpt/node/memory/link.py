@@ -23,9 +23,11 @@ chain below's, the tier's alone while the chain below cannot be read. ``delete``
 to both; the chain below's part waits for a pending ``COMMIT`` write-down, so the chain below never
 names a generation that is gone.
 
-Durability (:class:`tierckpt.node.durability.Durable`): ``wait_durable`` waits for the write-down and then for
-the chain below's own durability; ``status`` reports each level; ``sync`` copies down what the tier
-holds that the chain below lacks, including what a dead process left.
+Durability (:class:`tierckpt.node.durability.Durable`), deletes below and ``withdraw`` are the write-back
+link core's (:class:`~tierckpt.node.link.WriteBackLink`), over the tier's write-down log: ``wait_durable``
+waits for the write-down and then for the chain below's own durability; ``sync`` copies down what the
+tier's committed generation still owes the chain below, including what a dead process left; ``status``
+reports each level (:mod:`.linkstatus`). This module answers the core's hooks.
 """
 
 from __future__ import annotations
@@ -38,28 +40,30 @@ from typing import Any, cast
 
 from tierckpt.backends.bounded import MAX_RECORD_BYTES, oversized, read_capped
 from tierckpt.backends.base import (
-    UNCONDITIONAL, Backend, Capabilities, Link, ObjectWriter, Segment, Unconditional,
+    UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Segment, Unconditional,
 )
+from tierckpt.comm import describe_error
 from tierckpt.errors import CheckpointError, CheckpointNotFoundError, TransientStorageError
+from tierckpt.io.scheduler import get_scheduler
 from tierckpt.native.keys import validate_key
-from tierckpt.native.layout import COMMIT
+from tierckpt.native.layout import COMMIT, CommitRecord, is_generation
 from tierckpt.node.host import node_id
+from tierckpt.node.runner import Entry
 from tierckpt.node.memory.config import MemoryConfig, MemoryTierFullError, OnFull
-from tierckpt.node.durability import durability_of
 from tierckpt.node.face import Spare
+from tierckpt.node.link import SyncScope, Withdrawal, WriteBackLink, generation_name
 from tierckpt.node.nodeview import check_node_view
-from tierckpt.node.memory.downlog import MEMORY_ONLY, DownLog, durable_copies, generation_of
+from tierckpt.node.memory.commitbelow import CATCH_UP
+from tierckpt.node.memory.downlog import MEMORY_ONLY, PERSIST, DownLog, durable_copies, generation_of
 from tierckpt.node.status import LinkStatus
 from tierckpt.node.memory.linkstatus import link_status
 from tierckpt.node.memory.linkwriter import LinkWriter
 from tierckpt.node.memory.mapped import MappedFile, SpareFile, is_spare, open_mapped, prepare_in_background, take_spare
 from tierckpt.node.memory.memory import MemoryTier
 from tierckpt.node.memory.nodememory import NodeMemory
-from tierckpt.node.memory.roots import commit_seq, record_of, tier_uri
-from tierckpt.node.memory.withdraw import drop_uncommitted, withdraw
+from tierckpt.node.memory.roots import commit_seq, empty_tier, record_of, tier_uri
 from tierckpt.node.memory.nospace import is_no_space, no_space_error
-from tierckpt.node.memory.linkdeletes import delete_from
-from tierckpt.node.memory.writedown import WriteDown
+from tierckpt.node.memory.writedown import WriteDown, drop_tier
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +74,8 @@ generation before the next check (a check walks the node's tier); 16 processes w
 fill the free room, so the budget holds for up to 16 writers of a node."""
 
 
-class MemoryLink(Link):
-    """The node memory tier in front of ``below`` (see the module docstring)."""
+class MemoryLink(WriteBackLink[Withdrawal]):
+    """The node memory tier in front of ``below``, on the write-back link core (see the module docstring)."""
 
     schedules_itself = True
     """Its calls reach the chain below, which schedules its own remote calls."""
@@ -86,6 +90,7 @@ class MemoryLink(Link):
         self.capabilities = Capabilities()  # a read may be served by the tier or by the chain below
         self.origin = node_id()
         self.down = DownLog(self.memory_tier)
+        self.journal = self.down
         self.writedown = WriteDown(self)
         self._written: set[str] = set()
         self._readable: set[str] = set()
@@ -359,42 +364,175 @@ class MemoryLink(Link):
         mine = [k for k in await self.memory_tier.list(prefix) if generation_of(k) is not None and not is_spare(k)]
         return sorted(set(below) | set(mine))
 
-    # -- deletes (.linkdeletes) ---------------------------------------------------------------------------
+    # -- deletes ---------------------------------------------------------------------------------------
     async def delete(self, key: str) -> None:
         validate_key(key)
-        await delete_from(self, key, exact=True)
+        await self._delete(key, exact=True)
 
     async def delete_prefix(self, prefix: str) -> None:
-        await delete_from(self, prefix, exact=False)
+        await self._delete(prefix, exact=False)
 
-    # -- durability (tierckpt.store.Durable) -----------------------------------------------------------
-    async def wait_durable(self, generation: str | None = None, timeout_s: float | None = None, *,
-                           through_outage: bool = True) -> None:
-        """Wait until the write-down (of ``generation``) is done, then for the chain below's durability."""
+    async def _delete(self, what: str, *, exact: bool) -> None:
+        """Drop ``what`` (a key with ``exact``, else a prefix) from the tier now, and from the chain below by
+        the link core's rule (:meth:`~tierckpt.node.link.WriteBackLink._delete_below`): after a pending
+        ``COMMIT`` write-down, so the chain below never names what is deleted there."""
+        await self.writedown.cancel(what, exact=exact)
+        generation = generation_of(what) or (what.rstrip("/") if is_generation(what.rstrip("/")) else None)
+        whole = not exact and generation is not None and generation == what.rstrip("/")
+        tier_only = whole and await asyncio.to_thread(self._newest_is_memory_only)
+        if exact:
+            await self.memory_tier.delete(what)
+            self.forget_prefix(what, exact=True)
+        else:
+            if whole:
+                # A whole generation (the sweep's superseded one): evicted, its unread pages to the pool.
+                await asyncio.to_thread(self.memory.retire, self.memory_tier, generation)
+            else:
+                await self.memory_tier.delete_prefix(what)
+                if generation:
+                    await asyncio.to_thread(self.memory_tier.evict, generation)
+            self.forget_prefix(what)
+            if generation:
+                await asyncio.to_thread(self.down.forget, generation)
+            for gen in self.memory_tier.generations() if not what else []:
+                await asyncio.to_thread(self.memory_tier.evict, gen)
+                await asyncio.to_thread(self.down.forget, gen)
+            await self._delete_nested(what)
+        if tier_only:
+            return  # the chain below still serves its own newest commit, whichever generation that is
+        await self._delete_below(what, exact=exact, superseded=generation if whole else None)
+
+    def _newest_is_memory_only(self) -> bool:
+        """Whether the tier's ``COMMIT`` names a generation saved with ``persist=False``: the chain below
+        then still holds an older commit, and a superseded generation (the sweep's) is dropped from the
+        tier only — deleting it below could take the files of the commit the chain below names."""
+        record = self.memory_tier.committed()
+        return record is not None and self.down.state(record.generation).memory_only
+
+    async def _delete_nested(self, prefix: str) -> None:
+        """Drop from the node's tier every URI rooted under ``prefix`` of this one (a root deleting a
+        step: the step's own tier), stopping this process's write-downs of them first."""
+        base = f"{self.memory_tier.uri.rstrip('/')}/{prefix}"
+        for tier in await asyncio.to_thread(self.memory.tiers):
+            if tier.uri == self.memory_tier.uri or not f"{tier.uri}/".startswith(base):
+                continue
+            await drop_tier(tier.home)
+            await asyncio.to_thread(empty_tier, tier)
+
+    def _commit_pending(self, what: str) -> bool:
+        """Whether this process's newest ``COMMIT`` write-down of the tier still runs."""
+        last = self.writedown.last_commit()
+        return last is not None and last.running()
+
+    async def _delete_now(self, what: str, *, exact: bool, superseded: str | None) -> None:
+        """Delete ``what`` below, unless it is the ``superseded`` generation and the newest ``COMMIT``
+        write-down failed: the chain below may still name that generation, so it is kept there (a leftover
+        for ``tierckpt gc``) rather than deleted under its commit."""
+        last = self.writedown.last_commit()
+        failed = superseded is not None and last is not None and last.failure
+        if failed:
+            log.warning("%s: generation %s is kept below: the write-down of the newer COMMIT failed (%s)",
+                        self.memory_tier.uri, superseded, describe_error(failed))
+            return
+        await (self.below.delete(what) if exact else self.below.delete_prefix(what))
+
+    async def _delete_after_commit(self, what: str, *, exact: bool, superseded: str | None) -> None:
+        """Delete ``what`` below in the background, once the pending ``COMMIT`` write-down settled."""
+        last = self.writedown.last_commit()
+
+        async def deferred() -> None:
+            if last is not None:
+                await last.settled()
+            try:
+                await self._delete_now(what, exact=exact, superseded=superseded)
+            except CheckpointError as exc:
+                log.warning("a delete below %s after its write-down failed: %s", self.memory_tier.uri, exc)
+
+        self.writedown.deferred.append(get_scheduler().submit(deferred(), background=True))
+
+    # -- durability (tierckpt.node.durability.Durable, on the link core) -----------------------------------
+    async def _wait_own(self, generation: str | None, timeout_s: float | None, *, through_outage: bool) -> None:
+        """Wait until the write-down (of ``generation``) is done (:meth:`.writedown.WriteDown.wait`)."""
         await self.writedown.wait(generation, timeout_s, through_outage=through_outage)
-        durable = durability_of(self.below)
-        if durable is not None:
-            await durable.wait_durable(generation, timeout_s, through_outage=through_outage)
 
-    async def drop_uncommitted(self, generation: str) -> None:
-        """This node's part of a failed save leaves the tier (see :func:`.withdraw.drop_uncommitted`)."""
-        await drop_uncommitted(self, generation)
+    async def _sync_scope(self) -> SyncScope | None:
+        """A ``sync`` writes down the tier's committed generation (a ``persist=False`` one too: it is logged
+        as persisted first); ``None`` when the tier holds no commit."""
+        record = await asyncio.to_thread(self.memory_tier.committed)
+        if record is None:
+            return None
+        generation = record.generation
+        if (await asyncio.to_thread(self.down.state, generation)).memory_only:
+            await asyncio.to_thread(self.down.append, generation, PERSIST, generation)
+            self.memory_only.discard(generation)
+        return SyncScope(generation, generation)
 
-    async def withdraw(self, generation: str, record: bytes, base: bytes | None) -> list[str] | None:
-        """Take back a commit that was not written down (:class:`tierckpt.store.Revocable`; :mod:`.withdraw`)."""
-        return await withdraw(self, generation, record, base)
+    async def _take_over(self, scope: SyncScope, key: str) -> None:
+        """Copy ``key`` of the synced generation down (its ``COMMIT``: committed below, caught up), unless a
+        write-down of this process runs it already."""
+        generation = scope.journal
+        if key != COMMIT:
+            if not _running(self.writedown.runner.entry(key)):
+                self.writedown.file(key)
+            return
+        if _running(self.writedown.runner.entry((COMMIT, generation))):
+            return
+        data = await asyncio.to_thread(read_capped, self.memory_tier.path_of(COMMIT), MAX_RECORD_BYTES)
+        record = CommitRecord.decode(data)
+        if record.generation == generation:
+            self.writedown.commit(data, record, CATCH_UP, None)
 
     async def status(self) -> LinkStatus:
         """Each level of the newest checkpoint (see :class:`~.linkstatus.LinkStatus`)."""
         return await link_status(self)
 
-    async def sync(self, timeout_s: float | None = None) -> None:
-        """Copy down what the tier holds and the chain below lacks (left by this or a dead process),
-        ``COMMIT`` last, then wait for the chain below's own sync."""
-        await self.writedown.sync(timeout_s)
-        durable = durability_of(self.below)
-        if durable is not None:
-            await durable.sync(timeout_s)
+    # -- withdrawal (the link core's steps) ---------------------------------------------------------------
+    async def _stop_copies(self, name: str) -> Withdrawal:
+        """Stop this process's write-downs of generation ``name`` and of its ``COMMIT``; why they failed."""
+        failures = [f"{self.uri_of(key)}: {why}" for key, (why, _) in sorted(self.writedown.failures.items())
+                    if generation_of(key) == name or key == COMMIT]
+        await self.writedown.cancel(f"{name}/", exact=False)  # its files' and its COMMIT's write-downs
+        return Withdrawal(name, failures)
+
+    async def _landed(self, record: bytes, withdrawal: Withdrawal) -> bool:
+        """Whether the chain below's ``COMMIT`` is ``record`` (a chain below that is not write-back)."""
+        try:
+            return await self.below.get(COMMIT) == record
+        except CheckpointError:
+            return False
+
+    async def _drop_withdrawn(self, withdrawal: Withdrawal, record: bytes, base: bytes | None) -> None:
+        """The tier's ``COMMIT`` is the save's base again when the tier holds that generation (a checkpoint
+        saved with ``persist=False`` stays committed in memory), else it goes; the generation's files,
+        manifests and write-down log leave the tier."""
+        await asyncio.to_thread(self._drop_from_tier, withdrawal.name, record, base)
+
+    def _drop_from_tier(self, name: str, record: bytes, base: bytes | None) -> None:
+        tier = self.memory_tier
+        previous = CommitRecord.decode(base).generation if base is not None else None
+        if previous is not None and previous != name and tier.keys_of(previous):
+            tier.commit_in_thread(COMMIT, base, record)  # type: ignore[arg-type]  # back to the save's base
+        tier.evict(name)  # COMMIT first when it still names the generation
+        self.down.forget(name)
+        self.forget_keys(name)
+
+    async def drop_uncommitted(self, generation: str) -> None:
+        """A save of ``generation`` failed on its committing rank (which withdraws the commit on its own node):
+        on every other node the generation's write-downs stop and its files leave the tier, unless the tier's
+        ``COMMIT`` names it (then it was committed after all: nothing is dropped). The chain below is left to
+        the committing rank."""
+        name = generation_name(generation)
+        record = await asyncio.to_thread(self.memory_tier.committed)
+        if record is not None and record.generation == name:
+            return
+        await self.writedown.cancel(f"{name}/", exact=False)
+        await asyncio.to_thread(self.memory_tier.evict, name)
+        await asyncio.to_thread(self.down.forget, name)
+        self.forget_keys(name)
 
     async def close(self) -> None:
         """Nothing to release: write-downs keep running in the background (see :meth:`wait_durable`)."""
+
+
+def _running(entry: Entry | None) -> bool:
+    return entry is not None and entry.running()

@@ -1,7 +1,7 @@
 """What the memory link's helpers see of it: :class:`LinkView`, a protocol (so they never import the link).
 
 The write-down (:mod:`.writedown`), the status (:mod:`.linkstatus`), the mapped snapshot files
-(:mod:`.mapped`), the streamed writer (:mod:`.linkwriter`) and the withdrawal (:mod:`.withdraw`) each take
+(:mod:`.mapped`), the streamed writer (:mod:`.linkwriter`) and the exit drain (:mod:`.downdrain`) each take
 the :class:`~.link.MemoryLink` they serve as a ``LinkView``; the link imports them, never the reverse.
 """
 

@@ -22,25 +22,24 @@ import concurrent.futures
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 
 from tierckpt.backends.base import Unconditional
 from tierckpt.comm import describe_error
-from tierckpt.backends.bounded import MAX_RECORD_BYTES, read_capped
+from tierckpt.backends.bounded import MAX_RECORD_BYTES
 from tierckpt.errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError,
     TransientStorageError,
 )
-from tierckpt.io.scheduler import get_scheduler
 from tierckpt.native.layout import COMMIT, CommitRecord
-from tierckpt.node.memory.commitbelow import CATCH_UP, commit_below
+from tierckpt.node.memory.commitbelow import commit_below
 from tierckpt.node.memory.copydown import copy_down
 from tierckpt.node import lifecycle
 from tierckpt.node.durability import durability_of, wait_owed
 from tierckpt.node.journal import Outstanding
 from tierckpt.backends.retry import WRITE_DOWN, RetryPolicy
 from tierckpt.node.runner import Blocked, Entry, TaskRunner
-from tierckpt.node.memory.downlog import PERSIST, generation_of
+from tierckpt.node.memory.downlog import generation_of
 from tierckpt.node.memory.downdrain import ACTIVE as _ACTIVE, ACTIVE_LOCK as _ACTIVE_LOCK, MEMORY_ONLY as _MEMORY_ONLY, sync_command
 from tierckpt.node.memory.linkview import LinkView
 
@@ -215,6 +214,12 @@ class WriteDown:
                 previous = None  # the same generation's commit again: it supersedes that one
             _LAST_COMMIT[home] = self.runner.ensure(key, _CommitDown(self, data, record, expected, after, previous))
 
+    def last_commit(self) -> Entry | None:
+        """This process's newest ``COMMIT`` write-down of the tier, whichever link made it (running, done or
+        failed for good): what a delete below follows (the link core's rule)."""
+        with _ACTIVE_LOCK:
+            return _LAST_COMMIT.get(self.link.memory_tier.home)
+
     def held_in_memory(self, generation: str) -> None:
         """``generation`` was committed in the tier to stay there only (``persist=False``)."""
         with _ACTIVE_LOCK:
@@ -268,27 +273,6 @@ class WriteDown:
             return False
         return record is not None and record.generation == generation and below.generation == generation
 
-    async def sync(self, timeout_s: float | None) -> None:
-        """Copy down the tier's committed generation wherever the chain below lacks it (files not being
-        copied by a live process, then ``COMMIT``), and wait for it."""
-        tier, down = self.link.memory_tier, self.link.down
-        record = await asyncio.to_thread(tier.committed)
-        if record is None:
-            return
-        generation = record.generation
-        state = await asyncio.to_thread(down.state, generation)
-        if state.memory_only:  # saved with persist=False: a sync takes it down after all
-            await asyncio.to_thread(down.append, generation, PERSIST, generation)
-            self.link.memory_only.discard(generation)
-        for key in await asyncio.to_thread(down.pending, generation, state):
-            if key != COMMIT and key not in state.busy and not _running(self.runner.entry(key)):
-                self.file(key)
-        if COMMIT not in state.done and COMMIT not in state.busy and not _running(self.runner.entry((COMMIT, generation))):
-            data = read_capped(tier.path_of(COMMIT), MAX_RECORD_BYTES)
-            if CommitRecord.decode(data).generation == generation:
-                self.commit(data, record, CATCH_UP, None)
-        await self.wait(generation, timeout_s, through_outage=True)
-
     # -- deletes ---------------------------------------------------------------------------------------
     async def cancel(self, what: str, *, exact: bool) -> None:
         """Stop this process's write-downs of a key (``exact``) or of everything under a prefix, through any
@@ -306,36 +290,6 @@ class WriteDown:
             for key in [k for k in w.failures if hit(k)]:
                 w.failures.pop(key, None)
                 w.corrupt.pop(key, None)
-
-    async def after_commits(self, step: Callable[[], Awaitable[None]], *, superseded: str | None = None) -> None:
-        """Run ``step`` (a delete below) now, or after the pending ``COMMIT`` write-down when there is one.
-
-        ``superseded``: the step deletes that generation because a newer commit superseded it (the sweep).
-        If the newest ``COMMIT`` write-down failed, the chain below may still name that generation, so
-        it is kept there (a leftover for ``tierckpt gc``) rather than deleted under its commit."""
-        with _ACTIVE_LOCK:
-            previous = _LAST_COMMIT.get(self.link.memory_tier.home)
-
-        async def run() -> None:
-            failed = superseded is not None and previous is not None and previous.failure
-            if failed:
-                log.warning("%s: generation %s is kept below: the write-down of the newer COMMIT failed (%s)",
-                            self.link.memory_tier.uri, superseded, describe_error(failed))
-                return
-            await step()
-
-        if previous is None or not previous.running():
-            await run()
-            return
-
-        async def deferred() -> None:
-            await previous.settled()
-            try:
-                await run()
-            except CheckpointError as exc:
-                log.warning("a delete below %s after its write-down failed: %s", self.link.memory_tier.uri, exc)
-
-        self.deferred.append(get_scheduler().submit(deferred(), background=True))
 
 
 class _WriteDowns:
@@ -415,10 +369,6 @@ def _writedowns(home: str) -> list[WriteDown]:
     """This process's write-downs from the tier at ``home``."""
     with _ACTIVE_LOCK:
         return [w for w in _ACTIVE if isinstance(w, WriteDown) and w.link.memory_tier.home == home]
-
-
-def _running(entry: Entry | None) -> bool:
-    return entry is not None and entry.running()
 
 
 def _of(key: Hashable, generation: str | None, *, commits: bool) -> bool:
