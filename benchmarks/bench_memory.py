@@ -1,6 +1,6 @@
 """The node memory tier: save stall, time to ``replicated``, recovery, training-loop overhead, memory.
 
-    python benchmarks/bench_memory.py [--gib 0.5] [--repeats 3] [--steps 40] [--every 5] [--ranks-per-node 1]
+    python benchmarks/bench_memory.py [--gib 0.5] [--repeats 3] [--steps 80] [--every 5] [--ranks-per-node 1]
                                       [--out docs/benchmarks.md]
 
 Two simulated nodes (``TIERCKPT_NODE_ID`` and ``TIERCKPT_MEMORY_DIR`` per node, the memory directories under
@@ -25,7 +25,9 @@ save and recovery parts (a lost node's ranks then receive their bytes over as ma
 * **training loop**: a small MLP + AdamW trained ``--steps`` steps on the 2 ranks (DDP), checkpointed every
   ``--every`` steps — no checkpoint, tierckpt ``async_save`` with the memory tier (every checkpoint
   written down, and only one in ``--persist-every``, the others ``persist=False``), DCP ``async_save`` —
-  as the percentage by which the loop is slower than without checkpoints.
+  as the percentage by which the loop is slower than without checkpoints; and the CPU per checkpoint beyond
+  the loop without checkpoints, counted until every save's background work is done (tierckpt's replica
+  and write-down, DCP's write), each repeat's beside the median, and rank 0's by thread.
 * **memory**: peak RSS above the state's and the bytes in the memory tier after the saves, per node.
 * **bytes** (``--parts bytes``, not run by default): the node tiers' bytes per checkpoint byte, landed and
   read back per tier (:mod:`bench_node_bytes`, one process, ``--gib`` of state).
@@ -204,15 +206,40 @@ def recovery(gib: float, disk: str, memory_root: str, timeout_s: float, repeats:
 # -- training-loop overhead ----------------------------------------------------------------------
 MEMONLY = "memonly"
 TRAIN_MODES = ["none", "tierckpt", MEMONLY, "dcp"]
+EXITED = "(threads that exited)"
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of each live thread of this process so far, summed by name (Linux ``/proc``; numbered
+    pool threads as one name). A thread that exited is gone from here: :data:`EXITED` is what the process's
+    total has beyond its live threads."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue  # exited meanwhile
+        name = names.get(int(tid), comm).rstrip("0123456789_-")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def train_ranks(rank: int, world: int, mode: str, steps: int, every: int, hidden: int, disk: str, memory_root: str,
-                persist_every: int) -> dict[str, float]:
+                persist_every: int) -> dict[str, Any]:
     """Seconds for ``steps`` training steps, checkpointing every ``every`` steps as ``mode`` says (``memonly``:
     tierckpt writing down only every ``persist_every``-th checkpoint, the others ``persist=False``); and of
     them, the seconds inside the checkpoint calls (``stall``) and waiting for the previous save (``wait``);
-    and the CPU seconds the rank's process spent meanwhile, all its threads (``cpu``): on cores that
-    training keeps busy, the background work of the saves costs the loop about what it costs in CPU."""
+    and the CPU seconds the rank's process spent, all its threads (``cpu``), from the loop's start until every
+    checkpoint's background work is done (the last save waited for to its final level, then a barrier, so
+    the peer's replica of it is in too): every checkpoint's whole cost, whichever library leaves more of it
+    to after its call. On cores that training keeps busy, that work costs the loop about what it costs in CPU."""
     import resource
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -235,10 +262,13 @@ def train_ranks(rank: int, world: int, mode: str, steps: int, every: int, hidden
 
     ckpt_group = dist.new_group(backend="gloo")  # DCP's async collectives must not race DDP's on the default group
 
+    def persisted(i: int) -> bool:
+        return mode != MEMONLY or (i // every) % persist_every == 0
+
     def checkpoint(i: int) -> Any:
         state = {"model": model, "optim": optim}
         if mode in ("tierckpt", MEMONLY):
-            persist = mode == "tierckpt" or (i // every) % persist_every == 0
+            persist = persisted(i)
             return tierckpt.async_save(os.path.join(disk, f"train-{mode}"), state, persist=persist)
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -249,13 +279,17 @@ def train_ranks(rank: int, world: int, mode: str, steps: int, every: int, hidden
     def finish(handle: Any) -> None:
         handle.wait() if mode != "dcp" else handle.result()
 
+    def settle(handle: Any, persisted: bool) -> None:
+        """Wait for all of a save's background work: DCP's write, tierckpt's replica and (persisted) write-down."""
+        handle.result() if mode == "dcp" else handle.wait("remote" if persisted else "replicated")
+
     for _ in range(3):  # warm-up: allocator, autograd, optimizer state, and one checkpoint
         step()
     if mode != "none":
         finish(checkpoint(0))
     dist.barrier()
     stall = wait = 0.0
-    usage = resource.getrusage(resource.RUSAGE_SELF)
+    usage, threads = resource.getrusage(resource.RUSAGE_SELF), thread_cpu()
     start = time.perf_counter()
     for i in range(1, steps + 1):
         step()
@@ -269,16 +303,18 @@ def train_ranks(rank: int, world: int, mode: str, steps: int, every: int, hidden
         t2 = time.perf_counter()
         wait, stall = wait + t1 - t0, stall + t2 - t1
     seconds = time.perf_counter() - start
-    end = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = end.ru_utime + end.ru_stime - usage.ru_utime - usage.ru_stime
     if pending is not None:
-        finish(pending)
+        settle(pending, persisted(steps - steps % every))
     dist.barrier()
-    return {"seconds": seconds, "stall": stall, "wait": wait, "cpu": cpu}
+    end, threads_end = resource.getrusage(resource.RUSAGE_SELF), thread_cpu()
+    cpu = end.ru_utime + end.ru_stime - usage.ru_utime - usage.ru_stime
+    per_thread = {name: t - threads.get(name, 0.0) for name, t in threads_end.items()}
+    per_thread[EXITED] = cpu - sum(per_thread.values())
+    return {"seconds": seconds, "stall": stall, "wait": wait, "cpu": cpu, "threads": per_thread}
 
 
-def training(args: argparse.Namespace, disk: str, memory_root: str) -> dict[str, list[dict[str, float]]]:
-    out: dict[str, list[dict[str, float]]] = {mode: [] for mode in TRAIN_MODES}
+def training(args: argparse.Namespace, disk: str, memory_root: str) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {mode: [] for mode in TRAIN_MODES}
     for r in range(args.repeats):
         for mode in TRAIN_MODES if r % 2 == 0 else TRAIN_MODES[::-1]:
             out[mode].append(C.run_ranks(train_ranks, 2, mode, args.steps, args.every, args.hidden, disk, memory_root,
@@ -338,7 +374,7 @@ def recovery_section(rec: dict[str, Any]) -> list[str]:
                           "ratio (load calls)"], rec_rows)]
 
 
-def training_section(args: argparse.Namespace, train: dict[str, list[dict[str, float]]]) -> list[str]:
+def training_section(args: argparse.Namespace, train: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The training-loop table (empty when the training part did not run)."""
     if not train:
         return []
@@ -347,17 +383,43 @@ def training_section(args: argparse.Namespace, train: dict[str, list[dict[str, f
     saves = args.steps // args.every
     base_cpu = med([r["cpu"] for r in train["none"]])
     names = {MEMONLY: f"tierckpt, 1 in {args.persist_every} written down"}
+
+    def cpu_ms(mode: str) -> str:
+        """The median CPU milliseconds per checkpoint, and each repeat's (against the median loop without)."""
+        each = [1000 * (r["cpu"] - base_cpu) / saves for r in train[mode]]
+        return f"{med(each):.0f} ({' / '.join(f'{x:.0f}' for x in each)})"
+
     rows = [[names.get(mode, mode), C.runs([r["seconds"] for r in train[mode]]), f"{100 * (med([r['seconds'] for r in train[mode]]) / base - 1):+.1f} %",
              f"{1000 * med([r['stall'] for r in train[mode]]) / saves:.1f}", f"{1000 * med([r['wait'] for r in train[mode]]) / saves:.1f}",
-             f"{1000 * (med([r['cpu'] for r in train[mode]]) - base_cpu) / saves:.0f}"]
+             cpu_ms(mode)]
             for mode in TRAIN_MODES]
     return [f"Training loop, {args.steps} steps, a checkpoint every {args.every} (seconds, all repeats; overhead against "
             "no checkpoint; per checkpoint, rank 0's milliseconds inside the checkpoint call and waiting for the "
             "previous save, and the CPU milliseconds its process spent beyond the loop without checkpoints, all "
-            "threads):\n\n" + C.md_table(["mode", "seconds", "overhead", "stall ms", "wait ms", "CPU ms"], rows)]
+            "threads, until every checkpoint's background work was done: the median, then each repeat's):\n\n" + C.md_table(["mode", "seconds", "overhead", "stall ms", "wait ms", "CPU ms"], rows),
+            thread_section(train, saves)]
 
 
-def report(args: argparse.Namespace, saves: list[dict[str, Any]], rec: dict[str, Any], train: dict[str, list[dict[str, float]]],
+def thread_section(train: dict[str, list[dict[str, Any]]], saves: int) -> str:
+    """Rank 0's CPU milliseconds per checkpoint by thread, beyond the loop without checkpoints (medians over
+    the repeats; the clock ticks of ``/proc`` are 10 ms, so a cell under about 10 / checkpoints is noise)."""
+    med = C.median
+    names = sorted({n for runs in train.values() for r in runs for n in r["threads"]} - {EXITED}) + [EXITED]
+
+    def cell(mode: str, name: str) -> float:
+        base = med([r["threads"].get(name, 0.0) for r in train["none"]])
+        return 1000 * (med([r["threads"].get(name, 0.0) for r in train[mode]]) - base) / saves
+
+    modes = [m for m in TRAIN_MODES if m != "none"]
+    rows = [[name, *(f"{cell(m, name):.0f}" for m in modes)] for name in names
+            if any(abs(cell(m, name)) >= 0.5 for m in modes)]
+    headers = {MEMONLY: "tierckpt, some written down"}
+    return ("Where that CPU went: rank 0's CPU milliseconds per checkpoint by thread, beyond the same thread in the "
+            "loop without checkpoints (medians; threads of a pool summed; a thread that exited before the end is "
+            f"only in \"{EXITED}\"):\n\n" + C.md_table(["thread", *(headers.get(m, m) for m in modes)], rows))
+
+
+def report(args: argparse.Namespace, saves: list[dict[str, Any]], rec: dict[str, Any], train: dict[str, list[dict[str, Any]]],
            disk: str) -> str:
     save_table, *memory_table = save_section(saves) or [None]
     sections = [
@@ -374,7 +436,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=80, help="training steps per loop (16 checkpoints at --every 5)")
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--persist-every", type=int, default=4,
@@ -402,7 +464,7 @@ def main() -> None:
     try:
         saves: list[dict[str, Any]] = []
         rec: dict[str, Any] = {}
-        train: dict[str, list[dict[str, float]]] = {}
+        train: dict[str, list[dict[str, Any]]] = {}
         if "save" in parts:
             progress("saves")
             saves = C.run_ranks(save_ranks, 2 * args.ranks_per_node, args.gib, args.repeats, disk, memory_root,

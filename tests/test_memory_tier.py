@@ -275,3 +275,27 @@ async def test_a_superseded_generation_is_dropped_first(tmp_path: Path) -> None:
     assert not by_id[copy_id(URI, new)].superseded and by_id[copy_id(URI, new)].sealed
     assert node.admit("s3://b/other", "g-z", 2000, set()).evict == (copy_id(URI, old),)
     assert tier.generations() == [new] and tier.committed().generation == new
+
+
+async def test_a_replica_recorded_while_its_declaration_is_read_stays_a_replica(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver records a replica's manifest (its ``.json`` written, then its declaration unlinked) while the
+    write-down asks which files are replicas: the declaration it listed is gone when it reads it. The keys are
+    still the peer's (read from the manifest that replaced it), and nothing raises."""
+    from tierckpt.node.memory.downlog import DownLog
+
+    tier = MemoryTier(URI, config(tmp_path))
+    generation, _ = await write_checkpoint(tier, 1, {"data/rank-00000.bin": 10})
+    theirs = {f"{generation}/data/rank-00001.bin": b"a" * 20}
+    sent = Manifest(uri=URI, generation=generation, origin="node-b", created_unix=time.time(),
+                    files=tuple((k, FileEntry(len(v), crc32c.crc32c(v))) for k, v in theirs.items()))
+    tier.expect(sent)
+    read = memory.read_capped
+
+    def recorded_meanwhile(path: str, limit: int) -> bytes:
+        if path.endswith(memory.ARRIVING) and os.path.exists(path):
+            tier.record(sent)  # the receiver's turn, between the listing and this read
+        return read(path, limit)
+
+    monkeypatch.setattr(memory, "read_capped", recorded_meanwhile)
+    assert DownLog(tier).replicas(generation, "node-a") == set(theirs)

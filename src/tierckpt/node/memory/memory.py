@@ -222,7 +222,8 @@ class MemoryTier(LocalBackend, NodeTier):
 
     def manifests(self, generation: str, suffix: str = ".json") -> list[Manifest]:
         """The manifests of ``generation`` (one per origin), sorted by origin (``suffix=ARRIVING``: those
-        declared by :meth:`expect` and not yet recorded)."""
+        declared by :meth:`expect` and not yet recorded). One listed but gone when read was dropped meanwhile:
+        a declaration :meth:`record` replaced, or a generation evicted; it is left out."""
         directory = self._manifest_dir(generation)
         if not os.path.isdir(directory):
             return []
@@ -230,14 +231,21 @@ class MemoryTier(LocalBackend, NodeTier):
         for name in sorted(os.listdir(directory)):
             if name.endswith(suffix) and not is_temp_name(name):
                 path = os.path.join(directory, name)
-                out.append(Manifest.decode(read_capped(path, MAX_TIER_RECORD_BYTES), path))
+                try:
+                    data = read_capped(path, MAX_TIER_RECORD_BYTES)
+                except FileNotFoundError:
+                    continue
+                out.append(Manifest.decode(data, path))
         return sorted(out, key=lambda m: m.origin)
 
     def listed(self, generation: str, *, besides: Iterable[str]) -> set[str]:
         """The keys of ``generation`` that origins other than ``besides`` put here: listed by their manifests,
-        or arriving from them (:meth:`expect`). What the node's own seal leaves out, and its write-down too."""
+        or arriving from them (:meth:`expect`). What the node's own seal leaves out, and its write-down too.
+
+        The declarations are read before the manifests: :meth:`record` writes an origin's manifest before it
+        drops its declaration, so a declaration gone when read is found as a manifest after it."""
         mine = set(besides)
-        return {key for suffix in (".json", ARRIVING) for m in self.manifests(generation, suffix)
+        return {key for suffix in (ARRIVING, ".json") for m in self.manifests(generation, suffix)
                 if m.origin not in mine for key, _ in m.files}
 
     def held(self, generation: str) -> dict[str, FileEntry]:
