@@ -37,12 +37,15 @@ def wire_ranks(rank: int, world: int, nbytes: int, lanes: list[int], chunk_bytes
 
     from tierckpt.loading import peer_lanes
     from tierckpt.comm import Comm
+    from tierckpt.node.memory import sidegroup
 
     buffer = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else torch.zeros(nbytes, dtype=torch.uint8)
     out: dict[tuple[int, int], list[float]] = {}
     for count in lanes:
-        peer_lanes.LANES = count
-        peer_lanes._made.clear()  # a lanes group of ``count`` devices
+        # a side group of ``count`` lanes (and the replicators' device after them)
+        peer_lanes.LANES = sidegroup.LANES = sidegroup.REPLICA_DEVICE = count
+        sidegroup.DEVICES = count + 1
+        sidegroup._made.clear()
         for chunk in chunk_bytes:
             seconds = []
             for _ in range(repeats + 1):
