@@ -70,7 +70,7 @@ from tierckpt.node.memory.wire import Wire
 
 log = logging.getLogger(__name__)
 
-_KIND_HEADER, _KIND_REPLY, _KIND_DATA, _KIND_ACK, _KIND_BYE = 1, 2, 3, 4, 5
+_KIND_CONNECT, _KIND_HEADER, _KIND_REPLY, _KIND_DATA, _KIND_ACK, _KIND_BYE = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +136,9 @@ class Replicator:
             )
             lower_priority_of_new(threads)  # the group's own gloo threads copy every replicated byte
             self._wire = Wire(self._ranks, self._timeout, own=own)
+        if self.is_leader and self.plan.replicas:  # the leaders' pairs connected now, each within timeout_s
+            peers = (*self.plan.targets(self.node), *self.plan.sources(self.node))
+            self._wire.connect((self._leader(peer) for peer in peers), _KIND_CONNECT)
         self._broken: dict[int, str] = {}
         self._drain: tuple[torch.Tensor, ...] | None = None
         self._receiving: collections.OrderedDict[tuple[str, str], threading.Event] = collections.OrderedDict()
