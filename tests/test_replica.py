@@ -307,6 +307,46 @@ def test_without_a_side_group_the_replicator_uses_a_group_of_its_own(dist_pool, 
             assert tier_file(tmp_path, node, f"{generation}/data/rank-{rank:05d}.bin") == data_of(rank)
 
 
+def _a_leader_that_never_connects_scenario(workdir: str) -> dict:
+    """Over a new group (side group timeout 20 s), node-1's leader (rank 2) builds its replicator without
+    connecting its pairs; node-0's leader, with a replicator timeout of 3 s, fails while building its own."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from tierckpt.node.memory import MemoryConfig, NodeMemory
+    from tierckpt.node.memory.replica import Replicator
+    from tierckpt.node.memory.wire import Wire
+
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=20))
+    connect = Wire.connect
+    if rank == 2:
+        Wire.connect = lambda self, peers, kind: None  # type: ignore[method-assign]
+    out: dict = {}
+    try:
+        with _as_node(rank) as node_name:
+            node = NodeMemory(MemoryConfig(directory=os.path.join(workdir, node_name), budget_bytes=1 << 30))
+            started = time.monotonic()
+            try:
+                Replicator(node, group=group, timeout_s=3).close()
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                out["error"] = f"{type(exc).__name__}: {exc}"
+            out["seconds"] = time.monotonic() - started
+    finally:
+        Wire.connect = connect  # type: ignore[method-assign]
+    dist.barrier()
+    return out
+
+
+def test_a_leader_that_never_connects_fails_the_replicator_within_its_timeout(dist_pool, tmp_path: Path) -> None:
+    results = dist_pool.run(_a_leader_that_never_connects_scenario, str(tmp_path))
+    assert "error" not in results[1] and "error" not in results[2] and "error" not in results[3], results
+    assert results[0]["error"].startswith("CollectiveError: peer replicas: rank 2 did not connect to rank 0"), results[0]
+    assert results[0]["seconds"] < 15  # the replicator's 3 s, not the side group's 20 s
+
+
 def run_children(tmp_path: Path, fail: str) -> tuple[list[subprocess.Popen], str]:
     """Four ranks on two simulated nodes; node-1's leader fails (``fail``) on its first chunk of generation 2."""
     port = free_port()
