@@ -136,10 +136,10 @@ class Replicator:
             )
             lower_priority_of_new(threads)  # the group's own gloo threads copy every replicated byte
             self._wire = Wire(self._ranks, self._timeout, own=own)
+        self._broken: dict[int, str] = {}
         if self.is_leader and self.plan.replicas:  # the leaders' pairs connected now, each within timeout_s
             peers = (*self.plan.targets(self.node), *self.plan.sources(self.node))
-            self._wire.connect((self._leader(peer) for peer in peers), _KIND_CONNECT)
-        self._broken: dict[int, str] = {}
+            self._broken.update(self._wire.connect((self._leader(peer) for peer in peers), _KIND_CONNECT))
         self._drain: tuple[torch.Tensor, ...] | None = None
         self._receiving: collections.OrderedDict[tuple[str, str], threading.Event] = collections.OrderedDict()
         self._jobs: list[_Job] = []

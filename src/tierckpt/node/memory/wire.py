@@ -17,7 +17,6 @@ from concurrent.futures import TimeoutError as PostTimeout
 import torch
 import torch.distributed as dist
 
-from tierckpt.errors import CollectiveError
 from tierckpt.node.memory.sidegroup import SideGroup
 
 _REPLY_BYTES = 4096
@@ -47,10 +46,10 @@ class Wire:
             return dist.irecv(tensor, src, group=self._own, tag=kind)
         return self._side.recv(tensor, self._group_rank[src], self._side.replica_tag(self._channel, kind))
 
-    def connect(self, peers: Iterable[int], kind: int) -> None:
+    def connect(self, peers: Iterable[int], kind: int) -> dict[int, str]:
         """Connect this rank with each of ``peers`` (global ranks) now, each pair within the timeout, with one
-        message of ``kind`` each way; raises :class:`~tierckpt.errors.CollectiveError` naming a peer that
-        did not answer. Every peer calls it alike, at the same point.
+        message of ``kind`` each way; every peer calls it alike, at the same point. Returns why, for each
+        peer that did not answer in time (empty when all did): the caller uses that pair no more.
 
         A pair of the side group connects on its first message, and that first post waits for the peer's
         side, up to the group's timeout: connected here, where every rank is (as a group of the
@@ -58,23 +57,27 @@ class Wire:
         within the replicator's timeout. Each message is posted from a thread of its own, so that no pair
         waits on another. Over a group of the replicator's own, the pairs are connected already."""
         if self._side is None:
-            return
+            return {}
         peers = sorted(set(peers))
         posting = ThreadPoolExecutor(max(1, 2 * len(peers)), thread_name_prefix="tierckpt-replica-connect")
         posts = [(peer, posting.submit(self.isend, torch.ones(1, dtype=torch.uint8), peer, kind)) for peer in peers]
         posts += [(peer, posting.submit(self.irecv, torch.zeros(1, dtype=torch.uint8), peer, kind)) for peer in peers]
         posting.shutdown(wait=False)
         deadline = time.monotonic() + self._timeout.total_seconds()
+        failed: dict[int, str] = {}
         for peer, post in posts:
+            if peer in failed:
+                continue
             try:
                 self.wait(post.result(max(0.0, deadline - time.monotonic())))
             except (PostTimeout, RuntimeError) as exc:
-                raise CollectiveError(
-                    f"peer replicas: rank {peer} did not connect to rank {dist.get_rank()} over the side group within "
-                    f"{self._timeout.total_seconds():g}s ({type(exc).__name__}: {exc}); every rank of the group builds "
-                    f"its replicator at the same point of its first replicated save, and the interfaces the group "
-                    f"uses (GLOO_SOCKET_IFNAME, else the host name's address) must reach between nodes"
-                ) from exc
+                failed[peer] = (
+                    f"it did not connect to rank {dist.get_rank()} over the side group within "
+                    f"{self._timeout.total_seconds():g}s when the replicators were built ({type(exc).__name__}: {exc}); "
+                    f"the interfaces the group uses (GLOO_SOCKET_IFNAME, else the host name's address) must reach "
+                    f"between nodes"
+                )
+        return failed
 
     def wait(self, work: dist.Work) -> None:
         """Wait for a transfer step, at most the timeout (then gloo fails it and closes the pair)."""
