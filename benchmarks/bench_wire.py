@@ -7,8 +7,9 @@ Peer recovery streams a lost node's bytes from its peer's memory tier in chunks 
 so a load from peer memory is never faster than the wire between the two ranks. Two processes move
 ``--mib`` MiB from rank 0's memory into rank 1's (touched beforehand, as a restarted model's initialised
 weights are) ``--repeats`` times for each count of ``--lanes`` and each chunk size: 1 lane is the load's
-own gloo group (one connection), more are the lanes group tierckpt makes (``peer_lanes.LANES`` set to the
-count; one device, connection and I/O thread per lane). Rank 1's medians, barrier to barrier, after one
+own gloo group (one connection), more are the lanes of the side group tierckpt makes
+(``tierckpt.node.memory.sidegroup``, its ``LANES`` set to the count; one device, connection and I/O thread per
+lane). Rank 1's medians, barrier to barrier, after one
 untimed round that connects the lanes. It measures the transport alone; on a 2-core machine the transfer is
 CPU-bound and every count moves about the same.
 """
@@ -37,12 +38,15 @@ def wire_ranks(rank: int, world: int, nbytes: int, lanes: list[int], chunk_bytes
 
     from tierckpt.loading import peer_lanes
     from tierckpt.comm import Comm
+    from tierckpt.node.memory import sidegroup
 
     buffer = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else torch.zeros(nbytes, dtype=torch.uint8)
     out: dict[tuple[int, int], list[float]] = {}
     for count in lanes:
-        peer_lanes.LANES = count
-        peer_lanes._made.clear()  # a lanes group of ``count`` devices
+        # a side group of ``count`` lanes (and the replicators' device after them)
+        peer_lanes.LANES = sidegroup.LANES = sidegroup.REPLICA_DEVICE = count
+        sidegroup.DEVICES = count + 1
+        sidegroup._made.clear()
         for chunk in chunk_bytes:
             seconds = []
             for _ in range(repeats + 1):
@@ -84,7 +88,7 @@ def main() -> None:
         "## The wire of peer recovery: lanes per pair (`benchmarks/bench_wire.py`)",
         C.machine_info(os.getcwd()),
         f"{args.mib} MiB from rank 0 to rank 1 on loopback over 1 lane (the group's own connection) or tierckpt's "
-        f"lanes group (`tierckpt.loading.peer_lanes`); rank 1's medians of {args.repeats} after one untimed round.",
+        f"side group's lanes (`tierckpt.loading.peer_lanes`); rank 1's medians of {args.repeats} after one untimed round.",
         C.md_table(["lanes (connections per pair)", "chunk MiB", "ms", "GB/s", "all runs, s"], rows),
     ])
     C.publish(body, args.out, "bench_wire")

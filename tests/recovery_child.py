@@ -14,6 +14,9 @@ two steps before a save, compared with the full state saved beside the test, ``e
   replica file of it arrives (a node lost during replication); ``"sync": true`` saves it with ``save``
   instead (its outcome is the call's), ``"fail_write_downs": true`` makes every write-down of a data file
   fail from that save on, ``"key"`` names its result (default: the URI); or
+* ``lose_after_saves``: nodes whose memory is lost once every rank's saves are done, in the same processes
+  (their tier directories are deleted, and the URIs' remote with them), so that the loads that follow
+  recover those nodes' parts from their peers' replicas; and/or
 * ``loads``: a list of ``{"uri", "seed"}``: each is loaded and compared bit-exactly with what
   ``seed`` saved (or the error is reported), and the level recorded in this node's tier is read
   (``"unopenable_tier_files": true``: this node's tier files cannot be opened to stream them;
@@ -51,6 +54,7 @@ from scenarios import as_dtensor, assert_same, build, full_state, make_mesh, ref
 from tierckpt.store import memory_tier_of, open_store  # noqa: E402
 from tierckpt.node.memory.replica_record import recorded_level  # noqa: E402
 from tierckpt.node.memory.replica import Replicator  # noqa: E402
+from tierckpt.node.memory.sidegroup import side_groups  # noqa: E402
 
 SPECS = {"w": ((67, 24), torch.float32), "b16": ((33, 7), torch.bfloat16), "i": ((9,), torch.int64)}
 BIG = {"big": ((4096, 512), torch.float32)}
@@ -179,6 +183,19 @@ def die_when_receiving_a_stream() -> None:
     peer_stream.PeerStream.receive = die  # type: ignore[assignment,method-assign]
 
 
+def lose_in_place(nodes: list[str], uris: list[str]) -> None:
+    """``nodes`` lose their memory tiers and ``uris`` their remote, while every process lives on."""
+    import shutil
+
+    dist.barrier()  # every rank's saves are done
+    if os.environ["TIERCKPT_NODE_ID"] in nodes:
+        shutil.rmtree(os.environ["TIERCKPT_MEMORY_DIR"], ignore_errors=True)  # the node's ranks alike
+    if dist.get_rank() == 0:
+        for uri in uris:
+            shutil.rmtree(uri)
+    dist.barrier()
+
+
 def run(spec: dict, env: dict[str, str]) -> None:
     """One rank: ``env`` is this rank's node; ends the process with ``os._exit``."""
     os.environ.update(env)
@@ -225,6 +242,8 @@ def main(spec: dict) -> None:
         except Exception as exc:  # noqa: BLE001 - reported to the test
             out["saves"][name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         out["saves"][name]["seconds"] = time.monotonic() - started
+    if "lose_after_saves" in spec:
+        lose_in_place(spec["lose_after_saves"], [load["uri"] for load in spec.get("loads", [])])
     for load in spec.get("loads", []):
         if load.get("unopenable_tier_files"):
             refuse_tier_opens_for_streams()
@@ -269,6 +288,7 @@ def main(spec: dict) -> None:
             dist.barrier()  # every node has recorded the step replicated before any rank saves the next one
             out["manager"].append({"step": save["step"], "steps": manager.steps()})
     out["write_downs"] = COPIES
+    out["side_groups"] = [sorted(side.users) for side in side_groups()]
     if "latest" in spec:
         target = state(spec["layout"], None)
         try:

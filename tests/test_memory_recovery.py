@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import recovery_child
-from tierckpt.loading.peer_lanes import LANES
+from tierckpt.node.memory.sidegroup import LANES
 from tierckpt.node.memory.memory import SPARE_PREFIX
 from distributed import free_port
 
@@ -349,6 +349,24 @@ def test_a_lost_nodes_units_stream_from_its_peers_tier_checked_by_the_receiver(w
     for load in loads:
         load["collectives"].pop("all_to_all_single", None)
         assert load["collectives"] == {"monitored_barrier": 1, "gather": 6, "broadcast": 7}, load["collectives"]
+
+
+@pytest.mark.multiproc
+def test_replication_and_a_streamed_recovery_share_one_side_group(workdir: Path) -> None:
+    """In the same processes, a save replicated to the peer node and then, node-1's memory and the remote lost,
+    a load whose node-1 parts stream from node-0's replica: bit-exact, and every process made exactly one
+    side group (``tierckpt.node.memory.sidegroup``) over the job's group, used by both the replicator and
+    the load's lanes."""
+    uri = uri_of(workdir, 1)
+    results = Job(workdir, ["node-0", "node-0", "node-1", "node-1"], "big",
+                  saves=[{"uri": uri, "seed": 1, "level": ["replicated", "remote"]}],
+                  lose_after_saves=["node-1"], loads=[{"uri": uri, "seed": 1}]).wait()
+    assert all(r["saves"][uri]["ok"] for r in results), results
+    assert_exact(results, uri, TENSOR_BYTES + 4 * BIG_PART)
+    loads = [r["loads"][uri] for r in results]
+    assert sum(load["bytes_streamed"] for load in loads[:2]) == 2 * BIG_PART  # node-1's parts, from node-0's replica
+    assert [load["stream_lanes"] for load in loads] == [LANES] * 4
+    assert [r["side_groups"] for r in results] == [[["lanes", "replica"]]] * 4
 
 
 @pytest.mark.multiproc

@@ -40,7 +40,7 @@ def stream_between_halves(group_size: int) -> tuple[int, bool, bool] | None:
     lanes.close()
     if comm.rank >= half:
         exact = all(torch.equal(into, _chunk(peer, j)) for j, into in enumerate(got))
-    made_once = peer_lanes.lanes_of(comm, tag=77)._pg is lanes._pg
+    made_once = peer_lanes.lanes_of(comm, tag=77).side is lanes.side
     dist.barrier(group)
     return lanes.count, exact, made_once
 
@@ -57,4 +57,4 @@ def test_a_subgroup_has_lanes_of_its_own(dist_pool) -> None:
 
 def test_a_group_that_is_not_gloo_streams_over_itself() -> None:
     lanes = peer_lanes.lanes_of(Comm("self"), tag=5)
-    assert (lanes.count, lanes._pg, lanes.tag) == (1, None, 5)
+    assert (lanes.count, lanes.side, lanes.tag) == (1, None, 5)

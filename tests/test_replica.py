@@ -9,10 +9,12 @@ the reason within a bounded time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import crc32c
@@ -191,6 +193,163 @@ def test_a_peer_without_room_refuses_and_the_level_stays_memory(dist_pool, tmp_p
 
 
 # -- a node lost during replication (separate processes, so one can die) ---------------------------------------
+def _generation_in_tier(directory: str, rank: int, payload: bytes) -> tuple[object, str]:
+    """A node memory under ``directory`` holding rank ``rank``'s ``payload`` in a new generation of
+    :data:`URI` that rank 0 commits (every rank of the default group calls it)."""
+    import asyncio
+
+    import torch.distributed as dist
+
+    from tierckpt.native.layout import COMMIT, CommitRecord, new_generation
+    from tierckpt.node.memory import MemoryConfig, NodeMemory
+
+    node = NodeMemory(MemoryConfig(directory=directory, budget_bytes=1 << 30))
+    box = [new_generation(1) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    tier = node.tier(URI)
+    asyncio.run(tier.put(f"{box[0]}/data/rank-{rank:05d}.bin", payload))
+    dist.barrier()
+    if rank == 0:
+        asyncio.run(tier.commit(COMMIT, CommitRecord(box[0], 1.0, 1).encode()))
+    dist.barrier()
+    return node, box[0]
+
+
+@contextlib.contextmanager
+def _as_node(rank: int) -> Iterator[str]:
+    """This process as a rank of node ``node-{rank // 2}`` (2 ranks per node) while inside; the node's name."""
+    saved = os.environ.get("TIERCKPT_NODE_ID")
+    os.environ["TIERCKPT_NODE_ID"] = f"node-{rank // 2}"
+    try:
+        yield os.environ["TIERCKPT_NODE_ID"]
+    finally:
+        if saved is None:
+            os.environ.pop("TIERCKPT_NODE_ID", None)
+        else:
+            os.environ["TIERCKPT_NODE_ID"] = saved
+
+
+def _two_replicators_scenario(workdir: str) -> dict:
+    """Two memory tier configurations (directories ``a`` and ``b``), each with its replicator over the default
+    group, replicate a generation at the same time: ``b``'s files hold ``a``'s bytes reversed, so a message
+    taken by the other replicator shows."""
+    import torch.distributed as dist
+
+    from tierckpt.node.memory.replica import Replicator
+
+    rank = dist.get_rank()
+    with _as_node(rank) as node_name:
+        replicators, generations = {}, {}
+        for config in ("a", "b"):
+            payload = data_of(rank)[::-1] if config == "b" else data_of(rank)
+            node, generations[config] = _generation_in_tier(os.path.join(workdir, config, node_name), rank, payload)
+            replicators[config] = Replicator(node, timeout_s=30, chunk_bytes=1 << 20)
+        handles = {config: r.replicate(URI, generations[config]) for config, r in replicators.items()}
+        results = {config: handle.wait(timeout_s=120) for config, handle in handles.items()}
+        for replicator in replicators.values():
+            replicator.close()
+        dist.barrier()
+        a, b = replicators["a"], replicators["b"]
+        return {"generations": generations, "levels": {c: [r.level.value, r.reason] for c, r in results.items()},
+                "one_side_group": a.side_group is not None and a.side_group is b.side_group,
+                "channels_differ": a._wire._channel != b._wire._channel}
+
+
+def test_two_replicators_of_one_process_share_its_side_group_on_channels_of_their_own(dist_pool, tmp_path: Path) -> None:
+    results = dist_pool.run(_two_replicators_scenario, str(tmp_path))
+    for r in results:
+        assert r["levels"] == {"a": ["replicated", None], "b": ["replicated", None]}, r
+        assert r["one_side_group"] and r["channels_differ"], r
+    for config in ("a", "b"):
+        generation = results[0]["generations"][config]
+        for node in ("node-0", "node-1"):
+            for rank in range(4):
+                sent = data_of(rank)[::-1] if config == "b" else data_of(rank)
+                assert tier_file(tmp_path / config, node, f"{generation}/data/rank-{rank:05d}.bin") == sent
+
+
+def _without_a_side_group_scenario(workdir: str) -> dict:
+    """A group whose store torch does not share (so no side group): the replicator replicates over a gloo
+    group of its own, and a load's lanes are the group itself."""
+    import torch.distributed as dist
+
+    from tierckpt.comm import Comm
+    from tierckpt.loading import peer_lanes
+    from tierckpt.node.memory import sidegroup
+    from tierckpt.node.memory.replica import Replicator
+
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(dist.get_world_size())))
+    store_of = sidegroup._store_of
+    sidegroup._store_of = lambda g: None if g is group else store_of(g)
+    try:
+        with _as_node(rank) as node_name:
+            node, generation = _generation_in_tier(os.path.join(workdir, node_name), rank, data_of(rank))
+            replicator = Replicator(node, group=group, timeout_s=30, chunk_bytes=1 << 20)
+            result = replicator.replicate(URI, generation).wait(timeout_s=120)
+            replicator.close()
+        lanes = peer_lanes.lanes_of(Comm(group), tag=9)
+        dist.barrier()
+        return {"generation": generation, "level": [result.level.value, result.reason],
+                "side_group": replicator.side_group, "lanes": [lanes.count, lanes.side, lanes.tag]}
+    finally:
+        sidegroup._store_of = store_of
+
+
+def test_without_a_side_group_the_replicator_uses_a_group_of_its_own(dist_pool, tmp_path: Path) -> None:
+    results = dist_pool.run(_without_a_side_group_scenario, str(tmp_path))
+    for r in results:
+        assert r["level"] == ["replicated", None] and r["side_group"] is None, r
+        assert r["lanes"] == [1, None, 9]  # the load streams over its own group, under the stream's tag
+    generation = results[0]["generation"]
+    for node in ("node-0", "node-1"):
+        for rank in range(4):
+            assert tier_file(tmp_path, node, f"{generation}/data/rank-{rank:05d}.bin") == data_of(rank)
+
+
+def _a_leader_that_never_connects_scenario(workdir: str) -> dict:
+    """Over a new group (side group timeout 20 s), node-1's leader (rank 2) builds its replicator without
+    connecting its pairs; every replicator's timeout is 3 s. Then every rank replicates a generation."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from tierckpt.node.memory.replica import Replicator
+    from tierckpt.node.memory.wire import Wire
+
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=20))
+    connect = Wire.connect
+    if rank == 2:
+        Wire.connect = lambda self, peers, kind: {}  # type: ignore[method-assign]
+    out: dict = {}
+    try:
+        with _as_node(rank) as node_name:
+            node, generation = _generation_in_tier(os.path.join(workdir, node_name), rank, data_of(rank))
+            started = time.monotonic()
+            replicator = Replicator(node, group=group, timeout_s=3)
+            out["built_s"] = time.monotonic() - started
+            result = replicator.replicate(URI, generation).wait(timeout_s=60)
+            replicator.close()
+            out["level"] = [result.level.value, result.reason]
+    finally:
+        Wire.connect = connect  # type: ignore[method-assign]
+    dist.barrier()
+    return out
+
+
+def test_a_leader_that_never_connects_is_unreachable_within_the_replicators_timeout(dist_pool, tmp_path: Path) -> None:
+    """Node-0's leader gives up on node-1's within the replicator's timeout (not the side group's): its
+    generation stays at ``memory`` naming the peer that did not connect, and every rank goes on (no save
+    fails on one rank alone)."""
+    results = dist_pool.run(_a_leader_that_never_connects_scenario, str(tmp_path))
+    level, reason = results[0]["level"]
+    assert level == "memory" and "peer node-1 (rank 2) is unreachable since: it did not connect to rank 0" in reason, reason
+    assert results[0]["built_s"] < 15  # the replicator's 3 s, not the side group's 20 s
+    assert results[2]["level"][0] == "memory" and "peer node-0 (rank 0)" in results[2]["level"][1]  # bounded too
+
+
 def run_children(tmp_path: Path, fail: str) -> tuple[list[subprocess.Popen], str]:
     """Four ranks on two simulated nodes; node-1's leader fails (``fail``) on its first chunk of generation 2."""
     port = free_port()

@@ -6,6 +6,8 @@
 * :mod:`.eviction`: the pure admission and eviction policy.
 * :mod:`.peers`: the pure peer choice (node i -> nodes i+1..i+R mod N, ``TIERCKPT_REPLICAS``).
 * :mod:`.replica`: the :class:`~.replica.Replicator` (copies to other nodes' tiers over gloo); :mod:`.replica_record`: the level it reports.
+* :mod:`.sidegroup`: the side group, one gloo group per process and group for tier bytes between nodes
+  (the replicators' transfers, :mod:`.wire`, and peer recovery's streamed loads).
 * :mod:`.link`: :class:`~.link.MemoryLink`, the tier at the top of a URI's storage chain
   (:func:`tierckpt.store.open_store`); its write-down (:mod:`.writedown`, logged in :mod:`.downlog`), its
   status (:mod:`.linkstatus`) and async snapshots straight into the tier's file (:mod:`.mapped`).

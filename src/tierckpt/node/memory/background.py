@@ -1,7 +1,8 @@
 """The OS priority of the memory tier's own background threads.
 
 The threads that only the memory tier runs — peer replication's send and receive threads and the
-threads of its dedicated gloo group (which copy every replicated byte through the sockets), the thread
+I/O thread of the side group's replication device (:mod:`.sidegroup`, which copies every replicated byte
+through the sockets), the thread
 that prepares the next save's spare file — compete with training for the node's cores. They run at a
 lower priority (``nice``), so the scheduler gives training the cores first and the tier's copies the
 time training leaves (while it waits in a collective, or between steps); on an idle core they run at

@@ -1,8 +1,10 @@
 """Peer replicas: a node's memory-tier files copied to other nodes' memory tiers, in the background.
 
 :class:`Replicator` is built by every rank of a group at the same point (foreground): it all-gathers
-the ranks' node ids, plans peers (:mod:`.peers`) and creates a dedicated gloo group, so replication
-never races the training's collectives on their groups. Each node's leader (its lowest rank) runs two
+the ranks' node ids, plans peers (:mod:`.peers`) and takes a channel of its own on the group's side group
+(:mod:`.sidegroup`: the one gloo group per process and group that moves tier bytes between nodes, peer
+recovery's streamed loads included; where the group has none, a gloo group of the replicator's own), so
+replication never races the training's collectives on their groups. Each node's leader (its lowest rank) runs two
 background threads, one sending and one receiving. Lifecycle of :meth:`Replicator.replicate` for
 one checkpoint generation, called by every rank in the same order:
 
@@ -61,13 +63,14 @@ from tierckpt.node.memory.memory import MemoryTier
 from tierckpt.node.memory.nodememory import NodeMemory
 from tierckpt.node.memory.peers import ReplicaPlan, plan_replicas
 from tierckpt.node.memory.background import background_nice, lower_priority, lower_priority_of_new, started_threads
+from tierckpt.node.memory.sidegroup import SideGroup, side_group_of
 from tierckpt.node.memory.transfer import IN_FLIGHT, SentFiles, adopt_commit, buffers, open_files, receive_file
 from tierckpt.node.memory.live import REPLICATORS
 from tierckpt.node.memory.wire import Wire
 
 log = logging.getLogger(__name__)
 
-_TAG_HEADER, _TAG_REPLY, _TAG_DATA, _TAG_ACK, _TAG_BYE = 1, 2, 3, 4, 5
+_KIND_CONNECT, _KIND_HEADER, _KIND_REPLY, _KIND_DATA, _KIND_ACK, _KIND_BYE = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +109,14 @@ class Replicator:
             raise CheckpointError("peer replicas need torch.distributed: call init_process_group first")
         self.memory = memory if memory is not None else NodeMemory()
         self._ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        rank_nodes: list[str] = [""] * len(self._ranks)
-        dist.all_gather_object(rank_nodes, node_id(), group=group)
-        self.rank_nodes = tuple(rank_nodes)
+        self.side_group: SideGroup | None = side_group_of(group, "replica")
+        """The group's side group this replicator's transfers go over (``None``: a group of its own)."""
+        # Every rank says its node and the channel it would open next on the side group: the channel is the
+        # highest of them, so ranks whose processes built different replicators before still agree.
+        said: list[tuple[str, int]] = [("", 0)] * len(self._ranks)
+        next_channel = self.side_group.next_channel() if self.side_group is not None else 0
+        dist.all_gather_object(said, (node_id(), next_channel), group=group)
+        self.rank_nodes = tuple(node for node, _ in said)
         self.plan: ReplicaPlan = plan_replicas(self.rank_nodes, replicas)
         self.node = self.plan.node_of(self.rank_nodes, self._ranks.index(dist.get_rank()))
         self.is_leader = self._ranks[self.plan.leaders[self.node]] == dist.get_rank()
@@ -116,15 +124,22 @@ class Replicator:
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._chunk = chunk_bytes
         self._durable_below = durable_below
-        # Over the whole world every rank calls new_group, which names the group by a count all ranks share;
-        # the hashed names of local synchronization can differ between ranks of a long-lived process.
-        threads = started_threads()
-        self._pg = dist.new_group(
-            self._ranks, backend="gloo", timeout=self._timeout, use_local_synchronization=group is not None,
-        )
-        lower_priority_of_new(threads)  # the group's own gloo threads copy every replicated byte
-        self._wire = Wire(self._pg, self._timeout)
+        if self.side_group is not None:
+            channel = self.side_group.open_channel(max(channel for _, channel in said))
+            self._wire = Wire(self._ranks, self._timeout, side=self.side_group, channel=channel)
+        else:
+            # Over the whole world every rank calls new_group, which names the group by a count all ranks
+            # share; the hashed names of local synchronization can differ between ranks of a long-lived process.
+            threads = started_threads()
+            own = dist.new_group(
+                self._ranks, backend="gloo", timeout=self._timeout, use_local_synchronization=group is not None,
+            )
+            lower_priority_of_new(threads)  # the group's own gloo threads copy every replicated byte
+            self._wire = Wire(self._ranks, self._timeout, own=own)
         self._broken: dict[int, str] = {}
+        if self.is_leader and self.plan.replicas:  # the leaders' pairs connected now, each within timeout_s
+            peers = (*self.plan.targets(self.node), *self.plan.sources(self.node))
+            self._broken.update(self._wire.connect((self._leader(peer) for peer in peers), _KIND_CONNECT))
         self._drain: tuple[torch.Tensor, ...] | None = None
         self._receiving: collections.OrderedDict[tuple[str, str], threading.Event] = collections.OrderedDict()
         self._jobs: list[_Job] = []
@@ -297,8 +312,8 @@ class Replicator:
         The chunks are sent straight from the tier files' pages (no copy on this side); two are on the
         wire at a time."""
         header = {"manifest": job.manifest.encode().decode(), "commit": None if job.commit is None else job.commit.decode()}
-        self._wire.send_bytes(json.dumps(header).encode(), dst, _TAG_HEADER)
-        answer = self._wire.answer(dst, _TAG_REPLY)
+        self._wire.send_bytes(json.dumps(header).encode(), dst, _KIND_HEADER)
+        answer = self._wire.answer(dst, _KIND_REPLY)
         if answer != "ok":
             self._bye(dst)
             return answer
@@ -308,10 +323,10 @@ class Replicator:
                 if len(in_flight) == IN_FLIGHT:
                     self._wire.wait(in_flight.popleft())
                 view = files.chunk(key, offset, min(self._chunk, entry.size - offset))
-                in_flight.append(dist.isend(view, dst, group=self._pg, tag=_TAG_DATA))
+                in_flight.append(self._wire.isend(view, dst, _KIND_DATA))
         while in_flight:
             self._wire.wait(in_flight.popleft())
-        answer = self._wire.answer(dst, _TAG_ACK)
+        answer = self._wire.answer(dst, _KIND_ACK)
         self._bye(dst)
         return None if answer == "ok" else answer
 
@@ -319,7 +334,7 @@ class Replicator:
         """Tell the peer its last answer was taken (it waits for this before it may exit). A failure here
         changes no level: the answer is in hand; the peer is only marked unusable for later transfers."""
         try:
-            self._wire.send(torch.ones(1, dtype=torch.uint8), dst, _TAG_BYE)
+            self._wire.send(torch.ones(1, dtype=torch.uint8), dst, _KIND_BYE)
         except Exception as exc:  # noqa: BLE001 - the answer already arrived; later jobs skip this peer
             self._broken[dst] = f"{type(exc).__name__}: {exc}"
             log.info("closing the exchange with rank %d failed after its answer arrived: %s", dst, self._broken[dst])
@@ -350,7 +365,7 @@ class Replicator:
         return self._drain
 
     def _receive_job(self, src: int) -> None:
-        header = json.loads(self._wire.recv_bytes(src, _TAG_HEADER))
+        header = json.loads(self._wire.recv_bytes(src, _KIND_HEADER))
         try:
             manifest = Manifest.decode(header["manifest"].encode(), f"the header from rank {src}")
             tier = self.memory.tier(manifest.uri)
@@ -362,7 +377,7 @@ class Replicator:
             refusal = str(exc)
         except OSError as exc:
             refusal = f"cannot take the replica: {exc}"
-        self._wire.reply(refusal or "ok", src, _TAG_REPLY)
+        self._wire.reply(refusal or "ok", src, _KIND_REPLY)
         if refusal:
             self._await_bye(src)
             return
@@ -374,18 +389,18 @@ class Replicator:
                     adopt_commit(tier, header["commit"].encode())
             except (CheckpointError, OSError) as exc:
                 failures.append(f"recording {manifest.generation} of {tier.uri} failed: {exc}")
-        self._wire.reply("; ".join(failures) or "ok", src, _TAG_ACK)
+        self._wire.reply("; ".join(failures) or "ok", src, _KIND_ACK)
         self._await_bye(src)
 
     def _await_bye(self, src: int) -> None:
         """Wait until the sender took this node's last answer (its ``bye``): until then this process may
         not exit (the exit drain waits for the generation's ``received``), or the answer could be lost."""
-        self._wire.recv(torch.zeros(1, dtype=torch.uint8), src, _TAG_BYE)
+        self._wire.recv(torch.zeros(1, dtype=torch.uint8), src, _KIND_BYE)
 
     def _receive_file(self, tier: MemoryTier, key: str, entry: FileEntry, src: int) -> str | None:
         """Receive one file from ``src`` into the tier (:func:`.transfer.receive_file`): why it was not
         published, or ``None``."""
-        return receive_file(tier, key, entry, lambda view: dist.irecv(view, src, group=self._pg, tag=_TAG_DATA),
+        return receive_file(tier, key, entry, lambda view: self._wire.irecv(view, src, _KIND_DATA),
                             self._wire.wait, self._scratch, self._chunk)
 
 

@@ -6,12 +6,13 @@ torch.distributed is initialised, replicates each committed generation to the pe
 * :func:`replicator_for` runs in the save's foreground, on every rank at the same point (the save's
   preparation, which every rank reaches together): the first save of a (process, group, memory
   directory) builds its :class:`~.replica.Replicator` there — one all-gather of node ids on the
-  group and the creation of the replicator's own gloo group — and later saves reuse it. Nothing
+  group (the side group it sends over needs none; a gloo group of the replicator's own, where there is no
+  side group, is created there too) — and later saves reuse it. Nothing
   is ever built from a background thread, so an ``async_save`` never issues a collective on
   training's group behind training's back.
 * :meth:`Replication.start` runs after the commit (in the background for ``async_save``): it calls
   :meth:`~.replica.Replicator.replicate`, which issues no collective at all (the transfers run on
-  the replicator's gloo group, in its own threads).
+  the side group, :mod:`.sidegroup`, in the replicator's own threads).
 * :meth:`Replication.wait` is ``SaveHandle.wait("replicated")``: the level of this node's files,
   raising :class:`ReplicationError` with the reason when it stayed ``memory``. It returns once this
   node also took its peers' replicas of the generation, so a job that exits after every rank's
