@@ -352,6 +352,20 @@ def test_a_lost_nodes_units_stream_from_its_peers_tier_checked_by_the_receiver(w
 
 
 @pytest.mark.multiproc
+def test_a_replacement_node_that_cannot_read_the_probes_sample_still_recovers(workdir: Path) -> None:
+    """Routes measured as a job measures them (no ``$TIERCKPT_ROUTE_COSTS``): node-1 and the remote are lost,
+    and a reshard onto node-0 and a fresh node opens a route to choose, so the group probes the store with
+    the largest data file, node-1's: node-0 holds its replica, the fresh node cannot read it. The probe
+    keeps the store's prior and the load recovers bit-exact (it failed "measuring the store" before)."""
+    uri = uri_of(workdir, 1)
+    _lose_node_1_of_big(workdir, uri)
+    fresh = Job(workdir, ["node-0", "node-2"], "big", loads=[{"uri": uri, "seed": 1}],
+                extra_env={"TIERCKPT_ROUTE_COSTS": ""}).wait()
+    assert_exact(fresh, uri, None)
+    assert sum(r["loads"][uri]["bytes_read"] for r in fresh) >= 4 * BIG_PART
+
+
+@pytest.mark.multiproc
 def test_replication_and_a_streamed_recovery_share_one_side_group(workdir: Path) -> None:
     """In the same processes, a save replicated to the peer node and then, node-1's memory and the remote lost,
     a load whose node-1 parts stream from node-0's replica: bit-exact, and every process made exactly one

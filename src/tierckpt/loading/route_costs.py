@@ -31,6 +31,10 @@ the constants with what the group measured, in this order:
      The slowest rank's seconds count; each is converted with the cost model's own overlap rule (:func:`~tierckpt.planner.routes.exchange_seconds`), so the model gives back the probe's time
      for the probe's traffic.
 
+   A rank whose chain cannot read the sample (a replacement node recovering from its peers' memory tiers
+   while the store is away) makes the group keep the store's prior and measure the exchange alone: the
+   probe never fails a load that would not fail without it.
+
    Every rank all-gathers every rank's timings and reduces them the same way: every rank takes the same
    decision. A rank that kept a measurement the others lack (or the reverse) makes the group probe again.
 
@@ -49,6 +53,7 @@ with the plan.
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
@@ -61,10 +66,12 @@ import torch
 from tierckpt.native import layout
 from tierckpt.backends import Backend
 from tierckpt.formats.reader import Checkpoint
-from tierckpt.comm import Comm, check_same_on_every_rank
-from tierckpt.errors import RouteCostsError
+from tierckpt.comm import Comm, check_same_on_every_rank, describe_error
+from tierckpt.errors import CheckpointError, RouteCostsError
 from tierckpt.io.scheduler import get_scheduler
 from tierckpt.planner.routes import COST_FIELDS, Topology, with_costs
+
+log = logging.getLogger(__name__)
 
 ROUTE_COSTS_ENV = "TIERCKPT_ROUTE_COSTS"
 CONSTANTS = "constants"
@@ -179,7 +186,17 @@ def _probe(prior: Topology, comm: Comm, backend: Backend, ckpt: Checkpoint) -> d
         nbytes = min(PROBE_READ_BYTES, size)
         start = (comm.rank * nbytes) % (size - nbytes + 1) // 4096 * 4096
         # Each step ends in the all-gather that agrees on it: the next one starts on every rank together.
-        _, first = comm.exchange_agreed(lambda: (None, _timed_read(backend, path, start, nbytes)), "measuring the store")
+        _, first_reads = comm.exchange_agreed(lambda: (None, _first_read(backend, path, start, nbytes)),
+                                              "measuring the store")
+        unreadable = [(rank, why) for rank, (_, why) in enumerate(first_reads) if why is not None]
+        if unreadable:
+            # A rank whose chain cannot read the sample (a replacement node recovering from its peers' memory
+            # tiers while the store is away) measures no store: the store keeps the prior, and the load reads
+            # what each rank can. The probe never fails a load that the load itself would not fail.
+            log.info("the store's costs keep the prior: rank %d cannot read %s to measure it (%s)",
+                     unreadable[0][0], path, unreadable[0][1])
+            return _exchange_costs(prior, comm) if comm.world_size > 1 else {}
+        first = [seconds for seconds, _ in first_reads]
         local = backend.capabilities.local_path
         count = PROBE_RUNS if local else PROBE_REMOTE_RUNS
         runs = [start + k * (nbytes // count) for k in range(count)]
@@ -201,6 +218,14 @@ def _probe(prior: Topology, comm: Comm, backend: Backend, ckpt: Checkpoint) -> d
     if comm.world_size > 1:
         costs.update(_exchange_costs(prior, comm))
     return costs
+
+
+def _first_read(backend: Backend, path: str, start: int, nbytes: int) -> tuple[float, str | None]:
+    """:func:`_timed_read`'s seconds, or why this rank's chain cannot read the sample (then ``0.0``)."""
+    try:
+        return _timed_read(backend, path, start, nbytes), None
+    except CheckpointError as exc:
+        return 0.0, describe_error(exc)
 
 
 def _timed_read(backend: Backend, path: str, start: int, nbytes: int) -> float:
