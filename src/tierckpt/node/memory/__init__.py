@@ -7,8 +7,8 @@
 * :mod:`.peers`: the pure peer choice (node i -> nodes i+1..i+R mod N, ``TIERCKPT_REPLICAS``).
 * :mod:`.replica`: the :class:`~.replica.Replicator` (copies to other nodes' tiers over gloo); :mod:`.replica_record`: the level it reports.
 * :mod:`.link`: :class:`~.link.MemoryLink`, the tier at the top of a URI's storage chain
-  (:func:`tierckpt.store.open_store`); its write-down (:mod:`.writedown`, logged in :mod:`.downlog`), its
-  status (:mod:`.linkstatus`) and async snapshots straight into the tier's file (:mod:`.mapped`).
+  (:func:`tierckpt.store.open_store`); its streamed writer and status are its own; its write-down
+  (:mod:`.writedown`, logged in :mod:`.downlog`) and async snapshots straight into the tier's file (:mod:`.mapped`).
 """
 
 from tierckpt.node.memory.config import MemoryConfig, MemoryTierFullError, OnFull
