@@ -93,7 +93,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         self.origin = node_id()
         self.down = DownLog(self.memory_tier)
         self.journal = self.down
-        self.writedown = WriteDown(self)
+        self.writedown = WriteDown(self.memory_tier, self.down, below, self.origin, self.seal)
         self._written: set[str] = set()
         self._readable: set[str] = set()
         self._credit: dict[str, int] = {}
@@ -163,7 +163,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
             self.writedown.file(key)
         wanted = self.spare_wanted.pop(key, None)
         if wanted is not None:
-            prepare_in_background(self, wanted)
+            prepare_in_background(self.memory, self.memory_tier, wanted)
 
     def forget_keys(self, generation: str) -> None:
         """Forget which keys of ``generation`` this link wrote or found readable (it left the tier)."""
@@ -203,12 +203,13 @@ class MemoryLink(WriteBackLink[Withdrawal]):
 
     def take_spare(self, nbytes: int) -> Spare | None:
         """This process's spare file of the tier, for a snapshot to be copied into (see :mod:`.mapped`)."""
-        return take_spare(self, nbytes)
+        return take_spare(self.memory_tier, nbytes)
 
     def mapped_writer(self, key: str, nbytes: int, spare: Spare | None) -> MappedFile | None:
         """``spare`` (from :meth:`take_spare`) made the tier's file of ``key``, or ``None``: use
         :meth:`open_writer` (and a spare is prepared for the next save once ``key`` is written)."""
-        return open_mapped(self, validate_key(key), nbytes, cast("SpareFile | None", spare))
+        return open_mapped(self.memory, self.memory_tier, validate_key(key), nbytes, cast("SpareFile | None", spare),
+                           fallback=self.fallback, spare_wanted=self.spare_wanted, wrote=self.wrote)
 
     def want_spare(self, key: str, nbytes: int) -> None:
         """A spare of ``nbytes`` is prepared in the background once ``key`` is written (see :mod:`.mapped`)."""
