@@ -197,8 +197,8 @@ def mapped_uses(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
     used: list[bool] = []
 
-    def spy(*args: object) -> object:
-        writer = mapped.open_mapped(*args)
+    def spy(*args: object, **kwargs: object) -> object:
+        writer = mapped.open_mapped(*args, **kwargs)
         used.append(writer is not None)
         return writer
 

@@ -457,8 +457,8 @@ def test_a_spare_evicted_during_the_copy_is_written_the_usual_way(
     store = open_store(path, {"memory": config})
     taken = []
 
-    def evicted_while_copied(link: Any, nbytes: int) -> Any:
-        spare = mapped.take_spare(link, nbytes)
+    def evicted_while_copied(tier: Any, nbytes: int) -> Any:
+        spare = mapped.take_spare(tier, nbytes)
         if spare is not None:
             os.unlink(spare.path)  # what eviction does to a spare
             taken.append(spare.path)

@@ -144,7 +144,7 @@ async def test_listings_and_loads_never_see_the_pool(shm: Path) -> None:
     assert not await link.exists(f"{POOL_GENERATION}/data/{os.listdir(pool_dir(tier.root))[0]}")
     # A spare claims it: the pages of the old generation become the next snapshot's.
     inode = pooled(tier)[0].st_ino
-    mapped._make(link, 2 * MIB - 4096)
+    mapped._make(link.memory, tier, 2 * MIB - 4096)
     try:
         spare = mapped._SPARES[tier.home]
         assert os.fstat(spare.fd).st_ino == inode and spare.buffer.numel() == 2 * MIB - 4096

@@ -68,7 +68,7 @@ def status(uri: str | os.PathLike[str], config: CacheConfig | None = None, *, st
            **options_kw: Any) -> StoreStatus:
     """Where the checkpoint at ``uri`` stands on this node and on the remote: the generation committed
     on each, what is still pending upload, and the upload errors; with the node memory tier (see
-    :func:`~tierckpt.store.memory_config_held`) a :class:`~tierckpt.node.memory.linkstatus.LinkStatus`, which adds each level.
+    :func:`~tierckpt.store.memory_config_held`) a :class:`~tierckpt.node.status.LinkStatus`, which adds each level.
 
     With the node cache off (``TIERCKPT_CACHE=off``, ``config`` with ``enabled=False``, or the storage
     option ``cache=False``) the cache is not opened: without a memory tier holding ``uri``, nothing is

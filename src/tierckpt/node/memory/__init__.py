@@ -9,8 +9,8 @@
 * :mod:`.sidegroup`: the side group, one gloo group per process and group for tier bytes between nodes
   (the replicators' transfers, :mod:`.wire`, and peer recovery's streamed loads).
 * :mod:`.link`: :class:`~.link.MemoryLink`, the tier at the top of a URI's storage chain
-  (:func:`tierckpt.store.open_store`); its write-down (:mod:`.writedown`, logged in :mod:`.downlog`), its
-  status (:mod:`.linkstatus`) and async snapshots straight into the tier's file (:mod:`.mapped`).
+  (:func:`tierckpt.store.open_store`); its streamed writer and status are its own; its write-down
+  (:mod:`.writedown`, logged in :mod:`.downlog`) and async snapshots straight into the tier's file (:mod:`.mapped`).
 """
 
 from tierckpt.node.memory.config import MemoryConfig, MemoryTierFullError, OnFull

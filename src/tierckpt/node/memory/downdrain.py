@@ -16,13 +16,17 @@ from tierckpt.errors import CheckpointError
 from tierckpt.node import drain as exit_drain, lifecycle
 from tierckpt.node.runner import TaskRunner
 from tierckpt.node.memory.config import DIR_ENV
-from tierckpt.node.memory.linkview import LinkView
+from tierckpt.node.memory.downlog import DownLog
+from tierckpt.node.memory.memory import MemoryTier
 
 
 class Writing(Protocol):
     """What the drain sees of a write-down."""
 
-    link: LinkView
+    tier: MemoryTier
+    """The URI's files in the node memory tier it copies from."""
+    down: DownLog
+    """The tier's write-down log."""
     runner: TaskRunner
     """Its tasks: what it still runs (:meth:`~tierckpt.node.runner.TaskRunner.outstanding`) is the drain's view."""
 
@@ -33,21 +37,21 @@ class Writing(Protocol):
 ACTIVE: weakref.WeakSet[Writing] = weakref.WeakSet()
 """This process's write-downs (one per store opened on a URI with the memory tier)."""
 ACTIVE_LOCK = threading.Lock()
-MEMORY_ONLY: dict[str, tuple[LinkView, str]] = {}
-"""Tier home -> (link, generation) of this process's newest memory-only commit there (``persist=False``):
+MEMORY_ONLY: dict[str, tuple[Writing, str]] = {}
+"""Tier home -> (write-down, generation) of this process's newest memory-only commit there (``persist=False``):
 the exit drain says when it is still the newest checkpoint of its URI and still in memory only."""
 
 
-def sync_command(link: LinkView) -> str:
-    """The command that finishes the write-down of ``link``'s URI from any later process on the node."""
-    return f"{DIR_ENV}={link.memory.config.directory} tierckpt sync {link.memory_tier.uri}"
+def sync_command(tier: MemoryTier) -> str:
+    """The command that finishes the write-down of ``tier``'s URI from any later process on the node."""
+    return f"{DIR_ENV}={tier.config.directory} tierckpt sync {tier.uri}"
 
 
 def exit_wait_s() -> float:
     """How long the exit drain may wait for write-downs: the longest ``exit_wait_s`` of the memory
     configurations of this process's links with write-downs running (0: none running)."""
     with ACTIVE_LOCK:
-        return max((w.link.memory.config.exit_wait_s for w in ACTIVE if w.pending()), default=0.0)
+        return max((w.tier.config.exit_wait_s for w in ACTIVE if w.pending()), default=0.0)
 
 
 def drain(timeout_s: float) -> list[str]:
@@ -66,9 +70,9 @@ def drain(timeout_s: float) -> list[str]:
         errors = [o.error for o in w.runner.outstanding() if o.error]
         why = f"failing: {errors[0]}" if errors else "not finished"
         lines.append(
-            f"tierckpt: {len(left)} write-down(s) of {w.link.memory_tier.uri} from the node memory tier did not "
+            f"tierckpt: {len(left)} write-down(s) of {w.tier.uri} from the node memory tier did not "
             f"finish before exit ({why}); what they hold is committed in this node's memory only. Finish them: "
-            f"{sync_command(w.link)}"
+            f"{sync_command(w.tier)}"
         )
     return lines + _still_memory_only()
 
@@ -79,16 +83,16 @@ def _still_memory_only() -> list[str]:
     with ACTIVE_LOCK:
         held = list(MEMORY_ONLY.values())
     lines = []
-    for link, generation in held:
+    for writing, generation in held:
         try:
-            record = link.memory_tier.committed()
-            if record is None or record.generation != generation or not link.down.state(generation).memory_only:
+            record = writing.tier.committed()
+            if record is None or record.generation != generation or not writing.down.state(generation).memory_only:
                 continue
         except (CheckpointError, OSError, ValueError):
             continue
         lines.append(
-            f"tierckpt: the newest checkpoint of {link.memory_tier.uri} ({generation}) is held in node memory only "
-            f"(saved with persist=False), not where its URI points. To write it down: {sync_command(link)}"
+            f"tierckpt: the newest checkpoint of {writing.tier.uri} ({generation}) is held in node memory only "
+            f"(saved with persist=False), not where its URI points. To write it down: {sync_command(writing.tier)}"
         )
     return lines
 

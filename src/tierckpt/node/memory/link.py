@@ -27,7 +27,7 @@ Durability (:class:`tierckpt.node.durability.Durable`), deletes below and ``with
 link core's (:class:`~tierckpt.node.link.WriteBackLink`), over the tier's write-down log: ``wait_durable``
 waits for the write-down and then for the chain below's own durability; ``sync`` copies down what the
 tier's committed generation still owes the chain below, including what a dead process left; ``status``
-reports each level (:mod:`.linkstatus`). This module answers the core's hooks.
+reports each level (:meth:`MemoryLink.status`). This module answers the core's hooks.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from tierckpt.backends.base import (
     UNCONDITIONAL, Backend, Capabilities, ObjectWriter, Segment, Unconditional,
 )
 from tierckpt.comm import describe_error
-from tierckpt.errors import CheckpointError, CheckpointNotFoundError, TransientStorageError
+from tierckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError
 from tierckpt.io.scheduler import get_scheduler
 from tierckpt.native.keys import validate_key
-from tierckpt.native.layout import COMMIT, CommitRecord, is_generation
+from tierckpt.native.layout import COMMIT, CommitRecord, is_generation, seq_of
 from tierckpt.node.host import node_id
 from tierckpt.node.runner import Entry
 from tierckpt.node.memory.config import MemoryConfig, MemoryTierFullError, OnFull
@@ -55,9 +55,11 @@ from tierckpt.node.link import SyncScope, Withdrawal, WriteBackLink, generation_
 from tierckpt.node.nodeview import check_node_view
 from tierckpt.node.memory.commitbelow import CATCH_UP
 from tierckpt.node.memory.downlog import MEMORY_ONLY, PERSIST, DownLog, durable_copies, generation_of
-from tierckpt.node.status import LinkStatus
-from tierckpt.node.memory.linkstatus import link_status
-from tierckpt.node.memory.linkwriter import LinkWriter
+from tierckpt.node.status import LinkStatus, StoreStatus
+from tierckpt.node.durability import durability_of
+from tierckpt.node.levels import Level
+from tierckpt.node.memory.incoming import IncomingFile
+from tierckpt.node.memory.replica_record import recorded_level
 from tierckpt.node.memory.mapped import MappedFile, SpareFile, is_spare, open_mapped, prepare_in_background, take_spare
 from tierckpt.node.memory.memory import MemoryTier
 from tierckpt.node.memory.nodememory import NodeMemory
@@ -91,7 +93,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         self.origin = node_id()
         self.down = DownLog(self.memory_tier)
         self.journal = self.down
-        self.writedown = WriteDown(self)
+        self.writedown = WriteDown(self.memory_tier, self.down, below, self.origin, self.seal)
         self._written: set[str] = set()
         self._readable: set[str] = set()
         self._credit: dict[str, int] = {}
@@ -161,7 +163,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
             self.writedown.file(key)
         wanted = self.spare_wanted.pop(key, None)
         if wanted is not None:
-            prepare_in_background(self, wanted)
+            prepare_in_background(self.memory, self.memory_tier, wanted)
 
     def forget_keys(self, generation: str) -> None:
         """Forget which keys of ``generation`` this link wrote or found readable (it left the tier)."""
@@ -201,12 +203,13 @@ class MemoryLink(WriteBackLink[Withdrawal]):
 
     def take_spare(self, nbytes: int) -> Spare | None:
         """This process's spare file of the tier, for a snapshot to be copied into (see :mod:`.mapped`)."""
-        return take_spare(self, nbytes)
+        return take_spare(self.memory_tier, nbytes)
 
     def mapped_writer(self, key: str, nbytes: int, spare: Spare | None) -> MappedFile | None:
         """``spare`` (from :meth:`take_spare`) made the tier's file of ``key``, or ``None``: use
         :meth:`open_writer` (and a spare is prepared for the next save once ``key`` is written)."""
-        return open_mapped(self, validate_key(key), nbytes, cast("SpareFile | None", spare))
+        return open_mapped(self.memory, self.memory_tier, validate_key(key), nbytes, cast("SpareFile | None", spare),
+                           fallback=self.fallback, spare_wanted=self.spare_wanted, wrote=self.wrote)
 
     def want_spare(self, key: str, nbytes: int) -> None:
         """A spare of ``nbytes`` is prepared in the background once ``key`` is written (see :mod:`.mapped`)."""
@@ -483,8 +486,77 @@ class MemoryLink(WriteBackLink[Withdrawal]):
             self.writedown.commit(data, record, CATCH_UP, None)
 
     async def status(self) -> LinkStatus:
-        """Each level of the newest checkpoint (see :class:`~.linkstatus.LinkStatus`)."""
-        return await link_status(self)
+        """Each level of the newest checkpoint of this URI on this node (reads the tier, its logs, and the chain
+        below): ``memory`` (committed in this node's memory tier), ``replicated`` (and acknowledged by the peer
+        nodes; the reason when not, as the replicator recorded it; see :class:`~.replica_record.Level`),
+        ``local`` (in the node disk cache, when the chain has one) and ``remote`` (the URI's own store holds
+        its ``COMMIT``). ``memory`` < ``replicated``; ``local`` and ``remote`` are reported separately."""
+        tier, down = self.memory_tier, self.down
+        record = await asyncio.to_thread(tier.committed)
+        memory_generation = record.generation if record is not None else None
+        durable = durability_of(self.below)
+        below: StoreStatus | None = await durable.status() if durable is not None else None
+        if below is not None:
+            below_generation, remote_generation, remote_error = below.generation, below.remote_generation, below.remote_error
+            unreachable = below.remote_unreachable
+        else:
+            below_generation, remote_error, unreachable = await self._below_commit()
+            remote_generation = below_generation
+        generation = memory_generation
+        if below_generation is not None and (generation is None or (seq_of(below_generation) or 0) > (seq_of(generation) or 0)):
+            generation = below_generation
+        pending: list[str] = []
+        errors: list[str] = []
+        memory_only = False
+        if memory_generation is not None:
+            state = await asyncio.to_thread(down.state, memory_generation)
+            memory_only = state.memory_only
+            pending = await asyncio.to_thread(down.pending, memory_generation, state)
+            errors = [f"{k}: {why}" for k, why in sorted(state.errors.items())]
+            if pending and memory_generation == below_generation:
+                # Committed below, so every file of it is there: its COMMIT and the files this node does not
+                # write down itself (replicas it holds, or what a sync of another process or node wrote) were
+                # written down by another node, which this node's log never records.
+                pending, errors = [], []
+        written_down = generation is not None and (generation != memory_generation or not pending)
+        if generation is None:
+            state_now: Level | None = Level.STAGED if pending else None
+        elif generation == memory_generation and pending:
+            state_now = Level.LOCAL
+        elif below is not None and below.generation == generation:
+            state_now = below.state
+        else:
+            state_now = Level.REMOTE if remote_generation == generation else Level.LOCAL
+        replica = recorded_level(tier, generation) if generation is not None else None
+        return LinkStatus(
+            uri=self.memory_tier.uri,
+            generation=generation,
+            state=state_now,
+            pending_keys=(() if memory_only else tuple(pending)) + (below.pending_keys if below is not None else ()),
+            pending_bytes=below.pending_bytes if below is not None else 0,
+            errors=tuple(errors) + (below.errors if below is not None else ()),
+            remote_generation=remote_generation,
+            remote_error=remote_error,
+            remote_unreachable=unreachable,
+            memory_generation=memory_generation,
+            memory_directory=tier.home,
+            replicated=replica is not None and replica.level is Level.REPLICATED,
+            replica_reason=None if replica is None else replica.reason,
+            replica_nodes=() if replica is None else replica.acknowledged,
+            node_disk=None if below is None else below.generation == generation,
+            written_down=written_down,
+            memory_only=memory_only,
+        )
+
+    async def _below_commit(self) -> tuple[str | None, str | None, bool]:
+        """The generation the chain below's ``COMMIT`` names, why it could not be read, and whether that is
+        because the store did not answer."""
+        try:
+            return CommitRecord.decode(await self.below.get_capped(COMMIT, MAX_RECORD_BYTES)).generation, None, False
+        except CheckpointNotFoundError:
+            return None, None, False
+        except (CorruptCheckpointError, CheckpointError) as exc:
+            return None, describe_error(exc), isinstance(exc, TransientStorageError)
 
     # -- withdrawal (the link core's steps) ---------------------------------------------------------------
     async def _stop_copies(self, name: str) -> Withdrawal:
@@ -536,3 +608,74 @@ class MemoryLink(WriteBackLink[Withdrawal]):
 
 def _running(entry: Entry | None) -> bool:
     return entry is not None and entry.running()
+
+
+_COPY_CHUNK = 8 << 20
+"""What a streamed file that moves to the chain below copies there in one write."""
+
+
+class LinkWriter(ObjectWriter):
+    """A file streamed into the tier, chunk by chunk (:meth:`MemoryLink.open_writer`). Each chunk is admitted
+    first (the budget is checked against what really arrives); when the tier is full and ``OnFull.FALLBACK``
+    is set, the file moves to the chain below with what it had written."""
+
+    def __init__(self, link: MemoryLink, key: str, generation: str, incoming: IncomingFile) -> None:
+        self._link, self._key, self._generation = link, key, generation
+        self._incoming: IncomingFile | None = incoming
+        self._below: ObjectWriter | None = None
+        self._uri = link.memory_tier.uri_of(key)
+
+    def use_stated_crc32c(self) -> bool:
+        return self._incoming is not None and self._incoming.use_stated_crc32c()
+
+    def state_crc32c(self, crc32c: int) -> None:
+        if self._incoming is not None:  # else the file went to the chain below, which needs no CRC
+            self._incoming.state_crc32c(crc32c)
+
+    async def write(self, data: bytes | memoryview) -> None:
+        self._check_open()
+        view = memoryview(data).cast("B")
+        if self._below is None and not await self._link.admit(self._generation, view.nbytes):
+            await self._move_below()
+        if self._below is None:
+            try:
+                await asyncio.to_thread(self._incoming.write, view)  # type: ignore[union-attr]
+                return
+            except OSError as exc:
+                if not self._link.fall_back(self._generation, self._uri, exc):
+                    raise
+                await self._move_below()
+        assert self._below is not None
+        await self._below.write(view)
+
+    async def _move_below(self) -> None:
+        """The tier is full (fallback): continue in the chain below, starting with what was written (the
+        writes that completed: one the file system refused left an unknown part of itself)."""
+        incoming = self._incoming
+        assert incoming is not None
+        self._below = await self._link.below.open_writer(self._key)
+        left = incoming.size
+        with open(incoming.tmp_path, "rb", buffering=0) as f:
+            while left and (chunk := await asyncio.to_thread(f.read, min(_COPY_CHUNK, left))):
+                await self._below.write(chunk)
+                left -= len(chunk)
+        await asyncio.to_thread(incoming.abort)
+        self._incoming = None
+
+    async def close(self) -> None:
+        self._check_open()
+        self._done = True
+        if self._below is not None:
+            await self._below.close()
+            return
+        await asyncio.to_thread(self._incoming.publish)  # type: ignore[union-attr]
+        self._link.wrote(self._key)
+
+    async def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._below is not None:
+            await self._below.abort()
+        if self._incoming is not None:
+            await asyncio.to_thread(self._incoming.abort)

@@ -1,6 +1,6 @@
 """Async snapshots straight into the node memory tier: the staging buffer *is* the tier's file.
 
-An ``async_save`` through a :class:`~.link.LinkView` takes the process's *spare* (:func:`take_spare`) for
+An ``async_save`` through a :class:`~.link.MemoryLink` takes the process's *spare* (:func:`take_spare`) for
 its rank's snapshot: a file of the tier, already allocated, mapped (``mmap``, shared) with every page
 writable (:func:`populate_writable`), prepared in the background after the previous save. The snapshot
 copy writes into its pages: one copy from training memory to a node-durable copy, at memcpy speed. Once
@@ -30,7 +30,7 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 
@@ -44,8 +44,8 @@ from tierckpt.node import lifecycle
 from tierckpt.node.memory.background import lower_priority
 from tierckpt.node.memory.config import MemoryTierFullError
 from tierckpt.node.memory.downlog import durable_copies, generation_of
-from tierckpt.node.memory.linkview import LinkView
-from tierckpt.node.memory.memory import SPARE_PREFIX
+from tierckpt.node.memory.memory import SPARE_PREFIX, MemoryTier
+from tierckpt.node.memory.nodememory import NodeMemory
 from tierckpt.node.memory.pagepool import claim
 from tierckpt.node.ledger import Tier
 from tierckpt.node.written import CrcWriter, WrittenCrc
@@ -83,15 +83,18 @@ _LOCK = threading.Lock()
 class MappedFile(CrcWriter, MappedWriter):
     """A data file whose bytes the snapshot copy wrote into :attr:`buffer`; writes only checksum them."""
 
-    def __init__(self, link: LinkView, key: str, tmp: str, fd: int, buffer: torch.Tensor) -> None:
-        self._link, self._key, self._tmp, self._fd = link, key, tmp, fd
+    def __init__(self, memory: NodeMemory, tier: MemoryTier, key: str, tmp: str, fd: int, buffer: torch.Tensor,
+                 wrote: Callable[[str], None]) -> None:
+        """``wrote(key)`` is called once the file is in place (the link then copies it down)."""
+        self._memory, self._tier, self._key, self._tmp, self._fd = memory, tier, key, tmp, fd
         self.buffer = buffer
-        self._written = WrittenCrc(f"{link.memory_tier.uri}/{key}", Tier.MEMORY)
+        self._wrote = wrote
+        self._written = WrittenCrc(f"{tier.uri}/{key}", Tier.MEMORY)
 
     @property
     def _uri(self) -> str:  # type: ignore[override]
         """For messages only: resolving the path is not paid inside the snapshot call."""
-        return self._link.memory_tier.uri_of(self._key)
+        return self._tier.uri_of(self._key)
 
     async def write(self, data: bytes | memoryview) -> None:
         self._check_open()
@@ -108,11 +111,11 @@ class MappedFile(CrcWriter, MappedWriter):
         except CheckpointError:
             await self.abort()
             raise
-        tier = self._link.memory_tier
+        tier = self._tier
         await asyncio.to_thread(_publish, self._fd, self._tmp, tier.path_of(self._key))
         tier._remember(self._key, entry)
-        self._link.wrote(self._key)
-        prepare_in_background(self._link, size)  # the next save's, once this one's copy is done
+        self._wrote(self._key)
+        prepare_in_background(self._memory, tier, size)  # the next save's, once this one's copy is done
 
     async def abort(self) -> None:
         self._done = True
@@ -135,26 +138,29 @@ def _discard(fd: int, tmp: str) -> None:
         pass
 
 
-def take_spare(link: LinkView, nbytes: int) -> SpareFile | None:
+def take_spare(tier: MemoryTier, nbytes: int) -> SpareFile | None:
     """This process's spare of the tier, when it has one of at least ``nbytes``, for a snapshot to be copied
     into before its file is named (:func:`open_mapped`); else ``None`` (a smaller one is deleted)."""
     with _LOCK:
-        spare = _SPARES.pop(link.memory_tier.home, None)
+        spare = _SPARES.pop(tier.home, None)
     if spare is not None and spare.buffer.numel() < nbytes:
         spare.release()
         return None
     return spare
 
 
-def open_mapped(link: LinkView, key: str, nbytes: int, spare: SpareFile | None) -> MappedFile | None:
+def open_mapped(memory: NodeMemory, tier: MemoryTier, key: str, nbytes: int, spare: SpareFile | None, *,
+                fallback: Container[str], spare_wanted: dict[str, int], wrote: Callable[[str], None]) -> MappedFile | None:
     """``spare`` (from :func:`take_spare`, holding the file's ``nbytes``) as the tier's file for ``key``,
     or ``None``: then the caller writes its bytes the usual way and releases the spare, and a spare of
-    ``nbytes`` is prepared in the background for the next save once ``key`` is written."""
+    ``nbytes`` is prepared in the background for the next save once ``key`` is written (``spare_wanted``,
+    key -> size, which the link reads when ``key`` is written). ``fallback``: the generations that go to the
+    chain below (the tier is full); ``wrote``: see :class:`MappedFile`."""
     generation = generation_of(key)
-    if spare is None or generation is None or generation in link.fallback or nbytes < 1:
-        link.spare_wanted[key] = nbytes  # made once this file is written (not during its copy)
+    if spare is None or generation is None or generation in fallback or nbytes < 1:
+        spare_wanted[key] = nbytes  # made once this file is written (not during its copy)
         return None
-    path = link.memory_tier.path_of(key)
+    path = tier.path_of(key)
     tmp = os.path.join(os.path.dirname(path), temp_name(os.path.basename(path)))
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -164,16 +170,16 @@ def open_mapped(link: LinkView, key: str, nbytes: int, spare: SpareFile | None) 
         if spare.buffer.numel() > nbytes:
             os.ftruncate(spare.fd, nbytes)
     except OSError as exc:
-        log.info("the memory tier's spare of %s is gone (%s); writing the snapshot as usual", link.memory_tier.uri, exc)
-        link.spare_wanted[key] = nbytes
+        log.info("the memory tier's spare of %s is gone (%s); writing the snapshot as usual", tier.uri, exc)
+        spare_wanted[key] = nbytes
         return None
     spare.placed = True
     _drop_dir(spare.path)
-    return MappedFile(link, key, tmp, spare.fd, spare.buffer[:nbytes])
+    return MappedFile(memory, tier, key, tmp, spare.fd, spare.buffer[:nbytes], wrote)
 
 
-def prepare_in_background(link: LinkView, nbytes: int) -> None:
-    threading.Thread(target=_prepare, args=(link, nbytes), name="tierckpt-spare", daemon=True).start()
+def prepare_in_background(memory: NodeMemory, tier: MemoryTier, nbytes: int) -> None:
+    threading.Thread(target=_prepare, args=(memory, tier, nbytes), name="tierckpt-spare", daemon=True).start()
 
 
 def _drop_dir(path: str) -> None:
@@ -187,24 +193,22 @@ def _drop_dir(path: str) -> None:
 _PREPARING: set[str] = set()
 
 
-def _prepare(link: LinkView, nbytes: int) -> None:
+def _prepare(memory: NodeMemory, tier: MemoryTier, nbytes: int) -> None:
     """Make a spare of ``nbytes`` in the tier (admitted under the budget), mapped and touched, at the
     tier's background priority."""
     lower_priority()
-    tier = link.memory_tier
     with _LOCK:
         if tier.home in _PREPARING or tier.home in _SPARES:
             return
         _PREPARING.add(tier.home)
     try:
-        _make(link, nbytes)
+        _make(memory, tier, nbytes)
     finally:
         with _LOCK:
             _PREPARING.discard(tier.home)
 
 
-def _make(link: LinkView, nbytes: int) -> None:
-    tier = link.memory_tier
+def _make(memory: NodeMemory, tier: MemoryTier, nbytes: int) -> None:
     generation = f"{SPARE_PREFIX}{os.getpid():x}"
     # A name of its own: a spare taken by a save may be released (deleted by name) after this one is made.
     path = tier.path_of(f"{generation}/data/spare-{uuid.uuid4().hex}.bin")
@@ -212,7 +216,7 @@ def _make(link: LinkView, nbytes: int) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         # A pooled file's bytes are in the budget already (the spare takes them over): no admission.
         reused = claim(tier.root, nbytes, path)
-        if not reused and not _admitted(link, generation, nbytes):
+        if not reused and not _admitted(memory, tier, generation, nbytes):
             _drop_dir(path)
             return
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (0 if reused else os.O_CREAT | os.O_TRUNC), 0o600)
@@ -272,12 +276,12 @@ def populate_writable(buffer: torch.Tensor) -> None:
     buffer.fill_(0)
 
 
-def _admitted(link: LinkView, generation: str, nbytes: int) -> bool:
+def _admitted(memory: NodeMemory, tier: MemoryTier, generation: str, nbytes: int) -> bool:
     """Whether a new spare of ``nbytes`` fits into free room (a spare never evicts a checkpoint)."""
-    if sum(c.nbytes for c in link.memory.copies()) + nbytes > link.memory.config.budget_bytes:
+    if sum(c.nbytes for c in memory.copies()) + nbytes > memory.config.budget_bytes:
         return False
     try:
-        return link.memory.admit(link.memory_tier.uri, generation, nbytes, lambda: durable_copies(link.memory)).fits
+        return memory.admit(tier.uri, generation, nbytes, lambda: durable_copies(memory)).fits
     except MemoryTierFullError:
         return False
 

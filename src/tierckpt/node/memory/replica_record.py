@@ -2,7 +2,7 @@
 
 ``memory``: committed in this node's memory tier; ``replicated``: and acknowledged, CRC-checked, by
 every peer node that holds this node's replicas (``local``, node disk, and ``remote`` are reported
-beside them by the memory link's status, :mod:`.linkstatus`). The node's leader records each generation's final
+beside them by the memory link's status, :meth:`.link.MemoryLink.status`). The node's leader records each generation's final
 :class:`ReplicaResult` in the tier (``levels/<generation>.json``) before waking its waiters, so the
 node's other ranks, and a restart, read the same level; :class:`ReplicaHandle` waits for it.
 """

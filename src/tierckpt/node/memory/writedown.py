@@ -22,9 +22,9 @@ import concurrent.futures
 import logging
 import os
 import time
-from collections.abc import Hashable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 
-from tierckpt.backends.base import Unconditional
+from tierckpt.backends.base import Backend, Unconditional
 from tierckpt.comm import describe_error
 from tierckpt.backends.bounded import MAX_RECORD_BYTES
 from tierckpt.errors import (
@@ -39,9 +39,9 @@ from tierckpt.node.durability import durability_of, wait_owed
 from tierckpt.node.journal import Outstanding
 from tierckpt.backends.retry import WRITE_DOWN, RetryPolicy
 from tierckpt.node.runner import Blocked, Entry, TaskRunner
-from tierckpt.node.memory.downlog import generation_of
+from tierckpt.node.memory.downlog import DownLog, generation_of
 from tierckpt.node.memory.downdrain import ACTIVE as _ACTIVE, ACTIVE_LOCK as _ACTIVE_LOCK, MEMORY_ONLY as _MEMORY_ONLY, sync_command
-from tierckpt.node.memory.linkview import LinkView
+from tierckpt.node.memory.memory import MemoryTier
 
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class _Down:
 
     async def take(self, attempt: int) -> str | None:
         """The key, unless a retry finds it below already (another process, a sync, got it down)."""
-        if attempt and self.key in (await asyncio.to_thread(self.writedown.link.down.state, self.generation)).done:
+        if attempt and self.key in (await asyncio.to_thread(self.writedown.down.state, self.generation)).done:
             self._forget_failure()
             return None
         return self.key
@@ -85,11 +85,11 @@ class _Down:
         self.writedown.failures[self.key] = (why, not retrying)
         if isinstance(exc, CorruptCheckpointError):
             self.writedown.corrupt[self.key] = exc
-        self.writedown.link.down.append(self.generation, "error" if retrying else "failed", self.key, why)
+        self.writedown.down.append(self.generation, "error" if retrying else "failed", self.key, why)
         return True
 
     async def done(self, op: str) -> bool:
-        self.writedown.link.down.append(self.generation, "done", self.key)
+        self.writedown.down.append(self.generation, "done", self.key)
         self._forget_failure()
         return False
 
@@ -108,7 +108,7 @@ class _FileCopy(_Down):
 
     def __init__(self, writedown: WriteDown, key: str) -> None:
         super().__init__(writedown, key, generation_of(key) or "")
-        writedown.link.down.append(self.generation, "start", key)
+        writedown.down.append(self.generation, "start", key)
 
     async def ready(self, op: str) -> tuple[()]:
         return ()
@@ -136,8 +136,8 @@ class _CommitDown(_Down):
         if self.previous is not None and self.previous.running():
             return {self.previous}  # in the order they were made
         if self.pending is None:
-            tier = self.writedown.link.memory_tier
-            await self.writedown.link.seal(self.generation)
+            tier = self.writedown.tier
+            await self.writedown.seal(self.generation)
             self.need = dict.fromkeys(await asyncio.to_thread(tier.keys_of, self.generation))
             self.need.update(self.after or {})
             self.pending = set(self.need)
@@ -145,7 +145,7 @@ class _CommitDown(_Down):
         if self.pending:
             await self._check_below()
             if not self.pending:  # its attempts begin
-                self.writedown.link.down.append(self.generation, "start", COMMIT)
+                self.writedown.down.append(self.generation, "start", COMMIT)
         return set(self.pending)
 
     async def _check_below(self) -> None:
@@ -156,11 +156,11 @@ class _CommitDown(_Down):
         :data:`REPLICA_TAKEOVER_S` after the wait began (its node is likely lost)."""
         assert self.pending is not None
         wd = self.writedown
-        below, tier, down, generation = wd.link.below, wd.link.memory_tier, wd.link.down, self.generation
+        below, tier, down, generation = wd.below, wd.tier, wd.down, self.generation
         write_back = durability_of(below) is not None  # its own commit waits for what other nodes write
         state = await asyncio.to_thread(down.state, generation)
         replicas = () if time.monotonic() > self.takeover_at else await asyncio.to_thread(
-            down.replicas, generation, wd.link.origin)
+            down.replicas, generation, wd.origin)
         for key in sorted(self.pending):
             entry = wd.runner.entry(key)
             if key in state.done:
@@ -189,8 +189,18 @@ class _CommitDown(_Down):
 class WriteDown:
     """This process's write-down for one link (see the module docstring)."""
 
-    def __init__(self, link: LinkView) -> None:
-        self.link = link
+    def __init__(self, tier: MemoryTier, down: DownLog, below: Backend, origin: str,
+                 seal: Callable[[str], Awaitable[None]]) -> None:
+        self.tier = tier
+        """The URI's files in the node memory tier, copied from."""
+        self.down = down
+        """The tier's write-down log (this write-down's journal)."""
+        self.below = below
+        """The chain below the tier, copied to."""
+        self.origin = origin
+        """This node (the manifests' origin; the replicas other nodes sent are theirs to write down)."""
+        self.seal = seal
+        """Records the manifest of the node's files of a generation (before its ``COMMIT`` goes down)."""
         self.runner = TaskRunner()
         """One task per file (keyed by the file's key) and per commit (``(COMMIT, generation)``)."""
         self.deferred: list[concurrent.futures.Future[None]] = []
@@ -207,7 +217,7 @@ class WriteDown:
 
     def commit(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
                after: Mapping[str, int | None] | None) -> None:
-        home, key = self.link.memory_tier.home, (COMMIT, record.generation)
+        home, key = self.tier.home, (COMMIT, record.generation)
         with _ACTIVE_LOCK:
             previous = _LAST_COMMIT.get(home)
             if previous is not None and previous is self.runner.entry(key):
@@ -218,28 +228,28 @@ class WriteDown:
         """This process's newest ``COMMIT`` write-down of the tier, whichever link made it (running, done or
         failed for good): what a delete below follows (the link core's rule)."""
         with _ACTIVE_LOCK:
-            return _LAST_COMMIT.get(self.link.memory_tier.home)
+            return _LAST_COMMIT.get(self.tier.home)
 
     def held_in_memory(self, generation: str) -> None:
         """``generation`` was committed in the tier to stay there only (``persist=False``)."""
         with _ACTIVE_LOCK:
-            _MEMORY_ONLY[self.link.memory_tier.home] = (self.link, generation)
+            _MEMORY_ONLY[self.tier.home] = (self, generation)
 
     def _same_tier(self) -> list[WriteDown]:
         """This process's write-downs of the same tier (one per store opened on the URI)."""
-        return _writedowns(self.link.memory_tier.home)
+        return _writedowns(self.tier.home)
 
     def pending(self) -> list[concurrent.futures.Future[None]]:
         return [e.future for e in self.runner.running()] + [f for f in self.deferred if not f.done()]
 
     async def _copy(self, key: str) -> None:
         """Copy the tier's ``key`` below (:func:`.copydown.copy_down`): the action of a file's job."""
-        await copy_down(self.link.memory_tier, self.link.below, key)
+        await copy_down(self.tier, self.below, key)
 
     async def commit_below(self, data: bytes, record: CommitRecord, expected: bytes | None | Unconditional | object,
                             after: Mapping[str, int | None] | None) -> None:
         """Commit ``data`` below against ``expected`` (:func:`.commitbelow.commit_below`)."""
-        await commit_below(self.link.below, data, record, expected, after)
+        await commit_below(self.below, data, record, expected, after)
 
     # -- waiting ---------------------------------------------------------------------------------------
     async def wait(self, generation: str | None, timeout_s: float | None, *, through_outage: bool,
@@ -248,12 +258,11 @@ class WriteDown:
         node's files of it below: the engine's one wait (:func:`~tierckpt.node.durability.wait_owed`) over
         them (:class:`_WriteDowns`). It raises a failure for good at once, a transient one at once unless
         ``through_outage``, and :class:`TransientStorageError` at ``timeout_s``."""
-        link = self.link
         name = None if generation is None else generation.rstrip("/").rpartition("/")[2]
-        if name is not None and (await asyncio.to_thread(link.down.state, name)).memory_only:
+        if name is not None and (await asyncio.to_thread(self.down.state, name)).memory_only:
             raise CheckpointError(
-                f"{link.memory_tier.uri} {name} was saved with persist=False: it is held in node memory (and on the "
-                f"peers) only and is not written down where its URI points. To write it down, run: {sync_command(link)}"
+                f"{self.tier.uri} {name} was saved with persist=False: it is held in node memory (and on the "
+                f"peers) only and is not written down where its URI points. To write it down, run: {sync_command(self.tier)}"
             )
         await wait_owed(_WriteDowns(self, name, through_outage, commit), timeout_s, through_outage=through_outage)
 
@@ -262,13 +271,12 @@ class WriteDown:
         the replicas other nodes sent are theirs to write down) and, when the tier's ``COMMIT`` names it,
         that commit: logged as written down from this node, or else (another node, or another process
         of this one, commits it) found below."""
-        link = self.link
-        pending = await asyncio.to_thread(link.down.pending, generation, origin=link.origin)
+        pending = await asyncio.to_thread(self.down.pending, generation, origin=self.origin)
         if pending != [COMMIT]:
             return not pending
-        record = await asyncio.to_thread(link.memory_tier.committed)
+        record = await asyncio.to_thread(self.tier.committed)
         try:
-            below = CommitRecord.decode(await link.below.get_capped(COMMIT, MAX_RECORD_BYTES))
+            below = CommitRecord.decode(await self.below.get_capped(COMMIT, MAX_RECORD_BYTES))
         except (CheckpointNotFoundError, TransientStorageError):
             return False
         return record is not None and record.generation == generation and below.generation == generation
@@ -322,30 +330,30 @@ class _WriteDowns:
 
     def waiting_for(self, left: list[Outstanding]) -> str:
         failures = self.writedown.failures
-        return (f"the write-down of {self.writedown.link.memory_tier.uri} from the node memory tier"
+        return (f"the write-down of {self.writedown.tier.uri} from the node memory tier"
                 + (f" (failing, retried: {min(failures.values())[0]})" if failures else ""))
 
     def failed(self, failed: list[Outstanding], left: list[Outstanding]) -> Exception:
-        link, name = self.writedown.link, self.name
+        wd, name = self.writedown, self.name
         corrupt = sorted((k, e) for k, e in self.writedown.corrupt.items() if name is None or generation_of(k) == name)
         if corrupt:  # a tier file that differs from its save: no fix of the storage helps
             error: Exception = CorruptCheckpointError(
-                f"the write-down of {link.memory_tier.uri} from the node memory tier stopped: {corrupt[0][1]}")
+                f"the write-down of {wd.tier.uri} from the node memory tier stopped: {corrupt[0][1]}")
             error.__cause__ = corrupt[0][1]
             return error
         return StorageError(
-            f"writing {link.uri_of(failed[0].key)} down from the node memory tier failed ({failed[0].error}); the "
-            f"checkpoint is committed in this node's memory only. Fix the storage, then run: {sync_command(link)}"
+            f"writing {wd.below.uri_of(failed[0].key)} down from the node memory tier failed ({failed[0].error}); the "
+            f"checkpoint is committed in this node's memory only. Fix the storage, then run: {sync_command(wd.tier)}"
         )
 
     def resume(self, left: list[Outstanding]) -> None:
         """Nothing: a wait resumes no write-down (``sync`` does)."""
 
     def overdue(self, left: list[Outstanding], timeout_s: float) -> Exception:
-        link = self.writedown.link
+        tier = self.writedown.tier
         return TransientStorageError(
-            f"the write-down of {link.memory_tier.uri} from the node memory tier did not finish within "
-            f"{timeout_s} s; it goes on in the background ({sync_command(link)} finishes it)"
+            f"the write-down of {tier.uri} from the node memory tier did not finish within "
+            f"{timeout_s} s; it goes on in the background ({sync_command(tier)} finishes it)"
         )
 
     def pause_s(self, left: list[Outstanding]) -> float:
@@ -368,7 +376,7 @@ async def drop_tier(home: str) -> None:
 def _writedowns(home: str) -> list[WriteDown]:
     """This process's write-downs from the tier at ``home``."""
     with _ACTIVE_LOCK:
-        return [w for w in _ACTIVE if isinstance(w, WriteDown) and w.link.memory_tier.home == home]
+        return [w for w in _ACTIVE if isinstance(w, WriteDown) and w.tier.home == home]
 
 
 def _of(key: Hashable, generation: str | None, *, commits: bool) -> bool:
