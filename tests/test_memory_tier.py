@@ -17,7 +17,8 @@ from tierckpt.node.memory import (
 )
 from tierckpt.node.memory.manifest import FileEntry, Manifest
 from tierckpt.node.memory import memory
-from tierckpt.node.memory.memory import file_crc, uri_digest
+from tierckpt.node.memory.memory import uri_digest
+from tierckpt.node.written import file_crc
 
 URI = "s3://bucket/run/step-100"
 
@@ -80,7 +81,7 @@ async def test_seal_records_each_files_crc(tmp_path: Path, monkeypatch: pytest.M
     Path(tier.path_of(unstamped)).write_bytes(b"placed by hand")
     contents[unstamped] = b"placed by hand"
     read = []
-    monkeypatch.setattr(memory, "file_crc", lambda path: read.append(path) or file_crc(path))
+    monkeypatch.setattr(memory, "file_crc", lambda path, **how: read.append(path) or file_crc(path, **how))
     manifest = MemoryTier(URI, cfg).seal(generation, origin="node-a")  # a fresh object, as a replication leader's
     assert read == [tier.path_of(unstamped)]  # every other CRC comes from its writer's stamp
     assert dict(manifest.files) == {k: FileEntry(len(v), crc32c.crc32c(v)) for k, v in contents.items()}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import crc32c
 
 from tierckpt.backends.base import ObjectWriter
+from tierckpt.backends.file_open import open_shared
 from tierckpt.errors import CheckpointError
 from tierckpt.node import ledger
 
@@ -25,6 +26,24 @@ class FileEntry:
 
     size: int
     crc32c: int
+
+_READ_CHUNK = 8 << 20
+"""Bytes read at a time by :func:`file_crc`."""
+
+
+def file_crc(path: str, *, shared: bool = False) -> FileEntry:
+    """Size and CRC-32C of a file already on the node, read in chunks: the check of a node disk cache's
+    whole file, of a memory tier's file at its write-down. ``shared``: hold the file's shared lock while
+    reading it (a memory tier's file: its page pool takes only files nobody holds, see
+    :mod:`tierckpt.node.memory.pagepool`)."""
+    crc = 0
+    size = 0
+    with open(open_shared(path) if shared else path, "rb", buffering=0) as f:
+        while chunk := f.read(_READ_CHUNK):
+            crc = crc32c.crc32c(chunk, crc)
+            size += len(chunk)
+    return FileEntry(size, crc)
+
 
 _THREAD_CRC_BYTES = 1 << 20
 """Writes at least this large compute their CRC-32C in a worker thread, not on the event loop."""

@@ -8,7 +8,7 @@ import collections
 import os
 import threading
 
-import crc32c
+from tierckpt.node.written import file_crc
 
 
 class SmallObjects:
@@ -50,14 +50,6 @@ class SmallObjects:
             self._bytes -= len(old)
 
 
-def crc_of_file(path: str) -> int:
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(8 * 2**20):
-            crc = crc32c.crc32c(chunk, crc)
-    return crc
-
-
 class VerifiedFiles:
     """Which versions of cached whole files this process has already checked (a file's CRC is read
     once per version: path, inode, mtime, size)."""
@@ -78,7 +70,7 @@ class VerifiedFiles:
         with self._lock:
             if ident in self._seen or crc is None:
                 return True
-        if crc_of_file(path) != crc:
+        if file_crc(path).crc32c != crc:
             return False
         with self._lock:
             self._seen.add(ident)

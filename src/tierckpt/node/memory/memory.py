@@ -51,12 +51,11 @@ from tierckpt.node.memory.manifest import FileEntry, Manifest
 from tierckpt.node.private import private_directory
 from tierckpt.node import ledger
 from tierckpt.node.ledger import Tier
-from tierckpt.node.written import CrcWriter, WrittenCrc
+from tierckpt.node.written import CrcWriter, WrittenCrc, file_crc
 
 SPARE_PREFIX = "g-00000000-0000000000000-"
 """Generation names of the memory link's spare files (:mod:`.mapped`) and of the page pool
 (:data:`~.pagepool.POOL_GENERATION`): commit sequence 0, always evictable."""
-_READ_CHUNK = 8 << 20
 
 
 def uri_digest(uri: str) -> str:
@@ -81,17 +80,6 @@ def write_atomic(path: str, data: bytes) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
-
-
-def file_crc(path: str) -> FileEntry:
-    """Size and CRC-32C of a file, read in chunks (under its shared lock: see :mod:`.pagepool`)."""
-    crc = 0
-    size = 0
-    with open(open_shared(path), "rb", buffering=0) as f:
-        while chunk := f.read(_READ_CHUNK):
-            crc = crc32c.crc32c(chunk, crc)
-            size += len(chunk)
-    return FileEntry(size, crc)
 
 
 class _CrcWriter(CrcWriter):
@@ -291,7 +279,7 @@ class MemoryTier(LocalBackend, NodeTier):
 
     def _entry(self, key: str) -> FileEntry:
         path = self.path_of(key)
-        return stamps.written(path) or file_crc(path)
+        return stamps.written(path) or file_crc(path, shared=True)
 
     def record(self, manifest: Manifest) -> None:
         """Write ``manifest`` (atomically; it replaces an earlier one of the same origin, and its files'
@@ -326,7 +314,7 @@ class MemoryTier(LocalBackend, NodeTier):
         problems = []
         for key, entry in sorted(self.held(generation).items()):
             try:
-                got = file_crc(self.path_of(key))
+                got = file_crc(self.path_of(key), shared=True)
             except FileNotFoundError:
                 problems.append(f"{key}: missing from {self.root}")
                 continue
