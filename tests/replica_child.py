@@ -54,7 +54,7 @@ def fail_on_first_chunk(how: str) -> None:
             os._exit(9)
         time.sleep(3600)
 
-    incoming_module.IncomingFile.received = write  # type: ignore[method-assign]
+    incoming_module.IncomingFile.write = write  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -3,7 +3,6 @@ produces, or a peer's replica (:mod:`.transfer`)."""
 
 from __future__ import annotations
 
-import mmap
 import os
 
 from tierckpt.backends.files import temp_name
@@ -36,10 +35,8 @@ class IncomingFile:
                 self.abort()  # a fresh file instead
                 self.reused = False
         if not self.reused:
-            # unbuffered: a failed write leaves nothing pending; readable too: a transport may map it (mapped)
-            self._file = open(self._tmp, "w+b", buffering=0)
+            self._file = open(self._tmp, "wb", buffering=0)  # unbuffered: a failed write leaves nothing pending
         self._written = written
-        self._mapping: mmap.mmap | None = None
         self.size = 0
         """Bytes written by the writes that completed (a write the file system refused is not counted)."""
 
@@ -58,20 +55,6 @@ class IncomingFile:
             done += self._file.write(view[done:])
         self._written.add(data)
         self.size += view.nbytes
-
-    def mapped(self, size: int) -> mmap.mmap:
-        """The temp file cut to ``size`` bytes and mapped shared and writable, for a transport that lands
-        the bytes straight in its pages (no copy through a buffer and a write); each part that landed is
-        then counted and checksummed by :meth:`received`. Unmapped when the file is placed or discarded
-        (or, while a view of it is still held, when the last one goes)."""
-        self._file.truncate(size)
-        self._mapping = mmap.mmap(self._file.fileno(), size, prot=mmap.PROT_READ | mmap.PROT_WRITE, flags=mmap.MAP_SHARED)
-        return self._mapping
-
-    def received(self, data: memoryview) -> None:
-        """Count and checksum ``data``: bytes that landed in the pages of :meth:`mapped`, in file order."""
-        self._written.add(data)
-        self.size += memoryview(data).nbytes
 
     @property
     def tmp_path(self) -> str:
@@ -102,23 +85,13 @@ class IncomingFile:
         self._place(got)
 
     def _place(self, entry: FileEntry) -> None:
-        self._unmap()
         if self.reused:
             self._file.truncate(entry.size)  # what was written is the whole file
         self._file.close()
         os.replace(self._tmp, self._path)
         stamps.remember(self._path, entry)
 
-    def _unmap(self) -> None:
-        mapping, self._mapping = getattr(self, "_mapping", None), None
-        if mapping is not None:
-            try:
-                mapping.close()
-            except BufferError:
-                pass  # a view of it is still held (a transport's): unmapped when the last one goes
-
     def abort(self) -> None:
-        self._unmap()
         file = getattr(self, "_file", None)
         if file is not None and not file.closed:
             file.close()

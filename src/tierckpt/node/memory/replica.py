@@ -18,8 +18,7 @@ one checkpoint generation, called by every rank in the same order:
    closing word (``bye``).
 3. Receiver, per source node in turn: the sender's files declared arriving (:meth:`~.memory.MemoryTier.expect`:
    from the first one published, neither this node's seal nor its write-down takes them for its own); each
-   file received straight into the pages of a temp file (no buffer in between), its CRC-32C computed as
-   each chunk lands;
+   file to a temp file with its CRC-32C computed on the way;
    published only if it matches the sender's manifest; then the manifest (origin = the sender) and,
    if newer than its own, ``COMMIT``; then the acknowledgement; then it waits for the sender's ``bye``.
    Every exchange, a refused one included, ends with that ``bye``: the node that answers last stays
@@ -64,12 +63,14 @@ from tierckpt.node.memory.nodememory import NodeMemory
 from tierckpt.node.memory.peers import ReplicaPlan, plan_replicas
 from tierckpt.node.memory.background import background_nice, lower_priority, lower_priority_of_new, started_threads
 from tierckpt.node.memory.sidegroup import SideGroup, side_group_of
-from tierckpt.node.memory.transfer import IN_FLIGHT, SentFiles, adopt_commit, buffers, open_files, receive_file
+from tierckpt.node.memory.transfer import Chunks, SentFiles, adopt_commit, buffers, open_files, receive_file
 from tierckpt.node.memory.live import REPLICATORS
 from tierckpt.node.memory.wire import Wire
 
 log = logging.getLogger(__name__)
 
+_IN_FLIGHT = 2
+"""Data chunks a sender keeps on the wire at once."""
 _KIND_CONNECT, _KIND_HEADER, _KIND_REPLY, _KIND_DATA, _KIND_ACK, _KIND_BYE = 0, 1, 2, 3, 4, 5
 
 
@@ -140,7 +141,6 @@ class Replicator:
         if self.is_leader and self.plan.replicas:  # the leaders' pairs connected now, each within timeout_s
             peers = (*self.plan.targets(self.node), *self.plan.sources(self.node))
             self._broken.update(self._wire.connect((self._leader(peer) for peer in peers), _KIND_CONNECT))
-        self._drain: tuple[torch.Tensor, ...] | None = None
         self._receiving: collections.OrderedDict[tuple[str, str], threading.Event] = collections.OrderedDict()
         self._jobs: list[_Job] = []
         """Queued jobs not yet finished both ways (sent and acknowledged, the peers' replicas received)."""
@@ -320,7 +320,7 @@ class Replicator:
         in_flight: collections.deque[dist.Work] = collections.deque()
         for key, entry in job.manifest.files:
             for offset in range(0, entry.size, self._chunk):
-                if len(in_flight) == IN_FLIGHT:
+                if len(in_flight) == _IN_FLIGHT:
                     self._wire.wait(in_flight.popleft())
                 view = files.chunk(key, offset, min(self._chunk, entry.size - offset))
                 in_flight.append(self._wire.isend(view, dst, _KIND_DATA))
@@ -342,29 +342,24 @@ class Replicator:
     # -- the receiving side ------------------------------------------------------------------------------
     def _receive_loop(self, jobs: queue.Queue[_Job | None]) -> None:
         lower_priority()
+        bufs = buffers(self._chunk)
         while (job := jobs.get()) is not None:  # one job per generation to receive
-            self._receive_sources()
+            self._receive_sources(bufs)
             job.received.set()
 
-    def _receive_sources(self) -> None:
+    def _receive_sources(self, bufs: tuple[torch.Tensor, ...]) -> None:
         """Receive one generation from each source node in turn (a failed source is logged; its sender reports it)."""
         for source in self.plan.sources(self.node):
             src = self._leader(source)
             if src in self._broken:
                 continue
             try:
-                self._receive_job(src)
+                self._receive_job(src, bufs)
             except Exception as exc:  # noqa: BLE001 - the sender reports the failure as its level
                 self._broken[src] = f"{type(exc).__name__}: {exc}"
                 log.warning("receiving replicas from rank %d failed: %s", src, self._broken[src])
 
-    def _scratch(self) -> tuple[torch.Tensor, ...]:
-        """The receiver's buffers for draining a file the tier cannot take (made at the first such file)."""
-        if self._drain is None:
-            self._drain = buffers(self._chunk)
-        return self._drain
-
-    def _receive_job(self, src: int) -> None:
+    def _receive_job(self, src: int, bufs: tuple[torch.Tensor, ...]) -> None:
         header = json.loads(self._wire.recv_bytes(src, _KIND_HEADER))
         try:
             manifest = Manifest.decode(header["manifest"].encode(), f"the header from rank {src}")
@@ -381,7 +376,9 @@ class Replicator:
         if refusal:
             self._await_bye(src)
             return
-        failures = [f for key, entry in manifest.files if (f := self._receive_file(tier, key, entry, src))]
+        sizes = [min(self._chunk, e.size - o) for _, e in manifest.files for o in range(0, e.size, self._chunk)]
+        chunks = Chunks(sizes, bufs, lambda view: self._wire.irecv(view, src, _KIND_DATA), self._wire.wait)
+        failures = [f for key, entry in manifest.files if (f := self._receive_file(tier, key, entry, chunks))]
         if not failures:
             try:
                 tier.record(manifest)
@@ -397,11 +394,9 @@ class Replicator:
         not exit (the exit drain waits for the generation's ``received``), or the answer could be lost."""
         self._wire.recv(torch.zeros(1, dtype=torch.uint8), src, _KIND_BYE)
 
-    def _receive_file(self, tier: MemoryTier, key: str, entry: FileEntry, src: int) -> str | None:
-        """Receive one file from ``src`` into the tier (:func:`.transfer.receive_file`): why it was not
-        published, or ``None``."""
-        return receive_file(tier, key, entry, lambda view: self._wire.irecv(view, src, _KIND_DATA),
-                            self._wire.wait, self._scratch, self._chunk)
+    def _receive_file(self, tier: MemoryTier, key: str, entry: FileEntry, chunks: Chunks) -> str | None:
+        """Receive one file into the tier (:func:`.transfer.receive_file`): why it was not published, or ``None``."""
+        return receive_file(tier, key, entry, chunks, self._chunk)
 
 
 def _settled(job: _Job) -> bool:

@@ -1,6 +1,6 @@
 """The byte-moving pieces of peer replication (:mod:`.replica`): sending a sealed generation's files
-from their pages (mapped through descriptors opened at commit), receiving each file's chunks straight
-into the pages of its temp file in the tier, and adopting a peer's ``COMMIT`` without ever replacing a newer one.
+from their pages (mapped through descriptors opened at commit), receiving a transfer's chunks into
+alternating buffers and each file into the tier, and adopting a peer's ``COMMIT`` without ever replacing a newer one.
 """
 
 from __future__ import annotations
@@ -20,15 +20,11 @@ from tierckpt.errors import CheckpointError
 from tierckpt.native.layout import COMMIT, CommitRecord
 from tierckpt.node.memory.manifest import FileEntry, Manifest
 from tierckpt.node.memory.incoming import IncomingFile
-from tierckpt.node.memory.mapped import populate_writable
 from tierckpt.node.memory.memory import MemoryTier
-
-IN_FLIGHT = 2
-"""Data chunks on the wire at once in a transfer: a sender's sends, a receiver's posted receives."""
 
 
 def buffers(chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two chunk buffers, for draining a file the tier cannot take: one is drained while the other is on the wire."""
+    """Two chunk buffers: one is filled (or drained) while the other is on the wire."""
     return torch.empty(chunk_bytes, dtype=torch.uint8), torch.empty(chunk_bytes, dtype=torch.uint8)
 
 
@@ -89,74 +85,54 @@ class SentFiles:
 
 
 class Chunks:
-    """The data chunks of one file of a transfer, received in turn into ``views``: the receive of chunk
-    ``i + depth`` is posted as soon as chunk ``i`` has been consumed (so ``views`` may take turns over
-    ``depth`` buffers)."""
+    """The data chunks of one transfer, received in turn into alternating buffers: the receive of
+    chunk ``i + len(bufs)`` is posted as soon as chunk ``i`` has been consumed."""
 
     def __init__(
-        self, views: list[torch.Tensor], depth: int, post: Callable[[torch.Tensor], dist.Work],
+        self, sizes: list[int], bufs: tuple[torch.Tensor, ...], post: Callable[[torch.Tensor], dist.Work],
         wait: Callable[[dist.Work], None],
     ) -> None:
-        self._views, self._post, self._wait = views, post, wait
+        self._sizes, self._bufs, self._post, self._wait = sizes, bufs, post, wait
         self._posted: collections.deque[tuple[torch.Tensor, dist.Work]] = collections.deque()
         self._next = 0
         self._taken = False
-        for _ in range(depth):
+        for _ in bufs:
             self._post_next()
 
     def _post_next(self) -> None:
-        if self._next < len(self._views):
-            view = self._views[self._next]
+        if self._next < len(self._sizes):
+            view = self._bufs[self._next % len(self._bufs)][: self._sizes[self._next]]
             self._posted.append((view, self._post(view)))
             self._next += 1
 
     def take(self) -> memoryview:
         """The next chunk's bytes, valid until the next ``take``."""
         if self._taken:
-            self._post_next()  # the previous chunk's view may be received into again
+            self._post_next()  # the previous chunk's buffer is free again
         view, work = self._posted.popleft()
         self._wait(work)
         self._taken = True
         return memoryview(view.numpy())
 
 
-def receive_file(
-    tier: MemoryTier, key: str, entry: FileEntry, post: Callable[[torch.Tensor], dist.Work],
-    wait: Callable[[dist.Work], None], scratch: Callable[[], tuple[torch.Tensor, ...]], chunk_bytes: int,
-) -> str | None:
-    """Receive one file of a transfer into ``tier``, in chunks of ``chunk_bytes`` posted with ``post``: why
-    it was not published (a local failure: the file is still drained into the ``scratch()`` buffers, so
-    the transfer stays in step), or ``None``. Transport errors raise.
-
-    The chunks land straight in the pages of the tier's temp file (:meth:`.IncomingFile.mapped`, every
-    page allocated first: a tier out of memory fails here, never with ``SIGBUS`` mid-transfer), each
-    checksummed once it landed: one kernel copy from the socket per byte, and the CRC the check needs."""
+def receive_file(tier: MemoryTier, key: str, entry: FileEntry, chunks: Chunks, chunk_bytes: int) -> str | None:
+    """Receive one file of a transfer into ``tier``, in chunks of ``chunk_bytes``: why it was not
+    published (a local failure: the rest of the file is still drained, so the transfer stays in step), or
+    ``None``. Transport errors raise."""
     failure = None
     incoming: IncomingFile | None = None
-    pages: torch.Tensor | None = None
     try:
         incoming = tier.receive(key, entry.size)
-        if entry.size:
-            pages = _pages(incoming, entry.size)
     except (CheckpointError, OSError) as exc:
         failure = f"cannot write {key}: {exc}"
-    offsets = range(0, entry.size, chunk_bytes)
-    if pages is not None:
-        views = [pages[o: o + chunk_bytes] for o in offsets]
-        depth = IN_FLIGHT
-    else:
-        drain = scratch() if entry.size else ()
-        views = [drain[i % len(drain)][: min(chunk_bytes, entry.size - o)] for i, o in enumerate(offsets)]
-        depth = len(drain)
-    del pages  # only the views hold the mapping now: it goes with them
     try:
-        chunks = Chunks(views, depth, post, wait)
-        for _ in offsets:
-            landed = chunks.take()
+        for _ in range(0, entry.size, chunk_bytes):
+            view = chunks.take()
             if incoming is not None and failure is None:
-                incoming.received(landed)
-            landed.release()
-        del views, chunks
+                try:
+                    incoming.write(view)
+                except OSError as exc:
+                    failure = f"writing {key} failed: {exc}"
         if incoming is not None and failure is None:
             incoming.finish(entry)
             incoming = None
@@ -166,16 +142,6 @@ def receive_file(
         if incoming is not None:
             incoming.abort()
     return failure
-
-
-def _pages(incoming: IncomingFile, size: int) -> torch.Tensor:
-    """The incoming file's ``size`` bytes as a writable tensor over its mapped pages, every page allocated."""
-    mapping = incoming.mapped(size)
-    with warnings.catch_warnings():  # a writable mapping: torch's warning about read-only buffers does not apply
-        warnings.simplefilter("ignore", UserWarning)
-        pages = torch.frombuffer(mapping, dtype=torch.uint8)
-    populate_writable(pages)
-    return pages
 
 
 def adopt_commit(tier: MemoryTier, data: bytes) -> None:
