@@ -129,12 +129,12 @@ class Replicator:
             channel = self.side_group.open_channel(max(channel for _, channel in said))
             self._wire = Wire(self._ranks, self._timeout, side=self.side_group, channel=channel)
         else:
-            # Over the whole world every rank calls new_group, which names the group by a count all ranks
-            # share; the hashed names of local synchronization can differ between ranks of a long-lived process.
+            # Over the whole world (the default group, or a group of every rank) every rank calls new_group,
+            # which names the group by a count all ranks share; the hashed names of local synchronization can
+            # differ between ranks of a long-lived process, so only a group of some ranks takes them.
             threads = started_threads()
-            own = dist.new_group(
-                self._ranks, backend="gloo", timeout=self._timeout, use_local_synchronization=group is not None,
-            )
+            some_ranks = len(self._ranks) < dist.get_world_size()
+            own = dist.new_group(self._ranks, backend="gloo", timeout=self._timeout, use_local_synchronization=some_ranks)
             lower_priority_of_new(threads)  # the group's own gloo threads copy every replicated byte
             self._wire = Wire(self._ranks, self._timeout, own=own)
         self._broken: dict[int, str] = {}
