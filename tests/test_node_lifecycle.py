@@ -81,6 +81,35 @@ def test_fork_and_exit_handlers_run_in_their_order_and_a_failing_one_does_not_st
     assert "failing (in a forked child) failed" in child.stderr and "RuntimeError: a handler failed" in child.stderr
 
 
+def test_a_forked_child_never_frees_its_parents_side_group() -> None:
+    """The parent's side group, held by nothing but the side-group table, survives the child's fork handler
+    and its garbage collection: freeing it there ran gloo's destructor, which waits for I/O threads the
+    child does not have (the child hung, or died before it could answer)."""
+    child = _run_child("""
+        import gc, os, select, tempfile
+        import torch.distributed as dist
+        from tierckpt.node.memory.sidegroup import side_group_of
+
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        assert side_group_of(None, "test") is not None  # kept only by the table
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            gc.collect()
+            os.write(write, b"answered")
+            os._exit(0)
+        os.close(write)
+        ready, _, _ = select.select([read], [], [], 30)
+        print(os.read(read, 16).decode() if ready else "no answer in 30 s", flush=True)
+        if not ready:
+            os.kill(pid, 9)
+        print("child status", os.waitpid(pid, 0)[1], flush=True)
+        os._exit(0)  # this parent's own exit is not what is tested
+    """)
+    assert child.stdout.splitlines() == ["answered", "child status 0"], (child.stdout, child.stderr)
+
+
 def test_destroying_the_default_group_runs_the_handlers_first_and_only_for_it() -> None:
     """``destroy_process_group()`` of the default group runs the handlers while the group still exists; a
     subgroup's destruction does not; a handler registered twice runs once."""

@@ -340,7 +340,9 @@ def _forget_after_fork() -> None:
     """A forked child has none of its parent's upload tasks, and cannot use its parent's catalogue
     handles: LMDB handles must not cross a fork, the binding refuses a second handle in the process, and
     closing the inherited one can wait forever on an operation a parent thread had in flight. The child
-    keeps them untouched (never closed, never freed) and refuses their directories (:func:`uploader_of`)."""
+    keeps them untouched (never closed, never freed, not even at its exit) and refuses their directories
+    (:func:`uploader_of`)."""
+    lifecycle.keep_in_child(_UPLOADERS.values())
     _INHERITED.update(_UPLOADERS)
     _UPLOADERS.clear()
 

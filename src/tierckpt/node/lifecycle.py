@@ -7,7 +7,10 @@ interpreter or torch themselves; this module registers with them once, at import
 handlers:
 
 * :func:`after_fork_in_child`: in a forked child, in the order registered (as ``os.register_at_fork``
-  does): it has none of its parent's threads, and inherited handles must not be used.
+  does): it has none of its parent's threads, and inherited handles must not be used. What such a handler
+  forgets that holds native threads or handles (a gloo group, an LMDB environment) it hands to
+  :func:`keep_in_child` first: freeing it in the child would run a destructor that joins threads the child
+  does not have (the child hangs, or aborts) or closes a handle the parent still uses.
 * :func:`before_threads_joined`: from :mod:`threading`'s exit hooks, once the main thread is done and
   before the interpreter joins the other threads, last registered first. The saver's exit drain is
   registered there after this module (it imports the node package first), so it runs before these.
@@ -23,12 +26,13 @@ A handler that raises is reported on stderr with its traceback; the others still
 from __future__ import annotations
 
 import atexit
+import ctypes
 import functools
 import os
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch.distributed as dist
@@ -47,6 +51,16 @@ _WRAPPED = "_tierckpt_node_lifecycle"
 def after_fork_in_child(handler: Handler) -> Handler:
     """Run ``handler`` in every child this process forks (once per handler); returns it."""
     return _add(_AFTER_FORK, handler)
+
+
+def keep_in_child(objects: Iterable[object]) -> None:
+    """In a forked child: never free ``objects`` (inherited from the parent), not even at the child's exit.
+
+    A gloo group's destructor joins its devices' I/O threads, which a forked child does not have: it waits
+    forever (or aborts the child). One more reference that nothing drops keeps the destructor from ever
+    running; the interpreter's finalization leaves objects still referenced alone."""
+    for obj in objects:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def before_threads_joined(handler: Handler) -> Handler:

@@ -167,9 +167,11 @@ def _timeout_of(group: dist.ProcessGroup) -> datetime.timedelta:
 
 
 def _forget_after_fork() -> None:
-    """A forked child has none of its parent's groups or their threads: it makes its own side groups."""
+    """A forked child has none of its parent's groups' threads: it makes its own side groups, and never
+    frees the parent's (their destructors would wait for those threads)."""
     global _made_lock
     _made_lock = threading.Lock()
+    lifecycle.keep_in_child(side for side in list(_made.values()) if side is not None)
     _made.clear()
 
 
