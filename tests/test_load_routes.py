@@ -244,4 +244,7 @@ def test_large_deliveries_between_ranks_land_straight_in_their_targets(dist_pool
     # Every half of w and t is read by one rank and sent to the other; w's halves land in place.
     assert sum(int(s.get("bytes_exchanged", 0)) for s in stats) == 2 * w_bytes
     assert sum(int(s.get("bytes_received_in_place", 0)) for s in stats) == w_bytes
+    # Each half is contiguous where its reader read it: sent from there, never packed into a send buffer.
+    assert sum(int(s.get("bytes_sent_in_place", 0)) for s in stats) == 2 * w_bytes
+    assert sum(int(s.get("bytes_packed", 0)) for s in stats) == 0
     assert sum(int(s.get("bytes_read", 0)) for s in stats) == 2 * w_bytes

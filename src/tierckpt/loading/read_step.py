@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -96,6 +96,9 @@ class _Round:
     """Done when the round's bytes are read (its checksums may still be being checked)."""
     reads: Any
     """Done when the round's bytes are read and checked."""
+    sent_in_place: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    """(unit, delivery) -> the delivery's bytes where it is sent from its place in the read buffer (point to
+    point, a contiguous part): not packed into :attr:`send`."""
 
 
 class ReadStep:
@@ -311,8 +314,12 @@ class ReadStep:
             raise failed[0]
 
     def _deliver_round(self, rnd: _Round, exchange: bool, k: int) -> None:
+        """Deliver the round's units this rank read: its own parts into its targets, the others' packed into
+        the send buffer, or, point to point, sent from where they were read when they are contiguous there
+        (a replicated unit, a row range: the reader copies nothing for them); then the exchange."""
         me = self.comm.rank
         units = [(i, self.plan.units[i]) for i in rnd.indices if i not in self.stream]  # streamed: peer_stream
+        point_to_point = exchange and self._point_to_point(units, k)
         for i, unit in units:
             if unit.reader != me or i in rnd.direct or i in rnd.in_send:
                 continue
@@ -321,15 +328,18 @@ class ReadStep:
                 part = source[d.box.relative_to(unit.box).slices()]
                 if d.rank == me:
                     deliver(self.targets[d.target], d, part)
+                elif point_to_point and part.is_contiguous():
+                    rnd.sent_in_place[(i, j)] = part.reshape(-1).view(torch.uint8)
+                    self.monitor.count("bytes_sent_in_place", part.nbytes)
                 else:
                     at, nbytes = rnd.send_at[(i, j)], d.numel * part.element_size()
                     rnd.send[at : at + nbytes].view(part.dtype).view(d.box.lengths).copy_(part)
                     self.monitor.count("bytes_packed", nbytes)
         rnd.buffers.clear()
         if exchange:
-            self._exchange(units, rnd, k)
+            self._exchange(units, rnd, point_to_point)
 
-    def _exchange(self, units: list[tuple[int, ReadUnit]], rnd: _Round, k: int) -> None:
+    def _exchange(self, units: list[tuple[int, ReadUnit]], rnd: _Round, point_to_point: bool) -> None:
         me = self.comm.rank
         recv_sizes = [0] * self.comm.world_size
         incoming = []
@@ -342,7 +352,7 @@ class ReadStep:
                     recv_sizes[unit.reader] += _padded(nbytes)
                     incoming.append((unit, d, nbytes))
         self.monitor.count("bytes_exchanged", sum(recv_sizes))
-        if self._point_to_point(units, k):
+        if point_to_point:
             self._exchange_into_targets(units, rnd, incoming)
             return
         received = self.comm.all_to_all_bytes(rnd.send, rnd.send_sizes, recv_sizes)
@@ -372,10 +382,14 @@ class ReadStep:
         received straight into its target when that is one contiguous CPU part of the same dtype (else
         into a buffer, then copied)."""
         me = self.comm.rank
-        sends = [
-            (d.rank, rnd.send[rnd.send_at[(i, j)] : rnd.send_at[(i, j)] + d.numel * itemsize(unit_dtype(unit))])
-            for i, unit in units if unit.reader == me for j, d in enumerate(unit.deliveries) if d.rank != me
-        ]
+        def sent(i: int, j: int, unit: ReadUnit, d: Any) -> torch.Tensor:
+            in_place = rnd.sent_in_place.get((i, j))
+            if in_place is not None:
+                return in_place
+            return rnd.send[rnd.send_at[(i, j)] : rnd.send_at[(i, j)] + d.numel * itemsize(unit_dtype(unit))]
+
+        sends = [(d.rank, sent(i, j, unit, d))
+                 for i, unit in units if unit.reader == me for j, d in enumerate(unit.deliveries) if d.rank != me]
         recvs, copies = [], []
         for unit, d, nbytes in incoming:
             into = contiguous_target(self.targets[d.target], d, unit_dtype(unit))
