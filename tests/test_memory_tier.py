@@ -265,6 +265,21 @@ async def test_budget_smaller_than_two_checkpoints(tmp_path: Path) -> None:
     assert not fallback.admit("s3://b/run/step-3", "g-y", 5000, set()).fits
 
 
+async def test_what_may_not_evict_is_admitted_only_into_free_room(tmp_path: Path) -> None:
+    """A spare (``evict=False``) never makes room: where the budget holds it beside what is there it fits,
+    else it is refused and the durable checkpoint that a checkpoint's admission would evict stays."""
+    node = NodeMemory(config(tmp_path, budget=3000))
+    first = node.tier("s3://b/run/step-1")
+    g1, _ = await write_checkpoint(first, 1, {"data/rank-00000.bin": 2000})
+    first.seal(g1, origin="n")
+    durable = {copy_id(first.uri, g1)}
+    assert node.admit("s3://b/spare", "g-s", 1000, durable, evict=False).fits
+    refused = node.admit("s3://b/spare", "g-s", 1001, durable, evict=False)
+    assert not refused.fits and refused.evict == () and refused.used_bytes == 2000
+    assert first.held(g1) and first.committed().generation == g1
+    assert node.admit("s3://b/run/step-2", "g-x", 1001, durable).evict == (copy_id(first.uri, g1),)
+
+
 async def test_a_superseded_generation_is_dropped_first(tmp_path: Path) -> None:
     node = NodeMemory(config(tmp_path, budget=5000))
     tier = node.tier(URI)

@@ -42,8 +42,7 @@ from tierckpt.backends.files import temp_name
 from tierckpt.errors import CheckpointError
 from tierckpt.node import lifecycle
 from tierckpt.node.memory.background import lower_priority
-from tierckpt.node.memory.config import MemoryTierFullError
-from tierckpt.node.memory.downlog import durable_copies, generation_of
+from tierckpt.node.memory.downlog import generation_of
 from tierckpt.node.memory.memory import SPARE_PREFIX, MemoryTier
 from tierckpt.node.memory.nodememory import NodeMemory
 from tierckpt.node.memory.pagepool import claim
@@ -278,12 +277,7 @@ def populate_writable(buffer: torch.Tensor) -> None:
 
 def _admitted(memory: NodeMemory, tier: MemoryTier, generation: str, nbytes: int) -> bool:
     """Whether a new spare of ``nbytes`` fits into free room (a spare never evicts a checkpoint)."""
-    if sum(c.nbytes for c in memory.copies()) + nbytes > memory.config.budget_bytes:
-        return False
-    try:
-        return memory.admit(tier.uri, generation, nbytes, lambda: durable_copies(memory)).fits
-    except MemoryTierFullError:
-        return False
+    return memory.admit(tier.uri, generation, nbytes, (), evict=False).fits
 
 
 def _drop_spares() -> None:

@@ -45,17 +45,21 @@ class NodeMemory:
         return [c for t in self.tiers() for c in t.copies()]
 
     def admit(self, uri: str, generation: str, nbytes: int,
-              durable_below: Iterable[str] | Callable[[], Iterable[str]]) -> Admission:
+              durable_below: Iterable[str] | Callable[[], Iterable[str]], *, evict: bool = True) -> Admission:
         """Make room for ``nbytes`` of ``generation`` of ``uri`` before writing it, evicting what
         :func:`~.eviction.plan_admission` allows, under the node-wide lock (see :mod:`.eviction`).
         The generation being admitted is never evicted for itself (replicas of a generation arrive
         beside the node's own files of it). ``durable_below`` may be a function: it is called (under
-        the lock) only when something must be evicted."""
+        the lock) only when something must be evicted. ``evict=False``: admitted only into free room
+        (what holds no checkpoint, a spare, never evicts one)."""
         incoming = copy_id(uri, generation)
         with self._locked():
             tiers = {t.uri: t for t in self.tiers()}
             copies = [c for t in tiers.values() for c in t.copies()]
-            fits = sum(c.nbytes for c in copies) + nbytes <= self.config.budget_bytes
+            used = sum(c.nbytes for c in copies)
+            fits = used + nbytes <= self.config.budget_bytes
+            if not fits and not evict:
+                return Admission(fits=False, evict=(), used_bytes=used, reason="no free room, and it may not evict")
             durable = set() if fits else set(durable_below() if callable(durable_below) else durable_below) - {incoming}
             admission = plan_admission(
                 copies, nbytes, self.config.budget_bytes, durable, incoming=incoming, on_full=self.config.on_full,
