@@ -117,3 +117,28 @@ async def test_a_catalogue_in_the_stored_json_form_is_uploaded_by_sync(tmp_path:
     assert store.catalog.pending_under(store.rh) == {}
     assert store.catalog.generation_state(store.rh, gen) is GenState.REMOTE
     assert await store.get(data_key) == data
+
+
+async def test_another_jobs_commit_uploaded_through_this_node_is_not_retried_over(tmp_path: Path) -> None:
+    """Two jobs share the node cache. Job 1 commits a fresh URI and its commit is uploaded. Job 2 checked the
+    node's view before that (no COMMIT anywhere) and records its own commit just after, with nothing pending
+    to conflict with: its upload's compare-and-swap (no COMMIT expected) is what decides, and the remote
+    refuses it. The upload must fail and the remote keep job 1's commit. Before, the refusal was retried
+    against job 1's commit because this node had uploaded it, and both jobs were told committed."""
+    from tierckpt.errors import CheckpointError
+
+    remote = LocalBackend(str(tmp_path / "remote"))
+    store = node_cache_over(remote, CacheConfig(directory=str(tmp_path / "cache"), exit_wait_s=0, poll_s=0.01))
+    first, second = (layout.CommitRecord(layout.new_generation(), 1.0).encode() for _ in range(2))
+    await store.commit(layout.COMMIT, first, expected=None)
+    await store.sync(timeout_s=30)
+    assert await remote.get(layout.COMMIT) == first
+
+    async def checked_before_the_first_commit(*_: object) -> None:
+        return None  # job 2's check of the node's view ran before job 1 committed: it saw no COMMIT
+
+    store._check_node_view = checked_before_the_first_commit  # type: ignore[method-assign]
+    await store.commit(layout.COMMIT, second, expected=None)
+    with pytest.raises(CheckpointError):
+        await store.sync(timeout_s=30)
+    assert await remote.get(layout.COMMIT) == first

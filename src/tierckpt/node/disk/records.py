@@ -86,6 +86,11 @@ class CommitOrder:
     after: Mapping[str, int | None] | None = None
     """Keys (with sizes where known) the remote must hold first; ``None``: everything pending under
     the commit's directory goes first."""
+    replaced: tuple[str, ...] = ()
+    """Generations of the key's pending commits that this one replaced on the node before they were
+    uploaded, oldest first (it inherited their ``base``). An upload of one of them already in flight may
+    still land: then, and only then, this commit's compare-and-swap is retried against it. Any other
+    commit found on the remote is another writer's, even one uploaded through this node by another job."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +112,7 @@ class PendingOp:
     retrying: bool = False
     """The failure was transient: its uploader tries again."""
     order: CommitOrder | None = None
-    """For a commit: what its upload waits for (encoded as the fields ``cas``, ``base``, ``after``)."""
+    """For a commit: what its upload waits for (encoded as the fields ``cas``, ``base``, ``after``, ``replaced``)."""
     uid: int | None = None
     """The user whose process recorded it (``None``: recorded before users were); only that user's
     processes upload it (:meth:`mine`). Its store is the root hash it is recorded under."""
@@ -133,6 +138,7 @@ class PendingOp:
             value["cas"] = self.order.cas
             value["base"] = None if self.order.base is None else self.order.base.hex()
             value["after"] = None if self.order.after is None else dict(self.order.after)
+            value["replaced"] = list(self.order.replaced)
         return _json(value)
 
     @classmethod
@@ -143,7 +149,8 @@ class PendingOp:
         if op == Op.COMMIT:
             base, after = d.get("base"), d.get("after")
             order = CommitOrder(cas=bool(d.get("cas", False)), base=None if base is None else bytes.fromhex(base),
-                                after=None if after is None else MappingProxyType(dict(after)))
+                                after=None if after is None else MappingProxyType(dict(after)),
+                                replaced=tuple(str(g) for g in d.get("replaced") or ()))
         return cls(op=op, ver=int(d["ver"]), owner=int(d["owner"]), gen=d.get("gen"), size=int(d.get("size") or 0),
                    error=d.get("error"), t=float(d.get("t") or 0.0), retrying=bool(d.get("retrying", False)),
                    order=order, uid=None if d.get("uid") is None else int(d["uid"]))

@@ -325,11 +325,14 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Wri
             generation: str | None = layout.CommitRecord.decode(data).generation
         except CorruptCheckpointError:
             generation = None  # not a tierckpt commit record: it waits for everything under its directory
+        replaced: tuple[str, ...] = ()
         if old is not None and old.op == Op.COMMIT and old.order is not None:
             cas, base = old.order.cas, old.order.base  # still the remote's state: inherit it
+            replaced = (*old.order.replaced, old.gen) if old.gen else old.order.replaced
         else:
             cas, base = expected is not UNCONDITIONAL, expected if isinstance(expected, bytes) else None
-        order = CommitOrder(cas=cas, base=base, after=None if after is None else MappingProxyType(dict(after)))
+        order = CommitOrder(cas=cas, base=base, after=None if after is None else MappingProxyType(dict(after)),
+                            replaced=replaced)
         replaces = UNCONDITIONAL if expected is UNCONDITIONAL else None if old is None else old.ver
         try:
             await self._write_whole(key, data, Op.COMMIT, generation, order, replaces)

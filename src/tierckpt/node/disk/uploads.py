@@ -39,7 +39,7 @@ from tierckpt.node.journal import pid_alive
 from tierckpt.node.ledger import Tier
 from tierckpt.backends.retry import UPLOAD, RetryPolicy
 from tierckpt.node.written import FileEntry
-from tierckpt.node.disk.records import Finish, GenState, Op, PendingOp
+from tierckpt.node.disk.records import Finish, Op, PendingOp
 
 logger = logging.getLogger("tierckpt.node.disk")
 
@@ -182,12 +182,13 @@ class UploadsMixin:
         ``False``: a newer commit of the node replaced ``rec`` meanwhile (that one is uploaded instead).
 
         A refusal is accepted only when the remote holds this very record (a retried request whose
-        first attempt landed) or a commit this node uploaded after ``base`` was recorded (its earlier
-        commit overtook this one's record) while ``rec`` is still the key's pending op; then it is
-        retried against that. A replaced ``rec`` is never retried: its newer commit (another job's,
-        perhaps, already on the remote) must not be overwritten by the older one it was built on.
-        Anything else is another writer's commit: the upload fails and the checkpoint stays committed
-        on this node only."""
+        first attempt landed) or one of the commits ``rec`` replaced on the node before they were
+        uploaded (:attr:`~.records.CommitOrder.replaced`: an upload of it in flight landed after ``rec``
+        was recorded) while ``rec`` is still the key's pending op; then it is retried against that. A
+        replaced ``rec`` is never retried: its newer commit (another job's, perhaps, already on the
+        remote) must not be overwritten by the older one it was built on. Anything else is another
+        writer's commit, even one another job uploaded through this same node cache: the upload fails
+        and the checkpoint stays committed on this node only."""
         expected: bytes | None | Unconditional = UNCONDITIONAL
         if rec.order is not None and rec.order.cas:
             expected = rec.order.base
@@ -199,7 +200,8 @@ class UploadsMixin:
             except CheckpointNotFoundError:
                 current = None
             if current != data:
-                if current is None or self._uploaded_by_this_node(key, current) is False:
+                overtaken = () if rec.order is None else rec.order.replaced
+                if current is None or self._generation_of(current) not in overtaken:
                     raise
                 pending = self.catalog.pending(self.rh, key)
                 if pending is None or pending.ver != rec.ver:
@@ -212,16 +214,19 @@ class UploadsMixin:
 
     def _generation_path(self, key: str, record: bytes) -> str | None:
         """``dir/generation`` that the commit record ``record`` of ``key`` names (``None``: not a record)."""
-        try:
-            generation = layout.CommitRecord.decode(record).generation
-        except CorruptCheckpointError:
+        generation = self._generation_of(record)
+        if generation is None:
             return None
         base = key.rpartition("/")[0]
         return f"{base}/{generation}" if base else generation
 
-    def _uploaded_by_this_node(self, key: str, record: bytes) -> bool:
-        gen_path = self._generation_path(key, record)
-        return gen_path is not None and self.catalog.generation_state(self.rh, gen_path) == GenState.REMOTE
+    @staticmethod
+    def _generation_of(record: bytes) -> str | None:
+        """The generation the commit record ``record`` names (``None``: not a record)."""
+        try:
+            return layout.CommitRecord.decode(record).generation
+        except CorruptCheckpointError:
+            return None
 
     async def _complete_tail(self, key: str, rec: PendingOp) -> bool:
         """Publish the upload that followed this very write of ``key``, if there is one and it sent
