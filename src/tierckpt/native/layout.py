@@ -230,6 +230,15 @@ class CommitRecord:
         return _canonical(doc)
 
     @staticmethod
+    def generation_in(data: bytes) -> str | None:
+        """The generation the record ``data`` names; ``None`` when it is not a readable tierckpt commit record
+        (a ``COMMIT`` object some other writer put there)."""
+        try:
+            return CommitRecord.decode(data).generation
+        except CorruptCheckpointError:
+            return None
+
+    @staticmethod
     def decode(data: bytes) -> CommitRecord:
         """Parse and check a record; anything malformed raises :class:`CorruptCheckpointError` naming the field."""
         try:

@@ -27,6 +27,7 @@ class FileEntry:
     size: int
     crc32c: int
 
+
 _READ_CHUNK = 8 << 20
 """Bytes read at a time by :func:`file_crc`."""
 

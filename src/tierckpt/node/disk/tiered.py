@@ -63,7 +63,7 @@ from tierckpt.backends.commit_check import commit_refused
 from tierckpt.backends.files import copy_range, discard, fsync_dir, open_temp, unlink, write_all
 from tierckpt.backends.local import LocalBackend
 from tierckpt.errors import (
-    CheckpointBusyError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+    CheckpointBusyError, CheckpointError, CheckpointNotFoundError,
 )
 from tierckpt.io.scheduled import ScheduledBackend
 from tierckpt.io.scheduler import get_scheduler
@@ -321,10 +321,7 @@ class TieredBackend(ReadThroughMixin, UploadsMixin, DurableMixin, ReadsInto, Wri
         data = bytes(data)
         old = self.catalog.pending(self.rh, key)
         await self._check_node_view(key, expected, old)
-        try:
-            generation: str | None = layout.CommitRecord.decode(data).generation
-        except CorruptCheckpointError:
-            generation = None  # not a tierckpt commit record: it waits for everything under its directory
+        generation = layout.CommitRecord.generation_in(data)  # None: it waits for everything under its directory
         replaced: tuple[str, ...] = ()
         if old is not None and old.op == Op.COMMIT and old.order is not None:
             cas, base = old.order.cas, old.order.base  # still the remote's state: inherit it

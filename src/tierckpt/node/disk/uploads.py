@@ -201,7 +201,7 @@ class UploadsMixin:
                 current = None
             if current != data:
                 overtaken = () if rec.order is None else rec.order.replaced
-                if current is None or self._generation_of(current) not in overtaken:
+                if current is None or layout.CommitRecord.generation_in(current) not in overtaken:
                     raise
                 pending = self.catalog.pending(self.rh, key)
                 if pending is None or pending.ver != rec.ver:
@@ -214,19 +214,11 @@ class UploadsMixin:
 
     def _generation_path(self, key: str, record: bytes) -> str | None:
         """``dir/generation`` that the commit record ``record`` of ``key`` names (``None``: not a record)."""
-        generation = self._generation_of(record)
+        generation = layout.CommitRecord.generation_in(record)
         if generation is None:
             return None
         base = key.rpartition("/")[0]
         return f"{base}/{generation}" if base else generation
-
-    @staticmethod
-    def _generation_of(record: bytes) -> str | None:
-        """The generation the commit record ``record`` names (``None``: not a record)."""
-        try:
-            return layout.CommitRecord.decode(record).generation
-        except CorruptCheckpointError:
-            return None
 
     async def _complete_tail(self, key: str, rec: PendingOp) -> bool:
         """Publish the upload that followed this very write of ``key``, if there is one and it sent
