@@ -59,6 +59,70 @@ def test_a_large_file_is_copied_kernel_side_into_a_local_writer_with_its_crc_che
     assert ledger.snapshot()["memory.read_back"] - before == len(data)  # read back once
 
 
+def _resident_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache (``mincore`` over a mapping that touches none)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), size) as mapping:
+        vec = (ctypes.c_ubyte * pages)()
+        buf = ctypes.c_char.from_buffer(mapping)
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            assert libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec) == 0
+        finally:
+            del buf
+    return sum(v & 1 for v in vec)
+
+
+def _direct_io_refused(directory: Path) -> bool:
+    try:
+        os.close(os.open(directory / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+        return False
+    except OSError:
+        return True
+    finally:
+        (directory / "probe").unlink(missing_ok=True)
+
+
+def test_a_local_writer_writes_a_copy_down_past_the_page_cache(tmp_path: Path) -> None:
+    """The local directory below the memory tier takes a file with O_DIRECT from the source's pages: exact
+    bytes (the unaligned tail too), and none of the aligned ones left in the page cache to free later."""
+    if _direct_io_refused(tmp_path):
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
+    path, data = _file(tmp_path, 64 * 4096 + 123)
+    below = LocalBackend(str(tmp_path / "below"))
+    got = _copy(_source(path, FileEntry(len(data), crc32c.crc32c(data))), below, "g/data/f.bin")
+    landed = tmp_path / "below" / "g" / "data" / "f.bin"
+    assert got == FileEntry(len(data), crc32c.crc32c(data))
+    assert _resident_pages(landed) <= 1, "the copy went through the page cache"  # at most the tail's page
+    assert landed.read_bytes() == data
+
+
+def test_a_file_system_that_refuses_direct_writes_gets_the_bytes_through_its_page_cache(tmp_path: Path,
+                                                                                          monkeypatch) -> None:
+    import fcntl as real
+
+    from tierckpt.backends import files
+
+    class Refusing:
+        F_GETFL, F_SETFL = real.F_GETFL, real.F_SETFL
+
+        @staticmethod
+        def fcntl(fd: int, cmd: int, arg: int = 0) -> int:
+            if cmd == real.F_SETFL and arg & os.O_DIRECT:
+                raise OSError(22, "Invalid argument")
+            return real.fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(files, "fcntl", Refusing)
+    path, data = _file(tmp_path, 16 * 4096 + 5)
+    got = _copy(_source(path, FileEntry(len(data), crc32c.crc32c(data))), LocalBackend(str(tmp_path / "b")), "f")
+    assert got == FileEntry(len(data), crc32c.crc32c(data))
+    assert (tmp_path / "b" / "f").read_bytes() == data
+
+
 @pytest.mark.parametrize("nbytes", [CHUNK // 2, 5 * CHUNK + 7])
 @pytest.mark.parametrize("kind", ["local", "memory"])
 def test_a_file_that_differs_from_its_record_is_not_published(tmp_path: Path, nbytes: int, kind: str) -> None:
@@ -100,9 +164,9 @@ def test_the_memory_tier_writes_down_into_the_node_cache_kernel_side(tmp_path: P
 
     original = tiered._TieredWriter.write_file
 
-    async def counting(self, fd: int, offset: int, length: int) -> None:  # type: ignore[no-untyped-def]
+    async def counting(self, fd: int, offset: int, length: int, pages=None) -> None:  # type: ignore[no-untyped-def]
         copied.append(length)
-        await original(self, fd, offset, length)
+        await original(self, fd, offset, length, pages)
 
     monkeypatch.setattr(tiered._TieredWriter, "write_file", counting)
     state = {"w": torch.arange(1 << 17, dtype=torch.float32), "b": torch.ones(1 << 10)}

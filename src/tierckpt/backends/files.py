@@ -129,6 +129,44 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[os.write(fd, view) :]
 
 
+DIRECT_ALIGN = 4096
+"""What ``O_DIRECT`` needs aligned: the buffer's address, the file offset and each write's length (the
+largest logical block size in use)."""
+DIRECT_CHUNK = 8 << 20
+"""The bytes of one ``O_DIRECT`` write."""
+
+
+def write_pages(fd: int, pages: memoryview) -> None:
+    """Append ``pages`` — another file's bytes through a mapping from its start (page-aligned) — to ``fd``,
+    whose offset is a multiple of :data:`DIRECT_ALIGN`, with ``O_DIRECT``: the device takes the bytes from
+    the source's pages, so none is copied into the page cache of ``fd``'s file, nor freed from it when
+    that file is deleted (a written-down copy is not read while the memory tier holds the bytes). About
+    a third of the CPU of a kernel copy and its later unlink (``docs/benchmarks.md``). The unaligned tail,
+    and everything on a file system that refuses ``O_DIRECT`` (tmpfs before Linux 6.6, some FUSE mounts),
+    is written through the page cache."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    aligned = len(pages) - len(pages) % DIRECT_ALIGN
+    done = 0
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        aligned = 0
+    try:
+        while done < aligned:
+            try:
+                done += os.write(fd, pages[done: min(aligned, done + DIRECT_CHUNK)])
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                break  # the file system took the flag but refuses this write: the rest through the page cache
+    finally:
+        if aligned:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    write_all(fd, pages[done:])
+
+
 def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
     """libc's ``sync_file_range`` (Linux), or ``None`` where there is none."""
     try:

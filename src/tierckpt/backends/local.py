@@ -38,6 +38,7 @@ from tierckpt.backends.files import (
     WRITEBACK_BATCH_BYTES,
     WRITEBACK_PAGE_BYTES,
     commit_if,
+    DIRECT_ALIGN,
     copy_range,
     discard,
     list_files,
@@ -51,6 +52,7 @@ from tierckpt.backends.files import (
     file_size,
     unlink,
     write_all,
+    write_pages,
     write_atomic,
     check_prefix,
     check_range,
@@ -89,17 +91,22 @@ class _LocalWriter(ObjectWriter):
             start_writeback(self._fd, self._flushed, end - self._flushed)
             self._flushed = end
 
-    async def write_file(self, fd: int, offset: int, length: int) -> None:
-        """Append ``length`` bytes of the local file open as ``fd`` kernel-side (a
-        :class:`~tierckpt.node.copy.FileSink`: the write-back engine's copies land so)."""
+    async def write_file(self, fd: int, offset: int, length: int, pages: memoryview | None = None) -> None:
+        """Append ``length`` bytes of the local file open as ``fd`` (a :class:`~tierckpt.node.copy.FileSink`:
+        the write-back engine's copies land so): from ``pages``, their mapping, with ``O_DIRECT``
+        (:func:`~tierckpt.backends.files.write_pages`: this copy below the memory tier is not read back
+        while the tier holds the bytes, so it does not take page cache), else kernel-side."""
         self._check_open()
         try:
-            await asyncio.to_thread(self._copy_through, fd, offset, length)
+            await asyncio.to_thread(self._copy_through, fd, offset, length, pages)
         except OSError as exc:
             raise write_error(exc, f"writing {self._tmp}") from exc
 
-    def _copy_through(self, fd: int, offset: int, length: int) -> None:
-        copy_range(fd, self._fd, offset, length)
+    def _copy_through(self, fd: int, offset: int, length: int, pages: memoryview | None) -> None:
+        if pages is not None and self._offset % DIRECT_ALIGN == 0:
+            write_pages(self._fd, pages[:length])
+        else:
+            copy_range(fd, self._fd, offset, length)
         self._offset += length
 
     async def close(self) -> None:

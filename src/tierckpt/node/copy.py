@@ -11,8 +11,9 @@ so no byte is checksummed twice.
 How the bytes move depends on the writer below:
 
 * a :class:`FileSink` (a local file system's writer): the CRC is taken over the source's pages through
-  one read-only mapping, then the kernel copies the file (``copy_file_range``), no user-space copy and
-  one thread hop per file;
+  one read-only mapping, then the sink writes the file from that mapping with ``O_DIRECT`` (the local
+  directory's writer) or has the kernel copy it (``copy_file_range``: the node cache's writer, whose file
+  its upload reads again), no user-space copy either way and two thread hops per file;
 * any other writer: small files are read and put whole; larger ones are handed to the writer chunk by
   chunk straight from the source's mapping (no copy into fresh buffers), each chunk checksummed as it
   passes.
@@ -41,8 +42,9 @@ COPY_CHUNK = 8 << 20
 class FileSink(Protocol):
     """A writer below that takes bytes straight from a local file, kernel-side."""
 
-    async def write_file(self, fd: int, offset: int, length: int) -> None:
-        """Append ``length`` bytes of the file open as ``fd``, from ``offset``."""
+    async def write_file(self, fd: int, offset: int, length: int, pages: memoryview | None = None) -> None:
+        """Append ``length`` bytes of the file open as ``fd``, from ``offset``; ``pages``, when given, are those
+        bytes through a mapping of the file (page-aligned), for a sink that writes from memory."""
 
 
 Opener = Callable[[str], int]
@@ -92,9 +94,14 @@ async def copy_checked(source: CopySource, below: Backend, key: str, *, chunk: i
         try:
             stated = writer.use_stated_crc32c()
             if isinstance(writer, FileSink):
-                got = FileEntry(size, await asyncio.to_thread(_mapped_crc, fd, size))
-                source.check(got)
-                await writer.write_file(fd, 0, size)
+                mapping, crc = await asyncio.to_thread(_mapped_crc, fd, size)
+                view = memoryview(mapping)
+                try:
+                    got = FileEntry(size, crc)
+                    source.check(got)
+                    await writer.write_file(fd, 0, size, view[:size])
+                finally:
+                    _unmap(mapping, view)
                 ledger.read_back(source.tier, size)
             else:
                 got = await _stream(fd, size, writer, source.tier, chunk)
@@ -141,13 +148,14 @@ async def _stream(fd: int, size: int, writer: ObjectWriter, tier: ledger.Tier, c
         _unmap(mapping, view)
 
 
-def _mapped_crc(fd: int, size: int) -> int:
-    """CRC-32C of the file's first ``size`` bytes, read through one mapping of its pages."""
+def _mapped_crc(fd: int, size: int) -> tuple[mmap.mmap, int]:
+    """The file mapped (:func:`map_fd`) and the CRC-32C of its first ``size`` bytes, read through that mapping."""
     mapping = map_fd(fd)
     try:
-        return crc32c.crc32c(memoryview(mapping)[:size])
-    finally:
+        return mapping, crc32c.crc32c(memoryview(mapping)[:size])
+    except BaseException:
         mapping.close()
+        raise
 
 
 def map_fd(fd: int) -> mmap.mmap:

@@ -121,9 +121,10 @@ class _TieredWriter(CrcWriter):
         if self._tail is not None:
             self._tail.advance(len(view))
 
-    async def write_file(self, fd: int, offset: int, length: int) -> None:
+    async def write_file(self, fd: int, offset: int, length: int, pages: memoryview | None = None) -> None:
         """Append ``length`` bytes of the local file ``fd`` kernel-side (a :class:`~tierckpt.node.copy.FileSink`:
-        the memory tier's write-down lands so, its CRC-32C stated)."""
+        the memory tier's write-down lands so, its CRC-32C stated). Not from ``pages`` with ``O_DIRECT``:
+        the cache file is read again by its upload, which its page cache serves."""
         self._check_open()
         self._written.copied(length)
         try:
