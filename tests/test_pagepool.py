@@ -370,3 +370,61 @@ def test_populating_a_spare_falls_back_or_fails_cleanly(shm: Path, monkeypatch: 
         del buffer
         mapping.close()
         os.close(fd)
+
+
+def _every_node_retires_scenario(workdir: str) -> dict:
+    """Two nodes of two ranks save one URI three times through the memory tier, replicated: what each node
+    ends with, the bytes its ranks' processes pooled and how often they claimed a pooled file."""
+    import torch.distributed as dist
+
+    from tierckpt.node.memory import incoming, nodememory
+
+    rank = dist.get_rank()
+    node = f"node-{rank // 2}"
+    saved_node = os.environ.get("TIERCKPT_NODE_ID")
+    os.environ["TIERCKPT_NODE_ID"] = node
+    grace, cleanup.GRACE_S = cleanup.GRACE_S, 0.0
+    retire, claim_spare, claim_replica = NodeMemory.retire, mapped.claim, incoming.claim
+    counts = {"pooled": 0, "claimed": 0}
+
+    def counting_retire(self: NodeMemory, *args: Any) -> int:
+        counts["pooled"] += (n := retire(self, *args))
+        return n
+
+    def counting_claim(*args: Any) -> bool:
+        counts["claimed"] += (hit := claim(*args))
+        return hit
+
+    nodememory.NodeMemory.retire = counting_retire  # type: ignore[method-assign]
+    mapped.claim = incoming.claim = counting_claim
+    try:
+        cfg = MemoryConfig(directory=os.path.join(workdir, node), budget_bytes=1 << 30, exit_wait_s=5)
+        uri = os.path.join(workdir, "ckpt")
+        for step in range(4):
+            state = {"w": torch.full((1 << 19,), float(step))}  # 2 MiB, saved by one rank, replicated
+            tierckpt.async_save(uri, state, storage_options={"memory": cfg}).wait("replicated")
+        dist.barrier()  # every replica of the last save is in
+        cleanup.wait_pending(30)
+        dist.barrier()
+        tier = NodeMemory(cfg).tier(uri)
+        committed = tier.committed()
+        return {"committed": committed.generation if committed else None, **counts,
+                "generations": [g for g in tier.generations() if not g.startswith(SPARE_PREFIX)]}
+    finally:
+        nodememory.NodeMemory.retire = retire  # type: ignore[method-assign]
+        mapped.claim, incoming.claim = claim_spare, claim_replica
+        cleanup.GRACE_S = grace
+        os.environ.pop("TIERCKPT_NODE_ID", None) if saved_node is None else os.environ.__setitem__("TIERCKPT_NODE_ID", saved_node)
+
+
+def test_every_node_retires_the_generations_a_commit_superseded(dist_pool, tmp_path: Path) -> None:
+    """Not only the committing rank's node: every node keeps none of the generations a commit superseded,
+    their data files (its ranks' and the replicas it received) go to its own pool, and its next files
+    (spares, arriving replicas) are written over them instead of fresh pages."""
+    results = dist_pool.run(_every_node_retires_scenario, str(tmp_path))
+    committed = results[0]["committed"]
+    assert committed is not None
+    for rank, r in enumerate(results):
+        assert r["committed"] == committed and r["generations"] == [committed], (rank, r)
+    for node in (results[:2], results[2:]):
+        assert sum(r["pooled"] for r in node) >= 2 * MIB and sum(r["claimed"] for r in node) >= 1, results

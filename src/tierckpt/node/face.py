@@ -112,6 +112,8 @@ class MemoryLinkParts(Protocol):
 
     async def drop_uncommitted(self, generation: str) -> None: ...
 
+    async def drop_superseded(self, committed: CommitRecord) -> None: ...
+
 
 class CacheLinkParts(Protocol):
     """What the face asks of the node disk cache (:class:`tierckpt.node.disk.tiered.TieredBackend`)."""
@@ -189,3 +191,9 @@ class NodeFace:
         rank of a failed save calls it, so no node keeps the generation."""
         if self._memory is not None:
             await self._memory.drop_uncommitted(generation)
+
+    async def drop_superseded(self, committed: CommitRecord) -> None:
+        """``committed`` is the URI's commit: drop the generations it superseded from this node's memory tier
+        (their pages to the node's pool), leaving the chain below to the committing rank's sweep."""
+        if self._memory is not None:
+            await self._memory.drop_superseded(committed)

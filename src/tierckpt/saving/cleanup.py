@@ -48,6 +48,7 @@ from tierckpt.backends.bounded import MAX_RECORD_BYTES
 from tierckpt.comm import describe_error
 from tierckpt.io.scheduled import set_background
 from tierckpt.io.scheduler import get_scheduler
+from tierckpt.node.face import NodeFace
 
 logger = logging.getLogger("tierckpt")
 
@@ -64,6 +65,8 @@ _exiting = threading.Event()
 _lock = threading.Lock()
 _pending: dict[str, concurrent.futures.Future[list[str]]] = {}
 """The latest sweep of each URI in this process (a new one waits for it)."""
+_graces: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
+"""The sweeps waiting out their grace, each woken by the exit drain through its loop."""
 
 
 def _forget_after_fork() -> None:
@@ -71,6 +74,7 @@ def _forget_after_fork() -> None:
     global _lock
     _lock = threading.Lock()
     _pending.clear()
+    _graces.clear()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -109,15 +113,73 @@ def _forget(uri: str, future: concurrent.futures.Future[list[str]]) -> None:
             del _pending[uri]
 
 
+def sweep_node_after_commit(node: NodeFace, uri: str, committed: layout.CommitRecord) -> None:
+    """Every rank but rank 0, once it knows ``committed``: after the same grace, in turn with this process's
+    other sweeps of ``uri``, the generations it superseded leave this rank's node memory tier, their pages
+    to the node's pool (:meth:`~tierckpt.node.face.NodeFace.drop_superseded`). Rank 0's sweep does that on
+    its own node along with the chain below; without this the other nodes would keep superseded
+    generations until an admission evicted them, and allocate fresh pages for every save and replica."""
+    if node.memory_tier is None:
+        return
+    due = time.monotonic() + GRACE_S
+    with _lock:
+        sweep = _sweep_node(node, uri, committed, _pending.get(uri), due)
+        try:
+            future = get_scheduler().submit(sweep, background=True)
+        except Exception as exc:  # noqa: BLE001 - the commit stands; an admission evicts what is left
+            sweep.close()
+            logger.debug("not retiring superseded generations of %s on this node: %s", uri, describe_error(exc))
+            return
+        _pending[uri] = future
+    future.add_done_callback(lambda f: _forget(uri, f))
+
+
+async def _sweep_node(node: NodeFace, uri: str, committed: layout.CommitRecord,
+                      before: concurrent.futures.Future[list[str]] | None, due: float) -> list[str]:
+    await _after(before, due)
+    try:
+        await node.drop_superseded(committed)
+    except Exception as exc:  # noqa: BLE001 - committed is committed; an admission evicts what is left
+        logger.warning("retiring generations of %s that %s superseded from this node's memory tier failed (%s); "
+                       "they stay until the tier needs the room", uri, committed.generation, describe_error(exc))
+    return []
+
+
+async def _after(before: concurrent.futures.Future[list[str]] | None, due: float) -> None:
+    """Wait for the sweep ``before`` this one, then until ``due`` (the grace of loads on the old generation),
+    which the exit drain cuts short; at background priority."""
+    set_background()
+    if before is not None:
+        await asyncio.wait([asyncio.wrap_future(before)])
+    left = due - time.monotonic()
+    if left <= 0 or _exiting.is_set():
+        return
+    woken = asyncio.get_running_loop().create_future()
+    waiter = (asyncio.get_running_loop(), woken)
+    with _lock:
+        _graces.add(waiter)
+    try:
+        if not _exiting.is_set():  # set before this sweep was listed: nobody will wake it
+            await asyncio.wait([woken], timeout=left)
+    finally:
+        with _lock:
+            _graces.discard(waiter)
+
+
+def _end_graces() -> None:
+    """The exit drain: every sweep waiting out its grace goes on now (this process's loads are over)."""
+    _exiting.set()
+    with _lock:
+        waiters = list(_graces)
+    for loop, woken in waiters:
+        loop.call_soon_threadsafe(lambda f=woken: f.done() or f.set_result(None))
+
+
 async def _sweep(
     backend: Backend, uri: str, committed: layout.CommitRecord, previous: str | None,
     before: concurrent.futures.Future[list[str]] | None, find_leftovers: bool, due: float,
 ) -> list[str]:
-    set_background()
-    if before is not None:
-        await asyncio.wait([asyncio.wrap_future(before)])
-    while not _exiting.is_set() and (left := due - time.monotonic()) > 0:  # the grace of loads on the old generation
-        await asyncio.sleep(min(left, 0.05))
+    await _after(before, due)
     started = time.perf_counter()
     deleted: list[str] = []
     current = await _current_commit(backend, uri)
@@ -171,7 +233,7 @@ def wait_pending(timeout_s: float | None = None, *, exiting: bool = False) -> li
     """Wait up to ``timeout_s`` (``None``: no limit) for this process's sweeps; return the URIs still pending.
     ``exiting`` (the exit drain): the sweeps skip the rest of their grace."""
     if exiting:
-        _exiting.set()
+        _end_graces()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         with _lock:

@@ -68,8 +68,12 @@ def _finish(
     # Every rank, after the commit; no collective. Before the save reports committed, so that the node's
     # files are sealed (restart-recoverable from memory) whenever wait("memory") has returned.
     p.replication.start(value.generation)
-    if coord.rank == 0 and not p.keep_previous:
-        _sweep_superseded(p)
+    if not p.keep_previous:
+        if coord.rank == 0:
+            _sweep_superseded(p)
+        else:
+            committed = layout.CommitRecord(value.generation, 0.0, seq=layout.seq_of(value.generation) or 0)
+            cleanup.sweep_node_after_commit(p.node, p.uri, committed)
     p.monitor.finish("save", p.uri, coord.rank, ranks_from_timings(value.timings))
     return value
 

@@ -46,7 +46,7 @@ from tierckpt.comm import describe_error
 from tierckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, TransientStorageError
 from tierckpt.io.scheduler import get_scheduler
 from tierckpt.native.keys import validate_key
-from tierckpt.native.layout import COMMIT, CommitRecord, is_generation, seq_of
+from tierckpt.native.layout import COMMIT, CommitRecord, is_generation, is_superseded, seq_of
 from tierckpt.node.host import node_id
 from tierckpt.node.runner import Entry
 from tierckpt.node.memory.config import MemoryConfig, MemoryTierFullError, OnFull
@@ -389,14 +389,14 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         else:
             if whole:
                 # A whole generation (the sweep's superseded one): evicted, its unread pages to the pool.
-                await asyncio.to_thread(self.memory.retire, self.memory_tier, generation)
+                await self._retire(generation)
             else:
                 await self.memory_tier.delete_prefix(what)
                 if generation:
                     await asyncio.to_thread(self.memory_tier.evict, generation)
-            self.forget_prefix(what)
-            if generation:
-                await asyncio.to_thread(self.down.forget, generation)
+                self.forget_prefix(what)
+                if generation:
+                    await asyncio.to_thread(self.down.forget, generation)
             for gen in self.memory_tier.generations() if not what else []:
                 await asyncio.to_thread(self.memory_tier.evict, gen)
                 await asyncio.to_thread(self.down.forget, gen)
@@ -404,6 +404,26 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         if tier_only:
             return  # the chain below still serves its own newest commit, whichever generation that is
         await self._delete_below(what, exact=exact, superseded=generation if whole else None)
+
+    async def _retire(self, generation: str, committed: CommitRecord | None = None) -> None:
+        """Drop a whole superseded ``generation`` from the tier, this process's write-downs of it stopped: its
+        data files nobody reads go to the node's page pool (:meth:`.nodememory.NodeMemory.retire`, superseded
+        by ``committed``, else by the tier's own ``COMMIT``)."""
+        await asyncio.to_thread(self.memory.retire, self.memory_tier, generation, committed)
+        self.forget_prefix(f"{generation}/")
+        await asyncio.to_thread(self.down.forget, generation)
+
+    async def drop_superseded(self, committed: CommitRecord) -> None:
+        """Retire from this node's tier every generation of the URI that ``committed`` superseded, and nothing
+        below: every rank but the committing one, once it knows the commit (the committing rank's sweep does
+        it on its own node with the chain below). Without it a node other than the committing rank's would
+        keep superseded generations until an admission evicted them, and allocate fresh pages for every spare
+        and every replica instead of reusing theirs."""
+        generations = await asyncio.to_thread(self.memory_tier.generations)
+        for generation in generations:
+            if generation != committed.generation and not is_spare(generation) and is_superseded(generation, committed):
+                await self.writedown.cancel(f"{generation}/", exact=False)
+                await self._retire(generation, committed)
 
     def _newest_is_memory_only(self) -> bool:
         """Whether the tier's ``COMMIT`` names a generation saved with ``persist=False``: the chain below

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from tierckpt.errors import StorageError
 from tierckpt.backends.bounded import MAX_URI_FILE_BYTES, read_capped
-from tierckpt.native.layout import is_superseded
+from tierckpt.native.layout import CommitRecord, is_superseded
 from tierckpt.node.private import private_directory
 from tierckpt.node.memory.config import DIR_ENV, MemoryConfig
 from tierckpt.node.memory.eviction import Admission, TierCopy, copy_id, plan_admission
@@ -69,12 +69,12 @@ class NodeMemory:
                 tiers[owner].evict(gen)
             return admission
 
-    def retire(self, tier: MemoryTier, generation: str) -> int:
-        """Drop ``generation`` of ``tier`` (a deletion, not an admission): when the tier's ``COMMIT`` makes it
-        superseded, its data files nobody reads go to the tier's page pool (:mod:`.pagepool`) instead of
-        being unlinked. Returns the bytes pooled."""
+    def retire(self, tier: MemoryTier, generation: str, committed: CommitRecord | None = None) -> int:
+        """Drop ``generation`` of ``tier`` (a deletion, not an admission): when ``committed`` (the group's commit,
+        known to the caller), else the tier's ``COMMIT``, makes it superseded, its data files nobody reads go to
+        the tier's page pool (:mod:`.pagepool`) instead of being unlinked. Returns the bytes pooled."""
         with self._locked():
-            record = tier.committed()
+            record = committed if committed is not None else tier.committed()
             pooled = 0
             if record is not None and generation != record.generation and is_superseded(generation, record) \
                     and not generation.startswith(SPARE_PREFIX):
