@@ -315,3 +315,36 @@ async def test_a_replica_recorded_while_its_declaration_is_read_stays_a_replica(
 
     monkeypatch.setattr(memory, "read_capped", recorded_meanwhile)
     assert DownLog(tier).replicas(generation, "node-a") == set(theirs)
+
+
+@pytest.mark.fast
+def test_a_manifest_is_decoded_once_and_read_again_when_its_file_changes(tmp_path: Path) -> None:
+    """Admissions and seals read every manifest of the tier many times: a process decodes each file once. A
+    manifest replaced (a new file renamed over it) or rewritten in place is read again, a damaged one refused."""
+    from tierckpt.node.memory import manifest as manifest_module
+
+    generation = new_generation(1)
+
+    def made(size: int) -> Manifest:
+        return Manifest(uri="s3://b/k", generation=generation, origin="node-a", created_unix=1.0,
+                        files=(("g/data/rank-00000.bin", FileEntry(size, 7)),))
+
+    path = tmp_path / "node-a.json"
+    path.write_bytes(made(10).encode())
+    first = manifest_module.read_manifest(str(path))
+    assert first == made(10) and manifest_module.read_manifest(str(path)) is first  # decoded once
+    replacement = tmp_path / "tmp.json"
+    replacement.write_bytes(made(20).encode())
+    os.replace(replacement, path)
+    assert manifest_module.read_manifest(str(path)) == made(20)
+    with open(path, "r+b") as f:  # the same inode, other bytes
+        f.write(made(300).encode())
+    assert manifest_module.read_manifest(str(path)) == made(300)
+    data = bytearray(path.read_bytes())
+    data[5] ^= 1
+    with open(path, "r+b") as f:
+        f.write(bytes(data))
+        f.truncate()
+    os.utime(path, ns=(1, 1))
+    with pytest.raises(CorruptCheckpointError, match="unreadable"):
+        manifest_module.read_manifest(str(path))

@@ -10,10 +10,13 @@ a damaged one is refused rather than trusted.
 from __future__ import annotations
 
 import json
+import os
+import threading
 from dataclasses import dataclass
 
 import crc32c
 
+from tierckpt.backends.bounded import MAX_TIER_RECORD_BYTES, read_fd_capped
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.node.written import FileEntry
 
@@ -72,3 +75,32 @@ class Manifest:
 
 def _canonical(doc: dict) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+_READ: dict[str, tuple[tuple[int, int, int], Manifest]] = {}
+"""Manifests this process decoded, by path, with the identity (inode, size, mtime) of the file read."""
+_READ_MAX = 4096
+_read_lock = threading.Lock()
+
+
+def read_manifest(path: str) -> Manifest:
+    """The manifest in the file ``path``, decoded and checked once per process: a manifest is written once,
+    atomically (a rename), so a file of the same inode, size and modification time holds the same bytes.
+    Admissions, seals and listings read every manifest of the node's tier many times per checkpoint.
+    Raises ``FileNotFoundError`` for a file gone, :class:`CorruptCheckpointError` for a damaged one."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+        with _read_lock:
+            known = _READ.get(path)
+        if known is not None and known[0] == identity:
+            return known[1]
+        manifest = Manifest.decode(read_fd_capped(fd, MAX_TIER_RECORD_BYTES, path), path)
+    finally:
+        os.close(fd)
+    with _read_lock:
+        if len(_READ) >= _READ_MAX:
+            _READ.clear()
+        _READ[path] = (identity, manifest)
+    return manifest

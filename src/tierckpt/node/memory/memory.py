@@ -39,7 +39,7 @@ from tierckpt.node.face import NodeTier
 from tierckpt.backends.file_open import open_shared
 from tierckpt.backends.files import commit_if, is_lock_name, is_temp_name, temp_name
 from tierckpt.backends.local import LocalBackend, os_error
-from tierckpt.backends.bounded import MAX_RECORD_BYTES, MAX_TIER_RECORD_BYTES, MAX_URI_FILE_BYTES, read_capped, read_fd_capped
+from tierckpt.backends.bounded import MAX_RECORD_BYTES, MAX_URI_FILE_BYTES, read_capped, read_fd_capped
 from tierckpt.errors import CheckpointError, CorruptCheckpointError
 from tierckpt.native.layout import COMMIT, CommitRecord, is_superseded
 from tierckpt.native.metadata import validate_generation
@@ -47,7 +47,7 @@ from tierckpt.node.memory.config import DIR_ENV, MemoryConfig
 from tierckpt.node.memory.eviction import TierCopy, copy_id
 from tierckpt.node.memory import stamps
 from tierckpt.node.memory.incoming import IncomingFile
-from tierckpt.node.memory.manifest import FileEntry, Manifest
+from tierckpt.node.memory.manifest import FileEntry, Manifest, read_manifest
 from tierckpt.node.private import private_directory
 from tierckpt.node import ledger
 from tierckpt.node.ledger import Tier
@@ -218,12 +218,10 @@ class MemoryTier(LocalBackend, NodeTier):
         out = []
         for name in sorted(os.listdir(directory)):
             if name.endswith(suffix) and not is_temp_name(name):
-                path = os.path.join(directory, name)
                 try:
-                    data = read_capped(path, MAX_TIER_RECORD_BYTES)
+                    out.append(read_manifest(os.path.join(directory, name)))
                 except FileNotFoundError:
                     continue
-                out.append(Manifest.decode(data, path))
         return sorted(out, key=lambda m: m.origin)
 
     def listed(self, generation: str, *, besides: Iterable[str]) -> set[str]:
