@@ -73,6 +73,15 @@ PIECES = [
 
 
 # -- round trips -------------------------------------------------------------------------------------
+def test_the_header_is_the_json_of_every_field():
+    """Built field by field, the header is exactly the document ``dataclasses.asdict`` gives (and its format)."""
+    import dataclasses
+
+    meta = header(structure={"": ["model", "optim"], "model": ["w"]}, frameworks=("ddp", "optimizer"))
+    expected = {**dataclasses.asdict(meta), "format": "tierckpt"}
+    assert json.loads(encode_header(meta)) == json.loads(json.dumps(expected))
+
+
 def test_header_round_trip():
     """encode_header/decode_header preserve every field, including None ranks and both codecs."""
     meta = header()

@@ -350,14 +350,24 @@ class MemoryTier(LocalBackend, NodeTier):
 
 
 def _usage(directory: str) -> tuple[int, float]:
-    """Bytes of the files under ``directory`` (temp files included: they occupy memory) and the newest mtime."""
+    """Bytes of the files under ``directory`` (temp files included: they occupy memory) and the newest mtime.
+    One ``scandir`` per directory (every admission walks the node's whole tier)."""
     total, newest = 0, 0.0
-    for root, _, files in os.walk(directory):
-        for name in files:
-            try:
-                st = os.stat(os.path.join(root, name))
-            except FileNotFoundError:
-                continue
-            total += st.st_size
-            newest = max(newest, st.st_mtime)
+    pending = [directory]
+    while pending:
+        try:
+            with os.scandir(pending.pop()) as entries:
+                for entry in entries:
+                    try:
+                        if entry.is_dir():
+                            if not entry.is_symlink():
+                                pending.append(entry.path)
+                            continue
+                        st = entry.stat()
+                    except FileNotFoundError:
+                        continue  # removed meanwhile
+                    total += st.st_size
+                    newest = max(newest, st.st_mtime)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
     return total, newest
