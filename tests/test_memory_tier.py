@@ -348,3 +348,27 @@ def test_a_manifest_is_decoded_once_and_read_again_when_its_file_changes(tmp_pat
     os.utime(path, ns=(1, 1))
     with pytest.raises(CorruptCheckpointError, match="unreadable"):
         manifest_module.read_manifest(str(path))
+
+
+@pytest.mark.fast
+def test_an_admission_grants_a_short_lived_credit_that_later_admissions_spend_without_a_walk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The walk of the node's tier is paid once per burst of writes, whichever checkpoint they belong to:
+    1/16 of the free room, for ``CREDIT_S``; past either, the next admission walks (and may evict) again."""
+    from tierckpt.node.memory import nodememory
+
+    node = NodeMemory(config(tmp_path, budget=16 * 1000 + 1000))
+    walks: list[int] = []
+    original = NodeMemory.tiers
+    monkeypatch.setattr(NodeMemory, "tiers", lambda self: walks.append(1) or original(self))
+    assert node.admit("s3://b/run/step-1", "g-1", 1000, ()).fits and len(walks) == 1  # credit: 16000 // 16
+    spent = node.admit("s3://b/run/step-2", "g-2", 600, ())
+    assert spent.fits and spent.used_bytes is None and len(walks) == 1  # another checkpoint, no walk
+    assert node.admit("s3://b/run/step-2", "g-2", 401, ()).fits and len(walks) == 2  # the credit ran out
+    now = [nodememory.time.monotonic()]
+    monkeypatch.setattr(nodememory, "time", type("Clock", (), {"monotonic": staticmethod(lambda: now[0])}))
+    node.admit("s3://b/run/step-3", "g-3", 1, ())
+    assert len(walks) == 2  # within the credit's time
+    now[0] += nodememory.CREDIT_S + 0.1
+    node.admit("s3://b/run/step-3", "g-3", 1, ())
+    assert len(walks) == 3  # expired: walked again

@@ -131,6 +131,9 @@ class LocalBackend(ReadsInto, Backend):
     capabilities = Capabilities(local_path=True)
     mapped_reads = True
     """Whether reads of resident page cache go through a mapping (:mod:`.mapped_read`)."""
+    links_checked = True
+    """Whether :meth:`path_of` looks for symbolic links below the root (a checkpoint tree may come from
+    anyone); a private tree of this user's own (the node memory tier) skips the ``lstat`` per component."""
     shared_reads = False
     """Whether reads hold each file's shared lock while they read it (:func:`.file_open.hold_shared`): the
     node memory tier sets it, as it may reuse a retired file's pages."""
@@ -151,7 +154,7 @@ class LocalBackend(ReadsInto, Backend):
         whole path is resolved only when one of them is a link."""
         parts = validate_key(key).split("/")
         path = os.path.join(self.root, *parts)
-        if not _link_below(self.root, parts):
+        if not self.links_checked or not _link_below(self.root, parts):
             return path
         real_root = os.path.realpath(self.root)
         real = os.path.realpath(path)

@@ -46,8 +46,8 @@ class Admission:
     """Whether the incoming checkpoint goes into the memory tier (after evicting ``evict``)."""
     evict: tuple[str, ...]
     """Copy ids to delete first, in order."""
-    used_bytes: int
-    """Bytes the tier held before."""
+    used_bytes: int | None
+    """Bytes the tier held before (``None``: admitted from the process's credit, the tier not walked)."""
     reason: str | None = None
     """Why it does not fit (``fits`` is ``False``: fall back to the next tier)."""
 

@@ -69,12 +69,6 @@ from tierckpt.node.memory.writedown import WriteDown, drop_tier
 
 log = logging.getLogger(__name__)
 
-_CREDIT_SHARE = 16
-_CREDIT_MAX = 1 << 30
-"""After an admission, a process may write up to 1/16 of the tier's free room (at most 1 GiB) of the same
-generation before the next check (a check walks the node's tier); 16 processes writing at once at most
-fill the free room, so the budget holds for up to 16 writers of a node."""
-
 
 class MemoryLink(WriteBackLink[Withdrawal]):
     """The node memory tier in front of ``below``, on the write-back link core (see the module docstring)."""
@@ -96,7 +90,6 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         self.writedown = WriteDown(self.memory_tier, self.down, below, self.origin, self.seal)
         self._written: set[str] = set()
         self._readable: set[str] = set()
-        self._credit: dict[str, int] = {}
         self.spare_wanted: dict[str, int] = {}
         """Keys of async saves that found no spare -> the size of the spare to make once they are written."""
         self.fallback: dict[str, str] = {}
@@ -112,9 +105,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         """Make room for ``nbytes`` more of ``generation``; ``False``: it falls back to the chain below."""
         if generation in self.fallback:
             return False
-        credit = self._credit.get(generation, 0)
-        if nbytes <= credit:
-            self._credit[generation] = credit - nbytes
+        if self.memory.take_credit(nbytes):
             return True
 
         def admit() -> bool:
@@ -128,8 +119,6 @@ class MemoryLink(WriteBackLink[Withdrawal]):
                 self.fallback[generation] = admission.reason or "the memory tier is full"
                 log.warning("%s %s goes to the next tier: %s", self.memory_tier.uri, generation, admission.reason)
                 return False
-            free = self.memory.config.budget_bytes - admission.used_bytes - nbytes
-            self._credit[generation] = max(0, min(free // _CREDIT_SHARE, _CREDIT_MAX))
             return True
 
         return await asyncio.to_thread(admit)

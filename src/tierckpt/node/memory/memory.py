@@ -114,6 +114,9 @@ class _CrcWriter(CrcWriter):
 class MemoryTier(LocalBackend, NodeTier):
     """One checkpoint URI's files in the node memory tier (a backend rooted in its ``objects/``)."""
 
+    links_checked = False
+    """The tier's tree is a private directory of this user (0700, its owner checked: :mod:`tierckpt.node.private`):
+    no other user can plant a link in it, so its paths are not looked at component by component."""
     shared_reads = True
     """Reads hold each file's shared lock: the tier reuses a retired file's pages (:mod:`.pagepool`),
     cutting its size, never while a reader holds the lock. That also makes the inherited mapped reads

@@ -9,16 +9,44 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 from tierckpt.errors import StorageError
 from tierckpt.backends.bounded import MAX_URI_FILE_BYTES, read_capped
 from tierckpt.native.layout import CommitRecord, is_superseded
+from tierckpt.node import lifecycle
 from tierckpt.node.private import private_directory
 from tierckpt.node.memory.config import DIR_ENV, MemoryConfig
 from tierckpt.node.memory.eviction import Admission, TierCopy, copy_id, plan_admission
 from tierckpt.node.memory.memory import SPARE_PREFIX, MemoryTier
 from tierckpt.node.memory.pagepool import retire
+
+
+CREDIT_SHARE = 16
+CREDIT_MAX = 1 << 30
+CREDIT_S = 2.0
+"""After an admission, a process may write up to 1/16 of the tier's free room (at most 1 GiB) into the tier
+— of any checkpoint, for :data:`CREDIT_S` — before its next admission walks the node's tier again: 16
+processes writing at once at most fill the free room, so the budget holds for up to 16 writers of a node.
+A save loop that checkpoints every few hundred milliseconds then walks the tier about once per save and
+node process instead of once per file (each walk lists and stats every generation of every URI); the
+time bound keeps a credit from outliving the room it was measured against."""
+
+_credits: dict[tuple[str, int], tuple[int, float]] = {}
+"""This process's credit in each tier (directory, budget): bytes, and until when (``time.monotonic``)."""
+_credit_lock = threading.Lock()
+
+
+def _forget_credits_after_fork() -> None:
+    """A forked child starts without its parent's credit (it would be spent twice)."""
+    global _credit_lock
+    _credit_lock = threading.Lock()
+    _credits.clear()
+
+
+lifecycle.after_fork_in_child(_forget_credits_after_fork)
 
 
 class NodeMemory:
@@ -52,6 +80,8 @@ class NodeMemory:
         beside the node's own files of it). ``durable_below`` may be a function: it is called (under
         the lock) only when something must be evicted. ``evict=False``: admitted only into free room
         (what holds no checkpoint, a spare, never evicts one)."""
+        if self.take_credit(nbytes):
+            return Admission(fits=True, evict=(), used_bytes=None)
         incoming = copy_id(uri, generation)
         with self._locked():
             tiers = {t.uri: t for t in self.tiers()}
@@ -67,7 +97,26 @@ class NodeMemory:
             for victim in admission.evict:
                 owner, _, gen = victim.rpartition("/")
                 tiers[owner].evict(gen)
+            if admission.fits:
+                free = self.config.budget_bytes - used - nbytes  # before the evictions: never more than there is
+                with _credit_lock:
+                    _credits[self._credit_key] = (max(0, min(free // CREDIT_SHARE, CREDIT_MAX)),
+                                                  time.monotonic() + CREDIT_S)
             return admission
+
+    @property
+    def _credit_key(self) -> tuple[str, int]:
+        return self.config.directory, self.config.budget_bytes
+
+    def take_credit(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` fit into this process's credit (taken from it): admitted without walking the
+        node's tier (see :data:`CREDIT_SHARE`)."""
+        with _credit_lock:
+            credit, until = _credits.get(self._credit_key, (0, 0.0))
+            if nbytes > credit or time.monotonic() > until:
+                return False
+            _credits[self._credit_key] = (credit - nbytes, until)
+            return True
 
     def retire(self, tier: MemoryTier, generation: str, committed: CommitRecord | None = None) -> int:
         """Drop ``generation`` of ``tier`` (a deletion, not an admission): when ``committed`` (the group's commit,
