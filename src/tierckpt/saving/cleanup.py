@@ -13,7 +13,9 @@ short by an exit, and generations kept by earlier ``keep_previous=True`` saves) 
 (a save that started from the new record and may be in flight); and nothing when the ``COMMIT`` found
 when the sweep runs is gone or older than the new record (the URI was deleted and may be saved afresh,
 its commit sequences starting over), nor the generation that ``COMMIT`` names. A save with ``keep_previous=True``
-starts no sweep. Through a node cache (a write-back store) only the previous generation is deleted
+starts no sweep. Every other rank, once it knows the commit, retires the same generations from its own
+node's memory tier after the same grace (:func:`sweep_node_after_commit`), so every node reuses their
+pages. Through a node cache (a write-back store) only the previous generation is deleted
 (the cache defers the remote deletion until the new ``COMMIT`` is uploaded); listing the remote after
 every save is left to ``tierckpt gc``.
 
@@ -172,7 +174,10 @@ def _end_graces() -> None:
     with _lock:
         waiters = list(_graces)
     for loop, woken in waiters:
-        loop.call_soon_threadsafe(lambda f=woken: f.done() or f.set_result(None))
+        try:
+            loop.call_soon_threadsafe(lambda f=woken: f.done() or f.set_result(None))
+        except RuntimeError:
+            pass  # its loop is closed: the sweep ended with it
 
 
 async def _sweep(
