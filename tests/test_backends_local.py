@@ -129,3 +129,23 @@ def test_read_ahead_spans_cover_strided_runs_but_not_far_gaps():
     assert read_ahead_spans([0, 100, 100 + 100 + far, 300 + far], 100) == [(0, 200), (200 + far, 200)]
     assert read_ahead_spans([500, 0, 100], 100) == [(0, 200)]
     assert read_ahead_spans([7], 100) == [] and read_ahead_spans([], 100) == []
+
+
+@pytest.mark.fast
+async def test_a_directory_prefix_goes_in_one_worker_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep deletes a whole generation per save: one thread hop removes its directory, whatever it holds;
+    a prefix that names nothing, or a file, is fine."""
+    import asyncio
+
+    backend = LocalBackend(str(tmp_path))
+    for key in ("g-1/data/rank-00000.bin", "g-1/data/rank-00001.bin", "g-1/meta/header.json", "g-2/x"):
+        await backend.put(key, b"x")
+    hops: list[object] = []
+    original = asyncio.to_thread
+    monkeypatch.setattr(asyncio, "to_thread", lambda fn, *a, **k: hops.append(fn) or original(fn, *a, **k))
+    await backend.delete_prefix("g-1/")
+    assert len(hops) == 1 and not (tmp_path / "g-1").exists()
+    assert await backend.list() == ["g-2/x"]
+    await backend.delete_prefix("g-9/")
+    await backend.delete_prefix("g-2/x/")
+    assert await backend.list() == ["g-2/x"]

@@ -15,6 +15,7 @@ import ctypes.util
 import errno
 import fcntl
 import os
+import shutil
 import stat
 import uuid
 from collections.abc import Callable
@@ -230,6 +231,16 @@ def unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def remove_tree(path: str) -> None:
+    """Remove the directory ``path`` and everything in it (links are removed, never followed); one that is not
+    there, or is not a directory, is fine. Any other refusal raises."""
+    def refused(_function: object, _path: str, info: tuple[type[BaseException], BaseException, object]) -> None:
+        if not isinstance(info[1], (FileNotFoundError, NotADirectoryError)):
+            raise info[1]
+
+    shutil.rmtree(path, onerror=refused)
 
 
 def discard(fd: int, tmp: str) -> None:

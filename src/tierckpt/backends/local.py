@@ -49,6 +49,7 @@ from tierckpt.backends.files import (
     pread_range,
     read_whole,
     read_whole_capped,
+    remove_tree,
     file_size,
     unlink,
     write_all,
@@ -272,11 +273,20 @@ class LocalBackend(ReadsInto, Backend):
             raise os_error(exc, f"reading {len(segments)} ranges of {path}") from exc
 
     async def delete_prefix(self, prefix: str) -> None:
-        """Delete everything under ``prefix``; a prefix naming a directory removes the directory too."""
-        await super().delete_prefix(prefix)
-        if prefix.endswith("/"):
-            directory = self.path_of(prefix.rstrip("/"))
+        """Delete everything under ``prefix``; a prefix naming a directory removes the directory too, in one
+        worker call where no subclass deletes a key its own way (a sweep removes a generation per save)."""
+        if not prefix.endswith("/"):
+            await super().delete_prefix(prefix)
+            return
+        directory = self.path_of(prefix.rstrip("/"))
+        if type(self).delete is not LocalBackend.delete:
+            await super().delete_prefix(prefix)
             await asyncio.to_thread(shutil.rmtree, directory, True)
+            return
+        try:
+            await asyncio.to_thread(remove_tree, directory)
+        except OSError as exc:
+            raise os_error(exc, f"deleting {directory}") from exc
 
     async def commit(
         self, key: str, data: bytes, *, expected: bytes | None | Unconditional = UNCONDITIONAL,
