@@ -103,7 +103,8 @@ def _targets() -> dict[str, tuple[Any, str]]:
         "local.open_writer": (local.LocalBackend, "open_writer"),
         "local.write": (local._LocalWriter, "write"),
         "local.close": (local._LocalWriter, "close"),
-        "local.delete": (local.LocalBackend, "delete"),
+        "local.delete_prefix": (local.LocalBackend, "delete_prefix"),  # the sweep: a generation's directory
+        "local.unlink": (files.os, "unlink"),  # each file the sweep's removal of that directory unlinks
         # between fsync of the temp file and the rename, in the worker thread
         "local.publish": (files, "publish"),
         "local.replace": (files.os, "replace"),

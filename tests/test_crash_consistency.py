@@ -238,7 +238,7 @@ def check_after_kill(uri: str, opts: dict[str, Any] | None, out: Outcome, label:
 # (event, n, saves): each fires in the first or second save. Per local save: 4 whole-object puts
 # (objects, tensors, pieces, header) and one commit (COMMIT, under its lock), 6 publishes/renames (data
 # file + those 5), 8 data-file
-# writes/stream puts; the second save also deletes the 5 files of the first.
+# writes/stream puts; the second save also removes the first one's directory (its 5 files unlinked in turn).
 LOCAL_KILLS = [
     ("local.open_writer", 1, 1), ("local.open_writer", 2, 2),
     ("local.write", 2, 1), ("local.write", 5, 2), ("local.write", 11, 2), ("local.write", 16, 2),
@@ -246,7 +246,7 @@ LOCAL_KILLS = [
     *[("local.put", n, 2) for n in (1, 2, 3, 4, 5, 6, 7, 8)],
     ("local.put.after", 1, 2), ("local.put.after", 4, 2), ("local.put.after", 5, 2), ("local.put.after", 8, 2),
     ("local.commit", 1, 1), ("local.commit", 2, 2), ("local.commit.after", 1, 2), ("local.commit.after", 2, 2),
-    ("local.delete", 1, 2), ("local.delete", 4, 2),
+    ("local.delete_prefix", 1, 2), ("local.unlink", 1, 2), ("local.unlink", 4, 2),
     ("local.publish", 1, 1), ("local.publish", 2, 2), ("local.publish", 8, 2), ("local.publish", 12, 2),
     ("local.replace", 3, 2), ("local.replace", 12, 2), ("local.replace.after", 12, 2),
     ("saver.commit", 1, 1), ("saver.commit", 2, 2), ("saver.commit.after", 2, 2),
