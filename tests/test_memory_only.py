@@ -262,3 +262,51 @@ def test_exit_says_when_the_newest_checkpoint_is_in_memory_only(tmp_path: Path, 
     said = f"newest checkpoint of {path}" in done.stderr and f"tierckpt sync {path}" in done.stderr
     assert said is not sync, done.stderr
     assert (path / layout.COMMIT).exists() is sync
+
+
+def _slow_write_down(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Every file written down into a local directory through the kernel-side/direct path takes ``seconds``."""
+    import time
+
+    from tierckpt.backends import local
+
+    original = local._LocalWriter._copy_through
+
+    def slow(self: Any, *args: Any) -> None:
+        time.sleep(seconds)
+        original(self, *args)
+
+    monkeypatch.setattr(local._LocalWriter, "_copy_through", slow)
+
+
+def _commit_below(uri: str) -> layout.CommitRecord | None:
+    path = Path(uri) / layout.COMMIT
+    return layout.CommitRecord.decode(path.read_bytes()) if path.exists() else None
+
+
+@pytest.mark.parametrize("newer_persists", [False, True])
+def test_remote_is_said_only_once_the_chain_below_commits_this_generation_or_a_newer_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_sweep_grace: None, newer_persists: bool) -> None:
+    """A save written down slowly, superseded by a newer commit before its write-down is done. With the newer
+    one ``persist=False``, the older is what the directory is to hold: the sweep of the newer commit keeps it
+    until it is written down, and ``wait("remote")`` returns once the directory's ``COMMIT`` names it. With
+    both persisted, ``wait("remote")`` returns once the directory's ``COMMIT`` is at least as new, never while
+    it has none (both were said before, with nothing committed in the directory)."""
+    _slow_write_down(monkeypatch, 1.0)
+    uri = str(tmp_path / "ckpt")
+    opts = {"memory": MemoryConfig(directory=str(tmp_path / "mem"))}
+    first = tierckpt.async_save(uri, {"w": torch.full((1 << 22,), 1.0)}, storage_options=opts)  # 16 MiB
+    first.wait("memory")
+    second = tierckpt.async_save(uri, {"w": torch.full((1 << 22,), 2.0)}, storage_options=opts, persist=newer_persists)
+    second.wait("memory")
+    wait_pending()  # the sweep of the first generation ran (no grace) while its write-down goes on
+    generation = first.wait("remote").generation
+    below = _commit_below(uri)
+    assert below is not None, "wait('remote') returned with no COMMIT where the URI points"
+    assert below.seq >= layout.seq_of(generation)
+    if not newer_persists:
+        assert below.generation == generation
+        got = tierckpt.load(uri, storage_options={"memory": False})
+        assert torch.equal(got["w"], torch.full((1 << 22,), 1.0))
+    else:
+        second.wait("remote")

@@ -368,10 +368,14 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         """Drop ``what`` (a key with ``exact``, else a prefix) from the tier now, and from the chain below by
         the link core's rule (:meth:`~tierckpt.node.link.WriteBackLink._delete_below`): after a pending
         ``COMMIT`` write-down, so the chain below never names what is deleted there."""
-        await self.writedown.cancel(what, exact=exact)
         generation = generation_of(what) or (what.rstrip("/") if is_generation(what.rstrip("/")) else None)
         whole = not exact and generation is not None and generation == what.rstrip("/")
         tier_only = whole and await asyncio.to_thread(self._newest_is_memory_only)
+        if tier_only and await self.writedown.owed_below(generation):
+            log.info("%s %s stays in the node memory tier until it is written down: the newer commit was saved "
+                     "with persist=False, so this one is what the chain below is to hold", self.memory_tier.uri, generation)
+            return
+        await self.writedown.cancel(what, exact=exact)
         if exact:
             await self.memory_tier.delete(what)
             self.forget_prefix(what, exact=True)
@@ -409,10 +413,14 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         keep superseded generations until an admission evicted them, and allocate fresh pages for every spare
         and every replica instead of reusing theirs."""
         generations = await asyncio.to_thread(self.memory_tier.generations)
+        newest_memory_only = await asyncio.to_thread(self._newest_is_memory_only)
         for generation in generations:
-            if generation != committed.generation and not is_spare(generation) and is_superseded(generation, committed):
-                await self.writedown.cancel(f"{generation}/", exact=False)
-                await self._retire(generation, committed)
+            if generation == committed.generation or is_spare(generation) or not is_superseded(generation, committed):
+                continue
+            if newest_memory_only and await self.writedown.owed_below(generation):
+                continue  # what the chain below is to hold while the newest commit stays in memory (see _delete)
+            await self.writedown.cancel(f"{generation}/", exact=False)
+            await self._retire(generation, committed)
 
     def _newest_is_memory_only(self) -> bool:
         """Whether the tier's ``COMMIT`` names a generation saved with ``persist=False``: the chain below

@@ -31,7 +31,7 @@ from tierckpt.errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError,
     TransientStorageError,
 )
-from tierckpt.native.layout import COMMIT, CommitRecord
+from tierckpt.native.layout import COMMIT, CommitRecord, seq_of
 from tierckpt.node.memory.commitbelow import commit_below
 from tierckpt.node.memory.copydown import copy_down
 from tierckpt.node import lifecycle
@@ -267,19 +267,30 @@ class WriteDown:
         await wait_owed(_WriteDowns(self, name, through_outage, commit), timeout_s, through_outage=through_outage)
 
     async def _node_files_below(self, generation: str) -> bool:
-        """Whether the chain below holds this node's files of ``generation`` (the tier's log says so;
-        the replicas other nodes sent are theirs to write down) and, when the tier's ``COMMIT`` names it,
-        that commit: logged as written down from this node, or else (another node, or another process
-        of this one, commits it) found below."""
-        pending = await asyncio.to_thread(self.down.pending, generation, origin=self.origin)
-        if pending != [COMMIT]:
-            return not pending
-        record = await asyncio.to_thread(self.tier.committed)
+        """Whether ``generation`` is where its URI points, as far as this node owes it: the chain below holds
+        this node's files of it (the tier's log says so; the replicas other nodes sent are theirs to write
+        down) and a ``COMMIT`` at least as new — this generation's (logged as written down from this node,
+        or found below), or a newer one that superseded it there. A generation that only the tier's
+        ``COMMIT`` superseded is not below until the chain below's ``COMMIT`` says so: its own commit down
+        may still be under way, or have been stopped by the sweep of the newer one."""
+        state = await asyncio.to_thread(self.down.state, generation)
+        pending = await asyncio.to_thread(self.down.pending, generation, state, origin=self.origin)
+        if [key for key in pending if key != COMMIT]:
+            return False
+        if COMMIT in state.done:
+            return True
         try:
             below = CommitRecord.decode(await self.below.get_capped(COMMIT, MAX_RECORD_BYTES))
         except (CheckpointNotFoundError, TransientStorageError):
             return False
-        return record is not None and record.generation == generation and below.generation == generation
+        seq = seq_of(generation)
+        return below.generation == generation or (seq is not None and below.seq >= seq)
+
+    async def owed_below(self, generation: str) -> bool:
+        """Whether ``generation`` was saved to be written down and is not yet where its URI points as far as
+        this node owes it (:meth:`_node_files_below`)."""
+        state = await asyncio.to_thread(self.down.state, generation)
+        return not state.memory_only and not await self._node_files_below(generation)
 
     # -- deletes ---------------------------------------------------------------------------------------
     async def cancel(self, what: str, *, exact: bool) -> None:
