@@ -17,6 +17,7 @@ import fcntl
 import os
 import shutil
 import stat
+import sys
 import uuid
 from collections.abc import Callable
 from urllib.parse import unquote, urlparse
@@ -141,8 +142,8 @@ def write_pages(fd: int, pages: memoryview) -> None:
     """Append ``pages`` — another file's bytes through a mapping from its start (page-aligned) — to ``fd``,
     whose offset is a multiple of :data:`DIRECT_ALIGN`, with ``O_DIRECT``: the device takes the bytes from
     the source's pages, so none is copied into the page cache of ``fd``'s file, nor freed from it when
-    that file is deleted (a written-down copy is not read while the memory tier holds the bytes). About
-    a third of the CPU of a kernel copy and its later unlink (``docs/benchmarks.md``). The unaligned tail,
+    that file is deleted (a written-down copy is not read while the memory tier holds the bytes): under
+    half the CPU of a kernel copy and its later unlink (``docs/benchmarks.md``). The unaligned tail,
     and everything on a file system that refuses ``O_DIRECT`` (tmpfs before Linux 6.6, some FUSE mounts),
     is written through the page cache."""
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
@@ -236,11 +237,14 @@ def unlink(path: str) -> None:
 def remove_tree(path: str) -> None:
     """Remove the directory ``path`` and everything in it (links are removed, never followed); one that is not
     there, or is not a directory, is fine. Any other refusal raises."""
-    def refused(_function: object, _path: str, info: tuple[type[BaseException], BaseException, object]) -> None:
-        if not isinstance(info[1], (FileNotFoundError, NotADirectoryError)):
-            raise info[1]
+    def refused(_function: object, _path: str, exc: BaseException) -> None:
+        if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+            raise exc
 
-    shutil.rmtree(path, onerror=refused)
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=refused)
+    else:  # ``onerror`` (deprecated from 3.12) is given the exception's (type, value, traceback)
+        shutil.rmtree(path, onerror=lambda function, where, info: refused(function, where, info[1]))
 
 
 def discard(fd: int, tmp: str) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import shutil
 import stat
 from collections.abc import Callable, Mapping, Sequence
 
@@ -273,16 +272,12 @@ class LocalBackend(ReadsInto, Backend):
             raise os_error(exc, f"reading {len(segments)} ranges of {path}") from exc
 
     async def delete_prefix(self, prefix: str) -> None:
-        """Delete everything under ``prefix``; a prefix naming a directory removes the directory too, in one
-        worker call where no subclass deletes a key its own way (a sweep removes a generation per save)."""
+        """Delete everything under ``prefix``; a prefix naming a directory is removed whole, in one worker call
+        (a sweep removes a generation per save)."""
         if not prefix.endswith("/"):
             await super().delete_prefix(prefix)
             return
         directory = self.path_of(prefix.rstrip("/"))
-        if type(self).delete is not LocalBackend.delete:
-            await super().delete_prefix(prefix)
-            await asyncio.to_thread(shutil.rmtree, directory, True)
-            return
         try:
             await asyncio.to_thread(remove_tree, directory)
         except OSError as exc:

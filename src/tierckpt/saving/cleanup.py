@@ -156,8 +156,9 @@ async def _after(before: concurrent.futures.Future[list[str]] | None, due: float
     left = due - time.monotonic()
     if left <= 0 or _exiting.is_set():
         return
-    woken = asyncio.get_running_loop().create_future()
-    waiter = (asyncio.get_running_loop(), woken)
+    loop = asyncio.get_running_loop()
+    woken = loop.create_future()
+    waiter = (loop, woken)
     with _lock:
         _graces.add(waiter)
     try:

@@ -39,7 +39,7 @@ from tierckpt.node.durability import durability_of, wait_owed
 from tierckpt.node.journal import Outstanding
 from tierckpt.backends.retry import WRITE_DOWN, RetryPolicy
 from tierckpt.node.runner import Blocked, Entry, TaskRunner
-from tierckpt.node.memory.downlog import DownLog, generation_of
+from tierckpt.node.memory.downlog import DownLog, DownState, generation_of
 from tierckpt.node.memory.downdrain import ACTIVE as _ACTIVE, ACTIVE_LOCK as _ACTIVE_LOCK, MEMORY_ONLY as _MEMORY_ONLY, sync_command
 from tierckpt.node.memory.memory import MemoryTier
 
@@ -266,14 +266,15 @@ class WriteDown:
             )
         await wait_owed(_WriteDowns(self, name, through_outage, commit), timeout_s, through_outage=through_outage)
 
-    async def _node_files_below(self, generation: str) -> bool:
+    async def _node_files_below(self, generation: str, state: DownState | None = None) -> bool:
         """Whether ``generation`` is where its URI points, as far as this node owes it: the chain below holds
         this node's files of it (the tier's log says so; the replicas other nodes sent are theirs to write
         down) and a ``COMMIT`` at least as new — this generation's (logged as written down from this node,
         or found below), or a newer one that superseded it there. A generation that only the tier's
         ``COMMIT`` superseded is not below until the chain below's ``COMMIT`` says so: its own commit down
         may still be under way, or have been stopped by the sweep of the newer one."""
-        state = await asyncio.to_thread(self.down.state, generation)
+        if state is None:
+            state = await asyncio.to_thread(self.down.state, generation)
         pending = await asyncio.to_thread(self.down.pending, generation, state, origin=self.origin)
         if [key for key in pending if key != COMMIT]:
             return False
@@ -290,7 +291,7 @@ class WriteDown:
         """Whether ``generation`` was saved to be written down and is not yet where its URI points as far as
         this node owes it (:meth:`_node_files_below`)."""
         state = await asyncio.to_thread(self.down.state, generation)
-        return not state.memory_only and not await self._node_files_below(generation)
+        return not state.memory_only and not await self._node_files_below(generation, state)
 
     # -- deletes ---------------------------------------------------------------------------------------
     async def cancel(self, what: str, *, exact: bool) -> None:
