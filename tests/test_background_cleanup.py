@@ -53,7 +53,9 @@ def load(uri: str) -> dict[str, Any]:
 
 @pytest.fixture
 def gated_removal(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Removals of generations wait until the returned event is set (the real removal follows)."""
+    """Removals of generations wait until the returned event is set (the real removal follows). Sweeps an
+    earlier test in this worker started are waited for first: the tests here look at ``cleanup.pending()``."""
+    cleanup.wait_pending(60)
     gate = threading.Event()
     original = local.LocalBackend.delete_prefix
 
