@@ -210,20 +210,28 @@ def fsync_dir(path: str) -> None:
 
 
 def open_temp(path: str) -> tuple[int, str]:
+    """A new temp file beside ``path`` (its directories made when missing), open for writing, and its path."""
     directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, temp_name(name))
-    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
-
-
-def publish(fd: int, tmp: str, path: str) -> None:
-    """fsync and close ``fd``, rename ``tmp`` over ``path``, fsync the directory."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
-        os.fsync(fd)
+        return os.open(tmp, flags, 0o666), tmp
+    except FileNotFoundError:  # the directory first (asked only when missing: most writes go where others went)
+        os.makedirs(directory, exist_ok=True)
+        return os.open(tmp, flags, 0o666), tmp
+
+
+def publish(fd: int, tmp: str, path: str, durable: bool = True) -> None:
+    """Close ``fd`` and rename ``tmp`` over ``path``; ``durable``: fsync the file first and the directory after
+    (a file system that keeps nothing past a restart, the node memory tier's tmpfs, has nothing to sync)."""
+    try:
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
+    if durable:
+        fsync_dir(os.path.dirname(path))
 
 
 def unlink(path: str) -> None:
@@ -254,7 +262,8 @@ def discard(fd: int, tmp: str) -> None:
         unlink(tmp)
 
 
-def write_atomic(path: str, data: bytes | memoryview) -> None:
+def write_atomic(path: str, data: bytes | memoryview, durable: bool = True) -> None:
+    """Write a whole file: a temp file beside it, renamed over it (see :func:`publish` for ``durable``)."""
     fd, tmp = open_temp(path)
     try:
         write_all(fd, data)
@@ -262,7 +271,7 @@ def write_atomic(path: str, data: bytes | memoryview) -> None:
         discard(fd, tmp)
         raise
     try:
-        publish(fd, tmp, path)
+        publish(fd, tmp, path, durable)
     except BaseException:
         unlink(tmp)
         raise
@@ -325,18 +334,25 @@ def _read_if_exists(path: str) -> bytes | None:
         return None
 
 
-def commit_if(path: str, data: bytes, expected: bytes | None | Unconditional) -> tuple[bool, bytes | None]:
-    """Publish ``data`` at ``path`` if it holds ``expected``, under the commit lock; ``(done, found)``."""
+def commit_if(path: str, data: bytes, expected: bytes | None | Unconditional,
+              durable: bool = True) -> tuple[bool, bytes | None]:
+    """Publish ``data`` at ``path`` if it holds ``expected``, under the commit lock; ``(done, found)``
+    (``durable``: see :func:`publish`)."""
     directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
-    fd = os.open(os.path.join(directory, lock_name(name)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    lock = os.path.join(directory, lock_name(name))
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+    try:
+        fd = os.open(lock, flags, 0o666)
+    except FileNotFoundError:
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(lock, flags, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         if expected is not UNCONDITIONAL:
             current = _read_if_exists(path)
             if current != expected:
                 return False, current
-        write_atomic(path, data)
+        write_atomic(path, data, durable)
         return True, None
     finally:
         os.close(fd)  # releases the lock

@@ -68,6 +68,7 @@ class _LocalWriter(ObjectWriter):
     def __init__(self, backend: LocalBackend, key: str, fd: int, tmp: str) -> None:
         self._uri = backend.uri_of(key)
         self._path = backend.path_of(key)
+        self._durable = backend.durable_writes
         self._fd = fd
         self._tmp = tmp
         self._offset = 0
@@ -113,7 +114,7 @@ class _LocalWriter(ObjectWriter):
         self._check_open()
         self._done = True
         try:
-            await asyncio.to_thread(publish, self._fd, self._tmp, self._path)
+            await asyncio.to_thread(publish, self._fd, self._tmp, self._path, self._durable)
         except OSError as exc:
             await asyncio.to_thread(unlink, self._tmp)
             raise write_error(exc, f"publishing {self._path}") from exc
@@ -134,6 +135,9 @@ class LocalBackend(ReadsInto, Backend):
     links_checked = True
     """Whether :meth:`path_of` looks for symbolic links below the root (a checkpoint tree may come from
     anyone); a private tree of this user's own (the node memory tier) skips the ``lstat`` per component."""
+    durable_writes = True
+    """Whether a published file and its directory are fsynced (:func:`.files.publish`): the node memory tier's
+    tmpfs keeps nothing past a restart, so its syncs would be system calls that do nothing."""
     shared_reads = False
     """Whether reads hold each file's shared lock while they read it (:func:`.file_open.hold_shared`): the
     node memory tier sets it, as it may reuse a retired file's pages."""
@@ -141,8 +145,9 @@ class LocalBackend(ReadsInto, Backend):
     def __init__(self, root_uri: str) -> None:
         super().__init__(root_uri)
         self.root = local_root(root_uri)
-        self.hub_blobs = hub_blobs_of(self.root)
-        """The ``blobs`` folder that the links of a Hugging Face hub-cache snapshot root may lead into."""
+        self.hub_blobs = hub_blobs_of(self.root) if self.links_checked else None
+        """The ``blobs`` folder that the links of a Hugging Face hub-cache snapshot root may lead into (only
+        looked for where links are: a private tree of this user's own holds none)."""
 
     def path_of(self, key: str) -> str:
         """Absolute path of the file that holds ``key``; refuses paths that symlinks lead out of the root,
@@ -174,7 +179,7 @@ class LocalBackend(ReadsInto, Backend):
     async def put(self, key: str, data: bytes | memoryview) -> None:
         path = self.path_of(key)
         try:
-            await asyncio.to_thread(write_atomic, path, data)
+            await asyncio.to_thread(write_atomic, path, data, self.durable_writes)
         except OSError as exc:
             raise write_error(exc, f"writing {path}") from exc
 
@@ -289,7 +294,7 @@ class LocalBackend(ReadsInto, Backend):
     ) -> None:
         path = self.path_of(key)
         try:
-            done, found = await asyncio.to_thread(commit_if, path, bytes(data), expected)
+            done, found = await asyncio.to_thread(commit_if, path, bytes(data), expected, self.durable_writes)
         except OSError as exc:
             raise os_error(exc, f"committing {path}") from exc
         if not done:

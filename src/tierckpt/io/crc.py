@@ -179,8 +179,11 @@ def block_crcs(data: memoryview | bytes, block_bytes: int = BLOCK_BYTES) -> list
 def combine_blocks(crcs: list[list[int]], sizes: list[int], block_bytes: int = BLOCK_BYTES) -> list[int]:
     """The CRC-32C of each of several byte strings (``sizes[i]`` bytes whose blocks have CRCs ``crcs[i]``).
 
-    Vectorized over every block of every string: one call combines all the pieces of a file.
+    Vectorized over every block of every string: one call combines all the pieces of a file. A string of one
+    block (or none) is its block: a file of small pieces combines nothing.
     """
+    if all(len(c) <= 1 for c in crcs):
+        return [c[0] if c else 0 for c in crcs]
     counts = np.array([len(c) for c in crcs], dtype=np.int64)
     if not counts.any():
         return [0] * len(crcs)

@@ -201,6 +201,11 @@ def _checksums(value: object) -> tuple[tuple[str, FileChecksum], ...]:
     return tuple(out)
 
 
+_DECODED_MAX = 64
+_DECODED: dict[bytes, CommitRecord] = {}
+"""Records decoded lately, by their bytes (:meth:`CommitRecord.decode`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class CommitRecord:
     """The content of ``COMMIT``: which generation is committed, its commit sequence and checksums.
@@ -240,7 +245,23 @@ class CommitRecord:
 
     @staticmethod
     def decode(data: bytes) -> CommitRecord:
-        """Parse and check a record; anything malformed raises :class:`CorruptCheckpointError` naming the field."""
+        """Parse and check a record; anything malformed raises :class:`CorruptCheckpointError` naming the field.
+
+        Records are small and immutable, and a save reads the same few many times (its base, the tier's,
+        the chain below's): the last :data:`_DECODED_MAX` records decoded are kept by their bytes."""
+        if type(data) is not bytes:
+            return CommitRecord._decode(data)
+        known = _DECODED.get(data)
+        if known is not None:
+            return known
+        record = CommitRecord._decode(data)
+        if len(_DECODED) >= _DECODED_MAX:
+            _DECODED.clear()
+        _DECODED[data] = record
+        return record
+
+    @staticmethod
+    def _decode(data: bytes) -> CommitRecord:
         try:
             doc = json.loads(data)
             if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:

@@ -27,6 +27,13 @@ TRUSTED_UIDS = frozenset({0})
 """Owners besides this user whose directories and symlinks on the way are trusted (root)."""
 
 
+_PASSED: dict[str, tuple[int, int, int, int, int]] = {}
+"""Directories this process found private: path -> the directory's (device, inode, owner, mode) then, and the
+user who checked. A directory that passed can change only by this user's or root's hand (no other user may
+write it or any directory above it), so the next check of the same directory, unchanged, is one ``stat``
+instead of a walk up to ``/`` (a checkpoint's save opens its node tiers several times)."""
+
+
 def private_directory(path: str, what: str, setting: str, *, create: bool = True) -> str:
     """Check (``create``: first make, ``0700``) the directory ``path`` of the node tier ``what`` (e.g.
     ``"node cache"``), moved by the environment variable ``setting``; return ``path``. A directory that
@@ -46,6 +53,9 @@ def private_directory(path: str, what: str, setting: str, *, create: bool = True
         if create:
             raise
         return path
+    identity = (st.st_dev, st.st_ino, st.st_uid, st.st_mode, me)
+    if _PASSED.get(path) == identity:
+        return path
     problem = _ancestry_problem(path, me)
     if problem is None and not stat.S_ISDIR(st.st_mode):
         problem = "it is not a directory"
@@ -60,6 +70,7 @@ def private_directory(path: str, what: str, setting: str, *, create: bool = True
             f"nothing in it was used. Point {setting} at a directory of your own (it is created 0700), or, if "
             f"{path} is yours, make it so: chown {me} {path} && chmod 700 {path}"
         )
+    _PASSED[path] = identity
     return path
 
 

@@ -71,10 +71,14 @@ class DownLog:
     def append(self, generation: str, op: str, key: str, error: str | None = None) -> None:
         """Record one event (one ``O_APPEND`` write, so concurrent processes' lines stay whole)."""
         path = self.path(generation)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         error = error if error is None else error[:MAX_ERROR_CHARS]  # lines stay short: the log is read whole
         line = json.dumps({"pid": os.getpid(), "op": op, "key": key, "error": error}) + "\n"
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o666)
+        except FileNotFoundError:  # the first event of the tier: its log directory first
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, flags, 0o666)
         try:
             os.write(fd, line.encode())
         finally:

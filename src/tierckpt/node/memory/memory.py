@@ -37,7 +37,7 @@ import crc32c
 from tierckpt.backends.base import UNCONDITIONAL, ObjectWriter, Unconditional
 from tierckpt.node.face import NodeTier
 from tierckpt.backends.file_open import open_shared
-from tierckpt.backends.files import commit_if, is_lock_name, is_temp_name, temp_name
+from tierckpt.backends.files import commit_if, is_lock_name, is_temp_name, write_atomic as write_file
 from tierckpt.backends.local import LocalBackend, os_error
 from tierckpt.backends.bounded import MAX_RECORD_BYTES, MAX_URI_FILE_BYTES, read_capped, read_fd_capped
 from tierckpt.errors import CheckpointError, CorruptCheckpointError
@@ -73,13 +73,8 @@ ARRIVING = ".arriving"
 
 
 def write_atomic(path: str, data: bytes) -> None:
-    """Write a small file whole: a temp file next to it, renamed over it."""
-    directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, temp_name(name))
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    """Write a small file of the tier whole: a temp file next to it, renamed over it (no fsync: tmpfs)."""
+    write_file(path, data, durable=False)
 
 
 class _CrcWriter(CrcWriter):
@@ -114,6 +109,8 @@ class _CrcWriter(CrcWriter):
 class MemoryTier(LocalBackend, NodeTier):
     """One checkpoint URI's files in the node memory tier (a backend rooted in its ``objects/``)."""
 
+    durable_writes = False
+    """tmpfs: nothing to sync. What makes a tier file last is its replica on a peer and its write-down."""
     links_checked = False
     """The tier's tree is a private directory of this user (0700, its owner checked: :mod:`tierckpt.node.private`):
     no other user can plant a link in it, so its paths are not looked at component by component."""
@@ -174,7 +171,7 @@ class MemoryTier(LocalBackend, NodeTier):
         self._claim()
         path = self.path_of(key)
         try:
-            return commit_if(path, data, expected)[0]
+            return commit_if(path, data, expected, self.durable_writes)[0]
         except OSError as exc:
             raise os_error(exc, f"committing {path}") from exc
 
