@@ -397,7 +397,27 @@ def training_section(args: argparse.Namespace, train: dict[str, list[dict[str, A
             "no checkpoint; per checkpoint, rank 0's milliseconds inside the checkpoint call and waiting for the "
             "previous save, and the CPU milliseconds its process spent beyond the loop without checkpoints, all "
             "threads, until every checkpoint's background work was done: the median, then each repeat's):\n\n" + C.md_table(["mode", "seconds", "overhead", "stall ms", "wait ms", "CPU ms"], rows),
-            thread_section(train, saves)]
+            paired_section(train, saves), thread_section(train, saves)]
+
+
+def paired_section(train: dict[str, list[dict[str, Any]]], saves: int) -> str:
+    """tierckpt against DCP within each repeat: a repeat runs every mode back to back, so what drifts between
+    repeats on a shared machine (the loop without checkpoints moved by +-40 ms per checkpoint between repeats
+    on the 2-core VM) cancels in the difference, which the columns above, medians against another median,
+    keep."""
+    med = C.median
+    rows = []
+    for mode in ("tierckpt", MEMONLY):
+        cpu = [1000 * (t["cpu"] - d["cpu"]) / saves for t, d in zip(train[mode], train["dcp"])]
+        time_ratio = [t["seconds"] / d["seconds"] for t, d in zip(train[mode], train["dcp"])]
+        rows.append([mode if mode != MEMONLY else "tierckpt, some written down",
+                     f"{med(cpu):+.0f} ({' / '.join(f'{x:+.0f}' for x in cpu)})",
+                     f"{med(time_ratio):.2f} ({' / '.join(f'{x:.2f}' for x in time_ratio)})",
+                     f"{sum(x <= 0 for x in cpu)} of {len(cpu)}"])
+    return ("Paired by repeat (each repeat runs every mode back to back): CPU milliseconds per checkpoint minus "
+            "DCP's in the same repeat, and the loop's seconds over DCP's (the median, then each repeat's; "
+            "below 0 and below 1.00, tierckpt costs less):\n\n"
+            + C.md_table(["mode", "CPU ms - DCP's", "seconds / DCP's", "repeats at or below DCP's CPU"], rows))
 
 
 def thread_section(train: dict[str, list[dict[str, Any]]], saves: int) -> str:
