@@ -170,69 +170,6 @@ async def test_receive_checks_the_crc(tmp_path: Path) -> None:
     assert await tier.get("g-1/data/rank-00000.bin") == b"hello"
 
 
-def _receive_in_parts(tier: MemoryTier, key: str, data: bytes, parts: int, stated: int | None = None):
-    incoming = tier.receive(key, len(data) if stated is None else stated)
-    step = -(-len(data) // parts)
-    for start in range(0, len(data), step):
-        incoming.write(memoryview(data)[start : start + step])
-    return incoming
-
-
-@pytest.mark.parametrize("pooled", [False, True])
-async def test_a_replica_of_known_size_arrives_through_its_mapped_pages_checked(tmp_path: Path, pooled: bool) -> None:
-    """A replica at least ``MAPPED_MIN_BYTES`` long is copied into its temp file's mapped pages with its CRC-32C
-    from the same pass: the published file holds exactly the bytes sent, and a changed byte is refused."""
-    from tierckpt.backends import mapped_read
-    from tierckpt.node.memory import incoming as incoming_module, pagepool
-
-    if not mapped_read.fused_copy():
-        pytest.skip("the native copy is not built here")
-    tier = MemoryTier(URI, config(tmp_path))
-    data = os.urandom(incoming_module.MAPPED_MIN_BYTES + 12345)
-    if pooled:  # a retired generation's file of the same size waits in the pool: its pages are written over
-        await tier.put("g-1/data/rank-00000.bin", bytes(len(data)))
-        assert pagepool.retire(tier.root, "g-1") == len(data)
-    incoming = _receive_in_parts(tier, "g-2/data/rank-00000.bin", data, 3)
-    assert incoming.reused is pooled and incoming._pages is not None  # the mapped path ran
-    incoming.finish(FileEntry(len(data), crc32c.crc32c(data)))
-    assert await tier.get("g-2/data/rank-00000.bin") == data
-    changed = bytearray(data)
-    changed[len(data) // 2] ^= 1
-    incoming = _receive_in_parts(tier, "g-3/data/rank-00000.bin", bytes(changed), 4)
-    with pytest.raises(CorruptCheckpointError, match="arrived with .* discarded"):
-        incoming.finish(FileEntry(len(data), crc32c.crc32c(data)))
-    assert await tier.list("g-3/") == []
-    assert [n for n in os.listdir(os.path.join(tier.root, "g-3", "data"))] == []  # no temp file left
-
-
-async def test_a_replica_the_tier_cannot_allocate_is_written_instead_and_one_too_long_is_refused(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tmpfs that refuses the pages (``posix_fallocate``: ENOSPC) is written with ``write`` as before (a store
-    into an unallocated mapped page would have killed the process); more bytes than announced raise."""
-    import errno as errno_module
-
-    from tierckpt.node.memory import incoming as incoming_module
-
-    tier = MemoryTier(URI, config(tmp_path))
-    data = os.urandom(incoming_module.MAPPED_MIN_BYTES + 1)
-
-    def full(fd: int, offset: int, length: int) -> None:
-        raise OSError(errno_module.ENOSPC, "No space left on device")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(incoming_module.os, "posix_fallocate", full)
-        incoming = _receive_in_parts(tier, "g-1/data/rank-00000.bin", data, 2)
-        assert incoming._pages is None
-        incoming.finish(FileEntry(len(data), crc32c.crc32c(data)))
-    assert await tier.get("g-1/data/rank-00000.bin") == data
-    if incoming_module.fused_copy():
-        incoming = _receive_in_parts(tier, "g-2/data/rank-00000.bin", data[:-1], 1)
-        with pytest.raises(OSError, match="more bytes arrived than the"):
-            incoming.write(memoryview(b"xy"))
-        incoming.abort()
-        assert await tier.list("g-2/") == []
-
-
 # -- configuration ----------------------------------------------------------------------------------------
 def test_config_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIERCKPT_MEMORY_DIR", str(tmp_path / "m"))

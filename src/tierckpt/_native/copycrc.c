@@ -1,7 +1,6 @@
 /* tierckpt._copycrc: copy runs of a file's resident page cache into a buffer (copy_runs), or a group of
  * spans each into its own buffer through one mapping (copy_spans), taking each run's CRC-32C in the same
- * pass (see tierckpt/backends/mapped_read.py, which decides when to use them); copy one buffer into
- * another with its CRC-32C (copy_into: a replica arriving in the memory tier); and fold runs' CRC-32Cs
+ * pass (see tierckpt/backends/mapped_read.py, which decides when to use them); and fold runs' CRC-32Cs
  * into per-block raw CRCs for the load's read check (fold_runs, tierckpt/io/readcheck.py).
  *
  * The file is mapped read-only; when the span is resident (mincore, sampled), each run is copied with
@@ -440,36 +439,6 @@ static PyObject *crc32c_of(PyObject *self, PyObject *args) {
     return result;
 }
 
-/* copy_into(out, data, crc=0) -> int: copy data to the start of the writable buffer out and return the CRC-32C
- * of data continuing crc (crc32c.crc32c's convention), computed from the same loads: one pass over the bytes
- * instead of a copy and a second pass to checksum them (a replica arriving into the memory tier's file). */
-static PyObject *copy_into(PyObject *self, PyObject *args) {
-    Py_buffer out, data;
-    unsigned int crc = 0;
-    if (!PyArg_ParseTuple(args, "w*y*|I", &out, &data, &crc)) return NULL;
-    PyObject *result = NULL;
-    if (out.len < data.len) {
-        PyErr_Format(PyExc_ValueError, "copy_into: %zd bytes do not fit into a buffer of %zd", data.len, out.len);
-    } else {
-#if HW
-        if (hardware) {
-            uint32_t got;
-            Py_BEGIN_ALLOW_THREADS
-            got = ~copy_crc(~(uint32_t)crc, out.buf, data.buf, (size_t)data.len);
-            Py_END_ALLOW_THREADS
-            result = PyLong_FromUnsignedLong(got);
-        } else {
-            PyErr_SetString(PyExc_RuntimeError, "copy_into needs a CPU with SSE4.2");
-        }
-#else
-        PyErr_SetString(PyExc_RuntimeError, "copy_into is built for x86-64 only");
-#endif
-    }
-    PyBuffer_Release(&data);
-    PyBuffer_Release(&out);
-    return result;
-}
-
 /* Raw CRC arithmetic over GF(2) (bit-reflected, as CRC-32C computes): shifting a raw CRC by n zero
  * bytes is a multiplication by x^(8n) mod P. Portable C: no CPU feature needed. */
 #define POLY 0x82F63B78u
@@ -589,7 +558,6 @@ done:
 static PyMethodDef methods[] = {
     {"copy_runs", copy_runs, METH_VARARGS, "Copy resident runs of a file into a buffer, with each run's CRC-32C."},
     {"copy_spans", copy_spans, METH_VARARGS, "Copy resident spans of a file into their own buffers through one mapping, with each span's CRC-32C."},
-    {"copy_into", copy_into, METH_VARARGS, "Copy a buffer into another, returning its CRC-32C from the same pass."},
     {"crc32c", crc32c_of, METH_VARARGS, "CRC-32C of a buffer, through the copying kernel (for tests)."},
     {"fold_runs", fold_runs, METH_VARARGS, "Fold runs' CRC-32Cs into the raw CRCs of the blocks they lie in."},
     {NULL, NULL, 0, NULL},

@@ -54,22 +54,6 @@ def available() -> bool:
     return _copycrc is not None and bool(_copycrc.AVAILABLE) and os.environ.get(ENV, "on").lower() != "off"
 
 
-def fused_copy() -> bool:
-    """Whether :func:`copy_checksummed` copies here (extension built, CPU with SSE4.2)."""
-    return _copycrc is not None and bool(_copycrc.AVAILABLE)
-
-
-def copy_checksummed(out: memoryview, data: memoryview, crc: int) -> int:
-    """Copy ``data`` to the start of ``out`` and return the CRC-32C of ``data`` continuing ``crc``, taken from
-    the same pass over the bytes (natively, the GIL released; :func:`fused_copy` says whether it can), else a
-    copy and a checksum of the copied bytes."""
-    if fused_copy():
-        return _copycrc.copy_into(out, data, crc)
-    n = memoryview(data).nbytes
-    out[:n] = memoryview(data).cast("B")
-    return crc32c.crc32c(out[:n], crc)
-
-
 def read_runs(
     fd: int, offsets: Sequence[int], run_bytes: int, out: memoryview, digest: Callable[[memoryview], int] | None,
 ) -> tuple[bool, list[int] | None]:

@@ -16,7 +16,6 @@ import crc32c
 
 from tierckpt.backends.base import ObjectWriter
 from tierckpt.backends.file_open import open_shared
-from tierckpt.backends.mapped_read import copy_checksummed
 from tierckpt.errors import CheckpointError
 from tierckpt.node import ledger
 
@@ -86,17 +85,6 @@ class WrittenCrc:
         if self._crc is not None:
             self._crc = crc32c.crc32c(data, self._crc)
         nbytes = memoryview(data).nbytes
-        self.size += nbytes
-        ledger.landed(self._tier, nbytes)
-
-    def add_into(self, out: memoryview, data: memoryview) -> None:
-        """Copy ``data`` to the start of ``out`` (the file's mapped pages) and count it, its CRC-32C taken in the
-        same pass over the bytes (:func:`~tierckpt.backends.mapped_read.copy_checksummed`)."""
-        nbytes = memoryview(data).nbytes
-        if self._crc is not None:
-            self._crc = copy_checksummed(out, data, self._crc)
-        else:
-            out[:nbytes] = memoryview(data).cast("B")
         self.size += nbytes
         ledger.landed(self._tier, nbytes)
 

@@ -3,12 +3,9 @@ produces, or a peer's replica (:mod:`.transfer`)."""
 
 from __future__ import annotations
 
-import errno
-import mmap
 import os
 
 from tierckpt.backends.files import temp_name
-from tierckpt.backends.mapped_read import fused_copy
 from tierckpt.errors import CheckpointError, CorruptCheckpointError
 from tierckpt.node.written import WrittenCrc
 from tierckpt.node.memory import stamps
@@ -16,23 +13,11 @@ from tierckpt.node.memory.manifest import FileEntry
 from tierckpt.node.memory.pagepool import claim
 
 
-MAPPED_MIN_BYTES = 1 << 20
-"""A file of known size at least this large arrives through a mapping of its temp file (see :class:`IncomingFile`)."""
-
-
 class IncomingFile:
     """A file arriving in pieces: temp file, CRC on the way, renamed into place by :meth:`publish` (a file
     this node produces) or checked and renamed by :meth:`finish` (a replica). With its ``size`` known, the
     temp file is a pooled one of the tier when there is one (:func:`~.pagepool.claim`: its pages are
-    written over, not allocated), cut to that size.
-
-    A file of known size (a replica) of at least :data:`MAPPED_MIN_BYTES` arrives through a mapping of the
-    temp file where the native copy runs: each piece is copied into the mapped pages with its CRC-32C taken
-    from the same loads (:meth:`~tierckpt.node.written.WrittenCrc.add_into`), one pass over the bytes instead
-    of a checksum pass and ``write``'s copy. Its pages are allocated first (``posix_fallocate``): a full tmpfs
-    refuses then, with ``ENOSPC``, where a store into an unallocated mapped page would end the process with
-    ``SIGBUS``; a refusal falls back to ``write``.
-    """
+    written over, not allocated), cut to that size."""
 
     def __init__(self, path: str, name: str, written: WrittenCrc, pool: str, size: int | None = None) -> None:
         """``path``: where the file is published; ``name``: the file in messages (its checkpoint URI and key);
@@ -50,37 +35,10 @@ class IncomingFile:
                 self.abort()  # a fresh file instead
                 self.reused = False
         if not self.reused:
-            self._file = open(self._tmp, "w+b", buffering=0)  # unbuffered: a failed write leaves nothing pending
+            self._file = open(self._tmp, "wb", buffering=0)  # unbuffered: a failed write leaves nothing pending
         self._written = written
         self.size = 0
         """Bytes written by the writes that completed (a write the file system refused is not counted)."""
-        self._sized = self.reused
-        """The temp file was cut or grown to ``size`` before the bytes came: publishing cuts it to what came."""
-        self._map: mmap.mmap | None = None
-        self._pages: memoryview | None = None
-        if size is not None and size >= MAPPED_MIN_BYTES and fused_copy():
-            self._map_pages(size)
-
-    def _map_pages(self, size: int) -> None:
-        """Map the temp file, its ``size`` bytes allocated first (see the class docstring); on a refusal the
-        bytes are written with ``write`` instead."""
-        fd = self._file.fileno()
-        try:
-            if not self.reused:
-                self._sized = True
-                self._file.truncate(size)
-            os.posix_fallocate(fd, 0, size)
-            self._map = mmap.mmap(fd, size)
-        except OSError:
-            return
-        self._pages = memoryview(self._map)
-
-    def _unmap(self) -> None:
-        if self._map is not None:
-            assert self._pages is not None
-            self._pages.release()
-            self._map.close()
-            self._map = self._pages = None
 
     def use_stated_crc32c(self) -> bool:
         """Before the first write, for a file this node produces: :meth:`publish` records the CRC-32C its
@@ -92,13 +50,6 @@ class IncomingFile:
 
     def write(self, data: memoryview) -> None:
         view = memoryview(data).cast("B")
-        if self._pages is not None:
-            end = self.size + view.nbytes
-            if end > len(self._pages):
-                raise OSError(errno.EFBIG, f"{self._name}: more bytes arrived than the {len(self._pages)} announced")
-            self._written.add_into(self._pages[self.size : end], view)
-            self.size = end
-            return
         done = 0
         while done < view.nbytes:
             done += self._file.write(view[done:])
@@ -134,16 +85,13 @@ class IncomingFile:
         self._place(got)
 
     def _place(self, entry: FileEntry) -> None:
-        self._unmap()
-        if self._sized:
+        if self.reused:
             self._file.truncate(entry.size)  # what was written is the whole file
         self._file.close()
         os.replace(self._tmp, self._path)
         stamps.remember(self._path, entry)
 
     def abort(self) -> None:
-        if getattr(self, "_map", None) is not None:
-            self._unmap()
         file = getattr(self, "_file", None)
         if file is not None and not file.closed:
             file.close()
