@@ -104,3 +104,20 @@ def test_manager_retention_deletes_by_the_one_rule(tmp_path: Path) -> None:
         manager.save(step, {"w": torch.full((2,), float(step))})
     assert manager.steps() == [3, 5, 6]
     assert json.loads((tmp_path / "LATEST").read_bytes()) == {"step": 6}
+
+
+def test_a_commit_record_decoded_again_is_the_same_and_a_malformed_one_still_raises() -> None:
+    """``CommitRecord.decode`` keeps the records it decoded lately by their bytes: the same bytes give the same
+    record; bytes that differ in one place are decoded (and refused) afresh."""
+    from tierckpt.errors import CorruptCheckpointError
+    from tierckpt.native.layout import CommitRecord, new_generation
+
+    data = CommitRecord(new_generation(3), 1.5, seq=3).encode()
+    first = CommitRecord.decode(data)
+    assert CommitRecord.decode(data) is first and first.seq == 3
+    tampered = data.replace(b'"seq":3', b'"seq":4')
+    with pytest.raises(CorruptCheckpointError, match="COMMIT record is unreadable"):
+        CommitRecord.decode(tampered)
+    with pytest.raises(CorruptCheckpointError):
+        CommitRecord.decode(tampered)  # a refusal is never remembered
+    assert CommitRecord.decode(bytearray(data)) == first  # other buffers decode too

@@ -106,3 +106,23 @@ def test_the_node_cache_is_private_to_its_user(two_users: tuple[str, dict[str, s
     assert out["sync"] == {"synced": []}, out["sync"]
     assert out["mode"]["mode"] == 0o700, out["mode"]  # before: created 0755
     assert out["probe"]["read"] == [] and not out["probe"]["listed"], out["probe"]
+
+
+def test_a_directory_found_private_is_checked_again_when_it_changes(tmp_path: Path) -> None:
+    """One process, no second user: a directory that passed is looked at again with one ``stat``, and any change
+    of its mode or identity brings the whole check back (a directory opened to others is refused at once)."""
+    from tierckpt.errors import NodeTierNotPrivateError
+    from tierckpt.node import private
+
+    path = str(tmp_path / "tier")
+    assert private.private_directory(path, "node memory tier", "TIERCKPT_MEMORY_DIR") == path
+    assert path in private._PASSED
+    os.chmod(path, 0o777)
+    with pytest.raises(NodeTierNotPrivateError, match="other users may write to it"):
+        private.private_directory(path, "node memory tier", "TIERCKPT_MEMORY_DIR")
+    os.chmod(path, 0o700)
+    private.private_directory(path, "node memory tier", "TIERCKPT_MEMORY_DIR")
+    os.rmdir(path)
+    os.symlink(str(tmp_path), path)  # the same path, another directory now (a link of this user's: allowed)
+    assert private.private_directory(path, "node memory tier", "TIERCKPT_MEMORY_DIR", create=False) == path
+    assert private._PASSED[path][1] == os.stat(tmp_path).st_ino
