@@ -293,6 +293,53 @@ async def test_a_superseded_generation_is_dropped_first(tmp_path: Path) -> None:
     assert tier.generations() == [new] and tier.committed().generation == new
 
 
+def test_a_superseded_copy_the_chain_below_is_owed_is_kept() -> None:
+    held = [
+        TierCopy(copy_id="u/g-1", nbytes=40, created_unix=1.0, superseded=True),
+        TierCopy(copy_id="u/g-2", nbytes=40, created_unix=2.0),
+    ]
+    assert plan_admission(held, 40, 100, set()).evict == ("u/g-1",)
+    with pytest.raises(MemoryTierFullError, match="never evicted"):
+        plan_admission(held, 40, 100, set(), owed_below={"u/g-1"})
+
+
+@pytest.mark.parametrize("newest_memory_only", [True, False])
+async def test_eviction_keeps_a_persisted_generation_still_owed_below_while_the_newest_is_memory_only(
+        tmp_path: Path, newest_memory_only: bool) -> None:
+    """A ``persist=True`` save whose write-down is not done, superseded by a ``persist=False`` one: the chain
+    below gets no newer commit of the node's files, so an admission that needs room keeps it (the memory tier
+    is full instead, loudly) until its files are below. Superseded by a persisted save, it may go."""
+    from tierckpt.node.memory.downlog import MEMORY_ONLY, DownLog, durable_copies, owed_copies
+
+    node = NodeMemory(config(tmp_path, budget=5000))
+    tier = node.tier(URI)
+    down = DownLog(tier)
+    old, _ = await write_checkpoint(tier, 1, {"data/rank-00000.bin": 2000})
+    for key in await tier.list(f"{old}/"):
+        down.append(old, "start", key)  # its write-down began (a slow disk, an outage), nothing is below yet
+    new, _ = await write_checkpoint(tier, 2, {"data/rank-00000.bin": 2000})
+    if newest_memory_only:
+        down.append(new, MEMORY_ONLY, new)
+
+    def admit() -> object:
+        return node.admit("s3://b/other", "g-z", 2000, lambda: durable_copies(node),
+                          owed_below=lambda: owed_copies(node, "node-a"))
+
+    if not newest_memory_only:
+        assert owed_copies(node, "node-a") == set()
+        assert admit().evict == (copy_id(URI, old),)
+        return
+    assert owed_copies(node, "node-a") == {copy_id(URI, old)}
+    with pytest.raises(MemoryTierFullError, match="cannot hold s3://b/other/g-z"):
+        admit()
+    assert old in tier.generations() and await tier.get(f"{old}/data/rank-00000.bin")
+    for key in await tier.list(f"{old}/"):
+        down.append(old, "done", key)  # written down now: what the chain below needs of it is there
+    assert owed_copies(node, "node-a") == set()
+    assert admit().evict == (copy_id(URI, old),)
+    assert tier.generations() == [new]
+
+
 async def test_a_replica_recorded_while_its_declaration_is_read_stays_a_replica(tmp_path: Path,
                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The receiver records a replica's manifest (its ``.json`` written, then its declaration unlinked) while the

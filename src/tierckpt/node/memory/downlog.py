@@ -27,7 +27,7 @@ from tierckpt.backends.bounded import MAX_TIER_RECORD_BYTES, read_capped
 from tierckpt.node.journal import Outstanding, pid_alive
 from tierckpt.native.layout import COMMIT, is_generation
 from tierckpt.node.memory.eviction import copy_id
-from tierckpt.node.memory.memory import MemoryTier
+from tierckpt.node.memory.memory import SPARE_PREFIX, MemoryTier
 from tierckpt.node.memory.nodememory import NodeMemory
 
 
@@ -150,6 +150,26 @@ class DownLog:
     def held_below(self, generation: str, state: DownState | None = None) -> bool:
         """Whether the chain below holds every file of ``generation`` that the tier holds (and its COMMIT)."""
         return not self.pending(generation, state)
+
+
+def owed_copies(memory: NodeMemory, origin: str, tiers: Iterable[MemoryTier] | None = None) -> set[str]:
+    """Copy ids of the generations the chain below is still owed by this node (``origin``): saved to be
+    written down, this node's files of it not all below yet, in a tier whose newest commit is memory-only.
+    Superseded as they are, eviction keeps them: the chain below gets no newer commit of this node's files
+    until a persisted save or a ``sync`` (the sweeps keep them too, :meth:`.link.MemoryLink.drop_superseded`)."""
+    out: set[str] = set()
+    for tier in tiers if tiers is not None else memory.tiers():
+        record = tier.committed()
+        log = DownLog(tier)
+        if record is None or not log.state(record.generation).memory_only:
+            continue
+        for generation in tier.generations():
+            if generation == record.generation or generation.startswith(SPARE_PREFIX):
+                continue
+            state = log.state(generation)
+            if not state.memory_only and log.pending(generation, state, origin=origin):
+                out.add(copy_id(tier.uri, generation))
+    return out
 
 
 def durable_copies(memory: NodeMemory, tiers: Iterable[MemoryTier] | None = None) -> set[str]:

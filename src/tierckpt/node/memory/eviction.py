@@ -6,9 +6,10 @@ A *copy* is one generation of one checkpoint URI held in the tier (its data file
 1. If it fits beside everything held, nothing is evicted.
 2. Otherwise copies are evicted, in this order, until it fits: superseded generations (a newer
    generation of their URI is committed in the tier, so none of them can ever be committed or read;
-   see :func:`tierckpt.native.layout.is_superseded`), oldest first, even unsealed ones; then
-   copies that a lower tier already holds (``durable_below``), oldest first — so the newest
-   checkpoints stay.
+   see :func:`tierckpt.native.layout.is_superseded`), oldest first, even unsealed ones — except those
+   the chain below is still owed (``owed_below``: saved to be written down while the newest commit is
+   memory-only, so the chain below gets no newer commit of them); then copies that a lower tier already
+   holds (``durable_below``), oldest first — so the newest checkpoints stay.
 3. A copy that no lower tier holds yet, or one still being written (not sealed), is never evicted.
    If the checkpoint cannot fit even so, :class:`~.config.MemoryTierFullError` is raised naming the
    budget, the sizes and the setting to change — or, with :attr:`~.config.OnFull.FALLBACK`, the
@@ -69,11 +70,13 @@ def plan_admission(
     *,
     incoming: str = "the new checkpoint",
     on_full: OnFull = OnFull.ERROR,
+    owed_below: Iterable[str] = (),
 ) -> Admission:
     """What to evict so ``incoming_bytes`` fit within ``budget_bytes`` (see the module docstring).
 
     ``durable_below``: copy ids that a lower tier (node disk, remote) holds, so the memory copy may
-    go. ``incoming`` names the checkpoint in messages.
+    go; ``owed_below``: superseded copy ids the chain below still needs, kept. ``incoming`` names the
+    checkpoint in messages.
     """
     if incoming_bytes < 0 or budget_bytes < 1:
         raise ValueError(f"incoming_bytes ({incoming_bytes}) must be >= 0 and budget_bytes ({budget_bytes}) >= 1")
@@ -82,7 +85,8 @@ def plan_admission(
     need = used + incoming_bytes - budget_bytes
     if need <= 0:
         return Admission(fits=True, evict=(), used_bytes=used)
-    superseded = sorted((c for c in copies if c.superseded), key=_age)
+    owed = set(owed_below)
+    superseded = sorted((c for c in copies if c.superseded and c.copy_id not in owed), key=_age)
     lower = sorted((c for c in copies if c.sealed and not c.superseded and c.copy_id in durable), key=_age)
     evict: list[str] = []
     freed = 0

@@ -54,7 +54,7 @@ from tierckpt.node.face import Spare
 from tierckpt.node.link import SyncScope, Withdrawal, WriteBackLink, generation_name
 from tierckpt.node.nodeview import check_node_view
 from tierckpt.node.memory.commitbelow import CATCH_UP
-from tierckpt.node.memory.downlog import MEMORY_ONLY, PERSIST, DownLog, durable_copies, generation_of
+from tierckpt.node.memory.downlog import MEMORY_ONLY, PERSIST, DownLog, durable_copies, generation_of, owed_copies
 from tierckpt.node.status import LinkStatus, StoreStatus
 from tierckpt.node.durability import durability_of
 from tierckpt.node.levels import Level
@@ -109,7 +109,8 @@ class MemoryLink(WriteBackLink[Withdrawal]):
             return True
 
         def admit() -> bool:
-            admission = self.memory.admit(self.memory_tier.uri, generation, nbytes, lambda: durable_copies(self.memory))
+            admission = self.memory.admit(self.memory_tier.uri, generation, nbytes, lambda: durable_copies(self.memory),
+                                          owed_below=lambda: owed_copies(self.memory, self.origin))
             if not admission.fits and generation in self.memory_only:
                 raise MemoryTierFullError(
                     f"{self.memory_tier.uri} {generation} was saved with persist=False (the node memory tier only) "

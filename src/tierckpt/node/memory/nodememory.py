@@ -73,13 +73,14 @@ class NodeMemory:
         return [c for t in self.tiers() for c in t.copies()]
 
     def admit(self, uri: str, generation: str, nbytes: int,
-              durable_below: Iterable[str] | Callable[[], Iterable[str]], *, evict: bool = True) -> Admission:
+              durable_below: Iterable[str] | Callable[[], Iterable[str]], *, evict: bool = True,
+              owed_below: Iterable[str] | Callable[[], Iterable[str]] = ()) -> Admission:
         """Make room for ``nbytes`` of ``generation`` of ``uri`` before writing it, evicting what
         :func:`~.eviction.plan_admission` allows, under the node-wide lock (see :mod:`.eviction`).
         The generation being admitted is never evicted for itself (replicas of a generation arrive
-        beside the node's own files of it). ``durable_below`` may be a function: it is called (under
-        the lock) only when something must be evicted. ``evict=False``: admitted only into free room
-        (what holds no checkpoint, a spare, never evicts one)."""
+        beside the node's own files of it). ``durable_below`` and ``owed_below`` may be functions: they
+        are called (under the lock) only when something must be evicted. ``evict=False``: admitted only
+        into free room (what holds no checkpoint, a spare, never evicts one)."""
         if self.take_credit(nbytes):
             return Admission(fits=True, evict=(), used_bytes=None)
         incoming = copy_id(uri, generation)
@@ -91,8 +92,10 @@ class NodeMemory:
             if not fits and not evict:
                 return Admission(fits=False, evict=(), used_bytes=used, reason="no free room, and it may not evict")
             durable = set() if fits else set(durable_below() if callable(durable_below) else durable_below) - {incoming}
+            owed = set() if fits else set(owed_below() if callable(owed_below) else owed_below)
             admission = plan_admission(
                 copies, nbytes, self.config.budget_bytes, durable, incoming=incoming, on_full=self.config.on_full,
+                owed_below=owed,
             )
             for victim in admission.evict:
                 owner, _, gen = victim.rpartition("/")

@@ -93,7 +93,8 @@ class Replicator:
 
     ``group``: the ranks that replicate (default: the whole default group); every one of them builds
     the replicator at the same point. ``durable_below()``: copy ids a lower tier holds, which a
-    receiver may evict to make room. ``timeout_s``: the longest any one transfer step may wait.
+    receiver may evict to make room; ``owed_below()``: superseded copy ids the chain below is still owed,
+    which it keeps (see :mod:`.eviction`). ``timeout_s``: the longest any one transfer step may wait.
     """
 
     def __init__(
@@ -105,6 +106,7 @@ class Replicator:
         timeout_s: float = 60.0,
         chunk_bytes: int = 32 << 20,
         durable_below: Callable[[], Iterable[str]] = frozenset,
+        owed_below: Callable[[], Iterable[str]] = frozenset,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise CheckpointError("peer replicas need torch.distributed: call init_process_group first")
@@ -125,6 +127,7 @@ class Replicator:
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._chunk = chunk_bytes
         self._durable_below = durable_below
+        self._owed_below = owed_below
         if self.side_group is not None:
             channel = self.side_group.open_channel(max(channel for _, channel in said))
             self._wire = Wire(self._ranks, self._timeout, side=self.side_group, channel=channel)
@@ -364,7 +367,8 @@ class Replicator:
         try:
             manifest = Manifest.decode(header["manifest"].encode(), f"the header from rank {src}")
             tier = self.memory.tier(manifest.uri)
-            admission = self.memory.admit(manifest.uri, manifest.generation, manifest.nbytes, self._durable_below)
+            admission = self.memory.admit(manifest.uri, manifest.generation, manifest.nbytes, self._durable_below,
+                                          owed_below=self._owed_below)
             refusal = None if admission.fits else admission.reason
             if refusal is None:
                 tier.expect(manifest)  # its files are the sender's from the first one published

@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from tierckpt.errors import CheckpointError
 from tierckpt.node import lifecycle
-from tierckpt.node.memory.downlog import durable_copies
+from tierckpt.node.host import node_id
+from tierckpt.node.memory.downlog import durable_copies, owed_copies
 from tierckpt.node.memory.live import REPLICATORS
 from tierckpt.node.memory.replica_record import Level, ReplicaHandle, ReplicaResult
 from tierckpt.node.memory.memory import MemoryTier
@@ -81,8 +82,10 @@ def replicator_for(tier: MemoryTier | None, group: dist.ProcessGroup | str | Non
 
     def build() -> Replicator:
         memory = NodeMemory(tier.config)
-        # A receiver may evict only what the chain below holds whole (the memory link's write-down log).
-        replicator = Replicator(memory, group=group, durable_below=lambda: durable_copies(memory))
+        # A receiver may evict only what the chain below holds whole (the memory link's write-down log), and
+        # keeps a superseded generation the chain below is still owed by this node.
+        replicator = Replicator(memory, group=group, durable_below=lambda: durable_copies(memory),
+                                owed_below=lambda: owed_copies(memory, node_id()))
         lifecycle.before_default_group_destroyed(_stop_before_destroy)
         return replicator
 
