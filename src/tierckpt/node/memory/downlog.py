@@ -114,6 +114,14 @@ class DownLog:
         out.busy = {k: p for k, p in started.items() if k not in out.done and pid_alive(p)}
         return out
 
+    def newest_is_memory_only(self) -> bool:
+        """Whether the tier's ``COMMIT`` names a generation saved with ``persist=False``: the chain below
+        then still holds an older commit, so a superseded generation is dropped from the tier only (deleting
+        it below could take the files of the commit the chain below names), and one the chain below is still
+        owed stays (:func:`owed_copies`)."""
+        record = self.tier.committed()
+        return record is not None and self.state(record.generation).memory_only
+
     def forget(self, generation: str) -> None:
         """Drop the log of a generation that left the tier."""
         try:
@@ -156,15 +164,15 @@ def owed_copies(memory: NodeMemory, origin: str, tiers: Iterable[MemoryTier] | N
     """Copy ids of the generations the chain below is still owed by this node (``origin``): saved to be
     written down, this node's files of it not all below yet, in a tier whose newest commit is memory-only.
     Superseded as they are, eviction keeps them: the chain below gets no newer commit of this node's files
-    until a persisted save or a ``sync`` (the sweeps keep them too, :meth:`.link.MemoryLink.drop_superseded`)."""
+    until a persisted save or a ``sync`` (the sweeps keep them too, :meth:`.link.MemoryLink.drop_superseded`).
+    A generation still being saved may be named too: eviction asks this of superseded copies only."""
     out: set[str] = set()
     for tier in tiers if tiers is not None else memory.tiers():
-        record = tier.committed()
         log = DownLog(tier)
-        if record is None or not log.state(record.generation).memory_only:
+        if not log.newest_is_memory_only():
             continue
         for generation in tier.generations():
-            if generation == record.generation or generation.startswith(SPARE_PREFIX):
+            if generation.startswith(SPARE_PREFIX):  # the committed one is memory-only: left out below
                 continue
             state = log.state(generation)
             if not state.memory_only and log.pending(generation, state, origin=origin):

@@ -371,7 +371,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         ``COMMIT`` write-down, so the chain below never names what is deleted there."""
         generation = generation_of(what) or (what.rstrip("/") if is_generation(what.rstrip("/")) else None)
         whole = not exact and generation is not None and generation == what.rstrip("/")
-        tier_only = whole and await asyncio.to_thread(self._newest_is_memory_only)
+        tier_only = whole and await asyncio.to_thread(self.down.newest_is_memory_only)
         if tier_only and await self.writedown.owed_below(generation):
             log.info("%s %s stays in the node memory tier until it is written down: the newer commit was saved "
                      "with persist=False, so this one is what the chain below is to hold", self.memory_tier.uri, generation)
@@ -414,7 +414,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         keep superseded generations until an admission evicted them, and allocate fresh pages for every spare
         and every replica instead of reusing theirs."""
         generations = await asyncio.to_thread(self.memory_tier.generations)
-        newest_memory_only = await asyncio.to_thread(self._newest_is_memory_only)
+        newest_memory_only = await asyncio.to_thread(self.down.newest_is_memory_only)
         for generation in generations:
             if generation == committed.generation or is_spare(generation) or not is_superseded(generation, committed):
                 continue
@@ -422,13 +422,6 @@ class MemoryLink(WriteBackLink[Withdrawal]):
                 continue  # what the chain below is to hold while the newest commit stays in memory (see _delete)
             await self.writedown.cancel(f"{generation}/", exact=False)
             await self._retire(generation, committed)
-
-    def _newest_is_memory_only(self) -> bool:
-        """Whether the tier's ``COMMIT`` names a generation saved with ``persist=False``: the chain below
-        then still holds an older commit, and a superseded generation (the sweep's) is dropped from the
-        tier only — deleting it below could take the files of the commit the chain below names."""
-        record = self.memory_tier.committed()
-        return record is not None and self.down.state(record.generation).memory_only
 
     async def _delete_nested(self, prefix: str) -> None:
         """Drop from the node's tier every URI rooted under ``prefix`` of this one (a root deleting a
