@@ -70,6 +70,48 @@ async def test_a_directory_of_another_uri_is_refused(tmp_path: Path) -> None:
         await tier.put("k", b"x")
 
 
+async def test_small_calls_run_in_place_and_large_ones_or_commits_in_a_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tmpfs never waits on a device: the tier's small calls run in the event loop's thread (a hop costs ten
+    times such a call); a write of more than INLINE_BYTES and a commit (its lock may be another process's) go
+    to a worker thread, and a directory on disk hops for every call."""
+    import asyncio
+
+    from tierckpt.backends.local import INLINE_BYTES, LocalBackend
+
+    hops: list[str] = []
+    original = asyncio.to_thread
+
+    def to_thread(fn, *a, **k):  # this test's hops only: a sweep an earlier test left running hops too
+        if any(str(tmp_path) in str(arg) for arg in a):
+            hops.append(getattr(fn, "__name__", repr(fn)))
+        return original(fn, *a, **k)
+
+    monkeypatch.setattr(asyncio, "to_thread", to_thread)
+    tier = MemoryTier(URI, config(tmp_path))
+    generation = new_generation(1)
+    small, large = os.urandom(4096), os.urandom(INLINE_BYTES + 1)
+    await tier.put(f"{generation}/meta/header.json", small)
+    writer = await tier.open_writer(f"{generation}/data/rank-00000.bin")
+    await writer.write(small)
+    await writer.close()
+    assert await tier.get_capped(f"{generation}/meta/header.json", 1 << 20) == small
+    assert await tier.size(f"{generation}/data/rank-00000.bin") == len(small)
+    assert await tier.exists(f"{generation}/data/rank-00000.bin")
+    assert hops == []
+    await tier.put(f"{generation}/data/rank-00001.bin", large)
+    await tier.commit(COMMIT, CommitRecord(generation, time.time(), 1).encode())
+    assert hops == ["write_atomic", "commit_if"]
+    assert tier.read_file(f"{generation}/data/rank-00001.bin", len(large)) == large
+
+    hops.clear()
+    disk = LocalBackend(str(tmp_path / "disk"))
+    await disk.put("g/x", small)
+    assert await disk.get_capped("g/x", 1 << 20) == small
+    assert hops == ["write_atomic", "read_whole_capped"]
+
+
 async def test_seal_records_each_files_crc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = config(tmp_path)
     tier = MemoryTier(URI, cfg)

@@ -6,7 +6,13 @@ Below both :mod:`tierckpt.backends` (which refuse keys that could leave their ro
 
 from __future__ import annotations
 
+import re
+
 from tierckpt.errors import CorruptCheckpointError
+
+_CONTROL = re.compile(r"[\x00-\x1f]")
+"""Any control character (below the space): a regular expression scans a key in C, where a per-character
+generator cost microseconds per call, and every read and write of a file validates its key."""
 
 
 def validate_key(key: str) -> str:
@@ -17,7 +23,7 @@ def validate_key(key: str) -> str:
     """
     if not isinstance(key, str) or not key:
         raise CorruptCheckpointError(f"invalid storage key {key!r}: keys are non-empty strings")
-    if any(ord(c) < 32 for c in key):
+    if _CONTROL.search(key):
         raise CorruptCheckpointError(f"invalid storage key {key!r}: keys hold no control characters (NUL, newline...)")
     parts = key.split("/")
     if key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in parts):

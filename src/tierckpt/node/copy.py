@@ -30,6 +30,7 @@ from typing import Protocol, runtime_checkable
 import crc32c
 
 from tierckpt.backends.base import Backend, ObjectWriter
+from tierckpt.backends.local import INLINE_BYTES
 from tierckpt.errors import CheckpointError
 from tierckpt.node import ledger
 from tierckpt.node.written import FileEntry
@@ -60,13 +61,16 @@ class CopySource:
 
     ``recorded``: the size and CRC-32C the save recorded (``None``: copied as is, e.g. a file written by
     an older version); ``mismatch(got)`` builds the error raised when the bytes differ from it;
-    ``gone()`` the error raised when the file left the link before it was copied."""
+    ``gone()`` the error raised when the file left the link before it was copied; ``in_place``: the source
+    is on a file system that never waits on a device (the memory tier's tmpfs), so it is opened, and read
+    whole when at most :data:`~tierckpt.backends.local.INLINE_BYTES`, in the caller's thread (a hop to a
+    worker costs more than that)."""
 
     def __init__(self, path: str, tier: ledger.Tier, recorded: FileEntry | None,
                  mismatch: Callable[[FileEntry], CheckpointError], gone: Callable[[], CheckpointError],
-                 opener: Opener = open_read) -> None:
+                 opener: Opener = open_read, *, in_place: bool = False) -> None:
         self.path, self.tier, self.recorded = path, tier, recorded
-        self.mismatch, self.gone, self.opener = mismatch, gone, opener
+        self.mismatch, self.gone, self.opener, self.in_place = mismatch, gone, opener, in_place
 
     def check(self, got: FileEntry) -> None:
         if self.recorded is not None and got != self.recorded:
@@ -80,7 +84,12 @@ async def copy_checked(source: CopySource, below: Backend, key: str, *, chunk: i
     largest file read and put whole, and the streaming chunk (default :data:`COPY_CHUNK`)."""
     chunk = COPY_CHUNK if chunk is None else chunk
     try:
-        fd, size, whole = await asyncio.to_thread(_open, source, chunk)
+        if source.in_place and chunk > INLINE_BYTES:
+            fd, size, whole = _open(source, INLINE_BYTES)
+            if whole is None and size <= chunk:
+                whole = await _read_whole(fd, size)
+        else:
+            fd, size, whole = await asyncio.to_thread(_open, source, chunk)
     except FileNotFoundError:
         raise source.gone() from None
     try:
@@ -123,10 +132,21 @@ def _open(source: CopySource, chunk: int) -> tuple[int, int, tuple[bytes, FileEn
     fd = source.opener(source.path)
     try:
         size = os.fstat(fd).st_size
-        if size > chunk:
-            return fd, size, None
-        data = os.pread(fd, size, 0)
-        return fd, size, (data, FileEntry(len(data), crc32c.crc32c(data)))
+        return fd, size, _whole(fd, size) if size <= chunk else None
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _whole(fd: int, size: int) -> tuple[bytes, FileEntry]:
+    data = os.pread(fd, size, 0)
+    return data, FileEntry(len(data), crc32c.crc32c(data))
+
+
+async def _read_whole(fd: int, size: int) -> tuple[bytes, FileEntry]:
+    """:func:`_whole` in a worker thread (closing ``fd`` if it fails)."""
+    try:
+        return await asyncio.to_thread(_whole, fd, size)
     except BaseException:
         os.close(fd)
         raise

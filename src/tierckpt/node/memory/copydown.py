@@ -16,7 +16,6 @@ and a process gone before sealing) is copied as is.
 
 from __future__ import annotations
 
-import asyncio
 import mmap
 
 from tierckpt.backends import Backend
@@ -35,14 +34,14 @@ async def copy_down(tier: MemoryTier, below: Backend, key: str) -> None:
     else raise :class:`ChecksumMismatchError` (nothing is published below)."""
     path = tier.path_of(key)
     try:
-        recorded = await asyncio.to_thread(_recorded, tier, key)
+        recorded = _recorded(tier, key)
     except FileNotFoundError:
         raise _gone(tier, key) from None
 
     def mismatch(got: FileEntry) -> CheckpointError:
         return _mismatch(tier, below, key, got, recorded)
 
-    source = CopySource(path, Tier.MEMORY, recorded, mismatch, lambda: _gone(tier, key), open_shared)
+    source = CopySource(path, Tier.MEMORY, recorded, mismatch, lambda: _gone(tier, key), open_shared, in_place=True)
     await copy_checked(source, below, key)
 
 

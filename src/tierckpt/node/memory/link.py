@@ -188,7 +188,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         generation = generation_of(validate_key(key))
         if generation is None or generation in self.fallback:
             return await self.below.open_writer(key)
-        incoming = await asyncio.to_thread(self.memory_tier.receive, key)
+        incoming = self.memory_tier.receive(key)
         return LinkWriter(self, key, generation, incoming)
 
     def take_spare(self, nbytes: int) -> Spare | None:
@@ -223,7 +223,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
             await self.writedown.commit_below(data, record, expected, after)
             return
         await check_node_view(self.uri_of(key), expected, lambda: self._get_or_none(COMMIT))
-        tier_current = await asyncio.to_thread(self._tier_commit_bytes)
+        tier_current = self._tier_commit_bytes()
         await self.memory_tier.commit(COMMIT, data, expected=tier_current)
         if record.generation in self.memory_only:
             await self.seal(record.generation)  # what the write-down of the commit does first
@@ -235,7 +235,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         """Record the manifest of the node's files of ``generation`` (all ranks wrote them before the commit),
         so a restart and eviction see it whole."""
         try:
-            await asyncio.to_thread(self.memory_tier.seal, generation, origin=self.origin)
+            self.memory_tier.seal(generation, origin=self.origin)
         except CheckpointError as exc:  # reads then go below for other processes' files; nothing is lost
             log.warning("cannot seal %s %s in the memory tier: %s", self.memory_tier.uri, generation, exc)
 
@@ -268,7 +268,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
 
     async def _read(self, key: str, tier_read: Any, below_read: Any) -> Any:
         """``tier_read()`` when the tier serves ``key``, else (or when it was evicted meanwhile) ``below_read()``."""
-        if await asyncio.to_thread(self._in_tier, key):
+        if self._in_tier(key):
             try:
                 return await tier_read()
             except CheckpointNotFoundError:
@@ -287,7 +287,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         both read at once (an async save's call waits for this on rank 0)."""
         below = asyncio.ensure_future(self.below.get_capped(COMMIT, MAX_RECORD_BYTES))
         try:
-            mine = await asyncio.to_thread(self._tier_commit_bytes)
+            mine = self._tier_commit_bytes()
         except BaseException:
             below.cancel()
             raise
@@ -333,7 +333,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
     async def exists(self, key: str) -> bool:
         if validate_key(key) == COMMIT:
             return await self._get_or_none(COMMIT) is not None
-        return await asyncio.to_thread(self._in_tier, key) or await self.below.exists(key)
+        return self._in_tier(key) or await self.below.exists(key)
 
     async def get_capped(self, key: str, cap: int) -> bytes:
         """``COMMIT`` in one read (this link reads it capped); anything else as the base does."""
@@ -347,7 +347,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
     async def size(self, key: str) -> int:
         if validate_key(key) == COMMIT:
             return len(await self.get(COMMIT))
-        if await asyncio.to_thread(self._in_tier, key):
+        if self._in_tier(key):
             return await self.memory_tier.size(key)
         return await self.below.size(key)
 
@@ -371,7 +371,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         ``COMMIT`` write-down, so the chain below never names what is deleted there."""
         generation = generation_of(what) or (what.rstrip("/") if is_generation(what.rstrip("/")) else None)
         whole = not exact and generation is not None and generation == what.rstrip("/")
-        tier_only = whole and await asyncio.to_thread(self.down.newest_is_memory_only)
+        tier_only = whole and self.down.newest_is_memory_only()
         if tier_only and await self.writedown.owed_below(generation):
             log.info("%s %s stays in the node memory tier until it is written down: the newer commit was saved "
                      "with persist=False, so this one is what the chain below is to hold", self.memory_tier.uri, generation)
@@ -387,13 +387,13 @@ class MemoryLink(WriteBackLink[Withdrawal]):
             else:
                 await self.memory_tier.delete_prefix(what)
                 if generation:
-                    await asyncio.to_thread(self.memory_tier.evict, generation)
+                    self.memory_tier.evict(generation)
                 self.forget_prefix(what)
                 if generation:
-                    await asyncio.to_thread(self.down.forget, generation)
+                    self.down.forget(generation)
             for gen in self.memory_tier.generations() if not what else []:
-                await asyncio.to_thread(self.memory_tier.evict, gen)
-                await asyncio.to_thread(self.down.forget, gen)
+                self.memory_tier.evict(gen)
+                self.down.forget(gen)
             await self._delete_nested(what)
         if tier_only:
             return  # the chain below still serves its own newest commit, whichever generation that is
@@ -405,7 +405,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         by ``committed``, else by the tier's own ``COMMIT``)."""
         await asyncio.to_thread(self.memory.retire, self.memory_tier, generation, committed)
         self.forget_prefix(f"{generation}/")
-        await asyncio.to_thread(self.down.forget, generation)
+        self.down.forget(generation)
 
     async def drop_superseded(self, committed: CommitRecord) -> None:
         """Retire from this node's tier every generation of the URI that ``committed`` superseded, and nothing
@@ -413,8 +413,8 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         it on its own node with the chain below). Without it a node other than the committing rank's would
         keep superseded generations until an admission evicted them, and allocate fresh pages for every spare
         and every replica instead of reusing theirs."""
-        generations = await asyncio.to_thread(self.memory_tier.generations)
-        newest_memory_only = await asyncio.to_thread(self.down.newest_is_memory_only)
+        generations = self.memory_tier.generations()
+        newest_memory_only = self.down.newest_is_memory_only()
         for generation in generations:
             if generation == committed.generation or is_spare(generation) or not is_superseded(generation, committed):
                 continue
@@ -472,12 +472,12 @@ class MemoryLink(WriteBackLink[Withdrawal]):
     async def _sync_scope(self) -> SyncScope | None:
         """A ``sync`` writes down the tier's committed generation (a ``persist=False`` one too: it is logged
         as persisted first); ``None`` when the tier holds no commit."""
-        record = await asyncio.to_thread(self.memory_tier.committed)
+        record = self.memory_tier.committed()
         if record is None:
             return None
         generation = record.generation
-        if (await asyncio.to_thread(self.down.state, generation)).memory_only:
-            await asyncio.to_thread(self.down.append, generation, PERSIST, generation)
+        if self.down.state(generation).memory_only:
+            self.down.append(generation, PERSIST, generation)
             self.memory_only.discard(generation)
         return SyncScope(generation, generation)
 
@@ -491,7 +491,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
             return
         if _running(self.writedown.runner.entry((COMMIT, generation))):
             return
-        data = await asyncio.to_thread(read_capped, self.memory_tier.path_of(COMMIT), MAX_RECORD_BYTES)
+        data = read_capped(self.memory_tier.path_of(COMMIT), MAX_RECORD_BYTES)
         record = CommitRecord.decode(data)
         if record.generation == generation:
             self.writedown.commit(data, record, CATCH_UP, None)
@@ -503,7 +503,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         ``local`` (in the node disk cache, when the chain has one) and ``remote`` (the URI's own store holds
         its ``COMMIT``). ``memory`` < ``replicated``; ``local`` and ``remote`` are reported separately."""
         tier, down = self.memory_tier, self.down
-        record = await asyncio.to_thread(tier.committed)
+        record = tier.committed()
         memory_generation = record.generation if record is not None else None
         durable = durability_of(self.below)
         below: StoreStatus | None = await durable.status() if durable is not None else None
@@ -520,9 +520,9 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         errors: list[str] = []
         memory_only = False
         if memory_generation is not None:
-            state = await asyncio.to_thread(down.state, memory_generation)
+            state = down.state(memory_generation)
             memory_only = state.memory_only
-            pending = await asyncio.to_thread(down.pending, memory_generation, state)
+            pending = down.pending(memory_generation, state)
             errors = [f"{k}: {why}" for k, why in sorted(state.errors.items())]
             if pending and memory_generation == below_generation:
                 # Committed below, so every file of it is there: its COMMIT and the files this node does not
@@ -605,12 +605,12 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         ``COMMIT`` names it (then it was committed after all: nothing is dropped). The chain below is left to
         the committing rank."""
         name = generation_name(generation)
-        record = await asyncio.to_thread(self.memory_tier.committed)
+        record = self.memory_tier.committed()
         if record is not None and record.generation == name:
             return
         await self.writedown.cancel(f"{name}/", exact=False)
-        await asyncio.to_thread(self.memory_tier.evict, name)
-        await asyncio.to_thread(self.down.forget, name)
+        self.memory_tier.evict(name)
+        self.down.forget(name)
         self.forget_keys(name)
 
     async def close(self) -> None:
@@ -650,7 +650,7 @@ class LinkWriter(ObjectWriter):
             await self._move_below()
         if self._below is None:
             try:
-                await asyncio.to_thread(self._incoming.write, view)  # type: ignore[union-attr]
+                await self._link.memory_tier.blocking(self._incoming.write, view, nbytes=view.nbytes)  # type: ignore[union-attr]
                 return
             except OSError as exc:
                 if not self._link.fall_back(self._generation, self._uri, exc):
@@ -670,7 +670,7 @@ class LinkWriter(ObjectWriter):
             while left and (chunk := await asyncio.to_thread(f.read, min(_COPY_CHUNK, left))):
                 await self._below.write(chunk)
                 left -= len(chunk)
-        await asyncio.to_thread(incoming.abort)
+        incoming.abort()
         self._incoming = None
 
     async def close(self) -> None:
@@ -679,7 +679,7 @@ class LinkWriter(ObjectWriter):
         if self._below is not None:
             await self._below.close()
             return
-        await asyncio.to_thread(self._incoming.publish)  # type: ignore[union-attr]
+        self._incoming.publish()  # type: ignore[union-attr]
         self._link.wrote(self._key)
 
     async def abort(self) -> None:
@@ -689,4 +689,4 @@ class LinkWriter(ObjectWriter):
         if self._below is not None:
             await self._below.abort()
         if self._incoming is not None:
-            await asyncio.to_thread(self._incoming.abort)
+            self._incoming.abort()

@@ -21,7 +21,6 @@ it out of listings.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import ctypes.util
 import errno
@@ -111,14 +110,14 @@ class MappedFile(CrcWriter, MappedWriter):
             await self.abort()
             raise
         tier = self._tier
-        await asyncio.to_thread(_publish, self._fd, self._tmp, tier.path_of(self._key))
+        _publish(self._fd, self._tmp, tier.path_of(self._key))
         tier._remember(self._key, entry)
         self._wrote(self._key)
         prepare_in_background(self._memory, tier, size)  # the next save's, once this one's copy is done
 
     async def abort(self) -> None:
         self._done = True
-        await asyncio.to_thread(_discard, self._fd, self._tmp)
+        _discard(self._fd, self._tmp)
 
 
 def _publish(fd: int, tmp: str, path: str) -> None:

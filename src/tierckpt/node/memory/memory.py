@@ -19,8 +19,11 @@ generation (:meth:`MemoryTier.seal`), in whichever process of the node, re-reads
 stamped. :class:`NodeMemory` is the whole directory: the copies it holds and the
 admission of a new checkpoint under the budget (the policy is the pure :mod:`.eviction`).
 
-Management methods (``seal``, ``held``, ``verify``, ``evict``, receiving files) are synchronous and
-blocking: they run in background threads (replication) or through ``asyncio.to_thread``.
+Management methods (``seal``, ``held``, ``verify``, ``evict``, receiving files) are synchronous: a few
+system calls on tmpfs, which never waits on a device, so an event loop calls them in its own thread (a hop
+to a worker costs ten times such a call, :attr:`MemoryTier.inline_calls`), as replication's threads do.
+What may wait on another process (the node-wide admission lock, a ``COMMIT``'s lock) or moves many bytes
+still goes to a worker thread.
 """
 
 from __future__ import annotations
@@ -111,6 +114,9 @@ class MemoryTier(LocalBackend, NodeTier):
 
     durable_writes = False
     """tmpfs: nothing to sync. What makes a tier file last is its replica on a peer and its write-down."""
+    inline_calls = True
+    """tmpfs never waits on a device: its small calls (puts and writes up to 1 MiB, opens, sizes, deletes) run
+    in the event loop's thread, not through a worker thread that costs ten times the call."""
     links_checked = False
     """The tier's tree is a private directory of this user (0700, its owner checked: :mod:`tierckpt.node.private`):
     no other user can plant a link in it, so its paths are not looked at component by component."""

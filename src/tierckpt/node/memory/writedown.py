@@ -74,7 +74,7 @@ class _Down:
 
     async def take(self, attempt: int) -> str | None:
         """The key, unless a retry finds it below already (another process, a sync, got it down)."""
-        if attempt and self.key in (await asyncio.to_thread(self.writedown.down.state, self.generation)).done:
+        if attempt and self.key in self.writedown.down.state(self.generation).done:
             self._forget_failure()
             return None
         return self.key
@@ -138,7 +138,7 @@ class _CommitDown(_Down):
         if self.pending is None:
             tier = self.writedown.tier
             await self.writedown.seal(self.generation)
-            self.need = dict.fromkeys(await asyncio.to_thread(tier.keys_of, self.generation))
+            self.need = dict.fromkeys(tier.keys_of(self.generation))
             self.need.update(self.after or {})
             self.pending = set(self.need)
             self.takeover_at = time.monotonic() + REPLICA_TAKEOVER_S
@@ -158,9 +158,8 @@ class _CommitDown(_Down):
         wd = self.writedown
         below, tier, down, generation = wd.below, wd.tier, wd.down, self.generation
         write_back = durability_of(below) is not None  # its own commit waits for what other nodes write
-        state = await asyncio.to_thread(down.state, generation)
-        replicas = () if time.monotonic() > self.takeover_at else await asyncio.to_thread(
-            down.replicas, generation, wd.origin)
+        state = down.state(generation)
+        replicas = () if time.monotonic() > self.takeover_at else down.replicas(generation, wd.origin)
         for key in sorted(self.pending):
             entry = wd.runner.entry(key)
             if key in state.done:
@@ -259,7 +258,7 @@ class WriteDown:
         them (:class:`_WriteDowns`). It raises a failure for good at once, a transient one at once unless
         ``through_outage``, and :class:`TransientStorageError` at ``timeout_s``."""
         name = None if generation is None else generation.rstrip("/").rpartition("/")[2]
-        if name is not None and (await asyncio.to_thread(self.down.state, name)).memory_only:
+        if name is not None and self.down.state(name).memory_only:
             raise CheckpointError(
                 f"{self.tier.uri} {name} was saved with persist=False: it is held in node memory (and on the "
                 f"peers) only and is not written down where its URI points. To write it down, run: {sync_command(self.tier)}"
@@ -274,8 +273,8 @@ class WriteDown:
         ``COMMIT`` superseded is not below until the chain below's ``COMMIT`` says so: its own commit down
         may still be under way, or have been stopped by the sweep of the newer one."""
         if state is None:
-            state = await asyncio.to_thread(self.down.state, generation)
-        pending = await asyncio.to_thread(self.down.pending, generation, state, origin=self.origin)
+            state = self.down.state(generation)
+        pending = self.down.pending(generation, state, origin=self.origin)
         if [key for key in pending if key != COMMIT]:
             return False
         if COMMIT in state.done:
@@ -290,7 +289,7 @@ class WriteDown:
     async def owed_below(self, generation: str) -> bool:
         """Whether ``generation`` was saved to be written down and is not yet where its URI points as far as
         this node owes it (:meth:`_node_files_below`)."""
-        state = await asyncio.to_thread(self.down.state, generation)
+        state = self.down.state(generation)
         return not state.memory_only and not await self._node_files_below(generation, state)
 
     # -- deletes ---------------------------------------------------------------------------------------
