@@ -74,8 +74,8 @@ async def test_small_calls_run_in_place_and_large_ones_or_commits_in_a_worker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """tmpfs never waits on a device: the tier's small calls run in the event loop's thread (a hop costs ten
-    times such a call); a write of more than INLINE_BYTES and a commit (its lock may be another process's) go
-    to a worker thread, and a directory on disk hops for every call."""
+    times such a call); a write of more than INLINE_BYTES, a commit (its lock may be another process's) and a
+    deletion go to a worker thread, and a directory on disk hops for every call."""
     import asyncio
 
     from tierckpt.backends.local import INLINE_BYTES, LocalBackend
@@ -102,8 +102,10 @@ async def test_small_calls_run_in_place_and_large_ones_or_commits_in_a_worker(
     assert hops == []
     await tier.put(f"{generation}/data/rank-00001.bin", large)
     await tier.commit(COMMIT, CommitRecord(generation, time.time(), 1).encode())
-    assert hops == ["write_atomic", "commit_if"]
     assert tier.read_file(f"{generation}/data/rank-00001.bin", len(large)) == large
+    await tier.delete(f"{generation}/data/rank-00001.bin")  # frees the file's pages: a worker's job too
+    assert hops == ["write_atomic", "commit_if", "unlink"]
+    assert not await tier.exists(f"{generation}/data/rank-00001.bin")
 
     hops.clear()
     disk = LocalBackend(str(tmp_path / "disk"))

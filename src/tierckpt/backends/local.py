@@ -126,14 +126,14 @@ class _LocalWriter(ObjectWriter):
         try:
             await self._backend.blocking(publish, self._fd, self._tmp, self._path, self._durable)
         except OSError as exc:
-            await self._backend.blocking(unlink, self._tmp)
+            await asyncio.to_thread(unlink, self._tmp)
             raise write_error(exc, f"publishing {self._path}") from exc
 
     async def abort(self) -> None:
         if self._done:
             return
         self._done = True
-        await self._backend.blocking(discard, self._fd, self._tmp)
+        await asyncio.to_thread(discard, self._fd, self._tmp)  # maybe a large temp file's pages to free
 
 
 class LocalBackend(ReadsInto, Backend):
@@ -152,7 +152,8 @@ class LocalBackend(ReadsInto, Backend):
     """Whether reads hold each file's shared lock while they read it (:func:`.file_open.hold_shared`): the
     node memory tier sets it, as it may reuse a retired file's pages."""
     inline_calls = False
-    """Whether calls that move at most :data:`INLINE_BYTES` run in the event loop's own thread (:meth:`blocking`):
+    """Whether calls that move at most :data:`INLINE_BYTES` run in the event loop's own thread (:meth:`blocking`;
+    never deletions, which may free a large file's pages):
     for a file system that never waits on a device (the node memory tier's tmpfs, and only with ``durable_writes``
     off: an fsync waits). There a hop to a worker thread costs ten times the call it carries (a 4 KiB
     ``write_atomic``: about 150 µs of CPU through ``asyncio.to_thread`` against 12 µs in place, on a 2-core VM),
@@ -271,7 +272,7 @@ class LocalBackend(ReadsInto, Backend):
     async def delete(self, key: str) -> None:
         path = self.path_of(key)
         try:
-            await self.blocking(unlink, path)
+            await asyncio.to_thread(unlink, path)  # a large file's pages are freed here
         except OSError as exc:
             raise os_error(exc, f"deleting {path}") from exc
 
@@ -307,7 +308,7 @@ class LocalBackend(ReadsInto, Backend):
             return
         directory = self.path_of(prefix.rstrip("/"))
         try:
-            await self.blocking(remove_tree, directory)
+            await asyncio.to_thread(remove_tree, directory)
         except OSError as exc:
             raise os_error(exc, f"deleting {directory}") from exc
 

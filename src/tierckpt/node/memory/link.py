@@ -235,7 +235,8 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         """Record the manifest of the node's files of ``generation`` (all ranks wrote them before the commit),
         so a restart and eviction see it whole."""
         try:
-            self.memory_tier.seal(generation, origin=self.origin)
+            # A worker thread: a file no writer stamped is read whole for its CRC-32C (:mod:`.stamps`).
+            await asyncio.to_thread(self.memory_tier.seal, generation, origin=self.origin)
         except CheckpointError as exc:  # reads then go below for other processes' files; nothing is lost
             log.warning("cannot seal %s %s in the memory tier: %s", self.memory_tier.uri, generation, exc)
 
@@ -387,12 +388,12 @@ class MemoryLink(WriteBackLink[Withdrawal]):
             else:
                 await self.memory_tier.delete_prefix(what)
                 if generation:
-                    self.memory_tier.evict(generation)
+                    await asyncio.to_thread(self.memory_tier.evict, generation)  # frees its pages
                 self.forget_prefix(what)
                 if generation:
                     self.down.forget(generation)
             for gen in self.memory_tier.generations() if not what else []:
-                self.memory_tier.evict(gen)
+                await asyncio.to_thread(self.memory_tier.evict, gen)
                 self.down.forget(gen)
             await self._delete_nested(what)
         if tier_only:
@@ -609,7 +610,7 @@ class MemoryLink(WriteBackLink[Withdrawal]):
         if record is not None and record.generation == name:
             return
         await self.writedown.cancel(f"{name}/", exact=False)
-        self.memory_tier.evict(name)
+        await asyncio.to_thread(self.memory_tier.evict, name)
         self.down.forget(name)
         self.forget_keys(name)
 
@@ -670,7 +671,7 @@ class LinkWriter(ObjectWriter):
             while left and (chunk := await asyncio.to_thread(f.read, min(_COPY_CHUNK, left))):
                 await self._below.write(chunk)
                 left -= len(chunk)
-        incoming.abort()
+        await asyncio.to_thread(incoming.abort)
         self._incoming = None
 
     async def close(self) -> None:
@@ -689,4 +690,4 @@ class LinkWriter(ObjectWriter):
         if self._below is not None:
             await self._below.abort()
         if self._incoming is not None:
-            self._incoming.abort()
+            await asyncio.to_thread(self._incoming.abort)

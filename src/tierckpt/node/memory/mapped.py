@@ -21,6 +21,7 @@ it out of listings.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import errno
@@ -117,7 +118,7 @@ class MappedFile(CrcWriter, MappedWriter):
 
     async def abort(self) -> None:
         self._done = True
-        _discard(self._fd, self._tmp)
+        await asyncio.to_thread(_discard, self._fd, self._tmp)  # frees the file's pages
 
 
 def _publish(fd: int, tmp: str, path: str) -> None:

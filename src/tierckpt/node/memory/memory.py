@@ -22,8 +22,9 @@ admission of a new checkpoint under the budget (the policy is the pure :mod:`.ev
 Management methods (``seal``, ``held``, ``verify``, ``evict``, receiving files) are synchronous: a few
 system calls on tmpfs, which never waits on a device, so an event loop calls them in its own thread (a hop
 to a worker costs ten times such a call, :attr:`MemoryTier.inline_calls`), as replication's threads do.
-What may wait on another process (the node-wide admission lock, a ``COMMIT``'s lock) or moves many bytes
-still goes to a worker thread.
+What may wait on another process (the node-wide admission lock, a ``COMMIT``'s lock), move or free many
+bytes (large writes, deletions and evictions) or read files whole (a seal of files no writer stamped) still
+goes to a worker thread.
 """
 
 from __future__ import annotations
@@ -115,8 +116,8 @@ class MemoryTier(LocalBackend, NodeTier):
     durable_writes = False
     """tmpfs: nothing to sync. What makes a tier file last is its replica on a peer and its write-down."""
     inline_calls = True
-    """tmpfs never waits on a device: its small calls (puts and writes up to 1 MiB, opens, sizes, deletes) run
-    in the event loop's thread, not through a worker thread that costs ten times the call."""
+    """tmpfs never waits on a device: its small calls (puts and writes up to 1 MiB, opens, sizes, reads of
+    records) run in the event loop's thread, not through a worker thread that costs ten times the call."""
     links_checked = False
     """The tier's tree is a private directory of this user (0700, its owner checked: :mod:`tierckpt.node.private`):
     no other user can plant a link in it, so its paths are not looked at component by component."""
