@@ -41,7 +41,8 @@ async def copy_down(tier: MemoryTier, below: Backend, key: str) -> None:
     def mismatch(got: FileEntry) -> CheckpointError:
         return _mismatch(tier, below, key, got, recorded)
 
-    source = CopySource(path, Tier.MEMORY, recorded, mismatch, lambda: _gone(tier, key), open_shared, in_place=True)
+    source = CopySource(path, Tier.MEMORY, recorded, mismatch, lambda: _gone(tier, key), open_shared,
+                        in_place=tier.inline_calls)
     await copy_checked(source, below, key)
 
 
