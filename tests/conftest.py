@@ -213,7 +213,7 @@ FAST_MODULES = frozenset({
     "test_mapped_read", "test_memory_tier", "test_metadata", "test_metadata_crc", "test_monitor", "test_read_crc_runs",
     "test_regions",
     "test_durable_wait",
-    "test_replication_wiring", "test_save_crc", "test_save_planner", "test_scheduler", "test_source_shape",
+    "test_replica_stream", "test_replication_wiring", "test_save_crc", "test_save_planner", "test_scheduler", "test_source_shape",
     "test_units", "test_verify", "test_writeback_runner",
 })
 """Test modules whose tests run in one process with no server: ``pytest -m fast`` runs them (under a minute).

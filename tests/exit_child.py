@@ -69,15 +69,14 @@ def slow_reader(workdir: str, rank: int) -> None:
 def stuck_peer(workdir: str, rank: int) -> None:
     """One save whose replication cannot finish in time: rank 1's node stops taking replicas (its receiver
     hangs 8 s on the first file, then fails); the memory tier's exit wait is 3 s."""
-    from tierckpt.node.memory import MemoryConfig
-    from tierckpt.node.memory.replica import Replicator
+    from tierckpt.node.memory import MemoryConfig, replica
 
     if rank == 1:
         def receive_file(*args: object) -> None:
             time.sleep(8)
             raise RuntimeError("this node stopped taking replicas")
 
-        Replicator._receive_file = receive_file  # type: ignore[method-assign]
+        replica.receive_file = receive_file  # type: ignore[assignment]
     memory = MemoryConfig.from_env(exit_wait_s=3.0)
     handle = tierckpt.async_save(os.path.join(workdir, "remote", "ckpt"), {f"extra{rank}": torch.ones(EXTRA_BYTES // 4)},
                                  storage_options={"memory": memory})

@@ -53,7 +53,6 @@ from collective_count import counting_collectives  # noqa: E402
 from scenarios import as_dtensor, assert_same, build, full_state, make_mesh, reference, train  # noqa: E402
 from tierckpt.store import memory_tier_of, open_store  # noqa: E402
 from tierckpt.node.memory.replica_record import recorded_level  # noqa: E402
-from tierckpt.node.memory.replica import Replicator  # noqa: E402
 from tierckpt.node.memory.sidegroup import side_groups  # noqa: E402
 
 SPECS = {"w": ((67, 24), torch.float32), "b16": ((33, 7), torch.bfloat16), "i": ((9,), torch.int64)}
@@ -118,10 +117,12 @@ def compare(loaded: dict, seed: int) -> list[str]:
 
 
 def kill_on_first_replica_file() -> None:
-    def receive_file(self: Replicator, *args: object) -> None:
+    from tierckpt.node.memory import replica
+
+    def receive_file(*args: object) -> None:
         os._exit(9)
 
-    Replicator._receive_file = receive_file  # type: ignore[method-assign]
+    replica.receive_file = receive_file  # type: ignore[assignment]
 
 
 COPIES: list[str] = []

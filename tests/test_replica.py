@@ -73,7 +73,7 @@ def _replicate_scenario(workdir: str, per_node: int, replicas: int | None, small
                         damage_sent: bool = False) -> dict:
     """Every rank writes its file into its node's tier, rank 0 also metadata and COMMIT; all replicate.
 
-    ``damage_sent``: rank 0 flips a byte of each chunk it sends, after its manifest recorded the CRC-32C."""
+    ``damage_sent``: rank 0 flips the first byte of each file it sends, after its manifest recorded the CRC-32C."""
     import asyncio
 
     import torch.distributed as dist
@@ -102,21 +102,22 @@ def _replicate_scenario(workdir: str, per_node: int, replicas: int | None, small
         if rank == 0:
             asyncio.run(tier.commit(COMMIT, CommitRecord(generation, 1.0, 1).encode()))
         dist.barrier()
-        chunk = transfer.SentFiles.chunk
+        send_file = transfer.Stream.send_file
 
-        def damaged_chunk(self: transfer.SentFiles, key: str, offset: int, nbytes: int) -> object:
-            sent = chunk(self, key, offset, nbytes).clone()
-            sent[0] ^= 0xFF
-            return sent
+        def damaged_send(self: transfer.Stream, fd: int, nbytes: int, key: str) -> None:
+            sent = bytearray(os.pread(fd, nbytes, 0))
+            if sent:
+                sent[0] ^= 0xFF
+            self.conn.sendall(sent)
 
         if damage_sent and rank == 0:
-            transfer.SentFiles.chunk = damaged_chunk  # type: ignore[method-assign]
+            transfer.Stream.send_file = damaged_send  # type: ignore[method-assign]
         try:
             replicator = Replicator(node, replicas=replicas, timeout_s=30, chunk_bytes=1 << 20)
             result = replicator.replicate(URI, generation).wait(timeout_s=120)
             replicator.close()
         finally:
-            transfer.SentFiles.chunk = chunk  # type: ignore[method-assign]
+            transfer.Stream.send_file = send_file  # type: ignore[method-assign]
         dist.barrier()
         return {"generation": generation, "node": node_name, "level": result.level.value, "reason": result.reason,
                 "acknowledged": list(result.acknowledged), "held": sorted(tier.held(generation)),

@@ -4,8 +4,9 @@
 the ranks' node ids, plans peers (:mod:`.peers`) and takes a channel of its own on the group's side group
 (:mod:`.sidegroup`: the one gloo group per process and group that moves tier bytes between nodes, peer
 recovery's streamed loads included; where the group has none, a gloo group of the replicator's own), so
-replication never races the training's collectives on their groups. Each node's leader (its lowest rank) runs two
-background threads, one sending and one receiving. Lifecycle of :meth:`Replicator.replicate` for
+replication never races the training's collectives on their groups; the files themselves go on a data
+stream of each transfer's own (:mod:`.transfer`: ``sendfile`` from the tier's pages). Each node's leader
+(its lowest rank) runs two background threads, one sending and one receiving. Lifecycle of :meth:`Replicator.replicate` for
 one checkpoint generation, called by every rank in the same order:
 
 1. The leader seals its node's files of the generation (:meth:`~.memory.MemoryTier.seal`, origin =
@@ -14,11 +15,11 @@ one checkpoint generation, called by every rank in the same order:
 2. Sender, per target node in turn (reading the files it opened at step 1, so a newer commit that
    deletes the generation meanwhile does not cut its transfer): a header (the manifest, and
    ``COMMIT`` when it names this generation) -> the receiver admits the bytes under its budget and
-   answers go or refused -> the files in chunks -> the receiver's acknowledgement -> the sender's
-   closing word (``bye``).
+   answers go (where its data stream listens, and the token to say) or refused -> the files on the
+   stream -> the receiver's acknowledgement -> the sender's closing word (``bye``).
 3. Receiver, per source node in turn: the sender's files declared arriving (:meth:`~.memory.MemoryTier.expect`:
    from the first one published, neither this node's seal nor its write-down takes them for its own); each
-   file to a temp file with its CRC-32C computed on the way;
+   file from the stream to a temp file with its CRC-32C computed on the way;
    published only if it matches the sender's manifest; then the manifest (origin = the sender) and,
    if newer than its own, ``COMMIT``; then the acknowledgement; then it waits for the sender's ``bye``.
    Every exchange, a refused one included, ends with that ``bye``: the node that answers last stays
@@ -57,21 +58,21 @@ from tierckpt.errors import CheckpointError
 from tierckpt.native.layout import COMMIT
 from tierckpt.node.host import node_id
 from tierckpt.node.memory.replica_record import Level, ReplicaHandle, ReplicaResult
-from tierckpt.node.memory.manifest import FileEntry, Manifest
-from tierckpt.node.memory.memory import MemoryTier
+from tierckpt.node.memory.manifest import Manifest
 from tierckpt.node.memory.nodememory import NodeMemory
 from tierckpt.node.memory.peers import ReplicaPlan, plan_replicas
 from tierckpt.node.memory.background import background_nice, lower_priority, lower_priority_of_new, started_threads
 from tierckpt.node.memory.sidegroup import SideGroup, side_group_of
-from tierckpt.node.memory.transfer import Chunks, SentFiles, adopt_commit, buffers, open_files, receive_file
+from tierckpt.node.memory.transfer import Listener, Offer, adopt_commit, connect, open_files, receive_file
 from tierckpt.node.memory.live import REPLICATORS
 from tierckpt.node.memory.wire import Wire
 
 log = logging.getLogger(__name__)
 
-_IN_FLIGHT = 2
-"""Data chunks a sender keeps on the wire at once."""
-_KIND_CONNECT, _KIND_HEADER, _KIND_REPLY, _KIND_DATA, _KIND_ACK, _KIND_BYE = 0, 1, 2, 3, 4, 5
+_KIND_CONNECT, _KIND_HEADER, _KIND_REPLY, _KIND_ACK, _KIND_BYE = 0, 1, 2, 3, 4
+_GO = "go "
+"""The start of a receiver's answer that takes a transfer (the rest: its stream's :class:`~.transfer.Offer`);
+any other answer is the reason it refused."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,7 @@ class Replicator:
     the replicator at the same point. ``durable_below()``: copy ids a lower tier holds, which a
     receiver may evict to make room; ``owed_below()``: superseded copy ids the chain below is still owed,
     which it keeps (see :mod:`.eviction`). ``timeout_s``: the longest any one transfer step may wait.
+    ``chunk_bytes``: the receiver's buffer, which each file passes through on its way into the tier.
     """
 
     def __init__(
@@ -287,48 +289,42 @@ class Replicator:
         """Send one generation to every target in turn; its level from their answers."""
         acknowledged: list[str] = []
         reasons: list[str] = []
-        with SentFiles(job.files, job.manifest) as files:
-            for target in self.plan.targets(self.node):
-                name, dst = self._node_name(target), self._leader(target)
-                if dst in self._broken:
-                    reasons.append(f"peer {name} (rank {dst}) is unreachable since: {self._broken[dst]}")
-                    continue
-                try:
-                    refusal = self._send_job(job, dst, files)
-                except Exception as exc:  # noqa: BLE001 - a dead or hung peer: reported, never raised
-                    self._broken[dst] = f"{type(exc).__name__}: {exc}"
-                    reasons.append(f"peer {name} (rank {dst}) failed during replication: {self._broken[dst]}")
-                    continue
-                if refusal:
-                    reasons.append(f"peer {name} (rank {dst}) refused: {refusal}")
-                else:
-                    acknowledged.append(name)
+        for target in self.plan.targets(self.node):
+            name, dst = self._node_name(target), self._leader(target)
+            if dst in self._broken:
+                reasons.append(f"peer {name} (rank {dst}) is unreachable since: {self._broken[dst]}")
+                continue
+            try:
+                refusal = self._send_job(job, dst, f"peer {name} (rank {dst})")
+            except Exception as exc:  # noqa: BLE001 - a dead or hung peer: reported, never raised
+                self._broken[dst] = f"{type(exc).__name__}: {exc}"
+                reasons.append(f"peer {name} (rank {dst}) failed during replication: {self._broken[dst]}")
+                continue
+            if refusal:
+                reasons.append(f"peer {name} (rank {dst}) refused: {refusal}")
+            else:
+                acknowledged.append(name)
         peers = tuple(self._node_name(t) for t in self.plan.targets(self.node))
         return ReplicaResult(
             uri=job.uri, generation=job.generation, level=Level.MEMORY if reasons else Level.REPLICATED,
             peers=peers, acknowledged=tuple(acknowledged), reason="; ".join(reasons) or None,
         )
 
-    def _send_job(self, job: _Job, dst: int, files: SentFiles) -> str | None:
+    def _send_job(self, job: _Job, dst: int, target: str) -> str | None:
         """Send one generation to one peer; the peer's refusal, or ``None`` once it acknowledged.
 
-        The chunks are sent straight from the tier files' pages (no copy on this side); two are on the
-        wire at a time."""
+        The files go on the transfer's data stream with ``sendfile``, straight from the tier's pages
+        (:mod:`.transfer`); the header and the answers over the replicator's gloo pair."""
         header = {"manifest": job.manifest.encode().decode(), "commit": None if job.commit is None else job.commit.decode()}
         self._wire.send_bytes(json.dumps(header).encode(), dst, _KIND_HEADER)
         answer = self._wire.answer(dst, _KIND_REPLY)
-        if answer != "ok":
+        if not answer.startswith(_GO):
             self._bye(dst)
             return answer
-        in_flight: collections.deque[dist.Work] = collections.deque()
-        for key, entry in job.manifest.files:
-            for offset in range(0, entry.size, self._chunk):
-                if len(in_flight) == _IN_FLIGHT:
-                    self._wire.wait(in_flight.popleft())
-                view = files.chunk(key, offset, min(self._chunk, entry.size - offset))
-                in_flight.append(self._wire.isend(view, dst, _KIND_DATA))
-        while in_flight:
-            self._wire.wait(in_flight.popleft())
+        offer = Offer.decode(answer[len(_GO):], target)
+        with connect(offer, self._timeout.total_seconds(), target) as stream:
+            for key, entry in job.manifest.files:
+                stream.send_file(job.files[key], entry.size, key)
         answer = self._wire.answer(dst, _KIND_ACK)
         self._bye(dst)
         return None if answer == "ok" else answer
@@ -345,24 +341,24 @@ class Replicator:
     # -- the receiving side ------------------------------------------------------------------------------
     def _receive_loop(self, jobs: queue.Queue[_Job | None]) -> None:
         lower_priority()
-        bufs = buffers(self._chunk)
+        buffer = memoryview(bytearray(self._chunk))
         while (job := jobs.get()) is not None:  # one job per generation to receive
-            self._receive_sources(bufs)
+            self._receive_sources(buffer)
             job.received.set()
 
-    def _receive_sources(self, bufs: tuple[torch.Tensor, ...]) -> None:
+    def _receive_sources(self, buffer: memoryview) -> None:
         """Receive one generation from each source node in turn (a failed source is logged; its sender reports it)."""
         for source in self.plan.sources(self.node):
             src = self._leader(source)
             if src in self._broken:
                 continue
             try:
-                self._receive_job(src, bufs)
+                self._receive_job(src, buffer)
             except Exception as exc:  # noqa: BLE001 - the sender reports the failure as its level
                 self._broken[src] = f"{type(exc).__name__}: {exc}"
                 log.warning("receiving replicas from rank %d failed: %s", src, self._broken[src])
 
-    def _receive_job(self, src: int, bufs: tuple[torch.Tensor, ...]) -> None:
+    def _receive_job(self, src: int, buffer: memoryview) -> None:
         header = json.loads(self._wire.recv_bytes(src, _KIND_HEADER))
         try:
             manifest = Manifest.decode(header["manifest"].encode(), f"the header from rank {src}")
@@ -376,13 +372,18 @@ class Replicator:
             refusal = str(exc)
         except OSError as exc:
             refusal = f"cannot take the replica: {exc}"
-        self._wire.reply(refusal or "ok", src, _KIND_REPLY)
-        if refusal:
+        listener = None
+        if refusal is None:
+            try:
+                listener = Listener(self._timeout.total_seconds())
+            except CheckpointError as exc:
+                refusal = str(exc)
+        self._wire.reply(_GO + listener.offer.encode() if listener is not None else refusal or "", src, _KIND_REPLY)
+        if listener is None:
             self._await_bye(src)
             return
-        sizes = [min(self._chunk, e.size - o) for _, e in manifest.files for o in range(0, e.size, self._chunk)]
-        chunks = Chunks(sizes, bufs, lambda view: self._wire.irecv(view, src, _KIND_DATA), self._wire.wait)
-        failures = [f for key, entry in manifest.files if (f := self._receive_file(tier, key, entry, chunks))]
+        with listener, listener.accept(f"rank {src}") as stream:
+            failures = [f for key, entry in manifest.files if (f := receive_file(tier, key, entry, stream, buffer))]
         if not failures:
             try:
                 tier.record(manifest)
@@ -397,10 +398,6 @@ class Replicator:
         """Wait until the sender took this node's last answer (its ``bye``): until then this process may
         not exit (the exit drain waits for the generation's ``received``), or the answer could be lost."""
         self._wire.recv(torch.zeros(1, dtype=torch.uint8), src, _KIND_BYE)
-
-    def _receive_file(self, tier: MemoryTier, key: str, entry: FileEntry, chunks: Chunks) -> str | None:
-        """Receive one file into the tier (:func:`.transfer.receive_file`): why it was not published, or ``None``."""
-        return receive_file(tier, key, entry, chunks, self._chunk)
 
 
 def _settled(job: _Job) -> bool:

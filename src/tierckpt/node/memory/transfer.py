@@ -1,31 +1,242 @@
-"""The byte-moving pieces of peer replication (:mod:`.replica`): sending a sealed generation's files
-from their pages (mapped through descriptors opened at commit), receiving a transfer's chunks into
-alternating buffers and each file into the tier, and adopting a peer's ``COMMIT`` without ever replacing a newer one.
+"""The byte-moving pieces of peer replication (:mod:`.replica`): a transfer's data stream, receiving each
+file of it into the tier, and adopting a peer's ``COMMIT`` without ever replacing a newer one.
+
+A generation's files travel on a data stream of their own, one TCP connection per transfer, beside the
+replicator's control messages (header, answers, acknowledgement: :mod:`.wire`, over gloo):
+
+* the receiver listens on a fresh port of its node's address (:func:`stream_address`) and offers it, with a
+  random token of :data:`TOKEN_BYTES`, in its answer to the header (:meth:`Listener.offer`);
+* the sender connects, says the token first, and sends each file with ``sendfile`` from the descriptor
+  opened when the generation was committed: the kernel hands the tier's pages to the socket, no copy in
+  user space (gloo copied them into its socket from a mapping, page fault by page fault);
+* the receiver takes the first connection that says the token (:meth:`Listener.accept`; any other is
+  closed: on a node shared with other users, a process that did not read the answer cannot take part), reads
+  each file into a buffer and writes it into the tier with its CRC-32C computed on the way
+  (:func:`receive_file`), published only if it matches the sender's manifest.
+
+Every blocking step (accept, the token, each send and receive) is bounded by the replicator's timeout, as
+its gloo steps are; a stream that fails fails the transfer (the level stays ``memory``, with the reason).
+The token travels in the clear over the replicator's gloo pair, as the job's other traffic does: the stream
+is as private as gloo's own connections, no more.
 """
 
 from __future__ import annotations
 
-import collections
-import mmap
+import fcntl
+import hmac
 import os
-import warnings
-from collections.abc import Callable
+import secrets
+import socket
+import struct
+import time
+from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
-from tierckpt.backends.file_open import open_shared
 from tierckpt.backends.bounded import MAX_RECORD_BYTES, read_capped
+from tierckpt.backends.file_open import open_shared
 from tierckpt.errors import CheckpointError
 from tierckpt.native.layout import COMMIT, CommitRecord
-from tierckpt.node.memory.manifest import FileEntry, Manifest
 from tierckpt.node.memory.incoming import IncomingFile
+from tierckpt.node.memory.manifest import FileEntry, Manifest
 from tierckpt.node.memory.memory import MemoryTier
 
+ADDRESS_ENV = "TIERCKPT_REPLICA_ADDRESS"
+"""The address a node's receiver listens on for data streams (default: the address gloo uses, see
+:func:`stream_address`)."""
+TOKEN_BYTES = 32
+"""The length of a transfer's token, which the sender says first on its stream."""
+_TOKEN_WAIT_S = 5.0
+"""How long an accepted connection may take to say its token."""
+_SIOCGIFADDR = 0x8915
 
-def buffers(chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two chunk buffers: one is filled (or drained) while the other is on the wire."""
-    return torch.empty(chunk_bytes, dtype=torch.uint8), torch.empty(chunk_bytes, dtype=torch.uint8)
+
+def stream_address() -> str:
+    """The address this node's receiver listens on: ``TIERCKPT_REPLICA_ADDRESS``, else the IPv4 address of
+    the first interface ``GLOO_SOCKET_IFNAME`` names, else the host name's first address that can be bound
+    (the rule torch's gloo devices follow, so the stream reaches wherever the replicator's gloo pair does)."""
+    explicit = os.environ.get(ADDRESS_ENV, "").strip()
+    if explicit:
+        return explicit
+    interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+    if interfaces:
+        return _interface_address(interfaces[0])
+    for family, kind, proto, _, address in socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM):
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind((address[0], 0))
+            return str(address[0])
+        except OSError:
+            continue
+    return "127.0.0.1"
+
+
+def _interface_address(name: str) -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError as exc:
+            raise CheckpointError(
+                f"GLOO_SOCKET_IFNAME names {name!r}, which has no IPv4 address here ({exc}); name an interface of "
+                f"this node, or set {ADDRESS_ENV} to the address replica streams should use"
+            ) from exc
+    return socket.inet_ntoa(answer[20:24])
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """Where a receiver waits for one transfer's stream, and the token the sender must say."""
+
+    host: str
+    port: int
+    token: str
+    """Hexadecimal, :data:`TOKEN_BYTES` bytes."""
+
+    def encode(self) -> str:
+        return f"{self.host} {self.port} {self.token}"
+
+    @classmethod
+    def decode(cls, text: str, source: str) -> Offer:
+        try:
+            host, port, token = text.split(" ")
+            offer = cls(host, int(port), token)
+            if len(bytes.fromhex(token)) != TOKEN_BYTES:
+                raise ValueError("a token of the wrong length")
+        except ValueError as exc:
+            raise CheckpointError(f"{source} offered no usable data stream ({text[:200]!r}: {exc})") from exc
+        return offer
+
+
+class Listener:
+    """A receiver's socket for one transfer's stream: listening on a fresh port of :func:`stream_address`
+    until :meth:`accept` took the connection that says its token, or :meth:`close`."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        host = stream_address()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._socket.bind((host, 0))
+            self._socket.listen(8)
+        except OSError as exc:
+            self._socket.close()
+            raise CheckpointError(f"cannot listen for replica streams on {host} ({exc}); set {ADDRESS_ENV} to an "
+                                  f"address of this node that its peers reach") from exc
+        self._token = secrets.token_bytes(TOKEN_BYTES)
+        self.offer = Offer(host, self._socket.getsockname()[1], self._token.hex())
+
+    def accept(self, source: str) -> Stream:
+        """The connection that says the token, within the timeout (others are closed as they come)."""
+        deadline = time.monotonic() + self._timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            self._socket.settimeout(left)
+            try:
+                conn, _ = self._socket.accept()
+            except TimeoutError:
+                break
+            said = bytearray(TOKEN_BYTES)
+            try:  # the sender says it as soon as it connects: one that waits is not the sender
+                Stream(conn, min(left, _TOKEN_WAIT_S)).fill(memoryview(said))
+            except OSError:
+                said = bytearray()
+            if hmac.compare_digest(bytes(said), self._token):
+                return Stream(conn, self._timeout_s)
+            conn.close()  # not the sender: whoever it is, it learns nothing and gets nothing
+        raise TimeoutError(f"{source} did not open its data stream within the replicator's timeout of "
+                           f"{self._timeout_s:g}s")
+
+    def close(self) -> None:
+        self._socket.close()
+
+    def __enter__(self) -> Listener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+STEP_BYTES = 8 << 20
+"""The most bytes one ``sendfile`` or ``recv`` of a stream moves: each such step must finish within the
+replicator's timeout (a peer that takes less than that in the timeout is as good as stuck)."""
+
+
+class Stream:
+    """One transfer's connected data stream, blocking, each step bounded by the kernel (``SO_SNDTIMEO``,
+    ``SO_RCVTIMEO``): up to :data:`STEP_BYTES` go in one ``sendfile`` and arrive in one ``recv``
+    (``MSG_WAITALL``), where a Python-level timeout would poll and wake the thread (and take the GIL back)
+    every few segments."""
+
+    def __init__(self, conn: socket.socket, timeout_s: float) -> None:
+        conn.settimeout(None)
+        micros = max(1, int(timeout_s * 1e6))  # 0 would be no limit
+        timeval = struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        self.conn, self._timeout_s = conn, timeout_s
+
+    def send_file(self, fd: int, nbytes: int, key: str) -> None:
+        """Send the first ``nbytes`` of the file open as ``fd``, with ``sendfile`` (the kernel hands the
+        file's pages to the socket). A file shorter than ``nbytes`` (its sealed size) is an error."""
+        sent = 0
+        while sent < nbytes:
+            want = min(STEP_BYTES, nbytes - sent)
+            started = time.monotonic()
+            try:
+                n = os.sendfile(self.conn.fileno(), fd, sent, want)
+            except BlockingIOError:
+                n = -1
+            if n == 0:
+                raise CheckpointError(f"{key} is shorter than its sealed {nbytes} bytes: {sent} were sent")
+            self._check_step(n, want, started, f"sending {key} ({sent} of {nbytes} bytes sent)")
+            sent += n
+
+    def fill(self, view: memoryview) -> None:
+        """Fill ``view`` from the stream; a stream that closes first raises."""
+        got = 0
+        while got < view.nbytes:
+            want = min(STEP_BYTES, view.nbytes - got)
+            started = time.monotonic()
+            try:
+                n = self.conn.recv_into(view[got: got + want], want, socket.MSG_WAITALL)
+            except BlockingIOError:
+                n = -1
+            if n == 0:
+                raise ConnectionError(f"the data stream closed after {got} of {view.nbytes} bytes")
+            self._check_step(n, want, started, f"receiving ({got} of {view.nbytes} bytes in)")
+            got += n
+
+    def _check_step(self, n: int, want: int, started: float, what: str) -> None:
+        """A step that moved nothing, or only part when its time ran out, fails the transfer (a short step
+        before that was interrupted by a signal: the next one goes on)."""
+        if n < 0 or (n < want and time.monotonic() - started >= self._timeout_s):
+            raise TimeoutError(f"the data stream moved {max(n, 0)} of {want} bytes within the replicator's timeout "
+                               f"of {self._timeout_s:g}s, {what}")
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(offer: Offer, timeout_s: float, target: str) -> Stream:
+    """The sender's side of a stream: connected to ``offer`` within the timeout, the token said."""
+    try:
+        conn = socket.create_connection((offer.host, offer.port), timeout=timeout_s)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot open the data stream to {target} at {offer.host}:{offer.port} ({type(exc).__name__}: {exc}); "
+            f"the receiving node listens on the address gloo uses there (or {ADDRESS_ENV}), which must be "
+            f"reachable from this node"
+        ) from exc
+    try:
+        conn.sendall(bytes.fromhex(offer.token))
+    except OSError:
+        conn.close()
+        raise
+    return Stream(conn, timeout_s)
 
 
 def open_files(tier: MemoryTier, manifest: Manifest) -> dict[str, int]:
@@ -42,83 +253,10 @@ def open_files(tier: MemoryTier, manifest: Manifest) -> dict[str, int]:
     return files
 
 
-class SentFiles:
-    """The files of one sent generation, mapped read-only from the descriptors opened at commit: chunks
-    go on the wire straight from the tier's pages. A file shorter than its sealed size is an error."""
-
-    def __init__(self, files: dict[str, int], manifest: Manifest) -> None:
-        self._maps: dict[str, mmap.mmap] = {}
-        self._tensors: dict[str, torch.Tensor] = {}
-        try:
-            for key, entry in manifest.files:
-                if entry.size == 0:
-                    continue
-                if os.fstat(files[key]).st_size < entry.size:
-                    raise CheckpointError(f"{key} is shorter than its sealed {entry.size} bytes")
-                mapping = self._maps[key] = mmap.mmap(files[key], entry.size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
-                # A read-only mapping, never written through: the tensor only hands its pages to the wire.
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)
-                    self._tensors[key] = torch.frombuffer(mapping, dtype=torch.uint8)
-        except BaseException:
-            self.close()
-            raise
-
-    def chunk(self, key: str, offset: int, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of ``key`` from ``offset``, as a tensor over the file's pages."""
-        return self._tensors[key][offset: offset + nbytes]
-
-    def close(self) -> None:
-        maps, self._maps = self._maps, {}
-        self._tensors.clear()
-        for mapping in maps.values():
-            try:
-                mapping.close()
-            except BufferError:
-                pass  # a view still exists (a send gloo still holds): unmapped when it goes
-
-    def __enter__(self) -> SentFiles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class Chunks:
-    """The data chunks of one transfer, received in turn into alternating buffers: the receive of
-    chunk ``i + len(bufs)`` is posted as soon as chunk ``i`` has been consumed."""
-
-    def __init__(
-        self, sizes: list[int], bufs: tuple[torch.Tensor, ...], post: Callable[[torch.Tensor], dist.Work],
-        wait: Callable[[dist.Work], None],
-    ) -> None:
-        self._sizes, self._bufs, self._post, self._wait = sizes, bufs, post, wait
-        self._posted: collections.deque[tuple[torch.Tensor, dist.Work]] = collections.deque()
-        self._next = 0
-        self._taken = False
-        for _ in bufs:
-            self._post_next()
-
-    def _post_next(self) -> None:
-        if self._next < len(self._sizes):
-            view = self._bufs[self._next % len(self._bufs)][: self._sizes[self._next]]
-            self._posted.append((view, self._post(view)))
-            self._next += 1
-
-    def take(self) -> memoryview:
-        """The next chunk's bytes, valid until the next ``take``."""
-        if self._taken:
-            self._post_next()  # the previous chunk's buffer is free again
-        view, work = self._posted.popleft()
-        self._wait(work)
-        self._taken = True
-        return memoryview(view.numpy())
-
-
-def receive_file(tier: MemoryTier, key: str, entry: FileEntry, chunks: Chunks, chunk_bytes: int) -> str | None:
-    """Receive one file of a transfer into ``tier``, in chunks of ``chunk_bytes``: why it was not
-    published (a local failure: the rest of the file is still drained, so the transfer stays in step), or
-    ``None``. Transport errors raise."""
+def receive_file(tier: MemoryTier, key: str, entry: FileEntry, stream: Stream, buffer: memoryview) -> str | None:
+    """Receive one file of a transfer from its stream into ``tier``, through ``buffer``: why it was not
+    published (a local failure: the rest of the file is still drained, so the stream stays in step), or
+    ``None``. A failure of the stream itself raises (the transfer cannot go on)."""
     failure = None
     incoming: IncomingFile | None = None
     try:
@@ -126,18 +264,22 @@ def receive_file(tier: MemoryTier, key: str, entry: FileEntry, chunks: Chunks, c
     except (CheckpointError, OSError) as exc:
         failure = f"cannot write {key}: {exc}"
     try:
-        for _ in range(0, entry.size, chunk_bytes):
-            view = chunks.take()
-            if incoming is not None and failure is None:
+        for offset in range(0, entry.size, buffer.nbytes):
+            view = buffer[: min(buffer.nbytes, entry.size - offset)]
+            stream.fill(view)
+            if incoming is not None:
                 try:
                     incoming.write(view)
                 except OSError as exc:
                     failure = f"writing {key} failed: {exc}"
-        if incoming is not None and failure is None:
-            incoming.finish(entry)
-            incoming = None
-    except (CheckpointError, OSError) as exc:
-        failure = str(exc)
+                    incoming.abort()
+                    incoming = None
+        if incoming is not None:
+            try:
+                incoming.finish(entry)
+                incoming = None
+            except (CheckpointError, OSError) as exc:
+                failure = str(exc)
     finally:
         if incoming is not None:
             incoming.abort()

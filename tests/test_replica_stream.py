@@ -1,0 +1,204 @@
+"""A replica transfer's data stream (``tierckpt.node.memory.transfer``): who may open it, what it carries, and
+how it fails — real sockets on 127.0.0.1, real tier files, no process group."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import crc32c
+import pytest
+
+from tierckpt.errors import CheckpointError
+from tierckpt.node.memory import MemoryConfig, MemoryTier
+from tierckpt.node.memory.manifest import FileEntry
+from tierckpt.node.memory.transfer import (
+    ADDRESS_ENV, TOKEN_BYTES, Listener, Offer, connect, receive_file, stream_address,
+)
+
+URI = "s3://bucket/run/step-5"
+KEY = "g-00000005-1-x/data/rank-00000.bin"
+
+
+@pytest.fixture
+def loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ADDRESS_ENV, "127.0.0.1")
+
+
+@pytest.fixture
+def tier(tmp_path: Path) -> MemoryTier:
+    return MemoryTier(URI, MemoryConfig(directory=str(tmp_path / "shm"), budget_bytes=1 << 30))
+
+
+def source_file(tmp_path: Path, data: bytes) -> int:
+    path = tmp_path / "sent.bin"
+    path.write_bytes(data)
+    return os.open(path, os.O_RDONLY)
+
+
+def send_in_thread(offer: Offer, fd: int, nbytes: int) -> threading.Thread:
+    def send() -> None:
+        with connect(offer, 10, "the receiver") as stream:
+            stream.send_file(fd, nbytes, KEY)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
+def test_only_the_connection_that_says_the_token_is_taken_and_the_file_arrives_bit_exact(
+    loopback: None, tier: MemoryTier, tmp_path: Path
+) -> None:
+    data = os.urandom(3 * (1 << 20) + 777)
+    fd = source_file(tmp_path, data)
+    with Listener(timeout_s=10) as listener:
+        offer = listener.offer
+        assert offer.host == "127.0.0.1" and len(bytes.fromhex(offer.token)) == TOKEN_BYTES
+        # Another process of the node connects first: one says a wrong token, one says nothing and leaves.
+        intruder = socket.create_connection((offer.host, offer.port))
+        intruder.sendall(os.urandom(TOKEN_BYTES) + b"planted bytes")
+        silent = socket.create_connection((offer.host, offer.port))
+        silent.close()
+        sender = send_in_thread(offer, fd, len(data))
+        with listener.accept("the sender") as stream:
+            failure = receive_file(tier, KEY, FileEntry(len(data), crc32c.crc32c(data)), stream, memoryview(bytearray(1 << 20)))
+        sender.join(10)
+        try:
+            answered = intruder.recv(1)
+        except ConnectionResetError:  # closed with its planted bytes unread
+            answered = b""
+        assert answered == b""  # nothing sent back to it
+        intruder.close()
+    os.close(fd)
+    assert failure is None
+    assert Path(tier.path_of(KEY)).read_bytes() == data
+
+
+def test_a_stream_nobody_opens_fails_within_the_timeout_naming_the_source(loopback: None) -> None:
+    with Listener(timeout_s=0.5) as listener:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="rank 3 did not open its data stream within the replicator's timeout of 0.5s"):
+            listener.accept("rank 3")
+    assert time.monotonic() - started < 5
+
+
+def test_a_file_damaged_on_the_way_is_not_published_and_the_stream_stays_in_step(
+    loopback: None, tier: MemoryTier, tmp_path: Path
+) -> None:
+    first, second = os.urandom(5000), os.urandom(4000)
+    with Listener(timeout_s=10) as listener:
+        def send() -> None:
+            with connect(listener.offer, 10, "the receiver") as stream:
+                stream.conn.sendall(bytes([first[0] ^ 1]) + first[1:] + second)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        buffer = memoryview(bytearray(1024))
+        with listener.accept("the sender") as stream:
+            bad = receive_file(tier, KEY, FileEntry(len(first), crc32c.crc32c(first)), stream, buffer)
+            good = receive_file(tier, KEY + ".2", FileEntry(len(second), crc32c.crc32c(second)), stream, buffer)
+        sender.join(10)
+    assert bad is not None and "arrived with 5000 bytes" in bad and "discarded" in bad
+    assert not os.path.exists(tier.path_of(KEY))
+    assert good is None and Path(tier.path_of(KEY + ".2")).read_bytes() == second
+    assert not [p for p in Path(tier.root).rglob("*") if p.is_file() and ".tmp" in p.name]  # no temp file left
+
+
+def test_a_stream_cut_short_fails_the_transfer_and_leaves_nothing(loopback: None, tier: MemoryTier) -> None:
+    data = os.urandom(10_000)
+    with Listener(timeout_s=10) as listener:
+        def send() -> None:
+            with connect(listener.offer, 10, "the receiver") as stream:
+                stream.conn.sendall(data[:6000])  # the sender dies
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        with listener.accept("the sender") as stream, pytest.raises(ConnectionError, match="closed after 6000 of"):
+            receive_file(tier, KEY, FileEntry(len(data), crc32c.crc32c(data)), stream, memoryview(bytearray(1 << 20)))
+        sender.join(10)
+    assert not os.path.exists(tier.path_of(KEY))
+    assert not [p for p in Path(tier.root).rglob("*") if p.is_file()]
+
+
+def test_a_file_shorter_than_its_sealed_size_is_an_error_on_the_sending_side(loopback: None, tmp_path: Path) -> None:
+    fd = source_file(tmp_path, b"x" * 100)
+    with Listener(timeout_s=10) as listener:
+        drained: list[bytes] = []
+        receiver = threading.Thread(target=lambda: drained.append(listener.accept("s").conn.recv(1 << 10)))
+        receiver.start()
+        with connect(listener.offer, 10, "the receiver") as stream, pytest.raises(
+            CheckpointError, match=f"{KEY} is shorter than its sealed 200 bytes: 100 were sent"
+        ):
+            stream.send_file(fd, 200, KEY)
+        receiver.join(10)
+    os.close(fd)
+
+
+def test_an_unreachable_offer_is_an_error_that_names_where_and_the_setting(tmp_path: Path) -> None:
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]  # bound, never listening: the connection is refused
+        offer = Offer("127.0.0.1", port, "00" * TOKEN_BYTES)
+        with pytest.raises(CheckpointError, match=f"cannot open the data stream to peer node-1 at 127.0.0.1:{port}.*{ADDRESS_ENV}"):
+            with connect(offer, 2, "peer node-1"):
+                pass
+
+
+def test_an_offer_that_is_not_one_is_a_clear_error() -> None:
+    assert Offer.decode(Offer("10.0.0.2", 4242, "ab" * TOKEN_BYTES).encode(), "x") == Offer("10.0.0.2", 4242, "ab" * TOKEN_BYTES)
+    for text in ("10.0.0.2 4242", "10.0.0.2 port " + "ab" * TOKEN_BYTES, "10.0.0.2 4242 abcd"):
+        with pytest.raises(CheckpointError, match="rank 2 offered no usable data stream"):
+            Offer.decode(text, "rank 2")
+
+
+def test_the_address_follows_the_setting_then_gloos_interface(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ADDRESS_ENV, "10.1.2.3")
+    assert stream_address() == "10.1.2.3"
+    monkeypatch.delenv(ADDRESS_ENV)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo,eth9")
+    assert stream_address() == "127.0.0.1"  # the first interface named, as gloo's first device
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-if0")
+    with pytest.raises(CheckpointError, match=f"GLOO_SOCKET_IFNAME names 'no-such-if0'.*{ADDRESS_ENV}"):
+        stream_address()
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    with socket.socket() as probe:
+        probe.bind((stream_address(), 0))  # the host name's address, bindable here
+
+
+def test_a_receiver_that_stops_reading_fails_the_send_within_about_one_timeout(loopback: None, tmp_path: Path) -> None:
+    fd = source_file(tmp_path, os.urandom(64 << 20))  # more than the sockets' buffers hold
+    with Listener(timeout_s=10) as listener:
+        taken: list = []
+        receiver = threading.Thread(target=lambda: taken.append(listener.accept("s")))  # accepts, never reads
+        receiver.start()
+        started = time.monotonic()
+        with connect(listener.offer, 1.0, "the receiver") as stream, pytest.raises(
+            TimeoutError, match=f"within the replicator's timeout of 1s, sending {KEY}"
+        ):
+            stream.send_file(fd, 64 << 20, KEY)
+        assert time.monotonic() - started < 4  # one step's timeout (and the token's round trip), not one per step
+        receiver.join(10)
+        taken[0].close()
+    os.close(fd)
+
+
+def test_an_intruder_that_connects_and_says_nothing_does_not_hold_the_sender_off(
+    loopback: None, tier: MemoryTier, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierckpt.node.memory import transfer
+
+    monkeypatch.setattr(transfer, "_TOKEN_WAIT_S", 0.3)
+    data = os.urandom(100_000)
+    fd = source_file(tmp_path, data)
+    with Listener(timeout_s=10) as listener:
+        holder = socket.create_connection((listener.offer.host, listener.offer.port))  # connects, stays silent
+        sender = send_in_thread(listener.offer, fd, len(data))
+        with listener.accept("the sender") as stream:
+            failure = receive_file(tier, KEY, FileEntry(len(data), crc32c.crc32c(data)), stream, memoryview(bytearray(1 << 16)))
+        sender.join(10)
+        holder.close()
+    os.close(fd)
+    assert failure is None and Path(tier.path_of(KEY)).read_bytes() == data
