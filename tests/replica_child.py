@@ -7,7 +7,7 @@ Usage::
 Rank ``r`` runs as node ``node-<r // RANKS_PER_NODE>`` with its own memory tier
 ``WORKDIR/node-<n>/shm``. Every rank writes its data file of a generation into its node's tier,
 rank 0 also the header and ``COMMIT``; then every rank replicates. Two generations are saved; with
-``--fail=kill`` the leader of node 1 dies (``os._exit``) on the first chunk of the second
+``--fail=kill`` the leader of node 1 dies (``os._exit``) on the first file of the second
 generation it receives — a node lost during replication; with ``--fail=hang`` it stops receiving
 instead (a stuck peer, alive but silent). Each rank writes its results as JSON to
 ``WORKDIR/result-<rank>.json`` (the file of a rank that died is missing).
@@ -33,7 +33,6 @@ from tierckpt.node.memory.replica import Replicator  # noqa: E402
 
 URI = "s3://bucket/run/step-7"
 DATA_BYTES = 3 << 20
-CHUNK_BYTES = 1 << 20
 
 
 def data_of(rank: int, seq: int) -> bytes:
@@ -48,13 +47,13 @@ async def write_generation(node: NodeMemory, rank: int, seq: int, generation: st
         await tier.put(f"{generation}/meta/header.json", b'{"seq": %d}' % seq)
 
 
-def fail_on_first_chunk(how: str) -> None:
-    def write(self: incoming_module.IncomingFile, data: memoryview) -> None:
+def fail_on_first_file(how: str) -> None:
+    def write_in_place(self: incoming_module.IncomingFile, nbytes: int, fill: object) -> None:
         if how == "kill":
             os._exit(9)
         time.sleep(3600)
 
-    incoming_module.IncomingFile.write = write  # type: ignore[method-assign]
+    incoming_module.IncomingFile.write_in_place = write_in_place  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -68,7 +67,7 @@ def main() -> None:
         timeout=datetime.timedelta(seconds=60),
     )
     node = NodeMemory(MemoryConfig(directory=os.path.join(workdir, node_name, "shm"), budget_bytes=1 << 30))
-    replicator = Replicator(node, timeout_s=10, chunk_bytes=CHUNK_BYTES)
+    replicator = Replicator(node, timeout_s=10)
     results = {}
     for seq in (1, 2):
         generation = dist.get_rank() == 0 and new_generation(seq)
@@ -81,7 +80,7 @@ def main() -> None:
             asyncio.run(node.tier(URI).commit(COMMIT, CommitRecord(generation, time.time(), seq).encode()))
         dist.barrier()
         if fail and seq == 2 and rank == per_node:
-            fail_on_first_chunk(fail)
+            fail_on_first_file(fail)
         started = time.monotonic()
         handle = replicator.replicate(URI, generation)
         try:

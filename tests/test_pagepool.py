@@ -22,7 +22,7 @@ from tierckpt.backends.file_open import hold_shared, open_shared
 from tierckpt.backends.local import LocalBackend
 from tierckpt.native.layout import COMMIT, CommitRecord, new_generation
 from tierckpt.node.memory import MemoryConfig, MemoryTier, NodeMemory
-from tierckpt.node.memory import mapped
+from tierckpt.node.memory import mapped, pagepool
 from tierckpt.node.memory.link import MemoryLink
 from tierckpt.node.memory.manifest import FileEntry
 from tierckpt.node.memory.memory import SPARE_PREFIX
@@ -325,17 +325,17 @@ def test_a_spare_is_populated_without_writing_it(shm: Path) -> None:
     """``populate_writable`` allocates every page of a fresh tmpfs file (its blocks grow from 0 to its size)
     and leaves its bytes as they are: zeros in a fresh file, the old bytes in a pooled one (the copy
     writes over all of them)."""
-    if not mapped._MADVISE or os.statvfs(shm).f_bsize != 4096:
+    if not pagepool._MADVISE or os.statvfs(shm).f_bsize != 4096:
         pytest.skip("needs libc's madvise and a tmpfs")
     nbytes = 3 * MIB + 4096
     fd, mapping, buffer = _mapped_file(shm, nbytes)
     try:
         assert os.fstat(fd).st_blocks == 0  # a sparse file: no page allocated yet
-        mapped.populate_writable(buffer)
+        pagepool.populate_writable(buffer)
         assert os.fstat(fd).st_blocks * 512 >= nbytes
         assert not bool(buffer.any())
         buffer[::4096] = 7
-        mapped.populate_writable(buffer)  # pages that exist are mapped, never cleared
+        pagepool.populate_writable(buffer)  # pages that exist are mapped, never cleared
         assert int(buffer[::4096].sum()) == 7 * (nbytes // 4096)
     finally:
         del buffer
@@ -352,7 +352,7 @@ def test_populating_a_spare_falls_back_or_fails_cleanly(shm: Path, monkeypatch: 
 
     def refusing(code: int) -> Any:
         def madvise(address: int, length: int, advice: int) -> int:
-            assert advice == mapped.MADV_POPULATE_WRITE and length == 2 * MIB
+            assert advice == pagepool.MADV_POPULATE_WRITE and length == 2 * MIB
             ctypes.set_errno(code)
             return -1
         return madvise
@@ -360,12 +360,12 @@ def test_populating_a_spare_falls_back_or_fails_cleanly(shm: Path, monkeypatch: 
     fd, mapping, buffer = _mapped_file(shm, 2 * MIB)
     try:
         buffer[:] = 9
-        monkeypatch.setattr(mapped, "_MADVISE", refusing(errno.EINVAL))
-        mapped.populate_writable(buffer)
+        monkeypatch.setattr(pagepool, "_MADVISE", refusing(errno.EINVAL))
+        pagepool.populate_writable(buffer)
         assert not bool(buffer.any())  # the fallback wrote zeros over every page
-        monkeypatch.setattr(mapped, "_MADVISE", refusing(errno.ENOMEM))
-        with pytest.raises(OSError, match="populating the memory tier's spare file"):
-            mapped.populate_writable(buffer)
+        monkeypatch.setattr(pagepool, "_MADVISE", refusing(errno.ENOMEM))
+        with pytest.raises(OSError, match="populating a file of the memory tier"):
+            pagepool.populate_writable(buffer)
     finally:
         del buffer
         mapping.close()

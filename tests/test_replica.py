@@ -62,7 +62,7 @@ def test_losing_any_r_nodes_loses_nothing_and_stages_pair_up(nodes: int) -> None
 
 # -- real gloo groups in the worker pool ---------------------------------------------------------------------
 URI = "s3://bucket/run/step-3"
-DATA = 2 * (1 << 20) + 12345  # several chunks of 1 MiB, the last one short
+DATA = 2 * (1 << 20) + 12345  # not a whole number of pages
 
 
 def data_of(rank: int) -> bytes:
@@ -113,7 +113,7 @@ def _replicate_scenario(workdir: str, per_node: int, replicas: int | None, small
         if damage_sent and rank == 0:
             transfer.Stream.send_file = damaged_send  # type: ignore[method-assign]
         try:
-            replicator = Replicator(node, replicas=replicas, timeout_s=30, chunk_bytes=1 << 20)
+            replicator = Replicator(node, replicas=replicas, timeout_s=30)
             result = replicator.replicate(URI, generation).wait(timeout_s=120)
             replicator.close()
         finally:
@@ -235,7 +235,7 @@ def _two_replicators_scenario(workdir: str) -> dict:
         for config in ("a", "b"):
             payload = data_of(rank)[::-1] if config == "b" else data_of(rank)
             node, generations[config] = _generation_in_tier(os.path.join(workdir, config, node_name), rank, payload)
-            replicators[config] = Replicator(node, timeout_s=30, chunk_bytes=1 << 20)
+            replicators[config] = Replicator(node, timeout_s=30)
         handles = {config: r.replicate(URI, generations[config]) for config, r in replicators.items()}
         results = {config: handle.wait(timeout_s=120) for config, handle in handles.items()}
         for replicator in replicators.values():
@@ -277,7 +277,7 @@ def _without_a_side_group_scenario(workdir: str) -> dict:
     try:
         with _as_node(rank) as node_name:
             node, generation = _generation_in_tier(os.path.join(workdir, node_name), rank, data_of(rank))
-            replicator = Replicator(node, group=group, timeout_s=30, chunk_bytes=1 << 20)
+            replicator = Replicator(node, group=group, timeout_s=30)
             result = replicator.replicate(URI, generation).wait(timeout_s=120)
             replicator.close()
         lanes = peer_lanes.lanes_of(Comm(group), tag=9)
@@ -343,7 +343,7 @@ def test_a_leader_that_never_connects_is_unreachable_within_the_replicators_time
 
 
 def run_children(tmp_path: Path, fail: str) -> tuple[list[subprocess.Popen], str]:
-    """Four ranks on two simulated nodes; node-1's leader fails (``fail``) on its first chunk of generation 2."""
+    """Four ranks on two simulated nodes; node-1's leader fails (``fail``) on its first file of generation 2."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]))
     procs = [
@@ -368,7 +368,7 @@ def run_children(tmp_path: Path, fail: str) -> tuple[list[subprocess.Popen], str
 
 def test_a_peer_killed_mid_replication_leaves_memory_with_the_reason(tmp_path: Path) -> None:
     procs, logs = run_children(tmp_path, "kill")
-    assert procs[2].returncode == 9, logs  # the leader of node-1 died on its first received chunk
+    assert procs[2].returncode == 9, logs  # the leader of node-1 died on its first received file
     leader, other = (json.loads((tmp_path / f"result-{r}.json").read_text())["results"] for r in (0, 1))
     first, second = sorted(leader)
     assert leader[first]["level"] == "replicated" and leader[first]["acknowledged"] == ["node-1"], logs

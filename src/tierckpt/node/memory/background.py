@@ -1,9 +1,9 @@
 """The OS priority of the memory tier's own background threads.
 
-The threads that only the memory tier runs — peer replication's send and receive threads and the
-I/O thread of the side group's replication device (:mod:`.sidegroup`, which copies every replicated byte
-through the sockets), the thread
-that prepares the next save's spare file — compete with training for the node's cores. They run at a
+The threads that only the memory tier runs — peer replication's send and receive threads (which move
+every replicated byte through their data streams, :mod:`.transfer`), the I/O thread of the side group's
+replication device (:mod:`.sidegroup`: headers and answers), the thread that prepares the next save's
+spare file — compete with training for the node's cores. They run at a
 lower priority (``nice``), so the scheduler gives training the cores first and the tier's copies the
 time training leaves (while it waits in a collective, or between steps); on an idle core they run at
 full speed. ``TIERCKPT_BACKGROUND_NICE`` sets the niceness (default 10: about a tenth of a core's

@@ -3,14 +3,19 @@ produces, or a peer's replica (:mod:`.transfer`)."""
 
 from __future__ import annotations
 
+import mmap
 import os
+import warnings
+from collections.abc import Callable
+
+import torch
 
 from tierckpt.backends.files import temp_name
 from tierckpt.errors import CheckpointError, CorruptCheckpointError
 from tierckpt.node.written import WrittenCrc
 from tierckpt.node.memory import stamps
 from tierckpt.node.memory.manifest import FileEntry
-from tierckpt.node.memory.pagepool import claim
+from tierckpt.node.memory.pagepool import claim, populate_writable
 
 
 class IncomingFile:
@@ -35,7 +40,8 @@ class IncomingFile:
                 self.abort()  # a fresh file instead
                 self.reused = False
         if not self.reused:
-            self._file = open(self._tmp, "wb", buffering=0)  # unbuffered: a failed write leaves nothing pending
+            # unbuffered: a failed write leaves nothing pending; readable too, so it can be mapped writable
+            self._file = open(self._tmp, "w+b", buffering=0)
         self._written = written
         self.size = 0
         """Bytes written by the writes that completed (a write the file system refused is not counted)."""
@@ -55,6 +61,28 @@ class IncomingFile:
             done += self._file.write(view[done:])
         self._written.add(data)
         self.size += view.nbytes
+
+    def write_in_place(self, nbytes: int, fill: Callable[[memoryview], None]) -> None:
+        """Have ``fill`` put the file's ``nbytes`` straight into its pages, then take their CRC-32C: a shared
+        mapping of the temp file, every page mapped writable first (:func:`~.pagepool.populate_writable`:
+        no fault per page; where tmpfs has no room an ``OSError``, never a ``SIGBUS``). A replica's bytes
+        land there from the socket, with no buffer and no ``write`` (which copied each byte once more)."""
+        if nbytes == 0:
+            return
+        self._file.truncate(nbytes)
+        mapping = mmap.mmap(self._file.fileno(), nbytes, flags=mmap.MAP_SHARED)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # a writable mapping: the warning is about read-only ones
+                pages = torch.frombuffer(mapping, dtype=torch.uint8)
+            populate_writable(pages)
+            del pages
+            with memoryview(mapping) as view:
+                fill(view)
+                self._written.add(view)
+        finally:
+            mapping.close()
+        self.size += nbytes
 
     @property
     def tmp_path(self) -> str:

@@ -26,12 +26,18 @@ had in data files. A process drops the pools it filled when it exits (:func:`dro
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
 import fcntl
 import logging
 import os
 import shutil
 import threading
 import uuid
+from collections.abc import Callable
+
+import torch
 
 from tierckpt.backends.files import is_temp_name, temp_name
 from tierckpt.node import lifecycle
@@ -183,3 +189,42 @@ def _forget_after_fork() -> None:
 
 lifecycle.at_exit(_drop_filled)
 lifecycle.after_fork_in_child(_forget_after_fork)
+
+
+MADV_POPULATE_WRITE = 23
+"""``madvise`` advice (Linux 5.14+): fault every page of a range in, writable, allocating what is missing."""
+
+
+def _load_madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise``, or ``None`` where there is none."""
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _load_madvise()
+
+
+def populate_writable(buffer: torch.Tensor) -> None:
+    """Map every page of ``buffer`` (a shared mapping of a tier file) writable, each page allocated, so the
+    snapshot copy into it takes no page fault.
+
+    One ``madvise(MADV_POPULATE_WRITE)``, called through ctypes, which releases the GIL (``MAP_POPULATE``
+    would hold it through ``mmap()``, stalling training's Python). A pooled file's pages already exist and
+    are only mapped: 256 MiB in 16 ms of CPU, against about 90 ms for writing zeros over them with
+    ``fill_`` (which also borrows training's intra-op threads); fresh pages cost the kernel their
+    allocation and clearing either way (85 against 140 ms). Where the kernel does not know the advice,
+    zeros are written. A refusal (no memory left for the pages) raises ``OSError``: the caller then
+    makes no spare, where touching the pages would have died of ``SIGBUS``.
+    """
+    if _MADVISE is not None:
+        if _MADVISE(buffer.data_ptr(), buffer.numel(), MADV_POPULATE_WRITE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOSYS):
+            raise OSError(code, f"populating a file of the memory tier: {os.strerror(code)}")
+    buffer.fill_(0)

@@ -14,9 +14,10 @@ one checkpoint generation, called by every rank in the same order:
    get a handle that follows the level the leader records.
 2. Sender, per target node in turn (reading the files it opened at step 1, so a newer commit that
    deletes the generation meanwhile does not cut its transfer): a header (the manifest, and
-   ``COMMIT`` when it names this generation) -> the receiver admits the bytes under its budget and
-   answers go (where its data stream listens, and the token to say) or refused -> the files on the
-   stream -> the receiver's acknowledgement -> the sender's closing word (``bye``).
+   ``COMMIT`` when it names this generation, and where the transfer's data stream listens, with the
+   token to say) -> the receiver admits the
+   bytes under its budget, connects to the stream and answers go, or answers why it refused -> the
+   files on the stream -> the receiver's acknowledgement -> the sender's closing word (``bye``).
 3. Receiver, per source node in turn: the sender's files declared arriving (:meth:`~.memory.MemoryTier.expect`:
    from the first one published, neither this node's seal nor its write-down takes them for its own); each
    file from the stream to a temp file with its CRC-32C computed on the way;
@@ -63,16 +64,15 @@ from tierckpt.node.memory.nodememory import NodeMemory
 from tierckpt.node.memory.peers import ReplicaPlan, plan_replicas
 from tierckpt.node.memory.background import background_nice, lower_priority, lower_priority_of_new, started_threads
 from tierckpt.node.memory.sidegroup import SideGroup, side_group_of
-from tierckpt.node.memory.transfer import Listener, Offer, adopt_commit, connect, open_files, receive_file
+from tierckpt.node.memory.transfer import Listener, Offer, Stream, adopt_commit, connect, open_files, receive_file
 from tierckpt.node.memory.live import REPLICATORS
 from tierckpt.node.memory.wire import Wire
 
 log = logging.getLogger(__name__)
 
 _KIND_CONNECT, _KIND_HEADER, _KIND_REPLY, _KIND_ACK, _KIND_BYE = 0, 1, 2, 3, 4
-_GO = "go "
-"""The start of a receiver's answer that takes a transfer (the rest: its stream's :class:`~.transfer.Offer`);
-any other answer is the reason it refused."""
+_DRAIN_BYTES = 1 << 20
+"""The receiver's scratch buffer, through which it drains a file it could not take (the stream stays in step)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +96,6 @@ class Replicator:
     the replicator at the same point. ``durable_below()``: copy ids a lower tier holds, which a
     receiver may evict to make room; ``owed_below()``: superseded copy ids the chain below is still owed,
     which it keeps (see :mod:`.eviction`). ``timeout_s``: the longest any one transfer step may wait.
-    ``chunk_bytes``: the receiver's buffer, which each file passes through on its way into the tier.
     """
 
     def __init__(
@@ -106,7 +105,6 @@ class Replicator:
         group: dist.ProcessGroup | None = None,
         replicas: int | None = None,
         timeout_s: float = 60.0,
-        chunk_bytes: int = 32 << 20,
         durable_below: Callable[[], Iterable[str]] = frozenset,
         owed_below: Callable[[], Iterable[str]] = frozenset,
     ) -> None:
@@ -127,7 +125,6 @@ class Replicator:
         self.is_leader = self._ranks[self.plan.leaders[self.node]] == dist.get_rank()
         background_nice()  # a bad TIERCKPT_BACKGROUND_NICE fails here, in the foreground, not in a thread
         self._timeout = datetime.timedelta(seconds=timeout_s)
-        self._chunk = chunk_bytes
         self._durable_below = durable_below
         self._owed_below = owed_below
         if self.side_group is not None:
@@ -140,7 +137,7 @@ class Replicator:
             threads = started_threads()
             some_ranks = len(self._ranks) < dist.get_world_size()
             own = dist.new_group(self._ranks, backend="gloo", timeout=self._timeout, use_local_synchronization=some_ranks)
-            lower_priority_of_new(threads)  # the group's own gloo threads copy every replicated byte
+            lower_priority_of_new(threads)  # the group's own gloo threads: background work too
             self._wire = Wire(self._ranks, self._timeout, own=own)
         self._broken: dict[int, str] = {}
         if self.is_leader and self.plan.replicas:  # the leaders' pairs connected now, each within timeout_s
@@ -313,18 +310,20 @@ class Replicator:
     def _send_job(self, job: _Job, dst: int, target: str) -> str | None:
         """Send one generation to one peer; the peer's refusal, or ``None`` once it acknowledged.
 
-        The files go on the transfer's data stream with ``sendfile``, straight from the tier's pages
-        (:mod:`.transfer`); the header and the answers over the replicator's gloo pair."""
-        header = {"manifest": job.manifest.encode().decode(), "commit": None if job.commit is None else job.commit.decode()}
-        self._wire.send_bytes(json.dumps(header).encode(), dst, _KIND_HEADER)
-        answer = self._wire.answer(dst, _KIND_REPLY)
-        if not answer.startswith(_GO):
-            self._bye(dst)
-            return answer
-        offer = Offer.decode(answer[len(_GO):], target)
-        with connect(offer, self._timeout.total_seconds(), target) as stream:
-            for key, entry in job.manifest.files:
-                stream.send_file(job.files[key], entry.size, key)
+        The header offers the transfer's data stream (:mod:`.transfer`); a peer that takes the transfer
+        connects to it before it answers, and the files go on it with ``sendfile``, straight from the
+        tier's pages. The header and the answers go over the replicator's gloo pair."""
+        with Listener(self._timeout.total_seconds()) as listener:
+            header = {"manifest": job.manifest.encode().decode(), "stream": listener.offer.encode(),
+                      "commit": None if job.commit is None else job.commit.decode()}
+            self._wire.send_bytes(json.dumps(header).encode(), dst, _KIND_HEADER)
+            answer = self._wire.answer(dst, _KIND_REPLY)
+            if answer != "ok":
+                self._bye(dst)
+                return answer
+            with listener.accept(target) as stream:
+                for key, entry in job.manifest.files:
+                    stream.send_file(job.files[key], entry.size, key)
         answer = self._wire.answer(dst, _KIND_ACK)
         self._bye(dst)
         return None if answer == "ok" else answer
@@ -341,25 +340,26 @@ class Replicator:
     # -- the receiving side ------------------------------------------------------------------------------
     def _receive_loop(self, jobs: queue.Queue[_Job | None]) -> None:
         lower_priority()
-        buffer = memoryview(bytearray(self._chunk))
+        scratch = memoryview(bytearray(_DRAIN_BYTES))
         while (job := jobs.get()) is not None:  # one job per generation to receive
-            self._receive_sources(buffer)
+            self._receive_sources(scratch)
             job.received.set()
 
-    def _receive_sources(self, buffer: memoryview) -> None:
+    def _receive_sources(self, scratch: memoryview) -> None:
         """Receive one generation from each source node in turn (a failed source is logged; its sender reports it)."""
         for source in self.plan.sources(self.node):
             src = self._leader(source)
             if src in self._broken:
                 continue
             try:
-                self._receive_job(src, buffer)
+                self._receive_job(src, scratch)
             except Exception as exc:  # noqa: BLE001 - the sender reports the failure as its level
                 self._broken[src] = f"{type(exc).__name__}: {exc}"
                 log.warning("receiving replicas from rank %d failed: %s", src, self._broken[src])
 
-    def _receive_job(self, src: int, buffer: memoryview) -> None:
+    def _receive_job(self, src: int, scratch: memoryview) -> None:
         header = json.loads(self._wire.recv_bytes(src, _KIND_HEADER))
+        stream: Stream | None = None
         try:
             manifest = Manifest.decode(header["manifest"].encode(), f"the header from rank {src}")
             tier = self.memory.tier(manifest.uri)
@@ -367,23 +367,24 @@ class Replicator:
                                           owed_below=self._owed_below)
             refusal = None if admission.fits else admission.reason
             if refusal is None:
+                # Connected before the answer: the sender finds the connection waiting, and a sender that
+                # died since its header is seen here at once (its port is closed), not after a timeout.
+                offer = Offer.decode(str(header.get("stream")), f"rank {src}")
+                stream = connect(offer, self._timeout.total_seconds(), f"rank {src}")
                 tier.expect(manifest)  # its files are the sender's from the first one published
         except CheckpointError as exc:
             refusal = str(exc)
         except OSError as exc:
             refusal = f"cannot take the replica: {exc}"
-        listener = None
-        if refusal is None:
-            try:
-                listener = Listener(self._timeout.total_seconds())
-            except CheckpointError as exc:
-                refusal = str(exc)
-        self._wire.reply(_GO + listener.offer.encode() if listener is not None else refusal or "", src, _KIND_REPLY)
-        if listener is None:
+        if refusal is not None and stream is not None:
+            stream.close()
+            stream = None
+        self._wire.reply(refusal or "ok", src, _KIND_REPLY)
+        if stream is None:
             self._await_bye(src)
             return
-        with listener, listener.accept(f"rank {src}") as stream:
-            failures = [f for key, entry in manifest.files if (f := receive_file(tier, key, entry, stream, buffer))]
+        with stream:
+            failures = [f for key, entry in manifest.files if (f := receive_file(tier, key, entry, stream, scratch))]
         if not failures:
             try:
                 tier.record(manifest)

@@ -4,20 +4,23 @@ file of it into the tier, and adopting a peer's ``COMMIT`` without ever replacin
 A generation's files travel on a data stream of their own, one TCP connection per transfer, beside the
 replicator's control messages (header, answers, acknowledgement: :mod:`.wire`, over gloo):
 
-* the receiver listens on a fresh port of its node's address (:func:`stream_address`) and offers it, with a
-  random token of :data:`TOKEN_BYTES`, in its answer to the header (:meth:`Listener.offer`);
-* the sender connects, says the token first, and sends each file with ``sendfile`` from the descriptor
-  opened when the generation was committed: the kernel hands the tier's pages to the socket, no copy in
-  user space (gloo copied them into its socket from a mapping, page fault by page fault);
-* the receiver takes the first connection that says the token (:meth:`Listener.accept`; any other is
-  closed: on a node shared with other users, a process that did not read the answer cannot take part), reads
-  each file into a buffer and writes it into the tier with its CRC-32C computed on the way
-  (:func:`receive_file`), published only if it matches the sender's manifest.
+* the sender listens on a fresh port of its node's address (:func:`stream_address`) and offers it, with a
+  random token of :data:`TOKEN_BYTES`, in the transfer's header (:class:`Listener`, :class:`Offer`);
+* the receiver, once it admitted the transfer, connects and says the token (:func:`connect`) *before* it
+  answers: the sender finds the connection waiting, and each side sees the other die at once (a
+  refused connection, a closed stream, a failed gloo answer), never only after a timeout;
+* the sender takes the first connection that says the token (:meth:`Listener.accept`; any other is
+  closed: on a node shared with other users, a process that did not read the header gets no byte) and
+  sends each file with ``sendfile`` from the descriptor opened when the generation was committed: the
+  kernel hands the tier's pages to the socket, no copy in user space (gloo copied them into its socket
+  from a mapping, page fault by page fault);
+* the receiver reads each file straight into the pages of its temp file in the tier, its CRC-32C taken
+  after (:func:`receive_file`), published only if it matches the sender's manifest.
 
-Every blocking step (accept, the token, each send and receive) is bounded by the replicator's timeout, as
-its gloo steps are; a stream that fails fails the transfer (the level stays ``memory``, with the reason).
-The token travels in the clear over the replicator's gloo pair, as the job's other traffic does: the stream
-is as private as gloo's own connections, no more.
+Every blocking step (accept, the token, each send and receive of up to :data:`STEP_BYTES`) is bounded by
+the replicator's timeout, as its gloo steps are; a stream that fails fails the transfer (the level stays
+``memory``, with the reason). The token travels in the clear over the replicator's gloo pair, as the job's
+other traffic does: the stream is as private as gloo's own connections, no more.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import fcntl
 import hmac
 import os
 import secrets
+import select
 import socket
 import struct
 import time
@@ -40,17 +44,17 @@ from tierckpt.node.memory.manifest import FileEntry, Manifest
 from tierckpt.node.memory.memory import MemoryTier
 
 ADDRESS_ENV = "TIERCKPT_REPLICA_ADDRESS"
-"""The address a node's receiver listens on for data streams (default: the address gloo uses, see
+"""The address a node's sender listens on for its data streams (default: the address gloo uses, see
 :func:`stream_address`)."""
 TOKEN_BYTES = 32
-"""The length of a transfer's token, which the sender says first on its stream."""
+"""The length of a transfer's token, which the receiver says first on its stream."""
 _TOKEN_WAIT_S = 5.0
 """How long an accepted connection may take to say its token."""
 _SIOCGIFADDR = 0x8915
 
 
 def stream_address() -> str:
-    """The address this node's receiver listens on: ``TIERCKPT_REPLICA_ADDRESS``, else the IPv4 address of
+    """The address this node's sender listens on: ``TIERCKPT_REPLICA_ADDRESS``, else the IPv4 address of
     the first interface ``GLOO_SOCKET_IFNAME`` names, else the host name's first address that can be bound
     (the rule torch's gloo devices follow, so the stream reaches wherever the replicator's gloo pair does)."""
     explicit = os.environ.get(ADDRESS_ENV, "").strip()
@@ -83,7 +87,7 @@ def _interface_address(name: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Offer:
-    """Where a receiver waits for one transfer's stream, and the token the sender must say."""
+    """Where a sender waits for one transfer's stream, and the token the receiver must say."""
 
     host: str
     port: int
@@ -106,7 +110,7 @@ class Offer:
 
 
 class Listener:
-    """A receiver's socket for one transfer's stream: listening on a fresh port of :func:`stream_address`
+    """A sender's socket for one transfer's stream: listening on a fresh port of :func:`stream_address`
     until :meth:`accept` took the connection that says its token, or :meth:`close`."""
 
     def __init__(self, timeout_s: float) -> None:
@@ -134,13 +138,13 @@ class Listener:
             except TimeoutError:
                 break
             said = bytearray(TOKEN_BYTES)
-            try:  # the sender says it as soon as it connects: one that waits is not the sender
+            try:  # the receiver says it as soon as it connects: one that waits is not the receiver
                 Stream(conn, min(left, _TOKEN_WAIT_S)).fill(memoryview(said))
             except OSError:
                 said = bytearray()
             if hmac.compare_digest(bytes(said), self._token):
                 return Stream(conn, self._timeout_s)
-            conn.close()  # not the sender: whoever it is, it learns nothing and gets nothing
+            conn.close()  # not the receiver: whoever it is, it gets nothing
         raise TimeoutError(f"{source} did not open its data stream within the replicator's timeout of "
                            f"{self._timeout_s:g}s")
 
@@ -155,61 +159,59 @@ class Listener:
 
 
 STEP_BYTES = 8 << 20
-"""The most bytes one ``sendfile`` or ``recv`` of a stream moves: each such step must finish within the
-replicator's timeout (a peer that takes less than that in the timeout is as good as stuck)."""
+"""The most bytes one ``recv`` of a stream asks for."""
 
 
 class Stream:
-    """One transfer's connected data stream, blocking, each step bounded by the kernel (``SO_SNDTIMEO``,
-    ``SO_RCVTIMEO``): up to :data:`STEP_BYTES` go in one ``sendfile`` and arrive in one ``recv``
-    (``MSG_WAITALL``), where a Python-level timeout would poll and wake the thread (and take the GIL back)
-    every few segments."""
+    """One transfer's connected data stream; every step that waits for the peer is bounded by the
+    replicator's timeout. The receiver's side blocks in the kernel (``SO_RCVTIMEO``): up to
+    :data:`STEP_BYTES` arrive in one ``recv`` (``MSG_WAITALL``), where a Python-level timeout would poll and
+    wake the thread (and take the GIL back) every few segments. The sender's side sends with ``sendfile``
+    as far as the socket takes, and waits with ``poll`` for room (the kernel restarts a blocking
+    ``sendfile``'s timer for every pipe-full it moves, so ``SO_SNDTIMEO`` would bound nothing)."""
 
     def __init__(self, conn: socket.socket, timeout_s: float) -> None:
         conn.settimeout(None)
         micros = max(1, int(timeout_s * 1e6))  # 0 would be no limit
-        timeval = struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", micros // 1_000_000, micros % 1_000_000))
         self.conn, self._timeout_s = conn, timeout_s
 
     def send_file(self, fd: int, nbytes: int, key: str) -> None:
         """Send the first ``nbytes`` of the file open as ``fd``, with ``sendfile`` (the kernel hands the
-        file's pages to the socket). A file shorter than ``nbytes`` (its sealed size) is an error."""
+        file's pages to the socket). A file shorter than ``nbytes`` (its sealed size) is an error; a
+        receiver that takes no byte within the timeout fails the transfer."""
+        self.conn.setblocking(False)
+        room = select.poll()
+        room.register(self.conn.fileno(), select.POLLOUT)
         sent = 0
         while sent < nbytes:
-            want = min(STEP_BYTES, nbytes - sent)
-            started = time.monotonic()
             try:
-                n = os.sendfile(self.conn.fileno(), fd, sent, want)
+                n = os.sendfile(self.conn.fileno(), fd, sent, nbytes - sent)
             except BlockingIOError:
-                n = -1
+                if not room.poll(self._timeout_s * 1000):
+                    raise TimeoutError(f"sending {key}: the receiver took no byte within the replicator's timeout "
+                                       f"of {self._timeout_s:g}s ({sent} of {nbytes} bytes sent)") from None
+                continue
             if n == 0:
                 raise CheckpointError(f"{key} is shorter than its sealed {nbytes} bytes: {sent} were sent")
-            self._check_step(n, want, started, f"sending {key} ({sent} of {nbytes} bytes sent)")
             sent += n
 
     def fill(self, view: memoryview) -> None:
-        """Fill ``view`` from the stream; a stream that closes first raises."""
+        """Fill ``view`` from the stream; a stream that closes first, or sends nothing within the timeout
+        (the kernel's ``SO_RCVTIMEO`` bounds each ``recv`` as a whole), raises."""
         got = 0
         while got < view.nbytes:
             want = min(STEP_BYTES, view.nbytes - got)
-            started = time.monotonic()
             try:
                 n = self.conn.recv_into(view[got: got + want], want, socket.MSG_WAITALL)
             except BlockingIOError:
                 n = -1
             if n == 0:
                 raise ConnectionError(f"the data stream closed after {got} of {view.nbytes} bytes")
-            self._check_step(n, want, started, f"receiving ({got} of {view.nbytes} bytes in)")
+            if n < 0:
+                raise TimeoutError(f"the data stream sent nothing within the replicator's timeout of "
+                                   f"{self._timeout_s:g}s ({got} of {view.nbytes} bytes in)")
             got += n
-
-    def _check_step(self, n: int, want: int, started: float, what: str) -> None:
-        """A step that moved nothing, or only part when its time ran out, fails the transfer (a short step
-        before that was interrupted by a signal: the next one goes on)."""
-        if n < 0 or (n < want and time.monotonic() - started >= self._timeout_s):
-            raise TimeoutError(f"the data stream moved {max(n, 0)} of {want} bytes within the replicator's timeout "
-                               f"of {self._timeout_s:g}s, {what}")
 
     def close(self) -> None:
         self.conn.close()
@@ -222,13 +224,13 @@ class Stream:
 
 
 def connect(offer: Offer, timeout_s: float, target: str) -> Stream:
-    """The sender's side of a stream: connected to ``offer`` within the timeout, the token said."""
+    """The receiver's side of a stream: connected to ``offer`` within the timeout, the token said."""
     try:
         conn = socket.create_connection((offer.host, offer.port), timeout=timeout_s)
     except OSError as exc:
         raise CheckpointError(
-            f"cannot open the data stream to {target} at {offer.host}:{offer.port} ({type(exc).__name__}: {exc}); "
-            f"the receiving node listens on the address gloo uses there (or {ADDRESS_ENV}), which must be "
+            f"cannot open the data stream of {target} at {offer.host}:{offer.port} ({type(exc).__name__}: {exc}); "
+            f"the sending node listens on the address gloo uses there (or {ADDRESS_ENV}), which must be "
             f"reachable from this node"
         ) from exc
     try:
@@ -253,33 +255,35 @@ def open_files(tier: MemoryTier, manifest: Manifest) -> dict[str, int]:
     return files
 
 
-def receive_file(tier: MemoryTier, key: str, entry: FileEntry, stream: Stream, buffer: memoryview) -> str | None:
-    """Receive one file of a transfer from its stream into ``tier``, through ``buffer``: why it was not
-    published (a local failure: the rest of the file is still drained, so the stream stays in step), or
-    ``None``. A failure of the stream itself raises (the transfer cannot go on)."""
+def receive_file(tier: MemoryTier, key: str, entry: FileEntry, stream: Stream, scratch: memoryview) -> str | None:
+    """Receive one file of a transfer from its stream into ``tier``, straight into the pages of its temp file
+    (:meth:`~.incoming.IncomingFile.write_in_place`): why it was not published (a local failure: the rest of
+    the file is drained through ``scratch``, so the stream stays in step), or ``None``. A failure of the
+    stream itself raises (the transfer cannot go on)."""
     failure = None
     incoming: IncomingFile | None = None
+    taken = 0
     try:
         incoming = tier.receive(key, entry.size)
     except (CheckpointError, OSError) as exc:
         failure = f"cannot write {key}: {exc}"
     try:
-        for offset in range(0, entry.size, buffer.nbytes):
-            view = buffer[: min(buffer.nbytes, entry.size - offset)]
-            stream.fill(view)
-            if incoming is not None:
-                try:
-                    incoming.write(view)
-                except OSError as exc:
-                    failure = f"writing {key} failed: {exc}"
-                    incoming.abort()
-                    incoming = None
         if incoming is not None:
+            def fill(view: memoryview) -> None:
+                nonlocal taken
+                stream.fill(view)
+                taken = view.nbytes
+
             try:
+                incoming.write_in_place(entry.size, fill)
                 incoming.finish(entry)
                 incoming = None
+            except (ConnectionError, TimeoutError):
+                raise
             except (CheckpointError, OSError) as exc:
-                failure = str(exc)
+                failure = f"receiving {key} failed: {exc}"
+        for offset in range(taken, entry.size, scratch.nbytes):
+            stream.fill(scratch[: min(scratch.nbytes, entry.size - offset)])
     finally:
         if incoming is not None:
             incoming.abort()
