@@ -24,7 +24,6 @@ Run ``python tests/radosgw.py`` to start one by hand; it prints the endpoint and
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket
