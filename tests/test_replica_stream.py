@@ -237,3 +237,20 @@ def test_a_file_the_tier_has_no_pages_for_is_drained_and_the_next_one_arrives(
     assert bad == f"receiving {KEY} failed: [Errno {errno.ENOMEM}] no memory for the pages"
     assert not os.path.exists(tier.path_of(KEY))
     assert good is None and Path(tier.path_of(KEY + ".2")).read_bytes() == second
+
+
+def test_the_receiver_gives_up_connecting_within_half_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port that never answers (a firewall that drops packets) is given up on while the sender, which
+    waits for the answer at most the whole timeout, still listens: the refusal reaches it."""
+    from tierckpt.node.memory import transfer
+
+    waited: list[float | None] = []
+
+    def unanswered(address: tuple[str, int], timeout: float | None = None) -> socket.socket:
+        waited.append(timeout)
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(transfer.socket, "create_connection", unanswered)
+    with pytest.raises(CheckpointError, match="cannot open the data stream of rank 4 at 10.0.0.9:4242 \\(TimeoutError"):
+        connect(Offer("10.0.0.9", 4242, "00" * TOKEN_BYTES), 30.0, "rank 4")
+    assert waited == [15.0]

@@ -224,9 +224,12 @@ class Stream:
 
 
 def connect(offer: Offer, timeout_s: float, target: str) -> Stream:
-    """The receiver's side of a stream: connected to ``offer`` within the timeout, the token said."""
+    """The receiver's side of a stream: connected to ``offer`` within half the timeout, the token said.
+
+    Half: the sender waits for the receiver's answer at most the timeout, so a connection that cannot be
+    made (a port a firewall drops) is answered as a refusal while the sender still listens for it."""
     try:
-        conn = socket.create_connection((offer.host, offer.port), timeout=timeout_s)
+        conn = socket.create_connection((offer.host, offer.port), timeout=timeout_s / 2)
     except OSError as exc:
         raise CheckpointError(
             f"cannot open the data stream of {target} at {offer.host}:{offer.port} ({type(exc).__name__}: {exc}); "
