@@ -6,8 +6,8 @@ the ranks' node ids, plans peers (:mod:`.peers`) and takes a channel of its own 
 recovery's streamed loads included; where the group has none, a gloo group of the replicator's own), so
 replication never races the training's collectives on their groups; the files themselves go on a data
 stream of each transfer's own (:mod:`.transfer`: ``sendfile`` from the tier's pages). Each node's leader
-(its lowest rank) runs two background threads, one sending and one receiving. Lifecycle of :meth:`Replicator.replicate` for
-one checkpoint generation, called by every rank in the same order:
+(its lowest rank) runs two background threads, one sending and one receiving. Lifecycle of
+:meth:`Replicator.replicate` for one checkpoint generation, called by every rank in the same order:
 
 1. The leader seals its node's files of the generation (:meth:`~.memory.MemoryTier.seal`, origin =
    the node) in the foreground, so no replica arriving later is mistaken for its own; other ranks only
@@ -15,9 +15,9 @@ one checkpoint generation, called by every rank in the same order:
 2. Sender, per target node in turn (reading the files it opened at step 1, so a newer commit that
    deletes the generation meanwhile does not cut its transfer): a header (the manifest, and
    ``COMMIT`` when it names this generation, and where the transfer's data stream listens, with the
-   token to say) -> the receiver admits the
-   bytes under its budget, connects to the stream and answers go, or answers why it refused -> the
-   files on the stream -> the receiver's acknowledgement -> the sender's closing word (``bye``).
+   token to say) -> the receiver admits the bytes under its budget, connects to the stream and answers
+   go, or answers why it refused -> the files on the stream -> the receiver's acknowledgement -> the
+   sender's closing word (``bye``).
 3. Receiver, per source node in turn: the sender's files declared arriving (:meth:`~.memory.MemoryTier.expect`:
    from the first one published, neither this node's seal nor its write-down takes them for its own); each
    file from the stream to a temp file with its CRC-32C computed on the way;

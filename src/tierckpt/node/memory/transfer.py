@@ -173,7 +173,8 @@ class Stream:
     def __init__(self, conn: socket.socket, timeout_s: float) -> None:
         conn.settimeout(None)
         micros = max(1, int(timeout_s * 1e6))  # 0 would be no limit
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", micros // 1_000_000, micros % 1_000_000))
+        timeval = struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
         self.conn, self._timeout_s = conn, timeout_s
 
     def send_file(self, fd: int, nbytes: int, key: str) -> None:

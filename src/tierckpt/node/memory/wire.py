@@ -1,10 +1,11 @@
 """The replicator's control messages: :class:`Wire`, point-to-point transfers between its ranks, each step bounded.
 
-Sizes, byte strings and fixed-size answers (the receiver's offer of a data stream, or the reason of a
-refusal; ``ok`` or why not) between two ranks of the replicator's group (:mod:`.replica`; the files
-themselves go on a data stream, :mod:`.transfer`); a step that takes longer than the timeout fails (gloo
-then closes the pair). They go over the group's side group (:mod:`.sidegroup`: the replicators' device, on the tags of the
-replicator's channel), or, where the group has none, over a gloo group of the replicator's own.
+Sizes, byte strings (a transfer's header, which offers its data stream) and fixed-size answers (``ok``
+or the reason of a refusal) between two ranks of the replicator's group (:mod:`.replica`; the files
+themselves go on that data stream, :mod:`.transfer`); a step that takes longer than the timeout fails (gloo
+then closes the pair). They go over the group's side group (:mod:`.sidegroup`: the replicators' device, on
+the tags of the replicator's channel), or, where the group has none, over a gloo group of the replicator's
+own.
 """
 
 from __future__ import annotations
