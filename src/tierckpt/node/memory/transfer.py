@@ -266,28 +266,25 @@ def receive_file(tier: MemoryTier, key: str, entry: FileEntry, stream: Stream, s
     stream itself raises (the transfer cannot go on)."""
     failure = None
     incoming: IncomingFile | None = None
-    taken = 0
+    taken = False
     try:
         incoming = tier.receive(key, entry.size)
     except (CheckpointError, OSError) as exc:
         failure = f"cannot write {key}: {exc}"
     try:
         if incoming is not None:
-            def fill(view: memoryview) -> None:
-                nonlocal taken
-                stream.fill(view)
-                taken = view.nbytes
-
             try:
-                incoming.write_in_place(entry.size, fill)
+                incoming.write_in_place(entry.size, stream.fill)
+                taken = True
                 incoming.finish(entry)
                 incoming = None
             except (ConnectionError, TimeoutError):
                 raise
             except (CheckpointError, OSError) as exc:
                 failure = f"receiving {key} failed: {exc}"
-        for offset in range(taken, entry.size, scratch.nbytes):
-            stream.fill(scratch[: min(scratch.nbytes, entry.size - offset)])
+        if not taken:  # the tier could not take it before its first byte: drain it
+            for offset in range(0, entry.size, scratch.nbytes):
+                stream.fill(scratch[: min(scratch.nbytes, entry.size - offset)])
     finally:
         if incoming is not None:
             incoming.abort()
