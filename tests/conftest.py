@@ -242,9 +242,13 @@ S3_SERVERS = ("moto", "radosgw")
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Tests marked ``s3_servers`` that use ``s3_server`` (directly or through ``s3_bucket_uri``, ``uri``, ...)
-    run once per server of :data:`S3_SERVERS`."""
-    if metafunc.definition.get_closest_marker("s3_servers") and "s3_server" in metafunc.fixturenames:
-        metafunc.parametrize("s3_server", S3_SERVERS, indirect=True)
+    run once per server of :data:`S3_SERVERS`, or of the mark's arguments (``s3_servers("radosgw")``: a slow
+    test whose point is a real server's behaviour)."""
+    marker = metafunc.definition.get_closest_marker("s3_servers")
+    if marker and "s3_server" in metafunc.fixturenames:
+        servers = marker.args or S3_SERVERS
+        assert set(servers) <= set(S3_SERVERS), f"s3_servers{servers}: name servers of {S3_SERVERS}"
+        metafunc.parametrize("s3_server", servers, indirect=True)
 
 
 def s3_server_kind(request: pytest.FixtureRequest) -> str:

@@ -78,6 +78,7 @@ def race_on_two_nodes(uri: str, rounds: int, tmp_path: Path, cached: bool) -> li
     return lines
 
 
+@pytest.mark.s3_servers("radosgw")  # a real server's conditional writes; moto's race in test_commit_cas.py
 @pytest.mark.parametrize("cached", [False, True], ids=["cache-off", "cache-on"])
 @pytest.mark.parametrize("start", ["fresh", "overwrite"])
 def test_two_nodes_racing_one_uri_have_one_winner_the_remote_commit_names(
