@@ -312,6 +312,55 @@ async def test_a_claimed_file_keeps_no_stamp_of_its_old_bytes(shm: Path) -> None
     assert stamps.recall(dest) is None
 
 
+def mappings_of(inode: int) -> int:
+    """How many mappings of this process map the file ``inode`` (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if len(fields := line.split()) > 4 and fields[4] == str(inode))
+
+
+def receive_in_place(tier: MemoryTier, key: str, data: bytes) -> int:
+    """A replica of ``key`` arriving as the replica stream writes it (straight into its mapped pages); its inode."""
+    incoming = tier.receive(key, len(data))
+
+    def fill(view: memoryview) -> None:
+        view[:] = data
+
+    incoming.write_in_place(len(data), fill)
+    incoming.finish(FileEntry(len(data), crc32c.crc32c(data)))
+    return os.stat(tier.path_of(key)).st_ino
+
+
+async def test_a_pooled_file_is_written_again_through_the_mapping_this_process_kept(shm: Path) -> None:
+    """A replica received into a file this process mapped before (now pooled) reuses that mapping: no second
+    mapping, bit-exact bytes. Once the file has no name left, the kept mapping goes too (evicted here; or
+    unlinked by another process, at this process's next claim), so it never holds pages outside the budget."""
+    if not os.path.isfile("/proc/self/maps"):
+        pytest.skip("needs /proc/self/maps")
+    memory = NodeMemory(config(shm))
+    tier = memory.tier(URI)
+    first, second = new_generation(1), new_generation(2)
+    inode = receive_in_place(tier, f"{first}/data/rank-00001.bin", os.urandom(3 * MIB))
+    assert mappings_of(inode) == 1  # kept for the next claim of the file
+    await tier.commit(COMMIT, CommitRecord(first, time.time(), 1).encode())
+    await commit_generation(tier, 2, {"data/rank-00000.bin": os.urandom(MIB)})
+    assert memory.retire(tier, first) == 3 * MIB and [s.st_ino for s in pooled(tier)] == [inode]
+
+    data = os.urandom(3 * MIB - 4096)
+    assert receive_in_place(tier, f"{second}/data/rank-00001.bin", data) == inode  # claimed: the same file
+    assert mappings_of(inode) == 1  # written through the kept mapping, not a new one
+    assert Path(tier.path_of(f"{second}/data/rank-00001.bin")).read_bytes() == data
+
+    tier.evict(second)  # unlinked by this process: the mapping goes at once
+    assert mappings_of(inode) == 0
+
+    key = f"{new_generation(3)}/data/rank-00001.bin"
+    other = receive_in_place(tier, key, os.urandom(2 * MIB))
+    os.unlink(tier.path_of(key))  # as another process would
+    assert mappings_of(other) == 1
+    assert not claim(tier.root, 2 * MIB, os.path.join(tier.root, ".next.tmp"))  # this process's next claim
+    assert mappings_of(other) == 0
+
+
 def _mapped_file(shm: Path, nbytes: int) -> tuple[int, Any, torch.Tensor]:
     import mmap
 

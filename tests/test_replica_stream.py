@@ -216,7 +216,7 @@ def test_a_file_the_tier_has_no_pages_for_is_drained_and_the_next_one_arrives(
     file is reported, its bytes drained through the scratch buffer, and the stream goes on in step."""
     import errno
 
-    from tierckpt.node.memory import incoming
+    from tierckpt.node.memory import pagepool
 
     first, second = os.urandom(3 << 20), os.urandom(70_000)
     refusals = iter([OSError(errno.ENOMEM, "no memory for the pages")])
@@ -226,7 +226,7 @@ def test_a_file_the_tier_has_no_pages_for_is_drained_and_the_next_one_arrives(
         if exc is not None:
             raise exc
 
-    monkeypatch.setattr(incoming, "populate_writable", populate)
+    monkeypatch.setattr(pagepool, "populate_writable", populate)
     with Listener(timeout_s=10) as listener:
         sender = serve_bytes_in_thread(listener, first + second)
         scratch = memoryview(bytearray(1 << 20))

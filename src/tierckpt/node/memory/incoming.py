@@ -3,19 +3,15 @@ produces, or a peer's replica (:mod:`.transfer`)."""
 
 from __future__ import annotations
 
-import mmap
 import os
-import warnings
 from collections.abc import Callable
-
-import torch
 
 from tierckpt.backends.files import temp_name
 from tierckpt.errors import CheckpointError, CorruptCheckpointError
 from tierckpt.node.written import WrittenCrc
 from tierckpt.node.memory import stamps
 from tierckpt.node.memory.manifest import FileEntry
-from tierckpt.node.memory.pagepool import claim, populate_writable
+from tierckpt.node.memory.pagepool import claim, let_go_unlinked, writable_pages
 
 
 class IncomingFile:
@@ -64,24 +60,17 @@ class IncomingFile:
 
     def write_in_place(self, nbytes: int, fill: Callable[[memoryview], None]) -> None:
         """Have ``fill`` put the file's ``nbytes`` straight into its pages, then take their CRC-32C: a shared
-        mapping of the temp file, every page mapped writable first (:func:`~.pagepool.populate_writable`:
-        no fault per page; where tmpfs has no room an ``OSError``, never a ``SIGBUS``). A replica's bytes
-        land there from the socket, with no buffer and no ``write`` (which copied each byte once more)."""
+        mapping of the temp file, every page mapped writable first (:func:`~.pagepool.writable_pages`: no
+        fault per page, and a pooled file this process mapped before comes with its pages mapped; where
+        tmpfs has no room an ``OSError``, never a ``SIGBUS``). A replica's bytes land there from the
+        socket, with no buffer and no ``write`` (which copied each byte once more)."""
         if nbytes == 0:
             return
         self._file.truncate(nbytes)
-        mapping = mmap.mmap(self._file.fileno(), nbytes, flags=mmap.MAP_SHARED)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # a writable mapping: the warning is about read-only ones
-                pages = torch.frombuffer(mapping, dtype=torch.uint8)
-            populate_writable(pages)
-            del pages
-            with memoryview(mapping) as view:
-                fill(view)
-                self._written.add(view)
-        finally:
-            mapping.close()
+        pages = writable_pages(self._file.fileno(), nbytes)
+        with memoryview(pages.numpy()) as view:
+            fill(view)
+            self._written.add(view)
         self.size += nbytes
 
     @property
@@ -125,3 +114,4 @@ class IncomingFile:
             file.close()
         if os.path.exists(self._tmp):
             os.unlink(self._tmp)
+            let_go_unlinked()

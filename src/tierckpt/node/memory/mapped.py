@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
 import os
 import threading
 import uuid
@@ -42,7 +41,7 @@ from tierckpt.node.memory.background import lower_priority
 from tierckpt.node.memory.downlog import generation_of
 from tierckpt.node.memory.memory import SPARE_PREFIX, MemoryTier
 from tierckpt.node.memory.nodememory import NodeMemory
-from tierckpt.node.memory.pagepool import claim, populate_writable
+from tierckpt.node.memory.pagepool import claim, let_go_unlinked, writable_pages
 from tierckpt.node.ledger import Tier
 from tierckpt.node.written import CrcWriter, WrittenCrc
 
@@ -131,7 +130,8 @@ def _discard(fd: int, tmp: str) -> None:
     try:
         os.unlink(tmp)
     except FileNotFoundError:
-        pass
+        return
+    let_go_unlinked()  # a kept mapping of it would hold its pages
 
 
 def take_spare(tier: MemoryTier, nbytes: int) -> SpareFile | None:
@@ -221,9 +221,7 @@ def _make(memory: NodeMemory, tier: MemoryTier, nbytes: int) -> None:
         return
     try:
         os.ftruncate(fd, nbytes)
-        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-        buffer = torch.frombuffer(mapping, dtype=torch.uint8)
-        populate_writable(buffer)
+        buffer = writable_pages(fd, nbytes)  # a pooled file this process mapped before comes mapped
     except OSError as exc:
         log.info("no spare in the memory tier of %s: %s", tier.uri, exc)
         _discard(fd, path)

@@ -49,7 +49,7 @@ from tierckpt.native.layout import COMMIT, CommitRecord, is_superseded
 from tierckpt.native.metadata import validate_generation
 from tierckpt.node.memory.config import DIR_ENV, MemoryConfig
 from tierckpt.node.memory.eviction import TierCopy, copy_id
-from tierckpt.node.memory import stamps
+from tierckpt.node.memory import pagepool, stamps
 from tierckpt.node.memory.incoming import IncomingFile
 from tierckpt.node.memory.manifest import FileEntry, Manifest, read_manifest
 from tierckpt.node.private import private_directory
@@ -337,6 +337,7 @@ class MemoryTier(LocalBackend, NodeTier):
         shutil.rmtree(files, ignore_errors=True)
         shutil.rmtree(self._manifest_dir(generation), ignore_errors=True)
         stamps.forget_under(files)
+        pagepool.let_go_unlinked()  # a mapping this process kept of an evicted file would hold its pages
 
     def copies(self) -> list[TierCopy]:
         """Each generation in this tier as a :class:`~.eviction.TierCopy` (sizes as on disk)."""
