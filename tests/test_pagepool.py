@@ -361,6 +361,37 @@ async def test_a_pooled_file_is_written_again_through_the_mapping_this_process_k
     assert mappings_of(other) == 0
 
 
+async def test_the_write_down_reads_through_the_kept_mapping_and_still_checks_the_bytes(
+        shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file this process wrote through a kept mapping is written down through it (no mapping made for the
+    copy), bit-exact, and still checked against the CRC-32C its writer recorded: a byte changed in node
+    memory since is refused, and nothing is published below."""
+    from tierckpt.errors import ChecksumMismatchError
+    from tierckpt.node import copy
+    from tierckpt.node.memory.copydown import copy_down
+
+    def no_new_mapping(fd: int, size: int) -> Any:
+        raise AssertionError("the write-down mapped a file this process keeps mapped")
+
+    monkeypatch.setattr(copy, "_mapped_crc", no_new_mapping)
+    tier = NodeMemory(config(shm)).tier(URI)
+    below = LocalBackend(str(shm / "below"))
+    key = f"{new_generation(1)}/data/rank-00000.bin"
+    data = os.urandom(copy.COPY_CHUNK + 5)  # larger files are copied from a mapping, smaller ones read whole
+    inode = receive_in_place(tier, key, data)
+    await copy_down(tier, below, key)
+    assert Path(below.path_of(key)).read_bytes() == data
+
+    other = f"{new_generation(2)}/data/rank-00000.bin"
+    receive_in_place(tier, other, data)
+    with open(tier.path_of(other), "r+b") as f:  # changed in node memory after its save
+        f.seek(MIB)
+        f.write(b"\xff" if data[MIB] != 0xFF else b"\x00")
+    with pytest.raises(ChecksumMismatchError, match="corrupted in node memory"):
+        await copy_down(tier, below, other)
+    assert not os.path.exists(below.path_of(other)) and mappings_of(inode) == 1
+
+
 def _mapped_file(shm: Path, nbytes: int) -> tuple[int, Any, torch.Tensor]:
     import mmap
 

@@ -64,13 +64,16 @@ class CopySource:
     ``gone()`` the error raised when the file left the link before it was copied; ``in_place``: the source
     is on a file system that never waits on a device (the memory tier's tmpfs), so it is opened, and read
     whole when at most :data:`~tierckpt.backends.local.INLINE_BYTES`, in the caller's thread (a hop to a
-    worker costs more than that)."""
+    worker costs more than that); ``mapped(fd, size)``: the file's first ``size`` bytes through a mapping
+    its tier already has (the memory tier's kept mappings), or ``None``: then it is mapped for the copy."""
 
     def __init__(self, path: str, tier: ledger.Tier, recorded: FileEntry | None,
                  mismatch: Callable[[FileEntry], CheckpointError], gone: Callable[[], CheckpointError],
-                 opener: Opener = open_read, *, in_place: bool = False) -> None:
+                 opener: Opener = open_read, *, in_place: bool = False,
+                 mapped: Callable[[int, int], memoryview | None] | None = None) -> None:
         self.path, self.tier, self.recorded = path, tier, recorded
         self.mismatch, self.gone, self.opener, self.in_place = mismatch, gone, opener, in_place
+        self.mapped = mapped
 
     def check(self, got: FileEntry) -> None:
         if self.recorded is not None and got != self.recorded:
@@ -103,8 +106,13 @@ async def copy_checked(source: CopySource, below: Backend, key: str, *, chunk: i
         try:
             stated = writer.use_stated_crc32c()
             if isinstance(writer, FileSink):
-                mapping, crc = await asyncio.to_thread(_mapped_crc, fd, size)
-                view = memoryview(mapping)
+                kept = source.mapped(fd, size) if source.mapped is not None else None
+                if kept is not None:  # no mapping to make and unmap: the descriptor holds what locks it
+                    mapping, view = None, kept
+                    crc = await asyncio.to_thread(crc32c.crc32c, view)
+                else:
+                    mapping, crc = await asyncio.to_thread(_mapped_crc, fd, size)
+                    view = memoryview(mapping)
                 try:
                     got = FileEntry(size, crc)
                     source.check(got)
@@ -184,10 +192,12 @@ def map_fd(fd: int) -> mmap.mmap:
     return mmap.mmap(fd, 0, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
 
-def _unmap(mapping: mmap.mmap, view: memoryview) -> None:
-    """Unmap now, or (a writer below still holds a view of it) when its last view goes."""
+def _unmap(mapping: mmap.mmap | None, view: memoryview) -> None:
+    """Unmap now, or (a writer below still holds a view of it) when its last view goes; a mapping the
+    tier keeps (``None`` here) is only let go of."""
     try:
         view.release()
-        mapping.close()
+        if mapping is not None:
+            mapping.close()
     except BufferError:
         pass

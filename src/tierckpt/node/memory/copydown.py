@@ -27,6 +27,7 @@ from tierckpt.node.memory import stamps
 from tierckpt.node.memory.downlog import generation_of
 from tierckpt.node.memory.manifest import FileEntry
 from tierckpt.node.memory.memory import MemoryTier
+from tierckpt.node.memory.pagepool import kept_pages
 
 
 async def copy_down(tier: MemoryTier, below: Backend, key: str) -> None:
@@ -42,7 +43,7 @@ async def copy_down(tier: MemoryTier, below: Backend, key: str) -> None:
         return _mismatch(tier, below, key, got, recorded)
 
     source = CopySource(path, Tier.MEMORY, recorded, mismatch, lambda: _gone(tier, key), open_shared,
-                        in_place=tier.inline_calls)
+                        in_place=tier.inline_calls, mapped=kept_pages)
     await copy_checked(source, below, key)
 
 

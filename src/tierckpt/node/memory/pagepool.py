@@ -321,3 +321,19 @@ def let_go_unlinked() -> None:
         dropped = [_kept.pop(key) for key in gone]
     for kept in dropped:
         kept.let_go()
+
+
+def kept_pages(fd: int, nbytes: int) -> memoryview | None:
+    """The first ``nbytes`` of the file open as ``fd`` through the mapping this process keeps of it, or
+    ``None`` (see "Kept mappings"): for a reader, the write-down, that holds the file's shared lock through
+    ``fd`` itself (a kept mapping holds no lock) and so reads it with no mapping to make and unmap."""
+    if nbytes < MIN_BYTES:
+        return None
+    stat = os.fstat(fd)
+    key = (stat.st_dev, stat.st_ino)
+    with _lock:
+        kept = _kept.get(key)
+        if kept is None or len(kept.mapping) < nbytes or stat.st_size < nbytes:
+            return None
+        _kept.move_to_end(key)
+        return memoryview(kept.mapping)[:nbytes]
