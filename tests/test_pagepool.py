@@ -361,6 +361,28 @@ async def test_a_pooled_file_is_written_again_through_the_mapping_this_process_k
     assert mappings_of(other) == 0
 
 
+def test_letting_go_of_a_kept_mapping_never_unmaps_pages_still_in_use(shm: Path) -> None:
+    """A kept mapping let go while a snapshot or a replica still uses its pages (the file unlinked under
+    it) is dropped, not closed: the pages stay readable and writable until the last tensor goes (a
+    ``close()`` would have unmapped them under the tensor: a segmentation fault, not an error)."""
+    fd = os.open(shm / "kept.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, 2 * MIB)
+        pages = pagepool.writable_pages(fd, 2 * MIB)
+        inode = os.fstat(fd).st_ino
+        pages[:] = 5
+        os.unlink(shm / "kept.bin")
+        pagepool.let_go_unlinked()
+        assert (os.fstat(fd).st_dev, inode) not in pagepool._kept
+        pages[MIB:] = 6
+        assert int(pages[:MIB].sum()) == 5 * MIB and int(pages[MIB:].sum()) == 6 * MIB
+        assert mappings_of(inode) == 1  # still mapped: it is in use
+        del pages
+        assert mappings_of(inode) == 0  # unmapped with its last tensor
+    finally:
+        os.close(fd)
+
+
 async def test_the_write_down_reads_through_the_kept_mapping_and_still_checks_the_bytes(
         shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A file this process wrote through a kept mapping is written down through it (no mapping made for the

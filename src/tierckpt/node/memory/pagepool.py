@@ -23,14 +23,16 @@ never committed), and listings, loads and the write-down leave it out as they le
 by a dead process is evictable garbage. It holds at most as many bytes as the generation being retired
 had in data files. A process drops the pools it filled when it exits (:func:`drop`).
 
-**Kept mappings.** Mapping a file's pages writable costs more than the pages' allocation saved: every page
-is faulted in through the file system (about 1 µs each, 6 ms for 24 MiB) and unmapped again after the copy.
+**Kept mappings.** Mapping a pooled file's pages writable still costs a fault per page through the file
+system (about 1 µs each, 6 ms for 24 MiB), and an unmap after the copy.
 A pooled file keeps its inode through every rename, so a process keeps the mappings it made for its
 writes (:func:`writable_pages`: the spare, a replica arriving) and, when it claims the same file again,
 writes through the mapping it has: its pages are mapped already. At most :data:`KEPT_FILES` per process.
 A kept mapping holds the pages of a file that lost its last name (evicted, or dropped from the pool) outside
 the tier's budget, so such mappings are let go where this process unlinks a tier file (:func:`let_go_unlinked`)
-and before every claim; one another process unlinked goes at this process's next save or receive.
+and before every claim; one another process unlinked (an admission evicting the pool for room) goes at
+this process's next save or receive, so up to :data:`KEPT_FILES` files' pages may stay that long beyond
+the budget.
 """
 
 from __future__ import annotations
