@@ -2,7 +2,7 @@
 
 An ``async_save`` through a :class:`~.link.MemoryLink` takes the process's *spare* (:func:`take_spare`) for
 its rank's snapshot: a file of the tier, already allocated, mapped (``mmap``, shared) with every page
-writable (:func:`populate_writable`), prepared in the background after the previous save. The snapshot
+writable (:func:`~.pagepool.writable_pages`), prepared in the background after the previous save. The snapshot
 copy writes into its pages: one copy from training memory to a node-durable copy, at memcpy speed. Once
 the group has named the file, the spare becomes it (:func:`open_mapped`, a rename); the file is then only
 checksummed (:class:`MappedFile`'s writes add the CRC-32C, or the save's stream states it, combined

@@ -286,9 +286,7 @@ def writable_pages(fd: int, nbytes: int) -> torch.Tensor:
     populate only checks them), else a new mapping, kept for the next claim of the file (see
     "Kept mappings" above). The file must hold ``nbytes``; the caller is its only writer."""
     if nbytes < MIN_BYTES:  # never pooled: mapped for this write alone (unmapped with its last view)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            pages = torch.frombuffer(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED), dtype=torch.uint8)
+        pages = _tensor_of(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED), nbytes)
         populate_writable(pages)
         return pages
     stat = os.fstat(fd)
@@ -301,9 +299,7 @@ def writable_pages(fd: int, nbytes: int) -> torch.Tensor:
     if kept is None:
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
         kept = _Kept(mapping, os.dup(fd))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # about read-only buffers; this mapping is writable
-        pages = torch.frombuffer(kept.mapping, dtype=torch.uint8)[:nbytes]
+    pages = _tensor_of(kept.mapping, nbytes)
     try:
         populate_writable(pages)
     except OSError:
@@ -314,6 +310,13 @@ def writable_pages(fd: int, nbytes: int) -> torch.Tensor:
         while len(_kept) > KEPT_FILES:
             _kept.popitem(last=False)[1].let_go()
     return pages
+
+
+def _tensor_of(mapping: mmap.mmap, nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` of a writable ``mapping`` as a tensor, which holds the mapping object."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # about read-only buffers; this mapping is writable
+        return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
 
 
 def let_go_unlinked() -> None:
